@@ -1,0 +1,5 @@
+import sys
+
+from pipec.cli import main
+
+sys.exit(main())

@@ -1,0 +1,45 @@
+"""The front end in one call: text to a checked Schedule, with parse and codegen cached per text."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable, Mapping
+
+from pipec.checks import check_schedule
+from pipec.codegen import Compiled, compile_ast
+from pipec.errors import Source
+from pipec.evaluate import evaluate
+from pipec.ir import Schedule
+from pipec.library import read
+from pipec.parse import parse
+
+
+@functools.lru_cache(maxsize=128)
+def compile_source(source: Source) -> Compiled:
+    """Parse and generate code once per distinct text."""
+    return compile_ast(parse(source), source)
+
+
+def build(
+    source: Source,
+    params: Mapping[str, object] | Iterable[tuple[str, object]] = (),
+    *,
+    check: bool = True,
+    ranks: Iterable[int] | None = None,
+) -> Schedule:
+    """Parse, evaluate with these parameters and (unless told not to) check a schedule."""
+    items = list(params.items()) if isinstance(params, Mapping) else list(params)
+    sched = evaluate(compile_source(source), source, items, ranks)
+    if check and ranks is None:
+        check_schedule(sched)
+    return sched
+
+
+def load(name_or_path: str, params: Mapping[str, object] | None = None, **kwargs: object) -> Schedule:
+    """A library schedule by name, or a file by path, evaluated and checked.
+
+    >>> load("1f1b", p=4, m=8).num_ops
+    64
+    """
+    merged = dict(params or {}, **kwargs)
+    return build(read(name_or_path), merged)

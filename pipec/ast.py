@@ -1,0 +1,202 @@
+"""The syntax tree of a schedule file: small frozen nodes, each with its span."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipec.errors import Span
+
+
+@dataclass(frozen=True)
+class Node:
+    span: Span
+
+
+# ---- expressions -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Num(Node):
+    value: int | float
+
+
+@dataclass(frozen=True)
+class Str(Node):
+    value: str
+
+
+@dataclass(frozen=True)
+class Bool(Node):
+    value: bool
+
+
+@dataclass(frozen=True)
+class Var(Node):
+    name: str
+
+
+@dataclass(frozen=True)
+class Unary(Node):
+    op: str  # "-" or "not"
+    operand: Expr
+
+
+@dataclass(frozen=True)
+class BinOp(Node):
+    op: str  # + - * / // % == != < <= > >= and or
+    left: Expr
+    right: Expr
+    op_span: Span
+
+
+@dataclass(frozen=True)
+class IfExpr(Node):
+    cond: Expr
+    then: Expr
+    orelse: Expr
+
+
+@dataclass(frozen=True)
+class KwArg(Node):
+    name: str
+    value: Expr
+
+
+@dataclass(frozen=True)
+class Call(Node):
+    name: str
+    name_span: Span
+    args: tuple[Expr, ...]
+    kwargs: tuple[KwArg, ...]
+
+
+Expr = Num | Str | Bool | Var | Unary | BinOp | IfExpr | Call
+
+
+# ---- statements -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Let(Node):
+    name: str
+    value: Expr
+
+
+@dataclass(frozen=True)
+class Def(Node):
+    """`def f(x) = expr` (body is an Expr) or `def f(x) { ... }` (a tuple of statements)."""
+
+    name: str
+    params: tuple[str, ...]
+    body: Expr | tuple[Stmt, ...]
+
+
+@dataclass(frozen=True)
+class Require(Node):
+    cond: Expr
+    message: str | None
+
+
+@dataclass(frozen=True)
+class For(Node):
+    var: str
+    lo: Expr
+    hi: Expr
+    body: tuple[Stmt, ...]
+
+
+@dataclass(frozen=True)
+class Repeat(Node):
+    count: Expr
+    body: tuple[Stmt, ...]
+
+
+@dataclass(frozen=True)
+class While(Node):
+    cond: Expr
+    body: tuple[Stmt, ...]
+
+
+@dataclass(frozen=True)
+class If(Node):
+    branches: tuple[tuple[Expr, tuple[Stmt, ...]], ...]
+    orelse: tuple[Stmt, ...] | None
+
+
+@dataclass(frozen=True)
+class RankBlock(Node):
+    var: str
+    body: tuple[Stmt, ...]
+
+
+@dataclass(frozen=True)
+class Emit(Node):
+    """One op, or an overlapped pair `a & b` that the runtime may interleave."""
+
+    calls: tuple[Call, ...]
+
+
+@dataclass(frozen=True)
+class Decl(Node):
+    """`stages e`, `ranks e`, `microbatches e`, `cost K = e`, `memory K = e`."""
+
+    kind: str
+    key: str | None
+    value: Expr
+
+
+@dataclass(frozen=True)
+class Place(Node):
+    var: str
+    value: Expr
+
+
+@dataclass(frozen=True)
+class OpsDecl(Node):
+    names: tuple[str, ...]
+    name_spans: tuple[Span, ...]
+
+
+@dataclass(frozen=True)
+class Quantity(Node):
+    """A number with an optional unit, for example `40ms` or `10Gbps`."""
+
+    value: float
+    unit: str
+
+
+@dataclass(frozen=True)
+class TopoDc(Node):
+    name: str
+    lo: Expr
+    hi: Expr
+
+
+@dataclass(frozen=True)
+class TopoLink(Node):
+    a: str | None  # None for the default link
+    b: str | None
+    latency: Quantity | None
+    bandwidth: Quantity | None
+
+
+@dataclass(frozen=True)
+class Topology(Node):
+    items: tuple[TopoDc | TopoLink, ...]
+
+
+Stmt = Let | Def | Require | For | Repeat | While | If | RankBlock | Emit | Decl | Place | OpsDecl | Topology
+
+
+@dataclass(frozen=True)
+class Param(Node):
+    name: str
+    type: str | None
+    default: Expr | None
+
+
+@dataclass(frozen=True)
+class ScheduleAst(Node):
+    name: str
+    params: tuple[Param, ...]
+    body: tuple[Stmt, ...]

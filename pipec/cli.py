@@ -1,0 +1,138 @@
+"""The `pipec` command. The only module that prints."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from pipec import library
+from pipec.api import build
+from pipec.errors import PipecError
+from pipec.grid import format_grid
+from pipec.ir import Schedule
+
+MISUSE = 2
+
+
+def _define(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got `{text}`")
+    return name.strip(), value.strip()
+
+
+def _schedule_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("schedule", metavar="FILE|NAME", help="a .pipe file, or the name of a library schedule")
+    p.add_argument(
+        "-D",
+        dest="defines",
+        metavar="NAME=VALUE",
+        type=_define,
+        action="append",
+        default=[],
+        help="set a schedule parameter (repeatable), e.g. -D p=4 -D m=8",
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="pipec",
+        description="Compile, check and show pipeline-parallel training schedules.",
+        epilog="Library schedules: " + ", ".join(library.names()),
+    )
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("check", help="parse, evaluate and check a schedule", description=_doc(cmd_check))
+    _schedule_args(p)
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("show", help="print the step-by-rank grid of a schedule", description=_doc(cmd_show))
+    _schedule_args(p)
+    p.add_argument("--ranks", type=str, default=None, help="only these ranks, e.g. 0,3")
+    p.set_defaults(func=cmd_show)
+
+    p = sub.add_parser("list", help="list the library schedules", description=_doc(cmd_list))
+    p.set_defaults(func=cmd_list)
+    return ap
+
+
+def _doc(fn) -> str:
+    return (fn.__doc__ or "").strip()
+
+
+def _build(args: argparse.Namespace, **kw) -> Schedule:
+    return build(library.read(args.schedule), args.defines, **kw)
+
+
+def _summary(s: Schedule) -> dict:
+    return {
+        "schedule": s.name,
+        "source": s.source.path if s.source else None,
+        "params": dict(s.params),
+        "stages": s.num_stages,
+        "ranks": s.num_ranks,
+        "microbatches": s.num_microbatches,
+        "ops": s.num_ops,
+        "kinds": list(s.kinds),
+        "placement": list(s.placement),
+        "ok": True,
+    }
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    """Parse, evaluate and check a schedule: every op exactly once, on its owner, in dependency order."""
+    s = _build(args)
+    if args.json:
+        print(json.dumps(_summary(s)))
+    else:
+        params = " ".join(f"{k}={v}" for k, v in s.params)
+        print(f"{s.name} ({params}): {s.num_stages} stages, {s.num_ranks} ranks, {s.num_ops} ops: OK")
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    """Print the schedule as a grid: one row per step, one column per rank; `F3&B1` marks an overlapped pair."""
+    s = _build(args)
+    ranks = None
+    if args.ranks:
+        try:
+            ranks = [int(x) for x in args.ranks.split(",")]
+        except ValueError:
+            print(f"pipec show: error: --ranks expects numbers like 0,3, got `{args.ranks}`", file=sys.stderr)
+            return MISUSE
+        bad = [r for r in ranks if not 0 <= r < s.num_ranks]
+        if bad:
+            print(f"pipec show: error: rank {bad[0]} is not in 0..{s.num_ranks - 1}", file=sys.stderr)
+            return MISUSE
+    params = " ".join(f"{k}={v}" for k, v in s.params)
+    print(f"{s.name} ({params}): {s.num_stages} stages on {s.num_ranks} ranks, {s.num_microbatches} micro-batches")
+    print(format_grid(s, ranks))
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    """List the standard library, one line each."""
+    names = library.names()
+    width = max(map(len, names), default=0)
+    for name in names:
+        print(f"{name.ljust(width)}  {library.summary(name)}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except PipecError as e:
+        for d in e.diagnostics:
+            print(d.format(), file=sys.stderr)
+        return MISUSE if e.code == "E000" else 1
+    except BrokenPipeError:  # `pipec show ... | head`
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

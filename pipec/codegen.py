@@ -1,0 +1,551 @@
+"""Syntax tree to Python code, once per file: names resolved and types checked statically.
+
+Why generate code: a schedule with a million ops must evaluate in seconds, so
+the per-op path is plain Python (`for` loops and list appends), not a tree
+walk. The generated module defines `_schedule(_rt, <params>)`, which runs the
+top-level statements and hands declarations and the rank block to `_rt` (see
+`pipec.evaluate`). The language has no mutation and no recursion (a function
+sees only names defined before it), loops run over finite ranges under a work
+budget, and `while` must emit ops every iteration, so evaluation always ends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pipec import ast
+from pipec.errors import PipecError, Source, Span, error
+
+OP_KINDS = ("F", "B", "W")
+BUILTINS = ("min", "max", "abs", "done")
+COST_KEYS = ("F", "B", "W", "comm")
+MEMORY_KEYS = ("act", "wact", "params", "limit")
+NUMERIC = ("int", "float")
+
+
+@dataclass
+class _Value:
+    pyname: str
+    type: str
+
+
+@dataclass
+class _Func:
+    node: ast.Def
+    pyname: str
+    scope: _Scope
+    checked: dict = field(default_factory=dict)
+
+
+@dataclass
+class _Scope:
+    parent: _Scope | None
+    names: dict = field(default_factory=dict)
+
+    def lookup(self, name: str):
+        s = self
+        while s is not None:
+            if name in s.names:
+                return s.names[name]
+            s = s.parent
+        return None
+
+    def snapshot(self) -> _Scope:
+        return _Scope(self.parent, dict(self.names))
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """The generated Python source and the spans its statement ids refer to."""
+
+    code: str
+    spans: tuple[Span, ...]
+    params: tuple[ast.Param, ...]
+    param_types: tuple[str, ...]
+    kinds: tuple[str, ...]
+    counts_ops: bool
+    name: str
+    header: Span
+
+
+class _Compiler:
+    def __init__(self, tree: ast.ScheduleAst, source: Source) -> None:
+        self.tree = tree
+        self.source = source
+        self.spans: list[Span] = []
+        self.out: list[str] = []
+        self.n = 0
+        self.counts_ops = False
+        self.kinds = self._find_kinds()
+
+    # ---- helpers
+    def err(self, code: str, message: str, span: Span, notes: tuple[str, ...] = ()) -> PipecError:
+        return error(code, message, span, self.source, notes)
+
+    def sid(self, span: Span) -> int:
+        self.spans.append(span)
+        return len(self.spans) - 1
+
+    def fresh(self, name: str) -> str:
+        self.n += 1
+        return f"v_{name}_{self.n}"
+
+    def line(self, indent: int, text: str) -> None:
+        self.out.append("    " * indent + text)
+
+    def _find_kinds(self) -> tuple[str, ...]:
+        decls = [s for s in self.tree.body if isinstance(s, ast.OpsDecl)]
+        if len(decls) > 1:
+            raise self.err("E106", "`ops` declared twice", decls[1].span)
+        if not decls:
+            return ("F", "B")
+        d = decls[0]
+        for name, span in zip(d.names, d.name_spans):
+            if name not in OP_KINDS:
+                raise self.err("E110", f"unknown op kind `{name}`; ops are F, B and (split backward) W", span)
+        if d.names not in (("F", "B"), ("F", "B", "W")):
+            raise self.err("E110", "declare `ops F, B` (full backward) or `ops F, B, W` (split backward)", d.span)
+        return d.names
+
+    def bind(self, scope: _Scope, name: str, value, span: Span) -> None:
+        if name in OP_KINDS or name in BUILTINS:
+            raise self.err("E104", f"`{name}` is a built-in name and cannot be redefined", span)
+        if name in scope.names:
+            raise self.err("E104", f"`{name}` is already defined in this block", span)
+        scope.names[name] = value
+
+    # ---- expressions: return (python code, type)
+    def expr(self, e: ast.Expr, scope: _Scope) -> tuple[str, str]:
+        if isinstance(e, ast.Num):
+            return repr(e.value), "int" if isinstance(e.value, int) else "float"
+        if isinstance(e, ast.Str):
+            return repr(e.value), "str"
+        if isinstance(e, ast.Bool):
+            return repr(e.value), "bool"
+        if isinstance(e, ast.Var):
+            return self.var(e, scope)
+        if isinstance(e, ast.Unary):
+            code, t = self.expr(e.operand, scope)
+            if e.op == "-":
+                self.want(t, NUMERIC, e.operand.span, "`-`")
+                return f"(-{code})", t
+            self.want(t, ("bool",), e.operand.span, "`not`")
+            return f"(not {code})", "bool"
+        if isinstance(e, ast.BinOp):
+            return self.binop(e, scope)
+        if isinstance(e, ast.IfExpr):
+            c, ct = self.expr(e.cond, scope)
+            self.want(ct, ("bool",), e.cond.span, "a condition")
+            a, at = self.expr(e.then, scope)
+            b, bt = self.expr(e.orelse, scope)
+            return f"({a} if {c} else {b})", self.unify(at, bt, e.span)
+        if isinstance(e, ast.Call):
+            return self.call(e, scope)
+        raise AssertionError(e)  # pragma: no cover
+
+    def var(self, e: ast.Var, scope: _Scope) -> tuple[str, str]:
+        if e.name in OP_KINDS:
+            self.check_kind(e.name, e.span)
+            return repr(self.kinds.index(e.name)), "kind"
+        b = scope.lookup(e.name)
+        if b is None:
+            if e.name in BUILTINS:
+                raise self.err("E103", f"`{e.name}` is a function; call it", e.span)
+            raise self.err("E101", f"unknown name `{e.name}`", e.span)
+        if isinstance(b, _Func):
+            raise self.err("E103", f"`{e.name}` is a function; call it with its arguments", e.span)
+        return b.pyname, b.type
+
+    def check_kind(self, name: str, span: Span) -> None:
+        if name not in self.kinds:
+            raise self.err(
+                "E306",
+                f"`{name}` is not an op of this schedule: it declares `ops {', '.join(self.kinds)}`",
+                span,
+                ("split backward needs `ops F, B, W`",),
+            )
+
+    def want(self, t: str, allowed: tuple[str, ...], span: Span, what: str) -> None:
+        if t != "any" and t not in allowed:
+            raise self.err("E103", f"{what} needs {' or '.join(allowed)}, got {t}", span)
+
+    def unify(self, a: str, b: str, span: Span) -> str:
+        if a == b or b == "any":
+            return a
+        if a == "any":
+            return b
+        if a in NUMERIC and b in NUMERIC:
+            return "float"
+        raise self.err("E103", f"both branches must have one type, got {a} and {b}", span)
+
+    def binop(self, e: ast.BinOp, scope: _Scope) -> tuple[str, str]:
+        a, at = self.expr(e.left, scope)
+        b, bt = self.expr(e.right, scope)
+        op = e.op
+        if op in ("and", "or"):
+            self.want(at, ("bool",), e.left.span, f"`{op}`")
+            self.want(bt, ("bool",), e.right.span, f"`{op}`")
+            return f"({a} {op} {b})", "bool"
+        if op in ("==", "!="):
+            if "any" not in (at, bt) and at != bt and not (at in NUMERIC and bt in NUMERIC):
+                raise self.err("E103", f"cannot compare {at} with {bt}", e.op_span)
+            return f"({a} {op} {b})", "bool"
+        self.want(at, NUMERIC, e.left.span, f"`{op}`")
+        self.want(bt, NUMERIC, e.right.span, f"`{op}`")
+        if op in ("<", "<=", ">", ">="):
+            return f"({a} {op} {b})", "bool"
+        t = "int" if at == bt == "int" else ("any" if "any" in (at, bt) else "float")
+        if op == "/":
+            return f"_tdiv({a}, {b}, {self.sid(e.op_span)})", "float"
+        if op in ("//", "%"):
+            if isinstance(e.right, ast.Num) and e.right.value != 0:
+                return f"({a} {op} {b})", t
+            helper = "_fdiv" if op == "//" else "_mod"
+            return f"{helper}({a}, {b}, {self.sid(e.op_span)})", t
+        return f"({a} {op} {b})", t
+
+    def call(self, e: ast.Call, scope: _Scope) -> tuple[str, str]:
+        if e.name in OP_KINDS:
+            return self.op_call(e, scope, emit=False)
+        b = scope.lookup(e.name)
+        if b is None and e.name in BUILTINS:
+            return self.builtin(e, scope)
+        if b is None:
+            raise self.err("E101", f"unknown function `{e.name}`", e.name_span)
+        if not isinstance(b, _Func):
+            raise self.err("E103", f"`{e.name}` is a value of type {b.type}, not a function", e.name_span)
+        if e.kwargs:
+            raise self.err("E105", f"`{e.name}` takes no keyword arguments", e.kwargs[0].span)
+        if len(e.args) != len(b.node.params):
+            raise self.err(
+                "E102",
+                f"`{e.name}` takes {len(b.node.params)} argument(s), got {len(e.args)}",
+                e.span,
+            )
+        codes, types = zip(*(self.expr(a, scope) for a in e.args)) if e.args else ((), ())
+        rtype = self.check_func(b, tuple(types), e.span)
+        return f"{b.pyname}({', '.join(codes)})", rtype
+
+    def builtin(self, e: ast.Call, scope: _Scope) -> tuple[str, str]:
+        if e.kwargs:
+            raise self.err("E105", f"`{e.name}` takes no keyword arguments", e.kwargs[0].span)
+        if e.name == "done":
+            if len(e.args) != 2:
+                raise self.err("E102", f"`done(op, stage)` takes 2 arguments, got {len(e.args)}", e.span)
+            k, kt = self.expr(e.args[0], scope)
+            self.want(kt, ("kind",), e.args[0].span, "the first argument of `done`")
+            s, st = self.expr(e.args[1], scope)
+            self.want(st, ("int",), e.args[1].span, "the stage of `done`")
+            self.counts_ops = True
+            return f"_done({k}, {s})", "int"
+        if e.name == "abs":
+            if len(e.args) != 1:
+                raise self.err("E102", f"`abs` takes 1 argument, got {len(e.args)}", e.span)
+            c, t = self.expr(e.args[0], scope)
+            self.want(t, NUMERIC, e.args[0].span, "`abs`")
+            return f"abs({c})", t
+        if not e.args:
+            raise self.err("E102", f"`{e.name}` takes at least 1 argument", e.span)
+        parts = [self.expr(a, scope) for a in e.args]
+        for (_, t), a in zip(parts, e.args):
+            self.want(t, NUMERIC, a.span, f"`{e.name}`")
+        types = {t for _, t in parts}
+        t = "int" if types == {"int"} else ("any" if "any" in types else "float")
+        if len(parts) == 1:
+            return parts[0][0], t
+        return f"{e.name}({', '.join(c for c, _ in parts)})", t
+
+    def op_call(self, e: ast.Call, scope: _Scope, emit: bool, sid: int | None = None) -> tuple[str, str]:
+        """An op: as a value `(kind, mb, stage, sid)`; as a statement, appended to the rank's list."""
+        self.check_kind(e.name, e.name_span)
+        k = self.kinds.index(e.name)
+        if len(e.args) > 1:
+            raise self.err("E102", f"`{e.name}` takes at most one micro-batch argument, got {len(e.args)}", e.span)
+        mb = None
+        if e.args:
+            mb, t = self.expr(e.args[0], scope)
+            self.want(t, ("int",), e.args[0].span, "a micro-batch")
+        stage = "_ds"
+        seen = set()
+        for kw in e.kwargs:
+            if kw.name not in ("stage", "mb") or kw.name in seen:
+                raise self.err("E105", f"`{e.name}` has no argument `{kw.name}`; use `stage:` or `mb:`", kw.span)
+            seen.add(kw.name)
+            code, t = self.expr(kw.value, scope)
+            self.want(t, ("int",), kw.value.span, f"`{kw.name}:`")
+            if kw.name == "stage":
+                stage = code
+            elif mb is not None:
+                raise self.err("E105", "micro-batch given twice", kw.span)
+            else:
+                mb = code
+        if sid is None:
+            sid = self.sid(e.span)
+        if mb is None:
+            self.counts_ops = True
+        if not emit:
+            return f"({k}, {'None' if mb is None else mb}, {stage}, {sid})", "op"
+        if mb is None:
+            return f"_next({k}, {stage}, {sid})", "none"
+        return f"_emit(({k}, {mb}, {stage}, {sid}))", "none"
+
+    def check_func(self, f: _Func, types: tuple[str, ...], span: Span) -> str:
+        """Type-check a function body for these argument types (once per distinct types)."""
+        if types in f.checked:
+            return f.checked[types]
+        inner = _Scope(f.scope)
+        for name, t in zip(f.node.params, types):
+            inner.names[name] = _Value(f"_chk_{name}", t)
+        saved = self.out
+        self.out = []
+        try:
+            if isinstance(f.node.body, tuple):
+                self.block(f.node.body, inner, 0, "func")
+                rtype = "none"
+            else:
+                _, rtype = self.expr(f.node.body, inner)
+        except PipecError as err:
+            d = err.diagnostics[0]
+            notes = d.notes + (f"in `{f.node.name}` called at line {span.line} with ({', '.join(types)})",)
+            raise self.err(d.code, d.message, d.span, notes) from None
+        finally:
+            self.out = saved
+        f.checked[types] = rtype
+        return rtype
+
+    # ---- statements
+    def block(self, body: tuple, scope: _Scope, indent: int, ctx: str) -> None:
+        start = len(self.out)
+        for st in body:
+            self.stmt(st, scope, indent, ctx)
+        if len(self.out) == start:
+            self.line(indent, "pass")
+
+    def budget(self, indent: int, count: str, span: Span) -> str:
+        """Charge a loop's iteration count to the evaluation budget before it runs."""
+        var = f"_n{self.n}"
+        self.n += 1
+        self.line(indent, f"{var} = {count}")
+        self.line(indent, f"_charge({var}, {self.sid(span)})")
+        return var
+
+    def stmt(self, st, scope: _Scope, indent: int, ctx: str) -> None:
+        top = ctx == "top"
+        if isinstance(st, ast.Let):
+            code, t = self.expr(st.value, scope)
+            if t == "none":
+                raise self.err("E103", "a block function returns no value", st.value.span)
+            py = self.fresh(st.name)
+            self.bind(scope, st.name, _Value(py, t), st.span)
+            self.line(indent, f"{py} = {code}")
+        elif isinstance(st, ast.Def):
+            self.define(st, scope, indent)
+        elif isinstance(st, ast.Require):
+            code, t = self.expr(st.cond, scope)
+            self.want(t, ("bool",), st.cond.span, "`require`")
+            self.line(indent, f"if not {code}: _require_failed({self.sid(st.span)}, {st.message!r})")
+        elif isinstance(st, (ast.Decl, ast.Place, ast.OpsDecl, ast.Topology)):
+            if not top:
+                raise self.err("E109", "declarations belong at the top of the schedule, not in a block", st.span)
+            self.decl(st, scope, indent)
+        elif isinstance(st, ast.RankBlock):
+            if not top:
+                raise self.err("E109", "a `rank` block belongs at the top of the schedule", st.span)
+            self.rank_block(st, scope, indent)
+        elif top:
+            raise self.err("E109", "ops and loops belong inside the `rank r { ... }` block", st.span)
+        elif isinstance(st, ast.For):
+            lo, lt = self.expr(st.lo, scope)
+            hi, ht = self.expr(st.hi, scope)
+            self.want(lt, ("int",), st.lo.span, "a range bound")
+            self.want(ht, ("int",), st.hi.span, "a range bound")
+            lo_v, hi_v = f"_lo{self.n}", f"_hi{self.n}"
+            self.n += 1
+            self.line(indent, f"{lo_v} = {lo}")
+            self.line(indent, f"{hi_v} = {hi}")
+            self.line(indent, f"_charge({hi_v} - {lo_v}, {self.sid(st.span)})")
+            inner = _Scope(scope)
+            py = self.fresh(st.var)
+            self.bind(inner, st.var, _Value(py, "int"), st.span)
+            self.line(indent, f"for {py} in range({lo_v}, {hi_v}):")
+            self.block(st.body, inner, indent + 1, ctx)
+        elif isinstance(st, ast.Repeat):
+            n, t = self.expr(st.count, scope)
+            self.want(t, ("int",), st.count.span, "`repeat`")
+            var = self.budget(indent, n, st.span)
+            self.line(indent, f"for _ in range({var}):")
+            self.block(st.body, _Scope(scope), indent + 1, ctx)
+        elif isinstance(st, ast.While):
+            c, t = self.expr(st.cond, scope)
+            self.want(t, ("bool",), st.cond.span, "`while`")
+            sid = self.sid(st.span)
+            self.line(indent, f"while {c}:")
+            before = f"_w{self.n}"
+            self.n += 1
+            self.line(indent + 1, f"{before} = len(_ops)")
+            self.block(st.body, _Scope(scope), indent + 1, ctx)
+            self.line(indent + 1, f"_while_check({before}, len(_ops), {sid})")
+        elif isinstance(st, ast.If):
+            for i, (cond, body) in enumerate(st.branches):
+                c, t = self.expr(cond, scope)
+                self.want(t, ("bool",), cond.span, "`if`")
+                self.line(indent, f"{'if' if i == 0 else 'elif'} {c}:")
+                self.block(body, _Scope(scope), indent + 1, ctx)
+            if st.orelse is not None:
+                self.line(indent, "else:")
+                self.block(st.orelse, _Scope(scope), indent + 1, ctx)
+        elif isinstance(st, ast.Emit):
+            self.emit(st, scope, indent)
+        else:  # pragma: no cover
+            raise AssertionError(st)
+
+    def emit(self, st: ast.Emit, scope: _Scope, indent: int) -> None:
+        if len(st.calls) > 2:
+            raise self.err("E111", "an overlapped group pairs exactly two ops (`a & b`)", st.span)
+        if len(st.calls) == 2:
+            self.line(indent, "_pair()")
+        for call in st.calls:
+            sid = self.sid(call.span)
+            if call.name in OP_KINDS:
+                code, _ = self.op_call(call, scope, emit=True, sid=sid)
+                self.line(indent, code)
+                continue
+            code, t = self.expr(call, scope)
+            if t == "op":
+                self.line(indent, f"_emit_value({code}, {sid})")
+            elif t == "none" and len(st.calls) == 1:
+                self.line(indent, code)
+            elif t == "none":
+                raise self.err("E111", "only single ops can be overlapped, not a block function", call.span)
+            else:
+                raise self.err("E103", f"a statement must emit an op, but this is a value of type {t}", call.span)
+
+    def define(self, st: ast.Def, scope: _Scope, indent: int) -> None:
+        if len(set(st.params)) != len(st.params):
+            raise self.err("E104", f"`{st.name}` names a parameter twice", st.span)
+        py = self.fresh(st.name)
+        f = _Func(st, py, scope.snapshot())  # sees only what is defined before it: no recursion
+        inner = _Scope(f.scope)
+        pys = []
+        for name in st.params:
+            p = self.fresh(name)
+            pys.append(p)
+            self.bind(inner, name, _Value(p, "any"), st.span)
+        self.line(indent, f"def {py}({', '.join(pys)}):")
+        if isinstance(st.body, tuple):
+            self.block(st.body, inner, indent + 1, "func")
+        else:
+            code, t = self.expr(st.body, inner)
+            if t == "none":
+                raise self.err("E103", "an expression function must return a value", st.body.span)
+            self.line(indent + 1, f"return {code}")
+        self.bind(scope, st.name, f, st.span)
+
+    def decl(self, st, scope: _Scope, indent: int) -> None:
+        if isinstance(st, ast.OpsDecl):
+            self.line(indent, f"_rt.decl('ops', None, {self.kinds!r}, {self.sid(st.span)})")
+        elif isinstance(st, ast.Place):
+            inner = _Scope(scope)
+            py = self.fresh(st.var)
+            self.bind(inner, st.var, _Value(py, "int"), st.span)
+            code, t = self.expr(st.value, inner)
+            self.want(t, ("int",), st.value.span, "`place`")
+            self.line(indent, f"_rt.decl('place', None, lambda {py}: {code}, {self.sid(st.span)})")
+        elif isinstance(st, ast.Decl):
+            self.value_decl(st, scope, indent)
+        elif isinstance(st, ast.Topology):
+            self.topology(st, scope, indent)
+
+    def value_decl(self, st: ast.Decl, scope: _Scope, indent: int) -> None:
+        sid = self.sid(st.span)
+        if st.kind in ("stages", "ranks", "microbatches"):
+            code, t = self.expr(st.value, scope)
+            self.want(t, ("int",), st.value.span, f"`{st.kind}`")
+            self.line(indent, f"_rt.decl({st.kind!r}, None, {code}, {sid})")
+            return
+        keys = COST_KEYS if st.kind == "cost" else MEMORY_KEYS
+        if st.key not in keys:
+            raise self.err("E108", f"unknown {st.kind} `{st.key}`; known: {', '.join(keys)}", st.span)
+        var = "r" if st.key == "limit" else "s"
+        inner = _Scope(scope)
+        py = self.fresh(var)
+        if scope.lookup(var) is None:
+            inner.names[var] = _Value(py, "int")
+        code, t = self.expr(st.value, inner)
+        self.want(t, NUMERIC, st.value.span, f"`{st.kind} {st.key}`")
+        self.line(indent, f"_rt.decl({st.kind!r}, {st.key!r}, lambda {py}: {code}, {sid})")
+
+    def topology(self, st: ast.Topology, scope: _Scope, indent: int) -> None:
+        items = []
+        for it in st.items:
+            if isinstance(it, ast.TopoDc):
+                lo, lt = self.expr(it.lo, scope)
+                hi, ht = self.expr(it.hi, scope)
+                self.want(lt, ("int",), it.lo.span, "a rank bound")
+                self.want(ht, ("int",), it.hi.span, "a rank bound")
+                items.append(f"('dc', {it.name!r}, {lo}, {hi}, {self.sid(it.span)})")
+            else:
+                lat = None if it.latency is None else it.latency.value
+                bw = None if it.bandwidth is None else it.bandwidth.value
+                items.append(f"('link', {it.a!r}, {it.b!r}, {lat!r}, {bw!r}, {self.sid(it.span)})")
+        self.line(indent, f"_rt.decl('topology', None, [{', '.join(items)}], {self.sid(st.span)})")
+
+    def rank_block(self, st: ast.RankBlock, scope: _Scope, indent: int) -> None:
+        inner = _Scope(scope)
+        py = self.fresh(st.var)
+        self.bind(inner, st.var, _Value(py, "int"), st.span)
+        self.line(indent, f"def _rank({py}):")
+        self.block(st.body, inner, indent + 1, "rank")
+        self.line(indent, f"_rt.decl('rank', None, _rank, {self.sid(st.span)})")
+
+    # ---- the whole file
+    def compile(self) -> Compiled:
+        tree = self.tree
+        scope = _Scope(None)
+        pynames, types = [], []
+        for prm in tree.params:
+            t = prm.type
+            if prm.default is not None:
+                _, dt = self.expr(prm.default, scope)
+                if t is None:
+                    t = dt
+                elif not (dt == t or (t == "float" and dt == "int")):
+                    raise self.err("E103", f"default of `{prm.name}` must be {t}, got {dt}", prm.default.span)
+            t = t or "int"
+            py = self.fresh(prm.name)
+            if prm.name in scope.names:
+                raise self.err("E104", f"parameter `{prm.name}` declared twice", prm.span)
+            self.bind(scope, prm.name, _Value(py, t), prm.span)
+            pynames.append(py)
+            types.append(t)
+        self.line(0, f"def _schedule(_rt, {', '.join(pynames)}):" if pynames else "def _schedule(_rt):")
+        self.block(tree.body, scope, 1, "top")
+        defaults = []
+        dscope = _Scope(None)
+        for prm, py, t in zip(tree.params, pynames, types):
+            if prm.default is None:
+                defaults.append(f"def _default_{py}(): return None")
+            else:
+                code, _ = self.expr(prm.default, dscope)
+                args = ", ".join(v.pyname for v in dscope.names.values())
+                defaults.append(f"def _default_{py}({args}): return {code}")
+            dscope.names[prm.name] = _Value(py, t)
+        self.out.extend(defaults)
+        return Compiled(
+            code="\n".join(self.out) + "\n",
+            spans=tuple(self.spans),
+            params=tree.params,
+            param_types=tuple(types),
+            kinds=self.kinds,
+            counts_ops=self.counts_ops,
+            name=tree.name,
+            header=tree.span,
+        )
+
+
+def compile_ast(tree: ast.ScheduleAst, source: Source) -> Compiled:
+    """Check names and types and generate the Python code of a schedule."""
+    try:
+        return _Compiler(tree, source).compile()
+    except RecursionError:
+        raise error("E003", "the file nests expressions or blocks too deeply", tree.span, source) from None

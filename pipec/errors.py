@@ -1,0 +1,87 @@
+"""Diagnostics: every user error is one of these, never a traceback.
+
+A diagnostic carries a code, a message and a source span; `format()` renders
+the compiler convention `path:line:col: error[CODE]: message`, the source line
+and a caret under the span.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Source:
+    """A schedule text and where it came from (a path or a library name)."""
+
+    path: str
+    text: str
+
+    def line(self, lineno: int) -> str:
+        lines = self.text.splitlines()
+        return lines[lineno - 1] if 1 <= lineno <= len(lines) else ""
+
+
+@dataclass(frozen=True)
+class Span:
+    """1-based line and column of the first character, and of the end (exclusive)."""
+
+    line: int
+    col: int
+    end_line: int
+    end_col: int
+
+
+@dataclass(frozen=True)
+class Diagnostic:
+    code: str
+    message: str
+    span: Span | None = None
+    source: Source | None = None
+    notes: tuple[str, ...] = field(default=())
+    severity: str = "error"
+
+    def format(self) -> str:
+        where = self.source.path if self.source else "<input>"
+        if self.span is not None:
+            where = f"{where}:{self.span.line}:{self.span.col}"
+        out = [f"{where}: {self.severity}[{self.code}]: {self.message}"]
+        if self.span is not None and self.source is not None:
+            text = self.source.line(self.span.line)
+            if text:
+                width = (
+                    self.span.end_col - self.span.col
+                    if self.span.end_line == self.span.line
+                    else len(text) - self.span.col + 1
+                )
+                gutter = f"{self.span.line:>4} | "
+                out.append(gutter + text)
+                out.append(" " * (len(gutter) + self.span.col - 1) + "^" * max(1, width))
+        out.extend(f"  = note: {n}" for n in self.notes)
+        return "\n".join(out)
+
+
+class PipecError(Exception):
+    """The one exception type user errors raise; holds one or more diagnostics."""
+
+    def __init__(self, *diagnostics: Diagnostic) -> None:
+        self.diagnostics = tuple(diagnostics)
+        super().__init__("\n".join(d.format() for d in self.diagnostics))
+
+    @property
+    def code(self) -> str:
+        return self.diagnostics[0].code
+
+    @property
+    def span(self) -> Span | None:
+        return self.diagnostics[0].span
+
+
+def error(
+    code: str,
+    message: str,
+    span: Span | None = None,
+    source: Source | None = None,
+    notes: tuple[str, ...] = (),
+) -> PipecError:
+    return PipecError(Diagnostic(code, message, span, source, notes))

@@ -1,0 +1,357 @@
+"""Generated code plus parameter values to a Schedule; one rank block run per rank.
+
+Runtime errors inside the generated code (division by zero, failed `require`,
+a runaway loop) are raised as `_Fail(code, message, sid)` and turned into
+diagnostics at the span the statement id names.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from pipec.codegen import Compiled
+from pipec.errors import PipecError, Source, Span, error
+from pipec.ir import Datacenter, Link, RankOps, Schedule, Topology
+
+MAX_SIZE = 10_000_000  # stages, ranks, micro-batches
+MAX_OPS = 50_000_000  # ops a schedule may have in all
+WORK_PER_OP = 16  # loop iterations a rank may spend per op it owns, beyond a fixed allowance
+WORK_FIXED = 1_000_000
+
+
+class _Fail(Exception):
+    def __init__(self, code: str, message: str, sid: int | None, notes: tuple[str, ...] = ()) -> None:
+        self.code, self.message, self.sid, self.notes = code, message, sid, notes
+
+
+@functools.lru_cache(maxsize=64)
+def _code_object(code: str):
+    try:
+        return compile(code, "<pipec schedule>", "exec")
+    except (RecursionError, MemoryError, SyntaxError) as e:  # deeply nested input
+        raise _Fail("E003", "the file nests expressions or blocks too deeply", None) from e
+
+
+def _parse_value(text: str, typ: str):
+    if typ == "int":
+        return int(text)
+    if typ == "float":
+        return float(text)
+    if typ == "bool":
+        if text not in ("true", "false"):
+            raise ValueError(text)
+        return text == "true"
+    return text
+
+
+def _check_value(value, typ: str) -> bool:
+    if typ == "float":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return type(value) is {"int": int, "bool": bool, "str": str}[typ]
+
+
+class _Runtime:
+    """What the generated code calls: collects declarations and the rank block."""
+
+    def __init__(self, spans: Sequence[Span]) -> None:
+        self.decls: dict[str, tuple[object, int]] = {}
+        self.costs: dict[str, tuple[object, int]] = {}
+        self.memory: dict[str, tuple[object, int]] = {}
+
+    def decl(self, kind: str, key: str | None, value, sid: int) -> None:
+        table = self.costs if kind == "cost" else self.memory if kind == "memory" else self.decls
+        name = key if key is not None else kind
+        if name in table:
+            what = f"{kind} {key}" if key else kind
+            raise _Fail("E106", f"`{what}` declared twice", sid)
+        table[name] = (value, sid)
+
+
+def evaluate(
+    compiled: Compiled,
+    source: Source,
+    params: Iterable[tuple[str, object]] = (),
+    ranks: Iterable[int] | None = None,
+) -> Schedule:
+    """Run a compiled schedule for these parameter values (strings from `-D`, or typed values)."""
+    spans = compiled.spans
+
+    def fail(f: _Fail) -> PipecError:
+        span = spans[f.sid] if f.sid is not None else compiled.header
+        return error(f.code, f.message, span, source, f.notes)
+
+    values = _bind_params(compiled, source, params)
+    try:
+        return _run(compiled, source, values, ranks)
+    except _Fail as f:
+        raise fail(f) from None
+    except RecursionError:
+        raise error("E003", "the file nests expressions or blocks too deeply", None, source) from None
+
+
+def _bind_params(compiled: Compiled, source: Source, given: Iterable[tuple[str, object]]) -> dict[str, object]:
+    header = compiled.header
+    declared = {p.name: (p, t) for p, t in zip(compiled.params, compiled.param_types)}
+    values: dict[str, object] = {}
+    for name, raw in given:
+        if name not in declared:
+            known = ", ".join(declared) or "none"
+            raise error("E205", f"unknown parameter `{name}` (this schedule takes: {known})", header, source)
+        prm, typ = declared[name]
+        if name in values:
+            raise error("E204", f"parameter `{name}` given twice", prm.span, source)
+        try:
+            value = _parse_value(raw, typ) if isinstance(raw, str) else raw
+            if not _check_value(value, typ):
+                raise ValueError(raw)
+        except ValueError:
+            raise error("E206", f"parameter `{name}` must be {typ}, got `{raw}`", prm.span, source) from None
+        values[name] = value
+    return values
+
+
+def _run(compiled: Compiled, source: Source, given: dict[str, object], only: Iterable[int] | None) -> Schedule:
+    ns: dict[str, object] = {}
+    exec(_code_object(compiled.code), ns)
+    # Defaults may refer to earlier parameters.
+    values: list[object] = []
+    for prm, typ in zip(compiled.params, compiled.param_types):
+        py = f"_default_{_pyname(compiled, prm.name)}"
+        if prm.name in given:
+            values.append(given[prm.name])
+            continue
+        fn = ns[py]
+        value = fn(*values[: fn.__code__.co_argcount])
+        if value is None:
+            raise _Fail("E203", f"parameter `{prm.name}` has no default: give it with `-D {prm.name}=...`", None)
+        if typ == "float":
+            value = float(value)
+        values.append(value)
+    param_items = tuple((p.name, v) for p, v in zip(compiled.params, values))
+    env = _Env(compiled, ns)
+    rt = _Runtime(compiled.spans)
+    ns["_rt"] = rt
+    ns["_params"] = param_items
+    ns["_schedule"](rt, *values)
+    pdict = dict(param_items)
+
+    def size(kind: str, fallback: str) -> tuple[int, Span | None]:
+        if kind in rt.decls:
+            v, sid = rt.decls[kind]
+            span = compiled.spans[sid]
+        elif fallback in pdict and type(pdict[fallback]) is int:
+            v, span = pdict[fallback], None
+            sid = None
+        else:
+            raise _Fail("E106", f"declare `{kind}` (or a parameter `{fallback}`)", None)
+        if not 1 <= v <= MAX_SIZE:
+            raise _Fail("E210", f"`{kind}` must be between 1 and {MAX_SIZE:,}, got {v}", sid)
+        return v, span
+
+    if "stages" not in rt.decls:
+        raise _Fail("E106", "the schedule needs a `stages` declaration", None)
+    num_stages, _ = size("stages", "")
+    num_ranks, _ = size("ranks", "p")
+    m, _ = size("microbatches", "m")
+    if num_stages * m * len(compiled.kinds) > MAX_OPS:
+        raise _Fail("E210", f"the schedule would have more than {MAX_OPS:,} ops", rt.decls["stages"][1])
+    if "rank" not in rt.decls:
+        raise _Fail("E106", "the schedule needs a `rank r { ... }` block", None)
+
+    if "place" in rt.decls:
+        place_fn, place_sid = rt.decls["place"]
+    else:
+        place_fn, place_sid = (lambda s: s % num_ranks), None
+    placement = []
+    for s in range(num_stages):
+        owner = place_fn(s)
+        if not 0 <= owner < num_ranks:
+            raise _Fail(
+                "E305",
+                f"`place` maps stage {s} to rank {owner}, outside 0..{num_ranks - 1}",
+                place_sid,
+                (f"p = {num_ranks}, stages = {num_stages}",),
+            )
+        placement.append(owner)
+
+    costs = {k: tuple(float(fn(s)) for s in range(num_stages)) for k, (fn, _) in rt.costs.items()}
+    memory = {}
+    for key, (fn, _) in rt.memory.items():
+        n = num_ranks if key == "limit" else num_stages
+        memory[key] = tuple(float(fn(i)) for i in range(n))
+    topology = _topology(rt.decls.get("topology"), num_ranks)
+
+    owned: list[list[int]] = [[] for _ in range(num_ranks)]
+    for s, owner in enumerate(placement):
+        owned[owner].append(s)
+    rank_fn, rank_sid = rt.decls["rank"]
+    wanted = set(range(num_ranks)) if only is None else set(only)
+    rank_ops = []
+    for r in range(num_ranks):
+        if r in wanted:
+            cap = len(compiled.kinds) * len(owned[r]) * m
+            rank_ops.append(env.run_rank(rank_fn, r, owned[r][0] if len(owned[r]) == 1 else -1, cap))
+        else:
+            rank_ops.append(_empty_rank())
+    decl_spans = {k: compiled.spans[sid] for k, (_, sid) in rt.decls.items()}
+    return Schedule(
+        name=compiled.name,
+        params=param_items,
+        num_stages=num_stages,
+        num_ranks=num_ranks,
+        num_microbatches=m,
+        kinds=compiled.kinds,
+        placement=tuple(placement),
+        ranks=tuple(rank_ops),
+        costs=costs,
+        memory=memory,
+        topology=topology,
+        spans=compiled.spans,
+        source=source,
+        decl_spans=decl_spans,
+    )
+
+
+def _pyname(compiled: Compiled, name: str) -> str:
+    # Parameters are bound first, in order, so their generated names are v_<name>_<index+1>.
+    index = [p.name for p in compiled.params].index(name)
+    return f"v_{name}_{index + 1}"
+
+
+def _empty_rank() -> RankOps:
+    z = np.zeros(0, dtype=np.int64)
+    return RankOps(z, z, z, z, np.zeros(0, dtype=bool))
+
+
+def _topology(decl, num_ranks: int) -> Topology | None:
+    if decl is None:
+        return None
+    items, _ = decl
+    dcs, links, names = [], [], set()
+    for item in items:
+        if item[0] == "dc":
+            _, name, lo, hi, sid = item
+            if name in names:
+                raise _Fail("E112", f'datacenter "{name}" declared twice', sid)
+            if not 0 <= lo < hi <= num_ranks:
+                raise _Fail("E112", f'datacenter "{name}" ranks {lo}..{hi} are not within 0..{num_ranks}', sid)
+            for d in dcs:
+                if lo < d.hi and d.lo < hi:
+                    raise _Fail("E112", f'datacenter "{name}" overlaps "{d.name}"', sid)
+            names.add(name)
+            dcs.append(Datacenter(name, lo, hi))
+        else:
+            _, a, b, lat, bw, sid = item
+            for n in (a, b):
+                if n is not None and n not in names:
+                    raise _Fail("E112", f'link names unknown datacenter "{n}"', sid)
+            links.append(Link(a, b, lat, bw))
+    return Topology(tuple(dcs), tuple(links))
+
+
+class _Env:
+    """The helpers the generated code calls, bound into its namespace."""
+
+    def __init__(self, compiled: Compiled, ns: dict) -> None:
+        self.compiled = compiled
+        self.ns = ns
+        self.left = WORK_FIXED
+        ns.update(
+            _tdiv=self.tdiv,
+            _fdiv=self.fdiv,
+            _mod=self.mod,
+            _charge=self.charge,
+            _require_failed=self.require_failed,
+            _while_check=self.while_check,
+            _ds=-1,
+            _ops=[],
+            _emit=None,
+        )
+
+    @staticmethod
+    def tdiv(a, b, sid):
+        if b == 0:
+            raise _Fail("E201", "division by zero", sid)
+        return a / b
+
+    @staticmethod
+    def fdiv(a, b, sid):
+        if b == 0:
+            raise _Fail("E201", "division by zero", sid)
+        return a // b
+
+    @staticmethod
+    def mod(a, b, sid):
+        if b == 0:
+            raise _Fail("E201", "modulo by zero", sid)
+        return a % b
+
+    def charge(self, n, sid):
+        if n > 0:
+            self.left -= n
+            if self.left < 0:
+                raise _Fail(
+                    "E207", "evaluation ran too long: loops here iterate far more than the schedule has ops", sid
+                )
+
+    def require_failed(self, sid, message):
+        values = ", ".join(f"{k}={v}" for k, v in self.ns.get("_params", ()))
+        text = f"requirement failed: {message}" if message else "requirement failed"
+        raise _Fail("E202", text, sid, (f"with {values}",) if values else ())
+
+    def while_check(self, before, after, sid):
+        if after == before:
+            raise _Fail("E207", "`while` loop made no progress: an iteration emitted no ops", sid)
+        if after > self.cap:
+            raise _Fail("E207", f"`while` loop emitted more ops than this rank can own ({self.cap})", sid)
+
+    def run_rank(self, fn, rank: int, default_stage: int, cap: int) -> RankOps:
+        ns = self.ns
+        ops: list[tuple] = []
+        pairs: list[int] = []
+        self.cap = cap
+        self.left = WORK_FIXED + WORK_PER_OP * cap
+        ns["_ops"] = ops
+        ns["_ds"] = default_stage
+        ns["_pair"] = lambda: pairs.append(len(ops))
+        if self.compiled.counts_ops:
+            counts: dict[tuple[int, int], int] = {}
+            append = ops.append
+
+            def emit(t):
+                append(t)
+                key = (t[0], t[2])
+                counts[key] = counts.get(key, 0) + 1
+
+            def nxt(k, s, sid):
+                key = (k, s)
+                i = counts.get(key, 0)
+                append((k, i, s, sid))
+                counts[key] = i + 1
+
+            ns["_emit"] = emit
+            ns["_next"] = nxt
+            ns["_done"] = lambda k, s: counts.get((k, s), 0)
+        else:
+            emit = ns["_emit"] = ops.append
+            nxt = ns["_next"] = None
+        ns["_emit_value"] = lambda t, sid: nxt(t[0], t[2], sid) if t[1] is None else emit((t[0], t[1], t[2], sid))
+        fn(rank)
+        return _to_arrays(ops, pairs)
+
+
+def _to_arrays(ops: list[tuple], pairs: list[int]) -> RankOps:
+    if not ops:
+        return _empty_rank()
+    try:
+        a = np.array(ops, dtype=np.int64)
+    except OverflowError:
+        bad = next(t for t in ops if any(abs(x) >= 2**62 for x in t[1:3]))
+        raise _Fail("E209", f"micro-batch or stage out of range: {bad[1]}, {bad[2]}", bad[3]) from None
+    paired = np.zeros(len(ops), dtype=bool)
+    for j in pairs:
+        paired[j] = True
+    return RankOps(a[:, 0].copy(), a[:, 1].copy(), a[:, 2].copy(), a[:, 3].copy(), paired)

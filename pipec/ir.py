@@ -1,0 +1,101 @@
+"""The evaluated Schedule: stages, placement, per-rank ordered ops, declarations, spans.
+
+Per-rank ops are numpy arrays (kind, micro-batch, stage, source id), because
+schedules reach a million ops; `Schedule.ops(r)` gives readable `Op`s for
+small work and tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pipec.errors import Source, Span
+
+
+@dataclass(frozen=True)
+class Op:
+    kind: str  # "F", "B" or "W"
+    mb: int
+    stage: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}({self.mb}, stage {self.stage})"
+
+
+@dataclass(frozen=True, eq=False)
+class RankOps:
+    """One rank's ordered ops. `paired[j]` marks op j as overlapped with op j + 1."""
+
+    kind: np.ndarray
+    mb: np.ndarray
+    stage: np.ndarray
+    sid: np.ndarray
+    paired: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.kind)
+
+
+@dataclass(frozen=True)
+class Datacenter:
+    name: str
+    lo: int  # first rank
+    hi: int  # one past the last rank
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link class between two datacenters (`None, None` for the default link)."""
+
+    a: str | None
+    b: str | None
+    latency_s: float | None
+    bandwidth_bps: float | None
+
+
+@dataclass(frozen=True)
+class Topology:
+    datacenters: tuple[Datacenter, ...]
+    links: tuple[Link, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class Schedule:
+    name: str
+    params: tuple[tuple[str, int | float | bool | str], ...]
+    num_stages: int
+    num_ranks: int
+    num_microbatches: int
+    kinds: tuple[str, ...]
+    placement: tuple[int, ...]
+    ranks: tuple[RankOps, ...]
+    costs: dict[str, tuple[float, ...]] = field(default_factory=dict)  # per stage
+    memory: dict[str, tuple[float, ...]] = field(default_factory=dict)  # act/wact/params per stage, limit per rank
+    topology: Topology | None = None
+    spans: tuple[Span, ...] = ()
+    source: Source | None = None
+    decl_spans: dict[str, Span] = field(default_factory=dict)
+
+    @property
+    def split_backward(self) -> bool:
+        return "W" in self.kinds
+
+    @property
+    def num_ops(self) -> int:
+        return sum(len(r) for r in self.ranks)
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        return tuple(s for s, owner in enumerate(self.placement) if owner == rank)
+
+    def ops(self, rank: int) -> list[Op]:
+        r = self.ranks[rank]
+        kinds = self.kinds
+        return [Op(kinds[k], int(i), int(s)) for k, i, s in zip(r.kind.tolist(), r.mb.tolist(), r.stage.tolist())]
+
+    def span_of(self, rank: int, index: int) -> Span:
+        return self.spans[int(self.ranks[rank].sid[index])]
+
+    def param(self, name: str):
+        return dict(self.params)[name]

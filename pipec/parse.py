@@ -1,0 +1,292 @@
+"""Text to syntax tree: the lark grammar in `grammar/pipe.lark`, a Transformer to frozen nodes."""
+
+from __future__ import annotations
+
+import functools
+from importlib import resources
+
+import lark
+from lark import Token, Transformer, v_args
+from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
+
+from pipec import ast
+from pipec.errors import PipecError, Source, Span, error
+
+_UNITS = {
+    "us": 1e-6,
+    "ms": 1e-3,
+    "s": 1.0,
+    "bps": 1.0,
+    "Kbps": 1e3,
+    "Mbps": 1e6,
+    "Gbps": 1e9,
+    "Tbps": 1e12,
+    "B": 1.0,
+    "KB": 1e3,
+    "MB": 1e6,
+    "GB": 1e9,
+    "KiB": 2.0**10,
+    "MiB": 2.0**20,
+    "GiB": 2.0**30,
+}
+
+
+@functools.cache
+def _parser() -> lark.Lark:
+    grammar = resources.files("pipec.grammar").joinpath("pipe.lark").read_text()
+    return lark.Lark(grammar, parser="lalr", propagate_positions=True, maybe_placeholders=True)
+
+
+def _tok_span(tok: Token) -> Span:
+    return Span(tok.line, tok.column, tok.end_line, tok.end_column)
+
+
+def _meta_span(meta) -> Span:
+    if getattr(meta, "empty", True):
+        return Span(1, 1, 1, 2)
+    return Span(meta.line, meta.column, meta.end_line, meta.end_column)
+
+
+def _span_of(x) -> Span:
+    return _tok_span(x) if isinstance(x, Token) else x.span
+
+
+def _join(a: Span, b: Span) -> Span:
+    return Span(a.line, a.col, b.end_line, b.end_col)
+
+
+def _number(tok: Token) -> int | float:
+    text = str(tok)
+    return float(text) if any(c in text for c in ".eE") else int(text)
+
+
+@v_args(meta=True)
+class _ToAst(Transformer):
+    # ---- expressions
+    def number(self, meta, c):
+        return ast.Num(_tok_span(c[0]), _number(c[0]))
+
+    def string(self, meta, c):
+        return ast.Str(_tok_span(c[0]), str(c[0])[1:-1])
+
+    def true(self, meta, c):
+        return ast.Bool(_meta_span(meta), True)
+
+    def false(self, meta, c):
+        return ast.Bool(_meta_span(meta), False)
+
+    def var(self, meta, c):
+        return ast.Var(_tok_span(c[0]), str(c[0]))
+
+    def neg(self, meta, c):
+        return ast.Unary(_meta_span(meta), "-", c[0])
+
+    def not_(self, meta, c):
+        return ast.Unary(_meta_span(meta), "not", c[0])
+
+    def binop(self, meta, c):
+        left, op, right = c
+        return ast.BinOp(_join(left.span, right.span), str(op), left, right, _tok_span(op))
+
+    compare = binop
+
+    def _logic(self, meta, c, op):
+        left, right = c
+        return ast.BinOp(_join(left.span, right.span), op, left, right, _meta_span(meta))
+
+    def and_(self, meta, c):
+        return self._logic(meta, c, "and")
+
+    def or_(self, meta, c):
+        return self._logic(meta, c, "or")
+
+    def ifexpr(self, meta, c):
+        return ast.IfExpr(_meta_span(meta), *c)
+
+    def kwarg(self, meta, c):
+        return ast.KwArg(_join(_tok_span(c[0]), c[1].span), str(c[0]), c[1])
+
+    def call(self, meta, c):
+        name, *rest = c
+        args = tuple(a for a in rest if a is not None and not isinstance(a, ast.KwArg))
+        kwargs = tuple(a for a in rest if isinstance(a, ast.KwArg))
+        return ast.Call(_meta_span(meta), str(name), _tok_span(name), args, kwargs)
+
+    # ---- statements
+    def block(self, meta, c):
+        return tuple(s for s in c if s is not None)
+
+    def empty(self, meta, c):
+        return None
+
+    def let_stmt(self, meta, c):
+        return ast.Let(_meta_span(meta), str(c[0]), c[1])
+
+    def def_expr(self, meta, c):
+        name, *params, body = c
+        return ast.Def(_meta_span(meta), str(name), tuple(str(p) for p in params if p is not None), body)
+
+    def_block = def_expr
+
+    def require_stmt(self, meta, c):
+        msg = None if c[1] is None else str(c[1])[1:-1]
+        return ast.Require(_meta_span(meta), c[0], msg)
+
+    def for_stmt(self, meta, c):
+        return ast.For(_meta_span(meta), str(c[0]), c[1], c[2], c[3])
+
+    def repeat_stmt(self, meta, c):
+        return ast.Repeat(_meta_span(meta), c[0], c[1])
+
+    def while_stmt(self, meta, c):
+        return ast.While(_meta_span(meta), c[0], c[1])
+
+    def if_stmt(self, meta, c):
+        orelse = c[-1] if len(c) % 2 == 1 else None
+        pairs = c[: len(c) - (len(c) % 2)]
+        branches = tuple((pairs[i], pairs[i + 1]) for i in range(0, len(pairs), 2))
+        return ast.If(_meta_span(meta), branches, orelse)
+
+    def rank_block(self, meta, c):
+        return ast.RankBlock(_meta_span(meta), str(c[0]), c[1])
+
+    def emit_stmt(self, meta, c):
+        return ast.Emit(_meta_span(meta), tuple(c))
+
+    def _decl(self, kind):
+        def build(meta, c):
+            if len(c) == 2:
+                return ast.Decl(_meta_span(meta), kind, str(c[0]), c[1])
+            return ast.Decl(_meta_span(meta), kind, None, c[0])
+
+        return build
+
+    def stages_decl(self, meta, c):
+        return self._decl("stages")(meta, c)
+
+    def ranks_decl(self, meta, c):
+        return self._decl("ranks")(meta, c)
+
+    def microbatches_decl(self, meta, c):
+        return self._decl("microbatches")(meta, c)
+
+    def cost_decl(self, meta, c):
+        return self._decl("cost")(meta, c)
+
+    def memory_decl(self, meta, c):
+        return self._decl("memory")(meta, c)
+
+    def place_decl(self, meta, c):
+        return ast.Place(_meta_span(meta), str(c[0]), c[1])
+
+    def ops_decl(self, meta, c):
+        return ast.OpsDecl(_meta_span(meta), tuple(str(t) for t in c), tuple(_tok_span(t) for t in c))
+
+    # ---- topology
+    def topology_decl(self, meta, c):
+        return ast.Topology(_meta_span(meta), tuple(x for x in c if x is not None))
+
+    def topo_dc(self, meta, c):
+        return ast.TopoDc(_meta_span(meta), str(c[0])[1:-1], c[1], c[2])
+
+    def _link(self, meta, a, b, attrs):
+        found = dict(attrs)
+        return ast.TopoLink(_meta_span(meta), a, b, found.get("latency"), found.get("bandwidth"))
+
+    def topo_link(self, meta, c):
+        return self._link(meta, str(c[0])[1:-1], str(c[1])[1:-1], c[2:])
+
+    def topo_default(self, meta, c):
+        return self._link(meta, None, None, c)
+
+    def _quantity(self, tok: Token, kind: str, units: tuple[str, ...]) -> ast.Quantity:
+        text = str(tok)
+        digits = text.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+        unit = text[len(digits) :]
+        if unit not in units:
+            raise _Bad(
+                error(
+                    "E107",
+                    f"{kind} needs a unit, one of {', '.join(units)} (got `{text}`)",
+                    _tok_span(tok),
+                )
+            )
+        return ast.Quantity(_tok_span(tok), float(digits) * _UNITS[unit], unit)
+
+    def latency(self, meta, c):
+        return ("latency", self._quantity(c[0], "latency", ("us", "ms", "s")))
+
+    def bandwidth(self, meta, c):
+        units = ("bps", "Kbps", "Mbps", "Gbps", "Tbps")
+        return ("bandwidth", self._quantity(c[0], "bandwidth", units))
+
+    # ---- top
+    def param(self, meta, c):
+        return ast.Param(_meta_span(meta), str(c[0]), None if c[1] is None else str(c[1]), c[2])
+
+    def param_list(self, meta, c):
+        return tuple(p for p in c if p is not None)
+
+    def schedule(self, meta, c):
+        name, params, body = c
+        return ast.ScheduleAst(_meta_span(meta), str(name)[1:-1], params or (), body)
+
+    def start(self, meta, c):
+        return c[0]
+
+
+class _Bad(Exception):
+    def __init__(self, err: PipecError) -> None:
+        self.err = err
+
+
+def _describe(parser: lark.Lark, names) -> str:
+    shown = []
+    for name in sorted(names):
+        try:
+            term = parser.get_terminal(name)
+        except KeyError:
+            shown.append(name)
+            continue
+        pattern = term.pattern
+        if pattern.type == "str":
+            shown.append(f"`{pattern.value}`")
+        else:
+            shown.append({"NAME": "a name", "NUMBER": "a number", "STRING": "a string"}.get(name, name.lower()))
+    return ", ".join(dict.fromkeys(shown))
+
+
+def parse(source: Source) -> ast.ScheduleAst:
+    """Parse one schedule file; syntax errors become E001/E002 diagnostics."""
+    parser = _parser()
+    try:
+        tree = parser.parse(source.text)
+    except UnexpectedToken as e:
+        tok = e.token
+        if tok.type == "$END":
+            span = _eof_span(source.text)
+            found = "end of file"
+        else:
+            span = _tok_span(tok)
+            found = f"`{tok}`"
+        raise error("E001", f"unexpected {found}; expected {_describe(parser, e.expected)}", span, source) from None
+    except UnexpectedCharacters as e:
+        span = Span(e.line, e.column, e.line, e.column + 1)
+        char = source.text[e.pos_in_stream] if e.pos_in_stream < len(source.text) else "?"
+        raise error("E002", f"unexpected character `{char}`", span, source) from None
+    except UnexpectedEOF:
+        raise error("E001", "unexpected end of file", _eof_span(source.text), source) from None
+    except UnexpectedInput as e:  # pragma: no cover - lark's other parse errors
+        raise error("E001", str(e).splitlines()[0], _eof_span(source.text), source) from None
+    try:
+        return _ToAst().transform(tree)
+    except VisitError as e:
+        if isinstance(e.orig_exc, _Bad):
+            d = e.orig_exc.err.diagnostics[0]
+            raise error(d.code, d.message, d.span, source) from None
+        raise
+
+
+def _eof_span(text: str) -> Span:
+    lines = text.splitlines() or [""]
+    return Span(len(lines), len(lines[-1]) + 1, len(lines), len(lines[-1]) + 2)

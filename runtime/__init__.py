@@ -1,0 +1,1 @@
+"""The PyTorch executor of a Program (installed as `pipec.runtime`); the only part that imports torch."""

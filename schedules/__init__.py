@@ -1,0 +1,1 @@
+"""Package data: the standard schedule library, `*.pipe` (installed as `pipec.schedules`)."""
