@@ -228,8 +228,9 @@ class _ToAst(Transformer):
         return tuple(p for p in c if p is not None)
 
     def schedule(self, meta, c):
-        name, params, body = c
-        return ast.ScheduleAst(_meta_span(meta), str(name)[1:-1], params or (), body)
+        # `param_list?` leaves no placeholder when a schedule has no parameter list.
+        name, *params, body = c
+        return ast.ScheduleAst(_meta_span(meta), str(name)[1:-1], params[0] if params else (), body)
 
     def start(self, meta, c):
         return c[0]
