@@ -222,7 +222,10 @@ class _ToAst(Transformer):
 
     # ---- top
     def param(self, meta, c):
-        return ast.Param(_meta_span(meta), str(c[0]), None if c[1] is None else str(c[1]), c[2])
+        # `(":" TYPE)?` and `("=" expr)?` leave no placeholder: a type is a TYPE token, a default a node.
+        typ = next((str(x) for x in c[1:] if isinstance(x, Token) and x.type == "TYPE"), None)
+        default = next((x for x in c[1:] if not isinstance(x, Token)), None)
+        return ast.Param(_meta_span(meta), str(c[0]), typ, default)
 
     def param_list(self, meta, c):
         return tuple(p for p in c if p is not None)
