@@ -129,7 +129,7 @@ class _ToAst(Transformer):
     def_block = def_expr
 
     def require_stmt(self, meta, c):
-        msg = None if c[1] is None else str(c[1])[1:-1]
+        msg = str(c[1])[1:-1] if len(c) > 1 else None  # `("," STRING)?` leaves no placeholder
         return ast.Require(_meta_span(meta), c[0], msg)
 
     def for_stmt(self, meta, c):
