@@ -6,7 +6,7 @@ import functools
 from importlib import resources
 
 import lark
-from lark import Token, Transformer, v_args
+from lark import Token, Transformer, Tree, v_args
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
 
 from pipec import ast
@@ -29,6 +29,11 @@ _UNITS = {
     "MiB": 2.0**20,
     "GiB": 2.0**30,
 }
+
+
+# Deeper syntax trees are refused (E003): the AST transformer and the code generator recurse, and the
+# generated Python may nest at most 200 parentheses and 100 indentation levels.
+MAX_DEPTH = 150
 
 
 @functools.cache
@@ -282,6 +287,7 @@ def parse(source: Source) -> ast.ScheduleAst:
         raise error("E001", "unexpected end of file", _eof_span(source.text), source) from None
     except UnexpectedInput as e:  # pragma: no cover - lark's other parse errors
         raise error("E001", str(e).splitlines()[0], _eof_span(source.text), source) from None
+    _check_depth(tree, source)
     try:
         return _ToAst().transform(tree)
     except VisitError as e:
@@ -289,6 +295,17 @@ def parse(source: Source) -> ast.ScheduleAst:
             d = e.orig_exc.err.diagnostics[0]
             raise error(d.code, d.message, d.span, source) from None
         raise
+
+
+def _check_depth(tree: Tree, source: Source) -> None:
+    """E003 at the first node nested deeper than MAX_DEPTH (iterative: the tree may be very deep)."""
+    stack = [(tree, 1, _meta_span(tree.meta))]
+    while stack:
+        node, depth, outer = stack.pop()
+        span = outer if getattr(node.meta, "empty", True) else _meta_span(node.meta)
+        if depth > MAX_DEPTH:
+            raise error("E003", f"the file nests expressions or blocks more than {MAX_DEPTH} levels deep", span, source)
+        stack.extend((c, depth + 1, span) for c in reversed(node.children) if isinstance(c, Tree))
 
 
 def _eof_span(text: str) -> Span:
