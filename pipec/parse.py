@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from importlib import resources
 
 import lark
@@ -60,9 +61,23 @@ def _join(a: Span, b: Span) -> Span:
     return Span(a.line, a.col, b.end_line, b.end_col)
 
 
+MAX_INT = 2**63 - 1  # the largest integer literal: ops are stored as int64
+
+
 def _number(tok: Token) -> int | float:
     text = str(tok)
-    return float(text) if any(c in text for c in ".eE") else int(text)
+    if any(c in text for c in ".eE"):
+        value = float(text)
+        if not math.isfinite(value):
+            raise _Bad(error("E004", f"number `{_clip(text)}` is too large for a float", _tok_span(tok)))
+        return value
+    if len(text.lstrip("0")) > 19 or int(text) > MAX_INT:  # int() refuses over 4300 digits
+        raise _Bad(error("E004", f"number `{_clip(text)}` is too large (integers go up to 2**63 - 1)", _tok_span(tok)))
+    return int(text)
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= 24 else text[:20] + "..."
 
 
 @v_args(meta=True)
@@ -216,7 +231,10 @@ class _ToAst(Transformer):
                     _tok_span(tok),
                 )
             )
-        return ast.Quantity(_tok_span(tok), float(digits) * _UNITS[unit], unit)
+        value = float(digits) * _UNITS[unit]
+        if not math.isfinite(value):
+            raise _Bad(error("E004", f"{kind} `{_clip(text)}` is too large", _tok_span(tok)))
+        return ast.Quantity(_tok_span(tok), value, unit)
 
     def latency(self, meta, c):
         return ("latency", self._quantity(c[0], "latency", ("us", "ms", "s")))
