@@ -9,9 +9,12 @@ from collections.abc import Sequence
 
 from pipec import library
 from pipec.api import build
+from pipec.compiler import Compiled, compile_schedule
 from pipec.errors import PipecError
 from pipec.grid import format_grid
 from pipec.ir import Schedule
+from pipec.memory import format_table
+from pipec.program import to_json, to_text
 
 MISUSE = 2
 
@@ -36,6 +39,28 @@ def _schedule_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _mem(text: str) -> tuple[str, float]:
+    name, sep, value = text.partition("=")
+    if not sep or name not in ("act", "wact", "params"):
+        raise argparse.ArgumentTypeError(f"expected act=X, wact=X or params=X, got `{text}`")
+    try:
+        return name, float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"`{value}` is not a number") from None
+
+
+def _memory_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--mem",
+        metavar="KEY=VALUE",
+        type=_mem,
+        action="append",
+        default=[],
+        help="override the memory model for every stage: act=, wact= or params= (repeatable)",
+    )
+    p.add_argument("--memory-limit", type=float, default=None, metavar="X", help="per-rank memory limit")
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="pipec",
@@ -46,8 +71,22 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("check", help="parse, evaluate and check a schedule", description=_doc(cmd_check))
     _schedule_args(p)
+    _memory_args(p)
+    p.add_argument("--memory", action="store_true", help="print the per-rank memory table")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("compile", help="check and lower a schedule to a Program", description=_doc(cmd_compile))
+    _schedule_args(p)
+    _memory_args(p)
+    p.add_argument("-o", "--output", metavar="OUT", help="write here instead of standard output")
+    p.add_argument(
+        "--format",
+        choices=("text", "json"),
+        default=None,
+        help="program format (default: json when OUT ends in .json, else text)",
+    )
+    p.set_defaults(func=cmd_compile)
 
     p = sub.add_parser("show", help="print the step-by-rank grid of a schedule", description=_doc(cmd_show))
     _schedule_args(p)
@@ -67,7 +106,15 @@ def _build(args: argparse.Namespace, **kw) -> Schedule:
     return build(library.read(args.schedule), args.defines, **kw)
 
 
-def _summary(s: Schedule) -> dict:
+def _compile(args: argparse.Namespace) -> Compiled:
+    overrides = dict(args.mem)
+    if args.memory_limit is not None:
+        overrides["limit"] = args.memory_limit
+    return compile_schedule(_build(args), overrides)
+
+
+def _summary(c: Compiled) -> dict:
+    s = c.schedule
     return {
         "schedule": s.name,
         "source": s.source.path if s.source else None,
@@ -78,18 +125,45 @@ def _summary(s: Schedule) -> dict:
         "ops": s.num_ops,
         "kinds": list(s.kinds),
         "placement": list(s.placement),
+        "instructions": c.program.num_instructions,
+        "memory": [
+            {"rank": m.rank, "peak": m.peak, "limit": m.limit, "at": str(m.peak_op) if m.peak_op else None}
+            for m in c.memory
+        ],
         "ok": True,
     }
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    """Parse, evaluate and check a schedule: every op exactly once, on its owner, in dependency order."""
-    s = _build(args)
+    """Run every check: each op exactly once, on its owner, in dependency order; memory within the limit;
+    no deadlock, even when every send blocks until its receive is posted."""
+    c = _compile(args)
+    s = c.schedule
     if args.json:
-        print(json.dumps(_summary(s)))
+        print(json.dumps(_summary(c)))
+        return 0
+    params = " ".join(f"{k}={v}" for k, v in s.params)
+    print(f"{s.name} ({params}): {s.num_stages} stages, {s.num_ranks} ranks, {s.num_ops} ops: OK")
+    if args.memory:
+        print(format_table(list(c.memory)))
+    return 0
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    """Check a schedule and lower it to one instruction stream per rank (see docs/program.md)."""
+    c = _compile(args)
+    fmt = args.format or ("json" if args.output and args.output.endswith(".json") else "text")
+    text = to_json(c.program) + "\n" if fmt == "json" else to_text(c.program)
+    if args.output:
+        try:
+            with open(args.output, "w") as f:
+                f.write(text)
+        except OSError as e:
+            print(f"pipec compile: error: cannot write `{args.output}`: {e.strerror}", file=sys.stderr)
+            return MISUSE
+        print(f"wrote {c.program.num_instructions} instructions for {c.program.num_ranks} ranks to {args.output}")
     else:
-        params = " ".join(f"{k}={v}" for k, v in s.params)
-        print(f"{s.name} ({params}): {s.num_stages} stages, {s.num_ranks} ranks, {s.num_ops} ops: OK")
+        sys.stdout.write(text)
     return 0
 
 

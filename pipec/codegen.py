@@ -66,6 +66,7 @@ class Compiled:
     counts_ops: bool
     name: str
     header: Span
+    line_spans: tuple[Span, ...] = ()  # per line of `code`: the statement it came from
 
 
 class _Compiler:
@@ -74,6 +75,8 @@ class _Compiler:
         self.source = source
         self.spans: list[Span] = []
         self.out: list[str] = []
+        self.where: list[Span] = []  # parallel to `out`
+        self.cur = tree.span
         self.n = 0
         self.counts_ops = False
         self.kinds = self._find_kinds()
@@ -92,6 +95,7 @@ class _Compiler:
 
     def line(self, indent: int, text: str) -> None:
         self.out.append("    " * indent + text)
+        self.where.append(self.cur)
 
     def _find_kinds(self) -> tuple[str, ...]:
         decls = [s for s in self.tree.body if isinstance(s, ast.OpsDecl)]
@@ -296,8 +300,8 @@ class _Compiler:
         inner = _Scope(f.scope)
         for name, t in zip(f.node.params, types):
             inner.names[name] = _Value(f"_chk_{name}", t)
-        saved = self.out
-        self.out = []
+        saved = self.out, self.where
+        self.out, self.where = [], []
         try:
             if isinstance(f.node.body, tuple):
                 self.block(f.node.body, inner, 0, "func")
@@ -309,7 +313,7 @@ class _Compiler:
             notes = d.notes + (f"in `{f.node.name}` called at line {span.line} with ({', '.join(types)})",)
             raise self.err(d.code, d.message, d.span, notes) from None
         finally:
-            self.out = saved
+            self.out, self.where = saved
         f.checked[types] = rtype
         return rtype
 
@@ -330,6 +334,13 @@ class _Compiler:
         return var
 
     def stmt(self, st, scope: _Scope, indent: int, ctx: str) -> None:
+        outer, self.cur = self.cur, st.span
+        try:
+            self._stmt(st, scope, indent, ctx)
+        finally:
+            self.cur = outer
+
+    def _stmt(self, st, scope: _Scope, indent: int, ctx: str) -> None:
         top = ctx == "top"
         if isinstance(st, ast.Let):
             code, t = self.expr(st.value, scope)
@@ -531,6 +542,7 @@ class _Compiler:
                 defaults.append(f"def _default_{py}({args}): return {code}")
             dscope.names[prm.name] = _Value(py, t)
         self.out.extend(defaults)
+        self.where.extend(prm.span for prm in tree.params)
         return Compiled(
             code="\n".join(self.out) + "\n",
             spans=tuple(self.spans),
@@ -540,6 +552,7 @@ class _Compiler:
             counts_ops=self.counts_ops,
             name=tree.name,
             header=tree.span,
+            line_spans=tuple(self.where),
         )
 
 

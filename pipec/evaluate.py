@@ -90,6 +90,26 @@ def evaluate(
         raise fail(f) from None
     except RecursionError:
         raise error("E003", "the file nests expressions or blocks too deeply", None, source) from None
+    except OverflowError as e:  # int too large for a float, in the generated code
+        raise error("E211", f"arithmetic overflow: {e}", _generated_span(compiled, e), source) from None
+
+
+def _generated_span(compiled: Compiled, exc: BaseException) -> Span:
+    """The span of the statement whose generated code raised `exc` (the innermost such frame)."""
+    span, tb = compiled.header, exc.__traceback__
+    while tb is not None:
+        lineno = tb.tb_lineno - 1
+        if tb.tb_frame.f_code.co_filename == "<pipec schedule>" and 0 <= lineno < len(compiled.line_spans):
+            span = compiled.line_spans[lineno]
+        tb = tb.tb_next
+    return span
+
+
+def _float(value, sid: int | None) -> float:
+    try:
+        return float(value)
+    except OverflowError as e:
+        raise _Fail("E211", f"arithmetic overflow: {e}", sid) from None
 
 
 def _bind_params(compiled: Compiled, source: Source, given: Iterable[tuple[str, object]]) -> dict[str, object]:
@@ -128,7 +148,7 @@ def _run(compiled: Compiled, source: Source, given: dict[str, object], only: Ite
         if value is None:
             raise _Fail("E203", f"parameter `{prm.name}` has no default: give it with `-D {prm.name}=...`", None)
         if typ == "float":
-            value = float(value)
+            value = _float(value, None)
         values.append(value)
     param_items = tuple((p.name, v) for p, v in zip(compiled.params, values))
     env = _Env(compiled, ns)
@@ -177,11 +197,11 @@ def _run(compiled: Compiled, source: Source, given: dict[str, object], only: Ite
             )
         placement.append(owner)
 
-    costs = {k: tuple(float(fn(s)) for s in range(num_stages)) for k, (fn, _) in rt.costs.items()}
+    costs = {k: tuple(_float(fn(s), sid) for s in range(num_stages)) for k, (fn, sid) in rt.costs.items()}
     memory = {}
-    for key, (fn, _) in rt.memory.items():
+    for key, (fn, sid) in rt.memory.items():
         n = num_ranks if key == "limit" else num_stages
-        memory[key] = tuple(float(fn(i)) for i in range(n))
+        memory[key] = tuple(_float(fn(i), sid) for i in range(n))
     topology = _topology(rt.decls.get("topology"), num_ranks)
 
     owned: list[list[int]] = [[] for _ in range(num_ranks)]

@@ -1,0 +1,68 @@
+"""All checks after evaluation, then lowering: a Schedule becomes a proven-safe Program.
+
+Order: memory (E402), lower, rendezvous dry run of the Program. The dry run is
+stricter than the schedule's own wait-for relation, so the (slower to explain)
+schedule-level deadlock search runs only when the dry run gets stuck: a cycle
+there is the schedule's fault (E401), otherwise the lowering's (E403).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import networkx as nx
+
+from pipec.deadlock import deadlock_error, find_deadlock
+from pipec.dryrun import DryRun, dry_run
+from pipec.errors import PipecError, error
+from pipec.ir import Schedule
+from pipec.lower import lower
+from pipec.memory import RankMemory, check_memory, rank_memory
+from pipec.program import Program
+
+
+@dataclass(frozen=True)
+class Compiled:
+    schedule: Schedule
+    program: Program
+    memory: tuple[RankMemory, ...]
+
+
+def compile_schedule(sched: Schedule, memory: Mapping[str, float] | None = None) -> Compiled:
+    """Check memory and deadlock freedom and lower; raises PipecError (E401/E402/E403)."""
+    reports = rank_memory(sched, memory)
+    check_memory(sched, reports)
+    prog = lower(sched)
+    run = dry_run(prog)
+    if not run.completed:
+        cycle = find_deadlock(sched)
+        if cycle:
+            raise deadlock_error(sched, cycle)
+        raise program_deadlock_error(sched, run)
+    return Compiled(sched, prog, tuple(reports))
+
+
+def program_deadlock_error(sched: Schedule, run: DryRun) -> PipecError:
+    by_rank = {w.rank: w for w in run.waits}
+    graph = nx.DiGraph((w.rank, w.peer) for w in run.waits)
+    try:
+        cycle = [a for a, _ in nx.find_cycle(graph, source=run.waits[0].rank)]
+    except nx.NetworkXNoCycle:
+        cycle = [w.rank for w in run.waits]
+    notes = []
+    for r in cycle:
+        w = by_rank[r]
+        if w.event == "post":
+            notes.append(f"rank {r} blocks at `{w.instr}` until rank {w.peer} posts the matching receive")
+        elif w.event == "arrival":
+            notes.append(f"rank {r} blocks at `{w.instr}` waiting for {w.what} from rank {w.peer}")
+        else:
+            notes.append(f"rank {r} blocks at `{w.instr}` waiting for its own `{w.what}`, which comes later")
+    return error(
+        "E403",
+        "the lowered program can deadlock when sends block until the peer posts its receive",
+        sched.decl_spans.get("rank"),
+        sched.source,
+        tuple(notes),
+    )

@@ -1,0 +1,136 @@
+"""The memory model of DESIGN.md, per rank: live activations along the rank's order.
+
+Per stage: `act` is held from F until B frees it; with split backward, B
+holds `wact` until W frees it; `params` (weights, gradients, optimizer state)
+is held throughout. Defaults: act = 1, wact = 0.5 (W keeps roughly the
+layer inputs and output gradients, about half of what B needed), params = 0,
+no limit. The schedule's `memory` declarations override the defaults, and
+command-line overrides override both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipec.errors import error
+from pipec.ir import Op, Schedule
+
+DEFAULTS = {"act": 1.0, "wact": 0.5, "params": 0.0}
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    rank: int
+    peak: float
+    peak_index: int  # index into the rank's ops; -1 when the rank has no ops
+    peak_op: Op | None
+    live_act: tuple[tuple[int, int], ...]  # (micro-batch, stage) holding activations at the peak
+    live_wact: tuple[tuple[int, int], ...]  # (micro-batch, stage) holding W inputs at the peak
+    params: float
+    limit: float | None
+
+
+def memory_model(sched: Schedule, overrides: Mapping[str, float] | None = None) -> dict[str, np.ndarray]:
+    """Per-stage act/wact/params and per-rank limit (NaN for none), after defaults and overrides."""
+    overrides = dict(overrides or {})
+    S, R = sched.num_stages, sched.num_ranks
+    out = {}
+    for key, default in DEFAULTS.items():
+        if key in overrides:
+            out[key] = np.full(S, float(overrides[key]))
+        elif key in sched.memory:
+            out[key] = np.asarray(sched.memory[key], dtype=float)
+        else:
+            out[key] = np.full(S, default)
+    if "limit" in overrides:
+        out["limit"] = np.full(R, float(overrides["limit"]))
+    elif "limit" in sched.memory:
+        out["limit"] = np.asarray(sched.memory["limit"], dtype=float)
+    else:
+        out["limit"] = np.full(R, np.nan)
+    return out
+
+
+def rank_memory(sched: Schedule, overrides: Mapping[str, float] | None = None) -> list[RankMemory]:
+    model = memory_model(sched, overrides)
+    act, wact = model["act"], model["wact"]
+    split = sched.split_backward
+    reports = []
+    for r, ops in enumerate(sched.ranks):
+        params = float(model["params"][list(sched.stages_of(r))].sum()) if sched.stages_of(r) else 0.0
+        limit = None if np.isnan(model["limit"][r]) else float(model["limit"][r])
+        if len(ops) == 0:
+            reports.append(RankMemory(r, params, -1, None, (), (), params, limit))
+            continue
+        k, s = ops.kind, ops.stage
+        held_after_b = wact[s] if split else 0.0
+        delta = np.where(k == 0, act[s], np.where(k == 1, held_after_b - act[s], -wact[s]))
+        live = np.cumsum(delta)
+        j = int(np.argmax(live))
+        peak = params + max(float(live[j]), 0.0)
+        live_act, live_wact = _live_at(sched, r, j)
+        op = Op(sched.kinds[int(k[j])], int(ops.mb[j]), int(s[j]))
+        reports.append(RankMemory(r, peak, j, op, live_act, live_wact, params, limit))
+    return reports
+
+
+def _live_at(sched: Schedule, r: int, j: int):
+    ops = sched.ranks[r]
+    act: dict[tuple[int, int], None] = {}
+    wact: dict[tuple[int, int], None] = {}
+    for k, i, s in zip(ops.kind[: j + 1].tolist(), ops.mb[: j + 1].tolist(), ops.stage[: j + 1].tolist()):
+        if k == 0:
+            act[(i, s)] = None
+        elif k == 1:
+            act.pop((i, s), None)
+            if sched.split_backward:
+                wact[(i, s)] = None
+        else:
+            wact.pop((i, s), None)
+    return tuple(act), tuple(wact)
+
+
+def _fmt(x: float) -> str:
+    return f"{x:g}"
+
+
+def check_memory(sched: Schedule, reports: list[RankMemory]) -> None:
+    """Raise E402 for the first rank whose peak exceeds its limit."""
+    for rep in reports:
+        if rep.limit is not None and rep.peak > rep.limit + 1e-9:
+            span = sched.span_of(rep.rank, rep.peak_index) if sched.spans and rep.peak_index >= 0 else None
+            live = ", ".join(f"{i}@{s}" for i, s in rep.live_act[:16])
+            more = "" if len(rep.live_act) <= 16 else f" and {len(rep.live_act) - 16} more"
+            notes = [f"live activations (micro-batch@stage): {live}{more}"]
+            if rep.live_wact:
+                notes.append("waiting for W: " + ", ".join(f"{i}@{s}" for i, s in rep.live_wact[:16]))
+            raise error(
+                "E402",
+                f"rank {rep.rank} needs {_fmt(rep.peak)} memory at `{rep.peak_op}`, above its limit {_fmt(rep.limit)}",
+                span,
+                sched.source,
+                tuple(notes),
+            )
+
+
+def format_table(reports: list[RankMemory]) -> str:
+    rows = [("rank", "peak", "params", "limit", "at op", "live micro-batches")]
+    for rep in reports:
+        live = ",".join(str(i) for i, _ in rep.live_act[:12]) + ("..." if len(rep.live_act) > 12 else "")
+        if rep.live_wact:
+            live += f" (+{len(rep.live_wact)} awaiting W)"
+        rows.append(
+            (
+                str(rep.rank),
+                _fmt(rep.peak),
+                _fmt(rep.params),
+                "-" if rep.limit is None else _fmt(rep.limit),
+                str(rep.peak_op) if rep.peak_op else "-",
+                live or "-",
+            )
+        )
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
