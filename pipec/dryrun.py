@@ -43,9 +43,13 @@ class Wait:
 class DryRun:
     completed: bool
     waits: tuple[Wait, ...]  # for each stuck rank, what it waits on (empty when completed)
+    hoists: tuple[tuple[int, int, int], ...] = ()  # (rank, receive index, post it before this index)
 
 
-def dry_run(prog: Program) -> DryRun:
+def dry_run(prog: Program, repair: bool = False) -> DryRun:
+    """Run the Program; with `repair`, when every rank is stuck, post the receives that blocked sends
+    wait for at the receiving rank's current position (as late as possible) and go on, returning those
+    moves for the lowering to apply."""
     S, m = prog.num_stages, prog.num_microbatches
     placement = prog.placement
     R = prog.num_ranks
@@ -74,7 +78,29 @@ def dry_run(prog: Program) -> DryRun:
 
     POST, ARRIVE, DONE = 0, 1, 2
     queue = deque(range(R))
-    while queue:
+    hoists: list[tuple[int, int, int]] = []
+    recv_at: dict[int, tuple[int, int]] | None = None
+    while True:
+        if not queue:
+            if not repair or not blocked:
+                break
+            if recv_at is None:
+                recv_at = _receive_index(cols, msg)
+            for _, (event, key, peer) in sorted(blocked.items()):
+                if event != "post" or key in posted or key not in recv_at:
+                    continue
+                owner, index = recv_at[key]
+                if owner != peer or index < pc[peer]:
+                    continue
+                start = pc[peer]
+                while start > 0 and cols[peer][4][start - 1]:
+                    start -= 1
+                hoists.append((peer, index, start))
+                posted.add(key)
+                wake(POST, key, queue)
+            if not queue:
+                break
+            continue
         r = queue.popleft()
         ops, mbs, stages, peers, groups = cols[r]
         j, end = pc[r], ends[r]
@@ -139,7 +165,7 @@ def dry_run(prog: Program) -> DryRun:
         pc[r] = j
 
     if all(pc[r] == ends[r] for r in range(R)):
-        return DryRun(True, ())
+        return DryRun(True, (), tuple(hoists))
     waits = []
     for r in range(R):
         if pc[r] == ends[r]:
@@ -153,7 +179,19 @@ def dry_run(prog: Program) -> DryRun:
             what = f"the {'activation' if kind == 0 else 'gradient'} of micro-batch {mb} from stage {stage}"
         instr = _instr_at(prog, r, pc[r])
         waits.append(Wait(r, pc[r], instr, event, peer, what))
-    return DryRun(False, tuple(waits))
+    return DryRun(False, tuple(waits), tuple(hoists))
+
+
+def _receive_index(cols, msg) -> dict[int, tuple[int, int]]:
+    """Message key -> (rank, index) of the receive instruction that posts it."""
+    out = {}
+    for r, (ops, mbs, stages, _, _) in enumerate(cols):
+        for j, o in enumerate(ops):
+            if o == RECV_ACT:
+                out[msg(0, mbs[j], stages[j] - 1)] = (r, j)
+            elif o == RECV_GRAD:
+                out[msg(1, mbs[j], stages[j] + 1)] = (r, j)
+    return out
 
 
 def _instr_at(prog: Program, r: int, j: int) -> Instr:

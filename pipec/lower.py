@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from pipec.dryrun import dry_run
 from pipec.ir import RankOps, Schedule
 from pipec.program import (
     BWD,
@@ -36,9 +37,22 @@ from pipec.program import (
 
 
 def lower(sched: Schedule) -> Program:
-    """One instruction stream per rank (the schedule must have passed `check_schedule`)."""
+    """One instruction stream per rank (the schedule must have passed `check_schedule`).
+
+    The first placement posts each receive one step ahead. Where a send would still wait on a receive
+    posted later (interleaved schedules, for example), a repairing dry run finds the latest point at
+    which that receive must be posted and moves it there; `pipec.compiler` then proves the result
+    with a strict dry run.
+    """
     placement = np.asarray(sched.placement, dtype=np.int64)
-    ranks = tuple(_lower_rank(sched, r, ops, placement) for r, ops in enumerate(sched.ranks))
+    prog = _program(sched, tuple(_lower_rank(sched, r, ops, placement) for r, ops in enumerate(sched.ranks)))
+    run = dry_run(prog, repair=True)
+    if not run.hoists:
+        return prog
+    return _program(sched, _apply_hoists(prog, run.hoists))
+
+
+def _program(sched: Schedule, ranks: tuple[RankProgram, ...]) -> Program:
     return Program(
         name=sched.name,
         params=sched.params,
@@ -49,6 +63,37 @@ def lower(sched: Schedule) -> Program:
         placement=sched.placement,
         ranks=ranks,
     )
+
+
+def _apply_hoists(prog: Program, hoists) -> tuple[RankProgram, ...]:
+    by_rank: dict[int, list[tuple[int, int]]] = {}
+    for r, src, dst in hoists:
+        by_rank.setdefault(r, []).append((src, dst))
+    ranks = list(prog.ranks)
+    for r, moves in by_rank.items():
+        rp = ranks[r]
+        n = len(rp)
+        # Each instruction keeps its index as sort key, except moved receives: just before `dst`,
+        # in their original order when several move to one point.
+        key = np.arange(n, dtype=float)
+        for src, dst in moves:
+            key[src] = dst - 0.5 + src / (4.0 * n)
+        order = np.argsort(key, kind="stable")
+        # Batched exchanges are re-bound on the new order; compute pairs keep theirs.
+        group = rp.group & ~np.isin(rp.op, (RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD))
+        op, peer = rp.op[order], rp.peer[order]
+        ranks[r] = RankProgram(op, rp.mb[order], rp.stage[order], peer, _bind_exchanges(op, peer, group[order]))
+    return tuple(ranks)
+
+
+def _bind_exchanges(code: np.ndarray, peer: np.ndarray, group: np.ndarray) -> np.ndarray:
+    """Bind each receive to a directly following send with the same peer: one batched exchange."""
+    group = group.copy()
+    if len(code) > 1:
+        is_recv = (code == RECV_ACT) | (code == RECV_GRAD)
+        is_send = (code == SEND_ACT) | (code == SEND_GRAD)
+        group[:-1] |= is_recv[:-1] & is_send[1:] & (peer[:-1] == peer[1:])
+    return group
 
 
 def _lower_rank(sched: Schedule, rank: int, ops: RankOps, placement: np.ndarray) -> RankProgram:
@@ -93,12 +138,7 @@ def _lower_rank(sched: Schedule, rank: int, ops: RankOps, placement: np.ndarray)
     comp_pos = np.flatnonzero(is_comp)
     paired_src = ops.paired[src[comp_pos]]
     group[comp_pos[paired_src]] = True
-    # Adjacent receive + send with one peer: one batched exchange.
-    is_recv = (code == RECV_ACT) | (code == RECV_GRAD)
-    is_send = (code == SEND_ACT) | (code == SEND_GRAD)
-    if len(code) > 1:
-        bind = is_recv[:-1] & is_send[1:] & (peer[:-1] == peer[1:])
-        group[:-1] |= bind
+    group = _bind_exchanges(code, peer, group)
 
     own = np.asarray(sched.stages_of(rank), dtype=np.int64)[::-1]
     tail_code = np.concatenate([np.full(len(own), REDUCE_GRAD), np.full(len(own), STEP)])

@@ -1,0 +1,241 @@
+"""Deadlock and memory checks, lowering, the rendezvous dry run and the program formats."""
+
+from __future__ import annotations
+
+import networkx as nx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from strategies import RandomSchedule, deps, random_schedules
+
+from pipec import library
+from pipec.api import build, load
+from pipec.compiler import compile_schedule
+from pipec.dryrun import dry_run
+from pipec.errors import PipecError, Source
+from pipec.lower import lower
+from pipec.memory import rank_memory
+from pipec.program import COMPUTE, OPCODES, RECVS, SENDS, from_json, from_text, to_json, to_text
+
+DEADLOCK_1F1B = """\
+# 1F1B, p = 2, where rank 0 runs B(0) before F(1): rank 1 needs F(1) before it sends B(0)'s gradient.
+schedule "1f1b-deadlock" (p: int = 2, m: int = 4) {
+    stages p
+    ops F, B
+    rank r {
+        if r == 0 {
+            F(0)  B(0)  F(1)  B(1)  F(2)  B(2)  F(3)  B(3)
+        } else {
+            F(0)  F(1)  B(0)  B(1)  F(2)  B(2)  F(3)  B(3)
+        }
+    }
+}
+"""
+
+
+def test_hand_written_deadlock_is_explained_as_a_chain_of_waits():
+    sched = build(Source("dl.pipe", DEADLOCK_1F1B), {})
+    with pytest.raises(PipecError) as info:
+        compile_schedule(sched)
+    err = info.value
+    assert err.code == "E401"
+    assert (err.span.line, err.span.col) == (7, 19)  # B(0) on rank 0
+    notes = err.diagnostics[0].notes
+    assert "rank 0 waits at `B(0, stage 0)` (line 7) for the gradient of `B(0, stage 1)` from rank 1" in notes[0]
+    assert "rank 1 only reaches `B(0, stage 1)` after `F(1, stage 1)` (line 9)" in notes[0]
+    assert "rank 1 waits at `F(1, stage 1)` (line 9) for the activation of `F(1, stage 0)` from rank 0" in notes[1]
+    assert "rank 0 only reaches `F(1, stage 0)` after `B(0, stage 0)` (line 7)" in notes[1]
+    assert "ranks 0 -> 1 -> 0" in err.diagnostics[0].message
+
+
+def _grid(name: str):
+    """A thinned parameter grid: p 1..8, m over 1..4p, v 1..3 where the schedule has v."""
+    src = library.read(name)
+    has_v = "v:" in src.text.split("{", 1)[0] or "(v" in src.text or " v =" in src.text.split("{", 1)[0]
+    for p in range(1, 9):
+        for m in sorted({1, 2, p, 2 * p, 4 * p} | ({2 * p - 1} if p > 1 else set())):
+            for v in (1, 2, 3) if has_v else (None,):
+                params = {"p": p, "m": m} | ({"v": v} if v else {})
+                try:
+                    yield params, build(src, params)
+                except PipecError as e:
+                    assert e.code == "E202", e  # only the schedule's own `require`s may reject a grid point
+
+
+@pytest.mark.parametrize("name", library.names())
+def test_library_compiles_and_dry_run_completes_over_grid(name):
+    count = 0
+    for params, sched in _grid(name):
+        prog = compile_schedule(sched).program
+        assert dry_run(prog).completed, params
+        count += 1
+    assert count > 0
+
+
+def _reference_peaks(sched, act=1.0, wact=0.5):
+    """Independent walk of each rank's ops (the memory model of DESIGN.md)."""
+    peaks = []
+    for r in range(sched.num_ranks):
+        live, peak = 0.0, 0.0
+        for op in sched.ops(r):
+            if op.kind == "F":
+                live += act
+            elif op.kind == "B":
+                live += (wact if sched.split_backward else 0.0) - act
+            else:
+                live -= wact
+            peak = max(peak, live)
+        peaks.append(peak)
+    return peaks
+
+
+@pytest.mark.parametrize("name", library.names())
+def test_memory_matches_reference_walk(name):
+    for _params, sched in list(_grid(name))[::3]:
+        assert [m.peak for m in rank_memory(sched)] == pytest.approx(_reference_peaks(sched))
+
+
+@pytest.mark.parametrize(("p", "m"), [(1, 1), (2, 5), (4, 8), (4, 2), (8, 32)])
+def test_memory_closed_forms(p, m):
+    one = rank_memory(load("1f1b", p=p, m=m))
+    assert [x.peak for x in one] == [min(p - r, m) for r in range(p)]
+    gp = rank_memory(load("gpipe", p=p, m=m))
+    assert [x.peak for x in gp] == [m] * p
+    assert one[0].live_act == tuple((i, 0) for i in range(min(p, m)))
+
+
+def test_memory_limit_names_rank_op_peak_and_limit():
+    sched = load("1f1b", p=4, m=8)
+    with pytest.raises(PipecError) as info:
+        compile_schedule(sched, {"limit": 3})
+    d = info.value.diagnostics[0]
+    assert d.code == "E402"
+    assert d.message == "rank 0 needs 4 memory at `F(3, stage 0)`, above its limit 3"
+    assert "0@0, 1@0, 2@0, 3@0" in d.notes[0]
+    compile_schedule(sched, {"limit": 4})  # exactly at the limit is fine
+
+
+def test_declared_memory_limit_and_params():
+    text = library.read("1f1b").text.replace("ops F, B", "ops F, B\n    memory params = 2\n    memory limit = 5")
+    with pytest.raises(PipecError) as info:
+        compile_schedule(build(Source("t.pipe", text), {"p": 4, "m": 8}))
+    assert info.value.code == "E402"
+    assert "rank 0 needs 6 memory" in info.value.diagnostics[0].message
+
+
+def _oracle_has_cycle(rs: RandomSchedule, orders) -> bool:
+    g = nx.DiGraph()
+    S = len(rs.placement)
+    for order in orders:
+        g.add_nodes_from(order)
+        g.add_edges_from(zip(order, order[1:]))
+        for op in order:
+            g.add_edges_from((d, op) for d in deps(*op, S, rs.split))
+    return not nx.is_directed_acyclic_graph(g)
+
+
+SLOW = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@SLOW
+@given(random_schedules())
+def test_random_valid_schedules_compile_and_dry_run(rs):
+    sched = build(Source("random.pipe", rs.text()), {})
+    prog = compile_schedule(sched).program
+    assert dry_run(prog).completed
+    # Every compute op appears once; every send has exactly one matching receive on its peer.
+    sends, recvs = set(), set()
+    for r, rp in enumerate(prog.ranks):
+        for ins in rp.instructions():
+            code = OPCODES.index(ins.op)
+            if code in SENDS:
+                sends.add((ins.op[5:], ins.mb, ins.stage, r, ins.peer))
+            elif code in RECVS:
+                sender = ins.stage - 1 if ins.op == "RECV_ACT" else ins.stage + 1
+                recvs.add((ins.op[5:], ins.mb, sender, ins.peer, r))
+    assert sends == recvs
+    assert sum(int((rp.op < len(COMPUTE)).sum()) for rp in prog.ranks) == sched.num_ops
+
+
+@SLOW
+@given(random_schedules(), st.data())
+def test_swaps_that_make_a_cycle_are_reported_with_real_waits(rs, data):
+    ranks = [r for r, o in enumerate(rs.orders) if len(o) >= 2]
+    if not ranks:
+        return
+    r = data.draw(st.sampled_from(ranks))
+    a = data.draw(st.integers(0, len(rs.orders[r]) - 2))
+    b = data.draw(st.integers(a + 1, len(rs.orders[r]) - 1))
+    order = list(rs.orders[r])
+    order[a], order[b] = order[b], order[a]
+    orders = tuple(tuple(order) if i == r else o for i, o in enumerate(rs.orders))
+    mutated = RandomSchedule(rs.p, rs.m, rs.placement, rs.split, orders)
+    cyclic = _oracle_has_cycle(mutated, orders)
+    try:
+        sched = build(Source("mutated.pipe", mutated.text()), {})
+        compile_schedule(sched)
+    except PipecError as e:
+        assert cyclic, e
+        assert e.code in ("E304", "E401")  # same-rank order, or a cycle across ranks
+        if e.code == "E401":
+            notes = e.diagnostics[0].notes
+            assert len(notes) >= 2
+            S = len(rs.placement)
+            from pipec.deadlock import find_deadlock
+
+            for w in find_deadlock(sched):
+                needed = (w.needs.kind, w.needs.mb, w.needs.stage)
+                assert needed in deps(w.op.kind, w.op.mb, w.op.stage, S, rs.split)  # a true dependency
+                assert rs.placement[w.needs.stage] == w.peer != w.rank
+                peer_order = [x for x in orders[w.peer]]
+                stuck = (w.peer_op.kind, w.peer_op.mb, w.peer_op.stage)
+                assert peer_order.index(stuck) <= peer_order.index(needed)  # the peer has not reached it
+        return
+    assert not cyclic
+
+
+@settings(max_examples=40, deadline=None)
+@given(random_schedules())
+def test_program_formats_round_trip(rs):
+    prog = lower(build(Source("random.pipe", rs.text()), {}))
+    assert from_text(to_text(prog)) == prog
+    assert from_json(to_json(prog)) == prog
+    assert to_text(from_text(to_text(prog))) == to_text(prog)
+
+
+@pytest.mark.parametrize("name", library.names())
+def test_library_program_round_trip(name):
+    prog = lower(load(name))
+    assert from_text(to_text(prog)) == prog
+    assert from_json(to_json(prog)) == prog
+
+
+def test_adjacent_send_and_receive_with_one_peer_are_batched():
+    prog = lower(load("1f1b", p=2, m=3))
+    text = to_text(prog)
+    assert "RECV_GRAD 0 0 1 &\nSEND_ACT 1 0 1\n" in text
+    assert "RECV_ACT 1 1 0 &\nSEND_GRAD 0 1 0\n" in text
+
+
+def test_local_hand_off_has_no_wire_instructions():
+    text = """schedule "two-on-one" (p: int = 1, m: int = 2) {
+        stages 2
+        place s -> 0
+        rank r { F(0, stage: 0) F(0, stage: 1) B(0, stage: 1) B(0, stage: 0)
+                 F(1, stage: 0) F(1, stage: 1) B(1, stage: 1) B(1, stage: 0) }
+    }"""
+    prog = lower(build(Source("t.pipe", text), {}))
+    assert [i.op for i in prog.ranks[0].instructions()] == ["FWD", "FWD", "BWD", "BWD"] * 2 + [
+        "REDUCE_GRAD",
+        "REDUCE_GRAD",
+        "STEP",
+        "STEP",
+    ]
+
+
+def test_malformed_program_text_is_a_diagnostic():
+    text = to_text(lower(load("1f1b", p=2, m=2))).replace("FWD 1 0", "FWD 1")
+    with pytest.raises(PipecError) as info:
+        from_text(text, "x.prog")
+    assert info.value.code == "E501"
+    assert info.value.span.line == text.splitlines().index("FWD 1") + 1
