@@ -1,9 +1,10 @@
 """All checks after evaluation, then lowering: a Schedule becomes a proven-safe Program.
 
-Order: memory (E402), lower, rendezvous dry run of the Program. The dry run is
-stricter than the schedule's own wait-for relation, so the (slower to explain)
-schedule-level deadlock search runs only when the dry run gets stuck: a cycle
-there is the schedule's fault (E401), otherwise the lowering's (E403).
+Order: memory (E402); the schedule's own wait-for relation (E401, found while
+lowering takes its global order); lowering; a strict dry run of the Program
+(E404 when two ranks would issue messages to each other in different orders,
+E403 when the Program can still deadlock, a lowering bug this check exists to
+catch).
 """
 
 from __future__ import annotations
@@ -13,11 +14,10 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from pipec.deadlock import deadlock_error, find_deadlock
-from pipec.dryrun import DryRun, dry_run
+from pipec.dryrun import DryRun
 from pipec.errors import PipecError, error
 from pipec.ir import Schedule
-from pipec.lower import lower
+from pipec.lower import lower_with_proof
 from pipec.memory import RankMemory, check_memory, rank_memory
 from pipec.program import Program
 
@@ -33,12 +33,8 @@ def compile_schedule(sched: Schedule, memory: Mapping[str, float] | None = None)
     """Check memory and deadlock freedom and lower; raises PipecError (E401/E402/E403)."""
     reports = rank_memory(sched, memory)
     check_memory(sched, reports)
-    prog = lower(sched)
-    run = dry_run(prog)
+    prog, run = lower_with_proof(sched)  # E401 when the schedule itself deadlocks
     if not run.completed:
-        cycle = find_deadlock(sched)
-        if cycle:
-            raise deadlock_error(sched, cycle)
         raise program_deadlock_error(sched, run)
     return Compiled(sched, prog, tuple(reports))
 
@@ -53,8 +49,8 @@ def program_deadlock_error(sched: Schedule, run: DryRun) -> PipecError:
     notes = []
     for r in cycle:
         w = by_rank[r]
-        if w.event == "post":
-            notes.append(f"rank {r} blocks at `{w.instr}` until rank {w.peer} posts the matching receive")
+        if w.event == "match":
+            notes.append(f"rank {r} blocks at `{w.instr}` until rank {w.peer} issues the matching receive")
         elif w.event == "arrival":
             notes.append(f"rank {r} blocks at `{w.instr}` waiting for {w.what} from rank {w.peer}")
         else:

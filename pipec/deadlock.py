@@ -32,6 +32,19 @@ class WaitStep:
 
 def find_deadlock(sched: Schedule) -> tuple[WaitStep, ...]:
     """The wait cycle if the schedule's ranks cannot all finish, else ()."""
+    return _progress(sched)[1]
+
+
+def global_order(sched: Schedule) -> list[np.ndarray]:
+    """Per rank, the time (a global counter) at which each op completes in one dependency-respecting
+    execution of all ranks; raises E401 with the explained cycle when there is none."""
+    times, cycle = _progress(sched)
+    if cycle:
+        raise deadlock_error(sched, cycle)
+    return times
+
+
+def _progress(sched: Schedule) -> tuple[list[np.ndarray], tuple[WaitStep, ...]]:
     S, m, K = sched.num_stages, sched.num_microbatches, len(sched.kinds)
     R = sched.num_ranks
     where = np.full(K * S * m, -1, dtype=np.int64)  # op key -> (rank, index) packed
@@ -51,32 +64,59 @@ def find_deadlock(sched: Schedule) -> tuple[WaitStep, ...]:
         remote.append(dep.tolist())
     paired = [r.paired.tolist() for r in sched.ranks]
 
-    done = bytearray(int(offsets[-1]))
+    # Rounds: all ranks step together, one op (or overlapped pair) per round, so an op runs in round
+    # max(previous op's round, its remote input's round) + 1. Computed event-driven, each op once.
+    n = int(offsets[-1])
+    rounds = [-1] * n
     pc = [0] * R
+    last_round = [-1] * R
     stuck_on: dict[int, int] = {}
     waiters: dict[int, list[int]] = {}
     queue = deque(range(R))
     while queue:
         r = queue.popleft()
         deps, pairs, base = remote[r], paired[r], int(offsets[r])
-        j, end = pc[r], len(deps)
+        j, end, t = pc[r], len(deps), last_round[r]
         while j < end:
-            # An overlapped pair starts only when both ops have their inputs.
-            last = j + 1 if pairs[j] and j + 1 < end else j
-            need = next((d for d in deps[j : last + 1] if d >= 0 and not done[d]), -1)
-            if need >= 0:
-                stuck_on[r] = need
-                waiters.setdefault(need, []).append(r)
-                break
-            for x in range(j, last + 1):
-                done[base + x] = 1
-                for w in waiters.pop(base + x, ()):
-                    queue.append(w)
-            j = last + 1
-        pc[r] = j
-    if all(pc[r] == len(remote[r]) for r in range(R)):
-        return ()
-    return _explain(sched, pc, stuck_on, offsets)
+            d = deps[j]
+            if pairs[j] and j + 1 < end:  # an overlapped pair starts when both ops have their inputs
+                d2 = deps[j + 1]
+                if d2 >= 0 and (d < 0 or rounds[d] >= 0):
+                    d, d2 = d2, d
+                if d >= 0 and rounds[d] < 0:
+                    stuck_on[r] = d
+                    waiters.setdefault(d, []).append(r)
+                    break
+                t = max(t, rounds[d] if d >= 0 else -1, rounds[d2] if d2 >= 0 else -1) + 1
+                rounds[base + j] = rounds[base + j + 1] = t
+                for x in (base + j, base + j + 1):
+                    if x in waiters:
+                        queue.extend(waiters.pop(x))
+                j += 2
+                continue
+            if d >= 0:
+                td = rounds[d]
+                if td < 0:
+                    stuck_on[r] = d
+                    waiters.setdefault(d, []).append(r)
+                    break
+                t = td + 1 if td >= t else t + 1
+            else:
+                t += 1
+            rounds[base + j] = t
+            if base + j in waiters:
+                queue.extend(waiters.pop(base + j))
+            j += 1
+        pc[r], last_round[r] = j, t
+    if any(pc[r] != len(remote[r]) for r in range(R)):
+        return [], _explain(sched, pc, stuck_on, offsets)
+    # One total order, the same on every rank: by round, then rank, then position.
+    rnd = np.asarray(rounds, dtype=np.int64)
+    rank_of = np.repeat(np.arange(R), np.diff(offsets))
+    order = np.lexsort((np.arange(n), rank_of, rnd))
+    time = np.empty(n, dtype=np.int64)
+    time[order] = np.arange(n)
+    return [time[offsets[r] : offsets[r + 1]] for r in range(R)], ()
 
 
 def _explain(sched: Schedule, pc: list[int], stuck_on: dict[int, int], offsets) -> tuple[WaitStep, ...]:

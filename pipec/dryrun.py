@@ -1,11 +1,15 @@
-"""An exact dry run of a Program under rendezvous sends: the strictest NCCL behaviour.
+"""An exact dry run of a Program under the strictest NCCL behaviour.
 
-A send completes only once the peer has posted the matching receive; posting a
-receive never blocks; a compute waits until its remote inputs have arrived (a
-send completed) and its local inputs were computed. Within a batched group
-every receive is posted before any send waits. A Program that finishes under
-these rules finishes under any buffering. Event-driven: each instruction is
-visited once and a blocked rank sleeps until the event it waits for.
+The rules: between two ranks, messages match in the order each side issued
+them (NCCL runs one pair's operations in issue order), so both sides must
+issue the same sequence (checked first, E404). Posting a receive never
+blocks; a send blocks its rank until the matching receive is posted and every
+earlier message between the two ranks has matched (rendezvous); a batched
+group issues all of its operations before its sends wait; a compute waits
+until the receive of its input has completed and its local inputs were
+computed. A Program that finishes under these rules finishes under any
+buffering. Event-driven: each instruction is visited once, a blocked rank
+sleeps until the event it waits for; per-instruction keys come from numpy.
 """
 
 from __future__ import annotations
@@ -13,6 +17,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
+
+from pipec.errors import PipecError, error
 from pipec.program import (
     BWD,
     FWD,
@@ -29,143 +36,209 @@ from pipec.program import (
 
 @dataclass(frozen=True)
 class Wait:
-    """A rank stuck at an instruction, waiting for `event` ("post", "arrival" or "compute") from `peer`."""
+    """A rank stuck at an instruction, waiting for `event` ("match", "arrival" or "compute") from `peer`."""
 
     rank: int
     index: int
     instr: Instr
     event: str
     peer: int
-    what: str  # human description of the awaited message or op
+    what: str  # human description of what it waits for
 
 
 @dataclass(frozen=True)
 class DryRun:
     completed: bool
     waits: tuple[Wait, ...]  # for each stuck rank, what it waits on (empty when completed)
-    hoists: tuple[tuple[int, int, int], ...] = ()  # (rank, receive index, post it before this index)
 
 
-def dry_run(prog: Program, repair: bool = False) -> DryRun:
-    """Run the Program; with `repair`, when every rank is stuck, post the receives that blocked sends
-    wait for at the receiving rank's current position (as late as possible) and go on, returning those
-    moves for the lowering to apply."""
+def _columns(prog: Program) -> list[tuple[list, ...]]:
+    """Per rank and instruction: message key it issues or awaits; local ops it needs (a BWD needs its
+    forward and, when the next stage shares the rank, that stage's backward); key of the op it
+    computes; its position k on the channel with its peer (for a compute: the k of the receive it
+    awaits); the channel (pair of ranks) and the directed counters it touches. Computed for all ranks
+    at once. Message key: (kind * S + sending stage) * m + mb; op key: (kind * S + stage) * m + mb."""
+    S, m, R = prog.num_stages, prog.num_microbatches, prog.num_ranks
+    lengths = [len(rp) for rp in prog.ranks]
+    offsets = np.cumsum([0] + lengths)
+    if offsets[-1] == 0:
+        return [tuple([] for _ in range(10)) for _ in prog.ranks]
+    placement = np.asarray(prog.placement, dtype=np.int64)
+    op = np.concatenate([rp.op for rp in prog.ranks])
+    mb = np.concatenate([rp.mb for rp in prog.ranks])
+    s = np.concatenate([rp.stage for rp in prog.ranks])
+    group = np.concatenate([rp.group for rp in prog.ranks])
+    peer = np.concatenate([rp.peer for rp in prog.ranks])
+    rank = np.repeat(np.arange(R), lengths)
+    none = np.full(len(op), -1, dtype=np.int64)
+    prev_s, next_s = np.clip(s - 1, 0, S - 1), np.clip(s + 1, 0, S - 1)
+    prev_local, next_local = placement[prev_s] == rank, placement[next_s] == rank
+    msg = _message_keys(op, mb, s, S, m)
+    f_remote = (op == FWD) & (s > 0) & ~prev_local
+    b_remote = (op == BWD) & (s < S - 1) & ~next_local
+    msg = np.where(f_remote, (s - 1) * m + mb, np.where(b_remote, (S + s + 1) * m + mb, msg))
+    dep1 = np.where((op == FWD) & (s > 0) & prev_local, prev_s * m + mb, none)
+    dep1 = np.where((op == BWD) & (s < S - 1) & next_local, (S + next_s) * m + mb, dep1)
+    dep1 = np.where(op == WGRAD, (S + s) * m + mb, dep1)
+    dep2 = np.where(op == BWD, s * m + mb, none)
+    own = np.where(op <= WGRAD, (op * S + s) * m + mb, none)
+    # Channel position of each send/receive: how many earlier ones its rank issued to that peer.
+    comm = np.flatnonzero((op >= RECV_ACT) & (op <= SEND_GRAD))
+    k = none.copy()
+    directed = rank[comm] * R + peer[comm]
+    by = comm[np.argsort(directed, kind="stable")]
+    d_sorted = np.sort(directed, kind="stable")
+    if len(by):
+        starts = np.flatnonzero(np.r_[True, d_sorted[1:] != d_sorted[:-1]])
+        k[by] = np.arange(len(by)) - np.repeat(starts, np.diff(np.r_[starts, len(by)]))
+    # A compute with a remote input waits on its rank's receive of that message.
+    needs = np.flatnonzero(f_remote | b_remote)
+    recvs = np.flatnonzero((op == RECV_ACT) | (op == RECV_GRAD))
+    if len(needs):
+        peer[needs] = placement[np.where(f_remote[needs], prev_s[needs], next_s[needs])]
+        if len(recvs):
+            rkey = rank[recvs] * (2 * S * m) + msg[recvs]
+            order = np.argsort(rkey, kind="stable")
+            keys = rkey[order]
+            want = rank[needs] * (2 * S * m) + msg[needs]
+            at = np.clip(np.searchsorted(keys, want), 0, len(keys) - 1)
+            k[needs] = np.where(keys[at] == want, k[recvs][order][at], -1)
+    q = np.clip(peer, 0, R - 1)
+    chan = np.minimum(rank, q) * R + np.maximum(rank, q)
+    out, back = rank * R + q, q * R + rank
+    cols = [c.tolist() for c in (op, msg, dep1, dep2, own, group, chan, k, out, back)]
+    return [tuple(c[offsets[r] : offsets[r + 1]] for c in cols) for r in range(R)]
+
+
+def _message_keys(op, mb, s, S: int, m: int):
+    sender = np.where(op == RECV_ACT, s - 1, np.where(op == RECV_GRAD, S + s + 1, -1))
+    sender = np.where(op == SEND_ACT, s, np.where(op == SEND_GRAD, S + s, sender))
+    return np.where(sender >= 0, sender * m + mb, -1)
+
+
+def check_channels(prog: Program) -> None:
+    """Every send and receive names the right peer, and both ends of every rank pair issue the same
+    messages in the same order (E404)."""
     S, m = prog.num_stages, prog.num_microbatches
-    placement = prog.placement
-    R = prog.num_ranks
-    cols = [
-        (rp.op.tolist(), rp.mb.tolist(), rp.stage.tolist(), rp.peer.tolist(), rp.group.tolist()) for rp in prog.ranks
-    ]
-    ends = [len(c[0]) for c in cols]
-    pc = [0] * R
-    posted: set[int] = set()
-    arrived: set[int] = set()
-    computed: set[int] = set()
-    waiters: dict[tuple[int, int], list[int]] = {}
-    blocked: dict[int, tuple[str, int, int]] = {}  # rank -> (event, key, peer)
-    group_posted = [-1] * R  # index of the group whose receives are already posted
-
-    def msg(kind: int, mb: int, send_stage: int) -> int:
-        return (kind * S + send_stage) * m + mb
-
-    def comp(k: int, mb: int, stage: int) -> int:
-        return (k * S + stage) * m + mb
-
-    def wake(event: int, key: int, queue: deque) -> None:
-        for r in waiters.pop((event, key), ()):
-            blocked.pop(r, None)
-            queue.append(r)
-
-    POST, ARRIVE, DONE = 0, 1, 2
-    queue = deque(range(R))
-    hoists: list[tuple[int, int, int]] = []
-    recv_at: dict[int, tuple[int, int]] | None = None
-    while True:
-        if not queue:
-            if not repair or not blocked:
-                break
-            if recv_at is None:
-                recv_at = _receive_index(cols, msg)
-            for _, (event, key, peer) in sorted(blocked.items()):
-                if event != "post" or key in posted or key not in recv_at:
-                    continue
-                owner, index = recv_at[key]
-                if owner != peer or index < pc[peer]:
-                    continue
-                start = pc[peer]
-                while start > 0 and cols[peer][4][start - 1]:
-                    start -= 1
-                hoists.append((peer, index, start))
-                posted.add(key)
-                wake(POST, key, queue)
-            if not queue:
-                break
+    placement = np.asarray(prog.placement, dtype=np.int64)
+    seqs: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+    for r, rp in enumerate(prog.ranks):
+        comm = np.flatnonzero((rp.op >= RECV_ACT) & (rp.op <= SEND_GRAD))
+        op, s = rp.op[comm], rp.stage[comm]
+        is_send = (op == SEND_ACT) | (op == SEND_GRAD)
+        other = np.where((op == RECV_ACT) | (op == SEND_GRAD), s - 1, s + 1)
+        ok = (other >= 0) & (other < S) & (placement[np.clip(other, 0, S - 1)] == rp.peer[comm]) & (rp.peer[comm] != r)
+        if not ok.all():
+            j = int(comm[np.flatnonzero(~ok)[0]])
+            raise error("E404", f"rank {r}: `{_instr_at(prog, r, j)}` names the wrong peer or a stage out of range")
+        keys = _message_keys(op, rp.mb[comm], s, S, m) * 2 + is_send
+        by_peer = np.argsort(rp.peer[comm], kind="stable")
+        peers = rp.peer[comm][by_peer]
+        for q in np.unique(peers).tolist():
+            sel = by_peer[peers == q]
+            seqs[(r, q)] = (keys[sel], comm[sel])
+    for (a, b), (mine, where_a) in seqs.items():
+        theirs, where_b = seqs.get((b, a), (np.zeros(0, np.int64), np.zeros(0, np.int64)))
+        if a > b and (b, a) in seqs:
             continue
+        # The same messages, each a send on one side and a receive on the other: keys differ by the flag.
+        n = min(len(mine), len(theirs))
+        bad = np.flatnonzero((mine[:n] // 2 != theirs[:n] // 2) | (mine[:n] % 2 == theirs[:n] % 2))
+        if len(bad) or len(mine) != len(theirs):
+            k = int(bad[0]) if len(bad) else n
+            raise _mismatch(prog, a, b, k, where_a, where_b)
+
+
+def _mismatch(prog: Program, a: int, b: int, k: int, where_a, where_b) -> PipecError:
+    def say(r: int, q: int, where) -> str:
+        if k >= len(where):
+            return f"rank {r} issues no message {k} to rank {q}"
+        return f"rank {r}'s message {k} with rank {q} is `{_instr_at(prog, r, int(where[k]))}`"
+
+    return error(
+        "E404",
+        f"ranks {a} and {b} issue their messages to each other in different orders; NCCL would hang",
+        notes=(say(a, b, where_a), say(b, a, where_b)),
+    )
+
+
+def dry_run(prog: Program) -> DryRun:
+    """Run the Program under the rules above (after `check_channels`)."""
+    check_channels(prog)
+    S, m, R = prog.num_stages, prog.num_microbatches, prog.num_ranks
+    cols = _columns(prog)
+    ends = [len(c[0]) for c in cols]
+    kmax = max(ends, default=0) + 1
+    pc = [0] * R
+    issued_upto = [0] * R
+    computed = bytearray(3 * S * m)
+    issued = [0] * (R * R)  # issued[a * R + b]: messages a issued towards b
+    matched = [0] * (R * R)  # matched[min * R + max]: messages matched between the two
+    waiting: dict[int, list[int]] = {}  # channel * kmax + k, or -1 - op key -> ranks
+    blocked: dict[int, tuple[str, int, int]] = {}  # rank -> (event, key, peer)
+    queue = deque(range(R))
+
+    while queue:
         r = queue.popleft()
-        ops, mbs, stages, peers, groups = cols[r]
+        ops, msgs, dep1s, dep2s, owns, groups, chans, ks, outs, backs = cols[r]
         j, end = pc[r], ends[r]
         while j < end:
             o = ops[j]
-            # At the start of a batched group, post all of its receives first.
-            if groups[j] and group_posted[r] < j and (j == 0 or not groups[j - 1]):
-                g = j
-                while True:
-                    if ops[g] == RECV_ACT or ops[g] == RECV_GRAD:
-                        key = msg(0, mbs[g], stages[g] - 1) if ops[g] == RECV_ACT else msg(1, mbs[g], stages[g] + 1)
-                        posted.add(key)
-                        wake(POST, key, queue)
-                    if not groups[g]:
+            if o <= WGRAD:
+                if msgs[j] >= 0:
+                    k = ks[j]
+                    if k < 0 or matched[chans[j]] <= k:
+                        blocked[r] = ("arrival", msgs[j], outs[j] % R)
+                        if k >= 0:
+                            waiting.setdefault(chans[j] * kmax + k, []).append(r)
                         break
-                    g += 1
-                group_posted[r] = j
-            mb, s = mbs[j], stages[j]
-            if o == RECV_ACT or o == RECV_GRAD:
-                key = msg(0, mb, s - 1) if o == RECV_ACT else msg(1, mb, s + 1)
-                if key not in posted:
-                    posted.add(key)
-                    wake(POST, key, queue)
-            elif o == SEND_ACT or o == SEND_GRAD:
-                key = msg(0 if o == SEND_ACT else 1, mb, s)
-                if key not in posted:
-                    blocked[r] = ("post", key, peers[j])
-                    waiters.setdefault((POST, key), []).append(r)
+                d = dep1s[j]
+                if d < 0 or computed[d]:
+                    d = dep2s[j]
+                if d >= 0 and not computed[d]:
+                    blocked[r] = ("compute", d, r)
+                    waiting.setdefault(-1 - d, []).append(r)
                     break
-                arrived.add(key)
-                wake(ARRIVE, key, queue)
-            elif o == FWD or o == BWD or o == WGRAD:
-                need = None
-                if o == FWD and s > 0:
-                    need = (msg(0, mb, s - 1), comp(0, mb, s - 1), placement[s - 1])
-                elif o == BWD and s < S - 1:
-                    need = (msg(1, mb, s + 1), comp(1, mb, s + 1), placement[s + 1])
-                if need is not None:
-                    mkey, ckey, owner = need
-                    if owner == r:
-                        if ckey not in computed:
-                            blocked[r] = ("compute", ckey, r)
-                            waiters.setdefault((DONE, ckey), []).append(r)
-                            break
-                    elif mkey not in arrived:
-                        blocked[r] = ("arrival", mkey, owner)
-                        waiters.setdefault((ARRIVE, mkey), []).append(r)
-                        break
-                local = None
-                if o == BWD:
-                    local = comp(0, mb, s)
-                elif o == WGRAD:
-                    local = comp(1, mb, s)
-                if local is not None and local not in computed:
-                    blocked[r] = ("compute", local, r)
-                    waiters.setdefault((DONE, local), []).append(r)
+                key = owns[j]
+                computed[key] = 1
+                if -1 - key in waiting:
+                    for w in waiting.pop(-1 - key):
+                        del blocked[w]
+                        queue.append(w)
+                j += 1
+                continue
+            if o > SEND_GRAD:  # REDUCE_GRAD, STEP
+                j += 1
+                continue
+            last = j  # this instruction, or its whole batched group, is issued once
+            while groups[last] and last + 1 < end and RECV_ACT <= ops[last + 1] <= SEND_GRAD:
+                last += 1
+            if issued_upto[r] <= j:
+                for x in range(j, last + 1):
+                    issued[outs[x]] += 1
+                    c = chans[x]
+                    done = min(issued[outs[x]], issued[backs[x]])
+                    while matched[c] < done:
+                        for w in waiting.pop(c * kmax + matched[c], ()):
+                            del blocked[w]
+                            queue.append(w)
+                        matched[c] += 1
+                issued_upto[r] = last + 1
+            stuck = -1  # sends block until matched
+            for x in range(j, last + 1):
+                if (ops[x] == SEND_ACT or ops[x] == SEND_GRAD) and matched[chans[x]] <= ks[x]:
+                    stuck = x
                     break
-                key = comp(o, mb, s)
-                computed.add(key)
-                wake(DONE, key, queue)
-            j += 1
+            if stuck >= 0:
+                blocked[r] = ("match", msgs[stuck], outs[stuck] % R)
+                waiting.setdefault(chans[stuck] * kmax + ks[stuck], []).append(r)
+                j = stuck
+                break
+            j = last + 1
         pc[r] = j
 
-    if all(pc[r] == ends[r] for r in range(R)):
-        return DryRun(True, (), tuple(hoists))
+    if pc == ends:
+        return DryRun(True, ())
     waits = []
     for r in range(R):
         if pc[r] == ends[r]:
@@ -177,21 +250,8 @@ def dry_run(prog: Program, repair: bool = False) -> DryRun:
             what = f"{('FWD', 'BWD', 'WGRAD')[kind]} {mb} {stage}"
         else:
             what = f"the {'activation' if kind == 0 else 'gradient'} of micro-batch {mb} from stage {stage}"
-        instr = _instr_at(prog, r, pc[r])
-        waits.append(Wait(r, pc[r], instr, event, peer, what))
-    return DryRun(False, tuple(waits), tuple(hoists))
-
-
-def _receive_index(cols, msg) -> dict[int, tuple[int, int]]:
-    """Message key -> (rank, index) of the receive instruction that posts it."""
-    out = {}
-    for r, (ops, mbs, stages, _, _) in enumerate(cols):
-        for j, o in enumerate(ops):
-            if o == RECV_ACT:
-                out[msg(0, mbs[j], stages[j] - 1)] = (r, j)
-            elif o == RECV_GRAD:
-                out[msg(1, mbs[j], stages[j] + 1)] = (r, j)
-    return out
+        waits.append(Wait(r, pc[r], _instr_at(prog, r, pc[r]), event, peer, what))
+    return DryRun(False, tuple(waits))
 
 
 def _instr_at(prog: Program, r: int, j: int) -> Instr:

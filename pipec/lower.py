@@ -1,25 +1,34 @@
 """Schedule to Program: explicit sends and receives around each rank's compute.
 
-Placement (the rendezvous-safe order): the receives an op needs are posted
-right after the previous compute step, before that step's sends, so a peer
-blocked on a send always finds the matching receive posted once it reaches
-its own previous step:
+NCCL runs the point-to-point operations between two ranks in the order they
+were issued, so both ranks must issue their messages to each other in one
+order, or they hang (the cross-node send-before-recv deadlocks users hit in
+torch, pytorch/pytorch#172668). The lowering makes that hold by
+construction: it takes one dependency-respecting execution of the whole
+schedule in rounds (`deadlock.global_order`: all ranks step together, one op
+per round), gives every op and message a time in that execution, and places
+each send and receive at its time on both ends, so each channel is ordered by
+message time on both sides.
 
-    RECV(op0)  C(op0)  RECV(op1)  SEND(op0)  C(op1)  RECV(op2)  SEND(op1) ...
+- A send goes right after the compute that produces it.
+- A receive is posted at the receiving rank's point in that timeline when
+  the message is sent: after its last op that ran earlier, so a sender that
+  keeps to the timeline never waits, and always before the consuming
+  compute (which ran later).
+- A send and a receive with the same peer, side by side, form one batched
+  exchange (one `batch_isend_irecv`, Megatron's `send_forward_recv_backward`).
+- Stages on the same rank hand tensors over locally: no instruction.
 
-A receive and a send with the same peer that end up adjacent are bound into
-one batched exchange (Megatron's `send_forward_recv_backward`), which is
-what keeps NCCL from the cross-node send-before-recv deadlock
-(pytorch/pytorch#172668). Ops of one stage pair handed between stages on the
-same rank need no instruction: the runtime keeps the tensor locally.
-Built with numpy per rank: slot positions, one stable sort, masks.
+`pipec.dryrun` then proves the result under rendezvous sends. Built with
+numpy per rank: slot keys, one sort, masks.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from pipec.dryrun import dry_run
+from pipec.deadlock import global_order
+from pipec.dryrun import DryRun, dry_run
 from pipec.ir import RankOps, Schedule
 from pipec.program import (
     BWD,
@@ -37,117 +46,97 @@ from pipec.program import (
 
 
 def lower(sched: Schedule) -> Program:
-    """One instruction stream per rank (the schedule must have passed `check_schedule`).
+    """One instruction stream per rank (the schedule must have passed `check_schedule`)."""
+    return lower_with_proof(sched)[0]
 
-    The first placement posts each receive one step ahead. Where a send would still wait on a receive
-    posted later (interleaved schedules, for example), a repairing dry run finds the latest point at
-    which that receive must be posted and moves it there; `pipec.compiler` then proves the result
-    with a strict dry run.
-    """
+
+def lower_with_proof(sched: Schedule) -> tuple[Program, DryRun]:
+    """The Program and a strict rendezvous dry run of it; E401 when the schedule itself deadlocks."""
+    times = global_order(sched)
+    S, m, K = sched.num_stages, sched.num_microbatches, len(sched.kinds)
+    time_of = np.zeros(K * S * m, dtype=np.int64)  # op key -> completion time
+    for ops, t in zip(sched.ranks, times):
+        time_of[(ops.kind * S + ops.stage) * m + ops.mb] = t
     placement = np.asarray(sched.placement, dtype=np.int64)
-    prog = _program(sched, tuple(_lower_rank(sched, r, ops, placement) for r, ops in enumerate(sched.ranks)))
-    run = dry_run(prog, repair=True)
-    if not run.hoists:
-        return prog
-    return _program(sched, _apply_hoists(prog, run.hoists))
-
-
-def _program(sched: Schedule, ranks: tuple[RankProgram, ...]) -> Program:
-    return Program(
+    ranks = tuple(
+        _lower_rank(sched, r, ops, t, time_of, placement) for r, (ops, t) in enumerate(zip(sched.ranks, times))
+    )
+    prog = Program(
         name=sched.name,
         params=sched.params,
-        num_stages=sched.num_stages,
+        num_stages=S,
         num_ranks=sched.num_ranks,
-        num_microbatches=sched.num_microbatches,
+        num_microbatches=m,
         split_backward=sched.split_backward,
         placement=sched.placement,
         ranks=ranks,
     )
+    return prog, dry_run(prog)
 
 
-def _apply_hoists(prog: Program, hoists) -> tuple[RankProgram, ...]:
-    by_rank: dict[int, list[tuple[int, int]]] = {}
-    for r, src, dst in hoists:
-        by_rank.setdefault(r, []).append((src, dst))
-    ranks = list(prog.ranks)
-    for r, moves in by_rank.items():
-        rp = ranks[r]
-        n = len(rp)
-        # Each instruction keeps its index as sort key, except moved receives: just before `dst`,
-        # in their original order when several move to one point.
-        key = np.arange(n, dtype=float)
-        for src, dst in moves:
-            key[src] = dst - 0.5 + src / (4.0 * n)
-        order = np.argsort(key, kind="stable")
-        # Batched exchanges are re-bound on the new order; compute pairs keep theirs.
-        group = rp.group & ~np.isin(rp.op, (RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD))
-        op, peer = rp.op[order], rp.peer[order]
-        ranks[r] = RankProgram(op, rp.mb[order], rp.stage[order], peer, _bind_exchanges(op, peer, group[order]))
-    return tuple(ranks)
-
-
-def _bind_exchanges(code: np.ndarray, peer: np.ndarray, group: np.ndarray) -> np.ndarray:
-    """Bind each receive to a directly following send with the same peer: one batched exchange."""
-    group = group.copy()
-    if len(code) > 1:
-        is_recv = (code == RECV_ACT) | (code == RECV_GRAD)
-        is_send = (code == SEND_ACT) | (code == SEND_GRAD)
-        group[:-1] |= is_recv[:-1] & is_send[1:] & (peer[:-1] == peer[1:])
-    return group
-
-
-def _lower_rank(sched: Schedule, rank: int, ops: RankOps, placement: np.ndarray) -> RankProgram:
-    S = sched.num_stages
+def _lower_rank(
+    sched: Schedule, rank: int, ops: RankOps, times: np.ndarray, time_of: np.ndarray, placement: np.ndarray
+) -> RankProgram:
+    S, m = sched.num_stages, sched.num_microbatches
     n = len(ops)
     kind, mb, stage = ops.kind, ops.mb, ops.stage
     # Step index: the two ops of an overlapped pair share a step.
     second = np.zeros(n, dtype=bool)
     second[1:] = ops.paired[:-1]
-    step = np.cumsum(~second) - 1 if n else np.zeros(0, dtype=np.int64)
+    step = np.cumsum(~second) - 1
 
     is_f, is_b = kind == 0, kind == 1
     prev_owner = placement[np.maximum(stage - 1, 0)]
     next_owner = placement[np.minimum(stage + 1, S - 1)]
-    recv_act = is_f & (stage > 0) & (prev_owner != rank)
-    recv_grad = is_b & (stage < S - 1) & (next_owner != rank)
-    send_act = is_f & (stage < S - 1) & (next_owner != rank)
-    send_grad = is_b & (stage > 0) & (prev_owner != rank)
-
-    compute_code = np.where(is_f, FWD, np.where(is_b, BWD, WGRAD))
-    recv = recv_act | recv_grad
-    send = send_act | send_grad
-    recv_code = np.where(is_f, RECV_ACT, RECV_GRAD)
-    send_code = np.where(is_f, SEND_ACT, SEND_GRAD)
+    recv = (is_f & (stage > 0) & (prev_owner != rank)) | (is_b & (stage < S - 1) & (next_owner != rank))
+    send = (is_f & (stage < S - 1) & (next_owner != rank)) | (is_b & (stage > 0) & (prev_owner != rank))
     recv_peer = np.where(is_f, prev_owner, next_owner)
     send_peer = np.where(is_f, next_owner, prev_owner)
-    idx = np.arange(n)
+    # A message's time: when its producer completes (the producer of B(i,s)'s gradient is B(i,s+1)).
+    producer_stage = np.clip(np.where(is_f, stage - 1, stage + 1), 0, S - 1)
+    recv_time = time_of[(is_b * S + producer_stage) * m + mb]
 
-    # Position of each slot: C(step g) at 3g+1, its receives at 3g-1, its sends at 3g+3.
-    pos = np.concatenate([3 * step[recv] - 1, 3 * step + 1, 3 * step[send] + 3])
-    order_in = np.concatenate([idx[recv], idx, idx[send]])
-    code = np.concatenate([recv_code[recv], compute_code, send_code[send]])
-    peer = np.concatenate([recv_peer[recv], np.full(n, -1), send_peer[send]])
-    src = np.concatenate([idx[recv], idx, idx[send]])
-    order = np.lexsort((order_in, pos))
+    # Slot keys (primary, secondary): compute of step g at 4g+1 and its sends at 4g+2, both after their
+    # time; a receive of a message produced at time t right after this rank's last op before t.
+    r_idx, s_idx = np.flatnonzero(recv), np.flatnonzero(send)
+    before = np.searchsorted(times, recv_time[r_idx]) - 1
+    recv_primary = np.where(before >= 0, 4 * step[np.maximum(before, 0)] + 2, -1)
+    recv_code = np.where(is_f, RECV_ACT, RECV_GRAD)[r_idx]
+    send_code = np.where(is_f, SEND_ACT, SEND_GRAD)[s_idx]
+    compute_code = np.where(is_f, FWD, np.where(is_b, BWD, WGRAD))
+    primary = np.concatenate([recv_primary, 4 * step + 1, 4 * step[s_idx] + 2])
+    secondary = np.concatenate([recv_time[r_idx], times, times[s_idx]])
+    code = np.concatenate([recv_code, compute_code, send_code])
+    peer = np.concatenate([recv_peer[r_idx], np.full(n, -1), send_peer[s_idx]])
+    src = np.concatenate([r_idx, np.arange(n), s_idx])
+    order = np.lexsort((secondary, primary))
     code, peer, src = code[order], peer[order], src[order]
-    out_mb, out_stage = mb[src], stage[src]
 
     group = np.zeros(len(code), dtype=bool)
-    # Overlapped compute pairs.
-    is_comp = (code == FWD) | (code == BWD) | (code == WGRAD)
-    comp_pos = np.flatnonzero(is_comp)
-    paired_src = ops.paired[src[comp_pos]]
-    group[comp_pos[paired_src]] = True
+    comp = np.flatnonzero(code <= WGRAD)
+    group[comp] = ops.paired[src[comp]]  # overlapped compute pairs
     group = _bind_exchanges(code, peer, group)
 
     own = np.asarray(sched.stages_of(rank), dtype=np.int64)[::-1]
-    tail_code = np.concatenate([np.full(len(own), REDUCE_GRAD), np.full(len(own), STEP)])
-    tail_stage = np.concatenate([own, own])
-    z = np.full(len(tail_code), -1)
+    tail = np.concatenate([np.full(len(own), REDUCE_GRAD), np.full(len(own), STEP)])
+    z = np.full(len(tail), -1)
     return RankProgram(
-        op=np.concatenate([code, tail_code]).astype(np.int64),
-        mb=np.concatenate([out_mb, z]).astype(np.int64),
-        stage=np.concatenate([out_stage, tail_stage]).astype(np.int64),
+        op=np.concatenate([code, tail]).astype(np.int64),
+        mb=np.concatenate([mb[src], z]).astype(np.int64),
+        stage=np.concatenate([stage[src], own, own]).astype(np.int64),
         peer=np.concatenate([peer, z]).astype(np.int64),
-        group=np.concatenate([group, np.zeros(len(tail_code), dtype=bool)]),
+        group=np.concatenate([group, np.zeros(len(tail), dtype=bool)]),
     )
+
+
+def _bind_exchanges(code: np.ndarray, peer: np.ndarray, group: np.ndarray) -> np.ndarray:
+    """A send and a receive with the same peer, side by side, become one batched exchange."""
+    is_send = (code == SEND_ACT) | (code == SEND_GRAD)
+    comm = is_send | (code == RECV_ACT) | (code == RECV_GRAD)
+    pair = comm[:-1] & comm[1:] & (peer[:-1] == peer[1:]) & (is_send[:-1] != is_send[1:])
+    taken = -2
+    for j in np.flatnonzero(pair).tolist():
+        if j > taken + 1:  # never chain three into one group
+            group[j] = True
+            taken = j
+    return group

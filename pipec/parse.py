@@ -40,7 +40,7 @@ MAX_DEPTH = 150
 @functools.cache
 def _parser() -> lark.Lark:
     grammar = resources.files("pipec.grammar").joinpath("pipe.lark").read_text()
-    return lark.Lark(grammar, parser="lalr", propagate_positions=True, maybe_placeholders=True)
+    return lark.Lark(grammar, parser="lalr", propagate_positions=True, maybe_placeholders=True, cache=True)
 
 
 def _tok_span(tok: Token) -> Span:

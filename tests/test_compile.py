@@ -213,8 +213,8 @@ def test_library_program_round_trip(name):
 def test_adjacent_send_and_receive_with_one_peer_are_batched():
     prog = lower(load("1f1b", p=2, m=3))
     text = to_text(prog)
-    assert "RECV_GRAD 0 0 1 &\nSEND_ACT 1 0 1\n" in text
-    assert "RECV_ACT 1 1 0 &\nSEND_GRAD 0 1 0\n" in text
+    assert "SEND_ACT 1 0 1 &\nRECV_GRAD 0 0 1\n" in text
+    assert "SEND_ACT 2 0 1 &\nRECV_GRAD 1 0 1\n" in text
 
 
 def test_local_hand_off_has_no_wire_instructions():
