@@ -52,7 +52,7 @@ class DryRun:
     waits: tuple[Wait, ...]  # for each stuck rank, what it waits on (empty when completed)
 
 
-def _columns(prog: Program) -> list[tuple[list, ...]]:
+def _columns(prog: Program) -> tuple[list[int], tuple[list, ...]]:
     """Per rank and instruction: message key it issues or awaits; local ops it needs (a BWD needs its
     forward and, when the next stage shares the rank, that stage's backward); key of the op it
     computes; its position k on the channel with its peer (for a compute: the k of the receive it
@@ -62,7 +62,7 @@ def _columns(prog: Program) -> list[tuple[list, ...]]:
     lengths = [len(rp) for rp in prog.ranks]
     offsets = np.cumsum([0] + lengths)
     if offsets[-1] == 0:
-        return [tuple([] for _ in range(10)) for _ in prog.ranks]
+        return offsets.tolist(), tuple([] for _ in range(10))
     placement = np.asarray(prog.placement, dtype=np.int64)
     op = np.concatenate([rp.op for rp in prog.ranks])
     mb = np.concatenate([rp.mb for rp in prog.ranks])
@@ -106,8 +106,7 @@ def _columns(prog: Program) -> list[tuple[list, ...]]:
     q = np.clip(peer, 0, R - 1)
     chan = np.minimum(rank, q) * R + np.maximum(rank, q)
     out, back = rank * R + q, q * R + rank
-    cols = [c.tolist() for c in (op, msg, dep1, dep2, own, group, chan, k, out, back)]
-    return [tuple(c[offsets[r] : offsets[r + 1]] for c in cols) for r in range(R)]
+    return offsets.tolist(), tuple(c.tolist() for c in (op, msg, dep1, dep2, own, group, chan, k, out, back))
 
 
 def _message_keys(op, mb, s, S: int, m: int):
@@ -166,11 +165,12 @@ def dry_run(prog: Program) -> DryRun:
     """Run the Program under the rules above (after `check_channels`)."""
     check_channels(prog)
     S, m, R = prog.num_stages, prog.num_microbatches, prog.num_ranks
-    cols = _columns(prog)
-    ends = [len(c[0]) for c in cols]
-    kmax = max(ends, default=0) + 1
-    pc = [0] * R
-    issued_upto = [0] * R
+    offsets, cols = _columns(prog)
+    ops, msgs, dep1s, dep2s, owns, groups, chans, ks, outs, backs = cols
+    pc = offsets[:-1]  # global instruction indices, one per rank
+    ends = offsets[1:]
+    kmax = max((b - a for a, b in zip(offsets, offsets[1:])), default=0) + 1
+    issued_upto = list(pc)
     computed = bytearray(3 * S * m)
     issued = [0] * (R * R)  # issued[a * R + b]: messages a issued towards b
     matched = [0] * (R * R)  # matched[min * R + max]: messages matched between the two
@@ -180,7 +180,6 @@ def dry_run(prog: Program) -> DryRun:
 
     while queue:
         r = queue.popleft()
-        ops, msgs, dep1s, dep2s, owns, groups, chans, ks, outs, backs = cols[r]
         j, end = pc[r], ends[r]
         while j < end:
             o = ops[j]
@@ -201,7 +200,7 @@ def dry_run(prog: Program) -> DryRun:
                     break
                 key = owns[j]
                 computed[key] = 1
-                if -1 - key in waiting:
+                if waiting and -1 - key in waiting:
                     for w in waiting.pop(-1 - key):
                         del blocked[w]
                         queue.append(w)
@@ -210,7 +209,29 @@ def dry_run(prog: Program) -> DryRun:
             if o > SEND_GRAD:  # REDUCE_GRAD, STEP
                 j += 1
                 continue
-            last = j  # this instruction, or its whole batched group, is issued once
+            if not groups[j]:  # a lone send or receive: the common case, kept short
+                if issued_upto[r] <= j:
+                    ox = outs[j]
+                    mine = issued[ox] + 1
+                    issued[ox] = mine
+                    theirs = issued[backs[j]]
+                    c = chans[j]
+                    done = mine if mine < theirs else theirs
+                    while matched[c] < done:
+                        if waiting:
+                            for w in waiting.pop(c * kmax + matched[c], ()):
+                                del blocked[w]
+                                queue.append(w)
+                        matched[c] += 1
+                    issued_upto[r] = j + 1
+                if o == SEND_ACT or o == SEND_GRAD:
+                    if matched[chans[j]] <= ks[j]:
+                        blocked[r] = ("match", msgs[j], outs[j] % R)
+                        waiting.setdefault(chans[j] * kmax + ks[j], []).append(r)
+                        break
+                j += 1
+                continue
+            last = j  # a batched group: issued once, as a whole
             while groups[last] and last + 1 < end and RECV_ACT <= ops[last + 1] <= SEND_GRAD:
                 last += 1
             if issued_upto[r] <= j:
@@ -224,7 +245,7 @@ def dry_run(prog: Program) -> DryRun:
                             queue.append(w)
                         matched[c] += 1
                 issued_upto[r] = last + 1
-            stuck = -1  # sends block until matched
+            stuck = -1  # its sends block until matched
             for x in range(j, last + 1):
                 if (ops[x] == SEND_ACT or ops[x] == SEND_GRAD) and matched[chans[x]] <= ks[x]:
                     stuck = x
@@ -250,7 +271,8 @@ def dry_run(prog: Program) -> DryRun:
             what = f"{('FWD', 'BWD', 'WGRAD')[kind]} {mb} {stage}"
         else:
             what = f"the {'activation' if kind == 0 else 'gradient'} of micro-batch {mb} from stage {stage}"
-        waits.append(Wait(r, pc[r], _instr_at(prog, r, pc[r]), event, peer, what))
+        j = pc[r] - offsets[r]
+        waits.append(Wait(r, j, _instr_at(prog, r, j), event, peer, what))
     return DryRun(False, tuple(waits))
 
 
