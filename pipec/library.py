@@ -16,12 +16,16 @@ def names() -> list[str]:
 
 
 def summary(name: str) -> str:
-    """The first line of a library file's header comment."""
+    """The first sentence of a library file's header comment."""
+    words: list[str] = []
     for line in read(name).text.splitlines():
-        m = re.match(r"#\s*(.+)", line)
-        if m:
-            return m.group(1).strip()
-    return ""
+        m = re.match(r"#\s*(.*)", line)
+        if not m or not m.group(1).strip():
+            break
+        words.append(m.group(1).strip())
+    text = " ".join(words)
+    end = re.search(r"\.(\s|$)", text)
+    return text[: end.start() + 1] if end else text
 
 
 def read(name_or_path: str) -> Source:
