@@ -17,10 +17,15 @@ from pipec import ast
 from pipec.errors import PipecError, Source, Span, error
 
 OP_KINDS = ("F", "B", "W")
+KEYWORDS = frozenset(
+    "schedule require let def for in repeat while if elif else then and or not true false rank stages ranks"
+    " microbatches place ops cost memory topology dc link default latency bandwidth int float bool str".split()
+)
 BUILTINS = ("min", "max", "abs", "done")
 COST_KEYS = ("F", "B", "W", "comm")
 MEMORY_KEYS = ("act", "wact", "params", "limit")
 NUMERIC = ("int", "float")
+MAX_CALLS = 1_000_000  # function calls one call may make: nesting must not hide exponential work
 
 
 @dataclass
@@ -35,6 +40,7 @@ class _Func:
     pyname: str
     scope: _Scope
     checked: dict = field(default_factory=dict)
+    weight: int = 1  # function calls one call makes, itself included (loops inside charge at run time)
 
 
 @dataclass
@@ -79,6 +85,7 @@ class _Compiler:
         self.cur = tree.span
         self.n = 0
         self.counts_ops = False
+        self.weights: list[int] = [0]  # function calls made by the code being generated, per open loop/def
         self.kinds = self._find_kinds()
 
     # ---- helpers
@@ -112,6 +119,8 @@ class _Compiler:
         return d.names
 
     def bind(self, scope: _Scope, name: str, value, span: Span) -> None:
+        if name in KEYWORDS:
+            raise self.err("E104", f"`{name}` is a keyword and cannot name a value", span)
         if name in OP_KINDS or name in BUILTINS:
             raise self.err("E104", f"`{name}` is a built-in name and cannot be redefined", span)
         if name in scope.names:
@@ -191,6 +200,8 @@ class _Compiler:
             self.want(bt, ("bool",), e.right.span, f"`{op}`")
             return f"({a} {op} {b})", "bool"
         if op in ("==", "!="):
+            if "op" in (at, bt):
+                raise self.err("E103", "ops cannot be compared; compare their micro-batches or stages", e.op_span)
             if "any" not in (at, bt) and at != bt and not (at in NUMERIC and bt in NUMERIC):
                 raise self.err("E103", f"cannot compare {at} with {bt}", e.op_span)
             return f"({a} {op} {b})", "bool"
@@ -228,6 +239,7 @@ class _Compiler:
             )
         codes, types = zip(*(self.expr(a, scope) for a in e.args)) if e.args else ((), ())
         rtype = self.check_func(b, tuple(types), e.span)
+        self.weights[-1] += b.weight
         return f"{b.pyname}({', '.join(codes)})", rtype
 
     def builtin(self, e: ast.Call, scope: _Scope) -> tuple[str, str]:
@@ -301,6 +313,7 @@ class _Compiler:
         for name, t in zip(f.node.params, types):
             inner.names[name] = _Value(f"_chk_{name}", t)
         saved = self.out, self.where
+        self.weights.append(0)
         self.out, self.where = [], []
         try:
             if isinstance(f.node.body, tuple):
@@ -314,6 +327,7 @@ class _Compiler:
             raise self.err(d.code, d.message, d.span, notes) from None
         finally:
             self.out, self.where = saved
+            self.weights.pop()
         f.checked[types] = rtype
         return rtype
 
@@ -324,6 +338,18 @@ class _Compiler:
             self.stmt(st, scope, indent, ctx)
         if len(self.out) == start:
             self.line(indent, "pass")
+
+    def loop_body(self, body: tuple, scope: _Scope, indent: int, ctx: str) -> tuple[list[str], int]:
+        """Generate a loop body aside; return its lines and the function calls one iteration makes."""
+        saved = self.out
+        self.out = []
+        self.weights.append(0)
+        try:
+            self.block(body, scope, indent, ctx)
+            return self.out, self.weights[-1]
+        finally:
+            self.out = saved
+            self.weights.pop()
 
     def budget(self, indent: int, count: str, span: Span) -> str:
         """Charge a loop's iteration count to the evaluation budget before it runs."""
@@ -374,18 +400,20 @@ class _Compiler:
             self.n += 1
             self.line(indent, f"{lo_v} = {lo}")
             self.line(indent, f"{hi_v} = {hi}")
-            self.line(indent, f"_charge({hi_v} - {lo_v}, {self.sid(st.span)})")
             inner = _Scope(scope)
             py = self.fresh(st.var)
             self.bind(inner, st.var, _Value(py, "int"), st.span)
+            body, weight = self.loop_body(st.body, inner, indent + 1, ctx)
+            self.line(indent, f"_charge(({hi_v} - {lo_v}) * {1 + weight}, {self.sid(st.span)})")
             self.line(indent, f"for {py} in range({lo_v}, {hi_v}):")
-            self.block(st.body, inner, indent + 1, ctx)
+            self.out.extend(body)
         elif isinstance(st, ast.Repeat):
             n, t = self.expr(st.count, scope)
             self.want(t, ("int",), st.count.span, "`repeat`")
-            var = self.budget(indent, n, st.span)
-            self.line(indent, f"for _ in range({var}):")
-            self.block(st.body, _Scope(scope), indent + 1, ctx)
+            body, weight = self.loop_body(st.body, _Scope(scope), indent + 1, ctx)
+            var = self.budget(indent, f"({n}) * {1 + weight}", st.span)
+            self.line(indent, f"for _ in range({var} // {1 + weight}):")
+            self.out.extend(body)
         elif isinstance(st, ast.While):
             c, t = self.expr(st.cond, scope)
             self.want(t, ("bool",), st.cond.span, "`while`")
@@ -394,8 +422,11 @@ class _Compiler:
             before = f"_w{self.n}"
             self.n += 1
             self.line(indent + 1, f"{before} = len(_ops)")
-            self.block(st.body, _Scope(scope), indent + 1, ctx)
+            body, weight = self.loop_body(st.body, _Scope(scope), indent + 1, ctx)
+            self.out.extend(body)
             self.line(indent + 1, f"_while_check({before}, len(_ops), {sid})")
+            if weight:
+                self.line(indent + 1, f"_charge({weight}, {sid})")
         elif isinstance(st, ast.If):
             for i, (cond, body) in enumerate(st.branches):
                 c, t = self.expr(cond, scope)
@@ -443,13 +474,19 @@ class _Compiler:
             pys.append(p)
             self.bind(inner, name, _Value(p, "any"), st.span)
         self.line(indent, f"def {py}({', '.join(pys)}):")
-        if isinstance(st.body, tuple):
-            self.block(st.body, inner, indent + 1, "func")
-        else:
-            code, t = self.expr(st.body, inner)
-            if t == "none":
-                raise self.err("E103", "an expression function must return a value", st.body.span)
-            self.line(indent + 1, f"return {code}")
+        self.weights.append(0)
+        try:
+            if isinstance(st.body, tuple):
+                self.block(st.body, inner, indent + 1, "func")
+            else:
+                code, t = self.expr(st.body, inner)
+                if t == "none":
+                    raise self.err("E103", "an expression function must return a value", st.body.span)
+                self.line(indent + 1, f"return {code}")
+        finally:
+            f.weight = 1 + self.weights.pop()
+        if f.weight > MAX_CALLS:
+            raise self.err("E207", f"one call to `{st.name}` makes {f.weight:,} function calls", st.span)
         self.bind(scope, st.name, f, st.span)
 
     def decl(self, st, scope: _Scope, indent: int) -> None:
@@ -477,11 +514,11 @@ class _Compiler:
         keys = COST_KEYS if st.kind == "cost" else MEMORY_KEYS
         if st.key not in keys:
             raise self.err("E108", f"unknown {st.kind} `{st.key}`; known: {', '.join(keys)}", st.span)
+
         var = "r" if st.key == "limit" else "s"
         inner = _Scope(scope)
         py = self.fresh(var)
-        if scope.lookup(var) is None:
-            inner.names[var] = _Value(py, "int")
+        inner.names[var] = _Value(py, "int")  # the stage (or rank) shadows any outer name
         code, t = self.expr(st.value, inner)
         self.want(t, NUMERIC, st.value.span, f"`{st.kind} {st.key}`")
         self.line(indent, f"_rt.decl({st.kind!r}, {st.key!r}, lambda {py}: {code}, {sid})")

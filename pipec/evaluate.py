@@ -129,13 +129,14 @@ def _bind_params(compiled: Compiled, source: Source, given: Iterable[tuple[str, 
                 raise ValueError(raw)
         except ValueError:
             raise error("E206", f"parameter `{name}` must be {typ}, got `{raw}`", prm.span, source) from None
-        values[name] = value
+        values[name] = float(value) if typ == "float" else value
     return values
 
 
 def _run(compiled: Compiled, source: Source, given: dict[str, object], only: Iterable[int] | None) -> Schedule:
     ns: dict[str, object] = {}
     exec(_code_object(compiled.code), ns)
+    env = _Env(compiled, ns)  # defaults may divide, so the helpers come first
     # Defaults may refer to earlier parameters.
     values: list[object] = []
     for prm, typ in zip(compiled.params, compiled.param_types):
@@ -151,7 +152,6 @@ def _run(compiled: Compiled, source: Source, given: dict[str, object], only: Ite
             value = _float(value, None)
         values.append(value)
     param_items = tuple((p.name, v) for p, v in zip(compiled.params, values))
-    env = _Env(compiled, ns)
     rt = _Runtime(compiled.spans)
     ns["_rt"] = rt
     ns["_params"] = param_items
@@ -209,6 +209,8 @@ def _run(compiled: Compiled, source: Source, given: dict[str, object], only: Ite
         owned[owner].append(s)
     rank_fn, rank_sid = rt.decls["rank"]
     wanted = set(range(num_ranks)) if only is None else set(only)
+    if not wanted <= set(range(num_ranks)):
+        raise ValueError(f"ranks {sorted(wanted - set(range(num_ranks)))} are not in 0..{num_ranks - 1}")
     rank_ops = []
     for r in range(num_ranks):
         if r in wanted:
