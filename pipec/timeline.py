@@ -34,6 +34,8 @@ class Timeline:
     msg_send: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=float))
     msg_arrival: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=float))
     msg_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=float))
+    # When the receiver posted its receive (empty when unknown; may precede the send).
+    msg_post: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=float))
     origin: str = "simulated"  # or "measured"
     schedule: str = ""
     params: tuple[tuple[str, object], ...] = ()

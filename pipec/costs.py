@@ -1,0 +1,420 @@
+"""The cost model: how long each op runs and how long each message travels.
+
+Sources, later ones winning key by key: built-in defaults, the schedule's
+`cost` and `topology` declarations, then cost files and `--cost` overrides in
+the order given. Defaults: `T_F = T_B = T_W = 1` for each rank's share of the
+model, that is `p / S` per stage (1 when each rank holds one stage, 1/v with
+v chunks per rank, so every schedule computes the same model and schedules
+compare fairly); a full backward (schedules without `W`) takes `T_B + T_W`;
+communication is free. The closed forms of GPipe, 1F1B, interleaved 1F1B
+and Zero Bubble then hold exactly.
+
+Times are seconds (any unit works if every number uses it: the unit costs of
+the defaults read as 1 s). Per-stage keys take one number for every stage or
+a list with one per stage:
+
+- `F`, `B`, `W`: compute times of the stage's forward, backward (input
+  gradient when split) and weight-gradient passes;
+- `comm`: a fixed time per message the stage sends (Zero Bubble's `T_comm`);
+- `act_bytes`: bytes of the activation stage s sends to s + 1; `grad_bytes`:
+  bytes of the gradient stage s sends to s - 1 (default: the activation size
+  across the same boundary, `act_bytes[s - 1]`).
+
+A message from stage s, rank a to rank b arrives `comm[s] + latency(a, b) +
+bytes / bandwidth(a, b)` after it is sent. Links come by the rank pair's
+class: `node` (same node: `ranks_per_node` set and `a // n == b // n`), `dc`
+(same datacenter; ranks outside every declared datacenter form one) and
+`cross` (different datacenters). With no topology declared every link is
+free; with one, undeclared links take the built-in defaults of their class
+(`LINK_DEFAULTS`), `default link` covers every pair its datacenters' links do
+not, and `link "A" <-> "B"` the pairs between A and B. Cost files and
+overrides can set a class (`links.cross`) or every link (`latency`,
+`bandwidth`). Bandwidths are bits per second (as in the language); strings
+with units are accepted everywhere: `"40ms"`, `"10Gbps"`, `"16MiB"`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from pipec.errors import error
+from pipec.ir import Schedule
+
+FORMAT = "pipec-costs"
+VERSION = 1
+
+STAGE_KEYS = ("F", "B", "W", "comm", "act_bytes", "grad_bytes")
+LINK_CLASSES = ("node", "dc", "cross")
+# Built-in links when a topology is declared but a class is not: NVLink-like inside a node,
+# InfiniBand-like inside a datacenter, a long-haul link between datacenters. (latency s, bandwidth bit/s)
+LINK_DEFAULTS = {"node": (2e-6, 1.6e12), "dc": (10e-6, 100e9), "cross": (10e-3, 10e9)}
+FREE = (0.0, math.inf)
+
+_TIME = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
+_RATE = {"bps": 1.0, "Kbps": 1e3, "Mbps": 1e6, "Gbps": 1e9, "Tbps": 1e12}
+_RATE.update({"B/s": 8.0, "KB/s": 8e3, "MB/s": 8e6, "GB/s": 8e9, "TB/s": 8e12})
+_SIZE = {"B": 1.0, "KB": 1e3, "MB": 1e6, "GB": 1e9, "KiB": 2.0**10, "MiB": 2.0**20, "GiB": 2.0**30}
+_KIND_UNITS = {"time": _TIME, "bandwidth": _RATE, "bytes": _SIZE}
+_KEY_KIND = {"F": "time", "B": "time", "W": "time", "comm": "time", "act_bytes": "bytes", "grad_bytes": "bytes"}
+
+
+@dataclass(frozen=True, eq=False)
+class CostModel:
+    """Per-stage compute times and message sizes, per-rank-pair links; built by `cost_model`."""
+
+    F: np.ndarray
+    B: np.ndarray
+    W: np.ndarray
+    comm: np.ndarray
+    act_bytes: np.ndarray
+    grad_bytes: np.ndarray
+    latency: np.ndarray  # (ranks, ranks) seconds
+    bandwidth: np.ndarray  # (ranks, ranks) bytes per second; inf: no size term
+    link_class: np.ndarray  # (ranks, ranks) index into LINK_CLASSES (-1 on the diagonal)
+    split_backward: bool
+    origin: tuple[str, ...] = field(default=())  # what contributed, for the report
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.F)
+
+    @property
+    def free_comm(self) -> bool:
+        return not (self.comm.any() or self.latency.any() or self._size_term())
+
+    def _size_term(self) -> bool:
+        sized = (self.act_bytes > 0).any() or (self.grad_bytes > 0).any()
+        return bool(sized and np.isfinite(self.bandwidth).any())
+
+    def compute_time(self, op: np.ndarray, stage: np.ndarray) -> np.ndarray:
+        """Durations of compute instructions (opcodes FWD=0, BWD=1, WGRAD=2) on these stages."""
+        full_b = self.B if self.split_backward else self.B + self.W
+        return np.where(op == 0, self.F[stage], np.where(op == 1, full_b[stage], self.W[stage]))
+
+    def per_microbatch(self) -> float:
+        """Compute time of one micro-batch through the whole model (every stage's F + B + W)."""
+        return float(self.F.sum() + self.B.sum() + self.W.sum())
+
+    def describe(self) -> dict:
+        """A JSON-ready summary: per-stage values collapsed to one number where they are all equal."""
+
+        def col(a: np.ndarray):
+            vals = a.tolist()
+            return vals[0] if vals and all(v == vals[0] for v in vals) else vals
+
+        links = {}
+        for c, name in enumerate(LINK_CLASSES):
+            sel = self.link_class == c
+            if sel.any():
+                lat = sorted(set(self.latency[sel].tolist()))
+                bw = sorted(set((self.bandwidth[sel] * 8).tolist()))
+                links[name] = {
+                    "pairs": int(sel.sum()) // 2,
+                    "latency_s": lat[0] if len(lat) == 1 else lat,
+                    "bandwidth_bps": _json_num(bw[0]) if len(bw) == 1 else [_json_num(b) for b in bw],
+                }
+        return {
+            "F": col(self.F),
+            "B": col(self.B),
+            "W": col(self.W),
+            "full_backward": "B + W" if not self.split_backward else None,
+            "comm": col(self.comm),
+            "act_bytes": col(self.act_bytes),
+            "grad_bytes": col(self.grad_bytes),
+            "links": links,
+            "free_comm": self.free_comm,
+            "from": list(self.origin),
+        }
+
+
+def _json_num(x: float):
+    return x if math.isfinite(x) else None
+
+
+# ---- reading overrides --------------------------------------------------------
+
+
+def quantity(value: object, kind: str, what: str) -> float:
+    """A number, or a string with a unit of this kind ("40ms", "10Gbps", "16MiB"), as seconds, bit/s or bytes."""
+    if isinstance(value, bool):
+        raise error("E601", f"{what}: expected a number, got `{value}`")
+    if isinstance(value, int | float):
+        x = float(value)
+    elif isinstance(value, str):
+        text = value.strip().replace(" ", "")
+        m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)(.*)", text)
+        units = _KIND_UNITS[kind]
+        if not m or (m.group(2) and m.group(2) not in units):
+            raise error(
+                "E601", f"{what}: cannot read `{value}` as a {kind} (a number, or with a unit: {', '.join(units)})"
+            )
+        x = float(m.group(1)) * (units[m.group(2)] if m.group(2) else 1.0)
+    else:
+        raise error("E601", f"{what}: expected a number, got `{value}`")
+    if kind == "bandwidth":
+        if not x > 0:
+            raise error("E601", f"{what}: bandwidth must be positive, got `{value}`")
+    elif not (math.isfinite(x) and x >= 0):
+        raise error("E601", f"{what}: expected a finite number >= 0, got `{value}`")
+    return x
+
+
+def _per_stage(value: object, kind: str, what: str):
+    if isinstance(value, list | tuple):
+        if not value:
+            raise error("E601", f"{what}: an empty list")
+        return [quantity(v, kind, f"{what}[{i}]") for i, v in enumerate(value)]
+    return quantity(value, kind, what)
+
+
+def _link(value: object, what: str) -> dict[str, float]:
+    if not isinstance(value, Mapping):
+        raise error("E601", f"{what}: expected a table with `latency` and/or `bandwidth`")
+    out = {}
+    for k, v in value.items():
+        if k == "latency":
+            out["latency"] = quantity(v, "time", f"{what}.latency")
+        elif k == "bandwidth":
+            out["bandwidth"] = quantity(v, "bandwidth", f"{what}.bandwidth")
+        else:
+            raise error("E601", f"{what}: unknown key `{k}` (expected latency, bandwidth)")
+    return out
+
+
+def normalize(doc: Mapping, what: str = "costs") -> dict:
+    """Check a cost document (from a file or `--cost`) and convert its quantities; unknown keys are errors."""
+    out: dict = {}
+    links: dict[str, dict[str, float]] = {}
+    for key, value in doc.items():
+        if key in ("format", "version", "comment", "unit", "measured", "schedule", "params"):
+            if key == "format" and value != FORMAT:
+                raise error("E601", f"{what}: format is `{value}`, expected `{FORMAT}`")
+            if key == "version" and value != VERSION:
+                raise error("E601", f"{what}: cost file version {value} is not supported (this pipec reads {VERSION})")
+            if key == "unit" and value not in ("s", "seconds"):
+                raise error("E601", f'{what}: times must be in seconds (`unit = "s"`), got `{value}`')
+            continue
+        if key in _KEY_KIND:
+            out[key] = _per_stage(value, _KEY_KIND[key], f"{what}: {key}")
+        elif key == "bytes":  # both directions across each boundary
+            out["act_bytes"] = _per_stage(value, "bytes", f"{what}: bytes")
+        elif key == "latency":
+            for c in LINK_CLASSES:
+                links.setdefault(c, {})["latency"] = quantity(value, "time", f"{what}: latency")
+        elif key == "bandwidth":
+            for c in LINK_CLASSES:
+                links.setdefault(c, {})["bandwidth"] = quantity(value, "bandwidth", f"{what}: bandwidth")
+        elif key.startswith(("latency.", "bandwidth.")):
+            attr, cls = key.split(".", 1)
+            if cls not in LINK_CLASSES:
+                raise error("E601", f"{what}: unknown link class `{cls}` (known: {', '.join(LINK_CLASSES)})")
+            kind = "time" if attr == "latency" else "bandwidth"
+            links.setdefault(cls, {})[attr] = quantity(value, kind, f"{what}: {key}")
+        elif key == "links":
+            if not isinstance(value, Mapping):
+                raise error("E601", f"{what}: `links` must be a table of link classes")
+            for cls, spec in value.items():
+                if cls not in LINK_CLASSES:
+                    raise error("E601", f"{what}: unknown link class `{cls}` (known: {', '.join(LINK_CLASSES)})")
+                links.setdefault(cls, {}).update(_link(spec, f"{what}: links.{cls}"))
+        elif key == "ranks_per_node":
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise error("E601", f"{what}: ranks_per_node must be a positive integer, got `{value}`")
+            out["ranks_per_node"] = value
+        else:
+            known = ", ".join(STAGE_KEYS + ("bytes", "latency", "bandwidth", "links", "ranks_per_node"))
+            raise error("E601", f"{what}: unknown cost `{key}` (known: {known})")
+    if links:
+        out["links"] = links
+    out["_from"] = what
+    return out
+
+
+def parse_overrides(text: str) -> dict:
+    """`F=1,B=2,W=1` (also `latency=40ms`, `bandwidth.cross=10Gbps`, `act_bytes=16MiB`) as a cost document."""
+    doc: dict = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            raise error("E601", f"--cost: expected KEY=VALUE, got `{item}`")
+        value = value.strip()
+        try:
+            doc[key.strip()] = float(value)
+        except ValueError:
+            doc[key.strip()] = value
+    if not doc:
+        raise error("E601", "--cost: nothing given")
+    return normalize(doc, "--cost")
+
+
+def read_cost_file(path: str | Path) -> dict:
+    """A cost file: TOML (`.toml`) or JSON (anything else); see docs/simulate.md for the keys."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise error("E601", f"cannot read cost file `{path}`: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise error("E601", f"cost file `{path}` is not UTF-8 text") from None
+    try:
+        doc = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+        kind = "TOML" if path.suffix == ".toml" else "JSON"
+        raise error("E601", f"cost file `{path}` is not valid {kind}: {e}") from None
+    if not isinstance(doc, Mapping):
+        raise error("E601", f"cost file `{path}` must hold a table of costs")
+    return normalize(doc, str(path))
+
+
+def cost_spec(text: str) -> dict:
+    """One `--cost` argument: KEY=VALUE pairs, or the path of a cost file."""
+    if "=" in text and not Path(text).is_file():
+        return parse_overrides(text)
+    return read_cost_file(text)
+
+
+def dump_costs(doc: Mapping, toml: bool = True) -> str:
+    """Write a cost document (plain numbers, lists and `links` tables) as TOML or JSON; the runtime's
+    profiler writes its measurements with this, so `read_cost_file` reads them back."""
+    if not toml:
+        body = {k: v for k, v in doc.items() if not k.startswith("_")}
+        return json.dumps({"format": FORMAT, "version": VERSION, **body}, indent=2) + "\n"
+
+    def val(v) -> str:
+        if isinstance(v, str):
+            return json.dumps(v)
+        if isinstance(v, list | tuple):
+            return "[" + ", ".join(val(x) for x in v) + "]"
+        if isinstance(v, float) and not math.isfinite(v):
+            return "inf" if v > 0 else "nan"
+        return repr(v) if isinstance(v, float) else str(int(v))
+
+    lines = [f'format = "{FORMAT}"', f"version = {VERSION}"]
+    tables = []
+    for k, v in doc.items():
+        if k.startswith("_"):
+            continue
+        if isinstance(v, Mapping):
+            for cls, spec in v.items():
+                tables.append(f"\n[{k}.{cls}]")
+                tables.extend(f"{a} = {val(x)}" for a, x in spec.items())
+        else:
+            lines.append(f"{k} = {val(v)}")
+    return "\n".join(lines + tables) + "\n"
+
+
+# ---- building the model -------------------------------------------------------
+
+
+def cost_model(sched: Schedule, overrides: Sequence[Mapping] = ()) -> CostModel:
+    """The cost model of a schedule: defaults, its declarations, then each override document in order."""
+    S, R = sched.num_stages, sched.num_ranks
+    vals = {k: np.full(S, R / S) for k in ("F", "B", "W")}
+    vals.update({k: np.zeros(S) for k in ("comm", "act_bytes")})
+    grad: np.ndarray | None = None
+    origin = ["defaults"]
+    if sched.costs:
+        origin.append("schedule: " + ", ".join(f"cost {k}" for k in sched.costs))
+    for k, per in sched.costs.items():
+        vals[k] = np.asarray(per, dtype=float)
+    ranks_per_node = None
+    for ov in overrides:
+        ranks_per_node = ov.get("ranks_per_node", ranks_per_node)
+    dc = _datacenter_of(sched, R)
+    cls = _link_classes(dc, ranks_per_node)
+    latency, bandwidth = _topology_links(sched, dc, cls)
+    if sched.topology is not None:
+        origin.append("schedule: topology")
+    for ov in overrides:
+        origin.append(str(ov.get("_from", "overrides")))
+        for k in STAGE_KEYS:
+            if k not in ov:
+                continue
+            v = ov[k]
+            if isinstance(v, list):
+                if len(v) != S:
+                    raise error("E601", f"`{k}` lists {len(v)} values but the schedule has {S} stages")
+                arr = np.asarray(v, dtype=float)
+            else:
+                arr = np.full(S, float(v))
+            if k == "grad_bytes":
+                grad = arr
+            else:
+                vals[k] = arr
+        for c, spec in ov.get("links", {}).items():
+            sel = cls == LINK_CLASSES.index(c)
+            if "latency" in spec:
+                latency[sel] = spec["latency"]
+            if "bandwidth" in spec:
+                bandwidth[sel] = spec["bandwidth"] / 8.0
+    if grad is None:
+        grad = np.concatenate([[0.0], vals["act_bytes"][:-1]])
+    for k in ("F", "B", "W", "comm"):
+        if not (np.isfinite(vals[k]).all() and (vals[k] >= 0).all()):
+            raise error("E601", f"cost `{k}` must be a finite number >= 0 for every stage")
+    np.fill_diagonal(latency, 0.0)
+    np.fill_diagonal(bandwidth, np.inf)
+    return CostModel(
+        F=vals["F"],
+        B=vals["B"],
+        W=vals["W"],
+        comm=vals["comm"],
+        act_bytes=vals["act_bytes"],
+        grad_bytes=grad,
+        latency=latency,
+        bandwidth=bandwidth,
+        link_class=cls,
+        split_backward=sched.split_backward,
+        origin=tuple(origin),
+    )
+
+
+def _datacenter_of(sched: Schedule, R: int) -> np.ndarray:
+    dc = np.full(R, -1, dtype=np.int64)  # -1: the implicit datacenter of undeclared ranks
+    if sched.topology is not None:
+        for i, d in enumerate(sched.topology.datacenters):
+            dc[d.lo : d.hi] = i
+    return dc
+
+
+def _link_classes(dc: np.ndarray, ranks_per_node: int | None) -> np.ndarray:
+    R = len(dc)
+    cls = np.where(dc[:, None] == dc[None, :], 1, 2)
+    if ranks_per_node:
+        node = np.arange(R) // ranks_per_node
+        cls = np.where((cls == 1) & (node[:, None] == node[None, :]), 0, cls)
+    np.fill_diagonal(cls, -1)
+    return cls
+
+
+def _topology_links(sched: Schedule, dc: np.ndarray, cls: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    R = len(dc)
+    latency, bandwidth = np.zeros((R, R)), np.full((R, R), np.inf)
+    topo = sched.topology
+    if topo is None:
+        return latency, bandwidth
+    for c, name in enumerate(LINK_CLASSES):
+        lat, bps = LINK_DEFAULTS[name]
+        latency[cls == c] = lat
+        bandwidth[cls == c] = bps / 8.0
+    names = {d.name: i for i, d in enumerate(topo.datacenters)}
+    # `default link` first (every pair), then specific links over it, in declaration order.
+    for link in sorted(topo.links, key=lambda lk: lk.a is not None):
+        if link.a is None:
+            sel = cls >= 0
+        else:
+            a, b = names[link.a], names[link.b]
+            sel = ((dc[:, None] == a) & (dc[None, :] == b)) | ((dc[:, None] == b) & (dc[None, :] == a))
+        if link.latency_s is not None:
+            latency[sel] = link.latency_s
+        if link.bandwidth_bps is not None:
+            bandwidth[sel] = link.bandwidth_bps / 8.0
+    return latency, bandwidth

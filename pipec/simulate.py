@@ -1,0 +1,330 @@
+"""Discrete-event simulation of a Program under a cost model: a Timeline, and the numbers people choose by.
+
+The machine it models is the runtime's: each rank runs its instruction
+stream in order on one compute stream; a compute op starts when the rank
+reaches it and its remote input has arrived (local inputs come earlier on the
+same stream), and runs for its cost. Sends are asynchronous: a message leaves
+when its rank reaches the SEND, after the compute before it, and costs the
+rank no time. Receives are posted where the Program places them and do not
+block; only the compute that needs the data waits for it. Messages are eager
+(a message may arrive before its receive is posted, as with gloo and NCCL's
+eager protocol; rendezvous stalls are what `pipec.dryrun` rules out, not what
+this models). Between two ranks, messages in one direction travel in issue
+order: each takes `bytes / bandwidth` of the link after the previous one has
+left, then `latency + comm`, and never overtakes it. Overlapped pairs (`&`)
+run one after the other on the compute stream; what overlap buys inside a
+pair (hiding its own communication) is not modelled. REDUCE_GRAD and STEP
+take no time.
+
+Deterministic: message times depend only on the sender's own clock, so the
+order in which ranks are advanced does not matter. Fast: numpy precomputes,
+per compute op, its duration, the message it waits for and the messages
+sent after it; then one event-driven pass visits each compute op once and a
+rank that waits for a message sleeps until the message's sender reaches it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipec.costs import CostModel
+from pipec.errors import error
+from pipec.program import BWD, FWD, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, WGRAD, Program
+from pipec.timeline import Timeline
+
+
+def simulate(prog: Program, costs: CostModel) -> Timeline:
+    """Run the Program on the modelled machine; raises E403 if it cannot finish (a malformed Program)."""
+    S, m, R = prog.num_stages, prog.num_microbatches, prog.num_ranks
+    if costs.num_stages != S or costs.latency.shape != (R, R):
+        raise ValueError(f"cost model for {costs.num_stages} stages does not fit a program of {S} stages, {R} ranks")
+    lengths = [len(rp) for rp in prog.ranks]
+    z = np.zeros(0, dtype=np.int64)
+    op = np.concatenate([rp.op for rp in prog.ranks]) if sum(lengths) else z
+    mb = np.concatenate([rp.mb for rp in prog.ranks]) if sum(lengths) else z
+    stage = np.concatenate([rp.stage for rp in prog.ranks]) if sum(lengths) else z
+    peer = np.concatenate([rp.peer for rp in prog.ranks]) if sum(lengths) else z
+    rank = np.repeat(np.arange(R), lengths)
+    placement = np.asarray(prog.placement, dtype=np.int64)
+
+    # Compute ops: duration and the message each one waits for.
+    cidx = np.flatnonzero(op <= WGRAD)
+    n = len(cidx)
+    c_op, c_mb, c_s, c_rank = op[cidx], mb[cidx], stage[cidx], rank[cidx]
+    cost = costs.compute_time(c_op, c_s) if n else np.zeros(0)
+    prev_owner = placement[np.clip(c_s - 1, 0, S - 1)]
+    next_owner = placement[np.clip(c_s + 1, 0, S - 1)]
+    f_remote = (c_op == FWD) & (c_s > 0) & (prev_owner != c_rank)
+    b_remote = (c_op == BWD) & (c_s < S - 1) & (next_owner != c_rank)
+    want = np.where(f_remote, (c_s - 1) * m + c_mb, np.where(b_remote, (S + c_s + 1) * m + c_mb, -1))
+
+    # Messages, one per send, in issue order; the compute just before each send gives its clock.
+    sidx = np.flatnonzero((op == SEND_ACT) | (op == SEND_GRAD))
+    M = len(sidx)
+    s_kind = (op[sidx] == SEND_GRAD).astype(np.int64)
+    s_stage, s_mb, s_src, s_dst = stage[sidx], mb[sidx], rank[sidx], peer[sidx]
+    if M and not ((s_dst >= 0) & (s_dst < R)).all():
+        raise error("E403", "a send names no valid peer rank")
+    key = (s_kind * S + s_stage) * m + s_mb
+    order = np.argsort(key, kind="stable")
+    keys = key[order]
+    if M and (keys[1:] == keys[:-1]).any():
+        dup = int(keys[1:][keys[1:] == keys[:-1]][0])
+        raise error("E403", f"message {_describe_key(dup, S, m)} is sent twice")
+    need = np.full(n, -1, dtype=np.int64)
+    remote = np.flatnonzero(want >= 0)
+    if len(remote):
+        at = np.clip(np.searchsorted(keys, want[remote]), 0, max(M - 1, 0))
+        found = (keys[at] == want[remote]) if M else np.zeros(len(remote), dtype=bool)
+        if not found.all():
+            k = int(want[remote][~found][0])
+            raise error("E403", f"the program never sends {_describe_key(k, S, m)}, which a compute op needs")
+        need[remote] = order[at]
+
+    before = np.searchsorted(cidx, sidx) - 1  # global compute id of the op just before each send
+    own = (before >= 0) & (c_rank[np.maximum(before, 0)] == s_src) if n else np.zeros(M, dtype=bool)
+    first_of_rank = np.concatenate([[0], np.cumsum(np.bincount(c_rank, minlength=R))])[:-1]
+    slot = np.where(own, before.astype(float), first_of_rank[s_src] - 0.5)  # monotone in issue order
+    ids = np.arange(n)
+    mlo = np.searchsorted(slot, ids, "left")
+    mhi = np.searchsorted(slot, ids, "right")
+    pre = np.flatnonzero(~own)  # sends before any compute of their rank leave at time 0
+
+    size = np.where(s_kind == 0, costs.act_bytes[s_stage], costs.grad_bytes[s_stage]) if M else np.zeros(0)
+    bw = costs.bandwidth[s_src, s_dst] if M else np.zeros(0)
+    txd = np.where(np.isfinite(bw) & (size > 0), size / np.where(np.isfinite(bw), bw, 1.0), 0.0)
+    lat = costs.latency[s_src, s_dst] + costs.comm[s_stage] if M else np.zeros(0)
+    chan = s_src * R + s_dst
+    by_chan = np.argsort(chan, kind="stable")
+    prev = np.full(M, -1, dtype=np.int64)
+    if M:
+        same = chan[by_chan][1:] == chan[by_chan][:-1]
+        prev[by_chan[1:][same]] = by_chan[:-1][same]
+
+    ends = np.searchsorted(c_rank, np.arange(R), "right").tolist()
+    starts_of_rank = np.searchsorted(c_rank, np.arange(R), "left").tolist()
+    start_t, end_t, send_t, arrival = _run(
+        R,
+        n,
+        M,
+        starts_of_rank,
+        ends,
+        need.tolist(),
+        cost.tolist(),
+        mlo.tolist(),
+        mhi.tolist(),
+        pre.tolist(),
+        prev.tolist(),
+        txd.tolist(),
+        lat.tolist(),
+    )
+
+    # When each receive was posted: the end of the compute just before it on its rank (else 0).
+    post = np.full(M, np.nan)
+    ridx = np.flatnonzero((op == RECV_ACT) | (op == RECV_GRAD))
+    if len(ridx) and M:
+        r_kind = (op[ridx] == RECV_GRAD).astype(np.int64)
+        r_sender = np.where(r_kind == 0, stage[ridx] - 1, stage[ridx] + 1)
+        r_key = (r_kind * S + r_sender) * m + mb[ridx]
+        at = np.clip(np.searchsorted(keys, r_key), 0, M - 1)
+        ok = keys[at] == r_key
+        rb = np.searchsorted(cidx, ridx) - 1
+        mine = (rb >= 0) & (c_rank[np.maximum(rb, 0)] == rank[ridx]) if n else np.zeros(len(ridx), dtype=bool)
+        end_arr = np.asarray(end_t) if n else np.zeros(1)
+        when = np.where(mine, end_arr[np.maximum(rb, 0)] if n else 0.0, 0.0)
+        post[order[at[ok]]] = when[ok]
+
+    return Timeline(
+        num_ranks=R,
+        rank=c_rank.astype(np.int64),
+        op=c_op.astype(np.int64),
+        mb=c_mb.astype(np.int64),
+        stage=c_s.astype(np.int64),
+        start=np.asarray(start_t, dtype=float),
+        end=np.asarray(end_t, dtype=float),
+        msg_kind=s_kind,
+        msg_mb=s_mb.astype(np.int64),
+        msg_stage=s_stage.astype(np.int64),
+        msg_src=s_src.astype(np.int64),
+        msg_dst=s_dst.astype(np.int64),
+        msg_send=np.asarray(send_t, dtype=float),
+        msg_arrival=np.asarray(arrival, dtype=float),
+        msg_bytes=np.asarray(size, dtype=float),
+        msg_post=post,
+        origin="simulated",
+        schedule=prog.name,
+        params=prog.params,
+    )
+
+
+def _run(R, n, M, first, ends, need, cost, mlo, mhi, pre, prev, txd, lat):
+    """The event-driven pass over compute ops; lists, not arrays, for speed in the loop."""
+    start = [0.0] * n
+    end = [0.0] * n
+    send_t = [0.0] * M
+    tx_end = [0.0] * M
+    arrival = [-1.0] * M
+    waiting: dict[int, int] = {}
+
+    def leave(x: int, clock: float) -> None:
+        send_t[x] = clock
+        p = prev[x]
+        t0 = clock
+        if p >= 0 and tx_end[p] > t0:
+            t0 = tx_end[p]
+        te = t0 + txd[x]
+        tx_end[x] = te
+        a = te + lat[x]
+        if p >= 0 and arrival[p] > a:
+            a = arrival[p]
+        arrival[x] = a
+
+    for x in pre:
+        leave(x, 0.0)
+    pc = list(first)
+    clocks = [0.0] * R
+    queue = deque(range(R))
+    while queue:
+        r = queue.popleft()
+        j, stop, clock = pc[r], ends[r], clocks[r]
+        while j < stop:
+            k = need[j]
+            if k >= 0:
+                a = arrival[k]
+                if a < 0.0:
+                    waiting[k] = r
+                    break
+                if a > clock:
+                    clock = a
+            start[j] = clock
+            clock += cost[j]
+            end[j] = clock
+            lo, hi = mlo[j], mhi[j]
+            if lo != hi:
+                for x in range(lo, hi):
+                    # inline of leave(x, clock), the hot path
+                    send_t[x] = clock
+                    p = prev[x]
+                    t0 = clock
+                    if p >= 0 and tx_end[p] > t0:
+                        t0 = tx_end[p]
+                    te = t0 + txd[x]
+                    tx_end[x] = te
+                    a = te + lat[x]
+                    if p >= 0 and arrival[p] > a:
+                        a = arrival[p]
+                    arrival[x] = a
+                    w = waiting.pop(x, None)
+                    if w is not None:
+                        queue.append(w)
+            j += 1
+        pc[r], clocks[r] = j, clock
+    stuck = [r for r in range(R) if pc[r] < ends[r]]
+    if stuck:
+        raise error(
+            "E403",
+            "the program cannot finish: ranks " + ", ".join(map(str, stuck)) + " wait for messages never sent",
+        )
+    return start, end, send_t, arrival
+
+
+def _describe_key(k: int, S: int, m: int) -> str:
+    rest, i = divmod(k, m)
+    kind, s = divmod(rest, S)
+    return f"the {'activation' if kind == 0 else 'gradient'} of micro-batch {i} from stage {s}"
+
+
+# ---- numbers ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RankStats:
+    rank: int
+    first: float  # start of its first op
+    last: float  # end of its last op
+    busy: float  # total compute time
+    peak_memory: float | None = None
+
+    @property
+    def span(self) -> float:
+        return self.last - self.first
+
+    @property
+    def idle(self) -> float:
+        """Time inside its span with nothing to compute."""
+        return self.span - self.busy
+
+
+@dataclass(frozen=True)
+class Stats:
+    makespan: float
+    cost: float  # the longest rank's span (Zero Bubble's objective)
+    ideal: float  # the busiest rank's compute time: m (T_F + T_B + T_W) with uniform costs
+    ranks: tuple[RankStats, ...]
+
+    @property
+    def bubble_time(self) -> float:
+        return self.cost - self.ideal
+
+    @property
+    def bubble_rate(self) -> float:
+        """Zero Bubble's bubble rate, (cost - m(T_F + T_B + T_W)) / cost."""
+        return self.bubble_time / self.cost if self.cost > 0 else 0.0
+
+    @property
+    def peak_memory(self) -> float | None:
+        peaks = [r.peak_memory for r in self.ranks if r.peak_memory is not None]
+        return max(peaks) if peaks else None
+
+
+def stats(tl: Timeline, memory: dict[str, np.ndarray] | None = None) -> Stats:
+    """The numbers of a Timeline (simulated or measured); peak memory per rank when a memory model is given."""
+    R = tl.num_ranks
+    busy = np.bincount(tl.rank, weights=tl.end - tl.start, minlength=R)
+    first = np.full(R, np.inf)
+    last = np.full(R, -np.inf)
+    np.minimum.at(first, tl.rank, tl.start)
+    np.maximum.at(last, tl.rank, tl.end)
+    has = np.isfinite(first)
+    first, last = np.where(has, first, 0.0), np.where(has, last, 0.0)
+    peaks = [None] * R
+    if memory is not None:
+        peaks = [float(v.max()) if len(v) else 0.0 for _, v in memory_curve(tl, memory, collapse=False)]
+    ranks = tuple(RankStats(r, float(first[r]), float(last[r]), float(busy[r]), peaks[r]) for r in range(R))
+    cost = max((r.span for r in ranks), default=0.0)
+    return Stats(tl.makespan, cost, float(busy.max()) if R else 0.0, ranks)
+
+
+def memory_curve(
+    tl: Timeline, memory: dict[str, np.ndarray], split: bool | None = None, *, collapse: bool = True
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per rank, memory over time as a step function (times, values): the value from each time on.
+
+    The memory model of `pipec.memory`: params of the rank's stages throughout; `act` from the start of
+    F until the end of B; with split backward `wact` from the end of B until the end of W. Changes at one
+    instant apply in the rank's order; `collapse` keeps only the last value at each time (for drawing),
+    otherwise every step is kept and the maximum equals `pipec.memory.rank_memory`'s peak.
+    """
+    split = bool((tl.op == WGRAD).any()) if split is None else split
+    act, wact, params = memory["act"], memory["wact"], memory["params"]
+    s = tl.stage
+    is_f, is_b = tl.op == FWD, tl.op == BWD
+    when = np.where(is_f, tl.start, tl.end)
+    delta = np.where(is_f, act[s], np.where(is_b, (wact[s] if split else 0.0) - act[s], -wact[s]))
+    out = []
+    for r in range(tl.num_ranks):
+        sel = np.flatnonzero(tl.rank == r)
+        stages = np.unique(s[sel])
+        base = float(params[stages].sum()) if len(stages) else 0.0
+        # Order by time; at equal times, the op that came first in the rank's order first.
+        o = sel[np.lexsort((sel, when[sel]))]
+        t = np.concatenate([[0.0], when[o]])
+        v = base + np.concatenate([[0.0], np.cumsum(delta[o])])
+        if collapse and len(t) > 1:
+            last = np.r_[t[1:] != t[:-1], True]
+            t, v = t[last], v[last]
+        out.append((t, v))
+    return out
