@@ -91,7 +91,34 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("show", help="print the step-by-rank grid of a schedule", description=_doc(cmd_show))
     _schedule_args(p)
     p.add_argument("--ranks", type=str, default=None, help="only these ranks, e.g. 0,3")
+    p.add_argument("--timeline", action="store_true", help="simulate and draw a text Gantt chart instead of the grid")
+    _cost_args(p)
+    p.add_argument("--width", type=int, default=None, help="columns for --timeline (default: the terminal's)")
     p.set_defaults(func=cmd_show)
+
+    p = sub.add_parser(
+        "simulate",
+        aliases=["compare"],
+        help="simulate schedules under a cost model: makespan, bubble, memory, trace, plot",
+        description=_doc(cmd_simulate),
+    )
+    p.add_argument("schedule", metavar="FILE|NAME", nargs="+", help="one schedule, or several to compare")
+    p.add_argument(
+        "-D",
+        dest="defines",
+        metavar="NAME=VALUE",
+        type=_define,
+        action="append",
+        default=[],
+        help="set a schedule parameter (repeatable); with several schedules, each takes those it declares",
+    )
+    _cost_args(p)
+    _memory_args(p)
+    p.add_argument("--json", action="store_true", help="print every figure as JSON")
+    p.add_argument("--trace", metavar="OUT.json", help="write a Chrome/Perfetto trace (one schedule)")
+    p.add_argument("--plot", metavar="OUT.png", help="draw a Gantt chart (.png, .svg or .pdf), one panel per schedule")
+    p.add_argument("--no-memory", action="store_true", help="leave the memory curves out of --plot")
+    p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("list", help="list the library schedules", description=_doc(cmd_list))
     p.set_defaults(func=cmd_list)
@@ -181,9 +208,95 @@ def cmd_show(args: argparse.Namespace) -> int:
         if bad:
             print(f"pipec show: error: rank {bad[0]} is not in 0..{s.num_ranks - 1}", file=sys.stderr)
             return MISUSE
+    if args.timeline:
+        return _show_timeline(args, s, ranks)
     params = " ".join(f"{k}={v}" for k, v in s.params)
     print(f"{s.name} ({params}): {s.num_stages} stages on {s.num_ranks} ranks, {s.num_microbatches} micro-batches")
     print(format_grid(s, ranks))
+    return 0
+
+
+def _cost_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--cost",
+        metavar="SPEC",
+        action="append",
+        default=[],
+        help="a cost file (TOML or JSON) or overrides like F=1,B=2,W=1 or latency=40ms (repeatable; later wins)",
+    )
+
+
+def _show_timeline(args: argparse.Namespace, s: Schedule, ranks: list[int] | None) -> int:
+    import shutil
+
+    from pipec import report
+    from pipec.costs import cost_spec
+    from pipec.render import text_gantt
+
+    sim = report.run(s, [cost_spec(t) for t in args.cost])
+    width = args.width or shutil.get_terminal_size((120, 24)).columns
+    print(report.panel_title(sim))
+    print(text_gantt(sim.timeline, width, ranks))
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    """Simulate schedules under one cost model (see docs/simulate.md): makespan, Zero Bubble's bubble rate,
+    per-rank busy and idle time and peak memory; with several schedules, a table side by side. Costs come
+    from the schedule's declarations, cost files and overrides (`--cost F=1,B=2,W=1`); by default every op
+    takes 1, a full backward 2, and communication is free."""
+    from pipec import report
+    from pipec.api import compile_source
+    from pipec.costs import cost_spec
+
+    prog = f"pipec {args.command}"
+    if len(args.schedule) > 1 and args.trace:
+        print(f"{prog}: error: --trace takes one schedule", file=sys.stderr)
+        return MISUSE
+    if args.plot and not args.plot.lower().endswith((".png", ".svg", ".pdf")):
+        print(f"{prog}: error: --plot writes .png, .svg or .pdf, not `{args.plot}`", file=sys.stderr)
+        return MISUSE
+    docs = [cost_spec(t) for t in args.cost]
+    memory = dict(args.mem)
+    if args.memory_limit is not None:
+        memory["limit"] = args.memory_limit
+    sims, used = [], set()
+    for name in args.schedule:
+        source = library.read(name)
+        defines = args.defines
+        if len(args.schedule) > 1:
+            known = {prm.name for prm in compile_source(source).params}
+            defines = [(k, v) for k, v in args.defines if k in known]
+            used |= known
+        sims.append(report.run(build(source, defines), docs, memory))
+    unused = [k for k, _ in args.defines if len(args.schedule) > 1 and k not in used]
+    if unused:
+        print(f"{prog}: error: no schedule here takes parameter `{unused[0]}`", file=sys.stderr)
+        return MISUSE
+    wrote = []
+    try:
+        if args.trace:
+            from pipec.trace import write_trace
+
+            write_trace(sims[0].timeline, args.trace, sims[0].memory)
+            wrote.append(f"wrote trace to {args.trace} (open it at https://ui.perfetto.dev)")
+        if args.plot:
+            from pipec.render import plot_timelines
+
+            plot_timelines([report.panel(s, not args.no_memory) for s in sims], args.plot)
+            wrote.append(f"wrote plot to {args.plot}")
+    except OSError as e:
+        print(f"{prog}: error: cannot write `{e.filename}`: {e.strerror}", file=sys.stderr)
+        return MISUSE
+    if args.json:
+        docs_out = [report.to_json(s) for s in sims]
+        for d in docs_out:
+            d["trace"], d["plot"] = args.trace, args.plot
+        print(json.dumps(docs_out[0] if len(docs_out) == 1 else {"results": docs_out}))
+        return 0
+    print(report.summary_text(sims[0]) if len(sims) == 1 else report.compare_text(sims))
+    for line in wrote:
+        print(line)
     return 0
 
 

@@ -1,0 +1,211 @@
+"""Pictures of Timelines: a matplotlib Gantt chart (`plot_timelines`) and a compact text Gantt (`text_gantt`).
+
+The trace writer lives in `pipec.trace`. matplotlib is imported inside the
+plotting function, so `import pipec` stays light.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from pipec.program import BWD, FWD, WGRAD
+from pipec.timeline import Timeline
+
+# Colour per op kind; a rank's second chunk (stage) is drawn lighter, its third darker again, and so on.
+COLORS = {FWD: "#4878d0", BWD: "#6acc64", WGRAD: "#ee854a"}
+LIGHT = {FWD: "#a9c2ef", BWD: "#b9e8b5", WGRAD: "#f7c6a6"}
+LETTER = {FWD: "F", BWD: "B", WGRAD: "W"}
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One Gantt chart: a Timeline, its title, and optionally its memory curves (per rank (times, values))."""
+
+    timeline: Timeline
+    title: str = ""
+    memory: list[tuple[np.ndarray, np.ndarray]] | None = None
+    limit: float | None = None
+
+
+def _chunks(tl: Timeline) -> np.ndarray:
+    """For each compute event, the index of its stage among its rank's stages (0 for the first chunk)."""
+    out = np.zeros(len(tl.rank), dtype=np.int64)
+    for r in range(tl.num_ranks):
+        sel = np.flatnonzero(tl.rank == r)
+        if len(sel):
+            stages = np.unique(tl.stage[sel])
+            if len(stages) > 1:
+                # Order chunks by their first appearance, so chunk 0 is the one the rank starts with.
+                first = {s: np.min(np.flatnonzero(tl.stage[sel] == s)) for s in stages.tolist()}
+                rank_of = {s: i for i, s in enumerate(sorted(first, key=first.get))}
+                out[sel] = [rank_of[s] for s in tl.stage[sel].tolist()]
+    return out
+
+
+def plot_timelines(panels: Sequence[Panel], path: str | Path, *, width: float = 14.0, dpi: int = 110) -> None:
+    """Draw Gantt charts, one per panel, stacked with a shared time axis, to PNG, SVG or PDF (by suffix).
+
+    One row per rank (rank 0 on top), a box per compute op coloured by kind with its micro-batch number
+    inside when it fits, lighter boxes for a rank's second chunk; a memory curve per rank under each
+    chart when the panel has one.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+    from matplotlib.collections import PolyCollection
+    from matplotlib.patches import Patch
+
+    horizon = max((p.timeline.makespan for p in panels), default=1.0) or 1.0
+    heights = []
+    for p in panels:
+        heights.append(0.42 * p.timeline.num_ranks + 0.9)
+        if p.memory is not None:
+            heights.append(1.6)
+    fig, axes = plt.subplots(
+        len(heights),
+        1,
+        figsize=(width, sum(heights) + 0.6),
+        gridspec_kw={"height_ratios": heights},
+        squeeze=False,
+        sharex=True,
+    )
+    axes = list(axes[:, 0])
+    plot_w_in = width * 0.86  # inches of axis width, for fitting labels
+    ai = 0
+    for p in panels:
+        tl = p.timeline
+        ax = axes[ai]
+        ai += 1
+        R = tl.num_ranks
+        chunk = _chunks(tl)
+        boxes, colors = [], []
+        y0 = tl.rank.astype(float)
+        for j in range(len(tl.rank)):
+            s, e, y = float(tl.start[j]), float(tl.end[j]), R - 1 - y0[j]
+            boxes.append([(s, y - 0.42), (s, y + 0.42), (e, y + 0.42), (e, y - 0.42)])
+            op = int(tl.op[j])
+            colors.append((LIGHT if chunk[j] % 2 else COLORS).get(op, "#999999"))
+        ax.add_collection(PolyCollection(boxes, facecolors=colors, edgecolors="white", linewidths=0.6))
+        # Micro-batch numbers: font size from the narrowest box, skipped when boxes are too thin.
+        durs = tl.end - tl.start
+        if len(durs):
+            pts_per_s = plot_w_in * 72 / horizon
+            small = float(np.percentile(durs[durs > 0], 10)) if (durs > 0).any() else 0.0
+            digits = len(str(int(tl.mb.max()))) if len(tl.mb) else 1
+            size = min(9.0, 0.82 * small * pts_per_s / (0.62 * digits + 0.2), 0.42 * 72 * 0.9)
+            if size >= 4.5:
+                for j in range(len(tl.rank)):
+                    if durs[j] * pts_per_s >= size * (0.6 * digits + 0.1):
+                        ax.text(
+                            (tl.start[j] + tl.end[j]) / 2,
+                            R - 1 - y0[j],
+                            str(int(tl.mb[j])),
+                            ha="center",
+                            va="center",
+                            fontsize=size,
+                            color="#111111",
+                        )
+        ax.set_ylim(-0.6, R - 0.4)
+        ax.set_yticks(range(R))
+        ax.set_yticklabels([f"rank {R - 1 - y}" for y in range(R)], fontsize=8)
+        ax.set_xlim(0, horizon)
+        ax.set_title(p.title, fontsize=10, loc="left")
+        ax.tick_params(axis="x", labelsize=8)
+        for side in ("top", "right"):
+            ax.spines[side].set_visible(False)
+        ax.set_facecolor("#f4f4f4")
+        kinds = sorted(set(tl.op.tolist()))
+        handles = [Patch(color=COLORS[k], label={FWD: "F", BWD: "B", WGRAD: "W"}[k]) for k in kinds if k in COLORS]
+        if (chunk > 0).any():
+            handles += [Patch(color=LIGHT[k], label=f"{LETTER[k]}, chunk 2") for k in kinds if k in LIGHT]
+        ax.legend(
+            handles=handles,
+            loc="upper left",
+            bbox_to_anchor=(1.0, 1.0),
+            fontsize=7,
+            frameon=False,
+            handlelength=1.2,
+        )
+        if p.memory is not None:
+            mx = axes[ai]
+            ai += 1
+            cmap = plt.get_cmap("viridis")
+            for r, (t, v) in enumerate(p.memory):
+                tt = np.concatenate([t, [horizon]])
+                vv = np.concatenate([v, [v[-1] if len(v) else 0.0]])
+                mx.step(tt, vv, where="post", lw=1.2, color=cmap(r / max(R - 1, 1)), label=f"rank {r}")
+            if p.limit is not None:
+                mx.axhline(p.limit, color="#c03030", lw=0.8, ls="--", label="limit")
+            mx.set_ylabel("memory", fontsize=8)
+            mx.tick_params(labelsize=8)
+            mx.set_ylim(bottom=0)
+            for side in ("top", "right"):
+                mx.spines[side].set_visible(False)
+            ncol = 1 if R <= 8 else 2
+            mx.legend(loc="upper left", bbox_to_anchor=(1.0, 1.05), fontsize=6, frameon=False, ncol=ncol)
+    axes[-1].set_xlabel("time (s)", fontsize=9)
+    fig.subplots_adjust(left=0.06, right=0.9, top=1 - 0.35 / (sum(heights) + 0.6), bottom=0.5 / sum(heights))
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+
+
+def text_gantt(tl: Timeline, width: int = 120, ranks: Sequence[int] | None = None) -> str:
+    """A compact text Gantt: one row per rank, each op its kind letter and micro-batch (`F3`, `B12`) from its
+    start column, `.` where the rank is idle; lower-case letters mark a rank's second (odd) chunk. The time
+    scale gives the shortest op room for its label; a long schedule wraps into bands of `width` columns."""
+    R = tl.num_ranks
+    shown = list(range(R)) if ranks is None else list(ranks)
+    label_w = len(f"rank {max(shown, default=0)}") + 1
+    cols = max(width - label_w, 16)
+    horizon = tl.makespan
+    if horizon <= 0 or len(tl.rank) == 0:
+        return "\n".join(f"rank {r}" for r in shown)
+    durs = tl.end - tl.start
+    digits = len(str(int(tl.mb.max())))
+    small = float(durs[durs > 0].min()) if (durs > 0).any() else horizon
+    scale = (digits + 2) / small  # columns per second
+    total = int(math.ceil(horizon * scale - 1e-9))
+    chunk = _chunks(tl)
+    lines = [["."] * total for _ in range(R)]
+    for j in range(len(tl.rank)):
+        a, b = int(math.floor(tl.start[j] * scale + 1e-9)), int(math.floor(tl.end[j] * scale + 1e-9))
+        if b <= a:
+            continue
+        letter = LETTER.get(int(tl.op[j]), "?")
+        if chunk[j] % 2:
+            letter = letter.lower()
+        label = f"{letter}{int(tl.mb[j])}"
+        if len(label) > b - a:
+            label = letter
+        lines[int(tl.rank[j])][a:b] = list(label.ljust(b - a))
+    # Time ticks every ~10 columns, at round times.
+    ticks = [" "] * (total + 16)
+    step = _nice_step(10 / scale)
+    k = 0
+    while k * step <= horizon + 1e-9:
+        x, text = int(math.floor(k * step * scale + 1e-9)), f"{k * step:g}"
+        if all(c == " " for c in ticks[max(x - 1, 0) : x + len(text) + 1]):
+            ticks[x : x + len(text)] = list(text)
+        k += 1
+    out = []
+    for lo in range(0, total, cols):
+        if lo:
+            out.append("")
+        out.append(" " * label_w + "".join(ticks[lo : lo + cols]).rstrip())
+        out.extend((f"rank {r}".ljust(label_w) + "".join(lines[r][lo : lo + cols])).rstrip() for r in shown)
+    return "\n".join(out)
+
+
+def _nice_step(raw: float) -> float:
+    """The smallest of 1, 2, 5 times a power of ten at least `raw`."""
+    mag = 10 ** math.floor(math.log10(raw)) if raw > 0 else 1.0
+    for f in (1, 2, 5, 10):
+        if raw <= f * mag:
+            return f * mag
+    return 10 * mag

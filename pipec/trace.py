@@ -1,0 +1,260 @@
+"""Chrome/Perfetto trace JSON of a Timeline, and back: `write_trace(timeline, path)`, `read_trace(path)`.
+
+One process per rank, with threads for its streams: `compute`, and lanes
+`send`/`recv` (`send 2`, ... when messages overlap in time, since a trace
+thread must nest its slices). Durations are real, in microseconds. Each
+message is a slice on its sender (from the send until it arrives) and on its
+receiver (from when the receive was posted, or the send if later, until it
+arrives), joined by a flow arrow (flow events v2: `bind_id`, `flow_out`,
+`flow_in`), so Perfetto and chrome://tracing draw send -> receive. Memory per
+rank is a counter track when a memory model is given. The exact Timeline
+rides along in each event's `args` (seconds), so `read_trace` gives it back
+bit for bit; a measured Timeline and a simulated one use the same format.
+
+Open the file at https://ui.perfetto.dev or chrome://tracing.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from pipec.errors import error
+from pipec.program import OPCODES
+from pipec.timeline import Timeline
+
+FORMAT = "pipec-trace"
+VERSION = 1
+_KIND = ("act", "grad")
+_SHORT = {"FWD": "F", "BWD": "B", "WGRAD": "W"}
+_CNAME = {"FWD": "thread_state_runnable", "BWD": "thread_state_running", "WGRAD": "thread_state_iowait"}
+_COMPUTE_TID, _SEND_TID, _RECV_TID = 0, 1000, 2000
+
+
+def _us(t: float) -> float:
+    return round(t * 1e6, 6)
+
+
+def _lanes(starts: list[float], ends: list[float]) -> list[int]:
+    """Greedy interval colouring in start order: the lowest lane free at each start."""
+    order = sorted(range(len(starts)), key=lambda i: (starts[i], ends[i]))
+    free: list[int] = []  # heap of free lane numbers
+    busy: list[tuple[float, int]] = []  # heap of (end, lane)
+    lane = [0] * len(starts)
+    count = 0
+    for i in order:
+        while busy and busy[0][0] <= starts[i]:
+            heapq.heappush(free, heapq.heappop(busy)[1])
+        if free:
+            k = heapq.heappop(free)
+        else:
+            k, count = count, count + 1
+        lane[i] = k
+        heapq.heappush(busy, (ends[i], k))
+    return lane
+
+
+def trace_events(tl: Timeline, memory: dict[str, np.ndarray] | None = None) -> dict:
+    """The trace as a JSON-ready dict (see the module docstring); `memory` adds a memory counter per rank."""
+    events: list[dict] = []
+    threads: set[tuple[int, int, str]] = set()
+    R = tl.num_ranks
+    multi = {r: len(set(tl.stage[tl.rank == r].tolist())) > 1 for r in range(R)}
+
+    c_rank, c_op, c_mb, c_s = tl.rank.tolist(), tl.op.tolist(), tl.mb.tolist(), tl.stage.tolist()
+    c_start, c_end = tl.start.tolist(), tl.end.tolist()
+    lanes = [0] * len(c_rank)
+    for r in range(R):
+        idx = np.flatnonzero(tl.rank == r).tolist()
+        for j, k in zip(idx, _lanes([c_start[j] for j in idx], [c_end[j] for j in idx])):
+            lanes[j] = k
+    for j in range(len(c_rank)):
+        op = OPCODES[c_op[j]]
+        name = f"{_SHORT.get(op, op)}{c_mb[j]}" + (f".{c_s[j]}" if multi[c_rank[j]] else "")
+        tid = _COMPUTE_TID + lanes[j]
+        threads.add((c_rank[j], tid, "compute" if lanes[j] == 0 else f"compute {lanes[j] + 1}"))
+        events.append(
+            {
+                "name": name,
+                "cat": op,
+                "ph": "X",
+                "pid": c_rank[j],
+                "tid": tid,
+                "ts": _us(c_start[j]),
+                "dur": _us(c_end[j] - c_start[j]),
+                "cname": _CNAME.get(op, "generic_work"),
+                "args": {"op": op, "mb": c_mb[j], "stage": c_s[j], "start_s": c_start[j], "end_s": c_end[j]},
+            }
+        )
+
+    n = len(tl.msg_send)
+    post = tl.msg_post.tolist() if len(tl.msg_post) == n else [math.nan] * n
+    kind, mb, st = tl.msg_kind.tolist(), tl.msg_mb.tolist(), tl.msg_stage.tolist()
+    src, dst = tl.msg_src.tolist(), tl.msg_dst.tolist()
+    send, arr = tl.msg_send.tolist(), tl.msg_arrival.tolist()
+    size = tl.msg_bytes.tolist() if len(tl.msg_bytes) == n else [0.0] * n
+    r_start = [send[i] if math.isnan(post[i]) else max(post[i], send[i]) for i in range(n)]
+    r_end = [max(arr[i], r_start[i]) for i in range(n)]
+    s_lane, r_lane = [0] * n, [0] * n
+    for r in range(R):
+        mine = np.flatnonzero(tl.msg_src == r).tolist()
+        for i, k in zip(mine, _lanes([send[i] for i in mine], [arr[i] for i in mine])):
+            s_lane[i] = k
+        mine = np.flatnonzero(tl.msg_dst == r).tolist()
+        for i, k in zip(mine, _lanes([r_start[i] for i in mine], [r_end[i] for i in mine])):
+            r_lane[i] = k
+    recvs = []
+    for i in range(n):
+        what = f"{_KIND[kind[i]]} {mb[i]}.{st[i]}"
+        args = {
+            "kind": _KIND[kind[i]],
+            "mb": mb[i],
+            "stage": st[i],
+            "src": src[i],
+            "dst": dst[i],
+            "send_s": send[i],
+            "arrival_s": arr[i],
+            "post_s": None if math.isnan(post[i]) else post[i],
+            "bytes": size[i],
+        }
+        tid = _SEND_TID + s_lane[i]
+        threads.add((src[i], tid, "send" if s_lane[i] == 0 else f"send {s_lane[i] + 1}"))
+        events.append(
+            {
+                "name": f"{what} -> rank {dst[i]}",
+                "cat": "send",
+                "ph": "X",
+                "pid": src[i],
+                "tid": tid,
+                "ts": _us(send[i]),
+                "dur": _us(arr[i] - send[i]),
+                "cname": "grey",
+                "bind_id": i + 1,
+                "flow_out": True,
+                "args": args,
+            }
+        )
+        tid = _RECV_TID + r_lane[i]
+        threads.add((dst[i], tid, "recv" if r_lane[i] == 0 else f"recv {r_lane[i] + 1}"))
+        recvs.append(
+            {
+                "name": f"{what} <- rank {src[i]}",
+                "cat": "recv",
+                "ph": "X",
+                "pid": dst[i],
+                "tid": tid,
+                "ts": _us(r_start[i]),
+                "dur": _us(r_end[i] - r_start[i]),
+                "cname": "grey",
+                "bind_id": i + 1,
+                "flow_in": True,
+                "args": {"mb": mb[i], "kind": _KIND[kind[i]], "stage": st[i], "from": src[i]},
+            }
+        )
+    events.extend(recvs)  # after every send: a flow's start must come first at equal times
+
+    if memory is not None:
+        from pipec.simulate import memory_curve
+
+        for r, (t, v) in enumerate(memory_curve(tl, memory)):
+            tt, vv = t.tolist(), v.tolist()
+            for k in range(len(tt)):
+                events.append({"name": "memory", "ph": "C", "pid": r, "ts": _us(tt[k]), "args": {"memory": vv[k]}})
+
+    meta: list[dict] = []
+    for r in range(R):
+        meta.append({"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}})
+        meta.append({"name": "process_sort_index", "ph": "M", "pid": r, "args": {"sort_index": r}})
+    for r, tid, name in sorted(threads):
+        meta.append({"name": "thread_name", "ph": "M", "pid": r, "tid": tid, "args": {"name": name}})
+        meta.append({"name": "thread_sort_index", "ph": "M", "pid": r, "tid": tid, "args": {"sort_index": tid}})
+    return {
+        "traceEvents": meta + events,
+        "displayTimeUnit": "ms",
+        "otherData": {
+            "format": FORMAT,
+            "version": VERSION,
+            "schedule": tl.schedule,
+            "params": {k: v for k, v in tl.params},
+            "origin": tl.origin,
+            "num_ranks": R,
+            "makespan_s": tl.makespan,
+        },
+    }
+
+
+def write_trace(tl: Timeline, path: str | Path, memory: dict[str, np.ndarray] | None = None) -> None:
+    """Write the Chrome/Perfetto trace of a Timeline (simulated or measured) to `path`."""
+    with open(path, "w") as f:
+        json.dump(trace_events(tl, memory), f, separators=(",", ":"))
+        f.write("\n")
+
+
+def read_trace(path: str | Path) -> Timeline:
+    """Read a trace written by `write_trace` back into the Timeline it came from (E602 when it is not one)."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise error("E602", f"cannot read trace `{path}`: {e.strerror}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise error("E602", f"trace `{path}` is not JSON: {e}") from None
+    try:
+        head = doc["otherData"]
+        if head.get("format") != FORMAT:
+            raise error("E602", f"`{path}` is not a pipec trace (otherData.format is {head.get('format')!r})")
+        if head.get("version") != VERSION:
+            raise error("E602", f"pipec trace version {head.get('version')} is not supported (this reads {VERSION})")
+        comp: list[tuple] = []
+        msgs: list[tuple] = []
+        for ev in doc["traceEvents"]:
+            if ev.get("ph") != "X":
+                continue
+            a = ev["args"]
+            if ev["cat"] in ("FWD", "BWD", "WGRAD"):
+                comp.append((int(ev["pid"]), OPCODES.index(a["op"]), a["mb"], a["stage"], a["start_s"], a["end_s"]))
+            elif ev["cat"] == "send":
+                post = math.nan if a["post_s"] is None else a["post_s"]
+                msgs.append(
+                    (
+                        _KIND.index(a["kind"]),
+                        a["mb"],
+                        a["stage"],
+                        a["src"],
+                        a["dst"],
+                        a["send_s"],
+                        a["arrival_s"],
+                        a["bytes"],
+                        post,
+                    )
+                )
+        c = list(zip(*comp)) if comp else [[]] * 6
+        m = list(zip(*msgs)) if msgs else [[]] * 9
+        ints = lambda xs: np.asarray(xs, dtype=np.int64)  # noqa: E731
+        floats = lambda xs: np.asarray(xs, dtype=float)  # noqa: E731
+        return Timeline(
+            num_ranks=int(head["num_ranks"]),
+            rank=ints(c[0]),
+            op=ints(c[1]),
+            mb=ints(c[2]),
+            stage=ints(c[3]),
+            start=floats(c[4]),
+            end=floats(c[5]),
+            msg_kind=ints(m[0]),
+            msg_mb=ints(m[1]),
+            msg_stage=ints(m[2]),
+            msg_src=ints(m[3]),
+            msg_dst=ints(m[4]),
+            msg_send=floats(m[5]),
+            msg_arrival=floats(m[6]),
+            msg_bytes=floats(m[7]),
+            msg_post=floats(m[8]),
+            origin=str(head.get("origin", "simulated")),
+            schedule=str(head.get("schedule", "")),
+            params=tuple(head.get("params", {}).items()),
+        )
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise error("E602", f"malformed pipec trace `{path}`: {e!r}") from None
