@@ -13,22 +13,22 @@ from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput
 from pipec import ast
 from pipec.errors import PipecError, Source, Span, error
 
-_UNITS = {
-    "us": 1e-6,
-    "ms": 1e-3,
-    "s": 1.0,
-    "bps": 1.0,
-    "Kbps": 1e3,
-    "Mbps": 1e6,
-    "Gbps": 1e9,
-    "Tbps": 1e12,
-    "B": 1.0,
-    "KB": 1e3,
-    "MB": 1e6,
-    "GB": 1e9,
-    "KiB": 2.0**10,
-    "MiB": 2.0**20,
-    "GiB": 2.0**30,
+_UNITS = {  # unit -> (multiply, divide), so that 5us is exactly 5 / 1e6 seconds
+    "us": (1.0, 1e6),
+    "ms": (1.0, 1e3),
+    "s": (1.0, 1.0),
+    "bps": (1.0, 1.0),
+    "Kbps": (1e3, 1.0),
+    "Mbps": (1e6, 1.0),
+    "Gbps": (1e9, 1.0),
+    "Tbps": (1e12, 1.0),
+    "B": (1.0, 1.0),
+    "KB": (1e3, 1.0),
+    "MB": (1e6, 1.0),
+    "GB": (1e9, 1.0),
+    "KiB": (2.0**10, 1.0),
+    "MiB": (2.0**20, 1.0),
+    "GiB": (2.0**30, 1.0),
 }
 
 
@@ -85,6 +85,11 @@ class _ToAst(Transformer):
     # ---- expressions
     def number(self, meta, c):
         return ast.Num(_tok_span(c[0]), _number(c[0]))
+
+    def quantity(self, meta, c):
+        """`1GiB`, `40ms`, `10Gbps` in an expression: a float in bytes, seconds or bits per second."""
+        q = self._quantity(c[0], "a quantity", tuple(_UNITS))
+        return ast.Num(q.span, q.value)
 
     def string(self, meta, c):
         return ast.Str(_tok_span(c[0]), str(c[0])[1:-1])
@@ -210,7 +215,11 @@ class _ToAst(Transformer):
         return ast.TopoDc(_meta_span(meta), str(c[0])[1:-1], c[1], c[2])
 
     def _link(self, meta, a, b, attrs):
-        found = dict(attrs)
+        found = {}
+        for key, value in attrs:
+            if key in found:
+                raise _Bad(error("E107", f"{key} given twice", value.span))
+            found[key] = value
         return ast.TopoLink(_meta_span(meta), a, b, found.get("latency"), found.get("bandwidth"))
 
     def topo_link(self, meta, c):
@@ -231,7 +240,8 @@ class _ToAst(Transformer):
                     _tok_span(tok),
                 )
             )
-        value = float(digits) * _UNITS[unit]
+        mul, div = _UNITS[unit]
+        value = float(digits) * mul / div
         if not math.isfinite(value):
             raise _Bad(error("E004", f"{kind} `{_clip(text)}` is too large", _tok_span(tok)))
         return ast.Quantity(_tok_span(tok), value, unit)
@@ -268,6 +278,7 @@ class _Bad(Exception):
 
 
 def _describe(parser: lark.Lark, names) -> str:
+    """The expected tokens, in words; long lists (anything may follow) are cut to the first few."""
     shown = []
     for name in sorted(names):
         try:
@@ -280,7 +291,11 @@ def _describe(parser: lark.Lark, names) -> str:
             shown.append(f"`{pattern.value}`")
         else:
             shown.append({"NAME": "a name", "NUMBER": "a number", "STRING": "a string"}.get(name, name.lower()))
-    return ", ".join(dict.fromkeys(shown))
+    shown = list(dict.fromkeys(shown))
+    if len(shown) > 8:
+        words = [w for w in shown if w.startswith("`") and w[1:-1] in ("}", ")", ",", "{")]
+        return ", ".join(words + ["a statement" if "`let`" in shown else "an operator"]) + " or more"
+    return ", ".join(shown)
 
 
 def parse(source: Source) -> ast.ScheduleAst:
