@@ -99,10 +99,13 @@ class Require(Node):
 
 @dataclass(frozen=True)
 class For(Node):
+    """`for i in lo .. hi [by step] { ... }`: half-open, like Python's range."""
+
     var: str
     lo: Expr
     hi: Expr
     body: tuple[Stmt, ...]
+    step: Expr | None = None
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from pipec.errors import PipecError, Source, Span, error
 
 OP_KINDS = ("F", "B", "W")
 KEYWORDS = frozenset(
-    "schedule require let def for in repeat while if elif else then and or not true false rank stages ranks"
+    "schedule require let def for in by repeat while if elif else then and or not true false rank stages ranks"
     " microbatches place ops cost memory topology dc link default latency bandwidth int float bool str".split()
 )
 BUILTINS = ("min", "max", "abs", "done")
@@ -400,12 +400,18 @@ class _Compiler:
             self.n += 1
             self.line(indent, f"{lo_v} = {lo}")
             self.line(indent, f"{hi_v} = {hi}")
+            bounds = f"{lo_v}, {hi_v}"
+            if st.step is not None:
+                step, t = self.expr(st.step, scope)
+                self.want(t, ("int",), st.step.span, "a `for` step")
+                bounds += f", _step({step}, {self.sid(st.step.span)})"
             inner = _Scope(scope)
             py = self.fresh(st.var)
             self.bind(inner, st.var, _Value(py, "int"), st.span)
             body, weight = self.loop_body(st.body, inner, indent + 1, ctx)
-            self.line(indent, f"_charge(({hi_v} - {lo_v}) * {1 + weight}, {self.sid(st.span)})")
-            self.line(indent, f"for {py} in range({lo_v}, {hi_v}):")
+            self.line(indent, f"_range = range({bounds})")
+            self.line(indent, f"_charge(len(_range) * {1 + weight}, {self.sid(st.span)})")
+            self.line(indent, f"for {py} in _range:")
             self.out.extend(body)
         elif isinstance(st, ast.Repeat):
             n, t = self.expr(st.count, scope)

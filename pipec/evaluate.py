@@ -286,6 +286,7 @@ class _Env:
             _fdiv=self.fdiv,
             _mod=self.mod,
             _charge=self.charge,
+            _step=self.step,
             _require_failed=self.require_failed,
             _while_check=self.while_check,
             _ds=-1,
@@ -310,6 +311,12 @@ class _Env:
         if b == 0:
             raise _Fail("E201", "modulo by zero", sid)
         return a % b
+
+    @staticmethod
+    def step(value, sid):
+        if value == 0:
+            raise _Fail("E211", "a `for` step must not be zero", sid)
+        return value
 
     def charge(self, n, sid):
         if n > 0:

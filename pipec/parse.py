@@ -158,7 +158,7 @@ class _ToAst(Transformer):
         return ast.Require(_meta_span(meta), c[0], msg)
 
     def for_stmt(self, meta, c):
-        return ast.For(_meta_span(meta), str(c[0]), c[1], c[2], c[3])
+        return ast.For(_meta_span(meta), str(c[0]), c[1], c[2], c[4], c[3])
 
     def repeat_stmt(self, meta, c):
         return ast.Repeat(_meta_span(meta), c[0], c[1])

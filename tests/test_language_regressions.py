@@ -61,3 +61,13 @@ def test_ops_cannot_be_compared():
     with pytest.raises(PipecError) as e:
         make('require F(0) == F(0), "same op"\nstages 1\nrank r { F(0) B(0) }')
     assert e.value.code == "E103"
+
+
+def test_for_by_step_counts_down_and_a_zero_step_is_e211():
+    body = "stages 1\nrank r {{ for i in 0 .. m {{ F(i) }} for i in m - 1 .. -1 by {step} {{ B(i) }} }}"
+    s = make(body.format(step=-1), "(p: int = 1, m: int = 3)")
+    assert [(o.kind, o.mb) for o in s.ops(0)] == [("F", 0), ("F", 1), ("F", 2), ("B", 2), ("B", 1), ("B", 0)]
+    with pytest.raises(PipecError) as e:
+        make(body.format(step=0), "(p: int = 1, m: int = 3)")
+    assert e.value.code == "E211"
+    assert (e.value.span.line, e.value.span.col) == (3, 59)  # the step expression
