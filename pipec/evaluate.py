@@ -91,7 +91,7 @@ def evaluate(
     except RecursionError:
         raise error("E003", "the file nests expressions or blocks too deeply", None, source) from None
     except OverflowError as e:  # int too large for a float, in the generated code
-        raise error("E211", f"arithmetic overflow: {e}", _generated_span(compiled, e), source) from None
+        raise error("E212", f"arithmetic overflow: {e}", _generated_span(compiled, e), source) from None
 
 
 def _generated_span(compiled: Compiled, exc: BaseException) -> Span:
@@ -109,7 +109,7 @@ def _float(value, sid: int | None) -> float:
     try:
         return float(value)
     except OverflowError as e:
-        raise _Fail("E211", f"arithmetic overflow: {e}", sid) from None
+        raise _Fail("E212", f"arithmetic overflow: {e}", sid) from None
 
 
 def _bind_params(compiled: Compiled, source: Source, given: Iterable[tuple[str, object]]) -> dict[str, object]:
