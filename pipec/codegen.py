@@ -253,7 +253,7 @@ class _Compiler:
             s, st = self.expr(e.args[1], scope)
             self.want(st, ("int",), e.args[1].span, "the stage of `done`")
             self.counts_ops = True
-            return f"_done({k}, {s})", "int"
+            return f"_done({k}, {s}, {self.sid(e.span)})", "int"
         if e.name == "abs":
             if len(e.args) != 1:
                 raise self.err("E102", f"`abs` takes 1 argument, got {len(e.args)}", e.span)

@@ -289,6 +289,7 @@ class _Env:
             _step=self.step,
             _require_failed=self.require_failed,
             _while_check=self.while_check,
+            _done=self.done_outside_rank,
             _ds=-1,
             _ops=[],
             _emit=None,
@@ -331,6 +332,10 @@ class _Env:
         text = f"requirement failed: {message}" if message else "requirement failed"
         raise _Fail("E202", text, sid, (f"with {values}",) if values else ())
 
+    @staticmethod
+    def done_outside_rank(kind, stage, sid):
+        raise _Fail("E109", "`done(op, stage)` counts the ops a rank has emitted: use it inside the `rank` block", sid)
+
     def while_check(self, before, after, sid):
         if after == before:
             raise _Fail("E207", "`while` loop made no progress: an iteration emitted no ops", sid)
@@ -363,7 +368,7 @@ class _Env:
 
             ns["_emit"] = emit
             ns["_next"] = nxt
-            ns["_done"] = lambda k, s: counts.get((k, s), 0)
+            ns["_done"] = lambda k, s, sid: counts.get((k, s), 0)
         else:
             emit = ns["_emit"] = ops.append
             nxt = ns["_next"] = None
