@@ -14,7 +14,9 @@ the defaults read as 1 s). Per-stage keys take one number for every stage or
 a list with one per stage:
 
 - `F`, `B`, `W`: compute times of the stage's forward, backward (input
-  gradient when split) and weight-gradient passes;
+  gradient when split) and weight-gradient passes; `T_F`, `T_B`, `T_W` (one
+  number) instead give the time of a rank's share of the model, `p / S` of it
+  per stage, so one value compares schedules with any number of chunks;
 - `comm`: a fixed time per message the stage sends (Zero Bubble's `T_comm`);
 - `act_bytes`: bytes of the activation stage s sends to s + 1; `grad_bytes`:
   bytes of the gradient stage s sends to s - 1 (default: the activation size
@@ -204,6 +206,10 @@ def normalize(doc: Mapping, what: str = "costs") -> dict:
             continue
         if key in _KEY_KIND:
             out[key] = _per_stage(value, _KEY_KIND[key], f"{what}: {key}")
+        elif key in ("T_F", "T_B", "T_W"):
+            if key[2:] in doc:
+                raise error("E601", f"{what}: give `{key[2:]}` (per stage) or `{key}` (per rank), not both")
+            out[key] = quantity(value, "time", f"{what}: {key}")
         elif key == "bytes":  # both directions across each boundary
             out["act_bytes"] = _per_stage(value, "bytes", f"{what}: bytes")
         elif key == "latency":
@@ -230,7 +236,9 @@ def normalize(doc: Mapping, what: str = "costs") -> dict:
                 raise error("E601", f"{what}: ranks_per_node must be a positive integer, got `{value}`")
             out["ranks_per_node"] = value
         else:
-            known = ", ".join(STAGE_KEYS + ("bytes", "latency", "bandwidth", "links", "ranks_per_node"))
+            known = ", ".join(
+                STAGE_KEYS + ("T_F", "T_B", "T_W", "bytes", "latency", "bandwidth", "links", "ranks_per_node")
+            )
             raise error("E601", f"{what}: unknown cost `{key}` (known: {known})")
     if links:
         out["links"] = links
@@ -335,6 +343,9 @@ def cost_model(sched: Schedule, overrides: Sequence[Mapping] = ()) -> CostModel:
         origin.append("schedule: topology")
     for ov in overrides:
         origin.append(str(ov.get("_from", "overrides")))
+        for k in ("F", "B", "W"):
+            if f"T_{k}" in ov:
+                vals[k] = np.full(S, ov[f"T_{k}"] * R / S)
         for k in STAGE_KEYS:
             if k not in ov:
                 continue

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import shlex
 import subprocess
 import sys
 from contextlib import redirect_stderr, redirect_stdout
@@ -214,6 +216,17 @@ def test_cost_overrides_files_and_precedence(tmp_path):
     assert back["F"] == [1.0, 2.0, 3.0, 4.0] and back["links"] == {"cross": {"latency": 0.04}}
     back = read_cost_file(_write(tmp_path / "d.json", dump_costs({"B": 2.5}, toml=False)))
     assert back["B"] == 2.5
+
+
+def test_per_rank_share_costs():
+    """T_F, T_B, T_W: a rank's share of the model, split over its chunks."""
+    s = load("zb-v", p=4, m=8)
+    m = cost_model(s, [parse_overrides("T_F=1,T_B=2,T_W=0.5")])
+    assert m.F.tolist() == [0.5] * 8 and m.B.tolist() == [1.0] * 8 and m.W.tolist() == [0.25] * 8
+    m = cost_model(s, [parse_overrides("T_F=1"), parse_overrides("F=3")])
+    assert m.F.tolist() == [3.0] * 8
+    with pytest.raises(PipecError, match="not both"):
+        parse_overrides("F=1,T_F=1")
 
 
 def _write(path: Path, text: str) -> Path:
@@ -619,3 +632,37 @@ def test_import_pipec_loads_neither_torch_nor_matplotlib():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.split() == ["False", "False"]
+
+
+# ---------------------------------------------------------------- the documentation
+
+DOC = ROOT / "docs" / "simulate.md"
+
+
+def _console_runs() -> list[tuple[str, str]]:
+    runs = []
+    for block in re.findall(r"^```console\n(.*?)^```", DOC.read_text(), re.S | re.M):
+        lines = block.split("\n")[:-1]
+        starts = [i for i, line in enumerate(lines) if line.startswith("$ ")]
+        for a, b in zip(starts, starts[1:] + [len(lines)]):
+            runs.append((lines[a][2:], "".join(line + "\n" for line in lines[a + 1 : b])))
+    return runs
+
+
+@pytest.mark.parametrize(("command", "expected"), _console_runs())
+def test_docs_console_runs_print_what_they_show(command, expected):
+    argv = shlex.split(command)
+    assert argv[0] == "pipec"
+    rc, out, err = run(*argv[1:])
+    assert (rc, out + err) == (0, expected)
+
+
+def test_docs_python_snippets_run_and_pictures_are_small():
+    snippets = re.findall(r"^```python\n(.*?)^```", DOC.read_text(), re.S | re.M)
+    exec(compile(snippets[-1], "docs/simulate.md", "exec"), {})
+    pictures = re.findall(r"\(img/([^)]+\.png)\)", DOC.read_text())
+    assert len(pictures) >= 3
+    for name in pictures:
+        path = ROOT / "docs" / "img" / name
+        assert path.stat().st_size < 200_000, name
+        assert f"$OUT/{name}" in (ROOT / "docs" / "img" / "make.sh").read_text()

@@ -1,0 +1,98 @@
+"""Simulation speed: `pipec.simulate.simulate` from about 10,000 to 1,000,000 compute ops.
+
+Prints one JSON line per measurement, then one line per schedule comparing the
+smallest and largest points (time per op should stay flat: linear growth).
+Compiling (parse, checks, lowering) is timed separately and not counted; the
+simulation is timed twice per point (free communication, and a link cost of
+latency plus bytes over bandwidth) and the best of three runs is reported.
+
+    python benchmarks/simulate_speed.py            # all points (about a minute on 2 cores)
+    python benchmarks/simulate_speed.py --quick    # skip the 1,000,000-op points
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+POINTS = {
+    "1f1b": [{"p": 8, "m": 640}, {"p": 16, "m": 3200}, {"p": 64, "m": 3200}, {"p": 128, "m": 4096}],
+    "zb-v": [{"p": 8, "m": 208}, {"p": 32, "m": 520}, {"p": 64, "m": 1300}, {"p": 128, "m": 1302}],
+}
+COMM = "latency=10us,act_bytes=16MiB,bandwidth=100Gbps,comm=1us"
+
+
+def best_of(n: int, fn):
+    best, out = float("inf"), None
+    for _ in range(n):
+        t0 = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t0)
+    return best, out
+
+
+def measure(name: str, params: dict[str, int]) -> dict:
+    from pipec.api import load
+    from pipec.compiler import compile_schedule
+    from pipec.costs import cost_model, parse_overrides
+    from pipec.simulate import simulate, stats
+
+    t0 = time.perf_counter()
+    sched = load(name, **params)
+    prog = compile_schedule(sched).program
+    t_compile = time.perf_counter() - t0
+    free = cost_model(sched)
+    linked = cost_model(sched, [parse_overrides(COMM)])
+    t_free, tl = best_of(3, lambda: simulate(prog, free))
+    t_link, tl2 = best_of(3, lambda: simulate(prog, linked))
+    t_stats, st = best_of(3, lambda: stats(tl))
+    n = sched.num_ops
+    return {
+        "schedule": name,
+        "params": params,
+        "compute_ops": n,
+        "instructions": prog.num_instructions,
+        "messages": int(len(tl.msg_send)),
+        "compile_seconds": round(t_compile, 3),
+        "simulate_seconds": round(t_free, 4),
+        "simulate_seconds_with_links": round(t_link, 4),
+        "stats_seconds": round(t_stats, 4),
+        "us_per_op": round(1e6 * t_free / n, 3),
+        "makespan": st.makespan,
+        "makespan_with_links": tl2.makespan,
+        "bubble_rate": round(st.bubble_rate, 6),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="skip the 1,000,000-op points")
+    args = ap.parse_args()
+    for name, grid in POINTS.items():
+        rows = []
+        for params in grid:
+            if args.quick and params["p"] == 128:
+                continue
+            rec = measure(name, params)
+            rows.append(rec)
+            print(json.dumps(rec), flush=True)
+        print(
+            json.dumps(
+                {
+                    "scaling": name,
+                    "ops_small": rows[0]["compute_ops"],
+                    "ops_large": rows[-1]["compute_ops"],
+                    "us_per_op_small": rows[0]["us_per_op"],
+                    "us_per_op_large": rows[-1]["us_per_op"],
+                    "per_op_ratio": round(rows[-1]["us_per_op"] / rows[0]["us_per_op"], 2),
+                    "seconds_large": rows[-1]["simulate_seconds"],
+                    "target_seconds_at_1M": 10,
+                }
+            ),
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
