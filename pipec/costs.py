@@ -5,8 +5,9 @@ Sources, later ones winning key by key: built-in defaults, the schedule's
 the order given. Defaults: `T_F = T_B = T_W = 1` for each rank's share of the
 model, that is `p / S` per stage (1 when each rank holds one stage, 1/v with
 v chunks per rank, so every schedule computes the same model and schedules
-compare fairly); a full backward (schedules without `W`) takes `T_B + T_W`;
-communication is free. The closed forms of GPipe, 1F1B, interleaved 1F1B
+compare fairly); a full backward (schedules without `W`) takes `T_B + T_W`,
+except that when a source gives `B` and none gives `W`, that `B` is the full
+backward; communication is free. The closed forms of GPipe, 1F1B, interleaved 1F1B
 and Zero Bubble then hold exactly.
 
 Times are seconds (any unit works if every number uses it: the unit costs of
@@ -333,6 +334,7 @@ def cost_model(sched: Schedule, overrides: Sequence[Mapping] = ()) -> CostModel:
         origin.append("schedule: " + ", ".join(f"cost {k}" for k in sched.costs))
     for k, per in sched.costs.items():
         vals[k] = np.asarray(per, dtype=float)
+    given = set(sched.costs)
     ranks_per_node = None
     for ov in overrides:
         ranks_per_node = ov.get("ranks_per_node", ranks_per_node)
@@ -346,9 +348,11 @@ def cost_model(sched: Schedule, overrides: Sequence[Mapping] = ()) -> CostModel:
         for k in ("F", "B", "W"):
             if f"T_{k}" in ov:
                 vals[k] = np.full(S, ov[f"T_{k}"] * R / S)
+                given.add(k)
         for k in STAGE_KEYS:
             if k not in ov:
                 continue
+            given.add(k)
             v = ov[k]
             if isinstance(v, list):
                 if len(v) != S:
@@ -368,6 +372,8 @@ def cost_model(sched: Schedule, overrides: Sequence[Mapping] = ()) -> CostModel:
                 bandwidth[sel] = spec["bandwidth"] / 8.0
     if grad is None:
         grad = np.concatenate([[0.0], vals["act_bytes"][:-1]])
+    if not sched.split_backward and "B" in given and "W" not in given:
+        vals["W"] = np.zeros(S)  # B was given for a schedule without W: it is the full backward
     for k in ("F", "B", "W", "comm"):
         if not (np.isfinite(vals[k]).all() and (vals[k] >= 0).all()):
             raise error("E601", f"cost `{k}` must be a finite number >= 0 for every stage")

@@ -218,6 +218,16 @@ def test_cost_overrides_files_and_precedence(tmp_path):
     assert back["B"] == 2.5
 
 
+def test_a_given_b_without_w_is_the_full_backward():
+    s = load("1f1b", p=2, m=2)
+    full = np.array([BWD]), np.array([0])
+    assert cost_model(s).compute_time(*full).tolist() == [2.0]  # B + W = 1 + 1
+    assert cost_model(s, [parse_overrides("B=3")]).compute_time(*full).tolist() == [3.0]
+    assert cost_model(s, [parse_overrides("B=3,W=1")]).compute_time(*full).tolist() == [4.0]
+    rc, out, _ = run("simulate", str(ROOT / "examples/extra_warmup_1f1b.pipe"), "--json")  # cost F = 1, B = 2
+    assert rc == 0 and json.loads(out)["per_rank"][0]["busy"] == 8 * 3
+
+
 def test_per_rank_share_costs():
     """T_F, T_B, T_W: a rank's share of the model, split over its chunks."""
     s = load("zb-v", p=4, m=8)
