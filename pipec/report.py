@@ -59,6 +59,7 @@ def _num(x: float) -> float | int:
 def to_json(sim: Simulation) -> dict:
     s, st, tl = sim.schedule, sim.stats, sim.timeline
     limit = sim.memory["limit"]
+    curves = memory_curve(tl, sim.memory)
     return {
         "schedule": s.name,
         "source": s.source.path if s.source else None,
@@ -88,6 +89,7 @@ def to_json(sim: Simulation) -> dict:
                 "idle": _num(r.idle),
                 "peak_memory": None if r.peak_memory is None else _num(r.peak_memory),
                 "memory_limit": None if np.isnan(limit[r.rank]) else _num(float(limit[r.rank])),
+                "memory_curve": [[_num(t), _num(v)] for t, v in zip(*(c.tolist() for c in curves[r.rank]))],
             }
             for r in st.ranks
         ],

@@ -305,8 +305,9 @@ def memory_curve(
 
     The memory model of `pipec.memory`: params of the rank's stages throughout; `act` from the start of
     F until the end of B; with split backward `wact` from the end of B until the end of W. Changes at one
-    instant apply in the rank's order; `collapse` keeps only the last value at each time (for drawing),
-    otherwise every step is kept and the maximum equals `pipec.memory.rank_memory`'s peak.
+    instant apply in the rank's order. `collapse` keeps only the last value at each time, and only
+    where the value changes (for drawing and reports); otherwise every step is kept, and the maximum
+    equals `pipec.memory.rank_memory`'s peak.
     """
     split = bool((tl.op == WGRAD).any()) if split is None else split
     act, wact, params = memory["act"], memory["wact"], memory["params"]
@@ -326,5 +327,7 @@ def memory_curve(
         if collapse and len(t) > 1:
             last = np.r_[t[1:] != t[:-1], True]
             t, v = t[last], v[last]
+            moved = np.r_[True, v[1:] != v[:-1]]
+            t, v = t[moved], v[moved]
         out.append((t, v))
     return out

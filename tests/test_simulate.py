@@ -69,6 +69,8 @@ def test_1f1b_p4_m8_bubble_is_exactly_3_11():
     assert doc["makespan"] == 33 and doc["bubble_time"] == 9 and doc["peak_memory"] == 4
     assert [r["busy"] for r in doc["per_rank"]] == [24] * 4
     assert [r["idle"] for r in doc["per_rank"]] == [9, 6, 3, 0]
+    assert doc["per_rank"][3]["memory_curve"] == [[0, 0], [3, 1], [27, 0]]  # one activation, F to B, back to back
+    assert doc["per_rank"][0]["memory_curve"] == [[0, 1], [1, 2], [2, 3], [3, 4], [24, 3], [27, 2], [30, 1], [33, 0]]
     assert doc["costs"]["free_comm"] is True
 
 
@@ -459,8 +461,8 @@ def test_memory_curve_steps():
     (t0, v0), (t1, v1) = memory_curve(tl, memory_model(load("1f1b", p=2, m=2)))
     # rank 0: F0 at 0 (+1), F1 at 1 (+1), B0 ends 6 (-1), B1 ends 9 (-1)
     assert t0.tolist() == [0, 1, 6, 9] and v0.tolist() == [1, 2, 1, 0]
-    # rank 1: F0 at 1 (+1); at 4, B0 ends (-1) and F1 starts (+1): one step; B1 ends 7 (-1)
-    assert t1.tolist() == [0, 1, 4, 7] and v1.tolist() == [0, 1, 1, 0]
+    # rank 1: F0 at 1 (+1); at 4, B0 ends (-1) and F1 starts (+1): no change; B1 ends 7 (-1)
+    assert t1.tolist() == [0, 1, 7] and v1.tolist() == [0, 1, 0]
     raw = memory_curve(tl, memory_model(load("1f1b", p=2, m=2)), collapse=False)[1]
     assert raw[0].tolist() == [0, 1, 4, 4, 7] and raw[1].tolist() == [0, 1, 0, 1, 0]
     assert [r.peak_memory for r in st_.ranks] == [2, 1]
