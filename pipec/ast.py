@@ -98,6 +98,15 @@ class Require(Node):
 
 
 @dataclass(frozen=True)
+class Expect(Node):
+    """`expect cond [when guard] [, "message"]`: a promise checked after evaluation (see pipec.expect)."""
+
+    cond: Expr
+    guard: Expr | None
+    message: str | None
+
+
+@dataclass(frozen=True)
 class For(Node):
     """`for i in lo .. hi [by step] { ... }`: half-open, like Python's range."""
 
@@ -188,7 +197,7 @@ class Topology(Node):
     items: tuple[TopoDc | TopoLink, ...]
 
 
-Stmt = Let | Def | Require | For | Repeat | While | If | RankBlock | Emit | Decl | Place | OpsDecl | Topology
+Stmt = Let | Def | Require | Expect | For | Repeat | While | If | RankBlock | Emit | Decl | Place | OpsDecl | Topology
 
 
 @dataclass(frozen=True)

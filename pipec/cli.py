@@ -163,9 +163,13 @@ def _summary(c: Compiled) -> dict:
 
 def cmd_check(args: argparse.Namespace) -> int:
     """Run every check: each op exactly once, on its owner, in dependency order; memory within the limit;
-    no deadlock, even when every send blocks until its receive is posted."""
+    no deadlock, even when every send blocks until its receive is posted; and the schedule's own `expect`
+    lines, measured under its own cost and memory declarations (E405)."""
+    from pipec.expect import check_expectations
+
     c = _compile(args)
     s = c.schedule
+    check_expectations(s, c.program)
     if args.json:
         print(json.dumps(_summary(c)))
         return 0

@@ -19,12 +19,16 @@ from pipec.errors import PipecError, Source, Span, error
 OP_KINDS = ("F", "B", "W")
 KEYWORDS = frozenset(
     "schedule require let def for in by repeat while if elif else then and or not true false rank stages ranks"
-    " microbatches place ops cost memory topology dc link default latency bandwidth int float bool str".split()
+    " microbatches place ops cost memory topology dc link default latency bandwidth int float bool str"
+    " expect when".split()
 )
 BUILTINS = ("min", "max", "abs", "done")
 COST_KEYS = ("F", "B", "W", "comm")
 MEMORY_KEYS = ("act", "wact", "params", "limit")
 NUMERIC = ("int", "float")
+# Names only an `expect` sees (pipec.expect computes them): numbers, and functions of a rank.
+METRICS = {"bubble": "float", "bubble_time": "float", "makespan": "float", "ideal": "float"}
+METRIC_FUNCS = {"peak_memory": "float", "in_flight": "int"}
 MAX_CALLS = 1_000_000  # function calls one call may make: nesting must not hide exponential work
 
 
@@ -41,6 +45,12 @@ class _Func:
     scope: _Scope
     checked: dict = field(default_factory=dict)
     weight: int = 1  # function calls one call makes, itself included (loops inside charge at run time)
+
+
+@dataclass
+class _MetricFn:
+    name: str
+    type: str
 
 
 @dataclass
@@ -165,7 +175,7 @@ class _Compiler:
             if e.name in BUILTINS:
                 raise self.err("E103", f"`{e.name}` is a function; call it", e.span)
             raise self.err("E101", f"unknown name `{e.name}`", e.span)
-        if isinstance(b, _Func):
+        if isinstance(b, (_Func, _MetricFn)):
             raise self.err("E103", f"`{e.name}` is a function; call it with its arguments", e.span)
         return b.pyname, b.type
 
@@ -227,6 +237,8 @@ class _Compiler:
             return self.builtin(e, scope)
         if b is None:
             raise self.err("E101", f"unknown function `{e.name}`", e.name_span)
+        if isinstance(b, _MetricFn):
+            return self.metric_call(e, b, scope)
         if not isinstance(b, _Func):
             raise self.err("E103", f"`{e.name}` is a value of type {b.type}, not a function", e.name_span)
         if e.kwargs:
@@ -270,6 +282,16 @@ class _Compiler:
         if len(parts) == 1:
             return parts[0][0], t
         return f"{e.name}({', '.join(c for c, _ in parts)})", t
+
+    def metric_call(self, e: ast.Call, f: _MetricFn, scope: _Scope) -> tuple[str, str]:
+        """`peak_memory(r)`, `in_flight(r)` inside an `expect`: a measure of rank r."""
+        if e.kwargs:
+            raise self.err("E105", f"`{e.name}` takes no keyword arguments", e.kwargs[0].span)
+        if len(e.args) != 1:
+            raise self.err("E102", f"`{e.name}(rank)` takes 1 argument, got {len(e.args)}", e.span)
+        code, t = self.expr(e.args[0], scope)
+        self.want(t, ("int",), e.args[0].span, f"the rank of `{e.name}`")
+        return f"_M.{e.name}({code}, {self.sid(e.span)})", f.type
 
     def op_call(self, e: ast.Call, scope: _Scope, emit: bool, sid: int | None = None) -> tuple[str, str]:
         """An op: as a value `(kind, mb, stage, sid)`; as a statement, appended to the rank's list."""
@@ -385,6 +407,8 @@ class _Compiler:
             if not top:
                 raise self.err("E109", "declarations belong at the top of the schedule, not in a block", st.span)
             self.decl(st, scope, indent)
+        elif isinstance(st, ast.Expect):
+            self.expect(st, scope, indent, ctx)
         elif isinstance(st, ast.RankBlock):
             if not top:
                 raise self.err("E109", "a `rank` block belongs at the top of the schedule", st.span)
@@ -446,6 +470,38 @@ class _Compiler:
             self.emit(st, scope, indent)
         else:  # pragma: no cover
             raise AssertionError(st)
+
+    def expect(self, st: ast.Expect, scope: _Scope, indent: int, ctx: str) -> None:
+        """Register a deferred check: the condition runs later, with the metrics as `_M` (pipec.expect)."""
+        if ctx not in ("top", "rank") or len(self.weights) > 1:
+            raise self.err(
+                "E109",
+                "an `expect` belongs at the top of the schedule or of the `rank` block, not in a loop or function",
+                st.span,
+            )
+        inner = _Scope(scope)  # the metrics shadow outer names, like a stage variable does
+        for name, t in METRICS.items():
+            inner.names[name] = _Value(f"_M.{name}", t)
+        for name, t in METRIC_FUNCS.items():
+            inner.names[name] = _MetricFn(name, t)
+        cond = st.cond
+        if isinstance(cond, ast.BinOp) and cond.op in ("<", "<=", ">", ">=", "=="):
+            a, at = self.expr(cond.left, inner)
+            b, bt = self.expr(cond.right, inner)
+            self.want(at, NUMERIC, cond.left.span, f"`{cond.op}` in `expect`")
+            self.want(bt, NUMERIC, cond.right.span, f"`{cond.op}` in `expect`")
+            code = f"_cmp({a}, {cond.op!r}, {b})"  # both sides are kept, to report them
+        else:
+            c, t = self.expr(cond, inner)
+            self.want(t, ("bool",), cond.span, "`expect`")
+            code = f"({c}, None, None)"
+        call = f"_expect({self.sid(st.span)}, {self.sid(cond.span)}, {st.message!r}, lambda _M: {code})"
+        if st.guard is None:
+            self.line(indent, call)
+            return
+        g, gt = self.expr(st.guard, scope)
+        self.want(gt, ("bool",), st.guard.span, "`when`")
+        self.line(indent, f"if {g}: {call}")
 
     def emit(self, st: ast.Emit, scope: _Scope, indent: int) -> None:
         if len(st.calls) > 2:

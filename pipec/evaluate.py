@@ -14,7 +14,7 @@ import numpy as np
 
 from pipec.codegen import Compiled
 from pipec.errors import PipecError, Source, Span, error
-from pipec.ir import Datacenter, Link, RankOps, Schedule, Topology
+from pipec.ir import Datacenter, Expectation, Link, RankOps, Schedule, Topology
 
 MAX_SIZE = 10_000_000  # stages, ranks, micro-batches
 MAX_OPS = 50_000_000  # ops a schedule may have in all
@@ -219,6 +219,10 @@ def _run(compiled: Compiled, source: Source, given: dict[str, object], only: Ite
         else:
             rank_ops.append(_empty_rank())
     decl_spans = {k: compiled.spans[sid] for k, (_, sid) in rt.decls.items()}
+    expects = tuple(
+        Expectation(compiled.spans[sid], compiled.spans[csid], msg, rank, _expectation_test(fn, compiled, source))
+        for sid, csid, msg, fn, rank in env.expects
+    )
     return Schedule(
         name=compiled.name,
         params=param_items,
@@ -234,7 +238,37 @@ def _run(compiled: Compiled, source: Source, given: dict[str, object], only: Ite
         spans=compiled.spans,
         source=source,
         decl_spans=decl_spans,
+        expects=expects,
     )
+
+
+def _expectation_test(fn, compiled: Compiled, source: Source):
+    """The deferred condition of an `expect`; errors inside it (division by zero...) become diagnostics."""
+
+    def test(metrics):
+        try:
+            return fn(metrics)
+        except _Fail as f:
+            span = compiled.spans[f.sid] if f.sid is not None else compiled.header
+            raise error(f.code, f.message, span, source, f.notes) from None
+        except OverflowError as e:
+            raise error("E212", f"arithmetic overflow: {e}", _generated_span(compiled, e), source) from None
+
+    return test
+
+
+def _cmp(a, op: str, b) -> tuple[bool, object, object]:
+    """An `expect` comparison, keeping both sides. `<=`, `>=` and `==` allow a relative error of 1e-9,
+    because simulated times are floats: (p - 1) / (m + p - 1) must hold when it holds exactly."""
+    tol = 1e-9 * max(1.0, abs(a), abs(b))
+    ok = {
+        "<": a < b,
+        "<=": a <= b + tol,
+        ">": a > b,
+        ">=": a >= b - tol,
+        "==": abs(a - b) <= tol,
+    }[op]
+    return bool(ok), a, b
 
 
 def _pyname(compiled: Compiled, name: str) -> str:
@@ -281,6 +315,8 @@ class _Env:
         self.compiled = compiled
         self.ns = ns
         self.left = WORK_FIXED
+        self.rank: int | None = None  # the rank block being run, for `expect`s written in it
+        self.expects: list[tuple] = []
         ns.update(
             _tdiv=self.tdiv,
             _fdiv=self.fdiv,
@@ -289,6 +325,8 @@ class _Env:
             _step=self.step,
             _require_failed=self.require_failed,
             _while_check=self.while_check,
+            _expect=self.expect,
+            _cmp=_cmp,
             _done=self.done_outside_rank,
             _ds=-1,
             _ops=[],
@@ -336,6 +374,9 @@ class _Env:
     def done_outside_rank(kind, stage, sid):
         raise _Fail("E109", "`done(op, stage)` counts the ops a rank has emitted: use it inside the `rank` block", sid)
 
+    def expect(self, sid, cond_sid, message, fn):
+        self.expects.append((sid, cond_sid, message, fn, self.rank))
+
     def while_check(self, before, after, sid):
         if after == before:
             raise _Fail("E207", "`while` loop made no progress: an iteration emitted no ops", sid)
@@ -346,6 +387,7 @@ class _Env:
         ns = self.ns
         ops: list[tuple] = []
         pairs: list[int] = []
+        self.rank = rank
         self.cap = cap
         self.left = WORK_FIXED + WORK_PER_OP * cap
         ns["_ops"] = ops

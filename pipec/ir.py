@@ -7,6 +7,7 @@ small work and tests.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -62,6 +63,21 @@ class Topology:
 
 
 @dataclass(frozen=True, eq=False)
+class Expectation:
+    """An `expect` statement as evaluated for these parameters (one per rank when written in the rank block).
+
+    `test(metrics)` returns (holds, left, right): the two sides of a comparison, or None, None; it raises
+    PipecError when the condition itself fails to evaluate. `pipec.expect` supplies the metrics.
+    """
+
+    span: Span
+    cond_span: Span
+    message: str | None
+    rank: int | None
+    test: Callable[[object], tuple[bool, object, object]]
+
+
+@dataclass(frozen=True, eq=False)
 class Schedule:
     name: str
     params: tuple[tuple[str, int | float | bool | str], ...]
@@ -77,6 +93,7 @@ class Schedule:
     spans: tuple[Span, ...] = ()
     source: Source | None = None
     decl_spans: dict[str, Span] = field(default_factory=dict)
+    expects: tuple[Expectation, ...] = ()
 
     @property
     def split_backward(self) -> bool:

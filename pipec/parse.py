@@ -157,6 +157,12 @@ class _ToAst(Transformer):
         msg = str(c[1])[1:-1] if len(c) > 1 else None  # `("," STRING)?` leaves no placeholder
         return ast.Require(_meta_span(meta), c[0], msg)
 
+    def expect_stmt(self, meta, c):
+        # `("when" expr)?` and `("," STRING)?` leave no placeholders: a message is a STRING token.
+        msg = next((str(x)[1:-1] for x in c[1:] if isinstance(x, Token)), None)
+        guard = next((x for x in c[1:] if not isinstance(x, Token)), None)
+        return ast.Expect(_meta_span(meta), c[0], guard, msg)
+
     def for_stmt(self, meta, c):
         return ast.For(_meta_span(meta), str(c[0]), c[1], c[2], c[4], c[3])
 

@@ -1,0 +1,175 @@
+"""A schedule's own promises (`expect`), checked against what pipec measures for these parameters.
+
+An `expect` states a bound the schedule's author (or its paper) promises, for
+example `expect bubble <= (p - 1) / (m + p - 1)`, or in the rank block
+`expect peak_memory(r) <= p - r`. Inside an `expect`, these names are defined:
+
+- `makespan`: simulated time of one step, first op to last;
+- `bubble`: Zero Bubble's bubble rate, `(cost - ideal) / cost` (cost: the
+  longest rank's span); `bubble_time`: `cost - ideal`; `ideal`: the busiest
+  rank's compute time, `m (T_F + T_B + T_W)` with uniform costs;
+- `peak_memory(r)`: rank r's peak memory under the memory model;
+- `in_flight(r)`: the most micro-batches rank r holds at once, counted per
+  stage: F done, and the last backward piece (B, or W when split) not yet.
+
+Expectations are promises of the schedule text, so they are measured under
+the schedule's own declarations (its `cost` and `memory` lines, else the
+defaults of `pipec.costs` and `pipec.memory`); command-line overrides such as
+`--mem` or `--cost` do not apply to them. The simulation runs only when an
+expectation that applies names a time.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from pipec.errors import PipecError, error
+from pipec.ir import Expectation, Schedule
+from pipec.program import Program
+
+
+class Metrics:
+    """What an `expect` can read, computed on first use."""
+
+    def __init__(self, sched: Schedule, program: Program | None = None, stats=None) -> None:
+        self.sched = sched
+        self._program = program
+        self._given_stats = stats
+
+    @functools.cached_property
+    def stats(self):
+        if self._given_stats is not None:
+            return self._given_stats
+        from pipec.costs import cost_model
+        from pipec.simulate import simulate, stats
+
+        prog = self._program
+        if prog is None:
+            from pipec.lower import lower
+
+            prog = lower(self.sched)
+        return stats(simulate(prog, cost_model(self.sched)))
+
+    @property
+    def makespan(self) -> float:
+        return self.stats.makespan
+
+    @property
+    def bubble(self) -> float:
+        return self.stats.bubble_rate
+
+    @property
+    def bubble_time(self) -> float:
+        return self.stats.bubble_time
+
+    @property
+    def ideal(self) -> float:
+        return self.stats.ideal
+
+    @functools.cached_property
+    def _peaks(self) -> list[float]:
+        from pipec.memory import rank_memory
+
+        return [rep.peak for rep in rank_memory(self.sched)]
+
+    @functools.cached_property
+    def _in_flight(self) -> list[int]:
+        return [in_flight(self.sched, r) for r in range(self.sched.num_ranks)]
+
+    def _rank(self, what: str, r: int, sid: int) -> int:
+        R = self.sched.num_ranks
+        if not 0 <= r < R:
+            sched = self.sched
+            span = sched.spans[sid] if sched.spans else None
+            raise error("E405", f"`{what}({r})`: rank {r} is not in 0..{R - 1}", span, sched.source)
+        return r
+
+    def peak_memory(self, r: int, sid: int = -1) -> float:
+        return self._peaks[self._rank("peak_memory", r, sid)]
+
+    def in_flight(self, r: int, sid: int = -1) -> int:
+        return self._in_flight[self._rank("in_flight", r, sid)]
+
+
+def in_flight(sched: Schedule, r: int) -> int:
+    """The most (micro-batch, stage) pairs rank r holds at once along its order: F done, and its last
+    backward piece (B, or W when the backward is split) not yet."""
+    ops = sched.ranks[r]
+    if len(ops) == 0:
+        return 0
+    last = 2 if sched.split_backward else 1
+    delta = np.where(ops.kind == 0, 1, np.where(ops.kind == last, -1, 0))
+    return int(max(np.cumsum(delta).max(), 0))
+
+
+def _text(sched: Schedule, e: Expectation) -> str:
+    """The condition as written (one line; long conditions are shortened)."""
+    src, sp = sched.source, e.cond_span
+    if src is None:
+        return "the expectation"
+    lines = src.text.splitlines()[sp.line - 1 : sp.end_line]
+    if not lines:
+        return "the expectation"
+    if len(lines) == 1:
+        # A parenthesised operand's span leaves its parentheses out: take them back in.
+        line, lo, hi = lines[0], sp.col - 1, sp.end_col - 1
+        depth = lowest = 0
+        for c in line[lo:hi]:
+            depth += (c == "(") - (c == ")")
+            lowest = min(lowest, depth)
+        for _ in range(-lowest):  # unmatched `)`: their `(` come before
+            if not line[:lo].rstrip().endswith("("):
+                break
+            lo = line.rindex("(", 0, lo)
+        for _ in range(depth - lowest):  # unmatched `(`: their `)` come after
+            if not line[hi:].lstrip().startswith(")"):
+                break
+            hi = line.index(")", hi) + 1
+        text = line[lo:hi]
+    else:
+        text = " ".join([lines[0][sp.col - 1 :]] + [x.strip() for x in lines[1:-1]] + [lines[-1][: sp.end_col - 1]])
+    text = " ".join(text.split())
+    return text if len(text) <= 100 else text[:97] + "..."
+
+
+def _g(x) -> str:
+    if isinstance(x, float):
+        return f"{x:.6g}"
+    return str(x)
+
+
+def failed(sched: Schedule, metrics: Metrics) -> list[tuple[Expectation, PipecError]]:
+    """Every expectation that does not hold, with its diagnostic (E405), in source order."""
+    out = []
+    params = ", ".join(f"{k}={v}" for k, v in sched.params)
+    for e in sched.expects:
+        ok, left, right = e.test(metrics)
+        if ok:
+            continue
+        text = _text(sched, e)
+        who = f" on rank {e.rank}" if e.rank is not None else ""
+        message = f"expectation not met{who}: {e.message}" if e.message else f"expectation not met{who}: `{text}`"
+        notes = []
+        if e.message:
+            notes.append(f"expected `{text}`")
+        if left is not None:
+            notes.append(f"measured {_g(left)}, bound {_g(right)}")
+        notes.append(f"with {params}" if params else "with the defaults")
+        out.append((e, error("E405", message, e.span, sched.source, tuple(notes))))
+    return out
+
+
+def check_expectations(sched: Schedule, program: Program | None = None, stats=None) -> int:
+    """Raise E405 for the first expectation that does not hold; return how many were checked.
+
+    `program` (the lowered schedule) and `stats` (a `pipec.simulate.Stats` under the schedule's own
+    costs) save work when the caller has them already.
+    """
+    if not sched.expects:
+        return 0
+    bad = failed(sched, Metrics(sched, program, stats))
+    if bad:
+        raise bad[0][1]
+    return len(sched.expects)
