@@ -247,8 +247,9 @@ def _show_timeline(args: argparse.Namespace, s: Schedule, ranks: list[int] | Non
 def cmd_simulate(args: argparse.Namespace) -> int:
     """Simulate schedules under one cost model (see docs/simulate.md): makespan, Zero Bubble's bubble rate,
     per-rank busy and idle time and peak memory; with several schedules, a table side by side. Costs come
-    from the schedule's declarations, cost files and overrides (`--cost F=1,B=2,W=1`); by default every op
-    takes 1, a full backward 2, and communication is free."""
+    from the schedule's declarations, cost files and overrides (`--cost F=1,B=2,W=1` per stage, `T_F=1,...`
+    per rank); by default T_F = T_B = T_W = 1 for each rank's share of the model, a full backward costs
+    T_B + T_W, and communication is free."""
     from pipec import report
     from pipec.api import compile_source
     from pipec.costs import cost_spec
