@@ -2,9 +2,11 @@
 
 Per stage: `act` is held from F until B frees it; with split backward, B
 holds `wact` until W frees it; `params` (weights, gradients, optimizer state)
-is held throughout. Defaults: act = 1, wact = 0.5 (W keeps roughly the
-layer inputs and output gradients, about half of what B needed), params = 0,
-no limit. The schedule's `memory` declarations override the defaults, and
+is held throughout. Defaults are in units of one micro-batch's activations
+for a rank's share of the model: act = p / S per stage (1 with one stage per
+rank, 1/v with v chunks, so schedules compare at equal model size), wact =
+half of that (W keeps roughly the layer inputs and output gradients, about
+half of what B needed), params = 0, no limit. The schedule's `memory` declarations override the defaults, and
 command-line overrides override both.
 """
 
@@ -18,7 +20,7 @@ import numpy as np
 from pipec.errors import error
 from pipec.ir import Op, Schedule
 
-DEFAULTS = {"act": 1.0, "wact": 0.5, "params": 0.0}
+DEFAULTS = {"act": 1.0, "wact": 0.5, "params": 0.0}  # per rank share; scaled by p / S per stage
 
 
 @dataclass(frozen=True)
@@ -38,13 +40,14 @@ def memory_model(sched: Schedule, overrides: Mapping[str, float] | None = None) 
     overrides = dict(overrides or {})
     S, R = sched.num_stages, sched.num_ranks
     out = {}
+    share = R / S
     for key, default in DEFAULTS.items():
         if key in overrides:
             out[key] = np.full(S, float(overrides[key]))
         elif key in sched.memory:
             out[key] = np.asarray(sched.memory[key], dtype=float)
         else:
-            out[key] = np.full(S, default)
+            out[key] = np.full(S, default * share)
     if "limit" in overrides:
         out["limit"] = np.full(R, float(overrides["limit"]))
     elif "limit" in sched.memory:

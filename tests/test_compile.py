@@ -72,8 +72,10 @@ def test_library_compiles_and_dry_run_completes_over_grid(name):
     assert count > 0
 
 
-def _reference_peaks(sched, act=1.0, wact=0.5):
-    """Independent walk of each rank's ops (the memory model of DESIGN.md)."""
+def _reference_peaks(sched):
+    """Independent walk of each rank's ops (the memory model of DESIGN.md, default sizes)."""
+    act = sched.num_ranks / sched.num_stages
+    wact = act / 2
     peaks = []
     for r in range(sched.num_ranks):
         live, peak = 0.0, 0.0
