@@ -12,12 +12,20 @@ from pipec.evaluate import evaluate
 from pipec.ir import Schedule
 from pipec.library import read
 from pipec.parse import parse
+from pipec.torch_csv import is_torch_csv, read_csv
 
 
 @functools.lru_cache(maxsize=128)
 def compile_source(source: Source) -> Compiled:
     """Parse and generate code once per distinct text."""
     return compile_ast(parse(source), source)
+
+
+def param_names(source: Source) -> tuple[str, ...]:
+    """The parameters a schedule declares (a torch CSV: `p` and `m`)."""
+    if is_torch_csv(source):
+        return ("p", "m")
+    return tuple(p.name for p in compile_source(source).params)
 
 
 def build(
@@ -27,8 +35,14 @@ def build(
     check: bool = True,
     ranks: Iterable[int] | None = None,
 ) -> Schedule:
-    """Parse, evaluate with these parameters and (unless told not to) check a schedule."""
+    """Parse, evaluate with these parameters and (unless told not to) check a schedule.
+
+    A source read from a `.csv` file is a torch.distributed.pipelining schedule CSV (docs/interop.md):
+    it is read as it stands, and takes only `p` and `m`, equal to the sizes it fixes.
+    """
     items = list(params.items()) if isinstance(params, Mapping) else list(params)
+    if is_torch_csv(source):  # torch.distributed.pipelining's schedule CSV: its own front end
+        return read_csv(source, items, check=check and ranks is None)
     sched = evaluate(compile_source(source), source, items, ranks)
     if check and ranks is None:
         check_schedule(sched)

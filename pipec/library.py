@@ -29,9 +29,10 @@ def summary(name: str) -> str:
 
 
 def read(name_or_path: str) -> Source:
-    """Read a schedule by path (anything with a `/` or ending in `.pipe`) or by library name."""
+    """Read a schedule by path (anything with a `/` or ending in `.pipe`, or a torch schedule `.csv`) or
+    by library name."""
     path = Path(name_or_path)
-    if path.suffix == ".pipe" or "/" in name_or_path or path.is_file():
+    if path.suffix in (".pipe", ".csv") or "/" in name_or_path or path.is_file():
         try:
             return Source(str(path), path.read_text())
         except OSError as e:

@@ -1,0 +1,879 @@
+"""torch.distributed.pipelining's schedule CSV (torch 2.13), both ways.
+
+torch writes one row per rank and one action per cell (`_PipelineScheduleRuntime._dump_csv`) and reads
+the same file back (`_load_csv`); torchtitan loads a custom schedule from it. An action is
+`{stage}{type}{micro-batch}` (`0F1`, `2I0`, `2W0`, `1SEND_F2`, `1RECV_B0`), `{stage}{type}` for
+`UNSHARD`, `RESHARD` and `REDUCE_GRAD`, or `(sub;sub)OVERLAP_F_B` for an overlapped pair. An empty cell
+is a bubble. There are two formats:
+
+- compute only: `F` forward, `I` input gradient, `W` weight gradient, `B` full backward and
+  `OVERLAP_F_B`; torch adds the communication itself (`_add_send_recv`);
+- compute + communication: the same plus `SEND_F`/`RECV_F` (activations), `SEND_B`/`RECV_B`
+  (gradients), `UNSHARD`/`RESHARD` (FSDP) and `REDUCE_GRAD`. A send names the sending stage, a
+  receive the receiving stage, like pipec's Program.
+
+In pipec terms: torch's `I` is our `B` and `W` our `W` (a split backward, `ops F, B, W`); torch's `B` is
+our full backward `B` (`ops F, B`), or `B` then `W` in a split schedule. A pair `F & B` is
+`(F;B)OVERLAP_F_B`, with torch's full backward `B` inside when our `B` is followed by its `W`.
+
+`export_csv` writes a checked Schedule (and, for the communication format, its Program);
+`read_csv` turns a CSV into a Schedule whose spans point at the CSV's cells, so every check and
+diagnostic applies to it; `to_pipe` writes a Schedule as `.pipe` text with explicit per-rank orders.
+Plain text only: nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import PurePath
+
+import numpy as np
+
+from pipec.errors import PipecError, Source, Span, error
+from pipec.ir import RankOps, Schedule
+
+TORCH_VERSION = "2.13"
+MAX_INDEX = 10_000_000  # largest stage or micro-batch index read from a CSV
+
+COMPUTE = ("F", "I", "B", "W")
+COMMS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+NO_MB = ("UNSHARD", "RESHARD", "REDUCE_GRAD")
+_SIMPLE = re.compile(r"(\d+)(F|I|B|W|UNSHARD|RESHARD|REDUCE_GRAD|SEND_F|RECV_F|SEND_B|RECV_B)(\d*)")
+_PAIR = re.compile(r"\((.*)\)OVERLAP_F_B")
+
+
+def is_torch_csv(source: Source) -> bool:
+    """A source read from a `.csv` file is a torch schedule CSV."""
+    return PurePath(source.path).suffix.lower() == ".csv"
+
+
+# ---- reading -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Action:
+    """One torch action. `mb` is None for UNSHARD/RESHARD/REDUCE_GRAD; a pair has `subs`."""
+
+    stage: int
+    kind: str
+    mb: int | None
+    span: Span
+    subs: tuple[Action, ...] = ()
+
+    def __str__(self) -> str:
+        if self.subs:
+            return "(" + ";".join(str(a) for a in self.subs) + ")OVERLAP_F_B"
+        return f"{self.stage}{self.kind}{'' if self.mb is None else self.mb}"
+
+
+def _cells(text: str) -> list[list[tuple[str, int]]]:
+    """Rows as csv.reader splits them (one per line; a blank line is an empty row), each cell with its
+    1-based column. Double-quoted cells are unquoted."""
+    rows = []
+    for line in text.splitlines():
+        row: list[tuple[str, int]] = []
+        j = 0
+        if line == "":
+            rows.append(row)
+            continue
+        while True:
+            if j < len(line) and line[j] == '"':
+                end = j + 1
+                while end < len(line):
+                    if line[end] == '"' and line[end + 1 : end + 2] != '"':
+                        break
+                    end += 2 if line[end] == '"' else 1
+                cell = line[j + 1 : end].replace('""', '"')
+                row.append((cell, j + 2))
+                j = line.find(",", end)
+            else:
+                comma = line.find(",", j)
+                row.append((line[j : comma if comma >= 0 else len(line)], j + 1))
+                j = comma
+            if j < 0:
+                break
+            j += 1
+        rows.append(row)
+    return rows
+
+
+def _span(line: int, col: int, text: str) -> Span:
+    return Span(line, col, line, col + max(len(text), 1))
+
+
+def _parse_simple(text: str, line: int, col: int, source: Source) -> Action:
+    m = _SIMPLE.fullmatch(text)
+    span = _span(line, col, text)
+    if m is None:
+        raise error(
+            "E601",
+            f"`{text}` is not a torch action",
+            span,
+            source,
+            (
+                "an action is {stage}{type}{micro-batch}, e.g. `0F1`, `2I0`, `1SEND_F2`, `0REDUCE_GRAD`, "
+                "or `(0F1;3B0)OVERLAP_F_B`; types: F I B W SEND_F RECV_F SEND_B RECV_B UNSHARD RESHARD REDUCE_GRAD",
+            ),
+        )
+    stage, kind, mb = int(m.group(1)), m.group(2), m.group(3)
+    if kind in NO_MB and mb:
+        raise error("E602", f"`{text}`: {kind} takes no micro-batch", span, source)
+    if kind not in NO_MB and not mb:
+        raise error("E602", f"`{text}`: {kind} needs a micro-batch, e.g. `{stage}{kind}0`", span, source)
+    for what, value in (("stage", stage), ("micro-batch", int(mb) if mb else 0)):
+        if value >= MAX_INDEX:
+            raise error("E602", f"`{text}`: {what} {value} is too large (at most {MAX_INDEX - 1})", span, source)
+    return Action(stage, kind, int(mb) if mb else None, span)
+
+
+def _parse_cell(raw: str, line: int, col: int, source: Source) -> Action | None:
+    text = raw.strip()
+    if not text:
+        return None
+    col += len(raw) - len(raw.lstrip())
+    m = _PAIR.fullmatch(text)
+    if m is None:
+        return _parse_simple(text, line, col, source)
+    subs = []
+    at = col + 1
+    for part in m.group(1).split(";"):
+        sub = part.strip()
+        if sub:
+            subs.append(_parse_simple(sub, line, at + len(part) - len(part.lstrip()), source))
+        at += len(part) + 1
+    span = _span(line, col, text)
+    if len(subs) != 2 or any(a.kind not in COMPUTE for a in subs):
+        raise error(
+            "E603",
+            f"`{text}`: an overlapped pair holds exactly two compute actions (F, I, B or W)",
+            span,
+            source,
+            ("pipec pairs two ops, like torch's DualPipeV: `(0F7;7B3)OVERLAP_F_B`",),
+        )
+    return Action(-1, "OVERLAP_F_B", None, span, tuple(subs))
+
+
+def parse_csv(source: Source) -> list[list[Action]]:
+    """Per rank (row), its actions in order; empty cells (bubbles) dropped. Raises E601 to E606."""
+    rows = _cells(source.text)
+    if not rows:
+        raise error("E605", "the CSV has no rows: torch expects one row of actions per rank", None, source)
+    out = []
+    comms = False
+    for r, row in enumerate(rows):
+        actions = []
+        for raw, col in row:
+            a = _parse_cell(raw, r + 1, col, source)
+            if a is None:
+                continue
+            comms |= a.kind in COMMS
+            actions.append(a)
+        if not any(a.kind in COMPUTE or a.subs for a in actions):
+            text = source.line(r + 1)
+            span = _span(r + 1, 1, text) if text else None
+            raise error(
+                "E606",
+                f"row {r + 1} (rank {r}) has no compute actions",
+                span,
+                source,
+                ("every rank needs at least one stage; a blank line is a row (torch reads it as a rank)",),
+            )
+        out.append(actions)
+    if comms:
+        for r, row in enumerate(rows):
+            for raw, col in row:
+                if not raw.strip():
+                    raise error(
+                        "E606",
+                        "an empty cell in a compute+communication CSV (torch's loader refuses it there)",
+                        Span(r + 1, col, r + 1, col + max(len(raw), 1)),
+                        source,
+                        ("only the compute-only format may leave bubbles as empty cells",),
+                    )
+    return out
+
+
+@dataclass(frozen=True)
+class TorchCsv:
+    """A parsed CSV and what pipec reads from it."""
+
+    source: Source
+    rows: tuple[tuple[Action, ...], ...]
+    split: bool  # the file has I or W: our split backward
+    comms: bool  # the compute+communication format
+    num_stages: int
+    num_microbatches: int
+    placement: tuple[int, ...]
+
+
+def _compute(a: Action) -> Iterable[Action]:
+    return a.subs if a.subs else (a,) if a.kind in COMPUTE else ()
+
+
+def analyse(source: Source) -> TorchCsv:
+    rows = parse_csv(source)
+    computes = [c for row in rows for a in row for c in _compute(a)]
+    split = any(c.kind in ("I", "W") for c in computes)
+    comms = any(a.kind in COMMS for row in rows for a in row)
+    S = max(c.stage for c in computes) + 1
+    M = max(c.mb for c in computes) + 1
+    owner = [-1] * S
+    for r, row in enumerate(rows):
+        for a in row:
+            for c in _compute(a):
+                if owner[c.stage] < 0:
+                    owner[c.stage] = r
+    absent = [s for s in range(S) if owner[s] < 0]
+    if absent:
+        raise error(
+            "E604",
+            f"stage {absent[0]} has no action on any rank, but stage {S - 1} does",
+            None,
+            source,
+            ("torch infers the stages and their ranks from the CSV: stages are numbered 0 .. S-1 with no gaps",),
+        )
+    return TorchCsv(source, tuple(tuple(r) for r in rows), split, comms, S, M, tuple(owner))
+
+
+def read_csv(
+    source: Source,
+    params: Mapping[str, object] | Iterable[tuple[str, object]] = (),
+    *,
+    check: bool = True,
+) -> Schedule:
+    """The Schedule a torch CSV describes; spans point at its cells. `p` is its number of rows; `m` is by
+    default its largest micro-batch + 1, and may be given (a cell beyond it is then E209). With `check`,
+    every check of `check_schedule` runs, and a compute+communication file has its sends and receives
+    checked too (see `check_comms`)."""
+    from pipec.checks import check_schedule
+
+    doc = analyse(source)
+    sched = _schedule(doc, list(params.items()) if isinstance(params, Mapping) else list(params))
+    if check:
+        check_schedule(sched)
+        if doc.comms:
+            check_comms(doc, sched)
+    return sched
+
+
+def _schedule(doc: TorchCsv, params: Iterable[tuple[str, object]]) -> Schedule:
+    R, S, M = len(doc.rows), doc.num_stages, doc.num_microbatches
+    seen = set()
+    for name, value in params:
+        if name not in ("p", "m"):
+            raise error("E607", f"a torch CSV has no parameter `{name}`", None, doc.source, _sizes_note(R, M))
+        if name in seen:
+            raise error("E607", f"parameter `{name}` given twice", None, doc.source)
+        seen.add(name)
+        try:
+            n = value if isinstance(value, int) and not isinstance(value, bool) else int(str(value))
+        except ValueError:
+            n = None
+        if name == "p" and n != R:
+            raise error("E607", f"`p={value}` does not match the CSV, which has {R} rows (ranks)", None, doc.source)
+        if name == "m":
+            if n is None or not 1 <= n < MAX_INDEX:
+                raise error("E607", f"`m={value}`: the number of micro-batches must be an int >= 1", None, doc.source)
+            M = n  # the micro-batches the CSV is meant to have: a cell beyond them is E209
+    kinds = ("F", "B", "W") if doc.split else ("F", "B")
+    code = {"F": 0, "I": 1, "W": 2}
+    spans: list[Span] = []
+    ranks = []
+    for row in doc.rows:
+        ops: list[tuple[int, int, int, int, bool]] = []
+        for a in row:
+            if not a.subs and a.kind not in COMPUTE:
+                continue
+            full = []
+            for j, c in enumerate(a.subs or (a,)):
+                spans.append(c.span)
+                sid = len(spans) - 1
+                kind = 1 if c.kind == "B" else code[c.kind]
+                ops.append((kind, c.mb, c.stage, sid, bool(a.subs) and j == 0))
+                if c.kind == "B" and doc.split:
+                    full.append((2, c.mb, c.stage, sid, False))
+            ops += full  # a full backward in a split schedule: B, then its W (after the pair)
+        cols = list(zip(*ops)) if ops else [(), (), (), (), ()]
+        ranks.append(
+            RankOps(
+                kind=np.array(cols[0], dtype=np.int64),
+                mb=np.array(cols[1], dtype=np.int64),
+                stage=np.array(cols[2], dtype=np.int64),
+                sid=np.array(cols[3], dtype=np.int64),
+                paired=np.array(cols[4], dtype=bool),
+            )
+        )
+    return Schedule(
+        name=PurePath(doc.source.path).stem,
+        params=(("p", R), ("m", M)),
+        num_stages=S,
+        num_ranks=R,
+        num_microbatches=M,
+        kinds=kinds,
+        placement=doc.placement,
+        ranks=tuple(ranks),
+        spans=tuple(spans),
+        source=doc.source,
+    )
+
+
+def _sizes_note(R: int, M: int) -> tuple[str, ...]:
+    return (f"a CSV takes `p`, which must be its rows ({R}), and `m` (by default {M}, its largest micro-batch + 1)",)
+
+
+def check_comms(doc: TorchCsv, sched: Schedule) -> None:
+    """A compute+communication file: every message is sent once after the compute that produces it and
+    received once before the compute that needs it, on the right ranks (E608); both ends of each rank
+    pair issue their messages in one order (E404); and the whole cannot deadlock even when every send
+    blocks until its receive is posted (E609)."""
+    from pipec.dryrun import dry_run
+
+    S, placement = doc.num_stages, doc.placement
+    for r, row in enumerate(doc.rows):
+        done: set[tuple[str, int, int]] = set()
+        posted: set[tuple[str, int, int]] = set()
+        sent: set[tuple[str, int, int]] = set()
+        for a in row:
+            for c in a.subs or (a,):
+                if c.kind in COMMS:
+                    _check_comm(doc, sched, r, c, done, posted, sent)
+                elif c.kind in ("F", "I", "B"):
+                    _check_input(doc, r, c, posted)
+                    done.add(("F" if c.kind == "F" else "B", c.mb, c.stage))
+        for key in sorted(done):
+            k, i, s = key
+            other = s + 1 if k == "F" else s - 1
+            if 0 <= other < S and placement[other] != r and (k, i, s) not in sent:
+                what = "SEND_F" if k == "F" else "SEND_B"
+                cell = _find(row, k, i, s)
+                raise error(
+                    "E608",
+                    f"`{cell}` on rank {r} has no `{s}{what}{i}` after it: rank {placement[other]} never gets its "
+                    + ("activation" if k == "F" else "gradient"),
+                    cell.span,
+                    doc.source,
+                )
+    prog, where = _program(doc, sched)
+    _check_order(doc, where)
+    run = dry_run(prog)
+    if not run.completed:
+        notes = []
+        for w in run.waits:
+            a = where[w.rank][w.index]
+            line = f"{a.span.line}:{a.span.col}"
+            if w.event == "match":
+                notes.append(f"rank {w.rank} blocks at `{a}` ({line}) until rank {w.peer} posts the matching receive")
+            elif w.event == "arrival":
+                notes.append(f"rank {w.rank} blocks at `{a}` ({line}) waiting for {w.what} from rank {w.peer}")
+            else:
+                notes.append(f"rank {w.rank} blocks at `{a}` ({line}) waiting for its own later `{w.what}`")
+        first = where[run.waits[0].rank][run.waits[0].index]
+        raise error(
+            "E609",
+            "the CSV's sends and receives can deadlock when a send blocks until its receive is posted (as NCCL may)",
+            first.span,
+            doc.source,
+            tuple(notes),
+        )
+
+
+def _find(row: Sequence[Action], k: str, i: int, s: int) -> Action:
+    for a in row:
+        for c in a.subs or (a,):
+            if c.stage == s and c.mb == i and (c.kind == "F") == (k == "F") and c.kind != "W" and c.kind in COMPUTE:
+                return c
+    raise AssertionError((k, i, s))
+
+
+def _check_comm(doc: TorchCsv, sched: Schedule, r: int, c: Action, done, posted, sent) -> None:
+    S, M, placement = doc.num_stages, sched.num_microbatches, doc.placement
+    fwd = c.kind.endswith("_F")
+    send = c.kind.startswith("SEND")
+    other = c.stage + 1 if fwd == send else c.stage - 1  # the peer stage
+    bad = None
+    if c.stage >= S or c.mb >= M:
+        bad = f"stage {c.stage} or micro-batch {c.mb} is out of range (stages 0..{S - 1}, micro-batches 0..{M - 1})"
+    elif placement[c.stage] != r:
+        bad = f"stage {c.stage} is on rank {placement[c.stage]}, not rank {r}"
+    elif not 0 <= other < S:
+        bad = f"stage {c.stage} has no {'next' if other > c.stage else 'previous'} stage to exchange with"
+    elif placement[other] == r:
+        bad = f"stages {c.stage} and {other} are both on rank {r}: torch hands the tensor over locally"
+    if bad:
+        raise error("E608", f"`{c}` on rank {r}: {bad}", c.span, doc.source)
+    key = ("F" if fwd else "B", c.mb, c.stage if send else other)  # the producing op
+    mine = sent if send else posted
+    if key in mine:
+        raise error("E608", f"`{c}` appears twice on rank {r}", c.span, doc.source)
+    if send and key not in done:
+        what = f"`{c.stage}F{c.mb}`" if fwd else f"`{c.stage}I{c.mb}` (or `{c.stage}B{c.mb}`)"
+        raise error("E608", f"`{c}` on rank {r} comes before {what}, which computes it", c.span, doc.source)
+    mine.add(key)
+
+
+def _check_input(doc: TorchCsv, r: int, c: Action, posted) -> None:
+    S, placement = doc.num_stages, doc.placement
+    if c.kind == "W":
+        return
+    fwd = c.kind == "F"
+    other = c.stage - 1 if fwd else c.stage + 1
+    if not 0 <= other < S or placement[other] == r:
+        return
+    key = ("F" if fwd else "B", c.mb, other)
+    if key not in posted:
+        recv = f"{c.stage}{'RECV_F' if fwd else 'RECV_B'}{c.mb}"
+        raise error("E608", f"`{c}` on rank {r} needs `{recv}` before it", c.span, doc.source)
+
+
+def _program(doc: TorchCsv, sched: Schedule):
+    """The file as a pipec Program, and per rank the action behind each instruction."""
+    from pipec.program import Instr, Program, RankProgram
+
+    placement = doc.placement
+    ranks, where = [], []
+    peer_of = {
+        "SEND_F": ("SEND_ACT", 1),
+        "RECV_F": ("RECV_ACT", -1),
+        "SEND_B": ("SEND_GRAD", -1),
+        "RECV_B": ("RECV_GRAD", 1),
+    }
+    for row in doc.rows:
+        instrs: list[Instr] = []
+        acts: list[Action] = []
+        for a in row:
+            if a.kind in NO_MB:
+                if a.kind == "REDUCE_GRAD":
+                    instrs.append(Instr("REDUCE_GRAD", -1, a.stage))
+                    acts.append(a)
+                continue
+            if a.kind in peer_of:
+                op, d = peer_of[a.kind]
+                instrs.append(Instr(op, a.mb, a.stage, placement[a.stage + d]))
+                acts.append(a)
+                continue
+            subs = a.subs or (a,)
+            full = []
+            for j, c in enumerate(subs):
+                op = {"F": "FWD", "I": "BWD", "B": "BWD", "W": "WGRAD"}[c.kind]
+                instrs.append(Instr(op, c.mb, c.stage, -1, bool(a.subs) and j == 0))
+                acts.append(c)
+                if c.kind == "B" and doc.split:
+                    full.append(c)
+            for c in full:
+                instrs.append(Instr("WGRAD", c.mb, c.stage))
+                acts.append(c)
+        ranks.append(RankProgram.from_instructions(instrs))
+        where.append(acts)
+    prog = Program(
+        name=sched.name,
+        params=sched.params,
+        num_stages=doc.num_stages,
+        num_ranks=len(doc.rows),
+        num_microbatches=sched.num_microbatches,
+        split_backward=doc.split,
+        placement=doc.placement,
+        ranks=tuple(ranks),
+    )
+    return prog, where
+
+
+def _check_order(doc: TorchCsv, where: list[list[Action]]) -> None:
+    """Both ends of every rank pair issue their messages to each other in one order (E404)."""
+    seqs: dict[tuple[int, int], list[tuple[tuple[str, int, int], bool, Action]]] = {}
+    for r, acts in enumerate(where):
+        for a in acts:
+            if a.kind not in COMMS:
+                continue
+            fwd, send = a.kind.endswith("_F"), a.kind.startswith("SEND")
+            sender = a.stage if send else a.stage - 1 if fwd else a.stage + 1
+            peer_stage = a.stage + 1 if fwd == send else a.stage - 1
+            q = doc.placement[peer_stage]
+            seqs.setdefault((r, q), []).append((("F" if fwd else "B", a.mb, sender), send, a))
+    for (a, b), mine in seqs.items():
+        if a > b:
+            continue
+        theirs = seqs.get((b, a), [])
+        for k in range(max(len(mine), len(theirs))):
+            x = mine[k] if k < len(mine) else None
+            y = theirs[k] if k < len(theirs) else None
+            if x and y and x[0] == y[0] and x[1] != y[1]:
+                continue
+            at = x or y
+            assert at is not None
+            notes = (
+                f"rank {a}'s message {k} with rank {b} is " + (f"`{x[2]}` ({_pos(x[2])})" if x else "missing"),
+                f"rank {b}'s message {k} with rank {a} is " + (f"`{y[2]}` ({_pos(y[2])})" if y else "missing"),
+            )
+            raise error(
+                "E404",
+                f"ranks {a} and {b} issue their messages to each other in different orders; NCCL would hang",
+                at[2].span,
+                doc.source,
+                notes,
+            )
+
+
+def _pos(a: Action) -> str:
+    return f"line {a.span.line}, column {a.span.col}"
+
+
+# ---- writing -----------------------------------------------------------------
+
+
+def _letter(kind: str, split: bool) -> str:
+    return "I" if kind == "B" and split else kind
+
+
+def compute_rows(sched: Schedule) -> list[list[str]]:
+    """Each rank's compute actions as torch writes them (the compute-only format). Raises E610/E611
+    for what torch cannot run as pipec means it."""
+    _check_exportable(sched)
+    split = sched.split_backward
+    rows = []
+    for r in range(sched.num_ranks):
+        ops = sched.ops(r)
+        paired = sched.ranks[r].paired.tolist()
+        cells: list[str] = []
+        j = 0
+        while j < len(ops):
+            if not paired[j]:
+                o = ops[j]
+                cells.append(f"{o.stage}{_letter(o.kind, split)}{o.mb}")
+                j += 1
+                continue
+            f, b = ops[j], ops[j + 1]
+            if f.kind != "F":
+                f, b = b, f
+            full = (
+                split
+                and j + 2 < len(ops)
+                and ops[j + 2].kind == "W"
+                and (ops[j + 2].mb, ops[j + 2].stage)
+                == (
+                    b.mb,
+                    b.stage,
+                )
+            )
+            letter = "B" if full or not split else "I"
+            cells.append(f"({f.stage}F{f.mb};{b.stage}{letter}{b.mb})OVERLAP_F_B")
+            j += 3 if full else 2
+        rows.append(cells)
+    return rows
+
+
+def _merged(sched: Schedule) -> set[tuple[int, int]]:
+    """(micro-batch, stage) of the backwards written as torch's full backward `B` in a split schedule:
+    the backward of a pair whose W comes right after the pair."""
+    out: set[tuple[int, int]] = set()
+    if not sched.split_backward:
+        return out
+    for r in range(sched.num_ranks):
+        ops, paired = sched.ops(r), sched.ranks[r].paired.tolist()
+        for j in range(len(ops) - 2):
+            if paired[j]:
+                b = ops[j + 1] if ops[j].kind == "F" else ops[j]
+                w = ops[j + 2]
+                if w.kind == "W" and (w.mb, w.stage) == (b.mb, b.stage):
+                    out.add((b.mb, b.stage))
+    return out
+
+
+def _check_exportable(sched: Schedule) -> None:
+    for r in range(sched.num_ranks):
+        ops, paired = sched.ops(r), sched.ranks[r].paired.tolist()
+        for j in range(len(ops) - 1):
+            if paired[j] and sorted((ops[j].kind, ops[j + 1].kind)) != ["B", "F"]:
+                raise _at(
+                    sched,
+                    r,
+                    j,
+                    "E610",
+                    f"the pair `{ops[j]} & {ops[j + 1]}` on rank {r} has no torch form: torch's OVERLAP_F_B "
+                    "overlaps one forward with one backward",
+                )
+    if sched.num_stages == 0:
+        return
+    last = sched.num_stages - 1
+    r = sched.placement[last]
+    seen = 0
+    for j, o in enumerate(sched.ops(r)):
+        if o.kind == "F" and o.stage == last:
+            if o.mb != seen:
+                raise _at(
+                    sched,
+                    r,
+                    j,
+                    "E611",
+                    f"the last stage runs `{o}` as its forward number {seen}: torch's runtime indexes each "
+                    "micro-batch's loss by the order the last stage ran its forwards, so its losses and "
+                    "gradients would be wrong",
+                    ("export only schedules whose last stage runs its forwards in micro-batch order",),
+                )
+            seen += 1
+    for r in range(sched.num_ranks):
+        if not sched.stages_of(r):
+            raise error(
+                "E612",
+                f"rank {r} holds no stage: torch's runtime needs at least one stage on every rank",
+                sched.decl_spans.get("place"),
+                sched.source,
+            )
+
+
+def _at(sched: Schedule, r: int, j: int, code: str, message: str, notes: tuple[str, ...] = ()) -> PipecError:
+    span = sched.span_of(r, j) if sched.spans else None
+    return error(code, message, span, sched.source, notes)
+
+
+def comms_rows(sched: Schedule, program) -> list[list[str]]:
+    """Each rank's compute and communication actions (torch's compute+comms format), from pipec's
+    Program: its proven order of sends and receives, a batched exchange split so that the lower rank
+    posts its receive first (torch issues one action at a time), UNSHARD of each stage before its
+    first use and REDUCE_GRAD then RESHARD at the end; STEP (the optimizer) is not a torch action.
+    The result is proven again by pipec's strict dry run (E613 if it could deadlock)."""
+    from pipec.dryrun import dry_run
+    from pipec.program import Program, RankProgram
+
+    _check_exportable(sched)
+    merged = _merged(sched)
+    split = sched.split_backward
+    unbatched = []
+    for rp in program.ranks:
+        instrs = rp.instructions()
+        out = []
+        j = 0
+        while j < len(instrs):
+            x = instrs[j]
+            if x.group and x.op not in ("FWD", "BWD", "WGRAD"):
+                group = [x]
+                while group[-1].group and j + 1 < len(instrs):
+                    j += 1
+                    group.append(instrs[j])
+                out += [type(g)(g.op, g.mb, g.stage, g.peer, False) for g in group]
+            else:
+                out.append(x)
+            j += 1
+        unbatched.append(out)
+    check = Program(
+        name=program.name,
+        params=program.params,
+        num_stages=program.num_stages,
+        num_ranks=program.num_ranks,
+        num_microbatches=program.num_microbatches,
+        split_backward=program.split_backward,
+        placement=program.placement,
+        ranks=tuple(RankProgram.from_instructions(x) for x in unbatched),
+    )
+    run = dry_run(check)
+    if not run.completed:
+        raise error(
+            "E613",
+            "torch issues sends and receives one at a time, and without pipec's batched exchanges this "
+            "program could deadlock",
+            None,
+            sched.source,
+            tuple(f"rank {w.rank} blocks at `{w.instr}`" for w in run.waits),
+        )
+    names = {
+        "SEND_ACT": "SEND_F",
+        "RECV_ACT": "RECV_F",
+        "SEND_GRAD": "SEND_B",
+        "RECV_GRAD": "RECV_B",
+    }
+    rows = []
+    for instrs in unbatched:
+        cells: list[str] = []
+        unsharded: list[int] = []
+        j = 0
+        while j < len(instrs):
+            x = instrs[j]
+            if x.op in ("FWD", "BWD", "WGRAD"):
+                if x.stage not in unsharded:
+                    unsharded.append(x.stage)
+                    cells.append(f"{x.stage}UNSHARD")
+                if x.op == "WGRAD" and (x.mb, x.stage) in merged:
+                    j += 1
+                    continue
+                if x.group:
+                    y = instrs[j + 1]
+                    if y.stage not in unsharded:
+                        unsharded.append(y.stage)
+                        cells.append(f"{y.stage}UNSHARD")
+                    f, b = (x, y) if x.op == "FWD" else (y, x)
+                    letter = "B" if (b.mb, b.stage) in merged or not split else "I"
+                    cells.append(f"({f.stage}F{f.mb};{b.stage}{letter}{b.mb})OVERLAP_F_B")
+                    j += 2
+                    continue
+                letter = {"FWD": "F", "BWD": "I" if split else "B", "WGRAD": "W"}[x.op]
+                cells.append(f"{x.stage}{letter}{x.mb}")
+            elif x.op in names:
+                cells.append(f"{x.stage}{names[x.op]}{x.mb}")
+            elif x.op == "REDUCE_GRAD":
+                cells.append(f"{x.stage}REDUCE_GRAD")
+                cells.append(f"{x.stage}RESHARD")
+            j += 1
+        rows.append(cells)
+    return rows
+
+
+def format_rows(rows: Sequence[Sequence[str]]) -> str:
+    """CSV text: one line per rank, cells joined by commas (what csv.writer writes for these cells)."""
+    return "".join(",".join(row) + "\n" for row in rows)
+
+
+def export_csv(sched: Schedule, program=None) -> str:
+    """The compute-only CSV of a checked schedule, or with `program` (its lowered Program) the
+    compute+communication CSV."""
+    return format_rows(compute_rows(sched) if program is None else comms_rows(sched, program))
+
+
+# ---- .pipe text ---------------------------------------------------------------
+
+_MAX_PATTERN = 12  # longest repeated pattern (in steps) folded into a loop
+_PER_LINE = 8  # steps per line where nothing repeats
+
+
+def _placement_expr(placement: Sequence[int], p: int) -> str:
+    S = len(placement)
+    stages = range(S)
+    if all(placement[s] == s for s in stages):
+        return "s"
+    if p and all(placement[s] == s % p for s in stages):
+        return "s % p"
+    if S == 2 * p and all(placement[s] == (s if s < p else 2 * p - 1 - s) for s in stages):
+        return "if s < p then s else 2 * p - 1 - s"
+    if p and S % p == 0 and all(placement[s] == s // (S // p) for s in stages):
+        return f"s // {S // p}"
+    runs: list[tuple[int, int]] = []  # (one past the last stage, rank)
+    for s in stages:
+        if runs and runs[-1][1] == placement[s]:
+            runs[-1] = (s + 1, placement[s])
+        else:
+            runs.append((s + 1, placement[s]))
+    parts = [f"if s < {end} then {rank} else " for end, rank in runs[:-1]]
+    return "".join(parts) + str(runs[-1][1])
+
+
+@dataclass(frozen=True)
+class _Step:
+    ops: tuple[tuple[str, int, int], ...]  # one op, or the two of a pair
+
+    def shape(self) -> tuple[tuple[str, int], ...]:
+        return tuple((k, s) for k, _, s in self.ops)
+
+
+def _steps(sched: Schedule, r: int) -> list[_Step]:
+    ops, paired = sched.ops(r), sched.ranks[r].paired.tolist()
+    out: list[_Step] = []
+    j = 0
+    while j < len(ops):
+        n = 2 if paired[j] else 1
+        out.append(_Step(tuple((o.kind, o.mb, o.stage) for o in ops[j : j + n])))
+        j += n
+    return out
+
+
+def _op_text(kind: str, mb: str, stage: int, multi: bool) -> str:
+    return f"{kind}({mb}, stage: {stage})" if multi else f"{kind}({mb})"
+
+
+def _step_text(step: _Step, multi: bool, base: int | None = None) -> str:
+    def mb(i: int) -> str:
+        if base is None:
+            return str(i)
+        d = i - base
+        return "i" if d == 0 else f"i + {d}" if d > 0 else f"i - {-d}"
+
+    return " & ".join(_op_text(k, mb(i), s, multi) for k, i, s in step.ops)
+
+
+def _repeats(steps: list[_Step], j: int, n: int) -> tuple[int, int]:
+    """How many times the n steps at j repeat back to back, each time with every micro-batch moved by
+    the same nonzero delta; returns (times, delta)."""
+    if j + 2 * n > len(steps):
+        return 1, 0
+    first, nxt = steps[j], steps[j + n]
+    d = nxt.ops[0][1] - first.ops[0][1]
+    if d == 0:
+        return 1, 0
+    times = 1
+    while j + (times + 1) * n <= len(steps):
+        ok = True
+        for q in range(n):
+            a, b = steps[j + q], steps[j + times * n + q]
+            if a.shape() != b.shape() or any(y[1] - x[1] != times * d for x, y in zip(a.ops, b.ops)):
+                ok = False
+                break
+        if not ok:
+            break
+        times += 1
+    return times, d
+
+
+def _rank_lines(steps: list[_Step], multi: bool) -> list[str]:
+    lines: list[str] = []
+    plain: list[str] = []
+
+    def flush() -> None:
+        for k in range(0, len(plain), _PER_LINE):
+            lines.append("  ".join(plain[k : k + _PER_LINE]))
+        plain.clear()
+
+    j = 0
+    while j < len(steps):
+        best = (1, 1, 0)  # (times, pattern length, delta)
+        for n in range(1, _MAX_PATTERN + 1):
+            times, d = _repeats(steps, j, n)
+            if times >= 2 and times * n > best[0] * best[1] and times * n >= 3:
+                best = (times, n, d)
+        times, n, d = best
+        if times < 2:
+            plain.append(_step_text(steps[j], multi))
+            j += 1
+            continue
+        flush()
+        base = steps[j].ops[0][1]
+        body = "  ".join(_step_text(s, multi, base) for s in steps[j : j + n])
+        stop = base + times * d
+        by = "" if d == 1 else f" by {d}"
+        lines.append(f"for i in {base} .. {stop}{by} {{ {body} }}")
+        j += times * n
+    flush()
+    return lines
+
+
+def to_pipe(sched: Schedule, origin: str | None = None) -> str:
+    """A `.pipe` file with this schedule's explicit per-rank orders; repeated patterns become loops.
+    Evaluating it gives the same Schedule (orders, pairs, placement, kinds)."""
+    R, S, M = sched.num_ranks, sched.num_stages, sched.num_microbatches
+    name = re.sub(r'["\n\r]', "_", sched.name)
+    head = []
+    if origin is not None:
+        head += [
+            f"# Imported by `pipec import` from the torch.distributed.pipelining schedule CSV `{origin}`",
+            f"# (torch {TORCH_VERSION} action format): row r of the CSV is rank r's order below.",
+            "# torch's F is F; I (input gradient) is B and W is W (split backward); a full backward B is B,",
+            "# or B then W in a split schedule; (F;B)OVERLAP_F_B is the overlapped pair `F & B`.",
+        ]
+    head += [
+        f'schedule "{name}" (p: int = {R}, m: int = {M}) {{',
+        f'    require p == {R} and m == {M}, "this schedule has fixed sizes: p = {R} ranks, m = {M} micro-batches"',
+        f"    stages {S}",
+        f"    place s -> {_placement_expr(sched.placement, R)}",
+        f"    ops {', '.join(sched.kinds)}",
+        "    rank r {",
+    ]
+    body = []
+    for r in range(R):
+        multi = len(sched.stages_of(r)) > 1
+        lines = _rank_lines(_steps(sched, r), multi)
+        if R == 1:
+            body += ["        " + x for x in lines]
+            continue
+        body.append(("        if" if r == 0 else "        } elif") + f" r == {r} {{")
+        body += ["            " + x for x in lines]
+    if R > 1:
+        body.append("        }")
+    return "\n".join(head + body + ["    }", "}", ""])
