@@ -120,6 +120,23 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-memory", action="store_true", help="leave the memory curves out of --plot")
     p.set_defaults(func=cmd_simulate)
 
+    p = sub.add_parser(
+        "export", help="write a checked schedule as torch.distributed.pipelining's CSV", description=_doc(cmd_export)
+    )
+    _schedule_args(p)
+    _memory_args(p)
+    p.add_argument("--to", choices=("torch-csv",), default="torch-csv", help="the format (default torch-csv)")
+    p.add_argument("--comms", action="store_true", help="the compute+communication format (default: compute only)")
+    p.add_argument("-o", "--output", metavar="OUT.csv", help="write here instead of standard output")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser(
+        "import", help="turn a torch.distributed.pipelining CSV into a .pipe file", description=_doc(cmd_import)
+    )
+    p.add_argument("csv", metavar="FILE.csv", help="a torch schedule CSV (compute-only or compute+comms)")
+    p.add_argument("-o", "--output", metavar="OUT.pipe", help="write here instead of standard output")
+    p.set_defaults(func=cmd_import)
+
     p = sub.add_parser("list", help="list the library schedules", description=_doc(cmd_list))
     p.set_defaults(func=cmd_list)
     return ap
@@ -251,7 +268,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     per rank); by default T_F = T_B = T_W = 1 for each rank's share of the model, a full backward costs
     T_B + T_W, and communication is free."""
     from pipec import report
-    from pipec.api import compile_source
+    from pipec.api import param_names
     from pipec.costs import cost_spec
 
     prog = f"pipec {args.command}"
@@ -270,7 +287,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         source = library.read(name)
         defines = args.defines
         if len(args.schedule) > 1:
-            known = {prm.name for prm in compile_source(source).params}
+            known = set(param_names(source))
             defines = [(k, v) for k, v in args.defines if k in known]
             used |= known
         sims.append(report.run(build(source, defines), docs, memory))
@@ -302,6 +319,66 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     print(report.summary_text(sims[0]) if len(sims) == 1 else report.compare_text(sims))
     for line in wrote:
         print(line)
+    return 0
+
+
+def _write(prog: str, path: str | None, text: str) -> bool:
+    if path is None:
+        sys.stdout.write(text)
+        return True
+    try:
+        with open(path, "w") as f:
+            f.write(text)
+    except OSError as e:
+        print(f"{prog}: error: cannot write `{path}`: {e.strerror}", file=sys.stderr)
+        return False
+    return True
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Check a schedule (every check of `pipec check`) and write it as torch.distributed.pipelining's
+    action CSV (torch 2.13), one row per rank: compute-only, which torch's `_load_csv` lowers itself, or
+    with --comms the compute+communication format, with pipec's proven placement of sends and receives.
+    What does not translate is an error, never dropped silently (see docs/interop.md)."""
+    from pipec.torch_csv import export_csv
+
+    c = _compile(args)
+    s = c.schedule
+    text = export_csv(s, c.program if args.comms else None)
+    if not _write("pipec export", args.output, text):
+        return MISUSE
+    dropped = ", ".join(k for k, v in (("cost", s.costs), ("memory", s.memory), ("topology", s.topology)) if v)
+    note = f"note: torch's CSV has no place for {dropped} declarations; they are not in it" if dropped else ""
+    if args.output:
+        fmt = "compute+comms" if args.comms else "compute-only"
+        print(f"wrote {s.num_ranks} ranks of {s.name} to {args.output} (torch {fmt} CSV)")
+        if note:
+            print(note)
+    elif note:
+        print(note, file=sys.stderr)
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    """Turn a torch.distributed.pipelining schedule CSV (compute-only or compute+comms) into a .pipe file
+    with the same per-rank orders, written as loops where they repeat. The CSV is then checked like any
+    schedule; `pipec check/show/compile/simulate FILE.csv` also read a CSV directly."""
+    from pipec.api import build
+    from pipec.torch_csv import is_torch_csv, to_pipe
+
+    source = library.read(args.csv)
+    if not is_torch_csv(source):
+        print(f"pipec import: error: expected a .csv file, got `{args.csv}`", file=sys.stderr)
+        return MISUSE
+    s = build(source, check=False)
+    if not _write("pipec import", args.output, to_pipe(s, source.path)):
+        return MISUSE
+    if args.output:
+        sizes = f"{s.num_stages} stages on {s.num_ranks} ranks, {s.num_microbatches} micro-batches, {s.num_ops} ops"
+        print(f"wrote {args.output}: {sizes}")
+    compile_schedule(build(source))  # every check, reported after the file is written
+    if args.output:
+        print(f"{source.path}: OK")
     return 0
 
 
