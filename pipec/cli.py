@@ -347,7 +347,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     text = export_csv(s, c.program if args.comms else None)
     if not _write("pipec export", args.output, text):
         return MISUSE
-    dropped = ", ".join(k for k, v in (("cost", s.costs), ("memory", s.memory), ("topology", s.topology)) if v)
+    declared = (("cost", s.costs), ("memory", s.memory), ("topology", s.topology), ("expect", s.expects))
+    dropped = ", ".join(k for k, v in declared if v)
     note = f"note: torch's CSV has no place for {dropped} declarations; they are not in it" if dropped else ""
     if args.output:
         fmt = "compute+comms" if args.comms else "compute-only"
