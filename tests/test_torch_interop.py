@@ -448,6 +448,22 @@ def test_cli_errors(tmp_path, monkeypatch):
     assert rc == 0 and "no place for cost, memory declarations" in err
 
 
+def test_docs_examples(tmp_path, monkeypatch):
+    """docs/interop.md: the Python block runs; the deadlock shown is what `pipec check` prints; the
+    generated .pipe shown is what `pipec import` writes for zb-h1 with p=2, m=3."""
+    import re
+
+    text = (ROOT / "docs" / "interop.md").read_text()
+    monkeypatch.chdir(tmp_path)
+    exec(re.findall(r"```python\n(.*?)```", text, re.S)[-1], {})
+    (tmp_path / "dl.csv").write_text("0F0,0B0,0F1,0B1\n1F1,1F0,1B0,1B1\n")
+    shown = re.search(r"```console\n\$ pipec check dl.csv\n(.*?)```", text, re.S).group(1)
+    assert run_cli("check", "dl.csv")[2] == shown
+    run_cli("export", "zb-h1", "-D", "p=2", "-D", "m=3", "-o", "zb2.csv")
+    rc, out, _ = run_cli("import", "zb2.csv")
+    assert rc == 0 and out == re.search(r"```pipe\n(.*?)```", text, re.S).group(1)
+
+
 def test_import_pipec_does_not_import_torch():
     code = (
         "import sys, pipec, pipec.api, pipec.cli, pipec.torch_csv\n"
