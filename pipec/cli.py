@@ -121,6 +121,13 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser(
+        "run", help="train a model on a schedule: torchrun processes, or --local", description=_doc(cmd_run)
+    )
+    _schedule_args(p)
+    _run_args(p)
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser(
         "export", help="write a checked schedule as torch.distributed.pipelining's CSV", description=_doc(cmd_export)
     )
     _schedule_args(p)
@@ -320,6 +327,28 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     for line in wrote:
         print(line)
     return 0
+
+
+def _run_args(p: argparse.ArgumentParser) -> None:
+    from pipec.runtime.launch import add_run_options  # stdlib only: no torch until `pipec run` runs
+
+    add_run_options(p)
+    p.add_argument("--nproc", type=int, default=None, metavar="N", help="processes (default: the schedule's ranks)")
+    p.add_argument("--local", action="store_true", help="run every rank in this process (in-memory messages)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="--local: where to run (default cpu)")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """Train a model file on a schedule: N local processes through torchrun (gloo on CPU, nccl on CUDA),
+    or every rank in this process with --local. Prints a line per step; --check compares the loss,
+    gradients and parameters with a single-process run. See docs/runtime.md."""
+    program = compile_schedule(_build(args)).program
+    try:
+        from pipec.runtime.run import run
+    except ImportError as e:
+        print(f"pipec run: error: the runtime needs torch ({e}); install pipec[runtime]", file=sys.stderr)
+        return 1
+    return run(args, program)
 
 
 def _write(prog: str, path: str | None, text: str) -> bool:

@@ -1,1 +1,33 @@
-"""The PyTorch executor of a Program (installed as `pipec.runtime`); the only part that imports torch."""
+"""The PyTorch executor of a Program (installed as `pipec.runtime`); the only part of pipec that imports torch.
+
+    from pipec.runtime import Runner, LocalPipeline, load_model
+
+Modules: `model` (the model-file contract), `microbatch` (splitting a batch), `shapes` (tensor specs and
+the first-step handshake), `comm` (torch.distributed point-to-point), `stage` (forward, backward, weight
+gradient of one stage), `split` (split backward), `executor` (one rank's instruction loop), `runner` (the
+Python API), `local` (all ranks in one process), `reference` (the single-process reference), `monitor`
+(fault handling), `measure` (events to a Timeline), `report` (printed lines), `launch` (the torchrun entry
+point), `run` (`pipec run`). Names are imported lazily, so `import pipec.runtime` alone imports no torch.
+"""
+
+from __future__ import annotations
+
+_EXPORTS = {
+    "Runner": "pipec.runtime.runner",
+    "StepResult": "pipec.runtime.runner",
+    "LocalPipeline": "pipec.runtime.local",
+    "load_model": "pipec.runtime.model",
+    "Model": "pipec.runtime.model",
+    "Reference": "pipec.runtime.reference",
+    "PipelineError": "pipec.runtime.errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'pipec.runtime' has no attribute {name!r}")

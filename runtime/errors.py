@@ -1,0 +1,31 @@
+"""The runtime's user-facing errors: each prints as one message, never a traceback."""
+
+from __future__ import annotations
+
+
+class PipelineError(Exception):
+    """A run cannot go on: bad model file, shape mismatch, wrong world size, a failed peer."""
+
+
+class ModelError(PipelineError):
+    """A missing or malformed model file; the message names the file and what is wrong."""
+
+
+class ShapeError(PipelineError):
+    """A stage's output does not fit the next stage's input, or shapes changed after the first step."""
+
+
+class CommError(PipelineError):
+    """A transfer failed or timed out; `peer` is the rank at the other end."""
+
+    def __init__(self, message: str, peer: int) -> None:
+        super().__init__(message)
+        self.peer = peer
+
+
+def wrong_world_size(program, world: int) -> str:
+    params = " ".join(f"{k}={v}" for k, v in program.params)
+    return (
+        f"the program for `{program.name}` ({params}) has {program.num_ranks} ranks, but this job has {world} "
+        f"processes; launch it with {program.num_ranks} (torchrun --nproc-per-node/--nnodes, or pipec run --nproc)"
+    )

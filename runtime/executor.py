@@ -1,0 +1,193 @@
+"""The instruction loop of one rank for one training step: exactly the Program's order.
+
+Values live in one table keyed like messages, (kind, micro-batch, producing stage): a stage's output
+waits there for its SEND_ACT (or for the next stage's FWD when that stage is on this rank: a local
+hand-off, nothing copied), and a posted receive waits there for the compute that consumes it. At the end
+of the step the table must be empty and every stage's backward done.
+
+`run` is a generator: over torch.distributed it never yields (waits block); in --local mode it yields
+whenever a message has not arrived, so one thread can interleave all ranks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Generator
+from typing import Any
+
+import torch
+from pipec.runtime.comm import ACT, GRAD, Key, Recv, key_str
+from pipec.runtime.errors import PipelineError, ShapeError
+from pipec.runtime.shapes import Specs, TensorSpec, fmt
+from pipec.runtime.stage import Stage
+
+from pipec.program import (
+    BWD,
+    FWD,
+    OPCODES,
+    RECV_ACT,
+    RECV_GRAD,
+    REDUCE_GRAD,
+    SEND_ACT,
+    SEND_GRAD,
+    STEP,
+    WGRAD,
+    Instr,
+    Program,
+)
+
+
+class Executor:
+    def __init__(
+        self,
+        program: Program,
+        rank: int,
+        stages: dict[int, Stage],
+        comm: Any,
+        on_reduce_grad: Callable[[int, torch.nn.Module], None] | None = None,
+    ) -> None:
+        rp = program.ranks[rank]
+        self.program = program
+        self.rank = rank
+        self.instrs = list(zip(rp.op.tolist(), rp.mb.tolist(), rp.stage.tolist(), rp.peer.tolist(), rp.group.tolist()))
+        self.S = program.num_stages
+        self.stages = stages
+        self.comm = comm
+        self.on_reduce_grad = on_reduce_grad
+        self.recv_specs: dict[Key, Specs] = {}
+        self.send_specs: dict[Key, Specs] = {}
+        self.values: dict[Key, Any] = {}
+        self.step = -1
+        self.at = -1  # index of the instruction being executed; read by the fault monitor
+        self.handshaking = False
+        self.record: list[tuple] | None = None  # measured events of this step when not None
+        self.sync: Callable[[], None] = lambda: None  # CUDA: synchronize before reading the clock
+
+    # ---- where we are, for error messages -----------------------------------------------------
+    def instr(self, j: int) -> Instr:
+        op, mb, s, peer, g = self.instrs[j]
+        return Instr(OPCODES[op], mb, s, peer, bool(g))
+
+    def where(self) -> str:
+        if self.at < 0:
+            if self.step < 0:
+                return "start-up"
+            what = "the shape handshake" if self.handshaking else "before the first instruction"
+            return f"step {self.step}, {what}"
+        if self.at >= len(self.instrs):
+            return f"step {self.step}, after the last instruction"
+        return f"step {self.step}, instruction #{self.at} `{self.instr(self.at)}`"
+
+    # ---- shapes ---------------------------------------------------------------------------------
+    def set_specs(self, ins: dict[int, list[Specs]], outs: dict[int, list[Specs]]) -> None:
+        for s in self.stages:
+            for mb, specs in enumerate(ins[s]):
+                if s > 0:
+                    self.recv_specs[(ACT, mb, s - 1)] = specs
+                    self.send_specs[(GRAD, mb, s)] = specs
+            for mb, specs in enumerate(outs[s]):
+                if s < self.S - 1:
+                    self.send_specs[(ACT, mb, s)] = specs
+                    self.recv_specs[(GRAD, mb, s + 1)] = specs
+
+    # ---- the loop -------------------------------------------------------------------------------
+    def run(self, step: int, inputs: list | None, targets: list | None) -> Generator[object, None, None]:
+        self.step, self.at = step, -1
+        values, stages, comm, S = self.values, self.stages, self.comm, self.S
+        rec = self.record
+        n = len(self.instrs)
+        j = 0
+        while j < n:
+            self.at = j
+            op, mb, s, peer, grp = self.instrs[j]
+            if op == FWD:
+                args = inputs[mb] if s == 0 else (yield from self._take((ACT, mb, s - 1)))
+                t0 = time.perf_counter() if rec is not None else 0.0
+                out = stages[s].forward(mb, args, targets[mb] if s == S - 1 else None)
+                if out is not None:
+                    values[(ACT, mb, s)] = out
+                if rec is not None:
+                    self.sync()
+                    rec.append(("compute", FWD, mb, s, t0, time.perf_counter()))
+            elif op == BWD:
+                grads = None if s == S - 1 else (yield from self._take((GRAD, mb, s + 1)))
+                t0 = time.perf_counter() if rec is not None else 0.0
+                dargs = stages[s].backward(mb, grads)
+                if s > 0:
+                    values[(GRAD, mb, s)] = dargs
+                if rec is not None:
+                    self.sync()
+                    rec.append(("compute", BWD, mb, s, t0, time.perf_counter()))
+            elif op == WGRAD:
+                t0 = time.perf_counter() if rec is not None else 0.0
+                stages[s].wgrad(mb)
+                if rec is not None:
+                    self.sync()
+                    rec.append(("compute", WGRAD, mb, s, t0, time.perf_counter()))
+            elif op == STEP:
+                comm.finish_sends()
+                stages[s].step()
+            elif op == REDUCE_GRAD:
+                if self.on_reduce_grad is not None:
+                    self.on_reduce_grad(s, stages[s].module)
+            elif grp and j + 1 < n and self.instrs[j + 1][0] in (RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD):
+                self._exchange([self.instrs[j], self.instrs[j + 1]])
+                j += 1
+            else:  # a lone transfer
+                self._exchange([self.instrs[j]])
+            j += 1
+        self.at = n
+        left = [key_str(k) for k in self.values]
+        undone = {s: st.check_done() for s, st in stages.items() if st.check_done()}
+        if left or undone:
+            raise PipelineError(
+                f"rank {self.rank}: the step ended with unconsumed values ({', '.join(left) or 'none'}) or "
+                f"micro-batches without backward ({undone or 'none'}): the Program is inconsistent"
+            )
+
+    def _take(self, key: Key) -> Generator[object, None, Any]:
+        try:
+            v = self.values.pop(key)
+        except KeyError:
+            raise PipelineError(
+                f"rank {self.rank}: {key_str(key)} is needed but was never received or produced here: "
+                "the Program is inconsistent"
+            ) from None
+        if isinstance(v, Recv):
+            peer = v.peer
+            v = yield from self.comm.wait(v)
+            if self.record is not None:
+                self.record.append(("recv", *key, peer, time.perf_counter()))
+        return v
+
+    def _exchange(self, rows: list[tuple[int, int, int, int, int]]) -> None:
+        items = []
+        for op, mb, s, peer, _ in rows:
+            if op == RECV_ACT or op == RECV_GRAD:
+                key = (ACT, mb, s - 1) if op == RECV_ACT else (GRAD, mb, s + 1)
+                items.append(("recv", key, peer, self.recv_specs[key]))
+                if self.record is not None:
+                    self.record.append(("post", *key, peer, time.perf_counter()))
+            else:
+                key = (ACT, mb, s) if op == SEND_ACT else (GRAD, mb, s)
+                tensors = self.values.pop(key)
+                expected = self.send_specs.get(key)
+                got = tuple(TensorSpec.of(t) for t in tensors)
+                if expected is not None and got != expected:
+                    raise ShapeError(
+                        f"stage {s} produced {fmt(got)} as {key_str(key)} at step {self.step}, but the first "
+                        f"step established {fmt(expected)} (shapes between stages must not change)"
+                    )
+                items.append(("send", key, peer, tensors))
+                if self.record is not None:
+                    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+                    self.record.append(("send", *key, peer, time.perf_counter(), nbytes))
+        if len(items) > 1:
+            handles = self.comm.exchange(items)
+        elif items[0][0] == "send":
+            handles = [self.comm.send(*items[0][1:])]
+        else:
+            handles = [self.comm.post(*items[0][1:])]
+        for (what, key, _, _), h in zip(items, handles):
+            if what == "recv":
+                self.values[key] = h

@@ -1,0 +1,262 @@
+"""The torchrun entry point: one process runs one rank of a Program.
+
+    torchrun --nproc-per-node 4 -m pipec.runtime.launch 1f1b -D p=4 -D m=8 --model examples/mlp.py
+    torchrun --nnodes 2 --node-rank 0 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+        -m pipec.runtime.launch zb-v -D p=8 -D m=16 --model examples/mlp.py --backend nccl
+
+FILE|NAME is a schedule (a .pipe file or a library name, with -D parameters) or a compiled Program
+(`pipec compile ... -o prog.json`). `pipec run` launches this module through torchrun.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from collections.abc import Sequence
+
+from pipec.runtime.monitor import block_sigterm, say
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m pipec.runtime.launch", description=__doc__.split("\n\n")[0])
+    ap.add_argument("schedule", metavar="FILE|NAME", help="a .pipe file, a library schedule, or a compiled program")
+    ap.add_argument("-D", dest="defines", metavar="NAME=VALUE", action="append", default=[])
+    add_run_options(ap)
+    return ap
+
+
+def add_run_options(ap: argparse.ArgumentParser) -> None:
+    """Options shared by `pipec run` and this entry point."""
+    ap.add_argument("--model", required=True, metavar="PATH", help="the model file (see docs/runtime.md)")
+    ap.add_argument("--steps", type=int, default=3, metavar="K", help="training steps (default 3)")
+    ap.add_argument("--check", action="store_true", help="compare with a single-process reference every step")
+    ap.add_argument(
+        "--tol",
+        type=float,
+        default=None,
+        metavar="X",
+        help="--check tolerance on relative errors (default 1e-10 in float64, 1e-4 otherwise)",
+    )
+    ap.add_argument("--trace", metavar="OUT", help="write the last step's measured timeline as a Chrome trace")
+    ap.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="seconds a rank waits for a peer before giving up (default 60)",
+    )
+    ap.add_argument("--backend", choices=("gloo", "nccl"), default="gloo", help="gloo (CPU) or nccl (CUDA)")
+    ap.add_argument("--seed", type=int, default=0, help="weights are seeded by (seed, stage)")
+    ap.add_argument(
+        "--loss-scale",
+        type=float,
+        default=None,
+        metavar="X",
+        help="each micro-batch's loss is multiplied by X (default 1/m: the mean)",
+    )
+
+
+def load_program(spec: str, defines: Sequence[str | tuple[str, str]]):
+    """A Program from a compiled file (JSON or text), or by compiling a schedule with its parameters."""
+    from pipec import library
+    from pipec.api import build
+    from pipec.compiler import compile_schedule
+    from pipec.program import FORMAT, from_json, from_text
+
+    if os.path.isfile(spec):
+        with open(spec) as f:
+            head = f.read(200)
+        if head.lstrip().startswith("{") or head.startswith(FORMAT):
+            with open(spec) as f:
+                text = f.read()
+            return from_json(text) if head.lstrip().startswith("{") else from_text(text, spec)
+    pairs = [d if isinstance(d, tuple) else tuple(x.strip() for x in d.split("=", 1)) for d in defines]
+    return compile_schedule(build(library.read(spec), pairs)).program
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    block_sigterm()  # before torch starts any thread
+    args = parser().parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    from pipec.errors import PipecError
+
+    try:
+        program = load_program(args.schedule, args.defines)
+    except PipecError as e:
+        say("\n".join(d.format() for d in e.diagnostics))
+        return 1
+    from pipec.runtime.errors import wrong_world_size
+
+    if world != program.num_ranks:  # before any communication
+        say(f"pipec: rank {rank}: error: {wrong_world_size(program, world)}")
+        return 1
+
+    import torch
+    from pipec.runtime.errors import PipelineError
+    from pipec.runtime.model import load_model
+
+    try:
+        model = load_model(args.model)
+    except PipelineError as e:
+        say(f"pipec: rank {rank}: error: {e}")
+        return 1
+    return Worker(program, model, args, rank, world, local_rank, torch).run()
+
+
+class Worker:
+    def __init__(self, program, model, args, rank: int, world: int, local_rank: int, torch) -> None:
+        self.program, self.model, self.args = program, model, args
+        self.rank, self.world, self.local_rank = rank, world, local_rank
+        self.torch = torch
+        self.runner = None
+        self.monitor = None
+
+    def where(self) -> str:
+        return self.runner.where() if self.runner is not None else "start-up"
+
+    def run(self) -> int:
+        import torch.distributed as dist
+        from pipec.runtime.errors import CommError, PipelineError
+
+        try:
+            self._init(dist)
+            code = self._train(dist)
+            self.monitor.stop()
+            dist.destroy_process_group()
+            return code
+        except BaseException as e:  # noqa: BLE001 - every failure must reach the other ranks
+            if self.monitor is None:
+                say(f"pipec: rank {self.rank}: error during start-up: {type(e).__name__}: {e}")
+                os._exit(1)
+            culprit = e.peer if isinstance(e, CommError) else self.rank
+            if isinstance(e, CommError):
+                peer = e.peer
+                reason = (
+                    f"rank {peer} stopped responding or died (its last reported position: "
+                    f"{self.monitor.position_of(peer)}); rank {self.rank} found out at {self.where()}: {e}"
+                )
+            else:
+                if not isinstance(e, PipelineError):
+                    traceback.print_exc()
+                text = str(e) if isinstance(e, PipelineError) else f"{type(e).__name__}: {e}"
+                reason = f"rank {self.rank} failed at {self.where()}: {text}"
+            code = self.monitor.fail(reason, culprit)
+            os._exit(code)
+
+    def _init(self, dist) -> None:
+        from datetime import timedelta
+
+        from pipec.runtime.monitor import Monitor
+        from pipec.runtime.runner import Runner
+
+        torch, args = self.torch, self.args
+        if args.backend == "nccl":
+            if not torch.cuda.is_available():
+                raise RuntimeError("--backend nccl needs CUDA, and torch sees no GPU here; use gloo")
+            self.device = torch.device("cuda", self.local_rank)
+            torch.cuda.set_device(self.device)
+            dist.init_process_group("nccl", timeout=timedelta(seconds=args.timeout), device_id=self.device)
+        else:
+            self.device = torch.device("cpu")
+            dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
+        self.store = dist.distributed_c10d._get_default_store()
+        self.monitor = Monitor(self.rank, self.world, self.where, self._store_factory(dist, args.timeout)).start()
+        m = self.model
+        self.runner = Runner(
+            self.program,
+            m.build_stage,
+            m.loss_fn,
+            rank=self.rank,
+            optimizer=m.optimizer,
+            dtype=m.dtype,
+            device=self.device,
+            loss_scale=args.loss_scale,
+            seed=args.seed,
+            timeout=args.timeout,
+            where=f"{m.path}: build_stage",
+        )
+
+    def _store_factory(self, dist, timeout: float):
+        from datetime import timedelta
+
+        host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if host and port:
+            return lambda: dist.TCPStore(
+                host, int(port), is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False
+            )
+        return lambda: self.store
+
+    def _train(self, dist) -> int:
+        from pipec.runtime.reference import Reference, compare, rel_err
+        from pipec.runtime.report import CheckStats, step_line
+
+        torch, args, runner, m = self.torch, self.args, self.runner, self.model
+        reference = None
+        if args.check:
+            reference = Reference(
+                m.build_stage,
+                m.loss_fn,
+                self.program.num_stages,
+                self.program.num_microbatches,
+                optimizer=m.optimizer,
+                dtype=m.dtype,
+                device=self.device,
+                loss_scale=args.loss_scale,
+                seed=args.seed,
+            )
+            checks = CheckStats()
+        needs_batch = runner.has_first or runner.has_last or reference is not None
+        for step in range(args.steps):
+            x, y = m.batch(step) if needs_batch else (None, None)
+            res = runner.step(x, y, record=bool(args.trace) and step == args.steps - 1)
+            errs = [0.0, 0.0, 0.0]
+            if reference is not None:
+                ref_loss = reference.step(x, y)
+                g = compare(runner.named_gradients(), reference.named_gradients())
+                p = compare(runner.named_parameters(), reference.named_parameters())
+                le = rel_err(res.loss, ref_loss) if res.loss is not None else 0.0
+                checks.add(le, g, p)
+                errs = [le, max(g.values(), default=0.0), max(p.values(), default=0.0)]
+            loss = res.loss if res.loss is not None else float("-inf")
+            stats = torch.tensor([res.seconds, loss, *errs], dtype=torch.float64, device=self.device)
+            dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+            s = stats.tolist()
+            if self.rank == 0:
+                print(step_line(step, args.steps, s[1], s[0], tuple(s[2:]) if reference else None), flush=True)
+        code = 0
+        if reference is not None:
+            self.store.set(f"pipec/check/{self.rank}", checks.to_json())
+            if self.rank == 0:
+                for r in range(1, self.world):
+                    checks.merge_json(self.store.get(f"pipec/check/{r}").decode())
+                tol = args.tol if args.tol is not None else default_tol(runner)
+                print("\n".join(checks.lines(tol, args.steps)), flush=True)
+                code = 0 if checks.worst() <= tol else 1
+        if args.trace:
+            import json
+
+            self.store.set(f"pipec/trace/{self.rank}", json.dumps(runner.events()))
+            if self.rank == 0:
+                from pipec.runtime.measure import timeline
+
+                from pipec.trace import write_trace
+
+                events = [json.loads(self.store.get(f"pipec/trace/{r}").decode()) for r in range(self.world)]
+                write_trace(timeline(self.program, events), args.trace)
+                print(f"wrote the measured timeline of step {args.steps} to {args.trace}", flush=True)
+        return code
+
+
+def default_tol(runner) -> float:
+    import torch
+
+    dtypes = {p.dtype for p in runner.named_parameters().values()}
+    return 1e-10 if dtypes <= {torch.float64} else 1e-4
+
+
+if __name__ == "__main__":
+    sys.exit(main())

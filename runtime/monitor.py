@@ -1,0 +1,159 @@
+"""Fault handling for one rank of a multi-process run: no rank hangs when another fails.
+
+- A background thread publishes this rank's position (step and instruction) in the job's store whenever
+  it changes, and watches for the job's abort record.
+- A rank whose step raises writes the abort record (the first writer wins) naming itself, the
+  instruction it was at and the error, waits briefly for the others to acknowledge, and exits 1.
+- A rank that sees the abort record prints it with its own position and exits 1 at once, even while
+  its main thread is blocked in a transfer.
+- A rank that dies without a word (killed, os._exit) is found by its peers: their transfers with it fail
+  (the connection closes) or time out; the first to notice writes the abort record naming the dead rank
+  and the last position it published.
+- Under torchrun, the launcher stops the other workers with SIGTERM once one has failed. SIGTERM is
+  blocked in every thread and taken by a signal thread, which prints the abort record (waiting up to a
+  few seconds for one) before exiting, so every rank says why it stopped.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+ABORT = "pipec/abort"
+ACKS = "pipec/stopped"
+STOPPED = 75  # exit status of a rank that stops because another one failed (the failing one exits 1)
+
+
+def block_sigterm() -> None:
+    """Call before any thread starts (before importing torch) so the signal thread alone takes SIGTERM."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
+
+def say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+class Monitor:
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        where: Callable[[], str],
+        store_factory: Callable[[], object],
+        interval: float = 0.05,
+    ) -> None:
+        self.rank, self.world = rank, world
+        self.where = where
+        self.store = store_factory()  # the watcher's own connection
+        self.main_store = store_factory()  # the main thread's (fail / position of a peer)
+        self.interval = interval
+        self.failing = False
+        self.exit_code = 1
+        self.stopped = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> Monitor:
+        t = threading.Thread(target=self._watch, name="pipec-monitor", daemon=True)
+        t.start()
+        self._threads.append(t)
+        if signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, set()):
+            s = threading.Thread(target=self._sigterm, name="pipec-sigterm", daemon=True)
+            s.start()
+            self._threads.append(s)
+        return self
+
+    def stop(self) -> None:
+        self.stopped.set()
+        if self._threads:
+            self._threads[0].join(timeout=2)
+
+    # ---- the watcher -----------------------------------------------------------------------------
+    def _watch(self) -> None:
+        last = None
+        while not self.stopped.is_set():
+            try:
+                pos = self.where()
+                if pos != last:
+                    self.store.set(f"pipec/at/{self.rank}", pos)
+                    last = pos
+                if not self.failing and self.store.check([ABORT]):
+                    culprit, reason = _parse(self.store.get(ABORT))
+                    if not self.failing and not self.stopped.is_set():
+                        self._stop_because(culprit, reason)
+            except Exception:  # the store went away: the job is ending; the main thread will notice
+                if self.stopped.wait(1.0):
+                    return
+            self.stopped.wait(self.interval)
+
+    def _stop_because(self, culprit: int, reason: str) -> None:
+        if culprit == self.rank:  # the others gave up on this rank (it hung, or its link broke)
+            say(f"pipec: rank {self.rank}: stopping at {self.where()}; the other ranks gave up on it: {reason}")
+        else:
+            say(f"pipec: rank {self.rank}: stopping at {self.where()}, because {reason}")
+        try:
+            self.store.add(ACKS, 1)
+        except Exception:
+            pass
+        os._exit(1 if culprit == self.rank else STOPPED)
+
+    def _sigterm(self) -> None:
+        signal.sigwait({signal.SIGTERM})
+        reason = None
+        try:
+            self.store.wait([ABORT], timedelta(seconds=3))
+            _, reason = _parse(self.store.get(ABORT))
+        except Exception:
+            pass
+        if self.failing:
+            os._exit(self.exit_code)
+        say(
+            f"pipec: rank {self.rank}: stopped by the launcher at {self.where()}"
+            + (f", because {reason}" if reason else " (another rank failed; see the launcher's report)")
+        )
+        os._exit(STOPPED)
+
+    # ---- the main thread ---------------------------------------------------------------------------
+    def position_of(self, rank: int) -> str:
+        try:
+            if self.main_store.check([f"pipec/at/{rank}"]):
+                return self.main_store.get(f"pipec/at/{rank}").decode()
+        except Exception:
+            pass
+        return "an unknown position"
+
+    def fail(self, reason: str, culprit: int, grace: float = 3.0) -> int:
+        """Record the failure of rank `culprit` (this rank, or a peer it lost) for every rank, unless
+        another was recorded first; print it; wait up to `grace` seconds for the other ranks to stop.
+        Returns the exit status: 1 when this rank is the culprit, STOPPED otherwise."""
+        self.exit_code = 1 if culprit == self.rank else STOPPED
+        self.failing = True
+        record = f"{culprit}\n{reason}"
+        try:
+            current = self.main_store.compare_set(ABORT, "", record)
+        except Exception:
+            current = record
+        if _parse(current) != (culprit, reason):  # another failure was recorded first
+            who, first = _parse(current)
+            self.exit_code = 1 if who == self.rank else STOPPED
+            say(f"pipec: rank {self.rank}: stopping at {self.where()}, because {first}")
+            return self.exit_code
+        say(f"pipec: {reason}")
+        deadline = time.monotonic() + grace
+        expected = self.world - 1 - (culprit != self.rank)  # a dead peer never acknowledges
+        try:
+            while time.monotonic() < deadline and self.main_store.add(ACKS, 0) < expected:
+                time.sleep(0.05)
+        except Exception:
+            pass
+        return self.exit_code
+
+
+def _parse(record: str | bytes) -> tuple[int, str]:
+    text = record.decode() if isinstance(record, bytes) else record
+    culprit, _, reason = text.partition("\n")
+    return int(culprit), reason

@@ -1,0 +1,90 @@
+"""The single-process reference: the same stages (same seeds, so the same weights), chained, on the same
+micro-batches, with the same loss scaling and optimizers; and the relative errors against it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from pipec.runtime.microbatch import as_args, split, to_device
+from pipec.runtime.model import build_stage_module, default_optimizer
+
+
+class Reference:
+    def __init__(
+        self,
+        build_stage: Callable[[int, int], torch.nn.Module],
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        num_stages: int,
+        num_microbatches: int,
+        *,
+        optimizer: Callable[[list], torch.optim.Optimizer] | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str = "cpu",
+        loss_scale: float | None = None,
+        seed: int | None = 0,
+    ) -> None:
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.loss_fn = loss_fn
+        self.m = num_microbatches
+        self.scale = 1.0 / num_microbatches if loss_scale is None else loss_scale
+        self.stages = [
+            build_stage_module(build_stage, s, num_stages, seed=seed, dtype=dtype, device=self.device)
+            for s in range(num_stages)
+        ]
+        make_opt = optimizer or default_optimizer
+        self.optimizers = []
+        for st in self.stages:
+            params = [p for p in st.parameters() if p.requires_grad]
+            self.optimizers.append(make_opt(params) if params else None)
+
+    def step(self, inputs: Any, targets: Any) -> float:
+        """Forward and backward of every micro-batch in order, then every optimizer; returns the loss."""
+        for st in self.stages:
+            for p in st.parameters():
+                p.grad = None
+        xs = split(inputs, self.m, "inputs")
+        ts = split(targets, self.m, "targets")
+        total = 0.0
+        for x, t in zip(xs, ts):
+            args = as_args(to_device(x, self.device, self.dtype))
+            for k, st in enumerate(self.stages):
+                out = st(*args)
+                args = tuple(out) if isinstance(out, (tuple, list)) and k < len(self.stages) - 1 else (out,)
+            loss = self.loss_fn(out, to_device(t, self.device)).reshape(()) * self.scale
+            loss.backward()
+            total += float(loss.detach())
+        for opt in self.optimizers:
+            if opt is not None:
+                opt.step()
+        return total
+
+    def named_gradients(self) -> dict[tuple[int, str], torch.Tensor | None]:
+        return {(s, n): p.grad for s, st in enumerate(self.stages) for n, p in st.named_parameters()}
+
+    def named_parameters(self) -> dict[tuple[int, str], torch.Tensor]:
+        return {(s, n): p for s, st in enumerate(self.stages) for n, p in st.named_parameters()}
+
+
+def rel_err(a: torch.Tensor | float | None, b: torch.Tensor | float | None) -> float:
+    """max |a - b| / max |b| (0 when both are zero or both missing; inf when only one is missing)."""
+    if a is None or b is None:
+        return 0.0 if a is None and b is None else float("inf")
+    a = torch.as_tensor(a, dtype=torch.float64).detach().cpu()
+    b = torch.as_tensor(b, dtype=torch.float64).detach().cpu()
+    if a.shape != b.shape:
+        return float("inf")
+    scale = b.abs().max().item() if b.numel() else 0.0
+    diff = (a - b).abs().max().item() if b.numel() else 0.0
+    if scale == 0.0:
+        return 0.0 if diff == 0.0 else float("inf")
+    return diff / scale
+
+
+def compare(
+    ours: dict[tuple[int, str], torch.Tensor | None], ref: dict[tuple[int, str], torch.Tensor | None]
+) -> dict[tuple[int, str], float]:
+    """Relative error of each of our tensors against the reference's tensor of the same (stage, name)."""
+    return {k: rel_err(v, ref[k]) for k, v in ours.items()}

@@ -1,0 +1,69 @@
+"""What `pipec run` prints: a line per step, and the --check summary against the reference."""
+
+from __future__ import annotations
+
+import json
+import math
+
+
+def step_line(step: int, steps: int, loss: float | None, seconds: float, errors: tuple | None = None) -> str:
+    width = len(str(steps))
+    text = f"step {step + 1:>{width}}/{steps}: loss {_num(loss)}, {seconds:.3f} s"
+    if errors is not None:
+        loss_err, grad_err, param_err = errors
+        text += f"  | rel err vs reference: loss {loss_err:.1e}, grads {grad_err:.1e}, params {param_err:.1e}"
+    return text
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isinf(x)) else f"{x:.6f}"
+
+
+class CheckStats:
+    """Largest relative errors over the steps: of the loss, and per (stage, tensor name) of the gradients
+    and of the parameters after the optimizer step."""
+
+    def __init__(self) -> None:
+        self.loss = 0.0
+        self.grads: dict[str, float] = {}
+        self.params: dict[str, float] = {}
+        self.stage_of: dict[str, int] = {}
+
+    def add(self, loss_err: float, grads: dict[tuple[int, str], float], params: dict[tuple[int, str], float]) -> None:
+        self.loss = max(self.loss, loss_err)
+        for table, errs in ((self.grads, grads), (self.params, params)):
+            for (s, name), e in errs.items():
+                key = f"stage {s} `{name}`"
+                self.stage_of[key] = s
+                table[key] = max(table.get(key, 0.0), e)
+
+    def to_json(self) -> str:
+        return json.dumps({"loss": self.loss, "grads": self.grads, "params": self.params, "stage_of": self.stage_of})
+
+    def merge_json(self, text: str) -> None:
+        doc = json.loads(text)
+        self.loss = max(self.loss, doc["loss"])
+        for table, other in ((self.grads, doc["grads"]), (self.params, doc["params"])):
+            for k, e in other.items():
+                table[k] = max(table.get(k, 0.0), e)
+        self.stage_of.update(doc["stage_of"])
+
+    def worst(self) -> float:
+        return max([self.loss, *self.grads.values(), *self.params.values()])
+
+    def lines(self, tol: float, steps: int) -> list[str]:
+        out = [f"check against a single-process reference (same weights, same data), {steps} step(s):"]
+        out.append(f"  loss                 max rel err {self.loss:.2e}")
+        for what, table in (("gradient", self.grads), ("parameter", self.params)):
+            for s in sorted(set(self.stage_of.values())):
+                mine = {k: e for k, e in table.items() if self.stage_of[k] == s}
+                if mine:
+                    k = max(mine, key=mine.get)
+                    out.append(
+                        f"  stage {s:<3} {what + 's':<10} max rel err {mine[k]:.2e} over {len(mine)} tensors"
+                        f" (largest: `{k.split('`')[1]}`)"
+                    )
+        w = self.worst()
+        verdict = "OK" if w <= tol else "FAILED"
+        out.append(f"{verdict}: largest relative error {w:.2e} (tolerance {tol:g})")
+        return out

@@ -1,0 +1,134 @@
+"""`pipec run`: compile a schedule, then run it on N local processes through torchrun, or in-process
+with --local. Called lazily from pipec/cli.py, so the rest of the CLI never imports torch."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import tempfile
+
+from pipec.program import Program, to_json
+
+
+def run(args: argparse.Namespace, program: Program) -> int:
+
+    if args.steps < 1:
+        return _misuse(f"--steps must be at least 1, got {args.steps}")
+    if not args.local and args.nproc is not None and args.nproc != program.num_ranks:
+        from pipec.runtime.errors import wrong_world_size
+
+        return _misuse(wrong_world_size(program, args.nproc))
+    from pipec.runtime.errors import PipelineError
+    from pipec.runtime.model import load_model
+
+    try:
+        model = load_model(args.model)  # a bad model file is reported once, before any process starts
+    except PipelineError as e:
+        print(f"pipec run: error: {e}", file=sys.stderr)
+        return 1
+    if args.local:
+        try:
+            return run_local(args, program, model)
+        except PipelineError as e:
+            print(f"pipec run: error: {e}", file=sys.stderr)
+            return 1
+    return run_torchrun(args, program, program.num_ranks)
+
+
+def _misuse(message: str) -> int:
+    print(f"pipec run: error: {message}", file=sys.stderr)
+    return 2
+
+
+def worker_args(args: argparse.Namespace, program_path: str) -> list[str]:
+    out = [program_path, "--model", args.model, "--steps", str(args.steps), "--timeout", str(args.timeout)]
+    out += ["--backend", args.backend, "--seed", str(args.seed)]
+    if args.check:
+        out.append("--check")
+    if args.tol is not None:
+        out += ["--tol", repr(args.tol)]
+    if args.trace:
+        out += ["--trace", os.path.abspath(args.trace)]
+    if args.loss_scale is not None:
+        out += ["--loss-scale", repr(args.loss_scale)]
+    return out
+
+
+def run_torchrun(args: argparse.Namespace, program: Program, nproc: int) -> int:
+    """torchrun --standalone --nproc-per-node N -m pipec.runtime.launch PROGRAM ... (in this process)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser
+    from torch.distributed.run import run as torchrun
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    with tempfile.TemporaryDirectory(prefix="pipec-run-") as tmp:
+        path = os.path.join(tmp, "program.json")
+        with open(path, "w") as f:
+            f.write(to_json(program))
+        targv = ["--standalone", "--nproc-per-node", str(nproc), "--module", "pipec.runtime.launch"]
+        try:
+            torchrun(get_args_parser().parse_args(targv + worker_args(args, path)))
+        except ChildFailedError as e:
+            print(f"pipec run: failed: {failure_summary(e.failures)}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def failure_summary(failures: dict) -> str:
+    """Which ranks failed, and which only stopped because of them (exit status STOPPED)."""
+    from pipec.runtime.monitor import STOPPED
+
+    def how(f) -> str:
+        return f"was killed by {f.signal_name()}" if f.exitcode < 0 else f"exited with status {f.exitcode}"
+
+    culprits = sorted(r for r, f in failures.items() if f.exitcode != STOPPED)
+    stopped = sorted(r for r, f in failures.items() if f.exitcode == STOPPED)
+    parts = [f"rank {r} {how(failures[r])}" for r in culprits]
+    if stopped:
+        parts.append(f"rank{'s' if len(stopped) > 1 else ''} {', '.join(map(str, stopped))} stopped because of it")
+    return "; ".join(parts)
+
+
+def run_local(args: argparse.Namespace, program: Program, model) -> int:
+    """Every rank in this process (pipec.runtime.local): for debugging, or the CUDA path on one GPU."""
+    import torch
+    from pipec.runtime.launch import default_tol
+    from pipec.runtime.local import LocalPipeline
+    from pipec.runtime.measure import timeline
+    from pipec.runtime.reference import Reference, compare, rel_err
+    from pipec.runtime.report import CheckStats, step_line
+
+    device = torch.device(args.device or ("cuda" if args.backend == "nccl" else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return _misuse("--device cuda (or --backend nccl) with --local needs a GPU, and torch sees none")
+    kw = dict(optimizer=model.optimizer, dtype=model.dtype, device=device, loss_scale=args.loss_scale, seed=args.seed)
+    pipe = LocalPipeline(program, model.build_stage, model.loss_fn, where=f"{model.path}: build_stage", **kw)
+    reference = None
+    if args.check:
+        reference = Reference(model.build_stage, model.loss_fn, program.num_stages, program.num_microbatches, **kw)
+        checks = CheckStats()
+    for step in range(args.steps):
+        x, y = model.batch(step)
+        res = pipe.step(x, y, record=bool(args.trace) and step == args.steps - 1)
+        errs = None
+        if reference is not None:
+            ref_loss = reference.step(x, y)
+            g = compare(pipe.named_gradients(), reference.named_gradients())
+            p = compare(pipe.named_parameters(), reference.named_parameters())
+            checks.add(rel_err(res.loss, ref_loss), g, p)
+            errs = (rel_err(res.loss, ref_loss), max(g.values(), default=0.0), max(p.values(), default=0.0))
+        print(step_line(step, args.steps, res.loss, res.seconds, errs), flush=True)
+    code = 0
+    if reference is not None:
+        tol = args.tol if args.tol is not None else default_tol(pipe.runners[0])
+        print("\n".join(checks.lines(tol, args.steps)))
+        code = 0 if checks.worst() <= tol else 1
+    if args.trace:
+        from pipec.trace import write_trace
+
+        write_trace(timeline(program, pipe.events()), args.trace)
+        print(f"wrote the measured timeline of step {args.steps} to {args.trace} (--local: ranks interleaved)")
+    return code

@@ -1,0 +1,213 @@
+"""The Python API: a Runner executes one rank's part of a Program, one training step per `step` call.
+
+    runner = Runner(program, build_stage, loss_fn)        # after torch.distributed.init_process_group
+    for step in range(steps):
+        result = runner.step(inputs, targets)             # the whole batch; split into m micro-batches
+        if result.loss is not None: print(result.loss)     # on the rank that owns the last stage
+
+`LocalPipeline` (pipec.runtime.local) runs every rank of a Program in this one process, same interface.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+from pipec.runtime.comm import DistComm
+from pipec.runtime.errors import CommError, PipelineError, ShapeError, wrong_world_size
+from pipec.runtime.executor import Executor
+from pipec.runtime.microbatch import as_args, split, to_device
+from pipec.runtime.model import build_stage_module, default_optimizer
+from pipec.runtime.shapes import KV, Specs, TensorSpec, fmt, handshake
+from pipec.runtime.stage import Stage
+
+from pipec.program import Program
+
+_IDS = itertools.count()
+
+
+@dataclass(frozen=True)
+class StepResult:
+    step: int
+    loss: float | None  # the step's loss (sum of scaled micro-batch losses) on the last stage's rank
+    seconds: float  # this rank's wall time for the step
+
+
+class StoreKV(KV):
+    """Specs through the job's c10d store (blocking gets with the run's timeout)."""
+
+    def __init__(self, store, timeout: float) -> None:
+        self.store = store
+        self.timeout = timedelta(seconds=timeout)
+
+    def set(self, key: str, value: str) -> None:
+        self.store.set(key, value)
+
+    def get(self, key: str, waiting_for: str, peer: int) -> Generator[object, None, str]:
+        try:
+            self.store.wait([key], self.timeout)
+            value = self.store.get(key)
+        except Exception as e:
+            raise CommError(f"waiting for {waiting_for} from rank {peer}: {str(e).splitlines()[0]}", peer) from e
+        return value.decode() if isinstance(value, bytes) else value
+        yield  # never yields
+
+
+class Runner:
+    """One rank of a pipeline. Builds this rank's stages (weights seeded by (seed, stage), so every process
+    and the single-process reference agree), an optimizer per stage, and executes the rank's instructions."""
+
+    def __init__(
+        self,
+        program: Program,
+        build_stage: Callable[[int, int], torch.nn.Module],
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        *,
+        rank: int | None = None,
+        optimizer: Callable[[list], torch.optim.Optimizer] | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        loss_scale: float | None = None,
+        seed: int | None = 0,
+        timeout: float = 60.0,
+        on_reduce_grad: Callable[[int, torch.nn.Module], None] | None = None,
+        comm: Any = None,
+        kv: KV | None = None,
+        group=None,
+        where: str = "build_stage",
+    ) -> None:
+        if comm is None:
+            import torch.distributed as dist
+
+            if not dist.is_initialized():
+                raise PipelineError("torch.distributed is not initialised: call init_process_group first")
+            world = dist.get_world_size(group)
+            if world != program.num_ranks:
+                raise PipelineError(wrong_world_size(program, world))
+            rank = dist.get_rank(group) if rank is None else rank
+            if device is None:
+                device = default_device()
+            store = dist.PrefixStore(f"pipec/{next(_IDS)}/", dist.distributed_c10d._get_default_store())
+            kv = StoreKV(store, timeout) if kv is None else kv
+            comm = DistComm(program.num_stages, program.num_microbatches, torch.device(device), timeout, group)
+        if rank is None or not 0 <= rank < program.num_ranks:
+            raise PipelineError(f"rank {rank} is not in 0..{program.num_ranks - 1}")
+        self.program = program
+        self.rank = rank
+        self.device = torch.device(device or "cpu")
+        self.dtype = dtype
+        self.loss_fn = loss_fn
+        self.kv = kv
+        m = program.num_microbatches
+        scale = 1.0 / m if loss_scale is None else loss_scale
+        own = [s for s, r in enumerate(program.placement) if r == rank]
+        make_opt = optimizer or default_optimizer
+        self.stages: dict[int, Stage] = {}
+        for s in own:
+            module = build_stage_module(
+                build_stage, s, program.num_stages, seed=seed, dtype=dtype, device=self.device, where=where
+            )
+            params = [p for p in module.parameters() if p.requires_grad]
+            self.stages[s] = Stage(
+                s,
+                program.num_stages,
+                module,
+                loss_fn if s == program.num_stages - 1 else None,
+                scale,
+                program.split_backward,
+                make_opt(params) if params else None,
+            )
+        self.executor = Executor(program, rank, self.stages, comm, on_reduce_grad)
+        if self.device.type == "cuda":
+            self.executor.sync = lambda: torch.cuda.synchronize(self.device)
+        self.first_specs: list[Specs] | None = None
+        self.steps_done = 0
+
+    @property
+    def has_first(self) -> bool:
+        return 0 in self.stages
+
+    @property
+    def has_last(self) -> bool:
+        return self.program.num_stages - 1 in self.stages
+
+    def modules(self) -> dict[int, torch.nn.Module]:
+        return {s: st.module for s, st in self.stages.items()}
+
+    def where(self) -> str:
+        return self.executor.where()
+
+    def step(self, inputs: Any = None, targets: Any = None, *, record: bool = False) -> StepResult:
+        """One training step on the whole batch (inputs needed on the first stage's rank, targets on the
+        last stage's); the optimizer has stepped when it returns, and `.grad` holds this step's gradients."""
+        gen = self.step_gen(inputs, targets, record=record)
+        try:
+            while True:
+                next(gen)
+        except StopIteration as stop:
+            return stop.value
+
+    def step_gen(self, inputs: Any, targets: Any, *, record: bool = False) -> Generator[object, None, StepResult]:
+        t0 = time.perf_counter()
+        m = self.program.num_microbatches
+        mb_in = mb_tg = None
+        if self.has_first:
+            if inputs is None:
+                raise PipelineError(f"rank {self.rank} runs stage 0 and needs the inputs")
+            mb_in = [as_args(to_device(x, self.device, self.dtype)) for x in split(inputs, m, "inputs")]
+        if self.has_last:
+            if targets is None:
+                raise PipelineError(f"rank {self.rank} runs the last stage and needs the targets")
+            mb_tg = [to_device(x, self.device) for x in split(targets, m, "targets")]
+        for st in self.stages.values():
+            st.zero_grad()
+        self.executor.step, self.executor.at = self.steps_done, -1
+        if self.steps_done == 0:
+            self.executor.handshaking = True
+            specs = [tuple(TensorSpec.of(a) for a in args) for args in mb_in] if mb_in is not None else None
+            self.first_specs = specs
+            ins, outs = yield from handshake(
+                self.modules(), self.program.placement, self.rank, specs, self.kv, self.device
+            )
+            self.executor.set_specs(ins, outs)
+            self.executor.handshaking = False
+        elif mb_in is not None:
+            specs = [tuple(TensorSpec.of(a) for a in args) for args in mb_in]
+            if specs != self.first_specs:
+                i = next(i for i, (a, b) in enumerate(zip(specs, self.first_specs)) if a != b)
+                raise ShapeError(
+                    f"micro-batch {i}'s input is {fmt(specs[i])} at step {self.steps_done}, but was "
+                    f"{fmt(self.first_specs[i])} at the first step (shapes are fixed at the first step)"
+                )
+        self.executor.record = [] if record else None
+        yield from self.executor.run(self.steps_done, mb_in, mb_tg)
+        loss = None
+        if self.has_last:
+            loss = float(self.stages[self.program.num_stages - 1].loss)
+        self.steps_done += 1
+        return StepResult(self.steps_done - 1, loss, time.perf_counter() - t0)
+
+    def events(self) -> list[tuple]:
+        """The measured events of the last step run with record=True (see pipec.runtime.trace)."""
+        return list(self.executor.record or [])
+
+    def named_gradients(self) -> dict[tuple[int, str], torch.Tensor | None]:
+        return {(s, n): p.grad for s, st in self.stages.items() for n, p in st.module.named_parameters()}
+
+    def named_parameters(self) -> dict[tuple[int, str], torch.Tensor]:
+        return {(s, n): p for s, st in self.stages.items() for n, p in st.module.named_parameters()}
+
+
+def default_device() -> torch.device:
+    import os
+
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")

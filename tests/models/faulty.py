@@ -1,0 +1,52 @@
+"""A small MLP model file that fails on purpose, for the runtime's fault tests.
+
+PIPEC_FAULT=raise|exit|hang, PIPEC_FAULT_STAGE=s, PIPEC_FAULT_CALL=k: stage s's k-th real forward
+(counted from 0 over all steps, not counting shape inference) raises, kills its process (after a short
+pause, so the rank has published where it is), or hangs.
+"""
+
+import os
+import time
+
+import torch
+from torch import nn
+
+WIDTH = 8
+FAULT = os.environ.get("PIPEC_FAULT", "")
+FAULT_STAGE = int(os.environ.get("PIPEC_FAULT_STAGE", "-1"))
+FAULT_CALL = int(os.environ.get("PIPEC_FAULT_CALL", "0"))
+dtype = torch.float64
+
+
+class Faulty(nn.Module):
+    def __init__(self, stage: int) -> None:
+        super().__init__()
+        self.stage = stage
+        self.layer = nn.Linear(WIDTH, WIDTH)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "meta" and torch.is_grad_enabled():
+            if self.stage == FAULT_STAGE and self.calls == FAULT_CALL:
+                if FAULT == "raise":
+                    raise RuntimeError("injected failure")
+                if FAULT == "exit":
+                    time.sleep(0.5)
+                    os._exit(3)
+                if FAULT == "hang":
+                    time.sleep(3600)
+            self.calls += 1
+        return torch.tanh(self.layer(x))
+
+
+def build_stage(stage: int, num_stages: int) -> nn.Module:
+    return Faulty(stage)
+
+
+def loss_fn(output, target):
+    return ((output - target) ** 2).mean()
+
+
+def batch(step: int):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(12, WIDTH, generator=g, dtype=dtype), torch.randn(12, WIDTH, generator=g, dtype=dtype)

@@ -1,0 +1,176 @@
+"""The runtime over torch.distributed (gloo, separate processes): every library schedule equals the
+single-process reference; faults end every rank with a message instead of a hang; bad input is refused
+clearly. Each multi-process job runs several cases to keep the suite fast on two cores."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+
+from runtime_harness import ROOT, launch  # noqa: E402
+from test_runtime_local import schedule_params  # noqa: E402
+
+from pipec import library  # noqa: E402
+
+TOL = 1e-10
+MLP_ENV = {"MLP_WIDTH": "16", "MLP_DEPTH": "8", "MLP_BATCH": "16", "MLP_DTYPE": "float64"}
+STOPPED = 75
+
+
+def _specs(p: int) -> list[str]:
+    out = []
+    for name in library.names():
+        params = schedule_params(name, p)
+        out.append(f"{name}:" + ",".join(f"{k}={v}" for k, v in params.items()))
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["p2", "p4"])
+def dist_results(request, tmp_path_factory):
+    """One job of p processes running every library schedule for 3 steps (per-rank JSON results)."""
+    p = request.param
+    out = tmp_path_factory.mktemp(f"dist{p}")
+    specs = _specs(p)
+    results, elapsed, _ = launch(p, "worker", [str(out), "3", *specs], env=MLP_ENV, timeout=240)
+    for r in results:
+        assert r.returncode == 0, f"rank {r.rank} failed:\n{r.stderr[-3000:]}"
+    per_rank = [json.loads((out / f"rank{r}.json").read_text()) for r in range(p)]
+    return p, specs, per_rank
+
+
+@pytest.mark.parametrize("name", library.names())
+def test_dist_equals_reference(name, dist_results):
+    p, specs, per_rank = dist_results
+    spec = next(s for s in specs if s.split(":")[0] == name)
+    rows = [ranks[spec] for ranks in per_rank]
+    stages = sorted(s for row in rows for s in row["stages"])
+    assert stages == list(range(len(stages)))  # every stage ran somewhere, once
+    losses = [row for row in rows if row["loss"] is not None]
+    assert len(losses) == 1 and losses[0]["loss_err"] <= TOL, rows
+    for row in rows:
+        assert row["missing_grads"] == [], row
+        assert row["grad_err"] <= TOL, row  # every gradient after one step
+        assert row["param_err"] <= TOL, row  # every parameter after three optimizer steps
+
+
+# ---- faults ------------------------------------------------------------------------------------------
+
+FAULTY = ["1f1b", "-D", "p=3", "-D", "m=3", "--model", "tests/models/faulty.py"]
+
+
+def _fault(kind: str, stage: int, timeout: float = 20.0):
+    env = {"PIPEC_FAULT": kind, "PIPEC_FAULT_STAGE": str(stage), "PIPEC_FAULT_CALL": "4"}  # step 1, micro-batch 1
+    return launch(3, "launch", [*FAULTY, "--timeout", str(timeout)], env=env, timeout=timeout + 40)
+
+
+def test_rank_that_raises_stops_every_rank():
+    results, elapsed, _ = _fault("raise", stage=1)
+    where = r"rank 1 failed at step 1, instruction #\d+ `FWD 1 1`: RuntimeError: injected failure"
+    assert results[1].returncode == 1
+    assert re.search(where, results[1].stderr), results[1].stderr
+    for r in (results[0], results[2]):
+        assert r.returncode == STOPPED, r.stderr
+        assert re.search(rf"pipec: rank {r.rank}: stopping at step 1, instruction #\d+ `.*`, because {where}", r.stderr)
+    assert elapsed < 20
+
+
+def test_rank_that_dies_stops_every_rank():
+    results, elapsed, _ = _fault("exit", stage=0)  # rank 0 dies in FWD 1 0 (os._exit)
+    assert results[0].returncode == 3
+    dead = r"rank 0 stopped responding or died \(its last reported position: step 1, instruction #\d+ `FWD 1 0`\)"
+    for r in results[1:]:
+        assert r.returncode != 0
+        assert re.search(dead, r.stderr), r.stderr
+    assert elapsed < 20
+
+
+def test_rank_that_hangs_is_given_up_on_after_the_timeout():
+    results, elapsed, _ = _fault("hang", stage=1, timeout=3)
+    hung = r"rank 1 stopped responding or died \(its last reported position: step 1, instruction #\d+ `FWD 1 1`\)"
+    for r in results:
+        assert r.returncode != 0
+        assert re.search(hung, r.stderr), r.stderr
+    assert "timed out after 3 s" in results[0].stderr + results[2].stderr
+    assert results[1].returncode == 1  # the hung rank is the culprit
+    assert elapsed < 20
+
+
+def test_stage_output_that_does_not_fit_the_next_stage():
+    argv = ["1f1b", "-D", "p=2", "-D", "m=2", "--model", "tests/models/mismatch.py", "--timeout", "20"]
+    results, _, _ = launch(2, "launch", argv, timeout=60)
+    assert results[1].returncode == 1
+    msg = "stage 0 (rank 0) outputs float64 [6, 8] for micro-batch 0, which stage 1 (rank 1) cannot take"
+    assert msg in results[1].stderr
+    assert "step 0, the shape handshake" in results[1].stderr
+    assert results[0].returncode == STOPPED and msg in results[0].stderr
+
+
+def test_program_for_other_number_of_processes_fails_before_communicating():
+    argv = ["1f1b", "-D", "p=3", "-D", "m=3", "--model", "examples/mlp.py"]
+    results, elapsed, keys = launch(2, "launch", argv, timeout=60)
+    for r in results:
+        assert r.returncode == 1
+        assert "the program for `1f1b` (p=3 m=3) has 3 ranks, but this job has 2 processes" in r.stderr
+    assert keys == 0  # nobody touched the store: no rendezvous, no communication
+
+
+# ---- pipec run (through torchrun) ------------------------------------------------------------------------
+
+
+def pipec(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    import os
+
+    e = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    cmd = [sys.executable, "-m", "pipec", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
+
+
+def test_pipec_run_check_and_trace(tmp_path):
+    from pipec.trace import read_trace
+
+    trace = tmp_path / "run.json"
+    r = pipec(
+        "run", "zb-v", "-D", "p=2", "-D", "m=4", "--model", "examples/mlp.py", "--nproc", "2", "--steps", "2",
+        "--check", "--trace", str(trace), env=MLP_ENV,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert re.match(r"step 1/2: loss \d+\.\d+, \d+\.\d+ s  \| rel err vs reference: loss", lines[0])
+    assert lines[1].startswith("step 2/2: loss")
+    assert any(line.startswith("OK: largest relative error") for line in lines)
+    assert any(line.startswith("  stage 3   gradients  max rel err") for line in lines)
+    tl = read_trace(trace)
+    assert tl.origin == "measured" and tl.num_ranks == 2
+    assert len(tl.op) == 4 * 4 * 3  # F, B, W of 4 micro-batches on 4 stages
+    assert len(tl.msg_kind) == 4 * 4  # per micro-batch: activations 0->1, 2->3 and gradients 3->2, 1->0
+
+
+def test_pipec_run_reports_the_failing_rank():
+    env = {"PIPEC_FAULT": "raise", "PIPEC_FAULT_STAGE": "1", "PIPEC_FAULT_CALL": "2"}
+    r = pipec("run", "gpipe", "-D", "p=2", "-D", "m=2", "--model", "tests/models/faulty.py", "--timeout", "20", env=env)
+    assert r.returncode == 1
+    assert re.search(r"rank 1 failed at step 1, instruction #\d+ `FWD 0 1`: RuntimeError: injected failure", r.stderr)
+    assert re.search(r"pipec: rank 0: stopping at step 1, .*because rank 1 failed at step 1", r.stderr), r.stderr
+    assert "pipec run: failed: rank 1 exited with status 1; rank 0 stopped because of it" in r.stderr
+
+
+def test_pipec_run_refuses_a_bad_model_file_before_launching(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("def build_stage(stage):\n    pass\n")
+    r = pipec("run", "1f1b", "-D", "p=2", "--model", str(bad))
+    assert r.returncode == 1
+    assert f"{bad}: not a valid pipec model file" in r.stderr
+    assert "`build_stage` must take 2 argument(s) build_stage(stage, num_stages)" in r.stderr
+    assert "missing `loss_fn(output, target)`" in r.stderr and "missing `batch(step)`" in r.stderr
+
+
+def test_pipec_run_refuses_a_wrong_number_of_processes():
+    r = pipec("run", "1f1b", "-D", "p=4", "--model", "examples/mlp.py", "--nproc", "2")
+    assert r.returncode == 2
+    assert "has 4 ranks, but this job has 2 processes" in r.stderr
