@@ -202,7 +202,7 @@ class TorchCsv:
     source: Source
     rows: tuple[tuple[Action, ...], ...]
     split: bool  # the file has I or W: our split backward
-    comms: bool  # the compute+communication format
+    comms: bool  # the file has sends or receives: the compute+communication format
     num_stages: int
     num_microbatches: int
     placement: tuple[int, ...]
@@ -213,28 +213,30 @@ def _compute(a: Action) -> Iterable[Action]:
 
 
 def analyse(source: Source) -> TorchCsv:
+    """Parse a CSV and infer its sizes and placement: stages 0 .. S-1 (E604 for a gap), each on the
+    first rank that runs it; micro-batches up to the largest; split backward when it has I or W."""
     rows = parse_csv(source)
     computes = [c for row in rows for a in row for c in _compute(a)]
     split = any(c.kind in ("I", "W") for c in computes)
     comms = any(a.kind in COMMS for row in rows for a in row)
     S = max(c.stage for c in computes) + 1
     M = max(c.mb for c in computes) + 1
-    owner = [-1] * S
+    owner: dict[int, int] = {}
     for r, row in enumerate(rows):
         for a in row:
             for c in _compute(a):
-                if owner[c.stage] < 0:
-                    owner[c.stage] = r
-    absent = [s for s in range(S) if owner[s] < 0]
-    if absent:
+                owner.setdefault(c.stage, r)
+    if len(owner) < S:
+        absent = next(s for s, t in enumerate(sorted(owner)) if s != t)
         raise error(
             "E604",
-            f"stage {absent[0]} has no action on any rank, but stage {S - 1} does",
+            f"stage {absent} has no action on any rank, but stage {S - 1} does",
             None,
             source,
             ("torch infers the stages and their ranks from the CSV: stages are numbered 0 .. S-1 with no gaps",),
         )
-    return TorchCsv(source, tuple(tuple(r) for r in rows), split, comms, S, M, tuple(owner))
+    placement = tuple(owner[s] for s in range(S))
+    return TorchCsv(source, tuple(tuple(r) for r in rows), split, comms, S, M, placement)
 
 
 def read_csv(
@@ -252,10 +254,28 @@ def read_csv(
     doc = analyse(source)
     sched = _schedule(doc, list(params.items()) if isinstance(params, Mapping) else list(params))
     if check:
+        _check_size(sched)
         check_schedule(sched)
         if doc.comms:
             check_comms(doc, sched)
     return sched
+
+
+def _check_size(sched: Schedule) -> None:
+    """When the sizes call for far more ops than the file holds (a stray `0F9999999`), say which op is
+    missing without the checks' arrays over every (op, micro-batch, stage)."""
+    K, S, M = len(sched.kinds), sched.num_stages, sched.num_microbatches
+    if K * S * M <= max(8 * sched.num_ops, 1 << 22):
+        return
+    have = {(k, i, s) for r in sched.ranks for k, i, s in zip(r.kind.tolist(), r.mb.tolist(), r.stage.tolist())}
+    k, i, s = next((k, i, s) for k in range(K) for s in range(S) for i in range(M) if (k, i, s) not in have)
+    raise error(
+        "E303",
+        f"{sched.kinds[k]}({i}, stage {s}) is never emitted; stage {s} is placed on rank {sched.placement[s]}",
+        None,
+        sched.source,
+        (f"{K * S * M - len(have) - 1} more op(s) missing",),
+    )
 
 
 def _schedule(doc: TorchCsv, params: Iterable[tuple[str, object]]) -> Schedule:
@@ -867,7 +887,8 @@ def to_pipe(sched: Schedule, origin: str | None = None) -> str:
     ]
     body = []
     for r in range(R):
-        multi = len(sched.stages_of(r)) > 1
+        own = sched.stages_of(r)
+        multi = len(own) != 1 or bool((sched.ranks[r].stage != own[0]).any())  # else `stage:` goes without saying
         lines = _rank_lines(_steps(sched, r), multi)
         if R == 1:
             body += ["        " + x for x in lines]

@@ -154,6 +154,17 @@ def test_generated_pipe_reads_well():
     assert info.value.code == "E202"
 
 
+def test_generated_pipe_keeps_a_misplaced_op_misplaced():
+    """A CSV that runs a stage on two ranks becomes a .pipe that names the stage, so checking the .pipe
+    reports the same E301 as checking the CSV."""
+    s = read_csv(csv("0F0,0B0,1F0,1B0\n2F0,2B0,1F0\n"), check=False)
+    pipe = to_pipe(s)
+    assert "F(0, stage: 1)" in pipe.split("elif r == 1")[1]
+    with pytest.raises(PipecError) as info:
+        build(Source("t.pipe", pipe))
+    assert info.value.code == "E301"
+
+
 def test_placements_without_a_formula():
     text = "0F0,0B0\n1F0,1B0\n2F0,2B0\n1F0,1B0\n"  # stage 1 on rank 1 and rank 3: E301
     with pytest.raises(PipecError) as info:
@@ -301,6 +312,8 @@ CASES = [
     ("E301", "0F0,0B0,1F0\n1B0\n", {}, 2, 1),  # a stage belongs to the first rank that runs it
     ("E302", "0F0,0F0,0B0\n", {}, 1, 5),
     ("E303", "0F0,0F1,0B0\n", {}, None, None),
+    ("E303", "0F0,0B0,0F9999999\n", {}, None, None),  # found without arrays over 20 million ops
+    ("E303", "0F0,0B0\n", {"m": 9999999}, None, None),
     ("E304", "0B0,0F0\n", {}, 1, 1),
 ]
 
