@@ -142,6 +142,25 @@ class RankBlock(Node):
 
 
 @dataclass(frozen=True)
+class OrderItem(Node):
+    """One line of an `order` block: `prefer B, F, W`, `inflight [(s)] <= e`, `fill W`, `lag W = e`."""
+
+    kind: str  # "prefer", "inflight", "fill" or "lag"
+    names: tuple[str, ...]  # the op kinds named (prefer, fill, lag)
+    name_spans: tuple[Span, ...]
+    var: str | None  # the stage variable of `inflight(s)`
+    value: Expr | None
+
+
+@dataclass(frozen=True)
+class OrderBlock(Node):
+    """`order r { ... }`: a policy from which the compiler derives each rank's order (pipec.policy)."""
+
+    var: str
+    items: tuple[OrderItem, ...]
+
+
+@dataclass(frozen=True)
 class Emit(Node):
     """One op, or an overlapped pair `a & b` that the runtime may interleave."""
 
@@ -197,7 +216,23 @@ class Topology(Node):
     items: tuple[TopoDc | TopoLink, ...]
 
 
-Stmt = Let | Def | Require | Expect | For | Repeat | While | If | RankBlock | Emit | Decl | Place | OpsDecl | Topology
+Stmt = (
+    Let
+    | Def
+    | Require
+    | Expect
+    | For
+    | Repeat
+    | While
+    | If
+    | RankBlock
+    | OrderBlock
+    | Emit
+    | Decl
+    | Place
+    | OpsDecl
+    | Topology
+)
 
 
 @dataclass(frozen=True)

@@ -413,6 +413,10 @@ class _Compiler:
             if not top:
                 raise self.err("E109", "a `rank` block belongs at the top of the schedule", st.span)
             self.rank_block(st, scope, indent)
+        elif isinstance(st, ast.OrderBlock):
+            if not top:
+                raise self.err("E109", "an `order` block belongs at the top of the schedule", st.span)
+            self.order_block(st, scope, indent)
         elif top:
             raise self.err("E109", "ops and loops belong inside the `rank r { ... }` block", st.span)
         elif isinstance(st, ast.For):
@@ -607,6 +611,56 @@ class _Compiler:
         self.line(indent, f"def _rank({py}):")
         self.block(st.body, inner, indent + 1, "rank")
         self.line(indent, f"_rt.decl('rank', None, _rank, {self.sid(st.span)})")
+
+    def order_block(self, st: ast.OrderBlock, scope: _Scope, indent: int) -> None:
+        """`order r { ... }`: the policy per rank, as `(prefer, fill, lag kinds, fn(r) -> (inflight, stage
+        inflight function, lag))`; pipec.evaluate derives the orders from it (pipec.policy)."""
+        seen: dict[tuple[str, str | None], ast.OrderItem] = {}
+        prefer: tuple[str, ...] = ()
+        fill = False
+        inner = _Scope(scope)
+        py = self.fresh(st.var)
+        self.bind(inner, st.var, _Value(py, "int"), st.span)
+        inflight = stage_inflight = lag = "None"
+        for it in st.items:
+            key = (it.kind, "stage" if it.var else None)
+            if key in seen:
+                raise self.err("E106", f"`{it.kind}` given twice in the `order` block", it.span)
+            seen[key] = it
+            for name, span in zip(it.names, it.name_spans):
+                if name not in OP_KINDS:
+                    raise self.err("E113", f"`{name}` is not an op kind; an `order` block names F, B and W", span)
+                self.check_kind(name, span)
+            if it.kind == "prefer":
+                if sorted(it.names) != sorted(self.kinds):
+                    raise self.err(
+                        "E113",
+                        f"`prefer` must list each op kind of the schedule once: {', '.join(self.kinds)}",
+                        it.span,
+                    )
+                prefer = it.names
+            elif it.kind in ("fill", "lag") and it.names != ("W",):
+                raise self.err("E113", f"`{it.kind}` applies to W, the weight gradient", it.span)
+            elif it.kind == "fill":
+                fill = True
+            elif it.kind == "lag":
+                lag, t = self.expr(it.value, inner)
+                self.want(t, ("int",), it.value.span, "`lag`")
+            elif it.var is None:
+                inflight, t = self.expr(it.value, inner)
+                self.want(t, NUMERIC, it.value.span, "`inflight`")
+            else:
+                stage_scope = _Scope(inner)
+                spy = self.fresh(it.var)
+                self.bind(stage_scope, it.var, _Value(spy, "int"), it.span)
+                code, t = self.expr(it.value, stage_scope)
+                self.want(t, NUMERIC, it.value.span, "`inflight`")
+                stage_inflight = f"(lambda {spy}: {code})"
+        if not prefer:
+            prefer = ("B", "F", "W") if "W" in self.kinds else ("B", "F")
+        self.line(indent, f"def _order({py}):")
+        self.line(indent + 1, f"return ({inflight}, {stage_inflight}, {lag})")
+        self.line(indent, f"_rt.decl('order', None, ({prefer!r}, {fill!r}, _order), {self.sid(st.span)})")
 
     # ---- the whole file
     def compile(self) -> Compiled:

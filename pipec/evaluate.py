@@ -8,6 +8,7 @@ diagnostics at the span the statement id names.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -178,7 +179,9 @@ def _run(compiled: Compiled, source: Source, given: dict[str, object], only: Ite
     m, _ = size("microbatches", "m")
     if num_stages * m * len(compiled.kinds) > MAX_OPS:
         raise _Fail("E210", f"the schedule would have more than {MAX_OPS:,} ops", rt.decls["stages"][1])
-    if "rank" not in rt.decls:
+    if "rank" in rt.decls and "order" in rt.decls:
+        raise _Fail("E106", "a schedule has a `rank` block or an `order` block, not both", rt.decls["order"][1])
+    if "rank" not in rt.decls and "order" not in rt.decls:
         raise _Fail("E106", "the schedule needs a `rank r { ... }` block", None)
 
     if "place" in rt.decls:
@@ -207,13 +210,32 @@ def _run(compiled: Compiled, source: Source, given: dict[str, object], only: Ite
     owned: list[list[int]] = [[] for _ in range(num_ranks)]
     for s, owner in enumerate(placement):
         owned[owner].append(s)
-    rank_fn, rank_sid = rt.decls["rank"]
     wanted = set(range(num_ranks)) if only is None else set(only)
     if not wanted <= set(range(num_ranks)):
         raise ValueError(f"ranks {sorted(wanted - set(range(num_ranks)))} are not in 0..{num_ranks - 1}")
+    derived = None
+    if "order" in rt.decls:
+        shape = Schedule(
+            compiled.name,
+            param_items,
+            num_stages,
+            num_ranks,
+            m,
+            compiled.kinds,
+            tuple(placement),
+            (),
+            costs,
+            memory,
+            topology,
+        )
+        derived = _derive(shape, owned, *rt.decls["order"])
+    else:
+        rank_fn, rank_sid = rt.decls["rank"]
     rank_ops = []
     for r in range(num_ranks):
-        if r in wanted:
+        if derived is not None:
+            rank_ops.append(derived[r] if r in wanted else _empty_rank())
+        elif r in wanted:
             cap = len(compiled.kinds) * len(owned[r]) * m
             rank_ops.append(env.run_rank(rank_fn, r, owned[r][0] if len(owned[r]) == 1 else -1, cap))
         else:
@@ -240,6 +262,53 @@ def _run(compiled: Compiled, source: Source, given: dict[str, object], only: Ite
         decl_spans=decl_spans,
         expects=expects,
     )
+
+
+def _derive(shape: Schedule, owned: list[list[int]], decl, sid: int) -> list[RankOps]:
+    """The per-rank orders an `order` block's policy gives under the schedule's own costs and memory."""
+    from pipec.costs import cost_model
+    from pipec.memory import memory_model
+    from pipec.policy import Policy, PolicyStuck, derive, machine
+
+    prefer, fill, fn = decl
+    R, S = shape.num_ranks, shape.num_stages
+    inflight, stage_inflight, lag = [], [None] * S, []
+    for r in range(R):
+        a, stage_fn, g = fn(r)
+        inflight.append(math.inf if a is None else _float(a, sid))
+        lag.append(0 if g is None else g)
+        if stage_fn is not None:
+            for s in owned[r]:
+                stage_inflight[s] = _float(stage_fn(s), sid)
+    bad = [x for x in inflight + [x for x in stage_inflight if x is not None] if x < 1]
+    if bad:
+        raise _Fail("E213", f"an in-flight limit must be at least 1, got {bad[0]:g}", sid)
+    policy = Policy(
+        prefer=prefer,
+        inflight=tuple(inflight),
+        stage_inflight=None
+        if all(x is None for x in stage_inflight)
+        else tuple(math.inf if x is None else x for x in stage_inflight),
+        w_mode="fit" if fill else "idle",
+        w_lag=tuple(lag),
+    )
+    try:
+        d = derive(machine(shape, cost_model(shape), memory_model(shape)), policy)
+    except PolicyStuck as e:
+        raise _Fail("E213", e.message, sid, e.notes) from None
+    out = []
+    for ops in d.orders:
+        a = np.asarray(ops, dtype=np.int64).reshape(-1, 3)
+        out.append(
+            RankOps(
+                a[:, 0].copy(),
+                a[:, 1].copy(),
+                a[:, 2].copy(),
+                np.full(len(a), sid, np.int64),
+                np.zeros(len(a), dtype=bool),
+            )
+        )
+    return out
 
 
 def _expectation_test(fn, compiled: Compiled, source: Source):

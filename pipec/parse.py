@@ -181,6 +181,22 @@ class _ToAst(Transformer):
     def rank_block(self, meta, c):
         return ast.RankBlock(_meta_span(meta), str(c[0]), c[1])
 
+    def order_block(self, meta, c):
+        return ast.OrderBlock(_meta_span(meta), str(c[0]), tuple(x for x in c[1:] if x is not None))
+
+    def order_prefer(self, meta, c):
+        return ast.OrderItem(_meta_span(meta), "prefer", tuple(map(str, c)), tuple(map(_tok_span, c)), None, None)
+
+    def order_inflight(self, meta, c):
+        var, value = c  # `["(" NAME ")"]` leaves None when there is no stage variable
+        return ast.OrderItem(_meta_span(meta), "inflight", (), (), None if var is None else str(var), value)
+
+    def order_fill(self, meta, c):
+        return ast.OrderItem(_meta_span(meta), "fill", (str(c[0]),), (_tok_span(c[0]),), None, None)
+
+    def order_lag(self, meta, c):
+        return ast.OrderItem(_meta_span(meta), "lag", (str(c[0]),), (_tok_span(c[0]),), None, c[1])
+
     def emit_stmt(self, meta, c):
         return ast.Emit(_meta_span(meta), tuple(c))
 
