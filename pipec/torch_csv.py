@@ -613,8 +613,14 @@ def _check_exportable(sched: Schedule) -> None:
                     f"the pair `{ops[j]} & {ops[j + 1]}` on rank {r} has no torch form: torch's OVERLAP_F_B "
                     "overlaps one forward with one backward",
                 )
-    if sched.num_stages == 0:
-        return
+    for r in range(sched.num_ranks):
+        if not sched.stages_of(r):
+            raise error(
+                "E612",
+                f"rank {r} holds no stage: torch's runtime needs at least one stage on every rank",
+                sched.decl_spans.get("place"),
+                sched.source,
+            )
     last = sched.num_stages - 1
     r = sched.placement[last]
     seen = 0
@@ -632,14 +638,6 @@ def _check_exportable(sched: Schedule) -> None:
                     ("export only schedules whose last stage runs its forwards in micro-batch order",),
                 )
             seen += 1
-    for r in range(sched.num_ranks):
-        if not sched.stages_of(r):
-            raise error(
-                "E612",
-                f"rank {r} holds no stage: torch's runtime needs at least one stage on every rank",
-                sched.decl_spans.get("place"),
-                sched.source,
-            )
 
 
 def _at(sched: Schedule, r: int, j: int, code: str, message: str, notes: tuple[str, ...] = ()) -> PipecError:
