@@ -195,19 +195,19 @@ def write_trace(tl: Timeline, path: str | Path, memory: dict[str, np.ndarray] | 
 
 
 def read_trace(path: str | Path) -> Timeline:
-    """Read a trace written by `write_trace` back into the Timeline it came from (E602 when it is not one)."""
+    """Read a trace written by `write_trace` back into the Timeline it came from (E802 when it is not one)."""
     try:
         doc = json.loads(Path(path).read_text())
     except OSError as e:
-        raise error("E602", f"cannot read trace `{path}`: {e.strerror}") from None
+        raise error("E802", f"cannot read trace `{path}`: {e.strerror}") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise error("E602", f"trace `{path}` is not JSON: {e}") from None
+        raise error("E802", f"trace `{path}` is not JSON: {e}") from None
     try:
         head = doc["otherData"]
         if head.get("format") != FORMAT:
-            raise error("E602", f"`{path}` is not a pipec trace (otherData.format is {head.get('format')!r})")
+            raise error("E802", f"`{path}` is not a pipec trace (otherData.format is {head.get('format')!r})")
         if head.get("version") != VERSION:
-            raise error("E602", f"pipec trace version {head.get('version')} is not supported (this reads {VERSION})")
+            raise error("E802", f"pipec trace version {head.get('version')} is not supported (this reads {VERSION})")
         comp: list[tuple] = []
         msgs: list[tuple] = []
         for ev in doc["traceEvents"]:
@@ -257,4 +257,4 @@ def read_trace(path: str | Path) -> Timeline:
             params=tuple(head.get("params", {}).items()),
         )
     except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise error("E602", f"malformed pipec trace `{path}`: {e!r}") from None
+        raise error("E802", f"malformed pipec trace `{path}`: {e!r}") from None

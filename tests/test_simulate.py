@@ -261,7 +261,7 @@ def _write(path: Path, text: str) -> Path:
 def test_bad_cost_overrides_are_e601(spec, message):
     with pytest.raises(PipecError) as e:
         cost_spec(spec) if "=" in spec else parse_overrides(spec)
-    assert e.value.code == "E601" and message in str(e.value.diagnostics[0].message)
+    assert e.value.code == "E801" and message in str(e.value.diagnostics[0].message)
 
 
 def test_bad_cost_files_are_e601(tmp_path):
@@ -272,11 +272,11 @@ def test_bad_cost_files_are_e601(tmp_path):
     for name in bad:
         with pytest.raises(PipecError) as e:
             cost_model(s, [read_cost_file(tmp_path / name)])
-        assert e.value.code == "E601", name
+        assert e.value.code == "E801", name
     rc, _, err = run("simulate", "1f1b", "--cost", str(tmp_path / "c.json"))
-    assert rc == 1 and "error[E601]" in err and "lists 2 values but the schedule has 4 stages" in err
+    assert rc == 1 and "error[E801]" in err and "lists 2 values but the schedule has 4 stages" in err
     rc, _, err = run("simulate", "1f1b", "--cost", str(tmp_path / "missing.toml"))
-    assert rc == 1 and "error[E601]" in err and "cannot read cost file" in err
+    assert rc == 1 and "error[E801]" in err and "cannot read cost file" in err
 
 
 TOPO = """\
@@ -538,7 +538,7 @@ def test_read_trace_refuses_other_files(tmp_path):
         (tmp_path / "x.json").write_text(text)
         with pytest.raises(PipecError) as e:
             read_trace(tmp_path / "x.json")
-        assert e.value.code == "E602"
+        assert e.value.code == "E802"
 
 
 def test_trace_of_an_empty_and_a_measured_timeline():
