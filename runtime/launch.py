@@ -183,16 +183,21 @@ class Worker:
     def _store_factory(self, dist, timeout: float):
         from datetime import timedelta
 
+        # One namespace per torchrun attempt: a restarted job must not see the previous attempt's abort record.
+        prefix = f"pipec/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
         host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-        if host and port:
-            return lambda: dist.TCPStore(
-                host, int(port), is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False
+        if host and port:  # the monitor's own connections, so a blocked main thread never holds them up
+            return lambda: dist.PrefixStore(
+                prefix,
+                dist.TCPStore(
+                    host, int(port), is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False
+                ),
             )
-        return lambda: self.store
+        return lambda: dist.PrefixStore(prefix, self.store)
 
     def _train(self, dist) -> int:
         from pipec.runtime.reference import Reference, compare, rel_err
-        from pipec.runtime.report import CheckStats, step_line
+        from pipec.runtime.report import CheckStats, header, step_line
 
         torch, args, runner, m = self.torch, self.args, self.runner, self.model
         reference = None
@@ -210,6 +215,8 @@ class Worker:
             )
             checks = CheckStats()
         needs_batch = runner.has_first or runner.has_last or reference is not None
+        if self.rank == 0:
+            print(header(self.program, f"{args.backend}, {self.world} processes", m.path), flush=True)
         for step in range(args.steps):
             x, y = m.batch(step) if needs_batch else (None, None)
             res = runner.step(x, y, record=bool(args.trace) and step == args.steps - 1)

@@ -6,6 +6,14 @@ import json
 import math
 
 
+def header(program, how: str, model_path: str) -> str:
+    params = " ".join(f"{k}={v}" for k, v in program.params)
+    return (
+        f"{program.name} ({params}): {program.num_stages} stages on {program.num_ranks} ranks, "
+        f"{program.num_microbatches} micro-batches, {how}, model {model_path}"
+    )
+
+
 def step_line(step: int, steps: int, loss: float | None, seconds: float, errors: tuple | None = None) -> str:
     width = len(str(steps))
     text = f"step {step + 1:>{width}}/{steps}: loss {_num(loss)}, {seconds:.3f} s"
@@ -59,9 +67,9 @@ class CheckStats:
                 mine = {k: e for k, e in table.items() if self.stage_of[k] == s}
                 if mine:
                     k = max(mine, key=mine.get)
+                    worst = f" (largest: `{k.split('`')[1]}`)" if mine[k] > 0 else ""
                     out.append(
-                        f"  stage {s:<3} {what + 's':<10} max rel err {mine[k]:.2e} over {len(mine)} tensors"
-                        f" (largest: `{k.split('`')[1]}`)"
+                        f"  stage {s:<3} {what + 's':<10} max rel err {mine[k]:.2e} over {len(mine)} tensors{worst}"
                     )
         w = self.worst()
         verdict = "OK" if w <= tol else "FAILED"

@@ -99,7 +99,7 @@ def run_local(args: argparse.Namespace, program: Program, model) -> int:
     from pipec.runtime.local import LocalPipeline
     from pipec.runtime.measure import timeline
     from pipec.runtime.reference import Reference, compare, rel_err
-    from pipec.runtime.report import CheckStats, step_line
+    from pipec.runtime.report import CheckStats, header, step_line
 
     device = torch.device(args.device or ("cuda" if args.backend == "nccl" else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -110,6 +110,7 @@ def run_local(args: argparse.Namespace, program: Program, model) -> int:
     if args.check:
         reference = Reference(model.build_stage, model.loss_fn, program.num_stages, program.num_microbatches, **kw)
         checks = CheckStats()
+    print(header(program, f"--local on {device.type}, one process", model.path), flush=True)
     for step in range(args.steps):
         x, y = model.batch(step)
         res = pipe.step(x, y, record=bool(args.trace) and step == args.steps - 1)

@@ -3,6 +3,7 @@ shapes, the Python API's errors, and that `import pipec` stays free of torch."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -324,8 +325,53 @@ def test_the_example_learns(monkeypatch):
     assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5, losses
 
 
+DROPOUT = GOOD.replace(
+    "return torch.nn.Linear(4, 4)", "return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))"
+)
+
+
+def test_pipec_run_local_check_fails_past_the_tolerance(tmp_path, capsys):
+    from pipec.cli import main
+
+    model = write(tmp_path, DROPOUT)  # dropout draws different masks in the pipeline and in the reference
+    code = main(["run", "1f1b", "-D", "p=2", "-D", "m=2", "--model", model, "--local", "--check", "--steps", "1"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert re.search(r"^FAILED: largest relative error \S+ \(tolerance 0.0001\)$", out, re.M), out
+
+
+def test_pipec_run_local_check_passes(capsys):
+    from pipec.cli import main
+
+    code = main(
+        [
+            "run",
+            "gpipe",
+            "-D",
+            "p=2",
+            "-D",
+            "m=2",
+            "--model",
+            str(ROOT / "tests" / "models" / "faulty.py"),
+            "--local",
+            "--check",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "step 3/3: loss" in out and "OK: largest relative error" in out and "(tolerance 1e-10)" in out
+
+
 def test_import_pipec_does_not_import_torch():
     code = "import sys, pipec, pipec.cli, pipec.runtime, pipec.runtime.launch; pipec.cli._parser(); "
     code += "print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_docs_python_api_example_runs(capsys):
+    text = (ROOT / "docs" / "runtime.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    code = next(b for b in blocks if "LocalPipeline(program" in b)
+    exec(compile(code, "docs/runtime.md", "exec"), {})
+    assert capsys.readouterr().out.startswith("last loss ")
