@@ -386,7 +386,7 @@ def check_comms(doc: TorchCsv, sched: Schedule) -> None:
             if w.event == "match":
                 notes.append(f"rank {w.rank} blocks at `{a}` ({line}) until rank {w.peer} posts the matching receive")
             elif w.event == "arrival":
-                notes.append(f"rank {w.rank} blocks at `{a}` ({line}) waiting for {w.what} from rank {w.peer}")
+                notes.append(f"rank {w.rank} blocks at `{a}` ({line}) waiting for {w.what}, on rank {w.peer}")
             else:
                 notes.append(f"rank {w.rank} blocks at `{a}` ({line}) waiting for its own later `{w.what}`")
         first = where[run.waits[0].rank][run.waits[0].index]
