@@ -139,6 +139,8 @@ class Worker:
                     f"rank {peer} stopped responding or died (its last reported position: "
                     f"{self.monitor.position_of(peer)}); rank {self.rank} found out at {self.where()}: {e}"
                 )
+            elif isinstance(e, KeyboardInterrupt):
+                reason = f"rank {self.rank} was interrupted at {self.where()}"
             else:
                 if not isinstance(e, PipelineError):
                     traceback.print_exc()

@@ -58,6 +58,7 @@ def worker_args(args: argparse.Namespace, program_path: str) -> list[str]:
 
 def run_torchrun(args: argparse.Namespace, program: Program, nproc: int) -> int:
     """torchrun --standalone --nproc-per-node N -m pipec.runtime.launch PROGRAM ... (in this process)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser
     from torch.distributed.run import run as torchrun
@@ -74,6 +75,9 @@ def run_torchrun(args: argparse.Namespace, program: Program, nproc: int) -> int:
         except ChildFailedError as e:
             print(f"pipec run: failed: {failure_summary(e.failures)}", file=sys.stderr)
             return 1
+        except SignalException as e:  # Ctrl-C or a kill of `pipec run`: torchrun has stopped the workers
+            print(f"pipec run: stopped by {e.sigval.name}", file=sys.stderr)
+            return 128 + int(e.sigval)
     return 0
 
 
