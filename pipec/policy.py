@@ -265,7 +265,7 @@ def derive(mc: Machine, policy: Policy) -> Derived:
             if op[0] != 2 or not fit or pressure:
                 return t, op
             # W in "fit" mode: only if it ends before every better op the rank knows is coming.
-            better = [ready for ready, o in elig if o[0] != 2 and ready > t]
+            better = [ready for ready, o in elig if pr[o[0]] < pr[2] and ready > t]
             if not better or t + dur[2][op[2]] <= min(better) + 1e-12:
                 return t, op
             t = min(better)

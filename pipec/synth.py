@@ -523,13 +523,18 @@ def _g(x: float) -> str:
 
 
 def _segments(ops: Sequence[tuple[int, int, int]], max_len: int = 8) -> list[tuple]:
-    """Greedy compression of one rank's order: ("loop", lo, count, pattern) where the pattern's ops
-    repeat with every micro-batch one higher, else ("ops", [op, ...])."""
-    out: list[tuple] = []
-    lits: list[tuple[int, int, int]] = []
-    j, n = 0, len(ops)
-    while j < n:
-        best = (0, 0, 0)  # covered, -length, count
+    """One rank's order as few tokens as possible: ("loop", lo, count, pattern) where a pattern of ops
+    repeats with every micro-batch one higher each time, and ("ops", [op, ...]) between loops.
+
+    Dynamic programming from the end: a literal op costs 1, a loop its pattern's length + 1; ties go to
+    fewer segments. Every repeat count of every pattern is tried (only the longest when a rank has more
+    than 2,000 ops, to stay fast)."""
+    n = len(ops)
+    best: list[tuple[int, int]] = [(0, 0)] * (n + 1)
+    choice: list[tuple[int, int]] = [(0, 0)] * (n + 1)  # (pattern length, count); (0, 0): a literal
+    for j in range(n - 1, -1, -1):
+        cand = (best[j + 1][0] + 1, best[j + 1][1] + (0 if j + 1 < n and choice[j + 1] == (0, 0) else 1))
+        pick = (0, 0)
         for L in range(1, min(max_len, (n - j) // 2) + 1):
             pat = ops[j : j + L]
             k = 1
@@ -537,21 +542,26 @@ def _segments(ops: Sequence[tuple[int, int, int]], max_len: int = 8) -> list[tup
                 ops[j + k * L + u] == (pat[u][0], pat[u][1] + k, pat[u][2]) for u in range(L)
             ):
                 k += 1
-            if k >= 2 and (k * L, -L) > best[:2]:
-                best = (k * L, -L, k)
-        covered, neg_l, k = best
-        if covered >= 3 or (covered >= 2 and -neg_l == 1 and covered >= 3):
-            if lits:
-                out.append(("ops", lits))
-                lits = []
-            L = -neg_l
-            out.append(("loop", ops[j][1], k, tuple(ops[j : j + L])))
-            j += covered
-        else:
-            lits.append(ops[j])
+            counts = range(2, k + 1) if n <= 2000 else ([k] if k >= 2 else [])
+            for c in counts:
+                rest = best[j + c * L]
+                val = (rest[0] + L + 1, rest[1] + 1)
+                if val < cand:
+                    cand, pick = val, (L, c)
+        best[j], choice[j] = cand, pick
+    out: list[tuple] = []
+    j = 0
+    while j < n:
+        L, c = choice[j]
+        if L == 0:
+            if out and out[-1][0] == "ops":
+                out[-1][1].append(ops[j])
+            else:
+                out.append(("ops", [ops[j]]))
             j += 1
-    if lits:
-        out.append(("ops", lits))
+        else:
+            out.append(("loop", ops[j][1], c, tuple(ops[j : j + L])))
+            j += L * c
     return out
 
 

@@ -1,0 +1,162 @@
+"""The targets of `pipec synth` (issue 7, docs/synth.md): one JSON line per case.
+
+Each line: the case, the equivalent command, the synthesized figures, the library schedules' figures under
+the same costs and memory model, whether the target is met, and the seconds spent (heuristic, solver).
+
+    .venv/bin/python benchmarks/synth_targets.py            # every case (a few minutes on 2 cores)
+    .venv/bin/python benchmarks/synth_targets.py --quick    # p=4 and p=8 only, shorter solver limits
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from pipec.costs import normalize
+from pipec.synth import Spec, comparison_text, library_comparison, peak_of, replace, synthesize
+
+EQUAL = {"T_F": 1, "T_B": 1, "T_W": 1}
+UNEVEN = {"T_F": 1, "T_B": 1.2, "T_W": 0.8, "comm": 0.05}
+
+
+def case(name, p, m, costs, limit_text, target, time_limit, v=1, place="loop", check=None):
+    docs = (normalize(costs, "--cost"),)
+    spec = Spec(p=p, m=m, v=v, placement=place, cost_docs=docs)
+    if limit_text.startswith("of:"):
+        limit = peak_of(spec, limit_text[3:])
+    else:
+        limit = float(limit_text)
+    spec = replace(spec, limit=(limit,) * p)
+    t0 = time.monotonic()
+    res = synthesize(spec, time_limit=time_limit)
+    secs = time.monotonic() - t0
+    rows = library_comparison(spec)
+    lib = {n: fig for n, _, fig, _ in rows if fig is not None}
+    f = res.figures
+    cost_arg = ",".join(f"{k}={v}" for k, v in costs.items())
+    mem_arg = f"--memory-limit-of {limit_text[3:]}" if limit_text.startswith("of:") else f"--memory-limit {limit:g}"
+    extra = f" -v {v} --place {place}" if v > 1 else ""
+    met = check(f, lib) if check else None
+    return {
+        "case": name,
+        "target": target,
+        "command": f"pipec synth -p {p} -m {m}{extra} --cost {cost_arg} {mem_arg} --time-limit {time_limit:g}",
+        "memory_limit": limit,
+        "makespan": f.makespan,
+        "bubble_rate": f.bubble,
+        "peak_memory": max(f.peak),
+        "heuristic": {
+            "makespan": res.heuristic_figures.makespan,
+            "bubble_rate": res.heuristic_figures.bubble,
+            "from": res.heuristic.describe(),
+            "seconds": round(res.seconds_heuristic, 2),
+        },
+        "solver": {
+            "status": res.solver_status,
+            "bound": res.bound,
+            "seconds": round(res.seconds_solver, 2),
+            "note": res.solver_note,
+        },
+        "seconds": round(secs, 2),
+        "library": {
+            n: {"makespan": x.makespan, "bubble_rate": x.bubble, "peak_memory": max(x.peak)} for n, x in lib.items()
+        },
+        "met": met,
+        "table": comparison_text(res, rows, "synth"),
+    }
+
+
+def no_worse_bubble(ref):
+    return lambda f, lib: f.bubble <= lib[ref].bubble + 1e-9
+
+
+def at_most(x):
+    return lambda f, lib: f.bubble <= x
+
+
+def beats(ref):
+    """Smaller (makespan, bubble) than the reference: a shorter step, or the same step with less bubble."""
+    return lambda f, lib: (
+        (round(f.makespan, 9), round(f.bubble, 9))
+        < (
+            round(lib[ref].makespan, 9),
+            round(lib[ref].bubble, 9),
+        )
+    )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    sizes = [(8, 24)] if args.quick else [(8, 24), (16, 48)]
+    tl = 20 if args.quick else 60
+    cases = []
+    for p, m in sizes:
+        cases.append(
+            (
+                f"1p-equal-p{p}",
+                p,
+                m,
+                EQUAL,
+                str(p),
+                "bubble <= ZB-H1's at 1F1B's peak",
+                tl,
+                1,
+                "loop",
+                no_worse_bubble("zb-h1"),
+            )
+        )
+        cases.append(
+            (
+                f"2p-equal-p{p}",
+                p,
+                m,
+                EQUAL,
+                str(2 * p),
+                "bubble <= 1% at twice 1F1B's peak",
+                tl,
+                1,
+                "loop",
+                at_most(0.01),
+            )
+        )
+    for p, m in [(4, 8)] + sizes:
+        for ref in ("zb-h1", "zb-h2"):
+            cases.append(
+                (
+                    f"uneven-{ref}-p{p}",
+                    p,
+                    m,
+                    UNEVEN,
+                    f"of:{ref}",
+                    f"beat {ref} at its memory",
+                    tl,
+                    1,
+                    "loop",
+                    beats(ref),
+                )
+            )
+            cases.append(
+                (
+                    f"uneven-{ref}-p{p}-v",
+                    p,
+                    m,
+                    UNEVEN,
+                    f"of:{ref}",
+                    f"beat {ref} at its memory (V)",
+                    tl,
+                    2,
+                    "v",
+                    beats(ref),
+                )
+            )
+    for c in cases:
+        print(json.dumps(case(*c)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,407 @@
+"""Policy schedules (`order` blocks, pipec.policy) and schedule search (`pipec synth`, pipec.synth).
+
+The list scheduler against the simulator (same times), 1F1B's policy against 1F1B's order, validity of
+derived orders over random policies, the language's errors, the heuristic's and the solver's figures on
+small cases, the written `.pipe` file (it parses, checks, keeps its promises and has the same orders),
+the command line, and a synthesized schedule trained on the runtime against the single-process reference.
+The heavy targets live in benchmarks/synth_targets.py.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import redirect_stderr, redirect_stdout
+from io import StringIO
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pipec import synth
+from pipec.api import build, load
+from pipec.cli import main
+from pipec.compiler import compile_schedule
+from pipec.costs import cost_model, normalize
+from pipec.errors import PipecError, Source
+from pipec.memory import memory_model
+from pipec.policy import Policy, PolicyStuck, derive, machine, orders_from_schedule
+from pipec.report import run as simulate_schedule
+
+ROOT = Path(__file__).resolve().parent.parent
+UNEVEN = normalize({"T_F": 1, "T_B": 1.2, "T_W": 0.8, "comm": 0.05})
+HAS_SOLVER = synth.solver_available() is None
+
+
+def cli(*argv: str) -> tuple[int, str, str]:
+    out, err = StringIO(), StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        try:
+            rc = main(list(argv))
+        except SystemExit as e:
+            rc = e.code if isinstance(e.code, int) else 1
+    return rc, out.getvalue(), err.getvalue()
+
+
+def text_build(text: str, params=()):
+    return build(Source("t.pipe", text), params)
+
+
+def policy_file(items: str, decls: str = "", ops: str = "F, B, W") -> str:
+    return (
+        f'schedule "t" (p: int = 4, m: int = 8) {{\n    stages p\n    ops {ops}\n{decls}'
+        f"    order r {{\n{items}\n    }}\n}}\n"
+    )
+
+
+# ---- the 1F1B policy is 1F1B -------------------------------------------------------------------------------
+
+
+def test_1f1b_policy_file_reproduces_1f1b_over_a_grid():
+    src = Source("1f1b-policy.pipe", (ROOT / "examples" / "1f1b-policy.pipe").read_text())
+    for p in range(1, 9):
+        for m in range(1, 3 * p + 2):
+            got = build(src, {"p": p, "m": m})
+            want = load("1f1b", p=p, m=m)
+            assert orders_from_schedule(got) == orders_from_schedule(want), (p, m)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    p=st.integers(1, 8),
+    m=st.integers(1, 20),
+    f=st.floats(0.1, 3),
+    b=st.floats(0.1, 3),
+    comm=st.sampled_from([0.0, 0.05, 0.5, 2.0]),
+    prefer=st.sampled_from([("B", "F"), ("F", "B")]),
+)
+def test_1f1b_policy_reproduces_1f1b_under_any_costs(p, m, f, b, comm, prefer):
+    s = load("1f1b", p=p, m=m)
+    mc = machine(s, cost_model(s, [normalize({"F": f, "B": b, "comm": comm})]), memory_model(s))
+    d = derive(mc, Policy(prefer, tuple(p - r for r in range(p))))
+    assert d.orders == orders_from_schedule(s)
+
+
+# ---- derived orders: valid, and timed exactly as the simulator times them ----------------------------------
+
+
+@st.composite
+def policies(draw):
+    p = draw(st.integers(1, 6))
+    m = draw(st.integers(1, 12))
+    v = draw(st.sampled_from([1, 1, 2]))
+    place = draw(st.sampled_from(["loop", "v"])) if v == 2 else "loop"
+    split = draw(st.booleans())
+    kinds = ["B", "F", "W"] if split else ["B", "F"]
+    prefer = tuple(draw(st.permutations(kinds)))
+    infl = draw(st.one_of(st.none(), st.lists(st.integers(1, 2 * p + 2), min_size=p, max_size=p)))
+    stage_infl = draw(st.one_of(st.none(), st.lists(st.integers(1, 2 * p + 2), min_size=p * v, max_size=p * v)))
+    lag = draw(st.one_of(st.none(), st.lists(st.integers(0, 3), min_size=p, max_size=p)))
+    mode = draw(st.sampled_from(["idle", "fit"]))
+    limit = draw(st.one_of(st.none(), st.floats(1, 3 * p)))
+    costs = {
+        "F": draw(st.floats(0.1, 2)),
+        "B": draw(st.floats(0.1, 2)),
+        "W": draw(st.floats(0.1, 2)),
+        "comm": draw(st.sampled_from([0.0, 0.05, 0.7])),
+    }
+    spec = synth.Spec(
+        p=p,
+        m=m,
+        v=v,
+        placement=place,
+        split=split,
+        cost_docs=(normalize(costs),),
+        limit=None if limit is None else (limit,) * p,
+    )
+    pol = Policy(
+        prefer,
+        None if infl is None else tuple(infl),
+        None if stage_infl is None else tuple(stage_infl),
+        mode,
+        None if lag is None else tuple(lag),
+    )
+    return spec, pol
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(policies())
+def test_derived_orders_are_valid_and_timed_like_the_simulator(case):
+    spec, pol = case
+    try:
+        d = derive(synth.spec_machine(spec), pol)
+    except PolicyStuck:
+        return  # a policy may be unable to finish (a limit too tight); the language reports it as E213
+    sim, fig = synth.evaluate_orders(spec, d.orders)  # every check: ownership, once, order, memory, deadlock
+    assert fig.makespan == pytest.approx(d.makespan, abs=1e-9)
+    assert fig.cost == pytest.approx(d.cost, abs=1e-9)
+    assert max(fig.peak) == pytest.approx(max(d.peak), abs=1e-9)
+    if spec.limit is not None:
+        assert max(fig.peak) <= spec.limit[0] + 1e-9
+
+
+def test_policy_stuck_when_one_activation_does_not_fit():
+    spec = synth.Spec(p=2, m=2, limit=(0.5, 0.5))
+    with pytest.raises(PolicyStuck):
+        derive(synth.spec_machine(spec), Policy())
+
+
+# ---- the policy examples -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 3), (4, 8), (5, 20), (8, 24)])
+def test_zb_h1_policy_matches_zb_h1(p, m):
+    src = Source("zb-h1-policy.pipe", (ROOT / "examples" / "zb-h1-policy.pipe").read_text())
+    ours = simulate_schedule(build(src, {"p": p, "m": m})).stats
+    theirs = simulate_schedule(load("zb-h1", p=p, m=m)).stats
+    assert ours.bubble_rate == pytest.approx(theirs.bubble_rate) and ours.peak_memory <= p
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 3), (4, 8), (8, 24)])
+def test_zb_2p_policy_has_no_bubble(p, m):
+    src = Source("zb-2p-policy.pipe", (ROOT / "examples" / "zb-2p-policy.pipe").read_text())
+    st_ = simulate_schedule(build(src, {"p": p, "m": m})).stats
+    assert st_.bubble_rate == 0 and st_.peak_memory <= 2 * p
+
+
+@pytest.mark.parametrize("name", ["1f1b-policy", "zb-h1-policy", "zb-2p-policy"])
+def test_policy_examples_pass_check_with_their_expectations(name):
+    rc, out, err = cli("check", f"examples/{name}.pipe", "-D", "p=6", "-D", "m=18")
+    assert rc == 0, err
+
+
+# ---- the language ------------------------------------------------------------------------------------------
+
+
+def test_order_block_with_stage_limits_lag_and_fill():
+    text = """schedule "t" (p: int = 4, m: int = 8) {
+    stages 2 * p
+    place s -> if s < p then s else 2 * p - 1 - s
+    ops F, B, W
+    order r {
+        prefer B, F, W
+        inflight(s) <= p - r
+        lag W = r
+        fill W
+    }
+}"""
+    s = text_build(text)
+    assert s.num_ops == 2 * 4 * 8 * 3
+    compile_schedule(s)
+
+
+@pytest.mark.parametrize(
+    ("items", "decls", "code", "fragment"),
+    [
+        ("        prefer B, F", "", "E113", "each op kind"),
+        ("        prefer B, F, X", "", "E113", "not an op kind"),
+        ("        fill F", "", "E113", "applies to W"),
+        ("        prefer B, F, W\n        prefer F, B, W", "", "E106", "given twice"),
+        ("        inflight <= 1.0 * p > 2", "", "E103", "inflight"),
+        ("        inflight <= 0", "", "E213", "at least 1"),
+        ("        inflight <= p", "    memory limit = 0.5\n", "E213", "cannot finish"),
+    ],
+)
+def test_order_block_errors(items, decls, code, fragment):
+    with pytest.raises(PipecError) as info:
+        text_build(policy_file(items, decls))
+    assert info.value.code == code and fragment in str(info.value)
+
+
+def test_rank_and_order_blocks_together_is_E106():
+    text = policy_file("        prefer B, F, W").replace("    order r", "    rank r { F(0) }\n    order r")
+    with pytest.raises(PipecError) as info:
+        text_build(text)
+    assert info.value.code == "E106" and "not both" in str(info.value)
+
+
+def test_order_block_only_at_top_level_is_E109():
+    text = 'schedule "t" (p: int = 2, m: int = 2) { stages p  rank r { order q { prefer B, F } } }'
+    with pytest.raises(PipecError) as info:
+        text_build(text)
+    assert info.value.code == "E109"
+
+
+def test_policy_names_remain_usable_as_names():
+    text = """schedule "t" (p: int = 2, m: int = 2) {
+    stages p
+    let lag = 1
+    let prefer = 2
+    rank r { for i in 0 .. m { F(i) }  for i in 0 .. m { B(i) } }
+}"""
+    assert text_build(text).num_ops == 8
+
+
+# ---- search ------------------------------------------------------------------------------------------------
+
+
+def test_heuristic_meets_the_equal_cost_targets_at_small_size():
+    p, m = 4, 12
+    one = synth.synthesize(synth.Spec(p=p, m=m, limit=(p,) * p), use_solver=False)
+    zb_h1 = simulate_schedule(load("zb-h1", p=p, m=m)).stats
+    assert one.figures.bubble <= zb_h1.bubble_rate + 1e-12 and max(one.figures.peak) <= p
+    two = synth.synthesize(synth.Spec(p=p, m=m, limit=(2 * p,) * p), use_solver=False)
+    assert two.figures.bubble <= 0.01 and max(two.figures.peak) <= 2 * p
+
+
+def test_search_never_loses_to_a_library_schedule_that_fits():
+    spec = synth.Spec(p=4, m=8, cost_docs=(UNEVEN,), limit=(7.0,) * 4)  # ZB-H2's peak
+    res = synth.synthesize(spec, use_solver=False)
+    zb_h2 = simulate_schedule(load("zb-h2", p=4, m=8), [UNEVEN]).stats
+    assert res.figures.makespan <= zb_h2.makespan + 1e-9
+
+
+@pytest.mark.skipif(not HAS_SOLVER, reason="OR-Tools not installed (pip install pipec[synth])")
+def test_solver_beats_zb_h2_at_its_memory_and_proves_the_makespan():
+    spec = synth.Spec(p=4, m=8, cost_docs=(UNEVEN,), limit=(7.0,) * 4)
+    lines: list[str] = []
+    res = synth.synthesize(spec, time_limit=20, use_solver=True, progress=lines.append)
+    zb_h2 = simulate_schedule(load("zb-h2", p=4, m=8), [UNEVEN]).stats
+    assert res.solver_status == "optimal"
+    assert res.figures.makespan == pytest.approx(zb_h2.makespan)  # 27.15: (p-1)(T_F+comm) + m(T_F+T_B+T_W)
+    assert res.bound == pytest.approx(res.figures.makespan)
+    assert res.figures.bubble < zb_h2.bubble_rate - 0.01
+    assert any(x.startswith("solver:") for x in lines) and any(x.startswith("heuristic:") for x in lines)
+
+
+def test_without_the_solver_the_heuristic_stands(monkeypatch):
+    monkeypatch.setattr(synth, "solver_available", lambda: "OR-Tools is not installed (test)")
+    res = synth.synthesize(synth.Spec(p=2, m=3, limit=(2.0, 2.0)), time_limit=5)
+    assert res.solver_status == "unavailable" and "not installed" in res.solver_note
+    assert res.orders == res.heuristic.derived.orders or res.figures.key <= res.heuristic_figures.key
+
+
+# ---- the written file --------------------------------------------------------------------------------------
+
+
+def test_written_file_checks_keeps_its_promises_and_has_the_same_orders(tmp_path):
+    spec = synth.Spec(p=4, m=8, cost_docs=(UNEVEN,), limit=(4.0,) * 4)
+    res = synth.synthesize(spec, use_solver=False)
+    text = synth.write_pipe(res, "synth-t", "pipec synth ...", "a table")
+    assert text.startswith("# synth-t: synthesized by `pipec synth` for p=4, m=8.")
+    assert "expect makespan <=" in text and "cost B = 1.2" in text and "memory limit = 4" in text
+    path = tmp_path / "synth-t.pipe"
+    path.write_text(text)
+    rc, out, err = cli("check", str(path))
+    assert rc == 0, err
+    s = build(Source(str(path), text))
+    assert orders_from_schedule(s) == res.orders
+    again = simulate_schedule(s).stats  # under the file's own declarations: the same figures
+    assert again.makespan == pytest.approx(res.figures.makespan)
+    assert "for i in" in text  # repeated patterns became loops
+
+
+def test_loops_compress_the_1f1b_order():
+    s = load("1f1b", p=4, m=16)
+    orders = orders_from_schedule(s)
+    assert synth._rank_lines(orders[0], multi=False) == [
+        "for i in 0 .. 3 { F(i) }",
+        "for i in 3 .. 16 { F(i)  B(i - 3) }",
+        "for i in 13 .. 16 { B(i) }",
+    ]
+    assert synth._rank_lines(orders[1], multi=False)[0] == "F(0)  F(1)"
+    assert synth._rank_lines(orders[3], multi=False) == ["for i in 0 .. 16 { F(i)  B(i) }"]
+
+
+def test_written_v_schedule_names_stages(tmp_path):
+    spec = synth.Spec(p=2, m=4, v=2, placement="v", limit=(2.0, 2.0))
+    res = synth.synthesize(spec, use_solver=False)
+    text = synth.write_pipe(res, "v")
+    assert "stage:" in text
+    s = build(Source("v.pipe", text))
+    assert s.placement == (0, 1, 1, 0) and orders_from_schedule(s) == res.orders
+
+
+# ---- the command line --------------------------------------------------------------------------------------
+
+
+def test_cli_synth_writes_a_file_and_a_table(tmp_path):
+    out_path = tmp_path / "found.pipe"
+    rc, out, err = cli("synth", "-p", "4", "-m", "8", "--memory-limit-of", "1f1b", "--no-solver", "-o", str(out_path))
+    assert rc == 0, err
+    assert out.startswith(f"wrote {out_path}: makespan 27, bubble 11.11%, peak memory 4")
+    assert "zb-h1" in out and "fits limit" in out
+    assert "heuristic:" in err
+    assert 'schedule "found"' in out_path.read_text()
+    rc, _, err = cli("check", str(out_path))
+    assert rc == 0, err
+
+
+def test_cli_synth_json(tmp_path):
+    rc, out, err = cli("synth", "-p", "2", "-m", "4", "--memory-limit", "2", "--no-solver", "--json", "-q")
+    assert rc == 0 and err == ""
+    doc = json.loads(out)
+    assert doc["p"] == 2 and doc["memory_limit"] == [2.0, 2.0] and doc["solver"]["status"] == "skipped"
+    assert {r["schedule"] for r in doc["library"]} >= {"1f1b", "zb-h1"}
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["synth", "-p", "0", "-m", "4"],
+        ["synth", "-p", "2", "-m", "4", "--dc", "east"],
+        ["synth", "-p", "2", "-m", "4", "--dc", "east=0..3"],
+        ["synth", "-p", "2", "-m", "4", "-v", "3", "--place", "v"],
+        ["synth", "-p", "2", "-m", "4", "--memory-limit", "2", "--memory-limit-of", "1f1b"],
+    ],
+)
+def test_cli_synth_misuse_exits_2(argv):
+    rc, _, err = cli(*argv)
+    assert rc == 2 and "error" in err
+
+
+def test_cli_synth_with_datacenters_and_cross_links(tmp_path):
+    out_path = tmp_path / "dc.pipe"
+    rc, out, err = cli(
+        "synth",
+        "-p",
+        "4",
+        "-m",
+        "8",
+        "--dc",
+        "east=0..2",
+        "--dc",
+        "west=2..4",
+        "--cost",
+        "latency.cross=0.5",
+        "--memory-limit",
+        "6",
+        "--no-solver",
+        "-q",
+        "-o",
+        str(out_path),
+    )
+    assert rc == 0, err
+    text = out_path.read_text()
+    assert 'dc "east" ranks 0 .. 2' in text
+    s = build(Source(str(out_path), text))
+    assert s.topology is not None and len(s.topology.datacenters) == 2
+
+
+# ---- it trains ---------------------------------------------------------------------------------------------
+
+
+def test_synthesized_schedule_trains_like_the_reference(tmp_path):
+    torch = pytest.importorskip("torch")
+    from pipec.runtime import LocalPipeline, Reference, load_model
+    from pipec.runtime.reference import compare, rel_err
+
+    res = synth.synthesize(synth.Spec(p=4, m=8, cost_docs=(UNEVEN,), limit=(4.0,) * 4), use_solver=False)
+    sched = build(Source("s.pipe", synth.write_pipe(res, "s")))
+    prog = compile_schedule(sched).program
+    mp = pytest.MonkeyPatch()
+    for k, v in {"MLP_WIDTH": "16", "MLP_DEPTH": "4", "MLP_BATCH": "16", "MLP_DTYPE": "float64"}.items():
+        mp.setenv(k, v)
+    model = load_model(str(ROOT / "examples" / "mlp.py"))
+    mp.undo()
+    torch.set_num_threads(1)
+    kw = dict(optimizer=model.optimizer, dtype=model.dtype)
+    pipe = LocalPipeline(prog, model.build_stage, model.loss_fn, **kw)
+    ref = Reference(model.build_stage, model.loss_fn, prog.num_stages, prog.num_microbatches, **kw)
+    x, y = model.batch(0)
+    out = pipe.step(x, y)
+    assert rel_err(out.loss, ref.step(x, y)) <= 1e-10
+    grads = compare(pipe.named_gradients(), ref.named_gradients())
+    assert grads and max(grads.values()) <= 1e-10
+    assert np.isfinite(list(grads.values())).all()
