@@ -23,7 +23,7 @@ KEYWORDS = frozenset(
     " expect when".split()
 )
 BUILTINS = ("min", "max", "abs", "done")
-COST_KEYS = ("F", "B", "W", "comm")
+COST_KEYS = ("F", "B", "W", "comm", "act_bytes", "grad_bytes")
 MEMORY_KEYS = ("act", "wact", "params", "limit")
 NUMERIC = ("int", "float")
 # Names only an `expect` sees (pipec.expect computes them): numbers, and functions of a rank.

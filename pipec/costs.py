@@ -24,7 +24,9 @@ a list with one per stage:
   across the same boundary, `act_bytes[s - 1]`).
 
 A message from stage s, rank a to rank b arrives `comm[s] + latency(a, b) +
-bytes / bandwidth(a, b)` after it is sent. Links come by the rank pair's
+bytes / bandwidth(a, b)` after it is sent, when nothing else is on its link:
+messages between two datacenters share one link per direction (`link_group`),
+whose bandwidth concurrent messages divide equally. Links come by the rank pair's
 class: `node` (same node: `ranks_per_node` set and `a // n == b // n`), `dc`
 (same datacenter; ranks outside every declared datacenter form one) and
 `cross` (different datacenters). With no topology declared every link is
@@ -84,6 +86,10 @@ class CostModel:
     link_class: np.ndarray  # (ranks, ranks) index into LINK_CLASSES (-1 on the diagonal)
     split_backward: bool
     origin: tuple[str, ...] = field(default=())  # what contributed, for the report
+    # (ranks, ranks): the shared link a message between the pair crosses, -1 for none. Every pair from
+    # datacenter A to datacenter B crosses one link (one per direction: links are full duplex), and
+    # concurrent messages on it share its bandwidth; links inside a datacenter are not shared.
+    link_group: np.ndarray | None = None
 
     @property
     def num_stages(self) -> int:
@@ -124,6 +130,8 @@ class CostModel:
                     "latency_s": lat[0] if len(lat) == 1 else lat,
                     "bandwidth_bps": _json_num(bw[0]) if len(bw) == 1 else [_json_num(b) for b in bw],
                 }
+                if name == "cross" and self.link_group is not None:
+                    links[name]["shared"] = True  # one link per pair of datacenters and direction
         return {
             "F": col(self.F),
             "B": col(self.B),
@@ -328,12 +336,15 @@ def cost_model(sched: Schedule, overrides: Sequence[Mapping] = ()) -> CostModel:
     S, R = sched.num_stages, sched.num_ranks
     vals = {k: np.full(S, R / S) for k in ("F", "B", "W")}
     vals.update({k: np.zeros(S) for k in ("comm", "act_bytes")})
-    grad: np.ndarray | None = None
+    grad: np.ndarray | None = None  # default: the activation size across the same boundary
     origin = ["defaults"]
     if sched.costs:
         origin.append("schedule: " + ", ".join(f"cost {k}" for k in sched.costs))
     for k, per in sched.costs.items():
-        vals[k] = np.asarray(per, dtype=float)
+        if k == "grad_bytes":
+            grad = np.asarray(per, dtype=float)
+        else:
+            vals[k] = np.asarray(per, dtype=float)
     given = set(sched.costs)
     ranks_per_node = None
     for ov in overrides:
@@ -374,7 +385,8 @@ def cost_model(sched: Schedule, overrides: Sequence[Mapping] = ()) -> CostModel:
         grad = np.concatenate([[0.0], vals["act_bytes"][:-1]])
     if not sched.split_backward and "B" in given and "W" not in given:
         vals["W"] = np.zeros(S)  # B was given for a schedule without W: it is the full backward
-    for k in ("F", "B", "W", "comm"):
+    vals["grad_bytes"] = grad
+    for k in ("F", "B", "W", "comm", "act_bytes", "grad_bytes"):
         if not (np.isfinite(vals[k]).all() and (vals[k] >= 0).all()):
             raise error("E601", f"cost `{k}` must be a finite number >= 0 for every stage")
     np.fill_diagonal(latency, 0.0)
@@ -391,6 +403,7 @@ def cost_model(sched: Schedule, overrides: Sequence[Mapping] = ()) -> CostModel:
         link_class=cls,
         split_backward=sched.split_backward,
         origin=tuple(origin),
+        link_group=_link_groups(dc, cls),
     )
 
 
@@ -400,6 +413,16 @@ def _datacenter_of(sched: Schedule, R: int) -> np.ndarray:
         for i, d in enumerate(sched.topology.datacenters):
             dc[d.lo : d.hi] = i
     return dc
+
+
+def _link_groups(dc: np.ndarray, cls: np.ndarray) -> np.ndarray | None:
+    """Per rank pair, the shared cross-datacenter link it uses (one per ordered pair of datacenters), or -1."""
+    cross = cls == LINK_CLASSES.index("cross")
+    if not cross.any():
+        return None
+    ids = np.unique(dc, return_inverse=True)[1]
+    n = int(ids.max()) + 1
+    return np.where(cross, ids[:, None] * n + ids[None, :], -1)
 
 
 def _link_classes(dc: np.ndarray, ranks_per_node: int | None) -> np.ndarray:

@@ -25,6 +25,7 @@ rank that waits for a message sleeps until the message's sender reaches it.
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from dataclasses import dataclass
 
@@ -36,8 +37,11 @@ from pipec.program import BWD, FWD, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, WG
 from pipec.timeline import Timeline
 
 
-def simulate(prog: Program, costs: CostModel) -> Timeline:
-    """Run the Program on the modelled machine; raises E403 if it cannot finish (a malformed Program)."""
+def simulate(prog: Program, costs: CostModel, *, _events: bool = False) -> Timeline:
+    """Run the Program on the modelled machine; raises E403 if it cannot finish (a malformed Program).
+
+    `_events` forces the event-driven pass even without contention (for tests: both passes agree).
+    """
     S, m, R = prog.num_stages, prog.num_microbatches, prog.num_ranks
     if costs.num_stages != S or costs.latency.shape != (R, R):
         raise ValueError(f"cost model for {costs.num_stages} stages does not fit a program of {S} stages, {R} ranks")
@@ -106,7 +110,7 @@ def simulate(prog: Program, costs: CostModel) -> Timeline:
 
     ends = np.searchsorted(c_rank, np.arange(R), "right").tolist()
     starts_of_rank = np.searchsorted(c_rank, np.arange(R), "left").tolist()
-    start_t, end_t, send_t, arrival = _run(
+    args = (
         R,
         n,
         M,
@@ -121,6 +125,11 @@ def simulate(prog: Program, costs: CostModel) -> Timeline:
         txd.tolist(),
         lat.tolist(),
     )
+    group = _contended(costs, s_src, s_dst, chan, txd) if M else None
+    if group is None and not _events:
+        start_t, end_t, send_t, arrival = _run(*args)
+    else:
+        start_t, end_t, send_t, arrival = _run_events(*args, chan.tolist(), group or [-1] * M)
 
     # When each receive was posted: the end of the compute just before it on its rank (else 0).
     post = np.full(M, np.nan)
@@ -222,6 +231,160 @@ def _run(R, n, M, first, ends, need, cost, mlo, mhi, pre, prev, txd, lat):
                         queue.append(w)
             j += 1
         pc[r], clocks[r] = j, clock
+    stuck = [r for r in range(R) if pc[r] < ends[r]]
+    if stuck:
+        raise error(
+            "E403",
+            "the program cannot finish: ranks " + ", ".join(map(str, stuck)) + " wait for messages never sent",
+        )
+    return start, end, send_t, arrival
+
+
+def _contended(costs: CostModel, src: np.ndarray, dst: np.ndarray, chan: np.ndarray, txd: np.ndarray):
+    """Per message, the shared link it crosses (-1: none), when some shared link carries messages of two
+    channels (pairs of ranks) that take time on the wire; else None, and the per-pair pass is exact (one
+    channel's messages leave one after the other, so they never overlap on its link)."""
+    if costs.link_group is None:
+        return None
+    group = costs.link_group[src, dst]
+    busy = (group >= 0) & (txd > 0)
+    if not busy.any():
+        return None
+    pairs = np.unique(np.stack([group[busy], chan[busy]]), axis=1)
+    if len(np.unique(pairs[0])) == pairs.shape[1]:
+        return None  # every shared link carries one channel at most
+    return np.where(txd > 0, group, -1).tolist()
+
+
+def _run_events(R, n, M, first, ends, need, cost, mlo, mhi, pre, prev, txd, lat, chan, group):
+    """The event-driven pass, in time order, for messages that share links.
+
+    Each shared link is a processor-sharing server: the messages on it at one time each get an equal
+    share of its bandwidth (`txd` is a message's time on the wire alone), so two messages that start
+    together both take twice as long as one. Virtual time `V` grows at rate 1 / (messages on the link);
+    a message that enters at `V` leaves when `V` reaches `V + txd`, so messages leave in the order of
+    those tags. Within one channel (pair of ranks, one direction) messages still enter the wire one after
+    the other, in issue order, and never overtake each other. Messages on links that are not shared
+    take the per-pair pass's times; compute ops start when their rank is free and their input arrived.
+    """
+    start = [0.0] * n
+    end = [0.0] * n
+    send_t = [0.0] * M
+    tx_end = [0.0] * M
+    arrival = [-1.0] * M
+    waiting: dict[int, int] = {}
+    G = max(group, default=-1) + 1
+    link_v = [0.0] * G  # virtual time
+    link_t = [0.0] * G  # when link_v was last brought up to date
+    link_tags: list[list[tuple[float, int]]] = [[] for _ in range(G)]  # heap of (tag, message)
+    link_ver = [0] * G
+    chan_busy: dict[int, bool] = {}
+    chan_queue: dict[int, deque] = {}
+    events: list = []  # (time, seq, kind, who, version): kind 0 = op end on rank `who`, 1 = link `who`
+    seq = 0
+    pc = list(first)
+    clock = [0.0] * R
+
+    def push(t: float, kind: int, who: int, ver: int = 0) -> None:
+        nonlocal seq
+        heapq.heappush(events, (t, seq, kind, who, ver))
+        seq += 1
+
+    def advance(g: int, t: float) -> None:
+        k = len(link_tags[g])
+        if k:
+            link_v[g] += (t - link_t[g]) / k
+        link_t[g] = t
+
+    def reschedule(g: int) -> None:
+        link_ver[g] += 1
+        if link_tags[g]:
+            tag = link_tags[g][0][0]
+            push(link_t[g] + max(tag - link_v[g], 0.0) * len(link_tags[g]), 1, g, link_ver[g])
+
+    def try_start(r: int) -> None:
+        j = pc[r]
+        if j >= ends[r]:
+            return
+        t = clock[r]
+        k = need[j]
+        if k >= 0:
+            a = arrival[k]
+            if a < 0.0:
+                waiting[k] = r
+                return
+            if a > t:
+                t = a
+        start[j] = t
+        end[j] = t + cost[j]
+        push(end[j], 0, r)
+
+    def delivered(x: int) -> None:
+        w = waiting.pop(x, None)
+        if w is not None:
+            try_start(w)
+
+    def leave_wire(x: int, t: float) -> None:
+        tx_end[x] = t
+        a = t + lat[x]
+        p = prev[x]
+        if p >= 0 and arrival[p] > a:
+            a = arrival[p]
+        arrival[x] = a
+        delivered(x)
+
+    def enter(x: int, t: float) -> None:
+        g = group[x]
+        chan_busy[chan[x]] = True
+        advance(g, t)
+        heapq.heappush(link_tags[g], (link_v[g] + txd[x], x))
+        reschedule(g)
+
+    def send(x: int, t: float) -> None:
+        send_t[x] = t
+        c = chan[x]
+        if chan_busy.get(c):  # the channel's previous message is still on a shared link: queue behind it
+            chan_queue.setdefault(c, deque()).append(x)
+        elif group[x] >= 0:
+            enter(x, t)
+        else:
+            p = prev[x]
+            leave_wire(x, (tx_end[p] if p >= 0 and tx_end[p] > t else t) + txd[x])
+
+    for x in pre:
+        send(x, 0.0)
+    for r in range(R):
+        try_start(r)
+    while events:
+        t, _, kind, who, ver = heapq.heappop(events)
+        if kind == 0:
+            r = who
+            j = pc[r]
+            clock[r] = t
+            for x in range(mlo[j], mhi[j]):
+                send(x, t)
+            pc[r] = j + 1
+            try_start(r)
+        elif ver == link_ver[who]:
+            g = who
+            advance(g, t)
+            tags = link_tags[g]
+            eps = 1e-12 * max(1.0, abs(link_v[g]))
+            done = []
+            while tags and tags[0][0] <= link_v[g] + eps:
+                done.append(heapq.heappop(tags)[1])
+            for x in done:
+                leave_wire(x, t)
+                c = chan[x]
+                chan_busy[c] = False
+                q = chan_queue.get(c)
+                while q and not chan_busy[c]:
+                    y = q.popleft()
+                    if group[y] >= 0:
+                        enter(y, t)
+                    else:  # no bytes: it leaves right behind the message before it
+                        leave_wire(y, t + txd[y])
+            reschedule(g)
     stuck = [r for r in range(R) if pc[r] < ends[r]]
     if stuck:
         raise error(
