@@ -93,6 +93,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks", type=str, default=None, help="only these ranks, e.g. 0,3")
     p.add_argument("--timeline", action="store_true", help="simulate and draw a text Gantt chart instead of the grid")
     _cost_args(p)
+    _topology_arg(p)
     p.add_argument("--width", type=int, default=None, help="columns for --timeline (default: the terminal's)")
     p.set_defaults(func=cmd_show)
 
@@ -113,6 +114,7 @@ def _parser() -> argparse.ArgumentParser:
         help="set a schedule parameter (repeatable); with several schedules, each takes those it declares",
     )
     _cost_args(p)
+    _topology_arg(p)
     _memory_args(p)
     p.add_argument("--json", action="store_true", help="print every figure as JSON")
     p.add_argument("--trace", metavar="OUT.json", help="write a Chrome/Perfetto trace (one schedule)")
@@ -260,6 +262,25 @@ def _cost_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _topology_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--topology",
+        metavar="FILE|TEXT",
+        help="run on this network instead of the schedule's own: a file with a `topology { ... }` block, a .pipe "
+        'file whose topology to take, or the items, e.g. \'dc "a" ranks 0 .. 4  dc "b" ranks 4 .. 8\' '
+        "(docs/cross-dc.md)",
+    )
+
+
+def _on_network(args: argparse.Namespace, s: Schedule) -> Schedule:
+    """The schedule on the network `--topology` names, if any."""
+    if not getattr(args, "topology", None):
+        return s
+    from pipec.topology import read_topology, with_topology
+
+    return with_topology(s, read_topology(args.topology, s))
+
+
 def _show_timeline(args: argparse.Namespace, s: Schedule, ranks: list[int] | None) -> int:
     import shutil
 
@@ -267,7 +288,7 @@ def _show_timeline(args: argparse.Namespace, s: Schedule, ranks: list[int] | Non
     from pipec.costs import cost_spec
     from pipec.render import text_gantt
 
-    sim = report.run(s, [cost_spec(t) for t in args.cost])
+    sim = report.run(_on_network(args, s), [cost_spec(t) for t in args.cost])
     width = args.width or shutil.get_terminal_size((120, 24)).columns
     print(report.panel_title(sim))
     print(text_gantt(sim.timeline, width, ranks))
@@ -303,7 +324,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             known = set(param_names(source))
             defines = [(k, v) for k, v in args.defines if k in known]
             used |= known
-        sims.append(report.run(build(source, defines), docs, memory))
+        sims.append(report.run(_on_network(args, build(source, defines)), docs, memory))
     unused = [k for k, _ in args.defines if len(args.schedule) > 1 and k not in used]
     if unused:
         print(f"{prog}: error: no schedule here takes parameter `{unused[0]}`", file=sys.stderr)

@@ -354,7 +354,7 @@ def _empty_rank() -> RankOps:
 def _topology(decl, num_ranks: int) -> Topology | None:
     if decl is None:
         return None
-    items, _ = decl
+    items, decl_sid = decl
     dcs, links, names = [], [], set()
     for item in items:
         if item[0] == "dc":
@@ -373,7 +373,26 @@ def _topology(decl, num_ranks: int) -> Topology | None:
             for n in (a, b):
                 if n is not None and n not in names:
                     raise _Fail("E112", f'link names unknown datacenter "{n}"', sid)
+            if bw is not None and not bw > 0:
+                raise _Fail("E112", "a link's bandwidth must be positive", sid)
             links.append(Link(a, b, lat, bw))
+    # Once one datacenter is declared, every rank belongs to exactly one (so no link is a guess).
+    at, gaps = 0, []
+    for d in sorted(dcs, key=lambda d: d.lo):
+        if d.lo > at:
+            gaps.append((at, d.lo))
+        at = max(at, d.hi)
+    if dcs and at < num_ranks:
+        gaps.append((at, num_ranks))
+    if gaps:
+        lo, hi = gaps[0]
+        what = f"rank {lo} is" if hi == lo + 1 else f"ranks {lo}..{hi} are"
+        raise _Fail(
+            "E112",
+            f"{what} in no datacenter",
+            decl_sid,
+            (f"once a datacenter is declared, each of the {num_ranks} ranks must be in one",),
+        )
     return Topology(tuple(dcs), tuple(links))
 
 
