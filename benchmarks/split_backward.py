@@ -15,8 +15,9 @@ import statistics
 import time
 
 import torch
-from pipec.runtime.stage import Stage
 from torch import nn
+
+from pipec.runtime.stage import Stage
 
 
 def block_stack(width: int, blocks: int) -> nn.Module:

@@ -18,6 +18,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
 from pipec.runtime.errors import CommError
 from pipec.runtime.shapes import Specs
 

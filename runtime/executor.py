@@ -16,10 +16,6 @@ from collections.abc import Callable, Generator
 from typing import Any
 
 import torch
-from pipec.runtime.comm import ACT, GRAD, Key, Recv, key_str
-from pipec.runtime.errors import PipelineError, ShapeError
-from pipec.runtime.shapes import Specs, TensorSpec, fmt
-from pipec.runtime.stage import Stage
 
 from pipec.program import (
     BWD,
@@ -35,6 +31,10 @@ from pipec.program import (
     Instr,
     Program,
 )
+from pipec.runtime.comm import ACT, GRAD, Key, Recv, key_str
+from pipec.runtime.errors import PipelineError, ShapeError
+from pipec.runtime.shapes import Specs, TensorSpec, fmt
+from pipec.runtime.stage import Stage
 
 
 class Executor:

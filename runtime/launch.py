@@ -96,6 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
     import torch
+
     from pipec.runtime.errors import PipelineError
     from pipec.runtime.model import load_model
 
@@ -120,6 +121,7 @@ class Worker:
 
     def run(self) -> int:
         import torch.distributed as dist
+
         from pipec.runtime.errors import CommError, PipelineError
 
         try:
@@ -251,7 +253,6 @@ class Worker:
             self.store.set(f"pipec/trace/{self.rank}", json.dumps(runner.events()))
             if self.rank == 0:
                 from pipec.runtime.measure import timeline
-
                 from pipec.trace import write_trace
 
                 events = [json.loads(self.store.get(f"pipec/trace/{r}").decode()) for r in range(self.world)]

@@ -14,12 +14,12 @@ from collections.abc import Callable, Generator
 from typing import Any
 
 import torch
+
+from pipec.program import Program
 from pipec.runtime.comm import Key, Recv, key_str
 from pipec.runtime.errors import PipelineError
 from pipec.runtime.runner import Runner, StepResult
 from pipec.runtime.shapes import KV, Specs
-
-from pipec.program import Program
 
 
 class LocalHub:

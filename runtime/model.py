@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from pipec.runtime.errors import ModelError
 
 REQUIRED = {

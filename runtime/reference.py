@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
 from pipec.runtime.microbatch import as_args, split, to_device
 from pipec.runtime.model import build_stage_module, default_optimizer
 

@@ -99,6 +99,7 @@ def failure_summary(failures: dict) -> str:
 def run_local(args: argparse.Namespace, program: Program, model) -> int:
     """Every rank in this process (pipec.runtime.local): for debugging, or the CUDA path on one GPU."""
     import torch
+
     from pipec.runtime.launch import default_tol
     from pipec.runtime.local import LocalPipeline
     from pipec.runtime.measure import timeline

@@ -18,6 +18,8 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+
+from pipec.program import Program
 from pipec.runtime.comm import DistComm
 from pipec.runtime.errors import CommError, PipelineError, ShapeError, wrong_world_size
 from pipec.runtime.executor import Executor
@@ -25,8 +27,6 @@ from pipec.runtime.microbatch import as_args, split, to_device
 from pipec.runtime.model import build_stage_module, default_optimizer
 from pipec.runtime.shapes import KV, Specs, TensorSpec, fmt, handshake
 from pipec.runtime.stage import Stage
-
-from pipec.program import Program
 
 _IDS = itertools.count()
 

@@ -18,9 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.func import functional_call
+
 from pipec.runtime.errors import ShapeError
 from pipec.runtime.model import to_dtype
-from torch.func import functional_call
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
 from pipec.runtime import split
 from pipec.runtime.shapes import outputs_of
 

@@ -23,11 +23,10 @@ def main(argv: list[str] | None = None) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    from pipec.runtime import Reference, Runner, load_model
-    from pipec.runtime.reference import compare, rel_err
-
     from pipec.api import load
     from pipec.compiler import compile_schedule
+    from pipec.runtime import Reference, Runner, load_model
+    from pipec.runtime.reference import compare, rel_err
 
     model = load_model(str(ROOT / "examples" / "mlp.py"))
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))

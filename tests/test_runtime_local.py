@@ -9,12 +9,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from pipec.runtime import LocalPipeline, Reference, load_model  # noqa: E402
-from pipec.runtime.reference import compare, rel_err  # noqa: E402
-
 from pipec import library  # noqa: E402
 from pipec.api import load  # noqa: E402
 from pipec.compiler import compile_schedule  # noqa: E402
+from pipec.runtime import LocalPipeline, Reference, load_model  # noqa: E402
+from pipec.runtime.reference import compare, rel_err  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-10

@@ -11,16 +11,16 @@ from pathlib import Path
 import pytest
 
 torch = pytest.importorskip("torch")
-from pipec.runtime import LocalPipeline, PipelineError, Reference, Runner, load_model  # noqa: E402
-from pipec.runtime.errors import ModelError, ShapeError  # noqa: E402
-from pipec.runtime.microbatch import split  # noqa: E402
-from pipec.runtime.reference import compare, rel_err  # noqa: E402
-from pipec.runtime.stage import Stage  # noqa: E402
 from torch import nn  # noqa: E402
 
 from pipec.api import load  # noqa: E402
 from pipec.compiler import compile_schedule  # noqa: E402
 from pipec.program import Program, RankProgram  # noqa: E402
+from pipec.runtime import LocalPipeline, PipelineError, Reference, Runner, load_model  # noqa: E402
+from pipec.runtime.errors import ModelError, ShapeError  # noqa: E402
+from pipec.runtime.microbatch import split  # noqa: E402
+from pipec.runtime.reference import compare, rel_err  # noqa: E402
+from pipec.runtime.stage import Stage  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
