@@ -16,6 +16,12 @@ run one after the other on the compute stream; what overlap buys inside a
 pair (hiding its own communication) is not modelled. REDUCE_GRAD and STEP
 take no time.
 
+Messages between two datacenters share one link per direction (the cost
+model's `link_group`): those on it at one time divide its bandwidth equally.
+When every shared link carries one pair of ranks at most, that changes
+nothing (a pair's messages leave the wire one after the other) and the pass
+below runs; otherwise `_run_events` runs every event in time order.
+
 Deterministic: message times depend only on the sender's own clock, so the
 order in which ranks are advanced does not matter. Fast: numpy precomputes,
 per compute op, its duration, the message it waits for and the messages
