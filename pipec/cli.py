@@ -152,6 +152,10 @@ def _parser() -> argparse.ArgumentParser:
     _synth_args(p)
     p.set_defaults(func=cmd_synth)
 
+    p = sub.add_parser("test", help="property-test schedules over their parameter space", description=_doc(cmd_test))
+    _test_args(p)
+    p.set_defaults(func=cmd_test)
+
     p = sub.add_parser("list", help="list the library schedules", description=_doc(cmd_list))
     p.set_defaults(func=cmd_list)
     return ap
@@ -543,6 +547,142 @@ def cmd_synth(args: argparse.Namespace) -> int:
         )
         print(table)
     return 0
+
+
+def _test_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("paths", metavar="PATH", nargs="+", help=".pipe files, directories to search, or library names")
+    p.add_argument("--examples", type=int, default=100, metavar="N", help="parameter sets per file (default 100)")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (default 0): runs are reproducible")
+    p.add_argument(
+        "--range",
+        dest="ranges",
+        metavar="NAME=LO..HI",
+        action="append",
+        default=[],
+        help="values of a parameter to try: LO..HI (half-open, as in `for`) or a list A,B,C (repeatable)",
+    )
+    p.add_argument(
+        "-D",
+        dest="defines",
+        metavar="NAME=VALUE",
+        type=_define,
+        action="append",
+        default=[],
+        help="fix a parameter to one value (repeatable)",
+    )
+    p.add_argument("--runtime", action="store_true", help="also run small cases on the runtime (--local, needs torch)")
+
+
+def _test_ranges(specs: list[str]) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for spec in specs:
+        name, sep, value = spec.partition("=")
+        lo, dots, hi = value.partition("..")
+        try:
+            if not sep or not name.strip():
+                raise ValueError
+            if dots:
+                out[name.strip()] = list(range(int(lo), int(hi)))
+            else:
+                out[name.strip()] = [_number(x) for x in value.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--range expects NAME=LO..HI or NAME=A,B,C, got `{spec}`") from None
+        if not out[name.strip()]:
+            raise argparse.ArgumentTypeError(f"--range `{spec}` has no values")
+    return out
+
+
+def _number(text: str) -> int | float | bool:
+    text = text.strip()
+    if text in ("true", "false"):
+        return text == "true"
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
+
+
+def cmd_test(args: argparse.Namespace) -> int:
+    """Property-test schedules: every .pipe file under the paths (or library names) over its parameter
+    space (p 1..6, m 1..12, v 1..3 and so on, within the schedule's `require`s; --range changes it). Each
+    sampled parameter set must pass `pipec check`, pipec.testing's independent checks and the schedule's own
+    `expect`s; a failure is shrunk to the smallest failing parameter set and printed with a `pipec check`
+    command that reproduces it. Exit status 1 when any file fails. See docs/testing.md."""
+    import time
+
+    try:
+        from pipec.testing import check_file, find_schedule_files
+    except ImportError as e:
+        print(f"pipec test: error: {e}", file=sys.stderr)
+        return MISUSE
+    try:
+        import hypothesis  # noqa: F401
+    except ImportError:
+        print("pipec test: error: needs hypothesis: pip install 'pipec[test]'", file=sys.stderr)
+        return MISUSE
+    if args.examples < 1:
+        print("pipec test: error: --examples must be at least 1", file=sys.stderr)
+        return MISUSE
+    try:
+        ranges = _test_ranges(args.ranges)
+    except argparse.ArgumentTypeError as e:
+        print(f"pipec test: error: {e}", file=sys.stderr)
+        return MISUSE
+    files = find_schedule_files(args.paths)
+    if not files:
+        print(f"pipec test: error: no .pipe files under {' '.join(args.paths)}", file=sys.stderr)
+        return MISUSE
+    tty = sys.stderr.isatty()
+    failed = 0
+    for n, target in enumerate(files, 1):
+        last = [time.monotonic()]
+
+        def progress(done: int, total: int, target=target, n=n, last=last) -> None:
+            now = time.monotonic()
+            if tty:
+                print(f"\r\033[K[{n}/{len(files)}] {target}: {done}/{total}", end="", file=sys.stderr, flush=True)
+            elif now - last[0] >= 5.0:  # long runs: a line now and then
+                print(f"  ... {target}: {done}/{total} parameter sets", file=sys.stderr, flush=True)
+                last[0] = now
+
+        try:
+            res = check_file(
+                target,
+                args.examples,
+                args.seed,
+                bounds=ranges,
+                fixed=dict(args.defines),
+                runtime=args.runtime,
+                progress=progress,
+            )
+        except ValueError as e:
+            print(f"pipec test: error: {target}: {e}", file=sys.stderr)
+            return MISUSE
+        finally:
+            if tty:
+                print("\r\033[K", end="", file=sys.stderr, flush=True)
+        what = f"{res.examples} of {res.space} parameter sets"
+        if res.runtime_checked:
+            what += f", {res.runtime_checked} on the runtime"
+        if res.ok:
+            print(f"{target}: ok ({what}, {res.seconds:.1f} s)")
+            for note in res.notes:
+                print(f"  note: {note}")
+        else:
+            failed += 1
+            f = res.failure
+            print(f"{target}: FAILED at {f.params_text} ({res.failing} failing, {what}, {res.seconds:.1f} s)")
+            if f.kind == "invariant":
+                print(f"  pipec and the independent checks disagree: {f.message}")
+            elif f.kind == "crash":
+                print("  pipec crashed: " + f.message.replace("\n", "\n  "))
+            for line in f.message.splitlines() if f.kind not in ("invariant", "crash") else ():
+                print(f"  {line}")
+            print(f"  reproduce: {f.command}")
+        sys.stdout.flush()
+    ok = len(files) - failed
+    print(f"{len(files)} file{'s' if len(files) != 1 else ''}: {ok} ok, {failed} failed")
+    return 1 if failed else 0
 
 
 def cmd_list(args: argparse.Namespace) -> int:
