@@ -40,9 +40,9 @@ class PipeFile(pytest.File):
 
 class PipeItem(pytest.Item):
     def runtest(self) -> None:
-        from pipec.testing import check_file
-
         import os
+
+        from pipec.testing import check_file
 
         cfg = self.config
         res = check_file(
