@@ -1,0 +1,367 @@
+"""Fuzzing the front end: whatever the text, the only exception that escapes is PipecError.
+
+Four properties, each run through `parse` and `build` with small parameters:
+random token soup, text generated from the grammar, generated schedules (valid
+syntax, random meaning), and mutations of the library files. Each failure that
+these found is kept in REGRESSIONS.
+
+Examples per property: `PIPEC_FUZZ_EXAMPLES` (default 100, a few seconds in all).
+`python benchmarks/fuzz.py` runs the same properties with 10,000 each.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from importlib import resources
+
+import lark
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.lark import from_lark
+
+from pipec.api import build
+from pipec.errors import PipecError, Source
+from pipec.parse import parse
+
+EXAMPLES = int(os.environ.get("PIPEC_FUZZ_EXAMPLES", "100"))
+
+settings.register_profile(
+    "pipec-fuzz",
+    max_examples=EXAMPLES,
+    deadline=None,  # the first example pays for building the parser
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+)
+FUZZ = settings.get_profile("pipec-fuzz")
+
+SMALL = {"p": 2, "m": 4, "v": 2}
+HUGE = ["0", "-1", "2147483648", "9223372036854775807", "99999999999999999999", "1" + "0" * 400, "1e999", "0.0"]
+
+
+def run(text: str, params=()) -> None:
+    """Parse and build; a PipecError is fine if every diagnostic formats, anything else fails the test."""
+    source = Source("fuzz.pipe", text)
+    try:
+        parse(source)
+        build(source, params)
+    except PipecError as e:
+        assert e.diagnostics
+        lines = max(1, len(text.splitlines()))
+        for d in e.diagnostics:
+            assert re.fullmatch(r"E\d{3}", d.code), d.code
+            out = d.format()
+            assert f"error[{d.code}]: " in out.splitlines()[0]
+            if d.span is not None:
+                assert 1 <= d.span.line <= lines + 1, out
+                assert d.span.col >= 1, out
+
+
+def declared_params(text: str) -> dict[str, object]:
+    """SMALL restricted to the parameters the text declares (none if it does not parse)."""
+    try:
+        tree = parse(Source("fuzz.pipe", text))
+    except PipecError:
+        return {}
+    return {p.name: SMALL[p.name] for p in tree.params if p.name in SMALL}
+
+
+# ---- (a) random text: tokens of the language, and a little noise --------------
+
+KEYWORDS = (
+    "schedule require stages ranks microbatches place ops cost memory topology rank let def for in repeat "
+    "while if elif else then and or not true false dc link default latency bandwidth int float bool str "
+    "min max abs done F B W stage mb act wact params limit comm by expect when order prefer inflight fill lag "
+    "bubble bubble_time in_flight peak_memory"
+).split()
+PUNCT = "( ) { } , : = -> .. & ; + - * // / % == != < <= > >= <->".split()
+NAMES = ["p", "m", "r", "i", "s", "k", "x", "v", "f", "g"]
+ATOMS = ["0", "1", "2", "3", "8", "0.5", "1e3", "40ms", "10Gbps", "5", '"t"', '"east"', '""']
+
+token = st.one_of(
+    st.sampled_from(KEYWORDS),
+    st.sampled_from(PUNCT),
+    st.sampled_from(NAMES),
+    st.sampled_from(ATOMS),
+    st.sampled_from(HUGE),
+    st.sampled_from(["\n", " ", "  ", "# note\n", "\t"]),
+    st.text(alphabet=st.characters(min_codepoint=1, max_codepoint=0x2FF), max_size=2),
+)
+soup = st.lists(token, max_size=80).map(" ".join)
+HEADER = 'schedule "t" (p: int = 2, m: int = 4) {\n'
+
+
+@FUZZ
+@given(st.one_of(soup, soup.map(lambda s: HEADER + s + "\n}\n")))
+def test_token_soup(text):
+    run(text)
+
+
+# Its own Lark object: from_lark needs the grammar, which a cached parser does not keep.
+GRAMMAR = lark.Lark(resources.files("pipec.grammar").joinpath("pipe.lark").read_text(), parser="lalr")
+
+
+@FUZZ
+@given(from_lark(GRAMMAR, alphabet=st.characters(min_codepoint=32, max_codepoint=126)))
+def test_grammar_text(text):
+    run(text)
+
+
+# ---- generated schedules: valid syntax, mostly well-typed, random meaning -----
+
+CMP = ["==", "!=", "<", "<=", ">", ">="]
+small_int = st.one_of(st.integers(0, 9).map(str), st.sampled_from(["-1", "16", "100", "2147483648"]))
+
+
+def int_exprs(names: list[str], calls: bool = True) -> st.SearchStrategy[str]:
+    """Integer expressions over these names (with a little float, bool and op-counter noise)."""
+    noise = ["true", "1ms", "2GiB", "0.5", "(p / 2)", "done(F, 0)"] + (
+        ["done(B, r)", "done(F, r + 1)"] if "r" in names else []
+    )
+    leaf = st.one_of(small_int, st.sampled_from(names * 8 + noise))
+
+    def extend(e):
+        cond = st.tuples(e, st.sampled_from(CMP), e).map(" ".join)
+        return st.one_of(
+            st.tuples(e, st.sampled_from(["+", "-", "*", "//", "%"]), e).map(lambda t: f"({' '.join(t)})"),
+            e.map(lambda a: f"-({a})"),
+            st.tuples(cond, e, e).map(lambda t: f"(if {t[0]} then {t[1]} else {t[2]})"),
+            st.tuples(st.sampled_from(["min", "max"]), st.lists(e, min_size=1, max_size=3)).map(
+                lambda t: f"{t[0]}({', '.join(t[1])})"
+            ),
+            e.map(lambda a: f"abs({a})"),
+            e.map(lambda a: f"f({a})" if calls else a),
+        )
+
+    return st.recursive(leaf, extend, max_leaves=6)
+
+
+def bool_exprs(ints: st.SearchStrategy[str]) -> st.SearchStrategy[str]:
+    cmp = st.tuples(ints, st.sampled_from(CMP), ints).map(" ".join)
+    return st.one_of(
+        cmp,
+        st.tuples(cmp, st.sampled_from(["and", "or"]), cmp).map(" ".join),
+        cmp.map(lambda c: f"not ({c})"),
+        st.sampled_from(["true", "false", "done(F, r) < m"]),
+    )
+
+
+TOP = int_exprs(["p", "m"])
+RANK = int_exprs(["p", "m", "r", "i", "x"])
+RANK_BOOL = bool_exprs(RANK)
+
+
+def _op(kind: str):
+    return st.one_of(
+        RANK.map(lambda a: f"{kind}({a})"),
+        RANK.map(lambda a: f"{kind}(stage: {a})"),
+        st.tuples(RANK, RANK).map(lambda t: f"{kind}({t[0]}, stage: {t[1]})"),
+        RANK.map(lambda a: f"{kind}(mb: {a})"),
+        st.just(f"{kind}(i)"),
+    )
+
+
+op = st.one_of(_op("F"), _op("B"), _op("W"))
+
+
+def _compound(inner):
+    block = st.lists(inner, max_size=4).map(lambda xs: "{\n" + "\n".join(xs) + "\n}")
+    return st.one_of(
+        st.tuples(RANK, RANK, block).map(lambda t: f"for i in {t[0]} .. {t[1]} {t[2]}"),
+        st.tuples(RANK, RANK, RANK, block).map(lambda t: f"for i in {t[0]} .. {t[1]} by {t[2]} {t[3]}"),
+        st.tuples(RANK, block).map(lambda t: f"repeat {t[0]} {t[1]}"),
+        st.tuples(RANK_BOOL, block).map(lambda t: f"while {t[0]} {t[1]}"),
+        st.tuples(RANK_BOOL, block, block).map(lambda t: f"if {t[0]} {t[1]} else {t[2]}"),
+        st.tuples(op, op).map(lambda t: f"{t[0]} & {t[1]}"),
+    )
+
+
+stmt = st.recursive(
+    st.one_of(
+        op,
+        st.sampled_from(["for i in 0 .. m { F(i) }", "for i in 0 .. m { B(i) }", "for i in 0 .. m { W(i) }"]),
+        st.sampled_from(["for i in 0 .. m { F(i, stage: s0)  B(i, stage: s0) }", "g(x)", "g(i)"]),
+        RANK_BOOL.map(lambda a: f"require {a}"),
+    ),
+    _compound,
+    max_leaves=10,
+)
+
+
+@st.composite
+def schedules(draw) -> tuple[str, dict[str, object]]:
+    """A schedule with every part present most of the time; a third of rank blocks start from a correct one."""
+    params = ["p: int = 2, m: int = 4", "p = 2, m = 4, v = 2", "p = 3, m = 1", "p = 3, m", "p: float = 2, m = 2", ""]
+    lines = [f'schedule "g" ({draw(st.sampled_from(params[:3] * 4 + params[3:]))}) {{']
+
+    def maybe(percent: int, line: str) -> None:
+        if draw(st.integers(0, 99)) < percent:
+            lines.append(line)
+
+    maybe(95, f"def f(a) = {draw(int_exprs(['a', 'p'], calls=False))}")
+    maybe(30, f"require {draw(bool_exprs(TOP))}")
+    maybe(60, "def g(a) { F(a)  B(a) }")
+    maybe(95, f"stages {draw(st.sampled_from(['p'] * 6 + ['2 * p', 'p * v', 'p + 1']) | TOP)}")
+    maybe(10, f"ranks {draw(TOP)}")
+    maybe(10, f"microbatches {draw(TOP)}")
+    place = st.sampled_from(["s", "s % p", "if s < p then s else 2 * p - 1 - s"]) | int_exprs(["s", "p"])
+    maybe(80, f"place s -> {draw(place)}")
+    kinds = draw(st.sampled_from(["F, B"] * 5 + ["F, B, W"] * 5 + ["F", "F, B, W, W"]))
+    maybe(70, f"ops {kinds}")
+    maybe(30, f"cost {draw(st.sampled_from(['F', 'B', 'W', 'comm']))} = {draw(int_exprs(['s', 'p']))}")
+    maybe(30, f"memory {draw(st.sampled_from(['act', 'wact', 'params']))} = {draw(int_exprs(['s', 'p']))}")
+    maybe(10, f"memory limit = {draw(int_exprs(['r', 'p']))}")
+    maybe(15, f'topology {{ dc "a" ranks {draw(TOP)} .. {draw(TOP)}  default link latency 1ms }}')
+    body = draw(st.lists(stmt, max_size=6))
+    if draw(st.integers(0, 2)) == 0:  # a correct GPipe body, then random statements
+        body[:0] = [f"for i in 0 .. m {{ {k}(i) }}" for k in kinds.split(", ")]
+    head = f"let x = {draw(int_exprs(['p', 'm', 'r']))}\nlet i = 0\nlet s0 = r"
+    maybe(95, "rank r {\n" + head + "\n" + "\n".join(draw(st.permutations(body))) + "\n}")
+    lines.append("}")
+    text = "\n".join(lines) + "\n"
+    given_params = draw(st.sampled_from([{}, {"m": 2}, {"p": 1, "m": 1}, {"p": 3, "m": 5}, {"m": 0}]))
+    return text, given_params
+
+
+@FUZZ
+@given(schedules())
+def test_generated_schedules(case):
+    text, params = case
+    declared = declared_params(text).keys() | {"p", "m"}
+    run(text, {k: v for k, v in params.items() if k in declared})
+
+
+# ---- (b) mutations of the library files --------------------------------------
+
+LIBRARY = sorted(
+    (f.name, f.read_text()) for f in resources.files("pipec.schedules").iterdir() if f.name.endswith(".pipe")
+)
+TOKEN_RE = re.compile(
+    r'"[^"\n]*"|#[^\n]*|[A-Za-z_][A-Za-z_0-9]*|[0-9]+(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+|[A-Za-z]+)?'
+    r"|<->|\.\.|->|==|!=|<=|>=|//|\s+|."
+)
+
+
+def _tokens(text: str) -> list[str]:
+    return TOKEN_RE.findall(text)
+
+
+@st.composite
+def mutants(draw) -> tuple[str, dict[str, object]]:
+    name, text = draw(st.sampled_from(LIBRARY))
+    for _ in range(draw(st.integers(1, 4))):
+        text = _mutate(draw, text)
+    params = draw(st.sampled_from(["defaults", "small"]))
+    return text, {} if params == "defaults" else declared_params(text)
+
+
+def _mutate(draw, text: str) -> str:
+    toks = _tokens(text)
+    words = [j for j, t in enumerate(toks) if not t.isspace()]
+    lines = text.splitlines(keepends=True)
+    how = draw(
+        st.sampled_from(
+            [
+                "delete token",
+                "swap tokens",
+                "duplicate token",
+                "insert token",
+                "number",
+                "parens",
+                "minus",
+                "blocks",
+                "delete line",
+                "swap lines",
+                "duplicate line",
+            ]
+        )
+    )
+    if how.endswith("line") or how == "swap lines":
+        if not lines:
+            return text
+        a = draw(st.integers(0, len(lines) - 1))
+        b = draw(st.integers(0, len(lines) - 1))
+        if how == "delete line":
+            del lines[a]
+        elif how == "swap lines":
+            lines[a], lines[b] = lines[b], lines[a]
+        else:
+            lines.insert(b, lines[a])
+        return "".join(lines)
+    if not words:
+        return text
+    j = draw(st.sampled_from(words))
+    if how == "delete token":
+        toks[j] = ""
+    elif how == "swap tokens":
+        k = draw(st.sampled_from(words))
+        toks[j], toks[k] = toks[k], toks[j]
+    elif how == "duplicate token":
+        toks[j] = toks[j] + " " + toks[j]
+    elif how == "insert token":
+        toks[j] = draw(token) + " " + toks[j]
+    elif how == "number":
+        numbers = [k for k in words if toks[k][0].isdigit()] or [j]
+        toks[draw(st.sampled_from(numbers))] = draw(st.sampled_from(HUGE))
+    elif how == "parens":
+        n = draw(st.sampled_from([1, 3, 50, 200, 1000]))
+        toks[j] = "(" * n + toks[j] + ")" * n
+    elif how == "minus":
+        n = draw(st.sampled_from([1, 3, 149, 200, 1000]))
+        toks[j] = "-(" * n + toks[j] + ")" * n
+    else:  # wrap a line in nested blocks
+        n = draw(st.sampled_from([1, 3, 21, 80, 500]))
+        a = draw(st.integers(0, max(0, len(lines) - 1)))
+        if lines:
+            lines[a] = "if true {\n" * n + lines[a] + "}\n" * n
+        return "".join(lines)
+    return "".join(toks)
+
+
+@FUZZ
+@given(mutants())
+def test_library_mutations(case):
+    text, params = case
+    run(text, params)
+
+
+def test_the_library_itself_builds():
+    for name, text in LIBRARY:
+        run(text)
+        build(Source(name, text), declared_params(text))
+
+
+# ---- every crash the fuzzers found, kept ------------------------------------
+
+REGRESSIONS = [
+    # VisitError/ValueError: a schedule with no parameter list
+    'schedule "t" {\n stages 2\n}\n',
+    # VisitError/IndexError: a parameter with a default but no type (and one with neither)
+    'schedule "t" (p = 2, m) {\n stages p\n}\n',
+    # VisitError/IndexError: `require` without a message
+    'schedule "t" (p = 2, m = 2) {\n require m > 4\n stages p\n}\n',
+    # RecursionError / VisitError: deep nesting
+    'schedule "t" {\n let x = ' + "-" * 5000 + "1\n}\n",
+    'schedule "t" {\n let x = ' + "not " * 5000 + "true\n}\n",
+    'schedule "t" {\n let x = ' + "1 + " * 50000 + "1\n}\n",
+    'schedule "t" {\n rank r {\n' + "if true {\n" * 3000 + "}\n" * 3000 + "}\n}\n",
+    # SyntaxError from Python: too many nested parentheses / blocks in the generated code
+    'schedule "t" (p = 2, m = 2) {\n stages p\n let x = ' + "max(1, " * 145 + "1" + ")" * 145 + "\n}\n",
+    'schedule "t" (p = 2, m = 2) {\n stages p\n rank r {\n' + "for a in 0 .. 1 {\n" * 30 + "}\n" * 30 + "}\n}\n",
+    # ValueError: an integer literal over 4300 digits; NameError: `inf` in the generated code
+    'schedule "t" {\n stages ' + "9" * 5000 + "\n}\n",
+    'schedule "t" (p = 2, m = 2) {\n stages p\n cost F = 1e999\n rank r { F(0) }\n}\n',
+    'schedule "t" (p = 2, m = 2) {\n stages p\n topology { default link latency ' + "9" * 400 + "ms }\n}\n",
+    # OverflowError: int too large for a float
+    'schedule "t" (p = 2, m = 2) {\n stages p\n let k = 1000000000000000000\n'
+    " let x = k * k * k * k * k * k * k * k * k * k * k * k * k * k * k * k * k * k / 3\n}\n",
+]
+
+
+@pytest.mark.parametrize("text", REGRESSIONS, ids=range(len(REGRESSIONS)))
+def test_regressions(text):
+    run(text)
+
+
+# The hypothesis properties, by name (benchmarks/fuzz.py runs them at length).
+PROPERTIES = ("test_token_soup", "test_grammar_text", "test_generated_schedules", "test_library_mutations")
