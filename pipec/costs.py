@@ -156,7 +156,7 @@ def _json_num(x: float):
 def quantity(value: object, kind: str, what: str) -> float:
     """A number, or a string with a unit of this kind ("40ms", "10Gbps", "16MiB"), as seconds, bit/s or bytes."""
     if isinstance(value, bool):
-        raise error("E601", f"{what}: expected a number, got `{value}`")
+        raise error("E801", f"{what}: expected a number, got `{value}`")
     if isinstance(value, int | float):
         x = float(value)
     elif isinstance(value, str):
@@ -165,30 +165,30 @@ def quantity(value: object, kind: str, what: str) -> float:
         units = _KIND_UNITS[kind]
         if not m or (m.group(2) and m.group(2) not in units):
             raise error(
-                "E601", f"{what}: cannot read `{value}` as a {kind} (a number, or with a unit: {', '.join(units)})"
+                "E801", f"{what}: cannot read `{value}` as a {kind} (a number, or with a unit: {', '.join(units)})"
             )
         x = float(m.group(1)) * (units[m.group(2)] if m.group(2) else 1.0)
     else:
-        raise error("E601", f"{what}: expected a number, got `{value}`")
+        raise error("E801", f"{what}: expected a number, got `{value}`")
     if kind == "bandwidth":
         if not x > 0:
-            raise error("E601", f"{what}: bandwidth must be positive, got `{value}`")
+            raise error("E801", f"{what}: bandwidth must be positive, got `{value}`")
     elif not (math.isfinite(x) and x >= 0):
-        raise error("E601", f"{what}: expected a finite number >= 0, got `{value}`")
+        raise error("E801", f"{what}: expected a finite number >= 0, got `{value}`")
     return x
 
 
 def _per_stage(value: object, kind: str, what: str):
     if isinstance(value, list | tuple):
         if not value:
-            raise error("E601", f"{what}: an empty list")
+            raise error("E801", f"{what}: an empty list")
         return [quantity(v, kind, f"{what}[{i}]") for i, v in enumerate(value)]
     return quantity(value, kind, what)
 
 
 def _link(value: object, what: str) -> dict[str, float]:
     if not isinstance(value, Mapping):
-        raise error("E601", f"{what}: expected a table with `latency` and/or `bandwidth`")
+        raise error("E801", f"{what}: expected a table with `latency` and/or `bandwidth`")
     out = {}
     for k, v in value.items():
         if k == "latency":
@@ -196,7 +196,7 @@ def _link(value: object, what: str) -> dict[str, float]:
         elif k == "bandwidth":
             out["bandwidth"] = quantity(v, "bandwidth", f"{what}.bandwidth")
         else:
-            raise error("E601", f"{what}: unknown key `{k}` (expected latency, bandwidth)")
+            raise error("E801", f"{what}: unknown key `{k}` (expected latency, bandwidth)")
     return out
 
 
@@ -207,17 +207,17 @@ def normalize(doc: Mapping, what: str = "costs") -> dict:
     for key, value in doc.items():
         if key in ("format", "version", "comment", "unit", "measured", "schedule", "params"):
             if key == "format" and value != FORMAT:
-                raise error("E601", f"{what}: format is `{value}`, expected `{FORMAT}`")
+                raise error("E801", f"{what}: format is `{value}`, expected `{FORMAT}`")
             if key == "version" and value != VERSION:
-                raise error("E601", f"{what}: cost file version {value} is not supported (this pipec reads {VERSION})")
+                raise error("E801", f"{what}: cost file version {value} is not supported (this pipec reads {VERSION})")
             if key == "unit" and value not in ("s", "seconds"):
-                raise error("E601", f'{what}: times must be in seconds (`unit = "s"`), got `{value}`')
+                raise error("E801", f'{what}: times must be in seconds (`unit = "s"`), got `{value}`')
             continue
         if key in _KEY_KIND:
             out[key] = _per_stage(value, _KEY_KIND[key], f"{what}: {key}")
         elif key in ("T_F", "T_B", "T_W"):
             if key[2:] in doc:
-                raise error("E601", f"{what}: give `{key[2:]}` (per stage) or `{key}` (per rank), not both")
+                raise error("E801", f"{what}: give `{key[2:]}` (per stage) or `{key}` (per rank), not both")
             out[key] = quantity(value, "time", f"{what}: {key}")
         elif key == "bytes":  # both directions across each boundary
             out["act_bytes"] = _per_stage(value, "bytes", f"{what}: bytes")
@@ -230,25 +230,25 @@ def normalize(doc: Mapping, what: str = "costs") -> dict:
         elif key.startswith(("latency.", "bandwidth.")):
             attr, cls = key.split(".", 1)
             if cls not in LINK_CLASSES:
-                raise error("E601", f"{what}: unknown link class `{cls}` (known: {', '.join(LINK_CLASSES)})")
+                raise error("E801", f"{what}: unknown link class `{cls}` (known: {', '.join(LINK_CLASSES)})")
             kind = "time" if attr == "latency" else "bandwidth"
             links.setdefault(cls, {})[attr] = quantity(value, kind, f"{what}: {key}")
         elif key == "links":
             if not isinstance(value, Mapping):
-                raise error("E601", f"{what}: `links` must be a table of link classes")
+                raise error("E801", f"{what}: `links` must be a table of link classes")
             for cls, spec in value.items():
                 if cls not in LINK_CLASSES:
-                    raise error("E601", f"{what}: unknown link class `{cls}` (known: {', '.join(LINK_CLASSES)})")
+                    raise error("E801", f"{what}: unknown link class `{cls}` (known: {', '.join(LINK_CLASSES)})")
                 links.setdefault(cls, {}).update(_link(spec, f"{what}: links.{cls}"))
         elif key == "ranks_per_node":
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise error("E601", f"{what}: ranks_per_node must be a positive integer, got `{value}`")
+                raise error("E801", f"{what}: ranks_per_node must be a positive integer, got `{value}`")
             out["ranks_per_node"] = value
         else:
             known = ", ".join(
                 STAGE_KEYS + ("T_F", "T_B", "T_W", "bytes", "latency", "bandwidth", "links", "ranks_per_node")
             )
-            raise error("E601", f"{what}: unknown cost `{key}` (known: {known})")
+            raise error("E801", f"{what}: unknown cost `{key}` (known: {known})")
     if links:
         out["links"] = links
     out["_from"] = what
@@ -261,14 +261,14 @@ def parse_overrides(text: str) -> dict:
     for item in filter(None, (t.strip() for t in text.split(","))):
         key, sep, value = item.partition("=")
         if not sep or not key.strip() or not value.strip():
-            raise error("E601", f"--cost: expected KEY=VALUE, got `{item}`")
+            raise error("E801", f"--cost: expected KEY=VALUE, got `{item}`")
         value = value.strip()
         try:
             doc[key.strip()] = float(value)
         except ValueError:
             doc[key.strip()] = value
     if not doc:
-        raise error("E601", "--cost: nothing given")
+        raise error("E801", "--cost: nothing given")
     return normalize(doc, "--cost")
 
 
@@ -278,16 +278,16 @@ def read_cost_file(path: str | Path) -> dict:
     try:
         text = path.read_text()
     except OSError as e:
-        raise error("E601", f"cannot read cost file `{path}`: {e.strerror}") from None
+        raise error("E801", f"cannot read cost file `{path}`: {e.strerror}") from None
     except UnicodeDecodeError:
-        raise error("E601", f"cost file `{path}` is not UTF-8 text") from None
+        raise error("E801", f"cost file `{path}` is not UTF-8 text") from None
     try:
         doc = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
         kind = "TOML" if path.suffix == ".toml" else "JSON"
-        raise error("E601", f"cost file `{path}` is not valid {kind}: {e}") from None
+        raise error("E801", f"cost file `{path}` is not valid {kind}: {e}") from None
     if not isinstance(doc, Mapping):
-        raise error("E601", f"cost file `{path}` must hold a table of costs")
+        raise error("E801", f"cost file `{path}` must hold a table of costs")
     return normalize(doc, str(path))
 
 
@@ -367,7 +367,7 @@ def cost_model(sched: Schedule, overrides: Sequence[Mapping] = ()) -> CostModel:
             v = ov[k]
             if isinstance(v, list):
                 if len(v) != S:
-                    raise error("E601", f"`{k}` lists {len(v)} values but the schedule has {S} stages")
+                    raise error("E801", f"`{k}` lists {len(v)} values but the schedule has {S} stages")
                 arr = np.asarray(v, dtype=float)
             else:
                 arr = np.full(S, float(v))
@@ -388,7 +388,7 @@ def cost_model(sched: Schedule, overrides: Sequence[Mapping] = ()) -> CostModel:
     vals["grad_bytes"] = grad
     for k in ("F", "B", "W", "comm", "act_bytes", "grad_bytes"):
         if not (np.isfinite(vals[k]).all() and (vals[k] >= 0).all()):
-            raise error("E601", f"cost `{k}` must be a finite number >= 0 for every stage")
+            raise error("E801", f"cost `{k}` must be a finite number >= 0 for every stage")
     np.fill_diagonal(latency, 0.0)
     np.fill_diagonal(bandwidth, np.inf)
     return CostModel(
