@@ -205,7 +205,7 @@ def heuristic(spec: Spec, progress: Progress | None = None, budget_s: float = 30
     return best
 
 
-SEED_NAMES = ("1f1b", "zb-h1", "zb-h2", "zb-v", "interleaved-1f1b")
+SEED_NAMES = ("1f1b", "zb-h1", "zb-h2", "zb-v", "interleaved-1f1b", "crossdc-1f1b", "crossdc-zb")
 
 
 def library_seeds(spec: Spec) -> list[Candidate]:
@@ -228,6 +228,8 @@ def library_seeds(spec: Spec) -> list[Candidate]:
             continue
         if sched.placement != want.placement or sched.kinds != want.kinds:
             continue
+        if spec.topology is None and sched.topology is not None:
+            continue  # a schedule made for a network the spec does not have
         seeded = to_schedule(spec, _orders(sched), name)
         try:
             sim = run(seeded, spec.cost_docs)
@@ -717,7 +719,11 @@ def library_comparison(spec: Spec, names: Sequence[str] | None = None):
     from pipec.errors import PipecError
     from pipec.report import run
 
-    names = list(names) if names is not None else ["1f1b", "zb-h1", "zb-h2", "zb-v", "interleaved-1f1b"]
+    if names is None:
+        names = ["1f1b", "zb-h1", "zb-h2", "zb-v", "interleaved-1f1b"]
+        if spec.topology is not None:
+            names += ["crossdc-1f1b", "crossdc-zb"]
+    names = list(names)
     mem = {k: float(v) for k, v in spec.memory.items() if k in ("act", "wact", "params")}
     rows = []
     for name in names:
@@ -726,6 +732,8 @@ def library_comparison(spec: Spec, names: Sequence[str] | None = None):
             known = set(param_names(source))
             params = {k: v for k, v in (("p", spec.p), ("m", spec.m), ("v", 2)) if k in known}
             sched = build(source, params)
+            if spec.topology is not None:  # every schedule on the spec's network
+                sched = replace(sched, topology=spec.topology)
             # memory per stage is per rank's share p / S of the model for every schedule
             share = {k: v * sched.num_ranks / sched.num_stages for k, v in mem.items()}
             sim = run(sched, spec.cost_docs, share or None)
