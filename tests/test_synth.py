@@ -351,6 +351,16 @@ def test_cli_synth_misuse_exits_2(argv):
     assert rc == 2 and "error" in err
 
 
+def test_cli_synth_no_policy_fits_is_E701():
+    rc, _, err = cli("synth", "-p", "2", "-m", "2", "--memory-limit", "0.5", "--no-solver", "-q")
+    assert rc == 1 and "error[E701]" in err and "no policy fits" in err
+
+
+def test_cli_synth_memory_limit_of_an_unknown_schedule_is_E702():
+    rc, _, err = cli("synth", "-p", "2", "-m", "2", "--memory-limit-of", "no-such-schedule", "--no-solver", "-q")
+    assert rc == 1 and "error[E702]" in err and "no-such-schedule" in err
+
+
 def test_cli_synth_with_datacenters_and_cross_links(tmp_path):
     out_path = tmp_path / "dc.pipe"
     rc, out, err = cli(
