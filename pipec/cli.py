@@ -623,6 +623,12 @@ def cmd_test(args: argparse.Namespace) -> int:
     if args.examples < 1:
         print("pipec test: error: --examples must be at least 1", file=sys.stderr)
         return MISUSE
+    if args.runtime:
+        import importlib.util
+
+        if importlib.util.find_spec("torch") is None:
+            print("pipec test: error: --runtime needs torch: pip install 'pipec[runtime]'", file=sys.stderr)
+            return MISUSE
     try:
         ranges = _test_ranges(args.ranges)
     except argparse.ArgumentTypeError as e:
@@ -632,6 +638,22 @@ def cmd_test(args: argparse.Namespace) -> int:
     if not files:
         print(f"pipec test: error: no .pipe files under {' '.join(args.paths)}", file=sys.stderr)
         return MISUSE
+    # --range and -D apply to the files that declare the parameter; each must name one of some file.
+    from pipec.api import compile_source
+
+    declared: dict[str, set[str]] = {}
+    for target in files:
+        try:
+            declared[target] = {prm.name for prm in compile_source(library.read(target)).params}
+        except PipecError as e:
+            if e.code == "E000":
+                raise
+            declared[target] = set()  # reported when the file is tested
+    known = set().union(*declared.values())
+    for name in [*ranges, *(k for k, _ in args.defines)]:
+        if name not in known:
+            print(f"pipec test: error: no schedule here has a parameter `{name}`", file=sys.stderr)
+            return MISUSE
     tty = sys.stderr.isatty()
     failed = 0
     for n, target in enumerate(files, 1):
@@ -650,8 +672,8 @@ def cmd_test(args: argparse.Namespace) -> int:
                 target,
                 args.examples,
                 args.seed,
-                bounds=ranges,
-                fixed=dict(args.defines),
+                bounds={k: v for k, v in ranges.items() if k in declared[target]},
+                fixed={k: v for k, v in args.defines if k in declared[target]},
                 runtime=args.runtime,
                 progress=progress,
             )
@@ -671,12 +693,15 @@ def cmd_test(args: argparse.Namespace) -> int:
         else:
             failed += 1
             f = res.failure
-            print(f"{target}: FAILED at {f.params_text} ({res.failing} failing, {what}, {res.seconds:.1f} s)")
+            found = f"smallest of {res.failing} failing; {what}, {res.seconds:.1f} s"
+            print(f"{target}: FAILED at {f.params_text} ({found})")
             if f.kind == "invariant":
                 print(f"  pipec and the independent checks disagree: {f.message}")
+            elif f.kind == "runtime":
+                print(f"  {f.message}")
             elif f.kind == "crash":
                 print("  pipec crashed: " + f.message.replace("\n", "\n  "))
-            for line in f.message.splitlines() if f.kind not in ("invariant", "crash") else ():
+            for line in f.message.splitlines() if f.kind not in ("invariant", "runtime", "crash") else ():
                 print(f"  {line}")
             print(f"  reproduce: {f.command}")
         sys.stdout.flush()

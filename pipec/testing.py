@@ -79,6 +79,7 @@ __all__ = [
     "mutations",
     "parameter_space",
     "params",
+    "runtime_check",
     "schedules",
 ]
 
@@ -526,6 +527,9 @@ def parameter_space(
 
     types = dict(zip((prm.name for prm in compiled.params), compiled.param_types))
     bounds = dict(bounds or {})
+    for k in bounds:
+        if k not in types:
+            raise ValueError(f"the schedule has no parameter `{k}` (it takes: {', '.join(types) or 'none'})")
     for k, v in (fixed or {}).items():
         if k not in types:
             raise ValueError(f"the schedule has no parameter `{k}` (it takes: {', '.join(types) or 'none'})")
@@ -560,12 +564,28 @@ def params(
     fixed: Mapping[str, object] | None = None,
 ):
     """A hypothesis strategy of parameter dicts for a schedule (a path, a library name or a Source):
-    those of `parameter_space`, which shrink toward the smallest (small p, then small m)."""
+    those of `parameter_space`, drawn one parameter at a time in the declared order, each among the
+    values that some valid set has with the ones drawn before. Nothing is rejected, and each parameter
+    shrinks toward its smallest value: small p first, then small m."""
     _, st = _hypothesis()
-    points = parameter_space(schedule, bounds, fixed)
+    return _point_strategy(parameter_space(schedule, bounds, fixed), st)
+
+
+def _point_strategy(points: list[dict[str, object]], st):
     if not points:
         return st.nothing()
-    return st.sampled_from(points)
+    names = list(points[0])
+
+    @st.composite
+    def point(draw) -> dict[str, object]:
+        candidates = points
+        for name in names:
+            values = sorted({pt[name] for pt in candidates}, key=lambda v: (isinstance(v, str), v))
+            value = values[draw(st.integers(0, len(values) - 1))] if len(values) > 1 else values[0]
+            candidates = [pt for pt in candidates if pt[name] == value]
+        return dict(candidates[0])
+
+    return point()
 
 
 # ---- independent checks ---------------------------------------------------------------------------
@@ -1049,12 +1069,18 @@ class Failure:
 
     target: str  # the file (or library name) as given
     params: dict[str, object]
-    kind: str  # a diagnostic code ("E401"), "invariant" (pipec disagrees with the independent checks) or "crash"
+    kind: str  # a diagnostic code ("E401"); "invariant" (pipec disagrees with the independent checks);
+    # "runtime" (the runtime's result differs from the reference); "crash"
     message: str  # the formatted diagnostic, or the explanation
 
     @property
     def command(self) -> str:
         """A command that shows the failure (for "invariant" and "crash" it shows what pipec itself says)."""
+        if self.kind == "runtime":
+            args = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
+            code = "from pipec.api import load; from pipec.testing import runtime_check; "
+            code += f"runtime_check(load({self.target!r}{', ' + args if args else ''}))"
+            return f"python -c {shlex.quote(code)}"
         defines = " ".join(f"-D {k}={_fmt_value(v)}" for k, v in self.params.items())
         return f"pipec check {shlex.quote(self.target)}" + (f" {defines}" if defines else "")
 
@@ -1099,21 +1125,65 @@ def _check_point(source: Source, target: str, point: dict[str, object], runtime:
         sched = build(source, point)
         check_invariants(sched)
         if runtime:
-            _runtime_check(sched)
+            runtime_check(sched)
     except PipecError as e:
         if e.code == "E202":
             return "skip"
         return Failure(target, point, e.code, "\n".join(d.format() for d in e.diagnostics))
     except InvariantError as e:
-        return Failure(target, point, "invariant", str(e))
+        return Failure(target, point, "runtime" if str(e).startswith("runtime") else "invariant", str(e))
     except Exception as e:  # a crash in pipec is a finding too
         tb = "".join(traceback.format_exception(type(e), e, e.__traceback__, limit=-3))
         return Failure(target, point, "crash", f"{type(e).__name__}: {e}\n{tb}")
     return None
 
 
-def _runtime_check(sched: Schedule) -> None:  # pragma: no cover - replaced when the runtime is available
-    raise NotImplementedError("--runtime is not available")
+def runtime_check(target: Schedule | Compiled | Program, steps: int = 2, tol: float = 1e-10) -> float:
+    """Train a tiny float64 model (a Linear and a Tanh per stage) on the runtime's `--local` mode and compare
+    the loss and every gradient with a single-process reference after each step; InvariantError past
+    `tol`. Returns the largest relative error. Needs torch (`pipec[runtime]`)."""
+    import torch
+
+    from pipec.runtime import LocalPipeline, Reference
+    from pipec.runtime.reference import compare, rel_err
+
+    if isinstance(target, Program):
+        prog = target
+    elif isinstance(target, Compiled):
+        prog = target.program
+    else:
+        prog = compile_schedule(target).program
+    width = 4
+
+    def build_stage(stage: int, num_stages: int) -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh())
+
+    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(output, target)
+
+    options = dict(dtype=torch.float64, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    pipe = LocalPipeline(prog, build_stage, loss_fn, **options)
+    ref = Reference(build_stage, loss_fn, prog.num_stages, prog.num_microbatches, **options)
+    gen = torch.Generator().manual_seed(0)
+    worst = 0.0
+    rows = 2 * prog.num_microbatches
+    for step in range(steps):
+        x = torch.randn(rows, width, generator=gen, dtype=torch.float64)
+        y = torch.randn(rows, width, generator=gen, dtype=torch.float64)
+        loss = pipe.step(x, y).loss
+        errs = {"loss": rel_err(loss, ref.step(x, y))}
+        errs.update(
+            {
+                f"gradient of stage {s} {n}": e
+                for (s, n), e in compare(pipe.named_gradients(), ref.named_gradients()).items()
+            }
+        )
+        what, err = max(errs.items(), key=lambda kv: kv[1])
+        worst = max(worst, err)
+        if not err <= tol:
+            where = f"runtime --local, step {step + 1}"
+            _fail(f"{where}: the {what} differs from the reference by {err:.3g} (tolerance {tol:g})")
+    return worst
 
 
 def check_file(
@@ -1126,6 +1196,7 @@ def check_file(
     runtime: bool = False,
     progress: Callable[[int, int], None] | None = None,
     max_scan: int = 500,
+    runtime_cases: int = 3,
 ) -> FileResult:
     """Property-test one schedule file (or library name) over its bounded parameter space.
 
@@ -1133,6 +1204,8 @@ def check_file(
     database) and checks each with `check_invariants`; on a failure it shrinks, and then every smaller
     parameter set (up to `max_scan` of them) is checked in order, so the reported failure is the
     smallest of the bounded space. `progress(done, examples)` is called after each parameter set.
+    With `runtime`, the `runtime_cases` smallest checked parameter sets with at least two ranks then
+    also train on the runtime's `--local` mode (`runtime_check`).
     """
     import random
 
@@ -1155,7 +1228,7 @@ def check_file(
 
     def run(n: int) -> Failure | None | str:
         if n not in results:
-            results[n] = _check_point(source, target, points[n], runtime)
+            results[n] = _check_point(source, target, points[n], False)
             tried[0] += 1
             if progress is not None:
                 progress(min(tried[0], examples), examples)
@@ -1172,7 +1245,7 @@ def check_file(
         suppress_health_check=list(hypothesis.HealthCheck),
     )
     try:
-        found = hypothesis.find(st.sampled_from(points), fails, settings=settings, random=random.Random(seed))
+        found = hypothesis.find(_point_strategy(points, st), fails, settings=settings, random=random.Random(seed))
     except hypothesis.errors.NoSuchExample:
         found = None
     failure = None
@@ -1184,4 +1257,19 @@ def check_file(
                 break
         failure = results[best]
     failing = sum(isinstance(r, Failure) for r in results.values())
-    return FileResult(target, len(results), len(points), failure, failing, time.perf_counter() - started)
+    on_runtime = 0
+    if runtime and failure is None:
+        small = [n for n in sorted(results) if results[n] is None and _ranks_of(points[n]) >= 2][:runtime_cases]
+        for n in small:
+            on_runtime += 1
+            res = _check_point(source, target, points[n], True)
+            if isinstance(res, Failure):
+                failure, failing = res, 1
+                break
+    seconds = time.perf_counter() - started
+    return FileResult(target, len(results), len(points), failure, failing, seconds, on_runtime)
+
+
+def _ranks_of(point: Mapping[str, object]) -> int:
+    p = point.get("p", 2)
+    return p if isinstance(p, int) else 2
