@@ -12,6 +12,7 @@ end: a pipec schedule torch does not ship runs under torch's `_PipelineScheduleR
 from __future__ import annotations
 
 import functools
+import re
 import subprocess
 import sys
 import time
@@ -493,8 +494,6 @@ def test_cli_errors(tmp_path, monkeypatch):
 def test_docs_examples(tmp_path, monkeypatch):
     """docs/interop.md: the Python block runs; the deadlock shown is what `pipec check` prints; the
     generated .pipe shown is what `pipec import` writes for zb-h1 with p=2, m=3."""
-    import re
-
     text = (ROOT / "docs" / "interop.md").read_text()
     monkeypatch.chdir(tmp_path)
     exec(re.findall(r"```python\n(.*?)```", text, re.S)[-1], {})
@@ -504,6 +503,28 @@ def test_docs_examples(tmp_path, monkeypatch):
     run_cli("export", "zb-h1", "-D", "p=2", "-D", "m=3", "-o", "zb2.csv")
     rc, out, _ = run_cli("import", "zb2.csv")
     assert rc == 0 and out == re.search(r"```pipe\n(.*?)```", text, re.S).group(1)
+
+
+def _doc_diagnostics():
+    text = (ROOT / "docs" / "interop.md").read_text().split("\n## Diagnostics\n", 1)[1]
+    for part in re.split(r"(?m)^### ", text)[1:]:
+        code = part[:4]
+        shown = re.search(r"```console\n\$ (.*?)\n(.*?)```", part, re.S)
+        source = re.search(r"```(csv|pipe)\n(.*?)```", part, re.S)
+        if shown:
+            name, body = ("t." + source.group(1), source.group(2)) if source else ("t.csv", "")
+            yield pytest.param(name, body, shown.group(1), shown.group(2), id=code)
+
+
+@pytest.mark.parametrize("name, body, command, shown", list(_doc_diagnostics()))
+def test_docs_diagnostics(name, body, command, shown, tmp_path, monkeypatch):
+    """Every example in docs/interop.md's diagnostics prints exactly what the docs show."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / name).write_text(body)
+    argv = command.split()
+    assert argv[0] == "pipec"
+    rc, out, err = run_cli(*argv[1:])
+    assert rc == 1 and out == "" and err == shown
 
 
 def test_import_pipec_does_not_import_torch():
