@@ -228,7 +228,9 @@ def test_seeded_bug_is_found_and_shrunk(name, code, smallest, capsys):
     assert _smallest_failing(path) == (smallest, code)  # what "smallest" means, by brute force
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(ROOT)
-        assert cli.main(["test", rel, "--examples", "50"]) == 1
+        # The deadlock shows at 8 of 186 parameter sets: 200 examples cover the space whatever
+        # hypothesis's version draws; the other two fail at many and are found within a few.
+        assert cli.main(["test", rel, "--examples", "200" if code == "E401" else "20"]) == 1
     out = capsys.readouterr().out
     shown = " ".join(f"{k}={v}" for k, v in smallest.items())
     assert f"{rel}: FAILED at {shown} (" in out
@@ -244,7 +246,7 @@ def test_seeded_bug_is_found_and_shrunk(name, code, smallest, capsys):
 
 def test_the_seeded_deadlock_is_found_for_other_seeds_too():
     for seed in (1, 2):
-        res = check_file(str(SEEDED / "interleaved_warmup_deadlock.pipe"), examples=40, seed=seed)
+        res = check_file(str(SEEDED / "interleaved_warmup_deadlock.pipe"), examples=200, seed=seed)
         assert not res.ok and res.failure.params == {"p": 4, "v": 2, "m": 8}
 
 
@@ -314,8 +316,8 @@ def test_runtime_check_compares_with_the_reference(monkeypatch):
 
 def test_pipec_test_runtime(capsys):
     pytest.importorskip("torch")
-    assert cli.main(["test", "1f1b", "--examples", "5", "--runtime"]) == 0
-    assert "3 on the runtime" in capsys.readouterr().out
+    assert cli.main(["test", "1f1b", "--examples", "20", "--runtime"]) == 0
+    assert re.search(r"\b[123] on the runtime", capsys.readouterr().out)
 
 
 # ---- expect -----------------------------------------------------------------------------------------------
@@ -423,7 +425,9 @@ _FENCE = re.compile(r"^```([^\n]*)\n(.*?)^```[ \t]*$", re.S | re.M)
 
 
 def _expected_pattern(text: str) -> re.Pattern:
-    """Shown output as a pattern: `...` lines match any lines; timings (`0.6 s`) match any timing."""
+    """Shown output as a pattern: `...` lines match any lines; timings (`0.6 s`) match any timing, and so do
+    the counts of parameter sets checked and failing, which depend on what hypothesis's version draws (the
+    parameters shown, the smallest failing ones, do not)."""
     parts = []
     for line in text.splitlines():
         if line.strip() == "...":
@@ -431,6 +435,9 @@ def _expected_pattern(text: str) -> re.Pattern:
         else:
             esc = re.escape(line)
             esc = re.sub(r"\d+\\\.\d+\\ s", r"\\d+\\.\\d+\\ s", esc)
+            esc = re.sub(r"smallest\\ of\\ \d+", r"smallest\\ of\\ \\d+", esc)
+            esc = re.sub(r"\((?:\\ )?\d+\\ of\\ ", r"(\\d+\\ of\\ ", esc)
+            esc = re.sub(r";\\ \d+\\ of\\ ", r";\\ \\d+\\ of\\ ", esc)
             esc = esc.replace(r"in\ \.\.\.", r"in\ .*")
             parts.append(esc + r"\n")
     return re.compile("".join(parts))
