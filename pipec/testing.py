@@ -1,6 +1,6 @@
 """Property testing for pipeline schedules: hypothesis strategies, independent checks, and `pipec test`.
 
-Four tools, for anyone who writes a schedule (see docs/testing.md):
+Five tools, for anyone who writes a schedule (see docs/testing.md):
 
 - `params(schedule)`: parameter assignments that satisfy the schedule's
   top-level `require`s, within bounds; they shrink toward small p and m.
@@ -18,6 +18,8 @@ Four tools, for anyone who writes a schedule (see docs/testing.md):
   pairs; a strict rendezvous dry run completes; memory peaks agree and stay
   within the limit; the simulated timeline respects every dependency and its
   makespan is at least the critical path; the schedule's own `expect`s hold.
+- `runtime_check(x)`: train a tiny model on the runtime's `--local` mode and
+  compare the loss and gradients with a single-process reference (torch).
 
 `check_file` runs the whole property over one schedule file (what `pipec
 test` and the pytest plugin do): hypothesis samples parameter sets, and the
@@ -79,7 +81,9 @@ __all__ = [
     "mutations",
     "parameter_space",
     "params",
+    "program_problem",
     "runtime_check",
+    "schedule_problem",
     "schedules",
 ]
 
