@@ -62,17 +62,27 @@ class DistComm:
         self.timeout = timedelta(seconds=timeout)
         self.blocking_wait = device.type == "cpu"  # gloo: wait with a timeout; NCCL: its watchdog times out
         self.sends: list[tuple[object, int, Key, tuple[torch.Tensor, ...]]] = []
+        # gloo has no coalescing: a batched exchange is its sends and receives issued one by one. There the
+        # process group is called directly (`pg.send` / `pg.recv`, what `dist.isend` / `dist.irecv` end in),
+        # skipping torch.distributed's per-call Python (P2POp objects, group lookups, argument checks): tens
+        # of microseconds per message. Peers are ranks of `group` (the Program's ranks).
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        self.pg = pg if device.type == "cpu" and dist.get_backend(pg) == "gloo" else None
 
     def tag(self, key: Key, j: int) -> int:
         kind, mb, stage = key
         return (((kind * self.S) + stage) * self.m + mb) * MAX_TENSORS + j
 
-    def _recv_ops(self, key: Key, peer: int, specs: Specs) -> tuple[tuple[torch.Tensor, ...], list[dist.P2POp]]:
+    def _recv_ops(self, key: Key, peer: int, specs: Specs) -> tuple[tuple[torch.Tensor, ...], list]:
         bufs = tuple(s.empty(self.device) for s in specs)
+        if self.pg is not None:
+            return bufs, [(False, b, peer, self.tag(key, j)) for j, b in enumerate(bufs)]
         ops = [dist.P2POp(dist.irecv, b, peer, self.group, self.tag(key, j)) for j, b in enumerate(bufs)]
         return bufs, ops
 
-    def _send_ops(self, key: Key, peer: int, tensors: tuple[torch.Tensor, ...]) -> list[dist.P2POp]:
+    def _send_ops(self, key: Key, peer: int, tensors: tuple[torch.Tensor, ...]) -> list:
+        if self.pg is not None:
+            return [(True, t.contiguous(), peer, self.tag(key, j)) for j, t in enumerate(tensors)]
         return [
             dist.P2POp(dist.isend, t.contiguous(), peer, self.group, self.tag(key, j)) for j, t in enumerate(tensors)
         ]
@@ -89,7 +99,7 @@ class DistComm:
     def exchange(self, items: list[tuple[str, Key, int, object]]) -> list[Recv | None]:
         """One batched exchange (`batch_isend_irecv`): items are ("send", key, peer, tensors) or
         ("recv", key, peer, specs); returns a Recv for each receive, None for each send."""
-        ops: list[dist.P2POp] = []
+        ops: list = []
         spans = []
         for what, key, peer, x in items:
             if what == "send":
@@ -100,7 +110,7 @@ class DistComm:
                 spans.append((what, key, peer, x, bufs, len(ops), len(ops) + len(new)))
             ops += new
         try:
-            works = dist.batch_isend_irecv(ops)
+            works = self._issue(ops) if self.pg is not None else dist.batch_isend_irecv(ops)
         except Exception as e:
             raise CommError(f"could not start the exchange with rank {items[0][2]}: {e}", items[0][2]) from e
         coalesced = len(works) != len(ops)  # NCCL returns one work for the whole group
@@ -115,8 +125,14 @@ class DistComm:
                 out.append(Recv(key, peer, bufs, list(mine)))
         return out
 
-    def _start(self, ops: list[dist.P2POp], peer: int, key: Key) -> list:
+    def _issue(self, ops: list[tuple[bool, torch.Tensor, int, int]]) -> list:
+        pg = self.pg
+        return [pg.send([t], peer, tag) if is_send else pg.recv([t], peer, tag) for is_send, t, peer, tag in ops]
+
+    def _start(self, ops: list, peer: int, key: Key) -> list:
         try:
+            if self.pg is not None:
+                return self._issue(ops)
             works = [op.op(op.tensor, op.peer, op.group, op.tag) for op in ops]
         except Exception as e:
             raise CommError(f"could not start the transfer of {key_str(key)} with rank {peer}: {e}", peer) from e
