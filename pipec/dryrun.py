@@ -86,8 +86,8 @@ def _columns(prog: Program) -> tuple[list[int], tuple[list, ...]]:
     comm = np.flatnonzero((op >= RECV_ACT) & (op <= SEND_GRAD))
     k = none.copy()
     directed = rank[comm] * R + peer[comm]
-    by = comm[np.argsort(directed, kind="stable")]
-    d_sorted = np.sort(directed, kind="stable")
+    by_order = np.argsort(directed, kind="stable")
+    by, d_sorted = comm[by_order], directed[by_order]
     if len(by):
         starts = np.flatnonzero(np.r_[True, d_sorted[1:] != d_sorted[:-1]])
         k[by] = np.arange(len(by)) - np.repeat(starts, np.diff(np.r_[starts, len(by)]))
@@ -96,13 +96,12 @@ def _columns(prog: Program) -> tuple[list[int], tuple[list, ...]]:
     recvs = np.flatnonzero((op == RECV_ACT) | (op == RECV_GRAD))
     if len(needs):
         peer[needs] = placement[np.where(f_remote[needs], prev_s[needs], next_s[needs])]
-        if len(recvs):
-            rkey = rank[recvs] * (2 * S * m) + msg[recvs]
-            order = np.argsort(rkey, kind="stable")
-            keys = rkey[order]
-            want = rank[needs] * (2 * S * m) + msg[needs]
-            at = np.clip(np.searchsorted(keys, want), 0, len(keys) - 1)
-            k[needs] = np.where(keys[at] == want, k[recvs][order][at], -1)
+        if len(recvs):  # a message key names one message: look its receive up directly
+            k_of = np.full(2 * S * m, -1, dtype=np.int64)
+            rank_of = np.full(2 * S * m, -1, dtype=np.int64)
+            k_of[msg[recvs]] = k[recvs]
+            rank_of[msg[recvs]] = rank[recvs]
+            k[needs] = np.where(rank_of[msg[needs]] == rank[needs], k_of[msg[needs]], -1)
     q = np.clip(peer, 0, R - 1)
     chan = np.minimum(rank, q) * R + np.maximum(rank, q)
     out, back = rank * R + q, q * R + rank
