@@ -11,28 +11,15 @@ import re
 import shlex
 import subprocess
 import sys
-from contextlib import redirect_stderr, redirect_stdout
-from io import StringIO
 from pathlib import Path
 
 import pytest
+from cli_helpers import run_cli as run
 
 from pipec import library
-from pipec.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.pipe"))
-
-
-def run(*argv: str) -> tuple[int, str, str]:
-    """Run `pipec ARGV` in-process: (exit status, stdout, stderr). argparse's exits count as statuses."""
-    out, err = StringIO(), StringIO()
-    with redirect_stdout(out), redirect_stderr(err):
-        try:
-            rc = main(list(argv))
-        except SystemExit as e:
-            rc = e.code if isinstance(e.code, int) else 1
-    return rc, out.getvalue(), err.getvalue()
 
 
 def one_f_one_b_cells(p: int, m: int) -> list[list[str]]:

@@ -13,18 +13,16 @@ import json
 import math
 import subprocess
 import sys
-from contextlib import redirect_stderr, redirect_stdout
-from io import StringIO
 from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_helpers import run_cli as run
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from strategies import random_schedules
 
 from pipec.api import build, load
-from pipec.cli import main
 from pipec.compiler import compile_schedule
 from pipec.costs import cost_model, normalize
 from pipec.errors import PipecError, Source
@@ -34,16 +32,6 @@ from pipec.topology import read_topology, with_topology
 
 ROOT = Path(__file__).resolve().parent.parent
 SOME = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-
-def run(*argv: str) -> tuple[int, str, str]:
-    out, err = StringIO(), StringIO()
-    with redirect_stdout(out), redirect_stderr(err):
-        try:
-            rc = main(list(argv))
-        except SystemExit as e:
-            rc = e.code if isinstance(e.code, int) else 1
-    return rc, out.getvalue(), err.getvalue()
 
 
 def two_dc(p: int, cut: int, latency: float | None = 0.04, bandwidth: float | None = 10e9) -> Topology:

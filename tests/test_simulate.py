@@ -14,19 +14,17 @@ import re
 import shlex
 import subprocess
 import sys
-from contextlib import redirect_stderr, redirect_stdout
-from io import StringIO
 from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_helpers import run_cli as run
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from strategies import deps, random_schedules
 
 from pipec import library
 from pipec.api import build, load
-from pipec.cli import main
 from pipec.compiler import compile_schedule
 from pipec.costs import cost_model, cost_spec, dump_costs, normalize, parse_overrides, read_cost_file
 from pipec.errors import PipecError, Source
@@ -46,16 +44,6 @@ def sim(name: str, costs: dict | None = None, memory: dict | None = None, **para
     prog = compile_schedule(s).program
     tl = simulate(prog, cost_model(s, [normalize(costs)] if costs else []))
     return stats(tl, memory_model(s, memory)), tl
-
-
-def run(*argv: str) -> tuple[int, str, str]:
-    out, err = StringIO(), StringIO()
-    with redirect_stdout(out), redirect_stderr(err):
-        try:
-            rc = main(list(argv))
-        except SystemExit as e:
-            rc = e.code if isinstance(e.code, int) else 1
-    return rc, out.getvalue(), err.getvalue()
 
 
 # ---------------------------------------------------------------- closed forms

@@ -10,18 +10,16 @@ The heavy targets live in benchmarks/synth_targets.py.
 from __future__ import annotations
 
 import json
-from contextlib import redirect_stderr, redirect_stdout
-from io import StringIO
 from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_helpers import run_cli as cli
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipec import synth
 from pipec.api import build, load
-from pipec.cli import main
 from pipec.compiler import compile_schedule
 from pipec.costs import cost_model, normalize
 from pipec.errors import PipecError, Source
@@ -32,16 +30,6 @@ from pipec.report import run as simulate_schedule
 ROOT = Path(__file__).resolve().parent.parent
 UNEVEN = normalize({"T_F": 1, "T_B": 1.2, "T_W": 0.8, "comm": 0.05})
 HAS_SOLVER = synth.solver_available() is None
-
-
-def cli(*argv: str) -> tuple[int, str, str]:
-    out, err = StringIO(), StringIO()
-    with redirect_stdout(out), redirect_stderr(err):
-        try:
-            rc = main(list(argv))
-        except SystemExit as e:
-            rc = e.code if isinstance(e.code, int) else 1
-    return rc, out.getvalue(), err.getvalue()
 
 
 def text_build(text: str, params=()):

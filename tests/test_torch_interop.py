@@ -16,14 +16,13 @@ import re
 import subprocess
 import sys
 import time
-from contextlib import redirect_stderr, redirect_stdout
-from io import StringIO
 from pathlib import Path
 from unittest import mock
 
 import pytest
 import torch
 import torch_pipelining_worker as worker
+from cli_helpers import run_cli
 from hypothesis import event, given, settings
 from strategies import random_schedules
 from test_library import TORCH, grid_ms, orders, param_names, try_load
@@ -33,7 +32,6 @@ from torch.distributed.pipelining.stage import PipelineStage
 
 from pipec import library
 from pipec.api import build
-from pipec.cli import main
 from pipec.compiler import compile_schedule
 from pipec.errors import PipecError, Source
 from pipec.ir import Schedule
@@ -108,16 +106,6 @@ def torch_simulate(rt: ts._PipelineScheduleRuntime) -> None:
 def torch_csv_text(rows) -> str:
     """What torch's `_dump_csv` writes (csv.writer: None as an empty cell, `str(action)`)."""
     return "".join(",".join("" if a is None else str(a) for a in row) + "\r\n" for row in rows)
-
-
-def run_cli(*argv: str) -> tuple[int, str, str]:
-    out, err = StringIO(), StringIO()
-    with redirect_stdout(out), redirect_stderr(err):
-        try:
-            rc = main(list(argv))
-        except SystemExit as e:
-            rc = e.code if isinstance(e.code, int) else 1
-    return rc, out.getvalue(), err.getvalue()
 
 
 # ---------------------------------------------------------------- (1) round trip
