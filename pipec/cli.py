@@ -130,6 +130,13 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser(
+        "profile", help="measure a model's per-stage costs and write a cost file", description=_doc(cmd_profile)
+    )
+    _schedule_args(p)
+    _profile_args(p)
+    p.set_defaults(func=cmd_profile)
+
+    p = sub.add_parser(
         "export", help="write a checked schedule as torch.distributed.pipelining's CSV", description=_doc(cmd_export)
     )
     _schedule_args(p)
@@ -380,6 +387,72 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"pipec run: error: the runtime needs torch ({e}); install pipec[runtime]", file=sys.stderr)
         return 1
     return run(args, program)
+
+
+def _profile_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, metavar="PATH", help="the model file (see docs/runtime.md)")
+    p.add_argument("-o", "--output", metavar="OUT", help="write the cost file here (.toml, or .json); default: print")
+    p.add_argument("--reps", type=int, default=20, metavar="N", help="timed runs per op (default 20; medians)")
+    p.add_argument("--warmup", type=int, default=3, metavar="N", help="untimed runs first (default 3)")
+    p.add_argument("--threads", type=int, default=None, metavar="N", help="torch threads (default: a rank's share)")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--seed", type=int, default=0, help="weights are seeded by (seed, stage), as in pipec run")
+    p.add_argument("--no-comm", dest="comm", action="store_false", help="skip the link measurement (gloo)")
+    p.add_argument("--json", action="store_true", help="print the measurements as JSON")
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    """Measure T_F, T_B, T_W per stage (and the full backward, and the optimizer step) and the message
+    sizes of a model file on this machine, the way the runtime runs them, plus a gloo link's latency and
+    bandwidth; write the cost file `pipec simulate --cost` reads. See docs/runtime.md."""
+    program = compile_schedule(_build(args)).program
+    if args.reps < 1 or args.warmup < 0:
+        print("pipec profile: error: --reps must be at least 1 and --warmup at least 0", file=sys.stderr)
+        return MISUSE
+    try:
+        from pipec.runtime.errors import PipelineError
+        from pipec.runtime.model import load_model
+        from pipec.runtime.profile import profile, summary_lines
+    except ImportError as e:
+        print(f"pipec profile: error: profiling needs torch ({e}); install pipec[runtime]", file=sys.stderr)
+        return 1
+    from pipec.costs import dump_costs
+
+    try:
+        model = load_model(args.model)
+        prof = profile(
+            program,
+            model,
+            reps=args.reps,
+            warmup=args.warmup,
+            threads=args.threads,
+            device=args.device,
+            seed=args.seed,
+            comm=args.comm,
+        )
+    except PipelineError as e:
+        print(f"pipec profile: error: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # the model's own code failed: its traceback, then one line
+        import traceback
+
+        traceback.print_exc()
+        print(f"pipec profile: error: {args.model}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    as_json = bool(args.output) and not args.output.endswith(".toml")
+    text = dump_costs(prof.cost_doc(), toml=not as_json)
+    if args.json:
+        print(json.dumps({"costs": prof.cost_doc(), "output": args.output}))
+    if args.output:
+        if not _write("pipec profile", args.output, text):
+            return MISUSE
+        if not args.json:
+            print("\n".join(summary_lines(prof)))
+            defines = "".join(f" -D {k}={v}" for k, v in args.defines)
+            print(f"wrote {args.output}; simulate with: pipec simulate {args.schedule}{defines} --cost {args.output}")
+    elif not args.json:
+        sys.stdout.write(text)
+    return 0
 
 
 def _write(prog: str, path: str | None, text: str) -> bool:

@@ -1,0 +1,359 @@
+"""`pipec profile`: measure a model's per-stage costs on this machine and write the simulator's cost file.
+
+    pipec profile 1f1b -D p=2 -D m=8 --model examples/mlp.py -o mlp.toml
+    pipec simulate 1f1b -D p=2 -D m=8 --cost mlp.toml
+
+Every stage of the schedule (its number of stages, its micro-batches) is built in this one process, as
+the runtime builds it (same seeds, dtype, device), and run through the runtime's own `Stage` code on the
+micro-batches of `batch(0)`: the forward pass (`F`, with the loss on the last stage), the full backward,
+and the split backward, input gradient (`BWD`) then weight gradient (`WGRAD`). Each is timed `reps` times
+after `warmup` rounds; the medians go into the file. Message sizes come from the tensors stages pass on:
+`act_bytes[s]` what stage s sends forward, `grad_bytes[s]` the input gradient it sends back. With `comm`,
+two processes time messages of those sizes over the backend (gloo ping-pong) and the file gets a link
+`latency` and `bandwidth`.
+
+What the cost file says depends on the schedule: with split backward, `B` and `W` are the input- and
+weight-gradient passes as the runtime runs them (the first stage's B is ~0: it needs no input gradient,
+its W is its whole backward); without, `B` is the full backward and `W` is left out (the cost model then
+takes B as the full backward). Every measurement, including the optimizer step (which the simulator
+does not model), is also kept in the `[measured.*]` tables.
+
+Threads: by default torch uses the number `pipec run` gives each of its processes (OMP_NUM_THREADS, or
+the CPUs divided by the ranks), so the times are those of a rank in a run on this machine.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pipec.program import Program
+from pipec.runtime.microbatch import as_args, split, to_device
+from pipec.runtime.model import Model, build_stage_module, default_optimizer
+from pipec.runtime.stage import Stage
+
+
+@dataclass
+class Profile:
+    """Per-stage medians (seconds) and message sizes (bytes), and how they were measured."""
+
+    schedule: str
+    params: tuple[tuple[str, int], ...]
+    split_backward: bool
+    forward: list[float]
+    full_backward: list[float]
+    input_backward: list[float]
+    weight_backward: list[float]
+    optimizer_step: list[float]
+    act_bytes: list[int]
+    grad_bytes: list[int]
+    info: dict[str, Any] = field(default_factory=dict)
+    latency: float | None = None  # one-way time of a small message, seconds
+    bandwidth: float | None = None  # bits per second, beyond the latency; None: not measured or unmeasurable
+
+    def cost_doc(self) -> dict:
+        """The cost file's document (for `pipec.costs.dump_costs`)."""
+        params = " ".join(f"{k}={v}" for k, v in self.params)
+        doc: dict[str, Any] = {
+            "comment": (
+                f"measured by pipec profile: {self.schedule} ({params}), model {self.info.get('model')}, "
+                f"{self.info.get('dtype')} on {self.info.get('device')}, {self.info.get('threads')} thread(s), "
+                f"medians of {self.info.get('reps')} runs"
+            ),
+            "unit": "s",
+            "schedule": self.schedule,
+            "params": params,
+            "F": _r(self.forward),
+        }
+        if self.split_backward:
+            doc["B"] = _r(self.input_backward)
+            doc["W"] = _r(self.weight_backward)
+        else:
+            doc["B"] = _r(self.full_backward)  # B without W: the cost model's full backward
+        doc["act_bytes"] = list(self.act_bytes)
+        doc["grad_bytes"] = list(self.grad_bytes)
+        if self.latency is not None:
+            doc["latency"] = round(self.latency, 9)
+        if self.bandwidth is not None:
+            doc["bandwidth"] = float(f"{self.bandwidth:.6g}")
+        doc["measured"] = {
+            "stages": {
+                "forward": _r(self.forward),
+                "full_backward": _r(self.full_backward),
+                "input_backward": _r(self.input_backward),
+                "weight_backward": _r(self.weight_backward),
+                "optimizer_step": _r(self.optimizer_step),
+            },
+            "run": {k: v for k, v in self.info.items() if v is not None},
+        }
+        return doc
+
+
+def _r(xs: list[float]) -> list[float]:
+    return [float(f"{x:.6g}") for x in xs]
+
+
+def _nbytes(tensors: tuple[torch.Tensor, ...]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def profile(
+    program: Program,
+    model: Model,
+    *,
+    reps: int = 20,
+    warmup: int = 3,
+    threads: int | None = None,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    loss_scale: float | None = None,
+    comm: bool = True,
+    backend: str = "gloo",
+) -> Profile:
+    """Measure every stage of `program` on `model` (see the module's docstring)."""
+    if reps < 1 or warmup < 0:
+        raise ValueError("reps must be at least 1 and warmup at least 0")
+    device = torch.device(device)
+    threads = threads or default_threads(program.num_ranks)
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        prof = _measure(program, model, reps, warmup, device, seed, loss_scale)
+    finally:
+        torch.set_num_threads(old_threads)
+    prof.info.update(
+        model=model.path,
+        dtype=str(next(iter(prof.info.pop("dtypes")), "none")),
+        device=str(device),
+        threads=threads,
+        reps=reps,
+        warmup=warmup,
+        host=os.uname().nodename,
+        when=time.strftime("%Y-%m-%d %H:%M:%S"),
+        loadavg_1min=round(os.getloadavg()[0], 2),
+    )
+    if comm and program.num_ranks > 1:
+        sizes = sorted({b for b in prof.act_bytes + prof.grad_bytes if b > 0})
+        if device.type == "cpu" and backend == "gloo":
+            prof.latency, prof.bandwidth = measure_link(max(sizes, default=0), reps=max(reps, 20))
+            prof.info["link"] = "gloo ping-pong between two local processes"
+        else:
+            prof.info["link"] = f"not measured ({backend} on {device.type}: profile measures gloo on CPU only)"
+    return prof
+
+
+def default_threads(ranks: int) -> int:
+    """What `pipec run` gives each process: OMP_NUM_THREADS, or the CPUs divided by the ranks."""
+    env = os.environ.get("OMP_NUM_THREADS")
+    if env and env.isdigit() and int(env) > 0:
+        return int(env)
+    return max(1, (os.cpu_count() or 1) // max(1, ranks))
+
+
+def _measure(
+    program: Program, model: Model, reps: int, warmup: int, device: torch.device, seed: int, loss_scale
+) -> Profile:
+    S, m = program.num_stages, program.num_microbatches
+    scale = 1.0 / m if loss_scale is None else loss_scale
+    modules = [
+        build_stage_module(model.build_stage, s, S, seed=seed, dtype=model.dtype, device=device, where="build_stage")
+        for s in range(S)
+    ]
+    make_opt = model.optimizer or default_optimizer
+    opts = []
+    for mod in modules:
+        params = [p for p in mod.parameters() if p.requires_grad]
+        opts.append(make_opt(params) if params else None)
+
+    def stages(split_backward: bool) -> list[Stage]:
+        return [
+            Stage(s, S, mod, model.loss_fn if s == S - 1 else None, scale, split_backward, None)
+            for s, mod in enumerate(modules)
+        ]
+
+    full, split_ = stages(False), stages(True)
+    inputs, targets = model.batch(0)
+    mb_in = [as_args(to_device(x, device, model.dtype)) for x in split(inputs, m, "inputs")]
+    mb_tg = [to_device(t, device) for t in split(targets, m, "targets")]
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+    def clock() -> float:
+        sync()
+        return time.perf_counter()
+
+    times: dict[str, list[list[float]]] = {k: [[] for _ in range(S)] for k in ("F", "full", "B", "W", "step")}
+    act = [[] for _ in range(S)]
+    grad = [[] for _ in range(S)]
+
+    def forward(sts: list[Stage], mb: int, keep: bool) -> None:
+        args = mb_in[mb]
+        for s, st in enumerate(sts):
+            t0 = clock()
+            out = st.forward(mb, args, mb_tg[mb] if s == S - 1 else None)
+            t1 = clock()
+            if keep:
+                times["F"][s].append(t1 - t0)
+                if s < S - 1:
+                    act[s].append(_nbytes(out))
+            args = out
+
+    for rep in range(warmup + reps):
+        keep = rep >= warmup
+        mb = rep % m
+        # the full backward
+        forward(full, mb, keep)
+        grads = None
+        for s in reversed(range(S)):
+            t0 = clock()
+            grads = full[s].backward(mb, grads)
+            t1 = clock()
+            if keep:
+                times["full"][s].append(t1 - t0)
+                if s > 0:
+                    grad[s].append(_nbytes(grads))
+        # the optimizer step, on the gradients just computed
+        for s, opt in enumerate(opts):
+            if opt is not None:
+                t0 = clock()
+                opt.step()
+                t1 = clock()
+                if keep:
+                    times["step"][s].append(t1 - t0)
+        for st in full:
+            st.zero_grad()
+        # the split backward: every BWD, then every WGRAD (as a zero-bubble schedule orders them)
+        forward(split_, mb, keep)
+        grads = None
+        for s in reversed(range(S)):
+            t0 = clock()
+            grads = split_[s].backward(mb, grads)
+            t1 = clock()
+            if keep:
+                times["B"][s].append(t1 - t0)
+        for s in reversed(range(S)):
+            t0 = clock()
+            split_[s].wgrad(mb)
+            t1 = clock()
+            if keep:
+                times["W"][s].append(t1 - t0)
+        for st in split_:
+            st.zero_grad()
+
+    med = {k: [statistics.median(v) if v else 0.0 for v in per] for k, per in times.items()}
+    mean_bytes = lambda xs: round(statistics.fmean(xs)) if xs else 0  # noqa: E731
+    dtypes = {p.dtype for mod in modules for p in mod.parameters()} or {model.dtype}
+    return Profile(
+        schedule=program.name,
+        params=tuple(program.params),
+        split_backward=program.split_backward,
+        forward=med["F"],
+        full_backward=med["full"],
+        input_backward=med["B"],
+        weight_backward=med["W"],
+        optimizer_step=med["step"],
+        act_bytes=[mean_bytes(a) for a in act],
+        grad_bytes=[mean_bytes(g) for g in grad],
+        info={"dtypes": sorted(str(d).removeprefix("torch.") for d in dtypes if d is not None)},
+    )
+
+
+# ---- the link: a gloo ping-pong between two local processes --------------------------------------------
+
+
+def measure_link(nbytes: int, reps: int = 20, timeout: float = 120.0) -> tuple[float | None, float | None]:
+    """One-way time of a small message (latency, s) and the bandwidth (bit/s) beyond it, from a gloo
+    ping-pong of 8 bytes and of `nbytes` between two fresh local processes; (None, None) if it fails."""
+    import multiprocessing as mp
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_pingpong, args=(r, store.port, nbytes, reps, out), daemon=True) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        small, big = out.get(timeout=timeout)
+    except Exception:
+        return None, None
+    finally:
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+    latency = small
+    if nbytes <= 8 or big <= small:
+        return latency, None
+    return latency, (nbytes - 8) * 8 / (big - small)
+
+
+def _pingpong(rank: int, port: int, nbytes: int, reps: int, out) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE="2",
+        TORCHELASTIC_USE_AGENT_STORE="True",
+    )
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        results = [_rtt(rank, dist, n, reps) / 2 for n in (8, max(nbytes, 8))]
+        if rank == 0:
+            out.put(tuple(results))
+    finally:
+        dist.destroy_process_group()
+
+
+def _rtt(rank: int, dist, nbytes: int, reps: int) -> float:
+    buf = torch.zeros(max(1, nbytes // 8), dtype=torch.float64)
+    peer = 1 - rank
+    times = []
+    for i in range(reps + 3):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if rank == 0:
+            dist.isend(buf, peer, tag=i).wait()
+            dist.irecv(buf, peer, tag=i).wait()
+        else:
+            dist.irecv(buf, peer, tag=i).wait()
+            dist.isend(buf, peer, tag=i).wait()
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def summary_lines(prof: Profile) -> list[str]:
+    """A table of the measurements, for `pipec profile` to print."""
+    ms = lambda x: f"{x * 1e3:.3f}"  # noqa: E731
+    head = ["stage", "F ms", "B ms", "W ms", "full B ms", "opt ms", "act bytes", "grad bytes"]
+    rows = [
+        [
+            str(s),
+            ms(prof.forward[s]),
+            ms(prof.input_backward[s]),
+            ms(prof.weight_backward[s]),
+            ms(prof.full_backward[s]),
+            ms(prof.optimizer_step[s]),
+            str(prof.act_bytes[s]),
+            str(prof.grad_bytes[s]),
+        ]
+        for s in range(len(prof.forward))
+    ]
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    fmt = lambda r: "  ".join(x.rjust(w) for x, w in zip(r, widths))  # noqa: E731
+    lines = [fmt(head), *map(fmt, rows)]
+    if prof.latency is not None:
+        bw = f"{prof.bandwidth / 1e9:.3g} Gbit/s" if prof.bandwidth else "not measurable"
+        lines.append(f"link ({prof.info.get('link')}): latency {prof.latency * 1e6:.1f} us, bandwidth {bw}")
+    kind = "B = input gradient, W = weight gradient" if prof.split_backward else "B = the full backward (no W)"
+    lines.append(f"the cost file's B and W for {prof.schedule}: {kind}")
+    return lines
