@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+from contextlib import contextmanager
 from importlib import resources
 
 import lark
@@ -21,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.lark import from_lark
 
+from pipec import evaluate
 from pipec.api import build
 from pipec.errors import PipecError, Source
 from pipec.parse import parse
@@ -39,12 +41,27 @@ SMALL = {"p": 2, "m": 4, "v": 2}
 HUGE = ["0", "-1", "2147483648", "9223372036854775807", "99999999999999999999", "1" + "0" * 400, "1e999", "0.0"]
 
 
+@contextmanager
+def small_limits():
+    """Lower evaluate's size and work limits, so that no example spends seconds building a huge schedule."""
+    names = ("MAX_SIZE", "MAX_OPS", "WORK_FIXED")
+    saved = [getattr(evaluate, n) for n in names]
+    for n, v in zip(names, (256, 20_000, 5_000)):
+        setattr(evaluate, n, v)
+    try:
+        yield
+    finally:
+        for n, v in zip(names, saved):
+            setattr(evaluate, n, v)
+
+
 def run(text: str, params=()) -> None:
     """Parse and build; a PipecError is fine if every diagnostic formats, anything else fails the test."""
     source = Source("fuzz.pipe", text)
     try:
-        parse(source)
-        build(source, params)
+        with small_limits():
+            parse(source)
+            build(source, params)
     except PipecError as e:
         assert e.diagnostics
         lines = max(1, len(text.splitlines()))
@@ -161,7 +178,7 @@ def _op(kind: str):
     )
 
 
-op = st.one_of(_op("F"), _op("B"), _op("W"))
+op = st.one_of(_op("F"), _op("B"), _op("F"), _op("B"), _op("W"))
 
 
 def _compound(inner):
@@ -188,6 +205,33 @@ stmt = st.recursive(
 )
 
 
+ORDER_INT = int_exprs(["r", "p", "m"])
+
+
+@st.composite
+def orders(draw, kinds: str) -> str:
+    items = []
+    if draw(st.booleans()):
+        names = kinds.split(", ")
+        wrong = st.lists(st.sampled_from(names + ["X"]), min_size=1)
+        items.append("prefer " + ", ".join(draw(st.permutations(names) | wrong)))
+    if draw(st.booleans()):
+        items.append(f"inflight <= {draw(ORDER_INT)}")
+    if draw(st.integers(0, 3)) == 0:
+        items.append(f"inflight(s) <= {draw(int_exprs(['r', 'p', 's']))}")
+    if draw(st.integers(0, 3)) == 0:
+        items.append("fill W")
+    if draw(st.integers(0, 3)) == 0:
+        items.append(f"lag W = {draw(ORDER_INT)}")
+    return "order r {\n" + "\n".join(draw(st.permutations(items))) + "\n}"
+
+
+METRIC = st.sampled_from(["bubble", "bubble_time", "makespan", "ideal", "peak_memory(r)", "in_flight(0)"])
+expects = st.tuples(METRIC, st.sampled_from(CMP), TOP, st.sampled_from(["", " when p > 1"])).map(
+    lambda t: f"{t[0]} {t[1]} {t[2]}{t[3]}"
+)
+
+
 @st.composite
 def schedules(draw) -> tuple[str, dict[str, object]]:
     """A schedule with every part present most of the time; a third of rank blocks start from a correct one."""
@@ -207,7 +251,7 @@ def schedules(draw) -> tuple[str, dict[str, object]]:
     place = st.sampled_from(["s", "s % p", "if s < p then s else 2 * p - 1 - s"]) | int_exprs(["s", "p"])
     maybe(80, f"place s -> {draw(place)}")
     kinds = draw(st.sampled_from(["F, B"] * 5 + ["F, B, W"] * 5 + ["F", "F, B, W, W"]))
-    maybe(70, f"ops {kinds}")
+    maybe(90, f"ops {kinds}")
     maybe(30, f"cost {draw(st.sampled_from(['F', 'B', 'W', 'comm']))} = {draw(int_exprs(['s', 'p']))}")
     maybe(30, f"memory {draw(st.sampled_from(['act', 'wact', 'params']))} = {draw(int_exprs(['s', 'p']))}")
     maybe(10, f"memory limit = {draw(int_exprs(['r', 'p']))}")
@@ -216,7 +260,11 @@ def schedules(draw) -> tuple[str, dict[str, object]]:
     if draw(st.integers(0, 2)) == 0:  # a correct GPipe body, then random statements
         body[:0] = [f"for i in 0 .. m {{ {k}(i) }}" for k in kinds.split(", ")]
     head = f"let x = {draw(int_exprs(['p', 'm', 'r']))}\nlet i = 0\nlet s0 = r"
-    maybe(95, "rank r {\n" + head + "\n" + "\n".join(draw(st.permutations(body))) + "\n}")
+    if draw(st.integers(0, 3)) == 0:  # a policy instead of a rank block
+        lines.append(draw(orders(kinds)))
+    else:
+        maybe(95, "rank r {\n" + head + "\n" + "\n".join(draw(st.permutations(body))) + "\n}")
+    maybe(20, f"expect {draw(expects)}")
     lines.append("}")
     text = "\n".join(lines) + "\n"
     given_params = draw(st.sampled_from([{}, {"m": 2}, {"p": 1, "m": 1}, {"p": 3, "m": 5}, {"m": 0}]))
