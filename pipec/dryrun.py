@@ -52,7 +52,7 @@ class DryRun:
     waits: tuple[Wait, ...]  # for each stuck rank, what it waits on (empty when completed)
 
 
-def _columns(prog: Program) -> tuple[list[int], tuple[list, ...]]:
+def _columns(prog: Program) -> tuple[list[int], tuple[list, ...], bool]:
     """Per rank and instruction: message key it issues or awaits; local ops it needs (a BWD needs its
     forward and, when the next stage shares the rank, that stage's backward); key of the op it
     computes; its position k on the channel with its peer (for a compute: the k of the receive it
@@ -62,7 +62,7 @@ def _columns(prog: Program) -> tuple[list[int], tuple[list, ...]]:
     lengths = [len(rp) for rp in prog.ranks]
     offsets = np.cumsum([0] + lengths)
     if offsets[-1] == 0:
-        return offsets.tolist(), tuple([] for _ in range(10))
+        return offsets.tolist(), tuple([] for _ in range(10)), True
     placement = np.asarray(prog.placement, dtype=np.int64)
     op = np.concatenate([rp.op for rp in prog.ranks])
     mb = np.concatenate([rp.mb for rp in prog.ranks])
@@ -105,7 +105,20 @@ def _columns(prog: Program) -> tuple[list[int], tuple[list, ...]]:
     q = np.clip(peer, 0, R - 1)
     chan = np.minimum(rank, q) * R + np.maximum(rank, q)
     out, back = rank * R + q, q * R + rank
-    return offsets.tolist(), tuple(c.tolist() for c in (op, msg, dep1, dep2, own, group, chan, k, out, back))
+    # When every local input is computed earlier on its own rank, no compute can wait for one: the run
+    # then tracks remote inputs only (and leaves the three local-dependency columns empty).
+    computes = np.flatnonzero(op <= WGRAD)
+    where_own = np.full(3 * S * m, -1, dtype=np.int64)
+    where_own[own[computes]] = computes
+    local_in_order = True
+    for dep in (dep1, dep2):
+        at = np.flatnonzero(dep >= 0)
+        src = where_own[dep[at]]
+        local_in_order &= bool(((src >= 0) & (src < at) & (rank[np.maximum(src, 0)] == rank[at])).all())
+    if local_in_order:
+        dep1 = dep2 = own = np.zeros(0, dtype=np.int64)
+    cols = tuple(c.tolist() for c in (op, msg, dep1, dep2, own, group, chan, k, out, back))
+    return offsets.tolist(), cols, local_in_order
 
 
 def _message_keys(op, mb, s, S: int, m: int):
@@ -164,7 +177,7 @@ def dry_run(prog: Program) -> DryRun:
     """Run the Program under the rules above (after `check_channels`)."""
     check_channels(prog)
     S, m, R = prog.num_stages, prog.num_microbatches, prog.num_ranks
-    offsets, cols = _columns(prog)
+    offsets, cols, local_in_order = _columns(prog)
     ops, msgs, dep1s, dep2s, owns, groups, chans, ks, outs, backs = cols
     pc = offsets[:-1]  # global instruction indices, one per rank
     ends = offsets[1:]
@@ -190,6 +203,9 @@ def dry_run(prog: Program) -> DryRun:
                         if k >= 0:
                             waiting.setdefault(chans[j] * kmax + k, []).append(r)
                         break
+                if local_in_order:
+                    j += 1
+                    continue
                 d = dep1s[j]
                 if d < 0 or computed[d]:
                     d = dep2s[j]
