@@ -26,17 +26,13 @@ def _define(text: str) -> tuple[str, str]:
     return name.strip(), value.strip()
 
 
+def _define_arg(p: argparse.ArgumentParser, help: str) -> None:
+    p.add_argument("-D", dest="defines", metavar="NAME=VALUE", type=_define, action="append", default=[], help=help)
+
+
 def _schedule_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("schedule", metavar="FILE|NAME", help="a .pipe file, or the name of a library schedule")
-    p.add_argument(
-        "-D",
-        dest="defines",
-        metavar="NAME=VALUE",
-        type=_define,
-        action="append",
-        default=[],
-        help="set a schedule parameter (repeatable), e.g. -D p=4 -D m=8",
-    )
+    _define_arg(p, "set a schedule parameter (repeatable), e.g. -D p=4 -D m=8")
 
 
 def _mem(text: str) -> tuple[str, float]:
@@ -104,15 +100,7 @@ def _parser() -> argparse.ArgumentParser:
         description=_doc(cmd_simulate),
     )
     p.add_argument("schedule", metavar="FILE|NAME", nargs="+", help="one schedule, or several to compare")
-    p.add_argument(
-        "-D",
-        dest="defines",
-        metavar="NAME=VALUE",
-        type=_define,
-        action="append",
-        default=[],
-        help="set a schedule parameter (repeatable); with several schedules, each takes those it declares",
-    )
+    _define_arg(p, "set a schedule parameter (repeatable); with several schedules, each takes those it declares")
     _cost_args(p)
     _topology_arg(p)
     _memory_args(p)
@@ -634,15 +622,7 @@ def _test_args(p: argparse.ArgumentParser) -> None:
         default=[],
         help="values of a parameter to try: LO..HI (half-open, as in `for`) or a list A,B,C (repeatable)",
     )
-    p.add_argument(
-        "-D",
-        dest="defines",
-        metavar="NAME=VALUE",
-        type=_define,
-        action="append",
-        default=[],
-        help="fix a parameter to one value (repeatable)",
-    )
+    _define_arg(p, "fix a parameter to one value (repeatable)")
     p.add_argument("--runtime", action="store_true", help="also run small cases on the runtime (--local, needs torch)")
 
 
