@@ -120,9 +120,11 @@ def check_memory(sched: Schedule, reports: list[RankMemory]) -> None:
 
 
 def format_table(reports: list[RankMemory]) -> str:
-    rows = [("rank", "peak", "params", "limit", "at op", "live micro-batches")]
+    rows = [("rank", "peak", "params", "limit", "at op", "live micro-batches (@stage)")]
     for rep in reports:
-        live = ",".join(str(i) for i, _ in rep.live_act[:12]) + ("..." if len(rep.live_act) > 12 else "")
+        several = len({st for _, st in rep.live_act}) > 1  # name the stage too when the rank holds several
+        shown = [f"{i}@{st}" if several else str(i) for i, st in rep.live_act[:12]]
+        live = ",".join(shown) + ("..." if len(rep.live_act) > 12 else "")
         if rep.live_wact:
             live += f" (+{len(rep.live_wact)} awaiting W)"
         rows.append(
