@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import networkx as nx
 import pytest
+from cli_helpers import run_cli
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from strategies import RandomSchedule, deps, random_schedules
@@ -241,3 +245,36 @@ def test_malformed_program_text_is_a_diagnostic():
         from_text(text, "x.prog")
     assert info.value.code == "E501"
     assert info.value.span.line == text.splitlines().index("FWD 1") + 1
+
+
+def _e4xx_sections() -> dict[str, str]:
+    text = (Path(__file__).resolve().parent.parent / "docs" / "errors.md").read_text()
+    part = text.split("## Checks on the compiled program (E4xx)")[1]
+    pieces = re.split(r"^### (E\d{3})\b[^\n]*\n", part, flags=re.M)
+    return {pieces[i]: pieces[i + 1] for i in range(1, len(pieces), 2)}
+
+
+@pytest.mark.parametrize("code", ["E401", "E402"])
+def test_errors_doc_examples_print_what_they_show(code, tmp_path, monkeypatch):
+    body = _e4xx_sections()[code]
+    pipe = re.search(r"```pipe\n(.*?)```", body, flags=re.S).group(1)
+    shown = re.search(r"```console\n\$ pipec check t\.pipe\n(.*?)```", body, flags=re.S).group(1)
+    (tmp_path / "t.pipe").write_text(pipe)
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = run_cli("check", "t.pipe")
+    assert rc == 1 and err == shown
+
+
+@pytest.mark.parametrize("code", ["E403", "E404"])
+def test_errors_doc_python_examples_run(code, capsys):
+    body = _e4xx_sections()[code]
+    program = re.search(r"```python\n(.*?)```", body, flags=re.S).group(1)
+    expected = [line[2:] for line in program.splitlines() if line.startswith("# ")]
+    if code == "E404":
+        with pytest.raises(PipecError) as info:
+            exec(program, {})
+        assert info.value.code == "E404"
+        assert info.value.diagnostics[0].format().splitlines() == ["<input>: " + expected[0]] + expected[1:]
+    else:
+        exec(program, {})
+        assert capsys.readouterr().out.splitlines() == expected
