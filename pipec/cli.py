@@ -362,13 +362,38 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, default=None, metavar="N", help="processes (default: the schedule's ranks)")
     p.add_argument("--local", action="store_true", help="run every rank in this process (in-memory messages)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="--local: where to run (default cpu)")
+    p.add_argument(
+        "--emulate-links",
+        action="store_true",
+        help="hold back each message between datacenters by its link's latency and bandwidth (docs/cross-dc.md)",
+    )
+    p.add_argument(
+        "--link-scale",
+        type=float,
+        default=1.0,
+        metavar="X",
+        help="--emulate-links: latencies times X, bandwidths divided by X (default 1)",
+    )
+    _topology_arg(p)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Train a model file on a schedule: N local processes through torchrun (gloo on CPU, nccl on CUDA),
     or every rank in this process with --local. Prints a line per step; --check compares the loss,
     gradients and parameters with a single-process run. See docs/runtime.md."""
-    program = compile_schedule(_build(args)).program
+    sched = _on_network(args, _build(args))
+    program = compile_schedule(sched).program
+    args.links = None
+    if args.emulate_links:
+        try:
+            from pipec.runtime.links import links_of
+
+            args.links = links_of(sched, args.link_scale)
+        except ValueError as e:
+            print(f"pipec run: error: {e}", file=sys.stderr)
+            return 2
+        except ImportError:
+            pass  # reported just below
     try:
         from pipec.runtime.run import run
     except ImportError as e:

@@ -50,6 +50,12 @@ def add_run_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--backend", choices=("gloo", "nccl"), default="gloo", help="gloo (CPU) or nccl (CUDA)")
     ap.add_argument("--seed", type=int, default=0, help="weights are seeded by (seed, stage)")
     ap.add_argument(
+        "--links",
+        metavar="FILE.json",
+        default=None,
+        help="emulated links, as `pipec run --emulate-links` writes them (pipec.runtime.links)",
+    )
+    ap.add_argument(
         "--loss-scale",
         type=float,
         default=None,
@@ -182,7 +188,16 @@ class Worker:
             seed=args.seed,
             timeout=args.timeout,
             where=f"{m.path}: build_stage",
+            links=self._links(),
         )
+
+    def _links(self):
+        if not getattr(self.args, "links", None):
+            return None
+        from pipec.runtime.links import Links
+
+        with open(self.args.links) as f:
+            return Links.from_json(f.read())
 
     def _store_factory(self, dist, timeout: float):
         from datetime import timedelta
@@ -221,6 +236,8 @@ class Worker:
         needs_batch = runner.has_first or runner.has_last or reference is not None
         if self.rank == 0:
             print(header(self.program, f"{args.backend}, {self.world} processes", m.path), flush=True)
+            if getattr(runner.executor.comm, "links", None) is not None:
+                print(runner.executor.comm.links.describe(), flush=True)
         for step in range(args.steps):
             x, y = m.batch(step) if needs_batch else (None, None)
             res = runner.step(x, y, record=bool(args.trace) and step == args.steps - 1)

@@ -53,6 +53,11 @@ def worker_args(args: argparse.Namespace, program_path: str) -> list[str]:
         out += ["--trace", os.path.abspath(args.trace)]
     if args.loss_scale is not None:
         out += ["--loss-scale", repr(args.loss_scale)]
+    if getattr(args, "links", None) is not None:
+        links_path = os.path.join(os.path.dirname(program_path), "links.json")
+        with open(links_path, "w") as f:
+            f.write(args.links.to_json())
+        out += ["--links", links_path]
     return out
 
 
@@ -110,12 +115,17 @@ def run_local(args: argparse.Namespace, program: Program, model) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         return _misuse("--device cuda (or --backend nccl) with --local needs a GPU, and torch sees none")
     kw = dict(optimizer=model.optimizer, dtype=model.dtype, device=device, loss_scale=args.loss_scale, seed=args.seed)
-    pipe = LocalPipeline(program, model.build_stage, model.loss_fn, where=f"{model.path}: build_stage", **kw)
+    links = getattr(args, "links", None)
+    pipe = LocalPipeline(
+        program, model.build_stage, model.loss_fn, where=f"{model.path}: build_stage", links=links, **kw
+    )
     reference = None
     if args.check:
         reference = Reference(model.build_stage, model.loss_fn, program.num_stages, program.num_microbatches, **kw)
         checks = CheckStats()
     print(header(program, f"--local on {device.type}, one process", model.path), flush=True)
+    if links is not None:
+        print(links.describe() + " (--local: ranks interleaved, so step times are not parallel)", flush=True)
     for step in range(args.steps):
         x, y = model.batch(step)
         res = pipe.step(x, y, record=bool(args.trace) and step == args.steps - 1)

@@ -80,6 +80,7 @@ class Runner:
         kv: KV | None = None,
         group=None,
         where: str = "build_stage",
+        links: Any = None,
     ) -> None:
         if comm is None:
             import torch.distributed as dist
@@ -97,6 +98,10 @@ class Runner:
             comm = DistComm(program.num_stages, program.num_microbatches, torch.device(device), timeout, group)
         if rank is None or not 0 <= rank < program.num_ranks:
             raise PipelineError(f"rank {rank} is not in 0..{program.num_ranks - 1}")
+        if links is not None:  # emulated links between datacenters (pipec.runtime.links)
+            from pipec.runtime.links import EmulatedComm
+
+            comm = EmulatedComm(comm, rank, links, blocking=isinstance(comm, DistComm))
         self.program = program
         self.rank = rank
         self.device = torch.device(device or "cpu")
