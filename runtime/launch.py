@@ -133,6 +133,9 @@ class Worker:
         try:
             self._init(dist)
             code = self._train(dist)
+            # No rank tears its connections down while a peer may still be using them: an early
+            # teardown can abort a peer's gloo thread as it exits.
+            dist.barrier()
             self.monitor.stop()
             dist.destroy_process_group()
             return code
