@@ -408,6 +408,13 @@ def _remove(slots: list[list[Op3]], op: Op3) -> int:
     raise ValueError(op)
 
 
+def _move_before(slots: list[list[Op3]], op: Op3, target: Op3) -> None:
+    """Take op out of its slot and put it, alone, in a new slot just before target's."""
+    _remove(slots, op)
+    at = next(g for g, slot in enumerate(slots) if target in slot)
+    slots.insert(at, [op])
+
+
 def _mut_drop(base, draw, st) -> Mutation:
     r, op = draw(st.sampled_from(_droppable(base)))
     slots = base._slots(r)
@@ -436,9 +443,7 @@ def _mut_wrong_rank(base, draw, st) -> Mutation:
 def _mut_swap(base, draw, st) -> Mutation:
     r, needed, needer = draw(st.sampled_from(_dependency_pairs(base)))
     slots = base._slots(r)
-    _remove(slots, needer)
-    at = next(g for g, slot in enumerate(slots) if needed in slot)
-    slots.insert(at, [needer])
+    _move_before(slots, needer, needed)
     what = f"{_fmt_op(needer)} moved before {_fmt_op(needed)}, which it needs, on rank {r}"
     return Mutation(base._with_slots({r: slots}), "E304", what, r)
 
@@ -446,9 +451,7 @@ def _mut_swap(base, draw, st) -> Mutation:
 def _mut_cycle(base, draw, st) -> Mutation:
     X, w, u = draw(st.sampled_from(_cycle_candidates(base)))
     slots = base._slots(X)
-    _remove(slots, w)
-    at = next(g for g, slot in enumerate(slots) if u in slot)
-    slots.insert(at, [w])
+    _move_before(slots, w, u)
     Y = base.placement[w[2] + 1]
     what = f"{_fmt_op(w)} moved before {_fmt_op(u)} on rank {X}: a cycle of waits with rank {Y}"
     return Mutation(base._with_slots({X: slots}), "E401", what)
