@@ -19,6 +19,10 @@ a list with one per stage:
   number) instead give the time of a rank's share of the model, `p / S` of it
   per stage, so one value compares schedules with any number of chunks;
 - `comm`: a fixed time per message the stage sends (Zero Bubble's `T_comm`);
+- `overhead` (one number): the time a rank's own thread spends on each send and each receive it
+  issues, the `o` of the LogP model: the call that hands the message to the backend (on gloo the send
+  writes the data to the socket itself), so the rank computes nothing meanwhile (`pipec profile`
+  measures it; default 0);
 - `act_bytes`: bytes of the activation stage s sends to s + 1; `grad_bytes`:
   bytes of the gradient stage s sends to s - 1 (default: the activation size
   across the same boundary, `act_bytes[s - 1]`).
@@ -90,6 +94,7 @@ class CostModel:
     # datacenter A to datacenter B crosses one link (one per direction: links are full duplex), and
     # concurrent messages on it share its bandwidth; links inside a datacenter are not shared.
     link_group: np.ndarray | None = None
+    overhead: float = 0.0  # seconds of the rank's time per send or receive instruction (LogP's o)
 
     @property
     def num_stages(self) -> int:
@@ -97,7 +102,7 @@ class CostModel:
 
     @property
     def free_comm(self) -> bool:
-        return not (self.comm.any() or self.latency.any() or self._size_term())
+        return not (self.comm.any() or self.latency.any() or self._size_term() or self.overhead)
 
     def _size_term(self) -> bool:
         sized = (self.act_bytes > 0).any() or (self.grad_bytes > 0).any()
@@ -140,6 +145,7 @@ class CostModel:
             "comm": col(self.comm),
             "act_bytes": col(self.act_bytes),
             "grad_bytes": col(self.grad_bytes),
+            "overhead": self.overhead,
             "links": links,
             "free_comm": self.free_comm,
             "from": list(self.origin),
@@ -221,6 +227,8 @@ def normalize(doc: Mapping, what: str = "costs") -> dict:
             out[key] = quantity(value, "time", f"{what}: {key}")
         elif key == "bytes":  # both directions across each boundary
             out["act_bytes"] = _per_stage(value, "bytes", f"{what}: bytes")
+        elif key == "overhead":
+            out["overhead"] = quantity(value, "time", f"{what}: overhead")
         elif key == "latency":
             for c in LINK_CLASSES:
                 links.setdefault(c, {})["latency"] = quantity(value, "time", f"{what}: latency")
@@ -246,7 +254,8 @@ def normalize(doc: Mapping, what: str = "costs") -> dict:
             out["ranks_per_node"] = value
         else:
             known = ", ".join(
-                STAGE_KEYS + ("T_F", "T_B", "T_W", "bytes", "latency", "bandwidth", "links", "ranks_per_node")
+                STAGE_KEYS
+                + ("T_F", "T_B", "T_W", "bytes", "overhead", "latency", "bandwidth", "links", "ranks_per_node")
             )
             raise error("E801", f"{what}: unknown cost `{key}` (known: {known})")
     if links:
@@ -347,8 +356,10 @@ def cost_model(sched: Schedule, overrides: Sequence[Mapping] = ()) -> CostModel:
             vals[k] = np.asarray(per, dtype=float)
     given = set(sched.costs)
     ranks_per_node = None
+    overhead = 0.0
     for ov in overrides:
         ranks_per_node = ov.get("ranks_per_node", ranks_per_node)
+        overhead = ov.get("overhead", overhead)
     dc = _datacenter_of(sched, R)
     cls = _link_classes(dc, ranks_per_node)
     latency, bandwidth = _topology_links(sched, dc, cls)
@@ -404,6 +415,7 @@ def cost_model(sched: Schedule, overrides: Sequence[Mapping] = ()) -> CostModel:
         split_backward=sched.split_backward,
         origin=tuple(origin),
         link_group=_link_groups(dc, cls),
+        overhead=float(overhead),
     )
 
 

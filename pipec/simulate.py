@@ -5,8 +5,10 @@ stream in order on one compute stream; a compute op starts when the rank
 reaches it and its remote input has arrived (local inputs come earlier on the
 same stream), and runs for its cost. Sends are asynchronous: a message leaves
 when its rank reaches the SEND, after the compute before it, and costs the
-rank no time. Receives are posted where the Program places them and do not
-block; only the compute that needs the data waits for it. Messages are eager
+rank no time beyond the cost model's `overhead` (LogP's o: the rank's own time
+for each send and each receive instruction it issues; a message leaves when
+its send's overhead is over). Receives are posted where the Program places
+them and do not block; only the compute that needs the data waits for it. Messages are eager
 (a message may arrive before its receive is posted, as with gloo and NCCL's
 eager protocol; rendezvous stalls are what `pipec.dryrun` rules out, not what
 this models). Between two ranks, messages in one direction travel in issue
@@ -114,6 +116,7 @@ def simulate(prog: Program, costs: CostModel, *, _events: bool = False) -> Timel
         same = chan[by_chan][1:] == chan[by_chan][:-1]
         prev[by_chan[1:][same]] = by_chan[:-1][same]
 
+    off, tail, head = _overheads(costs.overhead, op, rank, lengths, cidx, sidx, before, own, R)
     ends = np.searchsorted(c_rank, np.arange(R), "right").tolist()
     starts_of_rank = np.searchsorted(c_rank, np.arange(R), "left").tolist()
     args = (
@@ -130,6 +133,9 @@ def simulate(prog: Program, costs: CostModel, *, _events: bool = False) -> Timel
         prev.tolist(),
         txd.tolist(),
         lat.tolist(),
+        off,
+        tail,
+        head,
     )
     group = _contended(costs, s_src, s_dst, chan, txd) if M else None
     if group is None and not _events:
@@ -175,7 +181,32 @@ def simulate(prog: Program, costs: CostModel, *, _events: bool = False) -> Timel
     )
 
 
-def _run(R, n, M, first, ends, need, cost, mlo, mhi, pre, prev, txd, lat):
+def _overheads(o: float, op, rank, lengths, cidx, sidx, before, own, R: int):
+    """The `overhead` o as times: per message, how long after the end of the compute op before its send
+    (or after time 0) it leaves; per compute op, the rank's time on the sends and receives after it, up
+    to its next compute op; per rank, the time on those before its first compute op. None when o = 0."""
+    if not o:
+        return None, None, None
+    comm = (op >= RECV_ACT) & (op <= SEND_GRAD)
+    cum = np.concatenate([[0], np.cumsum(comm)])  # comm instructions among the first i
+    rank_start = np.concatenate([[0], np.cumsum(lengths)])
+    c_rank = rank[cidx]
+    counts = np.bincount(c_rank, minlength=R)
+    if len(cidx):
+        last = np.append(c_rank[1:] != c_rank[:-1], True)  # the rank's last compute op
+        nxt = np.where(last, rank_start[c_rank + 1], np.append(cidx[1:], 0))
+        tail = o * (cum[nxt] - cum[cidx + 1])
+        first = cidx[np.minimum(np.searchsorted(c_rank, np.arange(R), "left"), len(cidx) - 1)]
+        stop = np.where(counts > 0, first, rank_start[1:])
+    else:
+        tail, stop = np.zeros(0), rank_start[1:]
+    head = o * (cum[stop] - cum[rank_start[:-1]])
+    anchor = np.where(own, cidx[np.maximum(before, 0)] + 1 if len(cidx) else 0, rank_start[rank[sidx]])
+    off = o * (cum[sidx + 1] - cum[anchor])
+    return off.tolist(), tail.tolist(), head.tolist()
+
+
+def _run(R, n, M, first, ends, need, cost, mlo, mhi, pre, prev, txd, lat, off, tail, head):
     """The event-driven pass over compute ops; lists, not arrays, for speed in the loop."""
     start = [0.0] * n
     end = [0.0] * n
@@ -197,10 +228,16 @@ def _run(R, n, M, first, ends, need, cost, mlo, mhi, pre, prev, txd, lat):
             a = arrival[p]
         arrival[x] = a
 
-    for x in pre:
-        leave(x, 0.0)
+    if off is not None:  # the overhead: sends leave when their own call is over
+        send_at = off
+        for x in pre:
+            leave(x, off[x])
+        clocks = list(head)
+    else:
+        for x in pre:
+            leave(x, 0.0)
+        clocks = [0.0] * R
     pc = list(first)
-    clocks = [0.0] * R
     queue = deque(range(R))
     while queue:
         r = queue.popleft()
@@ -220,10 +257,10 @@ def _run(R, n, M, first, ends, need, cost, mlo, mhi, pre, prev, txd, lat):
             lo, hi = mlo[j], mhi[j]
             if lo != hi:
                 for x in range(lo, hi):
-                    # inline of leave(x, clock), the hot path
-                    send_t[x] = clock
+                    # inline of leave(x, clock + its overhead), the hot path
+                    t0 = clock if off is None else clock + send_at[x]
+                    send_t[x] = t0
                     p = prev[x]
-                    t0 = clock
                     if p >= 0 and tx_end[p] > t0:
                         t0 = tx_end[p]
                     te = t0 + txd[x]
@@ -235,6 +272,8 @@ def _run(R, n, M, first, ends, need, cost, mlo, mhi, pre, prev, txd, lat):
                     w = waiting.pop(x, None)
                     if w is not None:
                         queue.append(w)
+            if tail is not None:
+                clock += tail[j]
             j += 1
         pc[r], clocks[r] = j, clock
     stuck = [r for r in range(R) if pc[r] < ends[r]]
@@ -262,7 +301,7 @@ def _contended(costs: CostModel, src: np.ndarray, dst: np.ndarray, chan: np.ndar
     return np.where(txd > 0, group, -1).tolist()
 
 
-def _run_events(R, n, M, first, ends, need, cost, mlo, mhi, pre, prev, txd, lat, chan, group):
+def _run_events(R, n, M, first, ends, need, cost, mlo, mhi, pre, prev, txd, lat, off, tail, head, chan, group):
     """The event-driven pass, in time order, for messages that share links.
 
     Each shared link is a processor-sharing server: the messages on it at one time each get an equal
@@ -286,10 +325,12 @@ def _run_events(R, n, M, first, ends, need, cost, mlo, mhi, pre, prev, txd, lat,
     link_ver = [0] * G
     chan_busy: dict[int, bool] = {}
     chan_queue: dict[int, deque] = {}
-    events: list = []  # (time, seq, kind, who, version): kind 0 = op end on rank `who`, 1 = link `who`
+    # (time, seq, kind, who, version): kind 0 = op end on rank `who`, 1 = link `who`, 2 = message `who`
+    # leaves (its send's overhead is over)
+    events: list = []
     seq = 0
     pc = list(first)
-    clock = [0.0] * R
+    clock = [0.0] * R if head is None else list(head)
 
     def push(t: float, kind: int, who: int, ver: int = 0) -> None:
         nonlocal seq
@@ -358,7 +399,10 @@ def _run_events(R, n, M, first, ends, need, cost, mlo, mhi, pre, prev, txd, lat,
             leave_wire(x, (tx_end[p] if p >= 0 and tx_end[p] > t else t) + txd[x])
 
     for x in pre:
-        send(x, 0.0)
+        if off is None:
+            send(x, 0.0)
+        else:
+            push(off[x], 2, x)
     for r in range(R):
         try_start(r)
     while events:
@@ -368,9 +412,16 @@ def _run_events(R, n, M, first, ends, need, cost, mlo, mhi, pre, prev, txd, lat,
             j = pc[r]
             clock[r] = t
             for x in range(mlo[j], mhi[j]):
-                send(x, t)
+                if off is None:
+                    send(x, t)
+                else:
+                    push(t + off[x], 2, x)
+            if tail is not None:
+                clock[r] = t + tail[j]
             pc[r] = j + 1
             try_start(r)
+        elif kind == 2:
+            send(who, t)
         elif ver == link_ver[who]:
             g = who
             advance(g, t)

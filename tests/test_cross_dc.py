@@ -256,7 +256,8 @@ def test_event_pass_equals_the_per_pair_pass(rs, data):
     sched = build(Source("random.pipe", rs.text()), {})
     topo, doc = data.draw(networks(sched.num_ranks, sched.num_stages))
     sched = with_topology(sched, topo)
-    model = dataclasses.replace(cost_model(sched, [normalize(doc)]), link_group=None)
+    overhead = data.draw(st.sampled_from([0.0, 0.05]))
+    model = dataclasses.replace(cost_model(sched, [normalize(doc)]), link_group=None, overhead=overhead)
     prog = compile_schedule(sched).program
     a, b = simulate(prog, model), simulate(prog, model, _events=True)
     for col in ("start", "end", "msg_send", "msg_arrival"):

@@ -29,7 +29,7 @@ from pipec.compiler import compile_schedule
 from pipec.costs import cost_model, cost_spec, dump_costs, normalize, parse_overrides, read_cost_file
 from pipec.errors import PipecError, Source
 from pipec.memory import memory_model, rank_memory
-from pipec.program import BWD, FWD, SEND_ACT, SEND_GRAD, WGRAD
+from pipec.program import BWD, FWD, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, WGRAD
 from pipec.render import Panel, plot_timelines, text_gantt
 from pipec.simulate import memory_curve, simulate, stats
 from pipec.timeline import Timeline
@@ -173,6 +173,21 @@ def test_1f1b_p2_by_hand():
     assert list(tl.msg_bytes) == [1e6] * 6
 
 
+def test_overhead_by_hand():
+    """GPipe p=2 m=1, T_F=1, full backward 2, overhead o per send and receive instruction.
+
+    rank 0: FWD, SEND_ACT, RECV_GRAD, BWD; rank 1: RECV_ACT, FWD, BWD, SEND_GRAD.
+      r0 F [0,1], its send's overhead ends at 1+o: the activation leaves then; the receive takes it to 1+2o
+      r1 posts its receive [0,o], F [1+o,2+o], B [2+o,4+o], the gradient leaves at 4+2o
+      r0 B [4+2o,6+2o]: makespan 6 + 2o.
+    """
+    o = 0.25
+    st_, tl = sim("gpipe", {"overhead": o}, p=2, m=1)
+    assert st_.makespan == 6 + 2 * o
+    assert [(s, e) for _, _, _, s, e in tl.rank_events(1)] == [(1 + o, 2 + o), (2 + o, 4 + o)]
+    assert sorted(tl.msg_send.tolist()) == [1 + o, 4 + 2 * o]
+
+
 def test_messages_on_one_link_queue_in_order():
     """Bytes over bandwidth: a message starts on the wire only after the previous one left."""
     costs = {"act_bytes": 2_000_000, "bandwidth": "8Mbps"}  # 2 s on the wire per message, T_F = 1
@@ -225,6 +240,9 @@ def test_per_rank_share_costs():
     assert m.F.tolist() == [0.5] * 8 and m.B.tolist() == [1.0] * 8 and m.W.tolist() == [0.25] * 8
     m = cost_model(s, [parse_overrides("T_F=1"), parse_overrides("F=3")])
     assert m.F.tolist() == [3.0] * 8
+    m = cost_model(s, [parse_overrides("overhead=50us"), parse_overrides("F=3")])
+    assert m.overhead == pytest.approx(50e-6) and m.describe()["overhead"] == m.overhead and not m.free_comm
+    assert cost_model(s, [parse_overrides("overhead=50us"), parse_overrides("overhead=0")]).overhead == 0
     with pytest.raises(PipecError, match="not both"):
         parse_overrides("F=1,T_F=1")
 
@@ -241,6 +259,8 @@ def _write(path: Path, text: str) -> Path:
         ("F=-1", "finite number >= 0"),
         ("speed=3", "unknown cost `speed`"),
         ("latency=10Gbps", "cannot read `10Gbps` as a time"),
+        ("overhead=-5us", "cannot read `-5us` as a time"),
+        ("overhead=-1", "finite number >= 0"),
         ("bandwidth=0", "bandwidth must be positive"),
         ("bandwidth.wan=1Gbps", "unknown link class `wan`"),
         ("F", "expected KEY=VALUE"),
@@ -305,8 +325,10 @@ def test_topology_links_and_declared_costs():
 
 
 def reference(prog, costs) -> tuple[dict, dict]:
-    """Instruction by instruction, rank by rank, until nothing moves: op key -> (start, end), msg -> arrival."""
+    """Instruction by instruction, rank by rank, until nothing moves: op key -> (start, end), msg -> arrival.
+    Every send and receive instruction takes the rank `overhead`; a message leaves when its send's is over."""
     S = prog.num_stages
+    o = costs.overhead
     pc, clock = [0] * prog.num_ranks, [0.0] * prog.num_ranks
     times, arrival, wire, last = {}, {}, {}, {}
     moved = True
@@ -331,7 +353,10 @@ def reference(prog, costs) -> tuple[dict, dict]:
                     start = clock[r]
                     clock[r] += dur
                     times[("FBW"[op], mb, s)] = (start, clock[r])
+                elif op in (RECV_ACT, RECV_GRAD):
+                    clock[r] += o
                 elif op in (SEND_ACT, SEND_GRAD):
+                    clock[r] += o
                     kind = "act" if op == SEND_ACT else "grad"
                     size = (costs.act_bytes if kind == "act" else costs.grad_bytes)[s]
                     bw = costs.bandwidth[r, peer]
@@ -356,6 +381,8 @@ def random_costs(draw, num_stages: int) -> dict:
         )
         doc["act_bytes"] = draw(st.lists(st.integers(0, 4_000_000), min_size=num_stages, max_size=num_stages))
         doc["bandwidth"] = draw(st.sampled_from(["8Mbps", "16Mbps", "1Gbps"]))
+    if draw(st.booleans()):
+        doc["overhead"] = draw(st.sampled_from([0.01, 0.25]))
     return normalize(doc)
 
 
@@ -418,23 +445,25 @@ def test_random_schedules_run_in_order_after_their_inputs(rs, data):
     assert tl.makespan >= max(finish.values(), default=0.0) - 1e-9
     st_ = stats(tl)
     assert tl.makespan >= st_.ideal - 1e-9 and 0 <= st_.bubble_rate < 1
-    # The same numbers as the independent reference, and as a second run (deterministic).
+    # The same numbers as the independent reference (which sums overheads one by one: equal to rounding),
+    # and as a second run (deterministic).
     times, arrival = reference(prog, costs)
     for op, (_, start, end) in ev.items():
-        assert times[op] == (start, end)
+        assert times[op] == pytest.approx((start, end), rel=1e-12, abs=1e-12)
     for key, (_, arr, _, _) in msgs.items():
-        assert arrival[key] == arr
+        assert arrival[key] == pytest.approx(arr, rel=1e-12, abs=1e-12)
     again = simulate(prog, costs)
     assert np.array_equal(again.start, tl.start) and np.array_equal(again.msg_arrival, tl.msg_arrival)
 
 
 @pytest.mark.parametrize("name", library.names())
-def test_library_matches_reference_and_memory_model(name):
+@pytest.mark.parametrize("overhead", [0, 0.125])
+def test_library_matches_reference_and_memory_model(name, overhead):
     s = load(name)
     prog = compile_schedule(s).program
-    costs = cost_model(s, [parse_overrides("F=1,B=1.5,W=0.5,latency=0.3")])
+    costs = cost_model(s, [parse_overrides(f"F=1,B=1.5,W=0.5,latency=0.25,overhead={overhead}")])
     tl = simulate(prog, costs)
-    times, _ = reference(prog, costs)
+    times, _ = reference(prog, costs)  # binary fractions: sums in any order agree exactly
     got = {
         ("FBW"[o], int(i), int(st_)): (float(a), float(b))
         for o, i, st_, a, b in zip(tl.op, tl.mb, tl.stage, tl.start, tl.end)
