@@ -7,6 +7,14 @@ of the step the table must be empty and every stage's backward done.
 
 `run` is a generator: over torch.distributed it never yields (waits block); in --local mode it yields
 whenever a message has not arrived, so one thread can interleave all ranks.
+
+`recv_ahead` posts each receive up to that many receives before the Program places it (0: where the
+Program says). gloo needs it: its point-to-point protocol is a rendezvous, so a message whose receive
+is posted after the send is only written when the sender's background thread handles the receiver's
+"ready" notice, and on a rank busy computing that thread may wait for the next scheduler tick
+(milliseconds). Posted ahead, the receive is known to the sender when it sends and the data goes out
+at once. NCCL must not post ahead: a pending receive holds up later transfers with the same peer on
+its stream, which the Program's channel order (`pipec.lower`) accounts for and an early post does not.
 """
 
 from __future__ import annotations
@@ -45,7 +53,10 @@ class Executor:
         stages: dict[int, Stage],
         comm: Any,
         on_reduce_grad: Callable[[int, torch.nn.Module], None] | None = None,
+        recv_ahead: int = 0,
     ) -> None:
+        if recv_ahead < 0:
+            raise ValueError(f"recv_ahead must be at least 0, got {recv_ahead}")
         rp = program.ranks[rank]
         self.program = program
         self.rank = rank
@@ -62,6 +73,12 @@ class Executor:
         self.handshaking = False
         self.record: list[tuple] | None = None  # measured events of this step when not None
         self.sync: Callable[[], None] = lambda: None  # CUDA: synchronize before reading the clock
+        self.recv_ahead = recv_ahead
+        # the receives in stream order, and each receive instruction's place in that order
+        self.recvs = [j for j, ins in enumerate(self.instrs) if ins[0] in (RECV_ACT, RECV_GRAD)]
+        self.recv_ord = {j: k for k, j in enumerate(self.recvs)}
+        self.posted = 0  # receives of this step posted so far (a prefix of self.recvs)
+        self.reached = 0  # receive instructions of this step the loop has reached
 
     # ---- where we are, for error messages -----------------------------------------------------
     def instr(self, j: int) -> Instr:
@@ -96,6 +113,8 @@ class Executor:
         values, stages, comm, S = self.values, self.stages, self.comm, self.S
         rec = self.record
         n = len(self.instrs)
+        self.posted = self.reached = 0
+        self._post_upto(self.recv_ahead)
         j = 0
         while j < n:
             self.at = j
@@ -131,10 +150,10 @@ class Executor:
                 if self.on_reduce_grad is not None:
                     self.on_reduce_grad(s, stages[s].module)
             elif grp and j + 1 < n and self.instrs[j + 1][0] in (RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD):
-                self._exchange([self.instrs[j], self.instrs[j + 1]])
+                self._exchange([j, j + 1])
                 j += 1
             else:  # a lone transfer
-                self._exchange([self.instrs[j]])
+                self._exchange([j])
             j += 1
         self.at = n
         left = [key_str(k) for k in self.values]
@@ -160,14 +179,31 @@ class Executor:
                 self.record.append(("recv", *key, peer, time.perf_counter()))
         return v
 
-    def _exchange(self, rows: list[tuple[int, int, int, int, int]]) -> None:
+    def _recv_item(self, j: int) -> tuple[str, tuple[int, int, int], int, Any]:
+        op, mb, s, peer, _ = self.instrs[j]
+        key = (ACT, mb, s - 1) if op == RECV_ACT else (GRAD, mb, s + 1)
+        if self.record is not None:
+            self.record.append(("post", *key, peer, time.perf_counter()))
+        return ("recv", key, peer, self.recv_specs[key])
+
+    def _post_upto(self, count: int) -> None:
+        """Post the step's receives, in stream order, until `count` of them are posted."""
+        count = min(count, len(self.recvs))
+        while self.posted < count:
+            _, key, peer, specs = self._recv_item(self.recvs[self.posted])
+            self.values[key] = self.comm.post(key, peer, specs)
+            self.posted += 1
+
+    def _exchange(self, js: list[int]) -> None:
         items = []
-        for op, mb, s, peer, _ in rows:
+        for j in js:
+            op, mb, s, peer, _ = self.instrs[j]
             if op == RECV_ACT or op == RECV_GRAD:
-                key = (ACT, mb, s - 1) if op == RECV_ACT else (GRAD, mb, s + 1)
-                items.append(("recv", key, peer, self.recv_specs[key]))
-                if self.record is not None:
-                    self.record.append(("post", *key, peer, time.perf_counter()))
+                k = self.recv_ord[j]
+                self.reached = k + 1
+                if k >= self.posted:  # not posted ahead: post it here, with the rest of the exchange
+                    items.append(self._recv_item(j))
+                    self.posted = k + 1
             else:
                 key = (ACT, mb, s) if op == SEND_ACT else (GRAD, mb, s)
                 tensors = self.values.pop(key)
@@ -184,6 +220,8 @@ class Executor:
                     self.record.append(("send", *key, peer, time.perf_counter(), nbytes))
         if len(items) > 1:
             handles = self.comm.exchange(items)
+        elif not items:
+            handles = []
         elif items[0][0] == "send":
             handles = [self.comm.send(*items[0][1:])]
         else:
@@ -191,3 +229,5 @@ class Executor:
         for (what, key, _, _), h in zip(items, handles):
             if what == "recv":
                 self.values[key] = h
+        if self.recv_ahead:
+            self._post_upto(self.reached + self.recv_ahead)

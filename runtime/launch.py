@@ -56,6 +56,13 @@ def add_run_options(ap: argparse.ArgumentParser) -> None:
         help="emulated links, as `pipec run --emulate-links` writes them (pipec.runtime.links)",
     )
     ap.add_argument(
+        "--recv-ahead",
+        type=int,
+        default=None,
+        metavar="N",
+        help="gloo: post each receive up to N receives before the Program places it (default 4; 0: where it says)",
+    )
+    ap.add_argument(
         "--loss-scale",
         type=float,
         default=None,
@@ -192,6 +199,7 @@ class Worker:
             timeout=args.timeout,
             where=f"{m.path}: build_stage",
             links=self._links(),
+            recv_ahead=args.recv_ahead,
         )
 
     def _links(self):

@@ -53,6 +53,8 @@ def worker_args(args: argparse.Namespace, program_path: str) -> list[str]:
         out += ["--trace", os.path.abspath(args.trace)]
     if args.loss_scale is not None:
         out += ["--loss-scale", repr(args.loss_scale)]
+    if args.recv_ahead is not None:
+        out += ["--recv-ahead", str(args.recv_ahead)]
     if getattr(args, "links", None) is not None:
         links_path = os.path.join(os.path.dirname(program_path), "links.json")
         with open(links_path, "w") as f:

@@ -29,6 +29,9 @@ from pipec.runtime.shapes import KV, Specs, TensorSpec, fmt, handshake
 from pipec.runtime.stage import Stage
 
 _IDS = itertools.count()
+# gloo: how many receives ahead of the Program's placement a rank posts (pipec.runtime.executor says why).
+# Each costs one posted buffer of a message's size.
+GLOO_RECV_AHEAD = 4
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,7 @@ class Runner:
         group=None,
         where: str = "build_stage",
         links: Any = None,
+        recv_ahead: int | None = None,
     ) -> None:
         if comm is None:
             import torch.distributed as dist
@@ -96,6 +100,13 @@ class Runner:
             store = dist.PrefixStore(f"pipec/{next(_IDS)}/", dist.distributed_c10d._get_default_store())
             kv = StoreKV(store, timeout) if kv is None else kv
             comm = DistComm(program.num_stages, program.num_microbatches, torch.device(device), timeout, group)
+            if recv_ahead is None:
+                recv_ahead = GLOO_RECV_AHEAD if comm.pg is not None else 0
+            elif recv_ahead and comm.pg is None:
+                raise PipelineError(
+                    f"recv_ahead={recv_ahead}: receives can be posted ahead on gloo only; NCCL must post them "
+                    "where the Program places them (a pending receive holds up the peer's later transfers)"
+                )
         if rank is None or not 0 <= rank < program.num_ranks:
             raise PipelineError(f"rank {rank} is not in 0..{program.num_ranks - 1}")
         if links is not None:  # emulated links between datacenters (pipec.runtime.links)
@@ -127,7 +138,7 @@ class Runner:
                 program.split_backward,
                 make_opt(params) if params else None,
             )
-        self.executor = Executor(program, rank, self.stages, comm, on_reduce_grad)
+        self.executor = Executor(program, rank, self.stages, comm, on_reduce_grad, recv_ahead or 0)
         if self.device.type == "cuda":
             self.executor.sync = lambda: torch.cuda.synchronize(self.device)
         self.first_specs: list[Specs] | None = None

@@ -1,6 +1,7 @@
 """A multi-process worker for tests/test_runtime_dist.py: runs several schedules in one process group
 through the Python API (Runner) and writes, per schedule, its errors against the single-process
-reference: loss and gradients after the first step, parameters after the last.
+reference: loss and gradients after the first step, parameters after the last. Every other schedule
+posts its receives where the Program places them (recv_ahead=0), the rest as gloo runs do by default.
 
     python tests/runtime_worker.py OUT_DIR STEPS NAME:k=v,k=v ...   (or main([...]) in a forked rank)
 """
@@ -32,12 +33,13 @@ def main(argv: list[str] | None = None) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank = dist.get_rank()
     results = {}
-    for spec in configs:
+    for i, spec in enumerate(configs):
         name, _, kv = spec.partition(":")
         params = {k: int(v) for k, v in (item.split("=") for item in kv.split(","))}
         prog = compile_schedule(load(name, **params)).program
         kw = dict(optimizer=model.optimizer, dtype=model.dtype)
-        runner = Runner(prog, model.build_stage, model.loss_fn, timeout=30, **kw)
+        ahead = 0 if i % 2 else None
+        runner = Runner(prog, model.build_stage, model.loss_fn, timeout=30, recv_ahead=ahead, **kw)
         ref = Reference(model.build_stage, model.loss_fn, prog.num_stages, prog.num_microbatches, **kw)
         res: dict[str, object] = {"stages": sorted(runner.stages)}
         for step in range(steps):

@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 from pipec import library  # noqa: E402
 from pipec.api import load  # noqa: E402
 from pipec.compiler import compile_schedule  # noqa: E402
+from pipec.program import RECV_ACT, RECV_GRAD, WGRAD  # noqa: E402
 from pipec.runtime import LocalPipeline, Reference, load_model  # noqa: E402
 from pipec.runtime.reference import compare, rel_err  # noqa: E402
 
@@ -57,3 +58,40 @@ def test_local_equals_reference(name, p, mlp):
             assert max(grads.values()) <= TOL, grads
     params = compare(pipe.named_parameters(), ref.named_parameters())
     assert max(params.values()) <= TOL, params
+
+
+@pytest.mark.parametrize("ahead", [1, 3, 1000])
+@pytest.mark.parametrize("name", ["1f1b", "interleaved-1f1b", "zb-v", "dualpipe-v"])
+def test_receives_posted_ahead(name, ahead, mlp):
+    """recv_ahead=N: when the loop reaches a compute op, exactly the receives the Program places before it
+    plus the next N (in stream order) are posted, and training is unchanged (bit for bit: same ops, same
+    order; only the posts move)."""
+    torch.set_num_threads(1)
+    prog = compile_schedule(load(name, **schedule_params(name, 4))).program
+    kw = dict(optimizer=mlp.optimizer, dtype=mlp.dtype)
+    x, y = mlp.batch(0)
+    base = LocalPipeline(prog, mlp.build_stage, mlp.loss_fn, **kw)
+    early = LocalPipeline(prog, mlp.build_stage, mlp.loss_fn, recv_ahead=ahead, **kw)
+    assert early.step(x, y, record=True).loss == base.step(x, y).loss
+    for (k, a), b in zip(early.named_gradients().items(), base.named_gradients().values()):
+        assert torch.equal(a, b), k
+    for rank, events in enumerate(early.events()):
+        rp = prog.ranks[rank]
+        is_recv = (rp.op == RECV_ACT) | (rp.op == RECV_GRAD)
+        computes = [j for j, op in enumerate(rp.op.tolist()) if op <= WGRAD]
+        total = int(is_recv.sum())
+        posted = 0
+        seen = []
+        for e in events:
+            if e[0] == "post":
+                posted += 1
+                seen.append(e[1:4])
+            elif e[0] == "compute":
+                j = computes.pop(0)
+                assert posted == min(total, int(is_recv[:j].sum()) + ahead), (rank, j)
+        program_order = [
+            (0, mb, s - 1) if op == RECV_ACT else (1, mb, s + 1)
+            for op, mb, s in zip(rp.op.tolist(), rp.mb.tolist(), rp.stage.tolist())
+            if op in (RECV_ACT, RECV_GRAD)
+        ]
+        assert seen == program_order
