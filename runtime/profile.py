@@ -6,11 +6,15 @@
 Every stage of the schedule (its number of stages, its micro-batches) is built in this one process, as
 the runtime builds it (same seeds, dtype, device), and run through the runtime's own `Stage` code on the
 micro-batches of `batch(0)`: the forward pass (`F`, with the loss on the last stage), the full backward,
-and the split backward, input gradient (`BWD`) then weight gradient (`WGRAD`). Each is timed `reps` times
-after `warmup` rounds; the medians go into the file. Message sizes come from the tensors stages pass on:
-`act_bytes[s]` what stage s sends forward, `grad_bytes[s]` the input gradient it sends back. With `comm`,
-two processes time messages of those sizes over the backend (gloo ping-pong) and the file gets a link
-`latency` and `bandwidth`.
+and the split backward, input gradient (`BWD`) then weight gradient (`WGRAD`). Gradients accumulate over
+m micro-batches between optimizer steps, as in a run. Each is timed `reps` times after `warmup` rounds;
+the medians go into the file. Message sizes come from the tensors stages pass on: `act_bytes[s]` what
+stage s sends forward, `grad_bytes[s]` the input gradient it sends back. With `comm`, two processes time
+messages of the largest size over the backend (gloo ping-pong) and the file gets a link `latency` and
+`bandwidth`, and the `overhead`: a rank's own time per send or receive instruction, through the runtime's
+transport (`DistComm`) with receives posted ahead as a run posts them: posting a receive, issuing the
+send (gloo writes the data to the socket in that call), waiting for the arrived data; their sum per
+message, halved, since the simulator charges it to the send and to the receive.
 
 What the cost file says depends on the schedule: with split backward, `B` and `W` are the input- and
 weight-gradient passes as the runtime runs them (the first stage's B is ~0: it needs no input gradient,
@@ -54,6 +58,7 @@ class Profile:
     grad_bytes: list[int]
     info: dict[str, Any] = field(default_factory=dict)
     latency: float | None = None  # one-way time of a small message, seconds
+    overhead: float | None = None  # a rank's time per send or receive instruction, seconds (LogP's o)
     bandwidth: float | None = None  # bits per second, beyond the latency; None: not measured or unmeasurable
 
     def cost_doc(self) -> dict:
@@ -81,6 +86,8 @@ class Profile:
             doc["latency"] = round(self.latency, 9)
         if self.bandwidth is not None:
             doc["bandwidth"] = float(f"{self.bandwidth:.6g}")
+        if self.overhead is not None:
+            doc["overhead"] = round(self.overhead, 9)
         doc["measured"] = {
             "stages": {
                 "forward": _r(self.forward),
@@ -140,7 +147,10 @@ def profile(
     if comm and program.num_ranks > 1:
         sizes = sorted({b for b in prof.act_bytes + prof.grad_bytes if b > 0})
         if device.type == "cpu" and backend == "gloo":
-            prof.latency, prof.bandwidth = measure_link(max(sizes, default=0), reps=max(reps, 20))
+            gap = min(max(statistics.median(prof.forward), 1e-4), 5e-3)
+            prof.latency, prof.bandwidth, prof.overhead = measure_link(
+                max(sizes, default=0), reps=max(reps, 20), gap=gap
+            )
             prof.info["link"] = "gloo ping-pong between two local processes"
         else:
             prof.info["link"] = f"not measured ({backend} on {device.type}: profile measures gloo on CPU only)"
@@ -216,16 +226,20 @@ def _measure(
                 times["full"][s].append(t1 - t0)
                 if s > 0:
                     grad[s].append(_nbytes(grads))
-        # the optimizer step, on the gradients just computed
-        for s, opt in enumerate(opts):
-            if opt is not None:
-                t0 = clock()
-                opt.step()
-                t1 = clock()
-                if keep:
-                    times["step"][s].append(t1 - t0)
-        for st in full:
-            st.zero_grad()
+        # Gradients accumulate over a step's m micro-batches, as in a run: zeroing them after every
+        # micro-batch would make each backward allocate fresh gradient tensors (page faults included),
+        # which a run does once per step. The optimizer step runs at the end of each step.
+        end_of_step = mb == m - 1 or rep == warmup + reps - 1
+        if end_of_step:
+            for s, opt in enumerate(opts):
+                if opt is not None:
+                    t0 = clock()
+                    opt.step()
+                    t1 = clock()
+                    if keep or not times["step"][s]:
+                        times["step"][s].append(t1 - t0)
+            for st in full:
+                st.zero_grad()
         # the split backward: every BWD, then every WGRAD (as a zero-bubble schedule orders them)
         forward(split_, mb, keep)
         grads = None
@@ -241,8 +255,9 @@ def _measure(
             t1 = clock()
             if keep:
                 times["W"][s].append(t1 - t0)
-        for st in split_:
-            st.zero_grad()
+        if end_of_step:
+            for st in split_:
+                st.zero_grad()
 
     med = {k: [statistics.median(v) if v else 0.0 for v in per] for k, per in times.items()}
     mean_bytes = lambda xs: round(statistics.fmean(xs)) if xs else 0  # noqa: E731
@@ -265,9 +280,12 @@ def _measure(
 # ---- the link: a gloo ping-pong between two local processes --------------------------------------------
 
 
-def measure_link(nbytes: int, reps: int = 20, timeout: float = 120.0) -> tuple[float | None, float | None]:
+def measure_link(
+    nbytes: int, reps: int = 20, timeout: float = 120.0, gap: float = 1e-3
+) -> tuple[float | None, float | None, float | None]:
     """One-way time of a small message (latency, s) and the bandwidth (bit/s) beyond it, from a gloo
-    ping-pong of 8 bytes and of `nbytes` between two fresh local processes; (None, None) if it fails."""
+    ping-pong of 8 bytes and of `nbytes` between two fresh local processes, and the per-instruction
+    overhead (s) of messages of `nbytes` issued `gap` seconds of compute apart; Nones if it fails."""
     import multiprocessing as mp
 
     import torch.distributed as dist
@@ -275,25 +293,24 @@ def measure_link(nbytes: int, reps: int = 20, timeout: float = 120.0) -> tuple[f
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_pingpong, args=(r, store.port, nbytes, reps, out), daemon=True) for r in (0, 1)]
+    procs = [ctx.Process(target=_pingpong, args=(r, store.port, nbytes, reps, gap, out), daemon=True) for r in (0, 1)]
     for p in procs:
         p.start()
     try:
-        small, big = out.get(timeout=timeout)
+        small, big, overhead = out.get(timeout=timeout)
     except Exception:
-        return None, None
+        return None, None, None
     finally:
         for p in procs:
             p.join(5)
             if p.is_alive():
                 p.kill()
-    latency = small
     if nbytes <= 8 or big <= small:
-        return latency, None
-    return latency, (nbytes - 8) * 8 / (big - small)
+        return small, None, overhead
+    return small, (nbytes - 8) * 8 / (big - small), overhead
 
 
-def _pingpong(rank: int, port: int, nbytes: int, reps: int, out) -> None:
+def _pingpong(rank: int, port: int, nbytes: int, reps: int, gap: float, out) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -307,8 +324,9 @@ def _pingpong(rank: int, port: int, nbytes: int, reps: int, out) -> None:
     dist.init_process_group("gloo")
     try:
         results = [_rtt(rank, dist, n, reps) / 2 for n in (8, max(nbytes, 8))]
+        overhead = _overhead(rank, dist, max(nbytes, 8), reps, gap)
         if rank == 0:
-            out.put(tuple(results))
+            out.put((*results, overhead))
     finally:
         dist.destroy_process_group()
 
@@ -329,6 +347,56 @@ def _rtt(rank: int, dist, nbytes: int, reps: int) -> float:
         if i >= 3:
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def _overhead(rank: int, dist, nbytes: int, reps: int, gap: float) -> float | None:
+    """Half the rank time per message through the runtime's transport: rank 1 posts `reps` receives,
+    rank 0 sends into them once they are known to it, rank 1 waits for each; medians of each call.
+    Calls are `gap` seconds of compute apart, as a run issues them between ops: back to back they are
+    several times faster (caches warm, the peer's transport thread still awake)."""
+    from pipec.runtime.comm import ACT, DistComm
+    from pipec.runtime.shapes import TensorSpec
+
+    comm = DistComm(2, reps, torch.device("cpu"), timeout=60.0)
+    spec = (TensorSpec((max(1, nbytes // 8),), torch.float64),)
+    post, send, wait = [], [], []
+    for _ in range(2):  # the first round warms up
+        post, send, wait = [], [], []
+        if rank == 1:
+            recvs = []
+            for i in range(reps):
+                t0 = time.perf_counter()
+                recvs.append(comm.post((ACT, i, 0), 0, spec))
+                post.append(time.perf_counter() - t0)
+        dist.barrier()
+        time.sleep(0.05)  # rank 0's gloo thread takes in the "receive posted" notices
+        if rank == 0:
+            data = (torch.ones(spec[0].shape, dtype=torch.float64),)
+            for i in range(reps):
+                _compute(gap)
+                t0 = time.perf_counter()
+                comm.send((ACT, i, 0), 1, data)
+                send.append(time.perf_counter() - t0)
+            comm.finish_sends()
+        dist.barrier()
+        if rank == 1:
+            for r in recvs:
+                _compute(gap)
+                t0 = time.perf_counter()
+                for _ in comm.wait(r):
+                    pass
+                wait.append(time.perf_counter() - t0)
+    # rank 1's times to rank 0, which reports
+    mine = torch.tensor([statistics.median(post or [0.0]) + statistics.median(wait or [0.0])], dtype=torch.float64)
+    dist.all_reduce(mine)
+    return (statistics.median(send) + float(mine)) / 2 if rank == 0 else None
+
+
+def _compute(seconds: float) -> None:
+    a = torch.ones(128, 128, dtype=torch.float64)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        a @ a
 
 
 def summary_lines(prof: Profile) -> list[str]:
@@ -354,6 +422,8 @@ def summary_lines(prof: Profile) -> list[str]:
     if prof.latency is not None:
         bw = f"{prof.bandwidth / 1e9:.3g} Gbit/s" if prof.bandwidth else "not measurable"
         lines.append(f"link ({prof.info.get('link')}): latency {prof.latency * 1e6:.1f} us, bandwidth {bw}")
+    if prof.overhead is not None:
+        lines.append(f"overhead: {prof.overhead * 1e6:.1f} us of a rank's time per send or receive")
     kind = "B = input gradient, W = weight gradient" if prof.split_backward else "B = the full backward (no W)"
     lines.append(f"the cost file's B and W for {prof.schedule}: {kind}")
     return lines

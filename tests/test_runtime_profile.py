@@ -57,7 +57,7 @@ def test_profile_round_trips_through_the_simulator(tmp_path, capsys, small_mlp, 
     # 16 float64 columns, 2 rows per micro-batch, between every pair of neighbouring stages
     assert doc["act_bytes"] == [2 * 16 * 8] * (S - 1) + [0]
     assert doc["grad_bytes"] == [0] + [2 * 16 * 8] * (S - 1)
-    assert "latency" not in doc  # --no-comm
+    assert "latency" not in doc and "overhead" not in doc  # --no-comm
     sim = _simulate(capsys, [name, *defines, "--cost", str(out)])
     costs = sim["costs"]
     as_list = lambda v: v if isinstance(v, list) else [v] * S  # noqa: E731
@@ -94,10 +94,12 @@ def test_profile_api_and_the_link(small_mlp):
     prof = profile(prog, model, reps=1, warmup=0, comm=False, threads=1)
     assert prof.latency is None and len(prof.forward) == 2
     assert prof.info["threads"] == 1 and prof.info["dtype"] == "float64"
-    # the gloo ping-pong between two fresh processes: a positive one-way time
-    latency, bandwidth = measure_link(4096, reps=3)
+    # the gloo ping-pong between two fresh processes: a positive one-way time; the runtime's own time per
+    # send or receive instruction is positive, and far below a second
+    latency, bandwidth, overhead = measure_link(4096, reps=3, gap=1e-4)
     assert latency is not None and 0 < latency < 1.0
     assert bandwidth is None or bandwidth > 0
+    assert overhead is not None and 0 < overhead < 0.1
 
 
 def test_profile_refuses_a_bad_model(tmp_path, capsys):
