@@ -68,6 +68,8 @@ class DistComm:
         # of microseconds per message. Peers are ranks of `group` (the Program's ranks).
         pg = group if group is not None else dist.distributed_c10d._get_default_group()
         self.pg = pg if device.type == "cpu" and dist.get_backend(pg) == "gloo" else None
+        # torch.distributed's P2POp names its peer by global rank: a Program's rank r is rank r of `group`
+        self.peers = None if group is None else [dist.get_global_rank(group, r) for r in range(group.size())]
 
     def tag(self, key: Key, j: int) -> int:
         kind, mb, stage = key
@@ -77,15 +79,18 @@ class DistComm:
         bufs = tuple(s.empty(self.device) for s in specs)
         if self.pg is not None:
             return bufs, [(False, b, peer, self.tag(key, j)) for j, b in enumerate(bufs)]
-        ops = [dist.P2POp(dist.irecv, b, peer, self.group, self.tag(key, j)) for j, b in enumerate(bufs)]
+        g = self.global_rank(peer)
+        ops = [dist.P2POp(dist.irecv, b, g, self.group, self.tag(key, j)) for j, b in enumerate(bufs)]
         return bufs, ops
 
     def _send_ops(self, key: Key, peer: int, tensors: tuple[torch.Tensor, ...]) -> list:
         if self.pg is not None:
             return [(True, t.contiguous(), peer, self.tag(key, j)) for j, t in enumerate(tensors)]
-        return [
-            dist.P2POp(dist.isend, t.contiguous(), peer, self.group, self.tag(key, j)) for j, t in enumerate(tensors)
-        ]
+        g = self.global_rank(peer)
+        return [dist.P2POp(dist.isend, t.contiguous(), g, self.group, self.tag(key, j)) for j, t in enumerate(tensors)]
+
+    def global_rank(self, rank: int) -> int:
+        return rank if self.peers is None else self.peers[rank]
 
     def post(self, key: Key, peer: int, specs: Specs) -> Recv:
         bufs, ops = self._recv_ops(key, peer, specs)

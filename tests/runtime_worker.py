@@ -2,6 +2,8 @@
 through the Python API (Runner) and writes, per schedule, its errors against the single-process
 reference: loss and gradients after the first step, parameters after the last. Every other schedule
 posts its receives where the Program places them (recv_ahead=0), the rest as gloo runs do by default.
+With PIPEC_TEST_SUBGROUP set, the Programs run on ranks 1.. as a process subgroup, through the transport
+NCCL takes (torch.distributed.P2POp, which names peers by global rank); rank 0 only joins the group.
 
     python tests/runtime_worker.py OUT_DIR STEPS NAME:k=v,k=v ...   (or main([...]) in a forked rank)
 """
@@ -33,13 +35,21 @@ def main(argv: list[str] | None = None) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank = dist.get_rank()
     results = {}
+    sub = None
+    if os.environ.get("PIPEC_TEST_SUBGROUP"):
+        sub = dist.new_group(list(range(1, dist.get_world_size())))  # every rank must call new_group
+        if rank == 0:
+            dist.destroy_process_group()
+            return
     for i, spec in enumerate(configs):
         name, _, kv = spec.partition(":")
         params = {k: int(v) for k, v in (item.split("=") for item in kv.split(","))}
         prog = compile_schedule(load(name, **params)).program
         kw = dict(optimizer=model.optimizer, dtype=model.dtype)
-        ahead = 0 if i % 2 else None
-        runner = Runner(prog, model.build_stage, model.loss_fn, timeout=30, recv_ahead=ahead, **kw)
+        ahead = 0 if i % 2 or sub is not None else None
+        runner = Runner(prog, model.build_stage, model.loss_fn, timeout=30, recv_ahead=ahead, group=sub, **kw)
+        if sub is not None:
+            runner.executor.comm.pg = None  # P2POp, as on NCCL
         ref = Reference(model.build_stage, model.loss_fn, prog.num_stages, prog.num_microbatches, **kw)
         res: dict[str, object] = {"stages": sorted(runner.stages)}
         for step in range(steps):

@@ -59,6 +59,21 @@ def test_dist_equals_reference(name, dist_results):
         assert row["param_err"] <= TOL, row  # every parameter after three optimizer steps
 
 
+def test_a_program_on_a_process_subgroup(tmp_path):
+    """Ranks 1 and 2 of 3 run a 2-rank Program as a subgroup, through P2POp (the NCCL path), whose peers are
+    global ranks: Program rank r must become the group's rank r, not global rank r."""
+    specs = ["1f1b:p=2,m=4", "zb-v:p=2,m=4"]
+    env = {**MLP_ENV, "PIPEC_TEST_SUBGROUP": "1"}
+    results, _, _ = launch(3, "worker", [str(tmp_path), "2", *specs], env=env, timeout=120)
+    for r in results:
+        assert r.returncode == 0, f"rank {r.rank} failed:\n{r.stderr[-3000:]}"
+    rows = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (1, 2)]
+    assert not (tmp_path / "rank0.json").exists()
+    for spec in specs:
+        assert sorted(s for row in rows for s in row[spec]["stages"]) == list(range(2 if spec[0] == "1" else 4))
+        assert all(row[spec]["grad_err"] <= TOL and row[spec]["param_err"] <= TOL for row in rows), rows
+
+
 # ---- faults ------------------------------------------------------------------------------------------
 
 FAULTY = ["1f1b", "-D", "p=3", "-D", "m=3", "--model", "tests/models/faulty.py"]
