@@ -11,6 +11,7 @@ FILE|NAME is a schedule (a .pipe file or a library name, with -D parameters) or 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import traceback
@@ -128,9 +129,35 @@ class Worker:
         self.torch = torch
         self.runner = None
         self.monitor = None
+        self.finished = False
 
     def where(self) -> str:
-        return self.runner.where() if self.runner is not None else "start-up"
+        if self.runner is not None:
+            return self.runner.where()
+        return "the teardown" if self.finished else "start-up"
+
+    def _teardown(self, dist) -> bool:
+        """End a successful run so that the interpreter's shutdown finds no thread but the main one.
+
+        A thread that takes the GIL once the interpreter is finalizing is ended there (`pthread_exit`), and
+        that cannot unwind the C++ frames it is in: "terminate called without an active exception", SIGABRT.
+        gloo's worker threads do take it: freeing a finished collective (the barrier's work frees the
+        all_reduce's before it) frees its tensors, and a tensor whose Python object was released first
+        takes the GIL to free that object. Those threads end with the process group's last reference, so
+        every reference is dropped here, on the main thread, and `destroy_process_group` joins them (torch
+        releases the GIL for that). The monitor's threads are joined first.
+        False when a thread is left all the same: the caller then exits without the interpreter's shutdown."""
+        import gc
+
+        # No rank tears its connections down while a peer may still be using them.
+        dist.barrier()
+        # `fail` still works after this: its store calls fail quietly.
+        stopped = self.monitor.stop()
+        # The communicator holds the process group and its works; cycles are collected now, on this thread.
+        self.runner = self.store = None
+        gc.collect()
+        dist.destroy_process_group()
+        return stopped and not backend_threads()
 
     def run(self) -> int:
         import torch.distributed as dist
@@ -140,11 +167,11 @@ class Worker:
         try:
             self._init(dist)
             code = self._train(dist)
-            # No rank tears its connections down while a peer may still be using them: an early
-            # teardown can abort a peer's gloo thread as it exits.
-            dist.barrier()
-            self.monitor.stop()
-            dist.destroy_process_group()
+            self.finished = True
+            if not self._teardown(dist):  # a thread is left that the interpreter's shutdown could abort
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
             return code
         except BaseException as e:  # noqa: BLE001 - every failure must reach the other ranks
             if self.monitor is None:
@@ -179,9 +206,16 @@ class Worker:
                 raise RuntimeError("--backend nccl needs CUDA, and torch sees no GPU here; use gloo")
             self.device = torch.device("cuda", self.local_rank)
             torch.cuda.set_device(self.device)
-            dist.init_process_group("nccl", timeout=timedelta(seconds=args.timeout), device_id=self.device)
         else:
             self.device = torch.device("cpu")
+        # Imported before the process group exists: its functions' default argument `group=group.WORLD` is
+        # evaluated at import, and imported later (torch.optim imports torch._dynamo, which imports it) it
+        # keeps the default group alive after `destroy_process_group`, with gloo's threads (see `_teardown`).
+        importlib.import_module("torch.distributed.nn.functional")
+
+        if args.backend == "nccl":
+            dist.init_process_group("nccl", timeout=timedelta(seconds=args.timeout), device_id=self.device)
+        else:
             dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
         self.store = dist.distributed_c10d._get_default_store()
         self.monitor = Monitor(self.rank, self.world, self.where, self._store_factory(dist, args.timeout)).start()
@@ -287,6 +321,22 @@ class Worker:
                 write_trace(timeline(self.program, events), args.trace)
                 print(f"wrote the measured timeline of step {args.steps} to {args.trace}", flush=True)
         return code
+
+
+def backend_threads() -> list[str]:
+    """The threads of torch.distributed's backends still running in this process, by name (Linux)."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return []
+    names = []
+    for t in tasks:
+        try:
+            with open(f"/proc/self/task/{t}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # it ended meanwhile
+            pass
+    return [n for n in names if n.startswith(("pt_gloo", "gloo_", "pt_nccl"))]
 
 
 def default_tol(runner) -> float:

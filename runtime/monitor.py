@@ -12,6 +12,11 @@
 - Under torchrun, the launcher stops the other workers with SIGTERM once one has failed. SIGTERM is
   blocked in every thread and taken by a signal thread, which prints the abort record (waiting up to a
   few seconds for one) before exiting, so every rank says why it stopped.
+- At the end of a successful run, `stop` joins both threads and closes the monitor's store connections
+  before the process group is destroyed: no thread of the monitor may be left when the interpreter shuts
+  down, since a thread that comes back from torch's C++ code (a store call releases the GIL) once the
+  interpreter is finalizing is ended by `pthread_exit`, and that unwinds through C++ frames that cannot be
+  unwound: `std::terminate`, "terminate called without an active exception", SIGABRT.
 """
 
 from __future__ import annotations
@@ -55,22 +60,38 @@ class Monitor:
         self.failing = False
         self.exit_code = 1
         self.stopped = threading.Event()
-        self._threads: list[threading.Thread] = []
+        self._watcher: threading.Thread | None = None
+        self._signals: threading.Thread | None = None
 
     def start(self) -> Monitor:
-        t = threading.Thread(target=self._watch, name="pipec-monitor", daemon=True)
-        t.start()
-        self._threads.append(t)
+        self._watcher = threading.Thread(target=self._watch, name="pipec-monitor", daemon=True)
+        self._watcher.start()
         if signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, set()):
-            s = threading.Thread(target=self._sigterm, name="pipec-sigterm", daemon=True)
-            s.start()
-            self._threads.append(s)
+            self._signals = threading.Thread(target=self._sigterm, name="pipec-sigterm", daemon=True)
+            self._signals.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 10.0) -> bool:
+        """End the monitor, from the main thread, once the run is over: stop and join its threads (the signal
+        thread is woken from its wait by a SIGTERM of its own), give SIGTERM back its default action, and
+        close the monitor's store connections. False when a thread is still running after `timeout` seconds
+        (blocked in a store call): the process must then not go through the interpreter's shutdown."""
         self.stopped.set()
-        if self._threads:
-            self._threads[0].join(timeout=2)
+        deadline = time.monotonic() + timeout
+        if self._watcher is not None:
+            self._watcher.join(timeout)
+        if self._signals is not None and self._signals.is_alive():
+            try:
+                signal.pthread_kill(self._signals.ident, signal.SIGTERM)
+            except OSError:  # it ended meanwhile (a SIGTERM from the launcher came first)
+                pass
+            self._signals.join(max(0.0, deadline - time.monotonic()))
+        if any(t is not None and t.is_alive() for t in (self._watcher, self._signals)):
+            return False
+        if self._signals is not None:  # a SIGTERM from now on ends the process, as it would anyone's
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        self.store = self.main_store = None
+        return True
 
     # ---- the watcher -----------------------------------------------------------------------------
     def _watch(self) -> None:
@@ -103,6 +124,8 @@ class Monitor:
 
     def _sigterm(self) -> None:
         signal.sigwait({signal.SIGTERM})
+        if self.stopped.is_set():  # woken by stop(): the run is over
+            return
         reason = None
         try:
             self.store.wait([ABORT], timedelta(seconds=3))
