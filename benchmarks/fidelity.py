@@ -19,6 +19,8 @@ measured compute time over the simulated one (how well the profiled op times hel
 `idle_ms` a rank's time between the step's first and last op not spent computing (mean over ranks),
 and `send_to_use_ms` the median time from sending a message to the start of the op that uses it,
 each measured and simulated.
+`overhead_us` is the per-instruction overhead `pipec profile` measured, and `error_without_overhead`
+the error of a simulation that leaves it out (`--cost overhead=0`).
 The 1-minute load average is reported because other processes on the machine stretch the measured times.
 """
 
@@ -67,6 +69,7 @@ def one_round(name: str, extra: dict, args: argparse.Namespace, tmp: str, env: d
     cost, sim_trace, run_trace = (os.path.join(tmp, f"{name}.{x}") for x in ("toml", "sim.json", "run.json"))
     sh([*PIPEC, "profile", name, *d, "--model", MODEL, "-o", cost, "--reps", str(args.reps)], env)
     sim = json.loads(sh([*PIPEC, "simulate", name, *d, "--cost", cost, "--json", "--trace", sim_trace], env))
+    bare = json.loads(sh([*PIPEC, "simulate", name, *d, "--cost", cost, "--cost", "overhead=0", "--json"], env))
     run = [*PIPEC, "run", name, *d, "--model", MODEL, "--nproc", "2", "--steps", str(args.steps)]
     out = sh([*run, "--trace", run_trace], env)
     steps = [float(t) for _, t in STEP.findall(out)]
@@ -75,6 +78,8 @@ def one_round(name: str, extra: dict, args: argparse.Namespace, tmp: str, env: d
     simulated, measured = read_trace(sim_trace), read_trace(run_trace)  # the last step, traced
     return {
         "simulated_s": sim["makespan"],
+        "simulated_without_overhead_s": bare["makespan"],
+        "overhead_us": 1e6 * sim["costs"]["overhead"],
         "measured_s": statistics.median(steps[2:]),
         # where a difference comes from: compute (the busiest rank's op time) or waiting (idle time)
         "compute_ratio": busiest(measured) / busiest(simulated),
@@ -144,6 +149,8 @@ def main() -> None:
                     "measured_s": mea,
                     "error": (sim - mea) / mea,
                     "within_15pct": abs(sim - mea) <= 0.15 * mea,
+                    "overhead_us": round(med["overhead_us"], 1),
+                    "error_without_overhead": (med["simulated_without_overhead_s"] - mea) / mea,
                     "error_per_round": [round((r["simulated_s"] - r["measured_s"]) / r["measured_s"], 4) for r in rows],
                     "compute_ratio": round(med["compute_ratio"], 3),
                     "idle_ms": round(med["idle_ms"], 3),
