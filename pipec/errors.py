@@ -18,8 +18,10 @@ class Source:
     text: str
 
     def line(self, lineno: int) -> str:
-        lines = self.text.splitlines()
-        return lines[lineno - 1] if 1 <= lineno <= len(lines) else ""
+        # Lines as the parser counts them: "\n" ends a line; "\r", "\f" and the other characters
+        # str.splitlines() would also split on do not (a CRLF line loses its "\r").
+        lines = self.text.split("\n")
+        return lines[lineno - 1].removesuffix("\r") if 1 <= lineno <= len(lines) else ""
 
 
 @dataclass(frozen=True)

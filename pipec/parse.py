@@ -364,5 +364,6 @@ def _check_depth(tree: Tree, source: Source) -> None:
 
 
 def _eof_span(text: str) -> Span:
-    lines = text.splitlines() or [""]
-    return Span(len(lines), len(lines[-1]) + 1, len(lines), len(lines[-1]) + 2)
+    lines = text.rstrip("\r\n").split("\n")  # as the parser counts lines (see Source.line)
+    last = lines[-1].removesuffix("\r")
+    return Span(len(lines), len(last) + 1, len(lines), len(last) + 2)

@@ -288,3 +288,22 @@ def test_docs_examples_print_what_they_say(text, params, shown):
 def test_docs_have_an_example_for_every_tested_code():
     with_example = {p.id for p in _doc_examples()}
     assert {c[0] for c in CASES} - with_example == set()
+
+
+@pytest.mark.parametrize("sep", ["\f", "\r", "\v", "\x1c", "\u2028"])
+def test_the_caret_line_counts_lines_as_the_parser_does(sep):
+    """A form feed, lone carriage return or other character that str.splitlines() splits on, inside a
+    comment, does not end a line for the parser, so the quoted line is the one the error is on."""
+    text = _with("    stages p\n", f"    # a comment with {sep!r}: {sep} inside\n    stages q\n")
+    with pytest.raises(PipecError) as e:
+        build(Source("t.pipe", text), {})
+    line = e.value.span.line
+    assert text.split("\n")[line - 1] == "    stages q"
+    assert f"{line:>4} |     stages q" in str(e.value)
+
+
+def test_crlf_sources_quote_their_lines_without_the_carriage_return():
+    text = _with("    stages p\n", "    stages q\n").replace("\n", "\r\n")
+    with pytest.raises(PipecError) as e:
+        build(Source("t.pipe", text), {})
+    assert f"{e.value.span.line:>4} |     stages q\n" in str(e.value) + "\n"
