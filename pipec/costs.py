@@ -54,7 +54,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipec.errors import error
+from pipec.errors import brief, error
 from pipec.ir import Schedule
 
 FORMAT = "pipec-costs"
@@ -162,7 +162,7 @@ def _json_num(x: float):
 def quantity(value: object, kind: str, what: str) -> float:
     """A number, or a string with a unit of this kind ("40ms", "10Gbps", "16MiB"), as seconds, bit/s or bytes."""
     if isinstance(value, bool):
-        raise error("E801", f"{what}: expected a number, got `{value}`")
+        raise error("E801", f"{what}: expected a number, got `{brief(value)}`")
     if isinstance(value, int | float):
         x = float(value)
     elif isinstance(value, str):
@@ -171,16 +171,17 @@ def quantity(value: object, kind: str, what: str) -> float:
         units = _KIND_UNITS[kind]
         if not m or (m.group(2) and m.group(2) not in units):
             raise error(
-                "E801", f"{what}: cannot read `{value}` as a {kind} (a number, or with a unit: {', '.join(units)})"
+                "E801",
+                f"{what}: cannot read `{brief(value)}` as a {kind} (a number, or with a unit: {', '.join(units)})",
             )
         x = float(m.group(1)) * (units[m.group(2)] if m.group(2) else 1.0)
     else:
-        raise error("E801", f"{what}: expected a number, got `{value}`")
+        raise error("E801", f"{what}: expected a number, got `{brief(value)}`")
     if kind == "bandwidth":
         if not x > 0:
-            raise error("E801", f"{what}: bandwidth must be positive, got `{value}`")
+            raise error("E801", f"{what}: bandwidth must be positive, got `{brief(value)}`")
     elif not (math.isfinite(x) and x >= 0):
-        raise error("E801", f"{what}: expected a finite number >= 0, got `{value}`")
+        raise error("E801", f"{what}: expected a finite number >= 0, got `{brief(value)}`")
     return x
 
 
@@ -217,7 +218,7 @@ def normalize(doc: Mapping, what: str = "costs") -> dict:
             if key == "version" and value != VERSION:
                 raise error("E801", f"{what}: cost file version {value} is not supported (this pipec reads {VERSION})")
             if key == "unit" and value not in ("s", "seconds"):
-                raise error("E801", f'{what}: times must be in seconds (`unit = "s"`), got `{value}`')
+                raise error("E801", f'{what}: times must be in seconds (`unit = "s"`), got `{brief(value)}`')
             continue
         if key in _KEY_KIND:
             out[key] = _per_stage(value, _KEY_KIND[key], f"{what}: {key}")
@@ -250,7 +251,7 @@ def normalize(doc: Mapping, what: str = "costs") -> dict:
                 links.setdefault(cls, {}).update(_link(spec, f"{what}: links.{cls}"))
         elif key == "ranks_per_node":
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise error("E801", f"{what}: ranks_per_node must be a positive integer, got `{value}`")
+                raise error("E801", f"{what}: ranks_per_node must be a positive integer, got `{brief(value)}`")
             out["ranks_per_node"] = value
         else:
             known = ", ".join(
@@ -270,7 +271,7 @@ def parse_overrides(text: str) -> dict:
     for item in filter(None, (t.strip() for t in text.split(","))):
         key, sep, value = item.partition("=")
         if not sep or not key.strip() or not value.strip():
-            raise error("E801", f"--cost: expected KEY=VALUE, got `{item}`")
+            raise error("E801", f"--cost: expected KEY=VALUE, got `{brief(item)}`")
         value = value.strip()
         try:
             doc[key.strip()] = float(value)
@@ -302,7 +303,11 @@ def read_cost_file(path: str | Path) -> dict:
 
 def cost_spec(text: str) -> dict:
     """One `--cost` argument: KEY=VALUE pairs, or the path of a cost file."""
-    if "=" in text and not Path(text).is_file():
+    try:
+        is_file = Path(text).is_file()
+    except (OSError, ValueError):  # too long, or a NUL: not a path
+        is_file = False
+    if "=" in text and not is_file:
         return parse_overrides(text)
     return read_cost_file(text)
 

@@ -63,6 +63,16 @@ class Diagnostic:
         return "\n".join(out)
 
 
+def brief(value: object, width: int = 40) -> str:
+    """A value as a message quotes it: whole up to `width` characters, else its two ends and its length
+    (a 300-digit number given with -D is not echoed whole)."""
+    text = str(value)
+    if len(text) <= width:
+        return text
+    unit = "digits" if text.lstrip("-").isdigit() else "characters"
+    return f"{text[: width // 2]}...{text[-(width // 4) :]} ({len(text)} {unit})"
+
+
 class PipecError(Exception):
     """The one exception type user errors raise; holds one or more diagnostics."""
 

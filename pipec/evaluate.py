@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from pipec.codegen import Compiled
-from pipec.errors import PipecError, Source, Span, error
+from pipec.errors import PipecError, Source, Span, brief, error
 from pipec.ir import Datacenter, Expectation, Link, RankOps, Schedule, Topology
 
 MAX_SIZE = 10_000_000  # stages, ranks, micro-batches
@@ -129,7 +129,7 @@ def _bind_params(compiled: Compiled, source: Source, given: Iterable[tuple[str, 
             if not _check_value(value, typ):
                 raise ValueError(raw)
         except ValueError:
-            raise error("E206", f"parameter `{name}` must be {typ}, got `{raw}`", prm.span, source) from None
+            raise error("E206", f"parameter `{name}` must be {typ}, got `{brief(raw)}`", prm.span, source) from None
         values[name] = float(value) if typ == "float" else value
     return values
 
@@ -169,7 +169,7 @@ def _run(compiled: Compiled, source: Source, given: dict[str, object], only: Ite
         else:
             raise _Fail("E106", f"declare `{kind}` (or a parameter `{fallback}`)", None)
         if not 1 <= v <= MAX_SIZE:
-            raise _Fail("E210", f"`{kind}` must be between 1 and {MAX_SIZE:,}, got {v}", sid)
+            raise _Fail("E210", f"`{kind}` must be between 1 and {MAX_SIZE:,}, got {brief(v)}", sid)
         return v, span
 
     if "stages" not in rt.decls:

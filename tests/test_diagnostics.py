@@ -307,3 +307,22 @@ def test_crlf_sources_quote_their_lines_without_the_carriage_return():
     with pytest.raises(PipecError) as e:
         build(Source("t.pipe", text), {})
     assert f"{e.value.span.line:>4} |     stages q\n" in str(e.value) + "\n"
+
+
+@pytest.mark.parametrize(
+    ("argv", "shown"),
+    [
+        (["check", "1f1b", "-D", "p=" + "x" * 300], "got `" + "x" * 20 + "..." + "x" * 10 + " (300 characters)`"),
+        (["check", "1f1b", "-D", "p=" + "9" * 300], "got " + "9" * 20 + "..." + "9" * 10 + " (300 digits)"),
+        (["simulate", "1f1b", "--cost", "F=" + "y" * 300], "cannot read `" + "y" * 20 + "..."),
+        (["simulate", "1f1b", "--cost", "y" * 300], "error[E801]: cannot read cost file"),
+    ],
+)
+def test_huge_values_are_quoted_briefly(argv, shown, capsys):
+    """A value given on the command line is quoted by its ends and length, not echoed whole; a --cost too
+    long to be a path is still a diagnostic, not a traceback."""
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert shown in err and "Traceback" not in err
+    if "cost file" not in shown:
+        assert max(len(line) for line in err.splitlines()) < 200
