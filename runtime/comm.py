@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Generator
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -52,6 +53,13 @@ class Recv:
         self.key, self.peer, self.tensors, self.works = key, peer, tensors, works
 
 
+def _reverse_group(pg, timeout: timedelta):
+    """A second gloo group over the same processes, created by its members only (one per DistComm, so
+    that it goes when the DistComm does: a group that outlives `destroy_process_group` keeps its threads)."""
+    ranks = [dist.get_global_rank(pg, r) for r in range(pg.size())]
+    return dist.new_group(ranks, timeout=timeout, backend="gloo", use_local_synchronization=True)
+
+
 class DistComm:
     def __init__(
         self, num_stages: int, num_microbatches: int, device: torch.device, timeout: float, group=None
@@ -70,6 +78,12 @@ class DistComm:
         self.pg = pg if device.type == "cpu" and dist.get_backend(pg) == "gloo" else None
         # torch.distributed's P2POp names its peer by global rank: a Program's rank r is rank r of `group`
         self.peers = None if group is None else [dist.get_global_rank(group, r) for r in range(group.size())]
+        # gloo: messages to a higher rank go over `pg`, to a lower rank over a second group, so no connection
+        # carries data both ways. On one connection, a send from the main thread and the arrival of the
+        # peer's message contend for the connection's lock; gloo's thread then leaves the arrival for its
+        # next wake-up, which held both ranks of a 1F1B exchange idle for 1 to 9 ms (a few times a step).
+        self.rank = pg.rank()
+        self.pg_down = _reverse_group(pg, self.timeout) if self.pg is not None and pg.size() > 1 else self.pg
 
     def tag(self, key: Key, j: int) -> int:
         kind, mb, stage = key
@@ -78,14 +92,16 @@ class DistComm:
     def _recv_ops(self, key: Key, peer: int, specs: Specs) -> tuple[tuple[torch.Tensor, ...], list]:
         bufs = tuple(s.empty(self.device) for s in specs)
         if self.pg is not None:
-            return bufs, [(False, b, peer, self.tag(key, j)) for j, b in enumerate(bufs)]
+            pg = self.pg if peer < self.rank else self.pg_down
+            return bufs, [(pg, False, b, peer, self.tag(key, j)) for j, b in enumerate(bufs)]
         g = self.global_rank(peer)
         ops = [dist.P2POp(dist.irecv, b, g, self.group, self.tag(key, j)) for j, b in enumerate(bufs)]
         return bufs, ops
 
     def _send_ops(self, key: Key, peer: int, tensors: tuple[torch.Tensor, ...]) -> list:
         if self.pg is not None:
-            return [(True, t.contiguous(), peer, self.tag(key, j)) for j, t in enumerate(tensors)]
+            pg = self.pg if peer > self.rank else self.pg_down
+            return [(pg, True, t.contiguous(), peer, self.tag(key, j)) for j, t in enumerate(tensors)]
         g = self.global_rank(peer)
         return [dist.P2POp(dist.isend, t.contiguous(), g, self.group, self.tag(key, j)) for j, t in enumerate(tensors)]
 
@@ -130,9 +146,8 @@ class DistComm:
                 out.append(Recv(key, peer, bufs, list(mine)))
         return out
 
-    def _issue(self, ops: list[tuple[bool, torch.Tensor, int, int]]) -> list:
-        pg = self.pg
-        return [pg.send([t], peer, tag) if is_send else pg.recv([t], peer, tag) for is_send, t, peer, tag in ops]
+    def _issue(self, ops: list[tuple[Any, bool, torch.Tensor, int, int]]) -> list:
+        return [pg.send([t], peer, tag) if is_send else pg.recv([t], peer, tag) for pg, is_send, t, peer, tag in ops]
 
     def _start(self, ops: list, peer: int, key: Key) -> list:
         try:
