@@ -200,16 +200,21 @@ def _measure(
     act = [[] for _ in range(S)]
     grad = [[] for _ in range(S)]
 
+    def timed(kind: str, s: int, keep: bool, fn, *args):
+        """fn(*args), its time kept under times[kind][s] when `keep`."""
+        t0 = clock()
+        out = fn(*args)
+        t1 = clock()
+        if keep:
+            times[kind][s].append(t1 - t0)
+        return out
+
     def forward(sts: list[Stage], mb: int, keep: bool) -> None:
         args = mb_in[mb]
         for s, st in enumerate(sts):
-            t0 = clock()
-            out = st.forward(mb, args, mb_tg[mb] if s == S - 1 else None)
-            t1 = clock()
-            if keep:
-                times["F"][s].append(t1 - t0)
-                if s < S - 1:
-                    act[s].append(_nbytes(out))
+            out = timed("F", s, keep, st.forward, mb, args, mb_tg[mb] if s == S - 1 else None)
+            if keep and s < S - 1:
+                act[s].append(_nbytes(out))
             args = out
 
     for rep in range(warmup + reps):
@@ -219,13 +224,9 @@ def _measure(
         forward(full, mb, keep)
         grads = None
         for s in reversed(range(S)):
-            t0 = clock()
-            grads = full[s].backward(mb, grads)
-            t1 = clock()
-            if keep:
-                times["full"][s].append(t1 - t0)
-                if s > 0:
-                    grad[s].append(_nbytes(grads))
+            grads = timed("full", s, keep, full[s].backward, mb, grads)
+            if keep and s > 0:
+                grad[s].append(_nbytes(grads))
         # Gradients accumulate over a step's m micro-batches, as in a run: zeroing them after every
         # micro-batch would make each backward allocate fresh gradient tensors (page faults included),
         # which a run does once per step. The optimizer step runs at the end of each step.
@@ -233,28 +234,16 @@ def _measure(
         if end_of_step:
             for s, opt in enumerate(opts):
                 if opt is not None:
-                    t0 = clock()
-                    opt.step()
-                    t1 = clock()
-                    if keep or not times["step"][s]:
-                        times["step"][s].append(t1 - t0)
+                    timed("step", s, keep or not times["step"][s], opt.step)
             for st in full:
                 st.zero_grad()
         # the split backward: every BWD, then every WGRAD (as a zero-bubble schedule orders them)
         forward(split_, mb, keep)
         grads = None
         for s in reversed(range(S)):
-            t0 = clock()
-            grads = split_[s].backward(mb, grads)
-            t1 = clock()
-            if keep:
-                times["B"][s].append(t1 - t0)
+            grads = timed("B", s, keep, split_[s].backward, mb, grads)
         for s in reversed(range(S)):
-            t0 = clock()
-            split_[s].wgrad(mb)
-            t1 = clock()
-            if keep:
-                times["W"][s].append(t1 - t0)
+            timed("W", s, keep, split_[s].wgrad, mb)
         if end_of_step:
             for st in split_:
                 st.zero_grad()
