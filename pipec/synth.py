@@ -38,6 +38,7 @@ from pipec.costs import cost_model
 from pipec.errors import error
 from pipec.ir import Datacenter, RankOps, Schedule, Topology
 from pipec.memory import memory_model
+from pipec.pipe_text import op_text, rank_block
 from pipec.policy import Derived, Machine, Policy, PolicyStuck, derive, machine
 
 Progress = Callable[[str], None]
@@ -567,11 +568,6 @@ def _segments(ops: Sequence[tuple[int, int, int]], max_len: int = 8) -> list[tup
     return out
 
 
-def _op_text(k: int, mb: str, s: int, multi: bool) -> str:
-    name = "FBW"[k]
-    return f"{name}({mb}, stage: {s})" if multi else f"{name}({mb})"
-
-
 def _rank_lines(ops: Sequence[tuple[int, int, int]], multi: bool) -> list[str]:
     lines = []
     for seg in _segments(ops):
@@ -582,12 +578,12 @@ def _rank_lines(ops: Sequence[tuple[int, int, int]], multi: bool) -> list[str]:
             for kk, i, s in pat:
                 c = i - base
                 mb = "i" if c == 0 else (f"i + {c}" if c > 0 else f"i - {-c}")
-                parts.append(_op_text(kk, mb, s, multi))
+                parts.append(op_text("FBW"[kk], mb, s, multi))
             lines.append(f"for i in {lo} .. {lo + k} {{ {'  '.join(parts)} }}")
         else:
             ops_ = seg[1]
             for a in range(0, len(ops_), 8):
-                lines.append("  ".join(_op_text(k, str(i), s, multi) for k, i, s in ops_[a : a + 8]))
+                lines.append("  ".join(op_text("FBW"[k], str(i), s, multi) for k, i, s in ops_[a : a + 8]))
     return lines
 
 
@@ -670,18 +666,10 @@ def write_pipe(result: Result, name: str, command: str | None = None, comparison
         lines.append("    }")
     lines.append(f'    expect makespan <= {_ceil6(fig.makespan)}, "the makespan pipec synth found"')
     lines.append(f'    expect bubble <= {_ceil6(fig.bubble)}, "the bubble rate pipec synth found"')
-    lines.append("    rank r {")
-    for r in range(R):
-        multi = sum(1 for x in spec.place() if x == r) > 1
-        body = _rank_lines(result.orders[r], multi)
-        if R == 1:
-            lines += ["        " + x for x in body]
-            continue
-        lines.append(("        if" if r == 0 else "        } elif") + f" r == {r} {{")
-        lines += ["            " + x for x in body]
-    if R > 1:
-        lines.append("        }")
-    lines += ["    }", "}", ""]
+    place = spec.place()
+    multi = [sum(1 for x in place if x == r) > 1 for r in range(R)]
+    lines += rank_block([_rank_lines(result.orders[r], multi[r]) for r in range(R)])
+    lines += ["}", ""]
     return "\n".join(lines)
 
 

@@ -33,6 +33,7 @@ import numpy as np
 
 from pipec.errors import PipecError, Source, Span, error
 from pipec.ir import RankOps, Schedule
+from pipec.pipe_text import op_text, rank_block
 
 TORCH_VERSION = "2.13"
 MAX_INDEX = 10_000_000  # largest stage or micro-batch index read from a CSV
@@ -793,10 +794,6 @@ def _steps(sched: Schedule, r: int) -> list[_Step]:
     return out
 
 
-def _op_text(kind: str, mb: str, stage: int, multi: bool) -> str:
-    return f"{kind}({mb}, stage: {stage})" if multi else f"{kind}({mb})"
-
-
 def _step_text(step: _Step, multi: bool, base: int | None = None) -> str:
     def mb(i: int) -> str:
         if base is None:
@@ -804,7 +801,7 @@ def _step_text(step: _Step, multi: bool, base: int | None = None) -> str:
         d = i - base
         return "i" if d == 0 else f"i + {d}" if d > 0 else f"i - {-d}"
 
-    return " & ".join(_op_text(k, mb(i), s, multi) for k, i, s in step.ops)
+    return " & ".join(op_text(k, mb(i), s, multi) for k, i, s in step.ops)
 
 
 def _repeats(steps: list[_Step], j: int, n: int) -> tuple[int, int]:
@@ -881,18 +878,10 @@ def to_pipe(sched: Schedule, origin: str | None = None) -> str:
         f"    stages {S}",
         f"    place s -> {_placement_expr(sched.placement, R)}",
         f"    ops {', '.join(sched.kinds)}",
-        "    rank r {",
     ]
-    body = []
+    bodies = []
     for r in range(R):
         own = sched.stages_of(r)
         multi = len(own) != 1 or bool((sched.ranks[r].stage != own[0]).any())  # else `stage:` goes without saying
-        lines = _rank_lines(_steps(sched, r), multi)
-        if R == 1:
-            body += ["        " + x for x in lines]
-            continue
-        body.append(("        if" if r == 0 else "        } elif") + f" r == {r} {{")
-        body += ["            " + x for x in lines]
-    if R > 1:
-        body.append("        }")
-    return "\n".join(head + body + ["    }", "}", ""])
+        bodies.append(_rank_lines(_steps(sched, r), multi))
+    return "\n".join(head + rank_block(bodies) + ["}", ""])
