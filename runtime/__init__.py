@@ -6,8 +6,9 @@ Modules: `model` (the model-file contract), `microbatch` (splitting a batch), `s
 the first-step handshake), `comm` (torch.distributed point-to-point), `stage` (forward, backward, weight
 gradient of one stage), `split` (split backward), `executor` (one rank's instruction loop), `runner` (the
 Python API), `local` (all ranks in one process), `reference` (the single-process reference), `monitor`
-(fault handling), `measure` (events to a Timeline), `report` (printed lines), `launch` (the torchrun entry
-point), `run` (`pipec run`). Names are imported lazily, so `import pipec.runtime` alone imports no torch.
+(fault handling), `measure` (events to a Timeline), `report` (printed lines), `affinity` (CPU binding of
+gloo ranks), `launch` (the torchrun entry point), `run` (`pipec run`). Names are imported lazily, so
+`import pipec.runtime` alone imports no torch.
 """
 
 from __future__ import annotations

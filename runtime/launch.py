@@ -17,6 +17,7 @@ import sys
 import traceback
 from collections.abc import Sequence
 
+from pipec.runtime.affinity import MODES, bind_local_rank
 from pipec.runtime.monitor import block_sigterm, say
 
 
@@ -64,6 +65,12 @@ def add_run_options(ap: argparse.ArgumentParser) -> None:
         help="gloo: post each receive up to N receives before the Program places it (default 4; 0: where it says)",
     )
     ap.add_argument(
+        "--cpu-bind",
+        choices=MODES,
+        default="auto",
+        help="gloo: bind each local rank to its own share of the CPUs when there are enough (default auto)",
+    )
+    ap.add_argument(
         "--loss-scale",
         type=float,
         default=None,
@@ -96,6 +103,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else None  # torchrun's
+    # before torch starts any thread, so that gloo's and OpenMP's threads inherit it
+    args.cpus = bind_local_rank(args.cpu_bind, args.backend, local_rank, local_world)
+    args.local_world = local_world
     from pipec.errors import PipecError
 
     try:
@@ -260,8 +271,9 @@ class Worker:
         return lambda: dist.PrefixStore(prefix, self.store)
 
     def _train(self, dist) -> int:
+        from pipec.runtime.affinity import describe
         from pipec.runtime.reference import Reference, compare, rel_err
-        from pipec.runtime.report import CheckStats, header, step_line
+        from pipec.runtime.report import CheckStats, header, show, step_line
 
         torch, args, runner, m = self.torch, self.args, self.runner, self.model
         reference = None
@@ -280,9 +292,12 @@ class Worker:
             checks = CheckStats()
         needs_batch = runner.has_first or runner.has_last or reference is not None
         if self.rank == 0:
-            print(header(self.program, f"{args.backend}, {self.world} processes", m.path), flush=True)
+            show(header(self.program, f"{args.backend}, {self.world} processes", m.path))
+            binding = describe(args.cpus, args.local_world, args.cpu_bind, args.backend)
+            if binding:
+                show(binding)
             if getattr(runner.executor.comm, "links", None) is not None:
-                print(runner.executor.comm.links.describe(), flush=True)
+                show(runner.executor.comm.links.describe())
         for step in range(args.steps):
             x, y = m.batch(step) if needs_batch else (None, None)
             res = runner.step(x, y, record=bool(args.trace) and step == args.steps - 1)
@@ -299,7 +314,7 @@ class Worker:
             dist.all_reduce(stats, op=dist.ReduceOp.MAX)
             s = stats.tolist()
             if self.rank == 0:
-                print(step_line(step, args.steps, s[1], s[0], tuple(s[2:]) if reference else None), flush=True)
+                show(step_line(step, args.steps, s[1], s[0], tuple(s[2:]) if reference else None))
         code = 0
         if reference is not None:
             self.store.set(f"pipec/check/{self.rank}", checks.to_json())
@@ -307,7 +322,7 @@ class Worker:
                 for r in range(1, self.world):
                     checks.merge_json(self.store.get(f"pipec/check/{r}").decode())
                 tol = args.tol if args.tol is not None else default_tol(runner)
-                print("\n".join(checks.lines(tol, args.steps)), flush=True)
+                show("\n".join(checks.lines(tol, args.steps)))
                 code = 0 if checks.worst() <= tol else 1
         if args.trace:
             import json
@@ -319,7 +334,7 @@ class Worker:
 
                 events = [json.loads(self.store.get(f"pipec/trace/{r}").decode()) for r in range(self.world)]
                 write_trace(timeline(self.program, events), args.trace)
-                print(f"wrote the measured timeline of step {args.steps} to {args.trace}", flush=True)
+                show(f"wrote the measured timeline of step {args.steps} to {args.trace}")
         return code
 
 

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from pipec.program import Program
+from pipec.runtime.affinity import bind_local_rank
 from pipec.runtime.microbatch import as_args, split, to_device
 from pipec.runtime.model import Model, build_stage_module, default_optimizer
 from pipec.runtime.stage import Stage
@@ -300,6 +301,8 @@ def measure_link(
 
 
 def _pingpong(rank: int, port: int, nbytes: int, reps: int, gap: float, out) -> None:
+    # bound as `pipec run` binds two gloo ranks (pipec.runtime.affinity), so the link is measured as runs use it
+    bind_local_rank("auto", "gloo", rank, 2)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),

@@ -4,6 +4,19 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import sys
+
+
+def show(text: str) -> None:
+    """Print a line of the run's output. When the reader has gone (`pipec run ... | head`), the rest of the
+    output goes to /dev/null and training carries on, rather than a rank failing over a closed pipe."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 def header(program, how: str, model_path: str) -> str:

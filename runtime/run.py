@@ -44,7 +44,7 @@ def _misuse(message: str) -> int:
 
 def worker_args(args: argparse.Namespace, program_path: str) -> list[str]:
     out = [program_path, "--model", args.model, "--steps", str(args.steps), "--timeout", str(args.timeout)]
-    out += ["--backend", args.backend, "--seed", str(args.seed)]
+    out += ["--backend", args.backend, "--seed", str(args.seed), "--cpu-bind", args.cpu_bind]
     if args.check:
         out.append("--check")
     if args.tol is not None:
@@ -111,7 +111,7 @@ def run_local(args: argparse.Namespace, program: Program, model) -> int:
     from pipec.runtime.local import LocalPipeline
     from pipec.runtime.measure import timeline
     from pipec.runtime.reference import Reference, compare, rel_err
-    from pipec.runtime.report import CheckStats, header, step_line
+    from pipec.runtime.report import CheckStats, header, show, step_line
 
     device = torch.device(args.device or ("cuda" if args.backend == "nccl" else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -125,9 +125,9 @@ def run_local(args: argparse.Namespace, program: Program, model) -> int:
     if args.check:
         reference = Reference(model.build_stage, model.loss_fn, program.num_stages, program.num_microbatches, **kw)
         checks = CheckStats()
-    print(header(program, f"--local on {device.type}, one process", model.path), flush=True)
+    show(header(program, f"--local on {device.type}, one process", model.path))
     if links is not None:
-        print(links.describe() + " (--local: ranks interleaved, so step times are not parallel)", flush=True)
+        show(links.describe() + " (--local: ranks interleaved, so step times are not parallel)")
     for step in range(args.steps):
         x, y = model.batch(step)
         res = pipe.step(x, y, record=bool(args.trace) and step == args.steps - 1)
@@ -138,15 +138,15 @@ def run_local(args: argparse.Namespace, program: Program, model) -> int:
             p = compare(pipe.named_parameters(), reference.named_parameters())
             checks.add(rel_err(res.loss, ref_loss), g, p)
             errs = (rel_err(res.loss, ref_loss), max(g.values(), default=0.0), max(p.values(), default=0.0))
-        print(step_line(step, args.steps, res.loss, res.seconds, errs), flush=True)
+        show(step_line(step, args.steps, res.loss, res.seconds, errs))
     code = 0
     if reference is not None:
         tol = args.tol if args.tol is not None else default_tol(pipe.runners[0])
-        print("\n".join(checks.lines(tol, args.steps)))
+        show("\n".join(checks.lines(tol, args.steps)))
         code = 0 if checks.worst() <= tol else 1
     if args.trace:
         from pipec.trace import write_trace
 
         write_trace(timeline(program, pipe.events()), args.trace)
-        print(f"wrote the measured timeline of step {args.steps} to {args.trace} (--local: ranks interleaved)")
+        show(f"wrote the measured timeline of step {args.steps} to {args.trace} (--local: ranks interleaved)")
     return code

@@ -5,6 +5,7 @@ clearly. Each multi-process job runs several cases to keep the suite fast on two
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -157,8 +158,9 @@ def test_pipec_run_check_and_trace(tmp_path):
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert lines[0] == "zb-v (p=2 m=4): 4 stages on 2 ranks, 4 micro-batches, gloo, 2 processes, model examples/mlp.py"
-    assert re.match(r"step 1/2: loss \d+\.\d+, \d+\.\d+ s  \| rel err vs reference: loss", lines[1])
-    assert lines[2].startswith("step 2/2: loss")
+    assert lines[1].startswith("CPU binding: ")
+    assert re.match(r"step 1/2: loss \d+\.\d+, \d+\.\d+ s  \| rel err vs reference: loss", lines[2])
+    assert lines[3].startswith("step 2/2: loss")
     assert any(line.startswith("OK: largest relative error") for line in lines)
     assert any(line.startswith("  stage 3   gradients  max rel err") for line in lines)
     tl = read_trace(trace)
@@ -190,3 +192,42 @@ def test_pipec_run_refuses_a_wrong_number_of_processes():
     r = pipec("run", "1f1b", "-D", "p=4", "--model", "examples/mlp.py", "--nproc", "2")
     assert r.returncode == 2
     assert "has 4 ranks, but this job has 2 processes" in r.stderr
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="CPU binding needs Linux")
+@pytest.mark.parametrize("mode", ["auto", "none"])
+def test_pipec_run_binds_each_gloo_rank_to_its_own_cpus(tmp_path, mode):
+    from pipec.runtime.affinity import cpu_share
+
+    r = pipec(
+        "run", "1f1b", "-D", "p=2", "-D", "m=2", "--model", "tests/models/affinity_probe.py", "--nproc", "2",
+        "--steps", "1", "--cpu-bind", mode, env={"PIPEC_AFFINITY_DIR": str(tmp_path)},
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    cpus = sorted(os.sched_getaffinity(0))
+    for rank in (0, 1):
+        probe = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        share = cpu_share(rank, 2, cpus) if mode == "auto" else None
+        # every thread, gloo's included (build_stage runs after init_process_group)
+        assert len(probe["threads"]) > 1
+        assert all(t == (share or cpus) for t in probe["threads"]), (rank, probe, share)
+    binding = r.stdout.splitlines()[1]
+    if mode == "none":
+        assert binding == "CPU binding: none (--cpu-bind none)"
+    elif len(cpus) >= 2:
+        assert binding == f"CPU binding: each of the 2 local ranks on its own {len(cpus) // 2} CPU" + (
+            "s (--cpu-bind)" if len(cpus) >= 4 else " (--cpu-bind)"
+        )
+    else:
+        assert binding == "CPU binding: none (2 local ranks, 1 CPUs: fewer CPUs than ranks)"
+
+
+def test_pipec_run_carries_on_when_its_reader_goes():
+    """`pipec run ... | head -1`: the closed pipe silences rank 0's output instead of failing the run."""
+    e = dict(os.environ, OMP_NUM_THREADS="1", **MLP_ENV)
+    cmd = [sys.executable, "-m", "pipec", "run", "1f1b", "-D", "p=2", "-D", "m=2", "--model", "examples/mlp.py"]
+    proc = subprocess.Popen([*cmd, "--steps", "3"], cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # before anything is printed: every line rank 0 prints meets a closed pipe
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err.decode()
+    assert b"Traceback" not in err and b"BrokenPipeError" not in err, err.decode()
