@@ -8,6 +8,7 @@ micro-batch). For each schedule and round, exactly what a user would type:
 
     pipec profile NAME -D p=2 [-D v=2] -D m=8 --model benchmarks/blocks_model.py -o costs.toml
     pipec simulate NAME -D p=2 [-D v=2] -D m=8 --cost costs.toml --json        # its makespan
+    pipec profile NAME ... --in-situ -o situ.toml; pipec simulate NAME ... --cost situ.toml --json
     pipec run NAME -D p=2 [-D v=2] -D m=8 --model benchmarks/blocks_model.py --nproc 2 --steps K
 
 The measured step time is the median of the printed step times after the first two (the shape
@@ -20,7 +21,9 @@ measured compute time over the simulated one (how well the profiled op times hel
 and `send_to_use_ms` the median time from sending a message to the start of the op that uses it,
 each measured and simulated.
 `overhead_us` is the per-instruction overhead `pipec profile` measured, and `error_without_overhead`
-the error of a simulation that leaves it out (`--cost overhead=0`).
+the error of a simulation that leaves it out (`--cost overhead=0`). The `in_situ_*` fields are the same
+for the costs of `pipec profile --in-situ` (F, B, W and the overhead measured in steps of the schedule
+run on two processes: pipec.runtime.insitu), whose runs are separate from the measured ones.
 The 1-minute load average is reported because other processes on the machine stretch the measured times.
 """
 
@@ -70,6 +73,9 @@ def one_round(name: str, extra: dict, args: argparse.Namespace, tmp: str, env: d
     sh([*PIPEC, "profile", name, *d, "--model", MODEL, "-o", cost, "--reps", str(args.reps)], env)
     sim = json.loads(sh([*PIPEC, "simulate", name, *d, "--cost", cost, "--json", "--trace", sim_trace], env))
     bare = json.loads(sh([*PIPEC, "simulate", name, *d, "--cost", cost, "--cost", "overhead=0", "--json"], env))
+    situ_cost = os.path.join(tmp, f"{name}.situ.toml")
+    sh([*PIPEC, "profile", name, *d, "--model", MODEL, "-o", situ_cost, "--reps", str(args.reps), "--in-situ"], env)
+    situ = json.loads(sh([*PIPEC, "simulate", name, *d, "--cost", situ_cost, "--json"], env))
     run = [*PIPEC, "run", name, *d, "--model", MODEL, "--nproc", "2", "--steps", str(args.steps)]
     out = sh([*run, "--trace", run_trace], env)
     steps = [float(t) for _, t in STEP.findall(out)]
@@ -80,6 +86,8 @@ def one_round(name: str, extra: dict, args: argparse.Namespace, tmp: str, env: d
         "simulated_s": sim["makespan"],
         "simulated_without_overhead_s": bare["makespan"],
         "overhead_us": 1e6 * sim["costs"]["overhead"],
+        "in_situ_simulated_s": situ["makespan"],
+        "in_situ_overhead_us": 1e6 * situ["costs"]["overhead"],
         "measured_s": statistics.median(steps[2:]),
         # where a difference comes from: compute (the busiest rank's op time) or waiting (idle time)
         "compute_ratio": busiest(measured) / busiest(simulated),
@@ -152,6 +160,13 @@ def main() -> None:
                     "overhead_us": round(med["overhead_us"], 1),
                     "error_without_overhead": (med["simulated_without_overhead_s"] - mea) / mea,
                     "error_per_round": [round((r["simulated_s"] - r["measured_s"]) / r["measured_s"], 4) for r in rows],
+                    "in_situ_simulated_s": med["in_situ_simulated_s"],
+                    "in_situ_error": (med["in_situ_simulated_s"] - mea) / mea,
+                    "in_situ_within_15pct": abs(med["in_situ_simulated_s"] - mea) <= 0.15 * mea,
+                    "in_situ_error_per_round": [
+                        round((r["in_situ_simulated_s"] - r["measured_s"]) / r["measured_s"], 4) for r in rows
+                    ],
+                    "in_situ_overhead_us": round(med["in_situ_overhead_us"], 1),
                     "compute_ratio": round(med["compute_ratio"], 3),
                     "idle_ms": round(med["idle_ms"], 3),
                     "simulated_idle_ms": round(med["simulated_idle_ms"], 3),

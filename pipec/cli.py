@@ -411,6 +411,11 @@ def _profile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--seed", type=int, default=0, help="weights are seeded by (seed, stage), as in pipec run")
     p.add_argument("--no-comm", dest="comm", action="store_false", help="skip the link measurement (gloo)")
+    p.add_argument(
+        "--in-situ",
+        action="store_true",
+        help="take F, B, W and the overhead from --reps steps of the schedule run on its gloo processes",
+    )
     p.add_argument("--json", action="store_true", help="print the measurements as JSON")
 
 
@@ -442,6 +447,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
             device=args.device,
             seed=args.seed,
             comm=args.comm,
+            in_situ=args.in_situ,
         )
     except PipelineError as e:
         print(f"pipec profile: error: {e}", file=sys.stderr)

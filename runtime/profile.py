@@ -11,10 +11,8 @@ m micro-batches between optimizer steps, as in a run. Each is timed `reps` times
 the medians go into the file. Message sizes come from the tensors stages pass on: `act_bytes[s]` what
 stage s sends forward, `grad_bytes[s]` the input gradient it sends back. With `comm`, two processes time
 messages of the largest size over the backend (gloo ping-pong) and the file gets a link `latency` and
-`bandwidth`, and the `overhead`: a rank's own time per send or receive instruction, through the runtime's
-transport (`DistComm`) with receives posted ahead as a run posts them: posting a receive, issuing the
-send (gloo writes the data to the socket in that call), waiting for the arrived data; their sum per
-message, halved, since the simulator charges it to the send and to the receive.
+`bandwidth`, and the `overhead`: a rank's own time per send or receive instruction in the runtime's
+executor, measured as the simulator charges it (pipec.runtime.overhead).
 
 What the cost file says depends on the schedule: with split backward, `B` and `W` are the input- and
 weight-gradient passes as the runtime runs them (the first stage's B is ~0: it needs no input gradient,
@@ -36,8 +34,9 @@ from typing import Any
 
 import torch
 
-from pipec.program import Program
+from pipec.program import BWD, FWD, WGRAD, Program
 from pipec.runtime.affinity import bind_local_rank
+from pipec.runtime.errors import PipelineError
 from pipec.runtime.microbatch import as_args, split, to_device
 from pipec.runtime.model import Model, build_stage_module, default_optimizer
 from pipec.runtime.stage import Stage
@@ -61,6 +60,7 @@ class Profile:
     latency: float | None = None  # one-way time of a small message, seconds
     overhead: float | None = None  # a rank's time per send or receive instruction, seconds (LogP's o)
     bandwidth: float | None = None  # bits per second, beyond the latency; None: not measured or unmeasurable
+    in_situ: dict | None = None  # pipec.runtime.insitu's result: the ops as the schedule runs them
 
     def cost_doc(self) -> dict:
         """The cost file's document (for `pipec.costs.dump_costs`)."""
@@ -74,13 +74,15 @@ class Profile:
             "unit": "s",
             "schedule": self.schedule,
             "params": params,
-            "F": _r(self.forward),
         }
+        F, B, W = self.forward, self.input_backward if self.split_backward else self.full_backward, self.weight_backward
+        if self.in_situ is not None:  # the ops as they ran in the schedule
+            F, B, W = (self.situ(op) for op in (FWD, BWD, WGRAD))
+            doc["comment"] += f"; F, B, W and overhead in situ, medians over {self.in_situ['steps']} steps"
+        doc["F"] = _r(F)
+        doc["B"] = _r(B)  # without split backward, B without W: the cost model's full backward
         if self.split_backward:
-            doc["B"] = _r(self.input_backward)
-            doc["W"] = _r(self.weight_backward)
-        else:
-            doc["B"] = _r(self.full_backward)  # B without W: the cost model's full backward
+            doc["W"] = _r(W)
         doc["act_bytes"] = list(self.act_bytes)
         doc["grad_bytes"] = list(self.grad_bytes)
         if self.latency is not None:
@@ -99,7 +101,20 @@ class Profile:
             },
             "run": {k: v for k, v in self.info.items() if v is not None},
         }
+        if self.in_situ is not None:
+            doc["measured"]["in_situ"] = {
+                "forward": _r(self.situ(FWD)),
+                "backward": _r(self.situ(BWD)),
+                **({"weight_backward": _r(self.situ(WGRAD))} if self.split_backward else {}),
+                "step": float(f"{self.in_situ['step_s']:.6g}"),
+                "steps": self.in_situ["steps"],
+            }
         return doc
+
+    def situ(self, op: int) -> list[float]:
+        """Per stage, the in-situ median of an op (0.0 where the schedule never ran it)."""
+        assert self.in_situ is not None
+        return [self.in_situ["ops"].get((op, s), 0.0) for s in range(len(self.forward))]
 
 
 def _r(xs: list[float]) -> list[float]:
@@ -122,11 +137,15 @@ def profile(
     loss_scale: float | None = None,
     comm: bool = True,
     backend: str = "gloo",
+    in_situ: bool = False,
 ) -> Profile:
-    """Measure every stage of `program` on `model` (see the module's docstring)."""
+    """Measure every stage of `program` on `model` (see the module's docstring); with `in_situ`, also run
+    the schedule on its ranks' processes and take F, B, W and the overhead from that (pipec.runtime.insitu)."""
     if reps < 1 or warmup < 0:
         raise ValueError("reps must be at least 1 and warmup at least 0")
     device = torch.device(device)
+    if in_situ and (device.type != "cpu" or backend != "gloo"):
+        raise PipelineError("--in-situ runs the schedule on gloo processes on this machine's CPUs only")
     threads = threads or default_threads(program.num_ranks)
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -155,6 +174,14 @@ def profile(
             prof.info["link"] = "gloo ping-pong between two local processes"
         else:
             prof.info["link"] = f"not measured ({backend} on {device.type}: profile measures gloo on CPU only)"
+    if in_situ:
+        from pipec.runtime.insitu import profile_in_situ
+
+        prof.in_situ = profile_in_situ(
+            program, model.path, reps=reps, warmup=warmup, threads=threads, seed=seed, loss_scale=loss_scale
+        )
+        if prof.in_situ["overhead"] is not None:
+            prof.overhead = prof.in_situ["overhead"]
     return prof
 
 
@@ -275,7 +302,8 @@ def measure_link(
 ) -> tuple[float | None, float | None, float | None]:
     """One-way time of a small message (latency, s) and the bandwidth (bit/s) beyond it, from a gloo
     ping-pong of 8 bytes and of `nbytes` between two fresh local processes, and the per-instruction
-    overhead (s) of messages of `nbytes` issued `gap` seconds of compute apart; Nones if it fails."""
+    overhead (s) of pipec's executor for messages of `nbytes` between compute ops of about `gap` seconds
+    (pipec.runtime.overhead); Nones if it fails."""
     import multiprocessing as mp
 
     import torch.distributed as dist
@@ -310,16 +338,22 @@ def _pingpong(rank: int, port: int, nbytes: int, reps: int, gap: float, out) -> 
         WORLD_SIZE="2",
         TORCHELASTIC_USE_AGENT_STORE="True",
     )
+    import gc
+
     import torch.distributed as dist
 
+    from pipec.runtime.overhead import instruction_overhead
+
     torch.set_num_threads(1)
+    __import__("torch.distributed.nn.functional")  # before the group: see runtime/launch.py, Worker._teardown
     dist.init_process_group("gloo")
     try:
         results = [_rtt(rank, dist, n, reps) / 2 for n in (8, max(nbytes, 8))]
-        overhead = _overhead(rank, dist, max(nbytes, 8), reps, gap)
+        overhead = instruction_overhead(rank, max(nbytes, 8), reps, gap)
         if rank == 0:
             out.put((*results, overhead))
     finally:
+        gc.collect()  # the Runner's process groups and works go now, on this thread
         dist.destroy_process_group()
 
 
@@ -339,56 +373,6 @@ def _rtt(rank: int, dist, nbytes: int, reps: int) -> float:
         if i >= 3:
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
-
-
-def _overhead(rank: int, dist, nbytes: int, reps: int, gap: float) -> float | None:
-    """Half the rank time per message through the runtime's transport: rank 1 posts `reps` receives,
-    rank 0 sends into them once they are known to it, rank 1 waits for each; medians of each call.
-    Calls are `gap` seconds of compute apart, as a run issues them between ops: back to back they are
-    several times faster (caches warm, the peer's transport thread still awake)."""
-    from pipec.runtime.comm import ACT, DistComm
-    from pipec.runtime.shapes import TensorSpec
-
-    comm = DistComm(2, reps, torch.device("cpu"), timeout=60.0)
-    spec = (TensorSpec((max(1, nbytes // 8),), torch.float64),)
-    post, send, wait = [], [], []
-    for _ in range(2):  # the first round warms up
-        post, send, wait = [], [], []
-        if rank == 1:
-            recvs = []
-            for i in range(reps):
-                t0 = time.perf_counter()
-                recvs.append(comm.post((ACT, i, 0), 0, spec))
-                post.append(time.perf_counter() - t0)
-        dist.barrier()
-        time.sleep(0.05)  # rank 0's gloo thread takes in the "receive posted" notices
-        if rank == 0:
-            data = (torch.ones(spec[0].shape, dtype=torch.float64),)
-            for i in range(reps):
-                _compute(gap)
-                t0 = time.perf_counter()
-                comm.send((ACT, i, 0), 1, data)
-                send.append(time.perf_counter() - t0)
-            comm.finish_sends()
-        dist.barrier()
-        if rank == 1:
-            for r in recvs:
-                _compute(gap)
-                t0 = time.perf_counter()
-                for _ in comm.wait(r):
-                    pass
-                wait.append(time.perf_counter() - t0)
-    # rank 1's times to rank 0, which reports
-    mine = torch.tensor([statistics.median(post or [0.0]) + statistics.median(wait or [0.0])], dtype=torch.float64)
-    dist.all_reduce(mine)
-    return (statistics.median(send) + float(mine)) / 2 if rank == 0 else None
-
-
-def _compute(seconds: float) -> None:
-    a = torch.ones(128, 128, dtype=torch.float64)
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        a @ a
 
 
 def summary_lines(prof: Profile) -> list[str]:
@@ -414,8 +398,19 @@ def summary_lines(prof: Profile) -> list[str]:
     if prof.latency is not None:
         bw = f"{prof.bandwidth / 1e9:.3g} Gbit/s" if prof.bandwidth else "not measurable"
         lines.append(f"link ({prof.info.get('link')}): latency {prof.latency * 1e6:.1f} us, bandwidth {bw}")
+    if prof.in_situ is not None:
+        situ = prof.in_situ
+        per = [
+            f"{s}: F {ms(f)} B {ms(b)}" + (f" W {ms(w)}" if prof.split_backward else "")
+            for s, (f, b, w) in enumerate(zip(prof.situ(FWD), prof.situ(BWD), prof.situ(WGRAD)))
+        ]
+        lines.append(
+            f"in situ, {situ['steps']} steps of {prof.schedule} (median step {ms(situ['step_s'])} ms), ms per stage:"
+        )
+        lines.append("  " + "; ".join(per) + " (the cost file's F, B, W)")
     if prof.overhead is not None:
-        lines.append(f"overhead: {prof.overhead * 1e6:.1f} us of a rank's time per send or receive")
+        where = "in situ" if prof.in_situ is not None and prof.in_situ["overhead"] is not None else "GPipe, 2 ranks"
+        lines.append(f"overhead: {prof.overhead * 1e6:.1f} us of a rank's time per send or receive ({where})")
     kind = "B = input gradient, W = weight gradient" if prof.split_backward else "B = the full backward (no W)"
     lines.append(f"the cost file's B and W for {prof.schedule}: {kind}")
     return lines

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import tomllib
 
 import pytest
 
@@ -108,3 +109,95 @@ def test_profile_refuses_a_bad_model(tmp_path, capsys):
     assert main(["profile", "1f1b", "-D", "p=2", "--model", str(bad), "--no-comm"]) == 1
     err = capsys.readouterr().err
     assert "pipec profile: error:" in err and "missing `loss_fn" in err
+
+
+# ---- the overhead estimate and the in-situ profile --------------------------------------------------------
+
+
+def _gpipe_step(grad1_sent: float = 0.00702, b1_start: float = 0.01108):
+    """One hand-timed GPipe step (p=2, m=2; see `pipec compile gpipe -D p=2 -D m=2`). Rank 0's gap before
+    FWD 1 holds one send (50 us), its gap before BWD 1 one receive (80 us), and rank 1's gap before BWD 1
+    one send (60 us); the other gaps hold no transfer or a send and a receive together."""
+    from pipec.runtime.measure import timeline
+
+    prog = compile_schedule(load("gpipe", p=2, m=2)).program
+    r0 = [
+        ("compute", 0, 0, 0, 0.0, 0.001),
+        ("send", 0, 0, 0, 1, 0.00102, 8),
+        ("compute", 0, 1, 0, 0.00105, 0.002),
+        ("send", 0, 1, 0, 1, 0.00201, 8),
+        ("recv", 1, 0, 1, 1, 0.0101),
+        ("compute", 1, 0, 0, 0.0101, 0.011),
+        ("recv", 1, 1, 1, 1, b1_start),
+        ("compute", 1, 1, 0, b1_start, b1_start + 0.001),
+    ]
+    r1 = [
+        ("recv", 0, 0, 0, 0, 0.003),
+        ("compute", 0, 0, 1, 0.003, 0.004),
+        ("recv", 0, 1, 0, 0, 0.004),
+        ("compute", 0, 1, 1, 0.004, 0.005),
+        ("compute", 1, 0, 1, 0.005, 0.006),
+        ("send", 1, 0, 1, 0, 0.00602, 8),
+        ("compute", 1, 1, 1, 0.00606, 0.007),
+        ("send", 1, 1, 1, 0, grad1_sent, 8),
+    ]
+    return prog, timeline(prog, [r0, r1])
+
+
+def test_the_overhead_is_the_mean_send_and_receive_gap_per_instruction():
+    from pipec.runtime.overhead import per_instruction
+
+    prog, tl = _gpipe_step()
+    assert per_instruction(prog, [tl]) == pytest.approx(((50e-6 + 60e-6) / 2 + 80e-6) / 2)
+    # a receive gap whose message was sent just before the gap may hold a wait: left out
+    prog, tl = _gpipe_step(grad1_sent=0.01095)
+    assert per_instruction(prog, [tl]) == pytest.approx((50e-6 + 60e-6) / 2)
+    # a gap of over 1 ms per instruction is a stall, not an overhead: left out
+    prog, tl = _gpipe_step(b1_start=0.0125)
+    assert per_instruction(prog, [tl]) == pytest.approx((50e-6 + 60e-6) / 2)
+    # two steps: the means are over both
+    prog, late = _gpipe_step(b1_start=0.01104)
+    assert per_instruction(prog, [_gpipe_step()[1], late]) == pytest.approx((55e-6 + 60e-6) / 2)
+
+
+def test_in_situ_profile_takes_the_ops_from_runs_of_the_schedule(tmp_path, capsys, small_mlp):
+    out = tmp_path / "costs.toml"
+    argv = ["profile", "zb-h1", "-D", "p=2", "-D", "m=4", "--model", MODEL, "-o", str(out), "--reps", "3"]
+    assert main([*argv, "--warmup", "1", "--no-comm", "--in-situ"]) == 0
+    printed = capsys.readouterr().out
+    assert "in situ, 3 steps of zb-h1" in printed and "(in situ)" in printed
+    doc = tomllib.loads(out.read_text())
+    situ = doc["measured"]["in_situ"]
+    assert doc["F"] == situ["forward"] and doc["B"] == situ["backward"] and doc["W"] == situ["weight_backward"]
+    assert situ["steps"] == 3 and situ["step"] > 0
+    assert all(x > 0 for x in doc["F"] + doc["B"] + doc["W"])  # the first stage's BWD is tiny, but timed
+    assert doc["measured"]["stages"]["forward"] != doc["F"]  # the one-op-at-a-time tables are kept apart
+    assert 0 < doc["overhead"] < 0.1 and "latency" not in doc  # the overhead comes from the runs themselves
+    assert "in situ, medians over 3 steps" in doc["comment"]
+    assert read_cost_file(out)["F"] == doc["F"]  # what the simulator reads
+    sim = _simulate(capsys, ["zb-h1", "-D", "p=2", "-D", "m=4", "--cost", str(out)])
+    assert sim["costs"]["overhead"] == pytest.approx(doc["overhead"])
+
+
+def test_in_situ_profile_is_for_gloo_on_cpu(small_mlp):
+    from pipec.runtime.errors import PipelineError
+
+    prog = compile_schedule(load("1f1b", p=2, m=2)).program
+    with pytest.raises(PipelineError, match="--in-situ runs the schedule on gloo processes"):
+        profile(prog, load_model(MODEL), device="cuda", in_situ=True, comm=False)
+
+
+@pytest.mark.parametrize(
+    "fault,culprit", [("raise", "rank 1: RuntimeError: injected failure"), ("exit", "rank 1 died (exit status 3)")]
+)
+def test_in_situ_profile_names_the_rank_that_failed(monkeypatch, fault, culprit):
+    from pipec.runtime.errors import PipelineError
+    from pipec.runtime.insitu import profile_in_situ
+
+    for k, v in {"PIPEC_FAULT": fault, "PIPEC_FAULT_STAGE": "1", "PIPEC_FAULT_CALL": "2"}.items():
+        monkeypatch.setenv(k, v)
+    prog = compile_schedule(load("1f1b", p=2, m=2)).program
+    with pytest.raises(PipelineError) as err:
+        profile_in_situ(prog, str(ROOT / "tests" / "models" / "faulty.py"), reps=2, warmup=1, timeout=60)
+    message = str(err.value)
+    assert message.startswith(f"the in-situ profile of 1f1b failed: {culprit}; rank 0: CommError: "), message

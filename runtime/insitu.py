@@ -1,0 +1,182 @@
+"""`pipec profile --in-situ`: the costs of ops as they run in the schedule, on every rank at once.
+
+Op times measured one at a time in one process (`pipec.runtime.profile`) leave out what a run adds: the
+other ranks computing at the same time on the same machine (shared caches and memory bandwidth), the
+executor's transfers between ops, and the caches the schedule's own order leaves cold. Here the
+schedule's ranks run as `pipec run` runs them (one gloo process each, bound the same way, the runtime's
+`Runner`) for `warmup + reps` steps on `batch(0)`, recording every step after the warmup. The cost file
+then gets, per stage, the median time of each op over those steps, and the `overhead` estimated from
+the gaps between them (pipec.runtime.overhead.per_instruction). What the simulator has left to predict
+is how the ops and messages wait for each other.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import statistics
+from collections import defaultdict
+
+from pipec.program import BWD, FWD, WGRAD, Program, from_json, to_json
+from pipec.runtime.affinity import bind_local_rank
+from pipec.runtime.errors import CommError, PipelineError
+
+NAMES = {FWD: "forward", BWD: "backward", WGRAD: "weight_backward"}
+
+
+def profile_in_situ(
+    program: Program,
+    model_path: str,
+    *,
+    reps: int = 20,
+    warmup: int = 3,
+    threads: int = 1,
+    seed: int = 0,
+    loss_scale: float | None = None,
+    timeout: float = 300.0,
+) -> dict:
+    """Run the Program on its number of local gloo processes; returns {"ops": {(op, stage): median s},
+    "overhead": s or None, "step_s": median step time, "steps": recorded steps}."""
+    import multiprocessing as mp
+
+    import torch.distributed as dist
+
+    if reps < 1 or warmup < 0:
+        raise ValueError("reps must be at least 1 and warmup at least 0")
+    world = program.num_ranks
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    spec = dict(
+        program=to_json(program),
+        model=os.path.abspath(model_path),
+        reps=reps,
+        warmup=warmup,
+        threads=threads,
+        seed=seed,
+        loss_scale=loss_scale,
+        timeout=timeout,
+    )
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, world, store.port, spec, out), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        result = _wait(procs, out, timeout)
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    if isinstance(result, str):
+        raise PipelineError(f"the in-situ profile of {program.name} failed: {result}")
+    return result
+
+
+def _wait(procs: list, out, timeout: float) -> dict | str:
+    """Rank 0's result, or why there is none: ranks' own failures first, then ranks that died without a
+    word, then what their peers saw; or the timeout. Not much longer than a failure takes to show."""
+    import queue
+    import time
+
+    deadline = time.monotonic() + timeout
+    said: list[tuple[int, int, str]] = []  # (rank, culprit, message)
+    failed_at = None
+    while time.monotonic() < deadline:
+        try:
+            item = out.get(timeout=0.2)
+        except queue.Empty:
+            item = None
+        if isinstance(item, dict):
+            return item
+        if item is not None:
+            said.append(item)
+        dead = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode not in (None, 0)}
+        if said or dead:
+            failed_at = failed_at or time.monotonic()
+            if all(p.exitcode is not None for p in procs) or time.monotonic() - failed_at > 2.0:
+                spoke = {r for r, _, _ in said}
+                parts = [m for r, c, m in said if r == c]
+                parts += [f"rank {r} died (exit status {code})" for r, code in sorted(dead.items()) if r not in spoke]
+                parts += [m for r, c, m in said if r != c]
+                return "; ".join(parts)
+    return f"no result within {timeout:g} s"
+
+
+def _rank(rank: int, world: int, port: int, spec: dict, out) -> None:
+    bind_local_rank("auto", "gloo", rank, world)  # as `pipec run` binds its ranks, before torch's threads
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        TORCHELASTIC_USE_AGENT_STORE="True",
+    )
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from pipec.runtime.model import load_model
+    from pipec.runtime.runner import Runner
+
+    torch.set_num_threads(spec["threads"])
+    __import__("torch.distributed.nn.functional")  # before the group: see runtime/launch.py, Worker._teardown
+    dist.init_process_group("gloo", timeout=timedelta(seconds=spec["timeout"]))
+    runner = None
+    try:
+        program = from_json(spec["program"])
+        model = load_model(spec["model"])
+        runner = Runner(
+            program,
+            model.build_stage,
+            model.loss_fn,
+            rank=rank,
+            optimizer=model.optimizer,
+            dtype=model.dtype,
+            seed=spec["seed"],
+            loss_scale=spec["loss_scale"],
+            timeout=spec["timeout"],
+        )
+        x, y = model.batch(0)
+        steps, seconds = [], []
+        for k in range(spec["warmup"] + spec["reps"]):
+            res = runner.step(x, y, record=k >= spec["warmup"])
+            if k >= spec["warmup"]:
+                steps.append(runner.events())
+                seconds.append(res.seconds)
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, (steps, seconds))
+        if rank == 0:
+            out.put(summarize(program, [g[0] for g in gathered], [g[1] for g in gathered]))
+    except Exception as e:  # noqa: BLE001 - reported by the parent, which names the profile
+        if not isinstance(e, PipelineError):  # the model's own code: where it failed
+            import traceback
+
+            traceback.print_exc()
+        # a rank that lost its peer says which; the parent prefers a culprit's message to its peers'
+        out.put((rank, e.peer if isinstance(e, CommError) else rank, f"rank {rank}: {type(e).__name__}: {e}"))
+        out.close()
+        out.join_thread()  # the message is out of this process before it ends
+        os._exit(1)  # no teardown: a peer may be gone
+    finally:
+        runner = None
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def summarize(program: Program, events: list[list[list[tuple]]], seconds: list[list[float]]) -> dict:
+    """events[rank][step]: each recorded step's events; seconds[rank][step]: each rank's step time."""
+    from pipec.runtime.measure import timeline
+    from pipec.runtime.overhead import per_instruction
+
+    timelines = [timeline(program, [events[r][k] for r in range(len(events))]) for k in range(len(events[0]))]
+    times: dict[tuple[int, int], list[float]] = defaultdict(list)
+    for tl in timelines:
+        for op, s, a, b in zip(tl.op.tolist(), tl.stage.tolist(), tl.start.tolist(), tl.end.tolist()):
+            times[(op, s)].append(b - a)
+    return {
+        "ops": {k: statistics.median(v) for k, v in times.items()},
+        "overhead": per_instruction(program, timelines),
+        "step_s": statistics.median(max(per) for per in zip(*seconds)),
+        "steps": len(timelines),
+    }
