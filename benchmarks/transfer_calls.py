@@ -1,0 +1,135 @@
+"""Where a rank's time between compute ops goes on gloo: each transfer call of pipec's executor, timed
+inside a real run.
+
+    .venv/bin/python benchmarks/transfer_calls.py [--schedule interleaved-1f1b] [-D v=2] [--steps 10]
+
+Two gloo processes, bound as `pipec run` binds them, run the schedule (p=2, m=8) on
+benchmarks/blocks_model.py (16 blocks of Linear(256, 256) + GELU in float64, 64 KiB messages) through
+the runtime's `Runner`, with the executor's and the transport's methods wrapped in timers: `send` (gloo
+writes the data in the call), `post` (a receive: its buffer, `_recv_ops`, and gloo's call, which sends
+the peer a "ready" notice), `_wait` (each work waited on), and the executor's `_exchange` and
+`_post_upto` around them. One JSON line per rank and call: calls per step, median and mean in us,
+after 3 untimed steps. The cost file's `overhead` (pipec.runtime.overhead) is what these add up to
+between two compute ops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import queue
+import statistics
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WRAPPED = {
+    "DistComm": ("post", "send", "_recv_ops", "_send_ops", "_issue", "_wait"),
+    "Executor": ("_exchange", "_post_upto"),
+}
+
+
+def worker(rank: int, port: int, args: argparse.Namespace, out) -> None:
+    from pipec.runtime.affinity import bind_local_rank
+
+    bind_local_rank("auto", "gloo", rank, 2)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", BLOCKS_M="8",
+        TORCHELASTIC_USE_AGENT_STORE="True",
+    )  # fmt: skip
+    import torch
+    import torch.distributed as dist
+
+    from pipec.runtime import comm, executor
+    from pipec.runtime.launch import load_program
+    from pipec.runtime.model import load_model
+    from pipec.runtime.runner import Runner
+
+    torch.set_num_threads(1)
+    __import__("torch.distributed.nn.functional")  # before the group: see runtime/launch.py, Worker._teardown
+    dist.init_process_group("gloo")
+    times: dict[str, list[float]] = collections.defaultdict(list)
+
+    def timed(cls, name: str) -> None:
+        fn = getattr(cls, name)
+
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                times[f"{cls.__name__}.{name}"].append(time.perf_counter() - t0)
+
+        setattr(cls, name, wrapper)
+
+    for cls in (comm.DistComm, executor.Executor):
+        for name in WRAPPED[cls.__name__]:
+            timed(cls, name)
+    program = load_program(args.schedule, ["p=2", "m=8", *args.define])
+    model = load_model(str(ROOT / "benchmarks" / "blocks_model.py"))
+    runner = Runner(program, model.build_stage, model.loss_fn, rank=rank, optimizer=model.optimizer, dtype=model.dtype)
+    x, y = model.batch(0)
+    for step in range(3 + args.steps):
+        if step == 3:
+            times.clear()
+        runner.step(x, y)
+    rows = [
+        {
+            "benchmark": "transfer_calls",
+            "schedule": program.name,
+            "params": " ".join(f"{k}={v}" for k, v in program.params),
+            "rank": rank,
+            "call": name,
+            "calls_per_step": len(v) / args.steps,
+            "median_us": round(1e6 * statistics.median(v), 1),
+            "mean_us": round(1e6 * statistics.fmean(v), 1),
+        }
+        for name, v in sorted(times.items())
+    ]
+    out.put(rows)
+    runner = None
+    import gc
+
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    import multiprocessing as mp
+
+    import torch.distributed as dist
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--schedule", default="interleaved-1f1b", help="a library schedule (default interleaved-1f1b)")
+    ap.add_argument("-D", dest="define", action="append", default=None, help="more parameters (default v=2)")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
+    args = ap.parse_args()
+    if args.define is None:
+        args.define = ["v=2"] if args.schedule.startswith("interleaved") else []
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, store.port, args, out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    rows = []
+    while len(rows) < 2 and any(p.exitcode in (None, 0) for p in procs):
+        try:
+            rows.append(out.get(timeout=1.0))
+        except queue.Empty:
+            pass
+    for p in procs:
+        p.join(60)
+    if len(rows) < 2:
+        raise SystemExit(f"a worker failed (exit status {[p.exitcode for p in procs]})")
+    rows = [row for per in rows for row in per]
+    for row in sorted(rows, key=lambda r: (r["rank"], r["call"])):
+        print(json.dumps({**row, "loadavg_1min": round(os.getloadavg()[0], 2)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
