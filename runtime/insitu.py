@@ -17,11 +17,9 @@ import os
 import statistics
 from collections import defaultdict
 
-from pipec.program import BWD, FWD, WGRAD, Program, from_json, to_json
+from pipec.program import Program, from_json, to_json
 from pipec.runtime.affinity import bind_local_rank
 from pipec.runtime.errors import CommError, PipelineError
-
-NAMES = {FWD: "forward", BWD: "backward", WGRAD: "weight_backward"}
 
 
 def profile_in_situ(
