@@ -26,23 +26,17 @@ import sys
 import time
 from pathlib import Path
 
+import local_gloo
+
 ROOT = Path(__file__).resolve().parents[1]
 STEP = re.compile(r"^step\s+\d+/\d+: loss \S+, ([0-9.]+) s", re.M)
 RUNS = {"1f1b": ["-D", "p=2", "-D", "m=8"], "interleaved-1f1b": ["-D", "p=2", "-D", "v=2", "-D", "m=8"]}
 
 
 def worker(rank: int, port: int, bound: bool, args: argparse.Namespace, out) -> None:
-    from pipec.runtime.affinity import bind_local_rank
-
-    if bound:
-        bind_local_rank("auto", "gloo", rank, 2)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
     import torch
-    import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    __import__("torch.distributed.nn.functional")  # before the group: see runtime/launch.py, Worker._teardown
-    dist.init_process_group("gloo")
+    dist = local_gloo.join(rank, port, 2, bind=bound)
     pg = dist.distributed_c10d._get_default_group()
     a = torch.ones(128, 128, dtype=torch.float64)
     n = 64 * 1024 // 8
@@ -68,27 +62,13 @@ def worker(rank: int, port: int, bound: bool, args: argparse.Namespace, out) -> 
                 lat.append(arrived - float(sent))
     if rank == 1:
         out.put(lat)
-    dist.barrier()
-    dist.destroy_process_group()
+    local_gloo.leave(dist)
 
 
 def messages(args: argparse.Namespace) -> None:
-    import multiprocessing as mp
-
-    import torch.distributed as dist
-
-    ctx = mp.get_context("spawn")
     for session in range(args.sessions):
         for bound in (False, True):
-            store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-            out = ctx.Queue()
-            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
-            procs = [ctx.Process(target=worker, args=(r, store.port, bound, args, out)) for r in (0, 1)]
-            for p in procs:
-                p.start()
-            lat = sorted(out.get(timeout=600))
-            for p in procs:
-                p.join(60)
+            lat = sorted(local_gloo.run(worker, 2, bound, args)[0])
             emit(
                 benchmark="cpu_bind_messages",
                 layout="bound, one CPU per rank" if bound else "unbound",

@@ -20,15 +20,13 @@ import os
 import statistics
 import time
 
+import local_gloo
+
 
 def worker(rank: int, port: int, split: bool, args: argparse.Namespace, out) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
     import torch
-    import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    __import__("torch.distributed.nn.functional")  # before the group: see runtime/launch.py, Worker._teardown
-    dist.init_process_group("gloo")
+    dist = local_gloo.join(rank, port, 2, bind=False)
     up = dist.distributed_c10d._get_default_group()
     down = dist.new_group(backend="gloo") if split else up
     peer = 1 - rank
@@ -57,33 +55,19 @@ def worker(rank: int, port: int, split: bool, args: argparse.Namespace, out) -> 
             lat.append(t1 - max(float(theirs), t0))
     if rank == 1:
         out.put(lat)
-    dist.barrier()
-    dist.destroy_process_group()
+    local_gloo.leave(dist)
 
 
 def main() -> None:
-    import multiprocessing as mp
-
-    import torch.distributed as dist
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=60, help="exchanges per session (default 60)")
     ap.add_argument("--compute-ms", type=float, default=0.5, help="compute before each exchange (default 0.5)")
     ap.add_argument("--kib", type=int, default=64, help="message size in KiB (default 64)")
     ap.add_argument("--sessions", type=int, default=2, help="sessions per layout, alternating (default 2)")
     args = ap.parse_args()
-    ctx = mp.get_context("spawn")
     for session in range(args.sessions):
         for split in (False, True):
-            store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-            out = ctx.Queue()
-            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
-            procs = [ctx.Process(target=worker, args=(r, store.port, split, args, out)) for r in (0, 1)]
-            for p in procs:
-                p.start()
-            lat = sorted(out.get(timeout=600))
-            for p in procs:
-                p.join(60)
+            lat = sorted(local_gloo.run(worker, 2, split, args)[0])
             print(
                 json.dumps(
                     {

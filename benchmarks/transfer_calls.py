@@ -19,10 +19,11 @@ import argparse
 import collections
 import json
 import os
-import queue
 import statistics
 import time
 from pathlib import Path
+
+import local_gloo
 
 ROOT = Path(__file__).resolve().parents[1]
 WRAPPED = {
@@ -32,24 +33,13 @@ WRAPPED = {
 
 
 def worker(rank: int, port: int, args: argparse.Namespace, out) -> None:
-    from pipec.runtime.affinity import bind_local_rank
-
-    bind_local_rank("auto", "gloo", rank, 2)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", BLOCKS_M="8",
-        TORCHELASTIC_USE_AGENT_STORE="True",
-    )  # fmt: skip
-    import torch
-    import torch.distributed as dist
-
+    os.environ["BLOCKS_M"] = "8"
+    dist = local_gloo.join(rank, port, 2)
     from pipec.runtime import comm, executor
     from pipec.runtime.launch import load_program
     from pipec.runtime.model import load_model
     from pipec.runtime.runner import Runner
 
-    torch.set_num_threads(1)
-    __import__("torch.distributed.nn.functional")  # before the group: see runtime/launch.py, Worker._teardown
-    dist.init_process_group("gloo")
     times: dict[str, list[float]] = collections.defaultdict(list)
 
     def timed(cls, name: str) -> None:
@@ -90,18 +80,10 @@ def worker(rank: int, port: int, args: argparse.Namespace, out) -> None:
     ]
     out.put(rows)
     runner = None
-    import gc
-
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
+    local_gloo.leave(dist)
 
 
 def main() -> None:
-    import multiprocessing as mp
-
-    import torch.distributed as dist
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--schedule", default="interleaved-1f1b", help="a library schedule (default interleaved-1f1b)")
     ap.add_argument("-D", dest="define", action="append", default=None, help="more parameters (default v=2)")
@@ -109,24 +91,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.define is None:
         args.define = ["v=2"] if args.schedule.startswith("interleaved") else []
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, store.port, args, out)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    rows = []
-    while len(rows) < 2 and any(p.exitcode in (None, 0) for p in procs):
-        try:
-            rows.append(out.get(timeout=1.0))
-        except queue.Empty:
-            pass
-    for p in procs:
-        p.join(60)
-    if len(rows) < 2:
-        raise SystemExit(f"a worker failed (exit status {[p.exitcode for p in procs]})")
-    rows = [row for per in rows for row in per]
+    rows = [row for per in local_gloo.run(worker, 2, args, expect=2) for row in per]
     for row in sorted(rows, key=lambda r: (r["rank"], r["call"])):
         print(json.dumps({**row, "loadavg_1min": round(os.getloadavg()[0], 2)}), flush=True)
 
