@@ -23,7 +23,10 @@ each measured and simulated.
 `overhead_us` is the per-instruction overhead `pipec profile` measured, and `error_without_overhead`
 the error of a simulation that leaves it out (`--cost overhead=0`). The `in_situ_*` fields are the same
 for the costs of `pipec profile --in-situ` (F, B, W and the overhead measured in steps of the schedule
-run on two processes: pipec.runtime.insitu), whose runs are separate from the measured ones.
+run on two processes: pipec.runtime.insitu), whose runs are separate from the measured ones. With
+`--transfer`, `partner_*` are those of a simulation with the in-situ costs of another schedule with the same
+stages and kind of backward (GPipe for 1F1B, looped BFS for interleaved 1F1B, ZB-H2 for ZB-H1): whether
+costs measured in one schedule predict another.
 The 1-minute load average is reported because other processes on the machine stretch the measured times.
 """
 
@@ -47,6 +50,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PIPEC = [sys.executable, "-m", "pipec.cli"]
 MODEL = "benchmarks/blocks_model.py"
 CASES = {"1f1b": {}, "interleaved-1f1b": {"v": 2}, "zb-h1": {}}
+# --transfer: a schedule with the same stages and kind of backward, whose in-situ costs predict the case's
+PARTNER = {"1f1b": "gpipe", "interleaved-1f1b": "looped-bfs", "zb-h1": "zb-h2"}
 STEP = re.compile(r"^step\s+(\d+)/\d+: loss \S+, ([0-9.]+) s", re.M)
 
 
@@ -76,6 +81,12 @@ def one_round(name: str, extra: dict, args: argparse.Namespace, tmp: str, env: d
     situ_cost = os.path.join(tmp, f"{name}.situ.toml")
     sh([*PIPEC, "profile", name, *d, "--model", MODEL, "-o", situ_cost, "--reps", str(args.reps), "--in-situ"], env)
     situ = json.loads(sh([*PIPEC, "simulate", name, *d, "--cost", situ_cost, "--json"], env))
+    moved = None
+    if args.transfer:  # the partner's in-situ costs, simulated for this schedule
+        moved_cost = os.path.join(tmp, f"{name}.partner.toml")
+        profile = [*PIPEC, "profile", PARTNER[name], *d, "--model", MODEL, "-o", moved_cost, "--reps", str(args.reps)]
+        sh([*profile, "--in-situ"], env)
+        moved = json.loads(sh([*PIPEC, "simulate", name, *d, "--cost", moved_cost, "--json"], env))["makespan"]
     run = [*PIPEC, "run", name, *d, "--model", MODEL, "--nproc", "2", "--steps", str(args.steps)]
     out = sh([*run, "--trace", run_trace], env)
     steps = [float(t) for _, t in STEP.findall(out)]
@@ -87,6 +98,7 @@ def one_round(name: str, extra: dict, args: argparse.Namespace, tmp: str, env: d
         "simulated_without_overhead_s": bare["makespan"],
         "overhead_us": 1e6 * sim["costs"]["overhead"],
         "in_situ_simulated_s": situ["makespan"],
+        "partner_simulated_s": moved,
         "in_situ_overhead_us": 1e6 * situ["costs"]["overhead"],
         "measured_s": statistics.median(steps[2:]),
         # where a difference comes from: compute (the busiest rank's op time) or waiting (idle time)
@@ -128,6 +140,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30, help="pipec profile --reps (default 30)")
     ap.add_argument("--m", type=int, default=8, help="micro-batches (default 8)")
     ap.add_argument("--schedules", default=",".join(CASES), help="comma-separated subset of " + ",".join(CASES))
+    ap.add_argument(
+        "--transfer",
+        action="store_true",
+        help="also simulate each schedule with the in-situ costs of a partner (" + ", ".join(PARTNER.values()) + ")",
+    )
     args = ap.parse_args()
     if args.steps < 3:
         ap.error("--steps must be at least 3")
@@ -142,7 +159,7 @@ def main() -> None:
                 results[name].append(one_round(name, CASES[name], args, tmp, env))
     for name in names:
         rows = results[name]
-        med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+        med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if rows[0][k] is not None}
         sim, mea = med["simulated_s"], med["measured_s"]
         print(
             json.dumps(
@@ -167,6 +184,15 @@ def main() -> None:
                         round((r["in_situ_simulated_s"] - r["measured_s"]) / r["measured_s"], 4) for r in rows
                     ],
                     "in_situ_overhead_us": round(med["in_situ_overhead_us"], 1),
+                    **(
+                        {
+                            "partner": PARTNER[name],
+                            "partner_simulated_s": med["partner_simulated_s"],
+                            "partner_error": (med["partner_simulated_s"] - mea) / mea,
+                        }
+                        if args.transfer
+                        else {}
+                    ),
                     "compute_ratio": round(med["compute_ratio"], 3),
                     "idle_ms": round(med["idle_ms"], 3),
                     "simulated_idle_ms": round(med["simulated_idle_ms"], 3),
