@@ -12,7 +12,8 @@ the medians go into the file. Message sizes come from the tensors stages pass on
 stage s sends forward, `grad_bytes[s]` the input gradient it sends back. With `comm`, two processes time
 messages of the largest size over the backend (gloo ping-pong) and the file gets a link `latency` and
 `bandwidth`, and the `overhead`: a rank's own time per send or receive instruction in the runtime's
-executor, measured as the simulator charges it (pipec.runtime.overhead).
+executor, measured as the simulator charges it (pipec.runtime.overhead). With `in_situ`, F, B, W and the
+overhead come instead from steps of the schedule itself on its gloo processes (pipec.runtime.insitu).
 
 What the cost file says depends on the schedule: with split backward, `B` and `W` are the input- and
 weight-gradient passes as the runtime runs them (the first stage's B is ~0: it needs no input gradient,
