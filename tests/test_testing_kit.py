@@ -31,7 +31,6 @@ from pipec.program import Program, RankProgram
 from pipec.testing import (
     InvariantError,
     Listing,
-    _check_point,
     check_file,
     check_invariants,
     mutations,
@@ -40,6 +39,7 @@ from pipec.testing import (
     program_problem,
     schedules,
 )
+from pipec.testing.files import _check_point
 
 ROOT = Path(__file__).resolve().parent.parent
 SEEDED = ROOT / "tests" / "seeded"
@@ -190,7 +190,7 @@ def test_a_tampered_program_is_caught():
 
 
 def test_a_wrong_verdict_of_pipec_is_an_invariant_error(monkeypatch):
-    import pipec.testing as kit
+    import pipec.testing.invariants as kit
     from pipec.errors import error
 
     def says_deadlock(sched, memory=None):

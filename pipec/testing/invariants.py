@@ -1,0 +1,492 @@
+"""Checks of a Schedule, its Program or a bare Program by code independent of the compiler's
+(`check_invariants`, `schedule_problem`, `program_problem`)."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipec.checks import check_schedule
+from pipec.compiler import Compiled, compile_schedule
+from pipec.errors import PipecError
+from pipec.ir import Schedule
+from pipec.program import (
+    BWD,
+    FWD,
+    OPCODES,
+    RECV_ACT,
+    RECV_GRAD,
+    REDUCE_GRAD,
+    SEND_ACT,
+    SEND_GRAD,
+    STEP,
+    WGRAD,
+    Program,
+)
+from pipec.testing.listing import COMPUTE, Listing, Op3, _fmt_op, deps
+
+
+class InvariantError(AssertionError):
+    """pipec and an independent check disagree: a bug in pipec (or, for a bare Program, a bad Program)."""
+
+
+@dataclass(frozen=True)
+class Checked:
+    """What `check_invariants` verified, with the numbers it measured."""
+
+    ops: int
+    instructions: int
+    messages: int
+    makespan: float
+    critical_path: float
+    expectations: int
+
+
+def _fail(message: str) -> None:
+    raise InvariantError(message)
+
+
+def _keys(sched: Schedule) -> list[Op3]:
+    return [(k, i, s) for k in sched.kinds for s in range(sched.num_stages) for i in range(sched.num_microbatches)]
+
+
+def schedule_problem(sched: Schedule) -> str | None:
+    """Why the schedule is invalid or deadlocks, by direct enumeration (None when it is fine)."""
+    S, placement = sched.num_stages, sched.placement
+    where: dict[Op3, tuple[int, int]] = {}
+    for r in range(sched.num_ranks):
+        ops = sched.ops(r)
+        paired = sched.ranks[r].paired.tolist()
+        pos = 0
+        for j, o in enumerate(ops):
+            key = (o.kind, o.mb, o.stage)
+            if not (0 <= o.stage < S and 0 <= o.mb < sched.num_microbatches):
+                return f"{o} is out of range on rank {r}"
+            if placement[o.stage] != r:
+                return f"{o} is on rank {r}, but stage {o.stage} is placed on rank {placement[o.stage]}"
+            if key in where:
+                return f"{o} occurs twice"
+            where[key] = (r, pos)
+            if not (j < len(ops) - 1 and paired[j]):
+                pos += 1
+    missing = [k for k in _keys(sched) if k not in where]
+    if missing:
+        return f"{_fmt_op(missing[0])} never occurs"
+    for key, (r, pos) in where.items():
+        for d in deps(*key, S, sched.split_backward):
+            dr, dpos = where[d]
+            if dr == r and dpos >= pos:
+                return f"{_fmt_op(key)} comes no later than {_fmt_op(d)}, which it needs, on rank {r}"
+    # Deadlock: ranks run in order; an op (or overlapped pair) runs once everything it needs has run.
+    done: set[Op3] = set()
+    pc = [0] * sched.num_ranks
+    orders = [[(o.kind, o.mb, o.stage) for o in sched.ops(r)] for r in range(sched.num_ranks)]
+    pairs = [sched.ranks[r].paired.tolist() for r in range(sched.num_ranks)]
+    progress = True
+    while progress:
+        progress = False
+        for r, order in enumerate(orders):
+            while pc[r] < len(order):
+                j = pc[r]
+                group = order[j : j + 2] if pairs[r][j] and j + 1 < len(order) else order[j : j + 1]
+                if not all(d in done for op in group for d in deps(*op, S, sched.split_backward) if d not in group):
+                    break
+                done.update(group)
+                pc[r] += len(group)
+                progress = True
+    stuck = [r for r in range(sched.num_ranks) if pc[r] < len(orders[r])]
+    if stuck:
+        return "deadlock: ranks " + ", ".join(f"{r} at {_fmt_op(orders[r][pc[r]])}" for r in stuck) + " wait forever"
+    return None
+
+
+def _needs(op: int, i: int, s: int, S: int, placement: Sequence[int], r: int):
+    """Local op keys a compute instruction needs, and the message (kind, mb, sending stage) it awaits."""
+    local, msg = [], None
+    if op == FWD and s > 0:
+        if placement[s - 1] == r:
+            local.append((FWD, i, s - 1))
+        else:
+            msg = ("act", i, s - 1)
+    elif op == BWD:
+        local.append((FWD, i, s))
+        if s < S - 1:
+            if placement[s + 1] == r:
+                local.append((BWD, i, s + 1))
+            else:
+                msg = ("grad", i, s + 1)
+    elif op == WGRAD:
+        local.append((BWD, i, s))
+    return local, msg
+
+
+def program_problem(prog: Program, sched: Schedule | None = None) -> str | None:
+    """What is wrong with a Program, by direct enumeration (None when nothing is)."""
+    S, m, placement = prog.num_stages, prog.num_microbatches, prog.placement
+    split = prog.split_backward
+    instrs = [rp.instructions() for rp in prog.ranks]
+    kinds = (FWD, BWD, WGRAD) if split else (FWD, BWD)
+    seen: dict[tuple[int, int, int], tuple[int, int]] = {}
+    sends: dict[tuple, tuple[int, int, int]] = {}  # message -> (rank, index, peer)
+    recvs: dict[tuple, tuple[int, int, int]] = {}
+    for r, ins in enumerate(instrs):
+        for j, x in enumerate(ins):
+            code = OPCODES.index(x.op)
+            if code in (FWD, BWD, WGRAD):
+                key = (code, x.mb, x.stage)
+                if code not in kinds or not (0 <= x.stage < S and 0 <= x.mb < m):
+                    return f"rank {r}: `{x}` is not an op of this program"
+                if placement[x.stage] != r:
+                    return f"rank {r}: `{x}` computes a stage placed on rank {placement[x.stage]}"
+                if key in seen:
+                    return f"`{x}` computed twice"
+                seen[key] = (r, j)
+            elif code in (SEND_ACT, SEND_GRAD, RECV_ACT, RECV_GRAD):
+                is_send = code in (SEND_ACT, SEND_GRAD)
+                kind = "act" if code in (SEND_ACT, RECV_ACT) else "grad"
+                sender = x.stage if is_send else (x.stage - 1 if kind == "act" else x.stage + 1)
+                receiver = sender + 1 if kind == "act" else sender - 1
+                if not (0 <= sender < S and 0 <= receiver < S and 0 <= x.mb < m):
+                    return f"rank {r}: `{x}` names a stage out of range"
+                me, other = (sender, receiver) if is_send else (receiver, sender)
+                if placement[me] != r or placement[other] != x.peer or x.peer == r:
+                    return f"rank {r}: `{x}` does not connect the owners of stages {sender} and {receiver}"
+                table = sends if is_send else recvs
+                msg = (kind, x.mb, sender)
+                if msg in table:
+                    return f"rank {r}: `{x}` {'sends' if is_send else 'receives'} a message a second time"
+                table[msg] = (r, j, x.peer)
+    missing = [(k, i, s) for k in kinds for s in range(S) for i in range(m) if (k, i, s) not in seen]
+    if missing:
+        k, i, s = missing[0]
+        return f"{OPCODES[k]} {i} {s} is never computed"
+    if sched is not None:
+        for r in range(sched.num_ranks):
+            want = [(("F", "B", "W").index(o.kind), o.mb, o.stage) for o in sched.ops(r)]
+            got = [(OPCODES.index(x.op), x.mb, x.stage) for x in instrs[r] if OPCODES.index(x.op) <= WGRAD]
+            if want != got:
+                return f"rank {r}: the program computes in another order than the schedule"
+    # Every remote input is sent after it is produced and received before it is consumed; every message
+    # that is sent is needed and received, and the reverse.
+    needed = set()
+    for (code, i, s), (r, j) in seen.items():
+        local, msg = _needs(code, i, s, S, placement, r)
+        for d in local:
+            if d not in seen or seen[d][1] >= j:
+                return f"rank {r}: {OPCODES[code]} {i} {s} runs before {OPCODES[d[0]]} {d[1]} {d[2]}, which it needs"
+        if msg is not None:
+            needed.add(msg)
+            if msg not in recvs or recvs[msg][0] != r or recvs[msg][1] > j:
+                return f"rank {r}: {OPCODES[code]} {i} {s} has no receive of its input before it"
+            if msg not in sends:
+                return f"the {msg[0]} of micro-batch {i} from stage {msg[2]} is never sent"
+            producer = (FWD if msg[0] == "act" else BWD, i, msg[2])
+            pr, pj = seen[producer]
+            if sends[msg][0] != pr or sends[msg][1] < pj:
+                return f"rank {pr}: the {msg[0]} of micro-batch {i} from stage {msg[2]} is sent before it is computed"
+    for table, what in ((sends, "sent"), (recvs, "received")):
+        extra = [msg for msg in table if msg not in needed]
+        if extra:
+            kind, i, s = extra[0]
+            return f"the {kind} of micro-batch {i} from stage {s} is {what} but no compute needs it"
+    # Batches: a group is two adjacent compute instructions, or a send and a receive with one peer.
+    for r, ins in enumerate(instrs):
+        for j, x in enumerate(ins):
+            if not x.group:
+                continue
+            if j + 1 >= len(ins):
+                return f"rank {r}: `{x}` is bound to nothing"
+            y = ins[j + 1]
+            a, b = OPCODES.index(x.op), OPCODES.index(y.op)
+            if a <= WGRAD and b <= WGRAD:
+                if y.group:
+                    return f"rank {r}: more than two compute instructions overlapped at `{x}`"
+                continue
+            comm = (SEND_ACT, SEND_GRAD, RECV_ACT, RECV_GRAD)
+            if (
+                a not in comm
+                or b not in comm
+                or x.peer != y.peer
+                or ((a in (SEND_ACT, SEND_GRAD)) == (b in (SEND_ACT, SEND_GRAD)))
+            ):
+                return f"rank {r}: `{x}` and `{y}` are batched but are not a send and a receive with one peer"
+            if y.group:
+                return f"rank {r}: more than two transfers batched at `{x}`"
+        # One reduction and one step per owned stage, after all of that stage's compute.
+        owned = [s for s in range(S) if placement[s] == r]
+        for code in (REDUCE_GRAD, STEP):
+            at = [j for j, x in enumerate(ins) if x.op == OPCODES[code]]
+            stages = sorted(ins[j].stage for j in at)
+            if stages != owned:
+                return f"rank {r}: {OPCODES[code]} for stages {stages}, but the rank owns {owned}"
+        for j, x in enumerate(ins):
+            if x.op == "STEP":
+                last = max((jj for (k, i, s), (rr, jj) in seen.items() if s == x.stage), default=-1)
+                if last > j:
+                    return f"rank {r}: `STEP {x.stage}` comes before the last compute of stage {x.stage}"
+    # Both ends of every channel issue its messages in one order.
+    seqs: dict[tuple[int, int], list] = defaultdict(list)
+    for r, ins in enumerate(instrs):
+        for x in ins:
+            if x.op in ("SEND_ACT", "SEND_GRAD", "RECV_ACT", "RECV_GRAD"):
+                kind = "act" if x.op.endswith("ACT") else "grad"
+                sender = x.stage if x.op.startswith("SEND") else (x.stage - 1 if kind == "act" else x.stage + 1)
+                seqs[(r, x.peer)].append((kind, x.mb, sender))
+    for (a, b), seq in seqs.items():
+        if seq != seqs.get((b, a), []):
+            return f"ranks {a} and {b} issue their messages to each other in different orders"
+    return _rendezvous(prog, instrs)
+
+
+def _rendezvous(prog: Program, instrs) -> str | None:
+    """Run the Program with sends that block until matched (after the checks above): None if it finishes."""
+    S, R, placement = prog.num_stages, prog.num_ranks, prog.placement
+    comm = ("SEND_ACT", "SEND_GRAD", "RECV_ACT", "RECV_GRAD")
+    kpos: list[dict[int, int]] = []  # per rank: instruction index -> position on its channel
+    recv_k: dict[tuple, tuple[int, int]] = {}  # message -> (peer, position) on the receiving rank
+    for r, ins in enumerate(instrs):
+        count: Counter = Counter()
+        pos = {}
+        for j, x in enumerate(ins):
+            if x.op in comm:
+                pos[j] = count[x.peer]
+                count[x.peer] += 1
+                if x.op.startswith("RECV"):
+                    kind = "act" if x.op.endswith("ACT") else "grad"
+                    recv_k[(r, kind, x.mb, x.stage - 1 if kind == "act" else x.stage + 1)] = (x.peer, pos[j])
+        kpos.append(pos)
+    issued: Counter = Counter()  # (rank, peer) -> transfers the rank issued towards the peer
+
+    def matched(a: int, b: int) -> int:
+        return min(issued[(a, b)], issued[(b, a)])
+
+    computed: set[tuple[int, int, int]] = set()
+    pc, issued_upto = [0] * R, [0] * R
+    progress = True
+    while progress:
+        progress = False
+        for r, ins in enumerate(instrs):
+            while pc[r] < len(ins):
+                j = pc[r]
+                end = j
+                while ins[end].group and end + 1 < len(ins):
+                    end += 1
+                group = range(j, end + 1)
+                if ins[j].op in comm:
+                    for g in group:
+                        if g >= issued_upto[r]:
+                            issued[(r, ins[g].peer)] += 1
+                            issued_upto[r] = g + 1
+                    if any(ins[g].op.startswith("SEND") and matched(r, ins[g].peer) <= kpos[r][g] for g in group):
+                        break
+                elif ins[j].op in ("FWD", "BWD", "WGRAD"):
+                    ready = True
+                    for g in group:
+                        x = ins[g]
+                        local, msg = _needs(OPCODES.index(x.op), x.mb, x.stage, S, placement, r)
+                        if any(d not in computed for d in local):
+                            ready = False
+                        if msg is not None:
+                            peer, k = recv_k[(r, *msg)]
+                            if matched(r, peer) <= k:
+                                ready = False
+                    if not ready:
+                        break
+                    computed.update((OPCODES.index(ins[g].op), ins[g].mb, ins[g].stage) for g in group)
+                pc[r] = end + 1
+                issued_upto[r] = max(issued_upto[r], pc[r])
+                progress = True
+    stuck = [r for r in range(R) if pc[r] < len(instrs[r])]
+    if stuck:
+        at = ", ".join(f"rank {r} at `{instrs[r][pc[r]]}`" for r in stuck)
+        return f"the program deadlocks when sends block until received: {at}"
+    return None
+
+
+def _memory_peaks(sched: Schedule, model: dict[str, np.ndarray]) -> list[float]:
+    act, wact, par = model["act"], model["wact"], model["params"]
+    out = []
+    for r in range(sched.num_ranks):
+        base = float(sum(par[s] for s in sched.stages_of(r)))
+        live = peak = 0.0
+        for o in sched.ops(r):
+            if o.kind == "F":
+                live += act[o.stage]
+            elif o.kind == "B":
+                live += (wact[o.stage] if sched.split_backward else 0.0) - act[o.stage]
+            else:
+                live -= wact[o.stage]
+            peak = max(peak, live)
+        out.append(float(base + peak))
+    return out
+
+
+def _timeline_check(prog: Program, costs, tl) -> float:
+    """Check a simulated timeline against the program and costs; return the critical path."""
+    S, m, placement = prog.num_stages, prog.num_microbatches, prog.placement
+    eps = 1e-9 * max(1.0, float(tl.end.max()) if len(tl.end) else 1.0)
+    events = {}
+    for r, o, i, s, a, b in zip(
+        tl.rank.tolist(), tl.op.tolist(), tl.mb.tolist(), tl.stage.tolist(), tl.start.tolist(), tl.end.tolist()
+    ):
+        if (o, i, s) in events:
+            _fail(f"the simulation runs {OPCODES[o]} {i} {s} twice")
+        events[(o, i, s)] = (r, a, b)
+    want = {(OPCODES.index(x.op), x.mb, x.stage) for rp in prog.ranks for x in rp.instructions() if x.op in COMPUTE}
+    if set(events) != want:
+        _fail("the simulation does not run exactly the program's compute instructions")
+    full_b = costs.B if prog.split_backward else costs.B + costs.W
+    dur = {FWD: costs.F, BWD: full_b, WGRAD: costs.W}
+
+    def wire(src_stage: int, a: int, b: int, kind: str) -> float:
+        if a == b:
+            return 0.0
+        size = (costs.act_bytes if kind == "act" else costs.grad_bytes)[src_stage]
+        bw = costs.bandwidth[a, b]
+        return float(costs.comm[src_stage] + costs.latency[a, b] + (size / bw if np.isfinite(bw) and size else 0.0))
+
+    for (o, i, s), (r, a, b) in events.items():
+        if abs((b - a) - dur[o][s]) > eps:
+            _fail(f"simulated {OPCODES[o]} {i} {s} takes {b - a:g}, its cost is {dur[o][s]:g}")
+        local, msg = _needs(o, i, s, S, placement, r)
+        for d in local:
+            if a < events[d][2] - eps:
+                _fail(f"simulated {OPCODES[o]} {i} {s} starts before {OPCODES[d[0]]} {d[1]} {d[2]} ends")
+        if msg is not None:
+            kind, _, src = msg
+            d = (FWD if kind == "act" else BWD, i, src)
+            dr, _, dend = events[d]
+            if a < dend + wire(src, dr, r, kind) - eps:
+                _fail(f"simulated {OPCODES[o]} {i} {s} starts before its input can arrive")
+    for rp_index, rp in enumerate(prog.ranks):
+        prev_end = 0.0
+        for x in rp.instructions():
+            if x.op in COMPUTE:
+                _, a, b = events[(OPCODES.index(x.op), x.mb, x.stage)]
+                if a < prev_end - eps:
+                    _fail(f"rank {rp_index}: simulated `{x}` overlaps the compute before it")
+                prev_end = b
+    # Critical path: the longest chain of dependencies, with the least time each message can take.
+    finish: dict[tuple[int, int, int], float] = {}
+    for i in range(m):
+        for s in range(S):
+            t = 0.0
+            if s > 0:
+                t = finish[(FWD, i, s - 1)] + wire(s - 1, placement[s - 1], placement[s], "act")
+            finish[(FWD, i, s)] = t + dur[FWD][s]
+        for s in reversed(range(S)):
+            t = finish[(FWD, i, s)]
+            if s < S - 1:
+                t = max(t, finish[(BWD, i, s + 1)] + wire(s + 1, placement[s + 1], placement[s], "grad"))
+            finish[(BWD, i, s)] = t + dur[BWD][s]
+            if prog.split_backward:
+                finish[(WGRAD, i, s)] = finish[(BWD, i, s)] + dur[WGRAD][s]
+    critical = max(finish.values(), default=0.0)
+    busy = np.bincount(tl.rank, weights=tl.end - tl.start, minlength=prog.num_ranks)
+    if tl.makespan < critical - eps:
+        _fail(f"simulated makespan {tl.makespan:g} is below the critical path {critical:g}")
+    if len(busy) and tl.makespan < float(busy.max()) - eps:
+        _fail(f"simulated makespan {tl.makespan:g} is below the busiest rank's compute time {busy.max():g}")
+    return critical
+
+
+def _schedule_of(prog: Program) -> Schedule:
+    """A Schedule with the program's shape (no ops): enough for the default cost model."""
+    return Schedule(
+        name=prog.name,
+        params=prog.params,
+        num_stages=prog.num_stages,
+        num_ranks=prog.num_ranks,
+        num_microbatches=prog.num_microbatches,
+        kinds=("F", "B", "W") if prog.split_backward else ("F", "B"),
+        placement=prog.placement,
+        ranks=(),
+    )
+
+
+_PIPEC_CODES = ("E301", "E302", "E303", "E304", "E305", "E306", "E307", "E308", "E401", "E402", "E403", "E404")
+
+
+def check_invariants(
+    target: Schedule | Compiled | Program | Listing,
+    memory: Mapping[str, float] | None = None,
+    *,
+    expectations: bool = True,
+) -> Checked:
+    """Check a schedule (or its compiled form, or a bare Program) by code independent of the compiler.
+
+    For a schedule, pipec's own checks and lowering run first; their diagnostic is raised (PipecError)
+    when the independent checks agree that the schedule is broken, and InvariantError when they
+    disagree (pipec accepts a broken schedule or rejects a valid one). Then the Program, its strict
+    rendezvous dry run, memory (`memory` overrides as in `pipec check --mem`), the simulated timeline
+    under the schedule's costs, and (unless told not to) the schedule's `expect`s (E405).
+    """
+    from pipec.costs import cost_model
+    from pipec.expect import check_expectations
+    from pipec.memory import memory_model
+    from pipec.simulate import simulate, stats
+
+    if isinstance(target, Listing):
+        target = target.build()
+    if isinstance(target, Program):
+        problem = program_problem(target)
+        if problem:
+            _fail(problem)
+        sched = _schedule_of(target)
+        costs = cost_model(sched)
+        tl = simulate(target, costs)
+        critical = _timeline_check(target, costs, tl)
+        return Checked(0, target.num_instructions, len(tl.msg_send), tl.makespan, critical, 0)
+    if isinstance(target, Compiled):
+        sched, compiled = target.schedule, target
+        problem = schedule_problem(sched)
+        if problem:
+            _fail(f"pipec compiled a schedule that is broken: {problem}")
+    else:
+        sched = target
+        problem = schedule_problem(sched)
+        over = []
+        if problem is None or problem.startswith("deadlock"):
+            model = memory_model(sched, memory)
+            limit = model["limit"]
+            peaks = _memory_peaks(sched, model)
+            over = [r for r, peak in enumerate(peaks) if not np.isnan(limit[r]) and peak > limit[r] + 1e-9]
+        # What pipec must say: E3xx for a broken schedule (checked first), then E402 (memory is checked
+        # before deadlock), then E401.
+        if problem is not None and not problem.startswith("deadlock"):
+            expected, why = "E30", problem
+        elif over:
+            expected, why = "E402", f"rank {over[0]} is over its memory limit"
+        elif problem is not None:
+            expected, why = "E401", problem
+        else:
+            expected, why = None, None
+        try:
+            check_schedule(sched)
+            compiled = compile_schedule(sched, memory)
+        except PipecError as e:
+            if e.code in _PIPEC_CODES and (expected is None or not e.code.startswith(expected)):
+                said = e.diagnostics[0].message
+                _fail(f"pipec reports {e.code} ({said}), but " + (why or "the schedule is valid and fits"))
+            raise
+        if expected is not None:
+            _fail(f"pipec accepts a schedule it should reject ({expected}): {why}")
+    prog = compiled.program
+    problem = program_problem(prog, sched)
+    if problem:
+        _fail(f"the lowered program is wrong: {problem}")
+    model = memory_model(sched, memory)
+    peaks = _memory_peaks(sched, model)
+    for rep in compiled.memory:
+        if abs(rep.peak - peaks[rep.rank]) > 1e-9 * max(1.0, abs(peaks[rep.rank])):
+            _fail(f"rank {rep.rank}: pipec's peak memory {rep.peak:g}, recomputed {peaks[rep.rank]:g}")
+        if rep.limit is not None and rep.peak > rep.limit + 1e-9:
+            _fail(f"rank {rep.rank}: peak memory {rep.peak:g} above its limit {rep.limit:g}")
+    costs = cost_model(sched)
+    tl = simulate(prog, costs)
+    critical = _timeline_check(prog, costs, tl)
+    n_expect = check_expectations(sched, prog, stats(tl)) if expectations else 0
+    return Checked(sched.num_ops, prog.num_instructions, len(tl.msg_send), tl.makespan, critical, n_expect)
