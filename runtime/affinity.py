@@ -50,10 +50,13 @@ def bind(cpus: Sequence[int]) -> None:
 def bind_local_rank(mode: str, backend: str, local_rank: int, local_world: int | None) -> list[int] | None:
     """What `pipec run` does in each rank before torch starts a thread: with mode "auto" and gloo, bind to
     this local rank's share. Returns the CPUs bound to, or None when nothing was bound (also when the
-    ranks sharing this machine are unknown, `local_world` None, or the local rank is not among them)."""
+    ranks sharing this machine are unknown, `local_world` None, or the local rank is not among them, or
+    it is the only one)."""
     if mode not in MODES:
         raise ValueError(f"--cpu-bind must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "none" or backend != "gloo" or local_world is None or not 0 <= local_rank < local_world:
+        return None
+    if local_world == 1:  # nothing to keep apart
         return None
     cpus = allowed_cpus()
     if cpus is None:
@@ -72,6 +75,8 @@ def describe(share: list[int] | None, local_world: int | None, mode: str, backen
         return None
     if local_world is None:
         return "CPU binding: none (LOCAL_WORLD_SIZE is not set: the ranks sharing this machine are unknown)"
+    if local_world == 1:
+        return "CPU binding: none (one rank on this machine)"
     if share is None:
         cpus = allowed_cpus()
         if cpus is None:

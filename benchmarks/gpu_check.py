@@ -1,0 +1,142 @@
+"""The CUDA and NCCL paths of the runtime, checked and timed in one go: the prepared script for a lent GPU
+machine (this project's `device` tool), where a session has minutes of GPU time, not hours.
+
+    python3 benchmarks/gpu_check.py [--out DIR] [--device cuda]     # --device cpu: a dry run without a GPU
+
+1. Every library schedule with p=2 (m=4, v=2 where declared) in `--local` mode on the device, float64
+   MLP, 3 steps: the largest relative error of the loss, the gradients and the parameters against the
+   single-process reference on the same device (target: at most 1e-10), and the median step time.
+2. A one-rank NCCL job through torchrun and `pipec.runtime.launch` (GPipe, p=1, --check): NCCL's
+   initialisation with `device_id`, the runner on `cuda:LOCAL_RANK`, a clean teardown. One GPU cannot
+   hold two NCCL ranks, so point-to-point over NCCL needs a machine with two.
+3. `pipec profile --device cuda` of 1F1B (p=2) on the GPT example: the cost file reads back.
+
+One JSON line per check on stdout and in DIR/gpu_check.jsonl; exit status 1 if any check failed. On the
+device machine torch is preinstalled but lark is not: carry its wheel (docs/runtime.md, "On a GPU").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MLP = {"MLP_WIDTH": "64", "MLP_DEPTH": "8", "MLP_BATCH": "32", "MLP_DTYPE": "float64"}
+
+
+def emit(out, **row) -> bool:
+    line = json.dumps({"benchmark": "gpu_check", **row})
+    print(line, flush=True)
+    out.write(line + "\n")
+    out.flush()
+    return bool(row.get("ok", True))
+
+
+def local_schedules(device: str, out) -> bool:
+    import torch
+
+    from pipec import library
+    from pipec.api import load
+    from pipec.compiler import compile_schedule
+    from pipec.runtime import LocalPipeline, Reference, load_model
+    from pipec.runtime.reference import compare, rel_err
+
+    os.environ.update(MLP)
+    model = load_model(str(ROOT / "examples" / "mlp.py"))
+    ok = True
+    for name in library.names():
+        params = {"p": 2, "m": 4, **({"v": 2} if "v" in dict(load(name).params) else {})}
+        row = {"check": "local", "device": device, "schedule": name, "params": params}
+        try:
+            program = compile_schedule(load(name, **params)).program
+            kw = dict(optimizer=model.optimizer, dtype=model.dtype, device=torch.device(device))
+            pipe = LocalPipeline(program, model.build_stage, model.loss_fn, **kw)
+            ref = Reference(model.build_stage, model.loss_fn, program.num_stages, program.num_microbatches, **kw)
+            worst, times = 0.0, []
+            for step in range(3):
+                x, y = model.batch(step)
+                t0 = time.perf_counter()
+                res = pipe.step(x, y)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+                ref_loss = ref.step(x, y)
+                g = compare(pipe.named_gradients(), ref.named_gradients())
+                p = compare(pipe.named_parameters(), ref.named_parameters())
+                worst = max(worst, rel_err(res.loss, ref_loss), *g.values(), *p.values())
+            row.update(worst_rel_err=worst, median_step_s=statistics.median(times[1:]), ok=worst <= 1e-10)
+        except Exception as e:  # noqa: BLE001 - reported, and the other checks still run
+            row.update(ok=False, error=f"{type(e).__name__}: {e}")
+        ok &= emit(out, **row)
+    return ok
+
+
+def run_cmd(cmd: list[str], env: dict, timeout: float = 300) -> tuple[int, str, float]:
+    t0 = time.perf_counter()
+    try:
+        res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        return res.returncode, (res.stdout + res.stderr)[-3000:], time.perf_counter() - t0
+    except subprocess.TimeoutExpired as e:
+        return 124, f"timed out after {timeout} s: {e}", time.perf_counter() - t0
+
+
+def one_rank_job(device: str, out) -> bool:
+    backend = "nccl" if device == "cuda" else "gloo"
+    env = dict(os.environ, **MLP)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
+    cmd += ["-m", "pipec.runtime.launch", "gpipe", "-D", "p=1", "-D", "m=2", "--model", "examples/mlp.py"]
+    code, text, secs = run_cmd([*cmd, "--backend", backend, "--steps", "3", "--check", "--timeout", "60"], env)
+    ok = code == 0 and "OK: largest relative error" in text
+    return emit(out, check="one_rank_job", backend=backend, seconds=round(secs, 2), ok=ok, output=text[-1500:])
+
+
+def profile_gpt(device: str, tmp: str, out) -> bool:
+    cost = os.path.join(tmp, "gpt.toml")
+    env = dict(os.environ, GPT_DTYPE="float32")
+    cmd = [sys.executable, "-m", "pipec.cli", "profile", "1f1b", "-D", "p=2", "-D", "m=4"]
+    cmd += ["--model", "examples/gpt.py", "--device", device, "--reps", "5", "-o", cost]
+    code, text, secs = run_cmd(cmd, env)
+    ok = code == 0 and os.path.isfile(cost)
+    if ok:
+        from pipec.costs import read_cost_file
+
+        doc = read_cost_file(cost)
+        ok = len(doc["F"]) == 2 and all(x > 0 for x in doc["F"])
+    return emit(out, check="profile_gpt", device=device, seconds=round(secs, 2), ok=ok, output=text[-1500:])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT") or tempfile.mkdtemp(prefix="pipec-gpu-"))
+    ap.add_argument(
+        "--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a dry run on a machine without a GPU"
+    )
+    args = ap.parse_args()
+    import torch
+
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "gpu_check.jsonl"), "w") as out:
+        cuda = torch.cuda.is_available()
+        name = torch.cuda.get_device_name(0) if cuda else None
+        ok = emit(
+            out, check="environment", torch=torch.__version__, cuda=cuda, gpu=name, ok=cuda or args.device == "cpu"
+        )
+        if not ok:
+            return 1
+        with tempfile.TemporaryDirectory() as tmp:
+            ok &= local_schedules(args.device, out)
+            ok &= one_rank_job(args.device, out)
+            ok &= profile_gpt(args.device, tmp, out)
+        emit(out, check="summary", ok=ok)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
