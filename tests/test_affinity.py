@@ -40,6 +40,7 @@ def test_modes_that_bind_nothing():
     assert bind_local_rank("auto", "nccl", 0, 1) is None  # GPUs: torchrun --numa-binding's business
     assert bind_local_rank("auto", "gloo", 0, None) is None  # not under torchrun: the machine's ranks unknown
     assert bind_local_rank("auto", "gloo", 1, 1) is None  # a local rank outside the local world
+    assert bind_local_rank("auto", "gloo", 0, 1) is None  # the only rank here: nothing to keep apart
     with pytest.raises(ValueError, match="--cpu-bind must be one of auto, none"):
         bind_local_rank("cores", "gloo", 0, 1)
     if before is not None:
