@@ -31,10 +31,11 @@ def profile_in_situ(
     threads: int = 1,
     seed: int = 0,
     loss_scale: float | None = None,
-    timeout: float = 300.0,
+    timeout: float = 60.0,
 ) -> dict:
     """Run the Program on its number of local gloo processes; returns {"ops": {(op, stage): median s},
-    "overhead": s or None, "step_s": median step time, "steps": recorded steps}."""
+    "overhead": s or None, "step_s": median step time, "steps": recorded steps}. `timeout` is how long a
+    rank waits for a peer (as `pipec run --timeout`); the whole run is given `timeout` per step."""
     import multiprocessing as mp
 
     import torch.distributed as dist
@@ -58,11 +59,12 @@ def profile_in_situ(
     procs = [ctx.Process(target=_rank, args=(r, world, store.port, spec, out), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
+    result: dict | str = "interrupted"
     try:
-        result = _wait(procs, out, timeout)
+        result = _wait(procs, out, timeout * (warmup + reps + 2))
     finally:
         for p in procs:
-            p.join(10)
+            p.join(10 if isinstance(result, dict) else 0)  # a failed run's ranks are ended at once
             if p.is_alive():
                 p.kill()
     if isinstance(result, str):

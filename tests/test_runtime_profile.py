@@ -201,3 +201,20 @@ def test_in_situ_profile_names_the_rank_that_failed(monkeypatch, fault, culprit)
         profile_in_situ(prog, str(ROOT / "tests" / "models" / "faulty.py"), reps=2, warmup=1, timeout=60)
     message = str(err.value)
     assert message.startswith(f"the in-situ profile of 1f1b failed: {culprit}; rank 0: CommError: "), message
+
+
+def test_in_situ_profile_gives_up_on_a_hung_rank_after_the_timeout(monkeypatch):
+    import time
+
+    from pipec.runtime.errors import PipelineError
+    from pipec.runtime.insitu import profile_in_situ
+
+    for k, v in {"PIPEC_FAULT": "hang", "PIPEC_FAULT_STAGE": "1", "PIPEC_FAULT_CALL": "2"}.items():
+        monkeypatch.setenv(k, v)
+    prog = compile_schedule(load("1f1b", p=2, m=2)).program
+    t0 = time.monotonic()
+    with pytest.raises(PipelineError) as err:
+        profile_in_situ(prog, str(ROOT / "tests" / "models" / "faulty.py"), reps=2, warmup=1, timeout=5)
+    message = str(err.value)
+    assert "rank 0: CommError: " in message and "from rank 1 failed: timed out after 5 s" in message, message
+    assert time.monotonic() - t0 < 40  # the timeout, start-up and teardown; not the hung rank's hour
