@@ -448,6 +448,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
             seed=args.seed,
             comm=args.comm,
             in_situ=args.in_situ,
+            progress=lambda msg: print(f"pipec profile: {msg} ...", file=sys.stderr, flush=True),
         )
     except PipelineError as e:
         print(f"pipec profile: error: {e}", file=sys.stderr)

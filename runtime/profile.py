@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -139,9 +140,12 @@ def profile(
     comm: bool = True,
     backend: str = "gloo",
     in_situ: bool = False,
+    progress: Callable[[str], None] | None = None,
 ) -> Profile:
     """Measure every stage of `program` on `model` (see the module's docstring); with `in_situ`, also run
-    the schedule on its ranks' processes and take F, B, W and the overhead from that (pipec.runtime.insitu)."""
+    the schedule on its ranks' processes and take F, B, W and the overhead from that (pipec.runtime.insitu).
+    `progress` is told what is being measured, as each part starts."""
+    say = progress or (lambda _: None)
     if reps < 1 or warmup < 0:
         raise ValueError("reps must be at least 1 and warmup at least 0")
     device = torch.device(device)
@@ -151,6 +155,7 @@ def profile(
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
+        say(f"timing each op of {program.num_stages} stages alone, {warmup} + {reps} rounds")
         prof = _measure(program, model, reps, warmup, device, seed, loss_scale)
     finally:
         torch.set_num_threads(old_threads)
@@ -168,6 +173,7 @@ def profile(
     if comm and program.num_ranks > 1:
         sizes = sorted({b for b in prof.act_bytes + prof.grad_bytes if b > 0})
         if device.type == "cpu" and backend == "gloo":
+            say("timing the gloo link and the executor's overhead on 2 processes")
             gap = min(max(statistics.median(prof.forward), 1e-4), 5e-3)
             prof.latency, prof.bandwidth, prof.overhead = measure_link(
                 max(sizes, default=0), reps=max(reps, 20), gap=gap
@@ -178,6 +184,7 @@ def profile(
     if in_situ:
         from pipec.runtime.insitu import profile_in_situ
 
+        say(f"running {warmup} + {reps} steps of {program.name} on {program.num_ranks} gloo processes (--in-situ)")
         prof.in_situ = profile_in_situ(
             program, model.path, reps=reps, warmup=warmup, threads=threads, seed=seed, loss_scale=loss_scale
         )
