@@ -421,4 +421,9 @@ def summary_lines(prof: Profile) -> list[str]:
         lines.append(f"overhead: {prof.overhead * 1e6:.1f} us of a rank's time per send or receive ({where})")
     kind = "B = input gradient, W = weight gradient" if prof.split_backward else "B = the full backward (no W)"
     lines.append(f"the cost file's B and W for {prof.schedule}: {kind}")
+    if prof.in_situ is None and prof.info.get("device") == "cpu":
+        lines.append(
+            "ops were timed alone; --in-situ times them in steps of the schedule on its processes, which on "
+            "CPUs shared by the ranks predicts runs more closely (docs/runtime.md)"
+        )
     return lines
