@@ -412,6 +412,13 @@ def _profile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="weights are seeded by (seed, stage), as in pipec run")
     p.add_argument("--no-comm", dest="comm", action="store_false", help="skip the link measurement (gloo)")
     p.add_argument(
+        "--one-process",
+        dest="concurrent",
+        action="store_false",
+        default=None,
+        help="time the ops in this process alone (default on CPUs: one process per rank, all at once)",
+    )
+    p.add_argument(
         "--in-situ",
         action="store_true",
         help="take F, B, W and the overhead from --reps steps of the schedule run on its gloo processes",
@@ -448,6 +455,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
             seed=args.seed,
             comm=args.comm,
             in_situ=args.in_situ,
+            concurrent=args.concurrent,
             progress=lambda msg: print(f"pipec profile: {msg} ...", file=sys.stderr, flush=True),
         )
     except PipelineError as e:

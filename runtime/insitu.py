@@ -18,6 +18,7 @@ import statistics
 from collections import defaultdict
 
 from pipec.program import Program, from_json, to_json
+from pipec.runtime import spawned
 from pipec.runtime.affinity import bind_local_rank
 from pipec.runtime.errors import CommError, PipelineError
 
@@ -36,8 +37,6 @@ def profile_in_situ(
     """Run the Program on its number of local gloo processes; returns {"ops": {(op, stage): median s},
     "overhead": s or None, "step_s": median step time, "steps": recorded steps}. `timeout` is how long a
     rank waits for a peer (as `pipec run --timeout`); the whole run is given `timeout` per step."""
-    import multiprocessing as mp
-
     import torch.distributed as dist
 
     if reps < 1 or warmup < 0:
@@ -54,52 +53,10 @@ def profile_in_situ(
         loss_scale=loss_scale,
         timeout=timeout,
     )
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, world, store.port, spec, out), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    result: dict | str = "interrupted"
-    try:
-        result = _wait(procs, out, timeout * (warmup + reps + 2))
-    finally:
-        for p in procs:
-            p.join(10 if isinstance(result, dict) else 0)  # a failed run's ranks are ended at once
-            if p.is_alive():
-                p.kill()
+    result = spawned.run(_rank, world, world, store.port, spec, timeout=timeout * (warmup + reps + 2))
     if isinstance(result, str):
         raise PipelineError(f"the in-situ profile of {program.name} failed: {result}")
-    return result
-
-
-def _wait(procs: list, out, timeout: float) -> dict | str:
-    """Rank 0's result, or why there is none: ranks' own failures first, then ranks that died without a
-    word, then what their peers saw; or the timeout. Not much longer than a failure takes to show."""
-    import queue
-    import time
-
-    deadline = time.monotonic() + timeout
-    said: list[tuple[int, int, str]] = []  # (rank, culprit, message)
-    failed_at = None
-    while time.monotonic() < deadline:
-        try:
-            item = out.get(timeout=0.2)
-        except queue.Empty:
-            item = None
-        if isinstance(item, dict):
-            return item
-        if item is not None:
-            said.append(item)
-        dead = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode not in (None, 0)}
-        if said or dead:
-            failed_at = failed_at or time.monotonic()
-            if all(p.exitcode is not None for p in procs) or time.monotonic() - failed_at > 2.0:
-                spoke = {r for r, _, _ in said}
-                parts = [m for r, c, m in said if r == c]
-                parts += [f"rank {r} died (exit status {code})" for r, code in sorted(dead.items()) if r not in spoke]
-                parts += [m for r, c, m in said if r != c]
-                return "; ".join(parts)
-    return f"no result within {timeout:g} s"
+    return result[0]
 
 
 def _rank(rank: int, world: int, port: int, spec: dict, out) -> None:
@@ -146,18 +103,15 @@ def _rank(rank: int, world: int, port: int, spec: dict, out) -> None:
                 seconds.append(res.seconds)
         gathered: list = [None] * world
         dist.all_gather_object(gathered, (steps, seconds))
-        if rank == 0:
-            out.put(summarize(program, [g[0] for g in gathered], [g[1] for g in gathered]))
+        summary = summarize(program, [g[0] for g in gathered], [g[1] for g in gathered]) if rank == 0 else None
+        out.put(("result", rank, summary))
     except Exception as e:  # noqa: BLE001 - reported by the parent, which names the profile
         if not isinstance(e, PipelineError):  # the model's own code: where it failed
             import traceback
 
             traceback.print_exc()
         # a rank that lost its peer says which; the parent prefers a culprit's message to its peers'
-        out.put((rank, e.peer if isinstance(e, CommError) else rank, f"rank {rank}: {type(e).__name__}: {e}"))
-        out.close()
-        out.join_thread()  # the message is out of this process before it ends
-        os._exit(1)  # no teardown: a peer may be gone
+        spawned.failed(out, rank, e.peer if isinstance(e, CommError) else rank, f"rank {rank}: {type(e).__name__}: {e}")
     finally:
         runner = None
         gc.collect()

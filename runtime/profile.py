@@ -27,6 +27,7 @@ the CPUs divided by the ranks), so the times are those of a rank in a run on thi
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import time
@@ -141,22 +142,35 @@ def profile(
     backend: str = "gloo",
     in_situ: bool = False,
     progress: Callable[[str], None] | None = None,
+    concurrent: bool | None = None,
 ) -> Profile:
     """Measure every stage of `program` on `model` (see the module's docstring); with `in_situ`, also run
     the schedule on its ranks' processes and take F, B, W and the overhead from that (pipec.runtime.insitu).
-    `progress` is told what is being measured, as each part starts."""
+    `progress` is told what is being measured, as each part starts. `concurrent` (default: on CPUs, with
+    more than one rank) times the ops in one process per rank at once, each bound to its CPUs as a run's
+    rank is, and keeps each stage's times from the process of the rank that owns it; otherwise they are
+    timed in this process alone."""
     say = progress or (lambda _: None)
     if reps < 1 or warmup < 0:
         raise ValueError("reps must be at least 1 and warmup at least 0")
     device = torch.device(device)
     if in_situ and (device.type != "cpu" or backend != "gloo"):
         raise PipelineError("--in-situ runs the schedule on gloo processes on this machine's CPUs only")
+    if concurrent is None:
+        concurrent = device.type == "cpu" and program.num_ranks > 1
+    elif concurrent and device.type != "cpu":
+        raise PipelineError("concurrent timing is for ranks sharing this machine's CPUs; on GPUs each has its own")
     threads = threads or default_threads(program.num_ranks)
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        say(f"timing each op of {program.num_stages} stages alone, {warmup} + {reps} rounds")
-        prof = _measure(program, model, reps, warmup, device, seed, loss_scale)
+        if concurrent:
+            p = program.num_ranks
+            say(f"timing each op of {program.num_stages} stages in {p} processes at once, {warmup} + {reps} rounds")
+            prof = _measure_concurrently(program, model.path, reps, warmup, threads, seed, loss_scale)
+        else:
+            say(f"timing each op of {program.num_stages} stages alone, {warmup} + {reps} rounds")
+            prof = _measure(program, model, reps, warmup, device, seed, loss_scale)
     finally:
         torch.set_num_threads(old_threads)
     prof.info.update(
@@ -166,6 +180,7 @@ def profile(
         threads=threads,
         reps=reps,
         warmup=warmup,
+        timing=f"{program.num_ranks} processes at once, one per rank" if concurrent else "one process",
         host=os.uname().nodename,
         when=time.strftime("%Y-%m-%d %H:%M:%S"),
         loadavg_1min=round(os.getloadavg()[0], 2),
@@ -302,6 +317,53 @@ def _measure(
     )
 
 
+def _measure_concurrently(
+    program: Program, model_path: str, reps: int, warmup: int, threads: int, seed: int, loss_scale
+) -> Profile:
+    """`_measure` in one process per rank at once (a run's ranks share this machine's caches, memory
+    bandwidth and, beyond one per CPU, its CPUs), each bound as `pipec run` binds its ranks; stage s's
+    times are those measured by the process of its rank."""
+    from pipec.program import to_json
+    from pipec.runtime import spawned
+
+    spec = dict(program=to_json(program), model=model_path, reps=reps, warmup=warmup, threads=threads)
+    spec.update(seed=seed, loss_scale=loss_scale)
+    per_rank = spawned.run(_timing_rank, program.num_ranks, program.num_ranks, spec, timeout=3600, barrier=True)
+    if isinstance(per_rank, str):
+        raise PipelineError(f"timing the ops of {program.name} failed: {per_rank}")
+    return merge_by_owner(per_rank, program.placement)
+
+
+def merge_by_owner(per_rank: list[Profile], placement: tuple[int, ...]) -> Profile:
+    """One Profile from one per rank: each stage's times from its owner's (the rest from rank 0's)."""
+    merged = dataclasses.replace(per_rank[0])
+    for name in ("forward", "full_backward", "input_backward", "weight_backward", "optimizer_step"):
+        setattr(merged, name, [getattr(per_rank[r], name)[s] for s, r in enumerate(placement)])
+    return merged
+
+
+def _timing_rank(rank: int, world: int, spec: dict, barrier, out) -> None:
+    from pipec.program import from_json
+    from pipec.runtime import spawned
+    from pipec.runtime.model import load_model
+
+    bind_local_rank("auto", "gloo", rank, world)  # before torch starts its threads here
+    torch.set_num_threads(spec["threads"])
+    try:
+        program, model = from_json(spec["program"]), load_model(spec["model"])
+        barrier.wait(timeout=600)  # every rank starts timing at once
+        prof = _measure(
+            program, model, spec["reps"], spec["warmup"], torch.device("cpu"), spec["seed"], spec["loss_scale"]
+        )
+        out.put(("result", rank, prof))
+    except Exception as e:  # noqa: BLE001 - reported by the parent, which names the profile
+        if not isinstance(e, PipelineError):  # the model's own code: where it failed
+            import traceback
+
+            traceback.print_exc()
+        spawned.failed(out, rank, rank, f"rank {rank}: {type(e).__name__}: {e}")
+
+
 # ---- the link: a gloo ping-pong between two local processes --------------------------------------------
 
 
@@ -423,7 +485,7 @@ def summary_lines(prof: Profile) -> list[str]:
     lines.append(f"the cost file's B and W for {prof.schedule}: {kind}")
     if prof.in_situ is None and prof.info.get("device") == "cpu":
         lines.append(
-            "ops were timed alone; --in-situ times them in steps of the schedule on its processes, which on "
-            "CPUs shared by the ranks predicts runs more closely (docs/runtime.md)"
+            "ops were timed one at a time, outside the schedule; --in-situ times them in steps of the schedule, "
+            "which on CPUs shared by the ranks predicts runs more closely (docs/runtime.md)"
         )
     return lines

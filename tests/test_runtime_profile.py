@@ -48,6 +48,7 @@ def test_profile_round_trips_through_the_simulator(tmp_path, capsys, small_mlp, 
     out = tmp_path / "costs.toml"
     defines = [x for kv in params for x in ("-D", kv)]
     argv = ["profile", name, *defines, "--model", MODEL, "-o", str(out), "--reps", "2", "--warmup", "0", "--no-comm"]
+    argv.append("--one-process")  # the file's contents are the point here; the concurrent timing is tested below
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert f"wrote {out}" in printed and f"pipec simulate {name}" in printed
@@ -218,3 +219,24 @@ def test_in_situ_profile_gives_up_on_a_hung_rank_after_the_timeout(monkeypatch):
     message = str(err.value)
     assert "rank 0: CommError: " in message and "from rank 1 failed: timed out after 5 s" in message, message
     assert time.monotonic() - t0 < 40  # the timeout, start-up and teardown; not the hung rank's hour
+
+
+def test_concurrent_timing_keeps_each_stages_times_from_its_owner(tmp_path, capsys, small_mlp):
+    """The default on CPUs: one process per rank times every stage at once; each stage's times come from
+    the process of the rank that owns it (zb-v, p=2: stages 0 and 3 on rank 0, 1 and 2 on rank 1)."""
+    from pipec.runtime.profile import Profile, merge_by_owner
+
+    def fake(rank: int) -> Profile:
+        t = [10.0 * rank + s for s in range(4)]
+        return Profile("zb-v", (), True, t, t, t, t, t, [1, 1, 1, 0], [0, 1, 1, 1], {"rank": rank})
+
+    merged = merge_by_owner([fake(0), fake(1)], (0, 1, 1, 0))
+    assert merged.forward == merged.optimizer_step == [0.0, 11.0, 12.0, 3.0]
+    assert merged.info == {"rank": 0} and merged.act_bytes == [1, 1, 1, 0]
+    out = tmp_path / "costs.json"
+    argv = ["profile", "zb-v", "-D", "p=2", "-D", "m=4", "--model", MODEL, "-o", str(out), "--reps", "2"]
+    assert main([*argv, "--warmup", "0", "--no-comm"]) == 0
+    assert "in 2 processes at once" in capsys.readouterr().err
+    doc = json.loads(out.read_text())
+    assert doc["measured"]["run"]["timing"] == "2 processes at once, one per rank"
+    assert len(doc["F"]) == 4 and all(x > 0 for x in doc["F"] + doc["W"])
