@@ -3,9 +3,10 @@
     pipec profile 1f1b -D p=2 -D m=8 --model examples/mlp.py -o mlp.toml
     pipec simulate 1f1b -D p=2 -D m=8 --cost mlp.toml
 
-Every stage of the schedule (its number of stages, its micro-batches) is built in this one process, as
-the runtime builds it (same seeds, dtype, device), and run through the runtime's own `Stage` code on the
-micro-batches of `batch(0)`: the forward pass (`F`, with the loss on the last stage), the full backward,
+Every stage of the schedule (its number of stages, its micro-batches) is built as the runtime builds it
+(same seeds, dtype, device), in one process per rank timing at once on CPUs (a run's ranks share the
+machine: alone, ops ran 1 to 13% faster), else in this process, and run through the runtime's own `Stage`
+code on the micro-batches of `batch(0)`: the forward pass (`F`, with the loss on the last stage), the full backward,
 and the split backward, input gradient (`BWD`) then weight gradient (`WGRAD`). Gradients accumulate over
 m micro-batches between optimizer steps, as in a run. Each is timed `reps` times after `warmup` rounds;
 the medians go into the file. Message sizes come from the tensors stages pass on: `act_bytes[s]` what
