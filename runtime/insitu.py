@@ -1,8 +1,8 @@
 """`pipec profile --in-situ`: the costs of ops as they run in the schedule, on every rank at once.
 
-Op times measured one at a time in one process (`pipec.runtime.profile`) leave out what a run adds: the
-other ranks computing at the same time on the same machine (shared caches and memory bandwidth), the
-executor's transfers between ops, and the caches the schedule's own order leaves cold. Here the
+Op times measured one at a time (`pipec.runtime.profile`, in one process per rank at once on CPUs) leave
+out what a run adds: the executor's transfers between ops, and the caches the schedule's own order
+leaves cold. Here the
 schedule's ranks run as `pipec run` runs them (one gloo process each, bound the same way, the runtime's
 `Runner`) for `warmup + reps` steps on `batch(0)`, recording every step after the warmup. The cost file
 then gets, per stage, the median time of each op over those steps, and the `overhead` estimated from
