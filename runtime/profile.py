@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from pipec.program import BWD, FWD, WGRAD, Program
-from pipec.runtime.affinity import bind_local_rank
+from pipec.runtime.affinity import allowed_cpus, bind_local_rank
 from pipec.runtime.errors import PipelineError
 from pipec.runtime.microbatch import as_args, split, to_device
 from pipec.runtime.model import Model, build_stage_module, default_optimizer
@@ -148,17 +148,19 @@ def profile(
     """Measure every stage of `program` on `model` (see the module's docstring); with `in_situ`, also run
     the schedule on its ranks' processes and take F, B, W and the overhead from that (pipec.runtime.insitu).
     `progress` is told what is being measured, as each part starts. `concurrent` (default: on CPUs, with
-    more than one rank) times the ops in one process per rank at once, each bound to its CPUs as a run's
-    rank is, and keeps each stage's times from the process of the rank that owns it; otherwise they are
-    timed in this process alone."""
+    more than one rank and a CPU for each) times the ops in one process per rank at once, each bound to its
+    CPUs as a run's rank is, and keeps each stage's times from the process of the rank that owns it;
+    otherwise they are timed in this process alone (each process times every stage, so with more ranks
+    than CPUs the concurrent profile would take ranks / CPUs times as long)."""
     say = progress or (lambda _: None)
     if reps < 1 or warmup < 0:
         raise ValueError("reps must be at least 1 and warmup at least 0")
     device = torch.device(device)
     if in_situ and (device.type != "cpu" or backend != "gloo"):
         raise PipelineError("--in-situ runs the schedule on gloo processes on this machine's CPUs only")
-    if concurrent is None:
-        concurrent = device.type == "cpu" and program.num_ranks > 1
+    if concurrent is None:  # as `pipec run --cpu-bind auto` binds: when every rank can have its own CPU
+        cpus = allowed_cpus()
+        concurrent = device.type == "cpu" and 1 < program.num_ranks <= len(cpus or [])
     elif concurrent and device.type != "cpu":
         raise PipelineError("concurrent timing is for ranks sharing this machine's CPUs; on GPUs each has its own")
     threads = threads or default_threads(program.num_ranks)

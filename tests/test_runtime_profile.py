@@ -233,10 +233,10 @@ def test_concurrent_timing_keeps_each_stages_times_from_its_owner(tmp_path, caps
     merged = merge_by_owner([fake(0), fake(1)], (0, 1, 1, 0))
     assert merged.forward == merged.optimizer_step == [0.0, 11.0, 12.0, 3.0]
     assert merged.info == {"rank": 0} and merged.act_bytes == [1, 1, 1, 0]
-    out = tmp_path / "costs.json"
-    argv = ["profile", "zb-v", "-D", "p=2", "-D", "m=4", "--model", MODEL, "-o", str(out), "--reps", "2"]
-    assert main([*argv, "--warmup", "0", "--no-comm"]) == 0
-    assert "in 2 processes at once" in capsys.readouterr().err
-    doc = json.loads(out.read_text())
+    prog = compile_schedule(load("zb-v", p=2, m=4)).program
+    said: list[str] = []
+    prof = profile(prog, load_model(MODEL), reps=2, warmup=0, comm=False, concurrent=True, progress=said.append)
+    assert said == ["timing each op of 4 stages in 2 processes at once, 0 + 2 rounds"]
+    doc = prof.cost_doc()
     assert doc["measured"]["run"]["timing"] == "2 processes at once, one per rank"
     assert len(doc["F"]) == 4 and all(x > 0 for x in doc["F"] + doc["W"])
