@@ -221,7 +221,7 @@ def test_in_situ_profile_gives_up_on_a_hung_rank_after_the_timeout(monkeypatch):
     assert time.monotonic() - t0 < 40  # the timeout, start-up and teardown; not the hung rank's hour
 
 
-def test_concurrent_timing_keeps_each_stages_times_from_its_owner(tmp_path, capsys, small_mlp):
+def test_concurrent_timing_keeps_each_stages_times_from_its_owner(small_mlp):
     """The default on CPUs: one process per rank times every stage at once; each stage's times come from
     the process of the rank that owns it (zb-v, p=2: stages 0 and 3 on rank 0, 1 and 2 on rank 1)."""
     from pipec.runtime.profile import Profile, merge_by_owner
