@@ -350,7 +350,7 @@ def _timing_rank(rank: int, world: int, spec: dict, barrier, out) -> None:
     from pipec.runtime import spawned
     from pipec.runtime.model import load_model
 
-    bind_local_rank("auto", "gloo", rank, world)  # before torch starts its threads here
+    bind_local_rank("auto", "gloo", rank, world)  # every thread of this process, and those torch starts later
     torch.set_num_threads(spec["threads"])
     try:
         program, model = from_json(spec["program"]), load_model(spec["model"])
