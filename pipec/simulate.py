@@ -229,7 +229,6 @@ def _run(R, n, M, first, ends, need, cost, mlo, mhi, pre, prev, txd, lat, off, t
         arrival[x] = a
 
     if off is not None:  # the overhead: sends leave when their own call is over
-        send_at = off
         for x in pre:
             leave(x, off[x])
         clocks = list(head)
@@ -258,7 +257,7 @@ def _run(R, n, M, first, ends, need, cost, mlo, mhi, pre, prev, txd, lat, off, t
             if lo != hi:
                 for x in range(lo, hi):
                     # inline of leave(x, clock + its overhead), the hot path
-                    t0 = clock if off is None else clock + send_at[x]
+                    t0 = clock if off is None else clock + off[x]
                     send_t[x] = t0
                     p = prev[x]
                     if p >= 0 and tx_end[p] > t0:
