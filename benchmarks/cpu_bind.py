@@ -26,17 +26,17 @@ import sys
 import time
 from pathlib import Path
 
-import local_gloo
+from pipec.runtime import spawned
 
 ROOT = Path(__file__).resolve().parents[1]
 STEP = re.compile(r"^step\s+\d+/\d+: loss \S+, ([0-9.]+) s", re.M)
 RUNS = {"1f1b": ["-D", "p=2", "-D", "m=8"], "interleaved-1f1b": ["-D", "p=2", "-D", "v=2", "-D", "m=8"]}
 
 
-def worker(rank: int, port: int, bound: bool, args: argparse.Namespace, out) -> None:
+def worker(rank: int, world: int, port: int, bound: bool, args: argparse.Namespace, out) -> None:
     import torch
 
-    dist = local_gloo.join(rank, port, 2, bind=bound)
+    dist = spawned.join_gloo(rank, world, port, bind=bound)
     pg = dist.distributed_c10d._get_default_group()
     a = torch.ones(128, 128, dtype=torch.float64)
     n = 64 * 1024 // 8
@@ -60,15 +60,17 @@ def worker(rank: int, port: int, bound: bool, args: argparse.Namespace, out) -> 
             pg.recv([sent], 0, 10**6 + i).wait()
             if i >= 5:
                 lat.append(arrived - float(sent))
-    if rank == 1:
-        out.put(lat)
-    local_gloo.leave(dist)
+    out.put(("result", rank, lat if rank == 1 else None))
+    spawned.leave_gloo(dist, barrier=True)
 
 
 def messages(args: argparse.Namespace) -> None:
     for session in range(args.sessions):
         for bound in (False, True):
-            lat = sorted(local_gloo.run(worker, 2, bound, args)[0])
+            per_rank = spawned.run_gloo(worker, 2, bound, args, timeout=600)
+            if isinstance(per_rank, str):
+                sys.exit(f"cpu_bind: {per_rank}")
+            lat = sorted(per_rank[1])
             emit(
                 benchmark="cpu_bind_messages",
                 layout="bound, one CPU per rank" if bound else "unbound",

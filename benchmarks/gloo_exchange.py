@@ -18,15 +18,16 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 
-import local_gloo
+from pipec.runtime import spawned
 
 
-def worker(rank: int, port: int, split: bool, args: argparse.Namespace, out) -> None:
+def worker(rank: int, world: int, port: int, split: bool, args: argparse.Namespace, out) -> None:
     import torch
 
-    dist = local_gloo.join(rank, port, 2, bind=False)
+    dist = spawned.join_gloo(rank, world, port, bind=False)
     up = dist.distributed_c10d._get_default_group()
     down = dist.new_group(backend="gloo") if split else up
     peer = 1 - rank
@@ -53,9 +54,8 @@ def worker(rank: int, port: int, split: bool, args: argparse.Namespace, out) -> 
         w.wait()
         if i >= 5:
             lat.append(t1 - max(float(theirs), t0))
-    if rank == 1:
-        out.put(lat)
-    local_gloo.leave(dist)
+    out.put(("result", rank, lat if rank == 1 else None))
+    spawned.leave_gloo(dist, barrier=True)
 
 
 def main() -> None:
@@ -67,7 +67,10 @@ def main() -> None:
     args = ap.parse_args()
     for session in range(args.sessions):
         for split in (False, True):
-            lat = sorted(local_gloo.run(worker, 2, split, args)[0])
+            per_rank = spawned.run_gloo(worker, 2, split, args, timeout=600)
+            if isinstance(per_rank, str):
+                sys.exit(f"gloo_exchange: {per_rank}")
+            lat = sorted(per_rank[1])
             print(
                 json.dumps(
                     {

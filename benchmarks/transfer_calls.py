@@ -20,10 +20,11 @@ import collections
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
-import local_gloo
+from pipec.runtime import spawned
 
 ROOT = Path(__file__).resolve().parents[1]
 WRAPPED = {
@@ -32,9 +33,9 @@ WRAPPED = {
 }
 
 
-def worker(rank: int, port: int, args: argparse.Namespace, out) -> None:
+def worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> None:
     os.environ["BLOCKS_M"] = "8"
-    dist = local_gloo.join(rank, port, 2)
+    dist = spawned.join_gloo(rank, world, port)
     from pipec.runtime import comm, executor
     from pipec.runtime.launch import load_program
     from pipec.runtime.model import load_model
@@ -78,9 +79,9 @@ def worker(rank: int, port: int, args: argparse.Namespace, out) -> None:
         }
         for name, v in sorted(times.items())
     ]
-    out.put(rows)
+    out.put(("result", rank, rows))
     runner = None
-    local_gloo.leave(dist)
+    spawned.leave_gloo(dist, barrier=True)
 
 
 def main() -> None:
@@ -91,7 +92,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.define is None:
         args.define = ["v=2"] if args.schedule.startswith("interleaved") else []
-    rows = [row for per in local_gloo.run(worker, 2, args, expect=2) for row in per]
+    per_rank = spawned.run_gloo(worker, 2, args, timeout=600)
+    if isinstance(per_rank, str):
+        sys.exit(f"transfer_calls: {per_rank}")
+    rows = [row for per in per_rank for row in per]
     for row in sorted(rows, key=lambda r: (r["rank"], r["call"])):
         print(json.dumps({**row, "loadavg_1min": round(os.getloadavg()[0], 2)}), flush=True)
 

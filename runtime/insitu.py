@@ -12,14 +12,12 @@ is how the ops and messages wait for each other.
 
 from __future__ import annotations
 
-import gc
 import os
 import statistics
 from collections import defaultdict
 
 from pipec.program import Program, from_json, to_json
 from pipec.runtime import spawned
-from pipec.runtime.affinity import bind_local_rank
 from pipec.runtime.errors import CommError, PipelineError
 
 
@@ -37,12 +35,8 @@ def profile_in_situ(
     """Run the Program on its number of local gloo processes; returns {"ops": {(op, stage): median s},
     "overhead": s or None, "step_s": median step time, "steps": recorded steps}. `timeout` is how long a
     rank waits for a peer (as `pipec run --timeout`); the whole run is given `timeout` per step."""
-    import torch.distributed as dist
-
     if reps < 1 or warmup < 0:
         raise ValueError("reps must be at least 1 and warmup at least 0")
-    world = program.num_ranks
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     spec = dict(
         program=to_json(program),
         model=os.path.abspath(model_path),
@@ -53,32 +47,18 @@ def profile_in_situ(
         loss_scale=loss_scale,
         timeout=timeout,
     )
-    result = spawned.run(_rank, world, world, store.port, spec, timeout=timeout * (warmup + reps + 2))
+    result = spawned.run_gloo(_rank, program.num_ranks, spec, timeout=timeout * (warmup + reps + 2))
     if isinstance(result, str):
         raise PipelineError(f"the in-situ profile of {program.name} failed: {result}")
     return result[0]
 
 
 def _rank(rank: int, world: int, port: int, spec: dict, out) -> None:
-    bind_local_rank("auto", "gloo", rank, world)  # as `pipec run` binds its ranks, before torch's threads
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        TORCHELASTIC_USE_AGENT_STORE="True",
-    )
-    from datetime import timedelta
-
-    import torch
-    import torch.distributed as dist
-
+    # bound as `pipec run` binds its ranks
+    dist = spawned.join_gloo(rank, world, port, threads=spec["threads"], timeout=spec["timeout"])
     from pipec.runtime.model import load_model
     from pipec.runtime.runner import Runner
 
-    torch.set_num_threads(spec["threads"])
-    __import__("torch.distributed.nn.functional")  # before the group: see runtime/launch.py, Worker._teardown
-    dist.init_process_group("gloo", timeout=timedelta(seconds=spec["timeout"]))
     runner = None
     try:
         program = from_json(spec["program"])
@@ -114,8 +94,7 @@ def _rank(rank: int, world: int, port: int, spec: dict, out) -> None:
         spawned.failed(out, rank, e.peer if isinstance(e, CommError) else rank, f"rank {rank}: {type(e).__name__}: {e}")
     finally:
         runner = None
-        gc.collect()
-        dist.destroy_process_group()
+        spawned.leave_gloo(dist)
 
 
 def summarize(program: Program, events: list[list[list[tuple]]], seconds: list[list[float]]) -> dict:

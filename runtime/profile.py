@@ -377,57 +377,29 @@ def measure_link(
     ping-pong of 8 bytes and of `nbytes` between two fresh local processes, and the per-instruction
     overhead (s) of pipec's executor for messages of `nbytes` between compute ops of about `gap` seconds
     (pipec.runtime.overhead); Nones if it fails."""
-    import multiprocessing as mp
+    from pipec.runtime import spawned
 
-    import torch.distributed as dist
-
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_pingpong, args=(r, store.port, nbytes, reps, gap, out), daemon=True) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    try:
-        small, big, overhead = out.get(timeout=timeout)
-    except Exception:
+    # bound as `pipec run` binds two gloo ranks (pipec.runtime.affinity), so the link is measured as runs use it
+    results = spawned.run_gloo(_pingpong, 2, nbytes, reps, gap, timeout=timeout)
+    if isinstance(results, str):
         return None, None, None
-    finally:
-        for p in procs:
-            p.join(5)
-            if p.is_alive():
-                p.kill()
+    small, big, overhead = results[0]
     if nbytes <= 8 or big <= small:
         return small, None, overhead
     return small, (nbytes - 8) * 8 / (big - small), overhead
 
 
-def _pingpong(rank: int, port: int, nbytes: int, reps: int, gap: float, out) -> None:
-    # bound as `pipec run` binds two gloo ranks (pipec.runtime.affinity), so the link is measured as runs use it
-    bind_local_rank("auto", "gloo", rank, 2)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE="2",
-        TORCHELASTIC_USE_AGENT_STORE="True",
-    )
-    import gc
-
-    import torch.distributed as dist
-
+def _pingpong(rank: int, world: int, port: int, nbytes: int, reps: int, gap: float, out) -> None:
+    from pipec.runtime import spawned
     from pipec.runtime.overhead import instruction_overhead
 
-    torch.set_num_threads(1)
-    __import__("torch.distributed.nn.functional")  # before the group: see runtime/launch.py, Worker._teardown
-    dist.init_process_group("gloo")
+    dist = spawned.join_gloo(rank, world, port)
     try:
         results = [_rtt(rank, dist, n, reps) / 2 for n in (8, max(nbytes, 8))]
         overhead = instruction_overhead(rank, max(nbytes, 8), reps, gap)
-        if rank == 0:
-            out.put((*results, overhead))
+        out.put(("result", rank, (*results, overhead) if rank == 0 else None))
     finally:
-        gc.collect()  # the Runner's process groups and works go now, on this thread
-        dist.destroy_process_group()
+        spawned.leave_gloo(dist)  # the Runner's process groups and works go first, on this thread
 
 
 def _rtt(rank: int, dist, nbytes: int, reps: int) -> float:

@@ -1,9 +1,11 @@
-"""One local process per rank for the profiler's measurements (`pipec profile`, `--in-situ`): start them,
-collect what they report, and say which rank failed and how, without waiting on a dead or hung one.
+"""One local process per rank for the profiler's measurements (`pipec profile`, `--in-situ`, the link) and
+the transfer benchmarks: start them, collect what they report, and say which rank failed and how, without
+waiting on a dead or hung one.
 
 A worker is `target(rank, *args, out)`; it reports success as `out.put(("result", rank, value))` and a
 failure as `out.put(("failed", rank, culprit, message))` (culprit: the rank it blames, itself unless a
-peer failed it), then ends. `failed(out, ...)` does the latter and exits the process.
+peer failed it), then ends. `failed(out, ...)` does the latter and exits the process. Workers that form a
+gloo group are started by `run_gloo` and begin with `join_gloo`.
 """
 
 from __future__ import annotations
@@ -64,6 +66,50 @@ def _collect(procs: list, out, timeout: float) -> list | str:
                 parts += [m for r, c, m in said if r != c]
                 return "; ".join(parts)
     return f"no result within {timeout:g} s"
+
+
+def run_gloo(target: Callable, nproc: int, *args, timeout: float, barrier: bool = False) -> list | str:
+    """`run` for workers that form a gloo group over a fresh store: `target(rank, world, port, *args, out)`."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # lives while they run
+    return run(target, nproc, nproc, store.port, *args, timeout=timeout, barrier=barrier)
+
+
+def join_gloo(rank: int, world: int, port: int, *, threads: int = 1, timeout: float | None = None, bind: bool = True):
+    """First thing in a `run_gloo` worker: bind to this rank's CPUs as `pipec run` binds its ranks (every
+    thread, and those torch starts later), torch's threads, then the gloo group. Returns torch.distributed."""
+    if bind:
+        from pipec.runtime.affinity import bind_local_rank
+
+        bind_local_rank("auto", "gloo", rank, world)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        TORCHELASTIC_USE_AGENT_STORE="True",
+    )
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    __import__("torch.distributed.nn.functional")  # before the group: see runtime/launch.py, Worker._teardown
+    dist.init_process_group("gloo", **({} if timeout is None else {"timeout": timedelta(seconds=timeout)}))
+    return dist
+
+
+def leave_gloo(dist, barrier: bool = False) -> None:
+    """End a worker's group on its main thread, the objects holding it collected first (with `barrier`,
+    once every rank is done)."""
+    import gc
+
+    gc.collect()
+    if barrier:
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 def failed(out, rank: int, culprit: int, message: str) -> None:
