@@ -7,7 +7,9 @@ the first-step handshake), `comm` (torch.distributed point-to-point), `stage` (f
 gradient of one stage), `split` (split backward), `executor` (one rank's instruction loop), `runner` (the
 Python API), `local` (all ranks in one process), `reference` (the single-process reference), `monitor`
 (fault handling), `measure` (events to a Timeline), `report` (printed lines), `affinity` (CPU binding of
-gloo ranks), `launch` (the torchrun entry point), `run` (`pipec run`). Names are imported lazily, so
+gloo ranks), `launch` (the torchrun entry point), `run` (`pipec run`), `links` (emulated links between
+datacenters), `profile` (`pipec profile`), `overhead` and `insitu` (what it measures in the executor and
+in steps of the schedule), `spawned` (its local worker processes). Names are imported lazily, so
 `import pipec.runtime` alone imports no torch.
 """
 
