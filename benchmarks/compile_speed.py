@@ -21,8 +21,8 @@ import time
 def pipec_once(name: str, params: dict[str, int], warm: bool = False) -> dict:
     t0 = time.perf_counter()
     from pipec.api import build
-    from pipec.compiler import compile_schedule
-    from pipec.library import read
+    from pipec.passes.compiler import compile_schedule
+    from pipec.frontend.library import read
 
     t_import = time.perf_counter() - t0
     if warm:  # load the grammar tables and touch every pass once, on another schedule

@@ -42,9 +42,9 @@ def emit(out, **row) -> bool:
 def local_schedules(device: str, out) -> bool:
     import torch
 
-    from pipec import library
+    from pipec.frontend import library
     from pipec.api import load
-    from pipec.compiler import compile_schedule
+    from pipec.passes.compiler import compile_schedule
     from pipec.runtime import LocalPipeline, Reference, load_model
     from pipec.runtime.reference import compare, rel_err
 
@@ -105,7 +105,7 @@ def profile_gpt(device: str, tmp: str, out) -> bool:
     code, text, secs = run_cmd(cmd, env)
     ok = code == 0 and os.path.isfile(cost)
     if ok:
-        from pipec.costs import read_cost_file
+        from pipec.sim.costs import read_cost_file
 
         doc = read_cost_file(cost)
         ok = len(doc["F"]) == 2 and all(x > 0 for x in doc["F"])

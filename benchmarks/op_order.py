@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipec.trace import read_trace
+from pipec.sim.trace import read_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 OPS = ("F", "B", "W")

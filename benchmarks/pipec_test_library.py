@@ -32,7 +32,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from pipec.api import compile_source
-    from pipec.library import read
+    from pipec.frontend.library import read
     from pipec.testing import check_file, find_schedule_files
 
     wide = {"p": range(1, 9), "m": range(1, 33), "v": range(1, 5)}

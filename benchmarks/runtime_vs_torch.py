@@ -116,7 +116,7 @@ class PipecSide:
         import torch
 
         from pipec.api import load
-        from pipec.compiler import compile_schedule
+        from pipec.passes.compiler import compile_schedule
         from pipec.runtime import Runner
 
         params = {"p": P, "m": M, **({"v": 2} if name == "interleaved-1f1b" else {})}

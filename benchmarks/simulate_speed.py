@@ -1,4 +1,4 @@
-"""Simulation speed: `pipec.simulate.simulate` from about 10,000 to 1,000,000 compute ops.
+"""Simulation speed: `pipec.sim.simulate.simulate` from about 10,000 to 1,000,000 compute ops.
 
 Prints one JSON line per measurement, then one line per schedule comparing the
 smallest and largest points (time per op should stay flat: linear growth).
@@ -34,9 +34,9 @@ def best_of(n: int, fn):
 
 def measure(name: str, params: dict[str, int]) -> dict:
     from pipec.api import load
-    from pipec.compiler import compile_schedule
-    from pipec.costs import cost_model, parse_overrides
-    from pipec.simulate import simulate, stats
+    from pipec.passes.compiler import compile_schedule
+    from pipec.sim.costs import cost_model, parse_overrides
+    from pipec.sim.simulate import simulate, stats
 
     t0 = time.perf_counter()
     sched = load(name, **params)

@@ -14,7 +14,7 @@ import json
 import sys
 import time
 
-from pipec.costs import normalize
+from pipec.sim.costs import normalize
 from pipec.synth import Spec, comparison_text, library_comparison, peak_of, replace, synthesize, topology_of
 
 EQUAL = {"T_F": 1, "T_B": 1, "T_W": 1}

@@ -5,18 +5,18 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable, Mapping
 
-from pipec.checks import check_schedule
-from pipec.codegen import Compiled, compile_ast
+from pipec.passes.checks import check_schedule
+from pipec.frontend.codegen import GeneratedCode, compile_ast
 from pipec.errors import Source
-from pipec.evaluate import evaluate
-from pipec.ir import Schedule
-from pipec.library import read
-from pipec.parse import parse
-from pipec.torch_csv import is_torch_csv, read_csv
+from pipec.frontend.evaluate import evaluate
+from pipec.schedule import Schedule
+from pipec.frontend.library import read
+from pipec.frontend.parse import parse
+from pipec.interop.torch_csv import is_torch_csv, read_csv
 
 
 @functools.lru_cache(maxsize=128)
-def compile_source(source: Source) -> Compiled:
+def compile_source(source: Source) -> GeneratedCode:
     """Parse and generate code once per distinct text."""
     return compile_ast(parse(source), source)
 

@@ -7,13 +7,13 @@ import json
 import sys
 from collections.abc import Sequence
 
-from pipec import library
+from pipec.frontend import library
 from pipec.api import build
-from pipec.compiler import Compiled, compile_schedule
+from pipec.passes.compiler import CompiledSchedule, compile_schedule
 from pipec.errors import PipecError
-from pipec.grid import format_grid
-from pipec.ir import Schedule
-from pipec.memory import format_table
+from pipec.sim.grid import format_grid
+from pipec.schedule import Schedule
+from pipec.passes.memory import format_table
 from pipec.program import to_json, to_text
 
 MISUSE = 2
@@ -164,14 +164,14 @@ def _build(args: argparse.Namespace, **kw) -> Schedule:
     return build(library.read(args.schedule), args.defines, **kw)
 
 
-def _compile(args: argparse.Namespace) -> Compiled:
+def _compile(args: argparse.Namespace) -> CompiledSchedule:
     overrides = dict(args.mem)
     if args.memory_limit is not None:
         overrides["limit"] = args.memory_limit
     return compile_schedule(_build(args), overrides)
 
 
-def _summary(c: Compiled) -> dict:
+def _summary(c: CompiledSchedule) -> dict:
     s = c.schedule
     return {
         "schedule": s.name,
@@ -196,7 +196,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     """Run every check: each op exactly once, on its owner, in dependency order; memory within the limit;
     no deadlock, even when every send blocks until its receive is posted; and the schedule's own `expect`
     lines, measured under its own cost and memory declarations (E405)."""
-    from pipec.expect import check_expectations
+    from pipec.passes.expect import check_expectations
 
     c = _compile(args)
     s = c.schedule
@@ -275,7 +275,7 @@ def _on_network(args: argparse.Namespace, s: Schedule) -> Schedule:
     """The schedule on the network `--topology` names, if any."""
     if not getattr(args, "topology", None):
         return s
-    from pipec.topology import read_topology, with_topology
+    from pipec.sim.topology import read_topology, with_topology
 
     return with_topology(s, read_topology(args.topology, s))
 
@@ -283,9 +283,9 @@ def _on_network(args: argparse.Namespace, s: Schedule) -> Schedule:
 def _show_timeline(args: argparse.Namespace, s: Schedule, ranks: list[int] | None) -> int:
     import shutil
 
-    from pipec import report
-    from pipec.costs import cost_spec
-    from pipec.render import text_gantt
+    from pipec.sim import report
+    from pipec.sim.costs import cost_spec
+    from pipec.sim.render import text_gantt
 
     sim = report.run(_on_network(args, s), [cost_spec(t) for t in args.cost])
     width = args.width or shutil.get_terminal_size((120, 24)).columns
@@ -300,9 +300,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from the schedule's declarations, cost files and overrides (`--cost F=1,B=2,W=1` per stage, `T_F=1,...`
     per rank); by default T_F = T_B = T_W = 1 for each rank's share of the model, a full backward costs
     T_B + T_W, and communication is free."""
-    from pipec import report
+    from pipec.sim import report
     from pipec.api import param_names
-    from pipec.costs import cost_spec
+    from pipec.sim.costs import cost_spec
 
     prog = f"pipec {args.command}"
     if len(args.schedule) > 1 and args.trace:
@@ -331,12 +331,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     wrote = []
     try:
         if args.trace:
-            from pipec.trace import write_trace
+            from pipec.sim.trace import write_trace
 
             write_trace(sims[0].timeline, args.trace, sims[0].memory)
             wrote.append(f"wrote trace to {args.trace} (open it at https://ui.perfetto.dev)")
         if args.plot:
-            from pipec.render import plot_timelines
+            from pipec.sim.render import plot_timelines
 
             plot_timelines([report.panel(s, not args.no_memory) for s in sims], args.plot)
             wrote.append(f"wrote plot to {args.plot}")
@@ -441,7 +441,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     except ImportError as e:
         print(f"pipec profile: error: profiling needs torch ({e}); install pipec[runtime]", file=sys.stderr)
         return 1
-    from pipec.costs import dump_costs
+    from pipec.sim.costs import dump_costs
 
     try:
         model = load_model(args.model)
@@ -501,7 +501,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     action CSV (torch 2.13), one row per rank: compute-only, which torch's `_load_csv` lowers itself, or
     with --comms the compute+communication format, with pipec's proven placement of sends and receives.
     What does not translate is an error, never dropped silently (see docs/interop.md)."""
-    from pipec.torch_csv import export_csv
+    from pipec.interop.torch_csv import export_csv
 
     c = _compile(args)
     s = c.schedule
@@ -526,7 +526,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     with the same per-rank orders, written as loops where they repeat. The CSV is then checked like any
     schedule; `pipec check/show/compile/simulate FILE.csv` also read a CSV directly."""
     from pipec.api import build
-    from pipec.torch_csv import is_torch_csv, to_pipe
+    from pipec.interop.torch_csv import is_torch_csv, to_pipe
 
     source = library.read(args.csv)
     if not is_torch_csv(source):
@@ -575,7 +575,7 @@ def cmd_synth(args: argparse.Namespace) -> int:
     import shlex
 
     from pipec import synth
-    from pipec.costs import cost_spec
+    from pipec.sim.costs import cost_spec
 
     if args.p < 1 or args.m < 1 or args.v < 1:
         print("pipec synth: error: -p, -m and -v must be at least 1", file=sys.stderr)

@@ -1,8 +1,8 @@
 """Schedule search: from sizes, costs and a memory limit to a schedule, written back as a `.pipe` file.
 
-Two phases, both under the simulator's machine and cost model (`pipec.policy`):
+Two phases, both under the simulator's machine and cost model (`pipec.passes.policy`):
 
-1. a heuristic: a grid over the policy space of `pipec.policy` (which kind a
+1. a heuristic: a grid over the policy space of `pipec.passes.policy` (which kind a
    rank prefers among its ready ops, how many micro-batches it keeps in
    flight, when a W may fill an idle gap), every point list-scheduled under
    the memory limit, then a local search on per-rank in-flight limits around
@@ -34,12 +34,12 @@ from fractions import Fraction
 
 import numpy as np
 
-from pipec.costs import cost_model
+from pipec.sim.costs import cost_model
 from pipec.errors import error
-from pipec.ir import Datacenter, RankOps, Schedule, Topology
-from pipec.memory import memory_model
-from pipec.pipe_text import op_text, rank_block
-from pipec.policy import Derived, Machine, Policy, PolicyStuck, derive, machine
+from pipec.schedule import Datacenter, RankOps, Schedule, Topology
+from pipec.passes.memory import memory_model
+from pipec.interop.pipe_text import op_text, rank_block
+from pipec.passes.policy import Derived, Machine, Policy, PolicyStuck, derive, machine
 
 Progress = Callable[[str], None]
 
@@ -74,7 +74,7 @@ def shape(spec: Spec, ranks: Sequence[RankOps] | None = None, name: str = "synth
     S, R = spec.num_stages, spec.p
     z = np.zeros(0, dtype=np.int64)
     empty = RankOps(z, z, z, z, np.zeros(0, dtype=bool))
-    # act, wact and params are given for a rank's share of the model, as pipec.memory's defaults are
+    # act, wact and params are given for a rank's share of the model, as pipec.passes.memory's defaults are
     mem = {k: (float(v) * R / S,) * S for k, v in spec.memory.items() if k != "limit"}
     if spec.limit is not None:
         mem["limit"] = tuple(float(x) for x in spec.limit)
@@ -212,10 +212,10 @@ SEED_NAMES = ("1f1b", "zb-h1", "zb-h2", "zb-v", "interleaved-1f1b", "crossdc-1f1
 def library_seeds(spec: Spec) -> list[Candidate]:
     """The library schedules of the spec's shape (sizes, placement, op kinds) that fit its memory limit,
     with their simulated times: the search starts no worse than the hand-written schedules."""
-    from pipec import library
+    from pipec.frontend import library
     from pipec.api import build, param_names
     from pipec.errors import PipecError
-    from pipec.report import run
+    from pipec.sim.report import run
 
     out = []
     want = shape(spec)
@@ -445,9 +445,9 @@ class Figures:
 
 
 def evaluate_orders(spec: Spec, orders, name: str = "synth"):
-    """Check, lower and simulate these orders under the spec (pipec.report.run): every check runs."""
-    from pipec.checks import check_schedule
-    from pipec.report import run
+    """Check, lower and simulate these orders under the spec (pipec.sim.report.run): every check runs."""
+    from pipec.passes.checks import check_schedule
+    from pipec.sim.report import run
 
     sched = to_schedule(spec, orders, name)
     check_schedule(sched)
@@ -702,10 +702,10 @@ def _rank_expr(vals: Sequence[float]) -> str:
 def library_comparison(spec: Spec, names: Sequence[str] | None = None):
     """The library schedules simulated under the spec's costs and memory model (one stage per rank unless
     they declare chunks): (name, params, Figures or None, note)."""
-    from pipec import library
+    from pipec.frontend import library
     from pipec.api import build, param_names
     from pipec.errors import PipecError
-    from pipec.report import run
+    from pipec.sim.report import run
 
     if names is None:
         names = ["1f1b", "zb-h1", "zb-h2", "zb-v", "interleaved-1f1b"]

@@ -14,7 +14,7 @@ is posted after the send is only written when the sender's background thread han
 "ready" notice, and on a rank busy computing that thread may wait for the next scheduler tick
 (milliseconds). Posted ahead, the receive is known to the sender when it sends and the data goes out
 at once. NCCL must not post ahead: a pending receive holds up later transfers with the same peer on
-its stream, which the Program's channel order (`pipec.lower`) accounts for and an early post does not.
+its stream, which the Program's channel order (`pipec.passes.lower`) accounts for and an early post does not.
 """
 
 from __future__ import annotations

@@ -81,9 +81,9 @@ def add_run_options(ap: argparse.ArgumentParser) -> None:
 
 def load_program(spec: str, defines: Sequence[str | tuple[str, str]]):
     """A Program from a compiled file (JSON or text), or by compiling a schedule with its parameters."""
-    from pipec import library
+    from pipec.frontend import library
     from pipec.api import build
-    from pipec.compiler import compile_schedule
+    from pipec.passes.compiler import compile_schedule
     from pipec.program import FORMAT, from_json, from_text
 
     if os.path.isfile(spec):
@@ -330,7 +330,7 @@ class Worker:
             self.store.set(f"pipec/trace/{self.rank}", json.dumps(runner.events()))
             if self.rank == 0:
                 from pipec.runtime.measure import timeline
-                from pipec.trace import write_trace
+                from pipec.sim.trace import write_trace
 
                 events = [json.loads(self.store.get(f"pipec/trace/{r}").decode()) for r in range(self.world)]
                 write_trace(timeline(self.program, events), args.trace)

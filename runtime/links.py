@@ -6,7 +6,7 @@ A message between ranks of two different datacenters of the schedule's topology 
     wire start = max(send time, when the previous message from this rank to that peer left the wire)
     arrival    = wire start + bytes / bandwidth + latency
 
-which is the simulator's model for one pair of ranks in one direction (pipec/costs.py). The sender
+which is the simulator's model for one pair of ranks in one direction (pipec/sim/costs.py). The sender
 computes the arrival time (it knows its own sends, so messages to one peer queue on the wire in issue
 order) and sends it along as one extra float64 tensor; the receiver, when the compute that needs the
 message waits on it, also waits until that time. Sends stay non-blocking, and the real transfer runs
@@ -80,8 +80,8 @@ def _dec(x):
 
 
 def links_of(sched: Any, scale: float = 1.0) -> Links:
-    """The links between the datacenters of a schedule's topology (pipec.ir.Schedule), scaled."""
-    from pipec.costs import cost_model
+    """The links between the datacenters of a schedule's topology (pipec.schedule.Schedule), scaled."""
+    from pipec.sim.costs import cost_model
 
     if scale <= 0 or not math.isfinite(scale):
         raise ValueError(f"--link-scale must be a positive number, got {scale}")

@@ -1,4 +1,4 @@
-"""Measured events of one step, from every rank, as a `pipec.timeline.Timeline` (origin "measured").
+"""Measured events of one step, from every rank, as a `pipec.sim.timeline.Timeline` (origin "measured").
 
 Each rank records ("compute", op, mb, stage, start, end), ("send", kind, mb, stage, dst, time, bytes),
 ("post", kind, mb, stage, src, time) and ("recv", kind, mb, stage, src, time: when the wait returned, an
@@ -13,7 +13,7 @@ import dataclasses
 import numpy as np
 
 from pipec.program import Program
-from pipec.timeline import Timeline
+from pipec.sim.timeline import Timeline
 
 
 def timeline(program: Program, events: list[list[tuple]]) -> Timeline:

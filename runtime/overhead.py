@@ -68,9 +68,9 @@ def instruction_overhead(rank: int, nbytes: int, reps: int, gap: float, steps: i
     qualified), rank 1 None. `reps` micro-batches of `nbytes` per message, `gap` seconds per short op."""
     import torch.distributed as dist
 
-    from pipec import library
+    from pipec.frontend import library
     from pipec.api import build
-    from pipec.compiler import compile_schedule
+    from pipec.passes.compiler import compile_schedule
     from pipec.runtime.measure import timeline
     from pipec.runtime.runner import Runner
 

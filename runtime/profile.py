@@ -67,7 +67,7 @@ class Profile:
     in_situ: dict | None = None  # pipec.runtime.insitu's result: the ops as the schedule runs them
 
     def cost_doc(self) -> dict:
-        """The cost file's document (for `pipec.costs.dump_costs`)."""
+        """The cost file's document (for `pipec.sim.costs.dump_costs`)."""
         params = " ".join(f"{k}={v}" for k, v in self.params)
         doc: dict[str, Any] = {
             "comment": (

@@ -145,7 +145,7 @@ def run_local(args: argparse.Namespace, program: Program, model) -> int:
         show("\n".join(checks.lines(tol, args.steps)))
         code = 0 if checks.worst() <= tol else 1
     if args.trace:
-        from pipec.trace import write_trace
+        from pipec.sim.trace import write_trace
 
         write_trace(timeline(program, pipe.events()), args.trace)
         show(f"wrote the measured timeline of step {args.steps} to {args.trace} (--local: ranks interleaved)")

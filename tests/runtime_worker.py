@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(1)
     from pipec.api import load
-    from pipec.compiler import compile_schedule
+    from pipec.passes.compiler import compile_schedule
     from pipec.runtime import Reference, Runner, load_model
     from pipec.runtime.reference import compare, rel_err
 

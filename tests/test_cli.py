@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from cli_helpers import run_cli as run
 
-from pipec import library
+from pipec.frontend import library
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.pipe"))

@@ -12,13 +12,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from strategies import RandomSchedule, deps, random_schedules
 
-from pipec import library
+from pipec.frontend import library
 from pipec.api import build, load
-from pipec.compiler import compile_schedule
-from pipec.dryrun import dry_run
+from pipec.passes.compiler import compile_schedule
+from pipec.passes.dryrun import dry_run
 from pipec.errors import PipecError, Source
-from pipec.lower import lower
-from pipec.memory import rank_memory
+from pipec.passes.lower import lower
+from pipec.passes.memory import rank_memory
 from pipec.program import COMPUTE, OPCODES, RECVS, SENDS, from_json, from_text, to_json, to_text
 
 DEADLOCK_1F1B = """\
@@ -187,7 +187,7 @@ def test_swaps_that_make_a_cycle_are_reported_with_real_waits(rs, data):
             notes = e.diagnostics[0].notes
             assert len(notes) >= 2
             S = len(rs.placement)
-            from pipec.deadlock import find_deadlock
+            from pipec.passes.deadlock import find_deadlock
 
             for w in find_deadlock(sched):
                 needed = (w.needs.kind, w.needs.mb, w.needs.stage)

@@ -23,12 +23,12 @@ from hypothesis import strategies as st
 from strategies import random_schedules
 
 from pipec.api import build, load
-from pipec.compiler import compile_schedule
-from pipec.costs import cost_model, normalize
+from pipec.passes.compiler import compile_schedule
+from pipec.sim.costs import cost_model, normalize
 from pipec.errors import PipecError, Source
-from pipec.ir import Datacenter, Link, Topology
-from pipec.simulate import simulate, stats
-from pipec.topology import read_topology, with_topology
+from pipec.schedule import Datacenter, Link, Topology
+from pipec.sim.simulate import simulate, stats
+from pipec.sim.topology import read_topology, with_topology
 
 ROOT = Path(__file__).resolve().parent.parent
 SOME = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -336,7 +336,7 @@ def grid():
 def test_schedule_passes_every_check_over_a_grid(name):
     """Every op once, in dependency order; memory; no deadlock even when every send waits for its receive;
     and the schedule's own `expect` lines (in flight per rank, 1F1B's peak when g <= p)."""
-    from pipec.expect import check_expectations
+    from pipec.passes.expect import check_expectations
 
     count = 0
     for params in grid():
@@ -380,7 +380,7 @@ def test_the_example_is_the_library_schedule_with_costs_and_a_network():
 
 
 def read_cost(path):
-    from pipec.costs import read_cost_file
+    from pipec.sim.costs import read_cost_file
 
     return read_cost_file(path)
 

@@ -15,11 +15,11 @@ from torch.distributed.pipelining import schedules as ts
 from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 from torch.distributed.pipelining.stage import PipelineStage
 
-from pipec import library
+from pipec.frontend import library
 from pipec.api import compile_source, load
-from pipec.compiler import compile_schedule
+from pipec.passes.compiler import compile_schedule
 from pipec.errors import PipecError
-from pipec.ir import Schedule
+from pipec.schedule import Schedule
 
 # An op as compared here: (kind, micro-batch, stage, overlapped with the next op).
 Op = tuple[str, int, int, bool]

@@ -148,7 +148,7 @@ def pipec(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -
 
 
 def test_pipec_run_check_and_trace(tmp_path):
-    from pipec.trace import read_trace
+    from pipec.sim.trace import read_trace
 
     trace = tmp_path / "run.json"
     r = pipec(

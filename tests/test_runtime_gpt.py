@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 from runtime_harness import ROOT, launch  # noqa: E402
 
 from pipec.api import load  # noqa: E402
-from pipec.compiler import compile_schedule  # noqa: E402
+from pipec.passes.compiler import compile_schedule  # noqa: E402
 from pipec.runtime import LocalPipeline, load_model  # noqa: E402
 
 SMALL = {"GPT_LAYERS": "2", "GPT_WIDTH": "16", "GPT_HEADS": "2", "GPT_CONTEXT": "8", "GPT_BATCH": "8"}

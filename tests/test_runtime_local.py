@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 
 from pipec import library  # noqa: E402
 from pipec.api import load  # noqa: E402
-from pipec.compiler import compile_schedule  # noqa: E402
+from pipec.passes.compiler import compile_schedule  # noqa: E402
 from pipec.program import RECV_ACT, RECV_GRAD, WGRAD  # noqa: E402
 from pipec.runtime import LocalPipeline, Reference, load_model  # noqa: E402
 from pipec.runtime.reference import compare, rel_err  # noqa: E402

@@ -15,8 +15,8 @@ from runtime_harness import ROOT  # noqa: E402
 
 from pipec.api import load  # noqa: E402
 from pipec.cli import main  # noqa: E402
-from pipec.compiler import compile_schedule  # noqa: E402
-from pipec.costs import cost_model, read_cost_file  # noqa: E402
+from pipec.passes.compiler import compile_schedule  # noqa: E402
+from pipec.sim.costs import cost_model, read_cost_file  # noqa: E402
 from pipec.runtime import load_model  # noqa: E402
 from pipec.runtime.profile import measure_link, profile  # noqa: E402
 

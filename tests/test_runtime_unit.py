@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 from pipec.api import load  # noqa: E402
-from pipec.compiler import compile_schedule  # noqa: E402
+from pipec.passes.compiler import compile_schedule  # noqa: E402
 from pipec.program import Program, RankProgram  # noqa: E402
 from pipec.runtime import LocalPipeline, PipelineError, Reference, Runner, load_model  # noqa: E402
 from pipec.runtime.errors import ModelError, ShapeError  # noqa: E402

@@ -23,17 +23,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from strategies import deps, random_schedules
 
-from pipec import library
+from pipec.frontend import library
 from pipec.api import build, load
-from pipec.compiler import compile_schedule
-from pipec.costs import cost_model, cost_spec, dump_costs, normalize, parse_overrides, read_cost_file
+from pipec.passes.compiler import compile_schedule
+from pipec.sim.costs import cost_model, cost_spec, dump_costs, normalize, parse_overrides, read_cost_file
 from pipec.errors import PipecError, Source
-from pipec.memory import memory_model, rank_memory
+from pipec.passes.memory import memory_model, rank_memory
 from pipec.program import BWD, FWD, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, WGRAD
-from pipec.render import Panel, plot_timelines, text_gantt
-from pipec.simulate import memory_curve, simulate, stats
-from pipec.timeline import Timeline
-from pipec.trace import read_trace, trace_events, write_trace
+from pipec.sim.render import Panel, plot_timelines, text_gantt
+from pipec.sim.simulate import memory_curve, simulate, stats
+from pipec.sim.timeline import Timeline
+from pipec.sim.trace import read_trace, trace_events, write_trace
 
 ROOT = Path(__file__).resolve().parent.parent
 SLOW = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -656,7 +656,7 @@ def test_show_timeline():
 
 def test_import_pipec_loads_neither_torch_nor_matplotlib():
     code = (
-        "import sys, pipec, pipec.cli, pipec.simulate, pipec.render, pipec.trace, pipec.report, pipec.costs; "
+        "import sys, pipec, pipec.cli, pipec.sim.simulate, pipec.sim.render, pipec.sim.trace, pipec.sim.report, pipec.sim.costs; "
         "print('torch' in sys.modules, 'matplotlib' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)

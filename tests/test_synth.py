@@ -1,4 +1,4 @@
-"""Policy schedules (`order` blocks, pipec.policy) and schedule search (`pipec synth`, pipec.synth).
+"""Policy schedules (`order` blocks, pipec.passes.policy) and schedule search (`pipec synth`, pipec.synth).
 
 The list scheduler against the simulator (same times), 1F1B's policy against 1F1B's order, validity of
 derived orders over random policies, the language's errors, the heuristic's and the solver's figures on
@@ -20,12 +20,12 @@ from hypothesis import strategies as st
 
 from pipec import synth
 from pipec.api import build, load
-from pipec.compiler import compile_schedule
-from pipec.costs import cost_model, normalize
+from pipec.passes.compiler import compile_schedule
+from pipec.sim.costs import cost_model, normalize
 from pipec.errors import PipecError, Source
-from pipec.memory import memory_model
-from pipec.policy import Policy, PolicyStuck, derive, machine, orders_from_schedule
-from pipec.report import run as simulate_schedule
+from pipec.passes.memory import memory_model
+from pipec.passes.policy import Policy, PolicyStuck, derive, machine, orders_from_schedule
+from pipec.sim.report import run as simulate_schedule
 
 ROOT = Path(__file__).resolve().parent.parent
 UNEVEN = normalize({"T_F": 1, "T_B": 1.2, "T_W": 0.8, "comm": 0.05})

@@ -23,10 +23,10 @@ from hypothesis import strategies as st
 
 from pipec import cli, library
 from pipec.api import build, load
-from pipec.checks import check_schedule
-from pipec.compiler import compile_schedule
+from pipec.passes.checks import check_schedule
+from pipec.passes.compiler import compile_schedule
 from pipec.errors import PipecError, Source
-from pipec.expect import Metrics, check_expectations
+from pipec.passes.expect import Metrics, check_expectations
 from pipec.program import Program, RankProgram
 from pipec.testing import (
     InvariantError,
@@ -51,7 +51,7 @@ KIT = settings(deadline=None, suppress_health_check=list(HealthCheck), database=
 
 def test_importing_pipec_and_the_kit_imports_neither_torch_nor_hypothesis():
     code = (
-        "import sys, pipec, pipec.testing, pipec.cli, pipec.pytest_plugin, pipec.expect\n"
+        "import sys, pipec, pipec.testing, pipec.cli, pipec.pytest_plugin, pipec.passes.expect\n"
         "bad = [m for m in ('torch', 'hypothesis') if m in sys.modules]\n"
         "assert not bad, bad\n"
     )

@@ -30,12 +30,12 @@ from torch.distributed.pipelining import schedules as ts
 from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 from torch.distributed.pipelining.stage import PipelineStage
 
-from pipec import library
+from pipec.frontend import library
 from pipec.api import build
-from pipec.compiler import compile_schedule
+from pipec.passes.compiler import compile_schedule
 from pipec.errors import PipecError, Source
-from pipec.ir import Schedule
-from pipec.torch_csv import TORCH_VERSION, comms_rows, export_csv, read_csv, to_pipe
+from pipec.schedule import Schedule
+from pipec.interop.torch_csv import TORCH_VERSION, comms_rows, export_csv, read_csv, to_pipe
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -423,7 +423,7 @@ def test_export_diagnostics(case):
 def test_export_E613_when_unbatching_could_deadlock(monkeypatch):
     """Unbatching pipec's exchanges keeps each channel's order, and the strict dry run of the result
     has passed for every schedule tried; if it ever failed, export says so instead of writing."""
-    from pipec import dryrun
+    from pipec.passes import dryrun
 
     s = try_load("1f1b", p=2, m=2)
     program = compile_schedule(s).program
@@ -517,9 +517,9 @@ def test_docs_diagnostics(name, body, command, shown, tmp_path, monkeypatch):
 
 def test_import_pipec_does_not_import_torch():
     code = (
-        "import sys, pipec, pipec.api, pipec.cli, pipec.torch_csv\n"
+        "import sys, pipec, pipec.api, pipec.cli, pipec.interop.torch_csv\n"
         "from pipec.api import load\n"
-        "from pipec.torch_csv import export_csv, read_csv, to_pipe\n"
+        "from pipec.interop.torch_csv import export_csv, read_csv, to_pipe\n"
         "from pipec.errors import Source\n"
         "s = load('zb-v', p=2, m=4)\n"
         "to_pipe(read_csv(Source('x.csv', export_csv(s))))\n"

@@ -10,9 +10,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipec.compiler import Compiled, compile_schedule
+from pipec.passes.compiler import CompiledSchedule, compile_schedule
 from pipec.errors import PipecError, Source
-from pipec.ir import Schedule
+from pipec.schedule import Schedule
 from pipec.program import (
     Program,
 )
@@ -102,7 +102,7 @@ def _check_point(source: Source, target: str, point: dict[str, object], runtime:
     return None
 
 
-def runtime_check(target: Schedule | Compiled | Program, steps: int = 2, tol: float = 1e-10) -> float:
+def runtime_check(target: Schedule | CompiledSchedule | Program, steps: int = 2, tol: float = 1e-10) -> float:
     """Train a tiny float64 model (a Linear and a Tanh per stage) on the runtime's `--local` mode and compare
     the loss and every gradient with a single-process reference after each step; InvariantError past
     `tol`. Returns the largest relative error. Needs torch (`pipec[runtime]`)."""
@@ -113,7 +113,7 @@ def runtime_check(target: Schedule | Compiled | Program, steps: int = 2, tol: fl
 
     if isinstance(target, Program):
         prog = target
-    elif isinstance(target, Compiled):
+    elif isinstance(target, CompiledSchedule):
         prog = target.program
     else:
         prog = compile_schedule(target).program
@@ -174,7 +174,7 @@ def check_file(
     import random
 
     hypothesis, st = _hypothesis()
-    from pipec.library import read
+    from pipec.frontend.library import read
 
     started = time.perf_counter()
     source = read(target)

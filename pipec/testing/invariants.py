@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipec.checks import check_schedule
-from pipec.compiler import Compiled, compile_schedule
+from pipec.passes.checks import check_schedule
+from pipec.passes.compiler import CompiledSchedule, compile_schedule
 from pipec.errors import PipecError
-from pipec.ir import Schedule
+from pipec.schedule import Schedule
 from pipec.program import (
     BWD,
     FWD,
@@ -411,7 +411,7 @@ _PIPEC_CODES = ("E301", "E302", "E303", "E304", "E305", "E306", "E307", "E308", 
 
 
 def check_invariants(
-    target: Schedule | Compiled | Program | Listing,
+    target: Schedule | CompiledSchedule | Program | Listing,
     memory: Mapping[str, float] | None = None,
     *,
     expectations: bool = True,
@@ -424,10 +424,10 @@ def check_invariants(
     rendezvous dry run, memory (`memory` overrides as in `pipec check --mem`), the simulated timeline
     under the schedule's costs, and (unless told not to) the schedule's `expect`s (E405).
     """
-    from pipec.costs import cost_model
-    from pipec.expect import check_expectations
-    from pipec.memory import memory_model
-    from pipec.simulate import simulate, stats
+    from pipec.sim.costs import cost_model
+    from pipec.passes.expect import check_expectations
+    from pipec.passes.memory import memory_model
+    from pipec.sim.simulate import simulate, stats
 
     if isinstance(target, Listing):
         target = target.build()
@@ -440,7 +440,7 @@ def check_invariants(
         tl = simulate(target, costs)
         critical = _timeline_check(target, costs, tl)
         return Checked(0, target.num_instructions, len(tl.msg_send), tl.makespan, critical, 0)
-    if isinstance(target, Compiled):
+    if isinstance(target, CompiledSchedule):
         sched, compiled = target.schedule, target
         problem = schedule_problem(sched)
         if problem:

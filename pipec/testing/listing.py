@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipec.errors import Source
-from pipec.ir import Schedule
+from pipec.schedule import Schedule
 
 Op3 = tuple[str, int, int]  # (kind, micro-batch, stage)
 COMPUTE = ("FWD", "BWD", "WGRAD")
@@ -93,7 +93,7 @@ class Listing:
         return Source(path, self.text())
 
     def build(self, path: str = "listing.pipe", *, check: bool = True) -> Schedule:
-        """Evaluate the text (and run `pipec.checks` on it unless told not to)."""
+        """Evaluate the text (and run `pipec.passes.checks` on it unless told not to)."""
         from pipec.api import build
 
         return build(self.source(path), {}, check=check)

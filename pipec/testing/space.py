@@ -20,7 +20,7 @@ MAX_POINTS = 20_000
 def _source(schedule: str | Path | Source) -> Source:
     if isinstance(schedule, Source):
         return schedule
-    from pipec.library import read
+    from pipec.frontend.library import read
 
     return read(str(schedule))
 
@@ -63,7 +63,7 @@ def parameter_space(
 
     source = _source(schedule)
     compiled = compile_source(source)
-    from pipec.evaluate import _parse_value
+    from pipec.frontend.evaluate import _parse_value
 
     types = dict(zip((prm.name for prm in compiled.params), compiled.param_types))
     bounds = dict(bounds or {})

@@ -13,9 +13,9 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from pipec.codegen import Compiled
+from pipec.frontend.codegen import GeneratedCode
 from pipec.errors import PipecError, Source, Span, brief, error
-from pipec.ir import Datacenter, Expectation, Link, RankOps, Schedule, Topology
+from pipec.schedule import Datacenter, Expectation, Link, RankOps, Schedule, Topology
 
 MAX_SIZE = 10_000_000  # stages, ranks, micro-batches
 MAX_OPS = 50_000_000  # ops a schedule may have in all
@@ -72,7 +72,7 @@ class _Runtime:
 
 
 def evaluate(
-    compiled: Compiled,
+    compiled: GeneratedCode,
     source: Source,
     params: Iterable[tuple[str, object]] = (),
     ranks: Iterable[int] | None = None,
@@ -95,7 +95,7 @@ def evaluate(
         raise error("E212", f"arithmetic overflow: {e}", _generated_span(compiled, e), source) from None
 
 
-def _generated_span(compiled: Compiled, exc: BaseException) -> Span:
+def _generated_span(compiled: GeneratedCode, exc: BaseException) -> Span:
     """The span of the statement whose generated code raised `exc` (the innermost such frame)."""
     span, tb = compiled.header, exc.__traceback__
     while tb is not None:
@@ -113,7 +113,7 @@ def _float(value, sid: int | None) -> float:
         raise _Fail("E212", f"arithmetic overflow: {e}", sid) from None
 
 
-def _bind_params(compiled: Compiled, source: Source, given: Iterable[tuple[str, object]]) -> dict[str, object]:
+def _bind_params(compiled: GeneratedCode, source: Source, given: Iterable[tuple[str, object]]) -> dict[str, object]:
     header = compiled.header
     declared = {p.name: (p, t) for p, t in zip(compiled.params, compiled.param_types)}
     values: dict[str, object] = {}
@@ -134,7 +134,7 @@ def _bind_params(compiled: Compiled, source: Source, given: Iterable[tuple[str, 
     return values
 
 
-def _run(compiled: Compiled, source: Source, given: dict[str, object], only: Iterable[int] | None) -> Schedule:
+def _run(compiled: GeneratedCode, source: Source, given: dict[str, object], only: Iterable[int] | None) -> Schedule:
     ns: dict[str, object] = {}
     exec(_code_object(compiled.code), ns)
     env = _Env(compiled, ns)  # defaults may divide, so the helpers come first
@@ -266,9 +266,9 @@ def _run(compiled: Compiled, source: Source, given: dict[str, object], only: Ite
 
 def _derive(shape: Schedule, owned: list[list[int]], decl, sid: int) -> list[RankOps]:
     """The per-rank orders an `order` block's policy gives under the schedule's own costs and memory."""
-    from pipec.costs import cost_model
-    from pipec.memory import memory_model
-    from pipec.policy import Policy, PolicyStuck, derive, machine
+    from pipec.sim.costs import cost_model
+    from pipec.passes.memory import memory_model
+    from pipec.passes.policy import Policy, PolicyStuck, derive, machine
 
     prefer, fill, fn = decl
     R, S = shape.num_ranks, shape.num_stages
@@ -311,7 +311,7 @@ def _derive(shape: Schedule, owned: list[list[int]], decl, sid: int) -> list[Ran
     return out
 
 
-def _expectation_test(fn, compiled: Compiled, source: Source):
+def _expectation_test(fn, compiled: GeneratedCode, source: Source):
     """The deferred condition of an `expect`; errors inside it (division by zero...) become diagnostics."""
 
     def test(metrics):
@@ -340,7 +340,7 @@ def _cmp(a, op: str, b) -> tuple[bool, object, object]:
     return bool(ok), a, b
 
 
-def _pyname(compiled: Compiled, name: str) -> str:
+def _pyname(compiled: GeneratedCode, name: str) -> str:
     # Parameters are bound first, in order, so their generated names are v_<name>_<index+1>.
     index = [p.name for p in compiled.params].index(name)
     return f"v_{name}_{index + 1}"
@@ -399,7 +399,7 @@ def _topology(decl, num_ranks: int) -> Topology | None:
 class _Env:
     """The helpers the generated code calls, bound into its namespace."""
 
-    def __init__(self, compiled: Compiled, ns: dict) -> None:
+    def __init__(self, compiled: GeneratedCode, ns: dict) -> None:
         self.compiled = compiled
         self.ns = ns
         self.left = WORK_FIXED

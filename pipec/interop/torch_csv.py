@@ -32,8 +32,8 @@ from pathlib import PurePath
 import numpy as np
 
 from pipec.errors import PipecError, Source, Span, error
-from pipec.ir import RankOps, Schedule
-from pipec.pipe_text import op_text, rank_block
+from pipec.schedule import RankOps, Schedule
+from pipec.interop.pipe_text import op_text, rank_block
 
 TORCH_VERSION = "2.13"
 MAX_INDEX = 10_000_000  # largest stage or micro-batch index read from a CSV
@@ -250,7 +250,7 @@ def read_csv(
     default its largest micro-batch + 1, and may be given (a cell beyond it is then E209). With `check`,
     every check of `check_schedule` runs, and a compute+communication file has its sends and receives
     checked too (see `check_comms`)."""
-    from pipec.checks import check_schedule
+    from pipec.passes.checks import check_schedule
 
     doc = analyse(source)
     sched = _schedule(doc, list(params.items()) if isinstance(params, Mapping) else list(params))
@@ -349,7 +349,7 @@ def check_comms(doc: TorchCsv, sched: Schedule) -> None:
     received once before the compute that needs it, on the right ranks (E608); both ends of each rank
     pair issue their messages in one order (E404); and the whole cannot deadlock even when every send
     blocks until its receive is posted (E609)."""
-    from pipec.dryrun import dry_run
+    from pipec.passes.dryrun import dry_run
 
     S, placement = doc.num_stages, doc.placement
     for r, row in enumerate(doc.rows):
@@ -652,7 +652,7 @@ def comms_rows(sched: Schedule, program) -> list[list[str]]:
     posts its receive first (torch issues one action at a time), UNSHARD of each stage before its
     first use and REDUCE_GRAD then RESHARD at the end; STEP (the optimizer) is not a torch action.
     The result is proven again by pipec's strict dry run (E613 if it could deadlock)."""
-    from pipec.dryrun import dry_run
+    from pipec.passes.dryrun import dry_run
     from pipec.program import Program, RankProgram
 
     _check_exportable(sched)

@@ -14,7 +14,7 @@ import networkx as nx
 import numpy as np
 
 from pipec.errors import PipecError, error
-from pipec.ir import Op, Schedule
+from pipec.schedule import Op, Schedule
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ message time on both sides.
   exchange (one `batch_isend_irecv`, Megatron's `send_forward_recv_backward`).
 - Stages on the same rank hand tensors over locally: no instruction.
 
-`pipec.dryrun` then proves the result under rendezvous sends. Built with
+`pipec.passes.dryrun` then proves the result under rendezvous sends. Built with
 numpy per rank: slot keys, one sort, masks.
 """
 
@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipec.deadlock import global_order
-from pipec.dryrun import DryRun, dry_run
-from pipec.ir import RankOps, Schedule
+from pipec.passes.deadlock import global_order
+from pipec.passes.dryrun import DryRun, dry_run
+from pipec.schedule import RankOps, Schedule
 from pipec.program import (
     BWD,
     FWD,

@@ -22,9 +22,9 @@ import dataclasses
 import re
 from pathlib import Path
 
-from pipec import ast
+from pipec.frontend import ast
 from pipec.errors import Diagnostic, PipecError, Source, Span, error
-from pipec.ir import Schedule, Topology
+from pipec.schedule import Schedule, Topology
 
 _COMMENT = re.compile(r"#[^\n]*")
 
@@ -73,7 +73,7 @@ def _evaluate(source: Source, sched: Schedule) -> Topology:
 
 def _topology_lines(source: Source) -> tuple[list[str], int]:
     """The stand-in's lines after its header, and how many lines the user's text moved down."""
-    from pipec.parse import parse
+    from pipec.frontend.parse import parse
 
     text = source.text
     bare = _COMMENT.sub("", text).strip()

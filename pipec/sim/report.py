@@ -1,6 +1,6 @@
 """Simulating schedules for people: compile, cost, simulate, and the tables and JSON `pipec simulate` prints.
 
-A pure layer between the CLI and `pipec.simulate`: it returns strings and
+A pure layer between the CLI and `pipec.sim.simulate`: it returns strings and
 dicts; `pipec.cli` prints them.
 """
 
@@ -12,17 +12,17 @@ from fractions import Fraction
 
 import numpy as np
 
-from pipec.compiler import Compiled, compile_schedule
-from pipec.costs import CostModel, cost_model
-from pipec.ir import Schedule
-from pipec.memory import memory_model
-from pipec.simulate import Stats, memory_curve, simulate, stats
-from pipec.timeline import Timeline
+from pipec.passes.compiler import CompiledSchedule, compile_schedule
+from pipec.sim.costs import CostModel, cost_model
+from pipec.schedule import Schedule
+from pipec.passes.memory import memory_model
+from pipec.sim.simulate import Stats, memory_curve, simulate, stats
+from pipec.sim.timeline import Timeline
 
 
 @dataclass(frozen=True)
 class Simulation:
-    compiled: Compiled
+    compiled: CompiledSchedule
     costs: CostModel
     memory: dict[str, np.ndarray]
     timeline: Timeline
@@ -162,7 +162,7 @@ def panel_title(sim: Simulation) -> str:
 
 
 def panel(sim: Simulation, with_memory: bool = True):
-    from pipec.render import Panel
+    from pipec.sim.render import Panel
 
     limit = sim.memory["limit"]
     lim = None if np.isnan(limit).all() else float(np.nanmax(limit))

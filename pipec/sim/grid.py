@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pipec.ir import Schedule
+from pipec.schedule import Schedule
 
 
 def cells(sched: Schedule, rank: int) -> list[str]:

@@ -4,7 +4,7 @@ Why generate code: a schedule with a million ops must evaluate in seconds, so
 the per-op path is plain Python (`for` loops and list appends), not a tree
 walk. The generated module defines `_schedule(_rt, <params>)`, which runs the
 top-level statements and hands declarations and the rank block to `_rt` (see
-`pipec.evaluate`). The language has no mutation and no recursion (a function
+`pipec.frontend.evaluate`). The language has no mutation and no recursion (a function
 sees only names defined before it), loops run over finite ranges under a work
 budget, and `while` must emit ops every iteration, so evaluation always ends.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipec import ast
+from pipec.frontend import ast
 from pipec.errors import PipecError, Source, Span, error
 
 OP_KINDS = ("F", "B", "W")
@@ -26,7 +26,7 @@ BUILTINS = ("min", "max", "abs", "done")
 COST_KEYS = ("F", "B", "W", "comm", "act_bytes", "grad_bytes")
 MEMORY_KEYS = ("act", "wact", "params", "limit")
 NUMERIC = ("int", "float")
-# Names only an `expect` sees (pipec.expect computes them): numbers, and functions of a rank.
+# Names only an `expect` sees (pipec.passes.expect computes them): numbers, and functions of a rank.
 METRICS = {"bubble": "float", "bubble_time": "float", "makespan": "float", "ideal": "float"}
 METRIC_FUNCS = {"peak_memory": "float", "in_flight": "int"}
 MAX_CALLS = 1_000_000  # function calls one call may make: nesting must not hide exponential work
@@ -71,7 +71,7 @@ class _Scope:
 
 
 @dataclass(frozen=True)
-class Compiled:
+class GeneratedCode:
     """The generated Python source and the spans its statement ids refer to."""
 
     code: str
@@ -476,7 +476,7 @@ class _Compiler:
             raise AssertionError(st)
 
     def expect(self, st: ast.Expect, scope: _Scope, indent: int, ctx: str) -> None:
-        """Register a deferred check: the condition runs later, with the metrics as `_M` (pipec.expect)."""
+        """Register a deferred check: the condition runs later, with the metrics as `_M` (pipec.passes.expect)."""
         if ctx not in ("top", "rank") or len(self.weights) > 1:
             raise self.err(
                 "E109",
@@ -614,7 +614,7 @@ class _Compiler:
 
     def order_block(self, st: ast.OrderBlock, scope: _Scope, indent: int) -> None:
         """`order r { ... }`: the policy per rank, as `(prefer, fill, lag kinds, fn(r) -> (inflight, stage
-        inflight function, lag))`; pipec.evaluate derives the orders from it (pipec.policy)."""
+        inflight function, lag))`; pipec.frontend.evaluate derives the orders from it (pipec.passes.policy)."""
         seen: dict[tuple[str, str | None], ast.OrderItem] = {}
         prefer: tuple[str, ...] = ()
         fill = False
@@ -663,7 +663,7 @@ class _Compiler:
         self.line(indent, f"_rt.decl('order', None, ({prefer!r}, {fill!r}, _order), {self.sid(st.span)})")
 
     # ---- the whole file
-    def compile(self) -> Compiled:
+    def compile(self) -> GeneratedCode:
         tree = self.tree
         scope = _Scope(None)
         pynames, types = [], []
@@ -696,7 +696,7 @@ class _Compiler:
             dscope.names[prm.name] = _Value(py, t)
         self.out.extend(defaults)
         self.where.extend(prm.span for prm in tree.params)
-        return Compiled(
+        return GeneratedCode(
             code="\n".join(self.out) + "\n",
             spans=tuple(self.spans),
             params=tree.params,
@@ -709,7 +709,7 @@ class _Compiler:
         )
 
 
-def compile_ast(tree: ast.ScheduleAst, source: Source) -> Compiled:
+def compile_ast(tree: ast.ScheduleAst, source: Source) -> GeneratedCode:
     """Check names and types and generate the Python code of a schedule."""
     try:
         return _Compiler(tree, source).compile()

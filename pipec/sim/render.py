@@ -1,6 +1,6 @@
 """Pictures of Timelines: a matplotlib Gantt chart (`plot_timelines`) and a compact text Gantt (`text_gantt`).
 
-The trace writer lives in `pipec.trace`. matplotlib is imported inside the
+The trace writer lives in `pipec.sim.trace`. matplotlib is imported inside the
 plotting function, so `import pipec` stays light.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from pipec.program import BWD, FWD, WGRAD
-from pipec.timeline import Timeline
+from pipec.sim.timeline import Timeline
 
 # Colour per op kind; a rank's second chunk (stage) is drawn lighter, its third darker again, and so on.
 COLORS = {FWD: "#4878d0", BWD: "#6acc64", WGRAD: "#ee854a"}

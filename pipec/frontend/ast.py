@@ -99,7 +99,7 @@ class Require(Node):
 
 @dataclass(frozen=True)
 class Expect(Node):
-    """`expect cond [when guard] [, "message"]`: a promise checked after evaluation (see pipec.expect)."""
+    """`expect cond [when guard] [, "message"]`: a promise checked after evaluation (see pipec.passes.expect)."""
 
     cond: Expr
     guard: Expr | None
@@ -154,7 +154,7 @@ class OrderItem(Node):
 
 @dataclass(frozen=True)
 class OrderBlock(Node):
-    """`order r { ... }`: a policy from which the compiler derives each rank's order (pipec.policy)."""
+    """`order r { ... }`: a policy from which the compiler derives each rank's order (pipec.passes.policy)."""
 
     var: str
     items: tuple[OrderItem, ...]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from pipec.errors import PipecError, error
-from pipec.ir import Op, Schedule
+from pipec.schedule import Op, Schedule
 
 
 def _flat(sched: Schedule):

@@ -10,7 +10,7 @@ for each send and each receive instruction it issues; a message leaves when
 its send's overhead is over). Receives are posted where the Program places
 them and do not block; only the compute that needs the data waits for it. Messages are eager
 (a message may arrive before its receive is posted, as with gloo and NCCL's
-eager protocol; rendezvous stalls are what `pipec.dryrun` rules out, not what
+eager protocol; rendezvous stalls are what `pipec.passes.dryrun` rules out, not what
 this models). Between two ranks, messages in one direction travel in issue
 order: each takes `bytes / bandwidth` of the link after the previous one has
 left, then `latency + comm`, and never overtakes it. Overlapped pairs (`&`)
@@ -39,10 +39,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipec.costs import CostModel
+from pipec.sim.costs import CostModel
 from pipec.errors import error
 from pipec.program import BWD, FWD, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, WGRAD, Program
-from pipec.timeline import Timeline
+from pipec.sim.timeline import Timeline
 
 
 def simulate(prog: Program, costs: CostModel, *, _events: bool = False) -> Timeline:
@@ -522,11 +522,11 @@ def memory_curve(
 ) -> list[tuple[np.ndarray, np.ndarray]]:
     """Per rank, memory over time as a step function (times, values): the value from each time on.
 
-    The memory model of `pipec.memory`: params of the rank's stages throughout; `act` from the start of
+    The memory model of `pipec.passes.memory`: params of the rank's stages throughout; `act` from the start of
     F until the end of B; with split backward `wact` from the end of B until the end of W. Changes at one
     instant apply in the rank's order. `collapse` keeps only the last value at each time, and only
     where the value changes (for drawing and reports); otherwise every step is kept, and the maximum
-    equals `pipec.memory.rank_memory`'s peak.
+    equals `pipec.passes.memory.rank_memory`'s peak.
     """
     split = bool((tl.op == WGRAD).any()) if split is None else split
     act, wact, params = memory["act"], memory["wact"], memory["params"]

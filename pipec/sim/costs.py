@@ -55,7 +55,7 @@ from pathlib import Path
 import numpy as np
 
 from pipec.errors import brief, error
-from pipec.ir import Schedule
+from pipec.schedule import Schedule
 
 FORMAT = "pipec-costs"
 VERSION = 1

@@ -10,7 +10,7 @@ import lark
 from lark import Token, Transformer, Tree, v_args
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
 
-from pipec import ast
+from pipec.frontend import ast
 from pipec.errors import PipecError, Source, Span, error
 
 _UNITS = {  # unit -> (multiply, divide), so that 5us is exactly 5 / 1e6 seconds

@@ -14,29 +14,29 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from pipec.dryrun import DryRun
+from pipec.passes.dryrun import DryRun
 from pipec.errors import PipecError, error
-from pipec.ir import Schedule
-from pipec.lower import lower_with_proof
-from pipec.memory import RankMemory, check_memory, rank_memory
+from pipec.schedule import Schedule
+from pipec.passes.lower import lower_with_proof
+from pipec.passes.memory import RankMemory, check_memory, rank_memory
 from pipec.program import Program
 
 
 @dataclass(frozen=True)
-class Compiled:
+class CompiledSchedule:
     schedule: Schedule
     program: Program
     memory: tuple[RankMemory, ...]
 
 
-def compile_schedule(sched: Schedule, memory: Mapping[str, float] | None = None) -> Compiled:
+def compile_schedule(sched: Schedule, memory: Mapping[str, float] | None = None) -> CompiledSchedule:
     """Check memory and deadlock freedom and lower; raises PipecError (E401/E402/E403)."""
     reports = rank_memory(sched, memory)
     check_memory(sched, reports)
     prog, run = lower_with_proof(sched)  # E401 when the schedule itself deadlocks
     if not run.completed:
         raise program_deadlock_error(sched, run)
-    return Compiled(sched, prog, tuple(reports))
+    return CompiledSchedule(sched, prog, tuple(reports))
 
 
 def program_deadlock_error(sched: Schedule, run: DryRun) -> PipecError:

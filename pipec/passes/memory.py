@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipec.errors import error
-from pipec.ir import Op, Schedule
+from pipec.schedule import Op, Schedule
 
 DEFAULTS = {"act": 1.0, "wact": 0.5, "params": 0.0}  # per rank share; scaled by p / S per stage
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from pipec.errors import error
 from pipec.program import OPCODES
-from pipec.timeline import Timeline
+from pipec.sim.timeline import Timeline
 
 FORMAT = "pipec-trace"
 VERSION = 1
@@ -158,7 +158,7 @@ def trace_events(tl: Timeline, memory: dict[str, np.ndarray] | None = None) -> d
     events.extend(recvs)  # after every send: a flow's start must come first at equal times
 
     if memory is not None:
-        from pipec.simulate import memory_curve
+        from pipec.sim.simulate import memory_curve
 
         for r, (t, v) in enumerate(memory_curve(tl, memory)):
             tt, vv = t.tolist(), v.tolist()

@@ -67,7 +67,7 @@ class Expectation:
     """An `expect` statement as evaluated for these parameters (one per rank when written in the rank block).
 
     `test(metrics)` returns (holds, left, right): the two sides of a comparison, or None, None; it raises
-    PipecError when the condition itself fails to evaluate. `pipec.expect` supplies the metrics.
+    PipecError when the condition itself fails to evaluate. `pipec.passes.expect` supplies the metrics.
     """
 
     span: Span

@@ -14,7 +14,7 @@ example `expect bubble <= (p - 1) / (m + p - 1)`, or in the rank block
 
 Expectations are promises of the schedule text, so they are measured under
 the schedule's own declarations (its `cost` and `memory` lines, else the
-defaults of `pipec.costs` and `pipec.memory`); command-line overrides such as
+defaults of `pipec.sim.costs` and `pipec.passes.memory`); command-line overrides such as
 `--mem` or `--cost` do not apply to them. The simulation runs only when an
 expectation that applies names a time.
 """
@@ -26,7 +26,7 @@ import functools
 import numpy as np
 
 from pipec.errors import PipecError, error
-from pipec.ir import Expectation, Schedule
+from pipec.schedule import Expectation, Schedule
 from pipec.program import Program
 
 
@@ -42,12 +42,12 @@ class Metrics:
     def stats(self):
         if self._given_stats is not None:
             return self._given_stats
-        from pipec.costs import cost_model
-        from pipec.simulate import simulate, stats
+        from pipec.sim.costs import cost_model
+        from pipec.sim.simulate import simulate, stats
 
         prog = self._program
         if prog is None:
-            from pipec.lower import lower
+            from pipec.passes.lower import lower
 
             prog = lower(self.sched)
         return stats(simulate(prog, cost_model(self.sched)))
@@ -70,7 +70,7 @@ class Metrics:
 
     @functools.cached_property
     def _peaks(self) -> list[float]:
-        from pipec.memory import rank_memory
+        from pipec.passes.memory import rank_memory
 
         return [rep.peak for rep in rank_memory(self.sched)]
 
@@ -164,7 +164,7 @@ def failed(sched: Schedule, metrics: Metrics) -> list[tuple[Expectation, PipecEr
 def check_expectations(sched: Schedule, program: Program | None = None, stats=None) -> int:
     """Raise E405 for the first expectation that does not hold; return how many were checked.
 
-    `program` (the lowered schedule) and `stats` (a `pipec.simulate.Stats` under the schedule's own
+    `program` (the lowered schedule) and `stats` (a `pipec.sim.simulate.Stats` under the schedule's own
     costs) save work when the caller has them already.
     """
     if not sched.expects:

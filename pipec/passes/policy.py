@@ -2,7 +2,7 @@
 
 A policy says how a rank chooses among its ready ops; the list scheduler plays
 the whole pipeline forward under a cost model and records, per rank, the order
-in which the ops ran. The machine is the simulator's (`pipec.simulate`): a rank
+in which the ops ran. The machine is the simulator's (`pipec.sim.simulate`): a rank
 runs one compute op at a time; an op is ready when its inputs are (its local
 inputs have run, its remote input has arrived); a message from stage s leaves
 when the op producing it ends and travels `bytes / bandwidth`, then
@@ -102,7 +102,7 @@ class Machine:
 
 
 def machine(sched, costs, memory: dict[str, np.ndarray]) -> Machine:
-    """A Machine from a Schedule's shape, a `pipec.costs.CostModel` and a `pipec.memory.memory_model`."""
+    """A Machine from a Schedule's shape, a `pipec.sim.costs.CostModel` and a `pipec.passes.memory.memory_model`."""
     R, S = sched.num_ranks, sched.num_stages
     params = np.zeros(R)
     for s, r in enumerate(sched.placement):

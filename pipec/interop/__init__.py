@@ -1,0 +1,1 @@
+"""Other formats: torch.distributed.pipelining's CSV and `.pipe` source writing."""

@@ -1,0 +1,1 @@
+"""Simulation: costs, topology, the simulator, timelines, reports, traces and pictures."""
