@@ -7,16 +7,21 @@ import json
 import sys
 from collections.abc import Sequence
 
-from pipec.frontend import library
 from pipec.api import build
-from pipec.passes.compiler import CompiledSchedule, compile_schedule
 from pipec.errors import PipecError
-from pipec.sim.grid import format_grid
-from pipec.schedule import Schedule
+from pipec.frontend import library
+from pipec.passes.compiler import CompiledSchedule, compile_schedule
 from pipec.passes.memory import format_table
 from pipec.program import to_json, to_text
+from pipec.schedule import Schedule
+from pipec.sim.grid import format_grid
 
 MISUSE = 2
+
+
+class Misuse(Exception):
+    """Command-line misuse that argparse cannot see (a bad value, a missing extra): `main` prints
+    `pipec COMMAND: error: MESSAGE` and exits 2, so no command restates how misuse is reported."""
 
 
 def _define(text: str) -> tuple[str, str]:
@@ -300,8 +305,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from the schedule's declarations, cost files and overrides (`--cost F=1,B=2,W=1` per stage, `T_F=1,...`
     per rank); by default T_F = T_B = T_W = 1 for each rank's share of the model, a full backward costs
     T_B + T_W, and communication is free."""
-    from pipec.sim import report
     from pipec.api import param_names
+    from pipec.sim import report
     from pipec.sim.costs import cost_spec
 
     prog = f"pipec {args.command}"
@@ -706,31 +711,25 @@ def cmd_test(args: argparse.Namespace) -> int:
     try:
         from pipec.testing import check_file, find_schedule_files
     except ImportError as e:
-        print(f"pipec test: error: {e}", file=sys.stderr)
-        return MISUSE
+        raise Misuse(str(e)) from None
     try:
         import hypothesis  # noqa: F401
     except ImportError:
-        print("pipec test: error: needs hypothesis: pip install 'pipec[test]'", file=sys.stderr)
-        return MISUSE
+        raise Misuse("needs hypothesis: pip install 'pipec[test]'") from None
     if args.examples < 1:
-        print("pipec test: error: --examples must be at least 1", file=sys.stderr)
-        return MISUSE
+        raise Misuse("--examples must be at least 1")
     if args.runtime:
         import importlib.util
 
         if importlib.util.find_spec("torch") is None:
-            print("pipec test: error: --runtime needs torch: pip install 'pipec[runtime]'", file=sys.stderr)
-            return MISUSE
+            raise Misuse("--runtime needs torch: pip install 'pipec[runtime]'")
     try:
         ranges = _test_ranges(args.ranges)
     except argparse.ArgumentTypeError as e:
-        print(f"pipec test: error: {e}", file=sys.stderr)
-        return MISUSE
+        raise Misuse(str(e)) from None
     files = find_schedule_files(args.paths)
     if not files:
-        print(f"pipec test: error: no .pipe files under {' '.join(args.paths)}", file=sys.stderr)
-        return MISUSE
+        raise Misuse(f"no .pipe files under {' '.join(args.paths)}")
     # --range and -D apply to the files that declare the parameter; each must name one of some file.
     from pipec.api import compile_source
 
@@ -745,8 +744,7 @@ def cmd_test(args: argparse.Namespace) -> int:
     known = set().union(*declared.values())
     for name in [*ranges, *(k for k, _ in args.defines)]:
         if name not in known:
-            print(f"pipec test: error: no schedule here has a parameter `{name}`", file=sys.stderr)
-            return MISUSE
+            raise Misuse(f"no schedule here has a parameter `{name}`")
     tty = sys.stderr.isatty()
     failed = 0
     for n, target in enumerate(files, 1):
@@ -771,8 +769,7 @@ def cmd_test(args: argparse.Namespace) -> int:
                 progress=progress,
             )
         except ValueError as e:
-            print(f"pipec test: error: {target}: {e}", file=sys.stderr)
-            return MISUSE
+            raise Misuse(f"{target}: {e}") from None
         finally:
             if tty:
                 print("\r\033[K", end="", file=sys.stderr, flush=True)
@@ -816,6 +813,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return args.func(args)
+    except Misuse as e:
+        print(f"pipec {args.command}: error: {e}", file=sys.stderr)
+        return MISUSE
     except PipecError as e:
         for d in e.diagnostics:
             print(d.format(), file=sys.stderr)
