@@ -17,7 +17,7 @@ pytest.importorskip("torch")
 from runtime_harness import ROOT, launch  # noqa: E402
 from test_runtime_local import schedule_params  # noqa: E402
 
-from pipec import library  # noqa: E402
+from pipec.frontend import library  # noqa: E402
 
 TOL = 1e-10
 MLP_ENV = {"MLP_WIDTH": "16", "MLP_DEPTH": "8", "MLP_BATCH": "16", "MLP_DTYPE": "float64"}
