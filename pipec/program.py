@@ -2,32 +2,80 @@
 
 Instructions are numpy columns per rank (a million-op schedule lowers to
 millions of instructions); `RankProgram.instructions()` gives readable
-`Instr`s. `group[j]` binds instruction j to j + 1: a batched send/receive
+`Instr`s. What each opcode means (operands, message key, peer, grouping) is
+the instruction table's, `pipec.opcodes`; `pipec.validate` checks a Program
+against it, and both readers here call it, so nothing read from a file runs
+unproven. `group[j]` binds instruction j to j + 1: a batched send/receive
 exchange (one `batch_isend_irecv`) or an overlapped compute pair.
 
-Message stages: SEND_ACT/SEND_GRAD name the sending (local) stage, RECV_ACT/
-RECV_GRAD the receiving (local) stage; the runtime keys a message by
-(kind, micro-batch, sending stage), so it never relies on arrival order.
+The writers stream (`write_json`, `write_text` to an open file), so a
+million-op Program is never held twice as one string.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import IO
 
 import numpy as np
 
 from pipec.errors import PipecError, Source, Span, error
 
+# The vocabulary lives in pipec.opcodes; these names stay importable from here for readers of a Program.
+from pipec.opcodes import (
+    BWD,
+    BY_NAME,
+    CODE,
+    COMPUTE,
+    FWD,
+    OPCODES,
+    RECV_ACT,
+    RECV_GRAD,
+    RECVS,
+    REDUCE_GRAD,
+    SEND_ACT,
+    SEND_GRAD,
+    SENDS,
+    STEP,
+    WGRAD,
+)
+from pipec.validate import validate
+
 FORMAT = "pipec-program"
 VERSION = 1
 
-OPCODES = ("FWD", "BWD", "WGRAD", "RECV_ACT", "SEND_ACT", "RECV_GRAD", "SEND_GRAD", "REDUCE_GRAD", "STEP")
-FWD, BWD, WGRAD, RECV_ACT, SEND_ACT, RECV_GRAD, SEND_GRAD, REDUCE_GRAD, STEP = range(len(OPCODES))
-COMPUTE = (FWD, BWD, WGRAD)
-RECVS = (RECV_ACT, RECV_GRAD)
-SENDS = (SEND_ACT, SEND_GRAD)
-_CODE = {name: i for i, name in enumerate(OPCODES)}
+__all__ = [
+    "BWD",
+    "COMPUTE",
+    "FORMAT",
+    "FWD",
+    "OPCODES",
+    "RECV_ACT",
+    "RECV_GRAD",
+    "RECVS",
+    "REDUCE_GRAD",
+    "SEND_ACT",
+    "SEND_GRAD",
+    "SENDS",
+    "STEP",
+    "VERSION",
+    "WGRAD",
+    "Instr",
+    "Program",
+    "RankProgram",
+    "from_json",
+    "from_text",
+    "is_program_text",
+    "read_program",
+    "to_json",
+    "to_text",
+    "write_json",
+    "validate",
+    "write_json",
+    "write_text",
+]
 
 
 @dataclass(frozen=True)
@@ -39,13 +87,10 @@ class Instr:
     group: bool = False  # bound to the next instruction
 
     def __str__(self) -> str:
-        parts = [self.op]
-        if self.mb >= 0:
-            parts.append(str(self.mb))
-        parts.append(str(self.stage))
-        if self.peer >= 0:
-            parts.append(str(self.peer))
-        return " ".join(parts) + (" &" if self.group else "")
+        """The text form's line: the name, then the operands the instruction table gives it."""
+        vals = {"mb": self.mb, "stage": self.stage, "peer": self.peer}
+        words = [self.op, *(str(vals[x]) for x in BY_NAME[self.op].operands)]
+        return " ".join(words) + (" &" if self.group else "")
 
 
 @dataclass(frozen=True, eq=False)
@@ -71,7 +116,7 @@ class RankProgram:
     @staticmethod
     def from_instructions(instrs: list[Instr]) -> RankProgram:
         return RankProgram(
-            np.array([_CODE[i.op] for i in instrs], dtype=np.int64),
+            np.array([CODE[i.op] for i in instrs], dtype=np.int64),
             np.array([i.mb for i in instrs], dtype=np.int64),
             np.array([i.stage for i in instrs], dtype=np.int64),
             np.array([i.peer for i in instrs], dtype=np.int64),
@@ -103,13 +148,11 @@ class Program:
 
 # ---- JSON -------------------------------------------------------------------
 
-
-def _rows(rp: RankProgram):
-    return zip(rp.op.tolist(), rp.mb.tolist(), rp.stage.tolist(), rp.peer.tolist(), rp.group.tolist())
+_COLUMNS = ["op", "mb", "stage", "peer", "group"]
 
 
-def to_json(prog: Program) -> str:
-    doc = {
+def _json_chunks(prog: Program) -> Iterator[str]:
+    head = {
         "format": FORMAT,
         "version": VERSION,
         "schedule": prog.name,
@@ -120,79 +163,115 @@ def to_json(prog: Program) -> str:
         "split_backward": prog.split_backward,
         "placement": list(prog.placement),
         "opcodes": list(OPCODES),
-        "ranks": [
-            {
-                "rank": r,
-                "columns": ["op", "mb", "stage", "peer", "group"],
-                "instructions": [
-                    list(row)
-                    for row in zip(
-                        rp.op.tolist(), rp.mb.tolist(), rp.stage.tolist(), rp.peer.tolist(), rp.group.tolist()
-                    )
-                ],
-            }
-            for r, rp in enumerate(prog.ranks)
-        ],
     }
-    return json.dumps(doc, separators=(",", ":"))
+    yield json.dumps(head, separators=(",", ":"))[:-1] + ',"ranks":['
+    for r, rp in enumerate(prog.ranks):
+        rows = [
+            list(row)
+            for row in zip(rp.op.tolist(), rp.mb.tolist(), rp.stage.tolist(), rp.peer.tolist(), rp.group.tolist())
+        ]
+        rank = {"rank": r, "columns": _COLUMNS, "instructions": rows}
+        yield ("," if r else "") + json.dumps(rank, separators=(",", ":"))
+    yield "]}"
 
 
-def from_json(text: str) -> Program:
+def write_json(prog: Program, fh: IO[str]) -> None:
+    """The JSON form, written rank by rank."""
+    for chunk in _json_chunks(prog):
+        fh.write(chunk)
+
+
+def to_json(prog: Program) -> str:
+    return "".join(_json_chunks(prog))
+
+
+def from_json(text: str, path: str = "<program>") -> Program:
+    """Read the JSON form and validate it; a malformed file is an E501 diagnostic, an invalid one E502."""
     try:
         doc = json.loads(text)
-        if doc.get("format") != FORMAT:
-            raise error("E501", f"not a pipec program (format is {doc.get('format')!r})")
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+            got = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
+            raise error("E501", f"not a pipec program (format is {got!r})", source=Source(path, ""))
         if doc.get("version") != VERSION:
             raise error(
-                "E501", f"program format version {doc.get('version')} is not supported (this pipec reads {VERSION})"
+                "E501",
+                f"program format version {doc.get('version')} is not supported (this pipec reads {VERSION})",
+                source=Source(path, ""),
             )
-        codes = [_CODE[name] for name in doc["opcodes"]]
+        unknown = [name for name in doc["opcodes"] if name not in CODE]
+        if unknown:
+            raise ValueError(f"unknown instruction {unknown[0]!r}")
+        codes = np.array([CODE[name] for name in doc["opcodes"]] + [-1], dtype=np.int64)
         ranks = []
         for rank in doc["ranks"]:
+            if rank["columns"] != _COLUMNS:
+                raise ValueError(f"columns must be {_COLUMNS}")
             rows = np.array(rank["instructions"], dtype=np.int64).reshape(-1, 5)
+            opc = rows[:, 0]
+            opc = np.where((opc >= 0) & (opc < len(codes) - 1), opc, len(codes) - 1)
             ranks.append(
                 RankProgram(
-                    np.array(codes, dtype=np.int64)[rows[:, 0]],
-                    rows[:, 1].copy(),
-                    rows[:, 2].copy(),
-                    rows[:, 3].copy(),
-                    rows[:, 4].astype(bool),
+                    codes[opc], rows[:, 1].copy(), rows[:, 2].copy(), rows[:, 3].copy(), rows[:, 4].astype(bool)
                 )
             )
-        return Program(
-            name=doc["schedule"],
+        prog = Program(
+            name=str(doc["schedule"]),
             params=tuple(doc["params"].items()),
             num_stages=doc["num_stages"],
             num_ranks=doc["num_ranks"],
             num_microbatches=doc["num_microbatches"],
-            split_backward=doc["split_backward"],
+            split_backward=bool(doc["split_backward"]),
             placement=tuple(doc["placement"]),
             ranks=tuple(ranks),
         )
-    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
-        raise error("E501", f"malformed program JSON: {e}") from None
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError, RecursionError) as e:
+        raise error("E501", f"malformed program JSON: {e}", source=Source(path, "")) from None
+    validate(prog, Source(path, ""))
+    return prog
 
 
 # ---- text -------------------------------------------------------------------
 
 
-def to_text(prog: Program) -> str:
-    lines = [
-        f"{FORMAT} {VERSION}",
-        f"schedule {json.dumps(prog.name)} {json.dumps(dict(prog.params))}",
+def _text_chunks(prog: Program) -> Iterator[str]:
+    yield (
+        f"{FORMAT} {VERSION}\n"
+        f"schedule {json.dumps(prog.name)} {json.dumps(dict(prog.params))}\n"
         f"stages {prog.num_stages} ranks {prog.num_ranks} microbatches {prog.num_microbatches}"
-        f" split {str(prog.split_backward).lower()}",
-        "place " + " ".join(map(str, prog.placement)),
+        f" split {str(prog.split_backward).lower()}\n"
+        "place " + " ".join(map(str, prog.placement)) + "\n"
+    )
+    # one format per opcode, its operands picked from (mb, stage, peer) as the table lists them
+    pick = {"mb": 0, "stage": 1, "peer": 2}
+    formats = [
+        (" ".join([name] + ["%d"] * len(BY_NAME[name].operands)), [pick[x] for x in BY_NAME[name].operands])
+        for name in OPCODES
     ]
     for r, rp in enumerate(prog.ranks):
-        lines.append(f"rank {r}")
-        lines.extend(str(i) for i in rp.instructions())
-    return "\n".join(lines) + "\n"
+        lines = [f"rank {r}"]
+        for o, *vals, g in zip(rp.op.tolist(), rp.mb.tolist(), rp.stage.tolist(), rp.peer.tolist(), rp.group.tolist()):
+            fmt, idx = formats[o]
+            line = fmt % tuple(vals[i] for i in idx)
+            lines.append(line + " &" if g else line)
+        yield "\n".join(lines) + "\n"
+
+
+def write_text(prog: Program, fh: IO[str]) -> None:
+    """The text form, written rank by rank."""
+    for chunk in _text_chunks(prog):
+        fh.write(chunk)
+
+
+def to_text(prog: Program) -> str:
+    return "".join(_text_chunks(prog))
 
 
 def from_text(text: str, path: str = "<program>") -> Program:
-    """Read the text form; a malformed file is an E501 diagnostic at its line."""
-    lines = [(n, ln.strip()) for n, ln in enumerate(text.splitlines(), 1) if ln.strip() and not ln.startswith("#")]
+    """Read the text form and validate it; a malformed file is an E501 diagnostic at its line, an
+    invalid one E502 at the line of the first problem."""
+    lines = [
+        (n, ln.strip()) for n, ln in enumerate(text.splitlines(), 1) if ln.strip() and not ln.lstrip().startswith("#")
+    ]
     source = Source(path, text)
     at = 0
 
@@ -200,6 +279,9 @@ def from_text(text: str, path: str = "<program>") -> Program:
         n, ln = lines[at] if at < len(lines) else (len(text.splitlines()) or 1, "")
         return error("E501", message, Span(n, 1, n, len(ln) + 1), source)
 
+    pick = {"mb": 0, "stage": 1, "peer": 2}
+    line_of: list[list[int]] = []  # per rank, the line of each instruction
+    rank_line: list[int] = []
     try:
         magic, version = lines[0][1].split()
         if magic != FORMAT:
@@ -216,31 +298,45 @@ def from_text(text: str, path: str = "<program>") -> Program:
         params = list(decoder.raw_decode(rest[end:].strip())[0].items())
         at = 2
         f = lines[2][1].split()
+        if f[0::2] != ["stages", "ranks", "microbatches", "split"] or f[7] not in ("true", "false"):
+            raise ValueError("expected `stages S ranks R microbatches M split true|false`")
         stages, ranks, mbs, split = int(f[1]), int(f[3]), int(f[5]), f[7] == "true"
         at = 3
-        placement = tuple(int(x) for x in lines[3][1].split()[1:])
+        words = lines[3][1].split()
+        if words[0] != "place":
+            raise ValueError("expected `place` and the rank of each stage")
+        placement = tuple(int(x) for x in words[1:])
         progs: list[list[Instr]] = []
         for at in range(4, len(lines)):
-            words = lines[at][1].split()
+            n, line = lines[at]
+            words = line.split()
             if words[0] == "rank":
-                if int(words[1]) != len(progs):
-                    raise ValueError(f"expected rank {len(progs)}")
+                if len(words) != 2 or int(words[1]) != len(progs):
+                    raise ValueError(f"expected `rank {len(progs)}`")
                 progs.append([])
+                line_of.append([])
+                rank_line.append(n)
                 continue
+            if not progs:
+                raise ValueError("an instruction before the first `rank` line")
             group = words[-1] == "&"
             words = words[:-1] if group else words
-            op, nums = words[0], [int(w) for w in words[1:]]
-            if op not in _CODE:
+            op = words[0]
+            if op not in CODE:
                 raise ValueError(f"unknown instruction `{op}`")
-            arity = 1 if op in ("REDUCE_GRAD", "STEP") else 2 if op in ("FWD", "BWD", "WGRAD") else 3
-            if len(nums) != arity:
-                raise ValueError(f"`{op}` takes {arity} number(s)")
-            nums = ([-1] if arity == 1 else []) + nums + [-1] * (3 - max(arity, 2))
-            progs[-1].append(Instr(op, nums[0], nums[1], nums[2], group))
+            operands = BY_NAME[op].operands
+            nums = [int(w) for w in words[1:]]
+            if len(nums) != len(operands):
+                raise ValueError(f"`{op}` takes {len(operands)} number(s): {', '.join(operands)}")
+            vals = [-1, -1, -1]
+            for x, v in zip(operands, nums):
+                vals[pick[x]] = v
+            progs[-1].append(Instr(op, vals[0], vals[1], vals[2], group))
+            line_of[-1].append(n)
         at = len(lines)
         if len(progs) != ranks:
             raise ValueError(f"expected {ranks} ranks, found {len(progs)}")
-        return Program(
+        prog = Program(
             name,
             tuple(params),
             stages,
@@ -250,5 +346,31 @@ def from_text(text: str, path: str = "<program>") -> Program:
             placement,
             tuple(RankProgram.from_instructions(p) for p in progs),
         )
-    except (IndexError, ValueError, json.JSONDecodeError, AttributeError) as e:
+    except (IndexError, ValueError, json.JSONDecodeError, AttributeError, OverflowError) as e:
         raise fail(f"malformed program text: {e}") from None
+
+    def locate(r: int, j: int) -> Span | None:
+        """The instruction's line, or the `rank r` line for a problem of the whole rank."""
+        if not 0 <= r < len(line_of):
+            return None
+        n = line_of[r][j] if 0 <= j < len(line_of[r]) else rank_line[r]
+        return Span(n, 1, n, len(source.line(n)) + 1)
+
+    validate(prog, source, locate)
+    return prog
+
+
+def is_program_text(text: str) -> bool:
+    """Whether a file's text is a Program (either form) rather than a schedule."""
+    head = text.lstrip()[:200]
+    return head.startswith("{") and f'"{FORMAT}"' in head or head.startswith(FORMAT)
+
+
+def read_program(path: str) -> Program:
+    """A Program file in either form (told apart by content), validated."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise error("E000", f"cannot read {path}: {e.strerror if isinstance(e, OSError) else e}") from None
+    return from_json(text, path) if text.lstrip().startswith("{") else from_text(text, path)

@@ -20,18 +20,24 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipec.errors import PipecError, error
-from pipec.program import (
-    BWD,
-    FWD,
+from pipec.opcodes import (
+    AFTER_KIND,
+    COMPUTE_OF_KIND,
+    IS_COMPUTE,
+    IS_P2P,
+    IS_RECV,
+    IS_SEND,
+    KIND_OF,
+    MESSAGE_NOUNS,
+    NEEDS_MSG,
+    NEEDS_STAGE,
+    OP_KINDS,
     OPCODES,
-    RECV_ACT,
-    RECV_GRAD,
-    SEND_ACT,
-    SEND_GRAD,
-    WGRAD,
-    Instr,
-    Program,
+    PRODUCER_KIND,
+    message_key,
 )
+from pipec.program import Instr, Program
+from pipec.validate import validate
 
 
 @dataclass(frozen=True)
@@ -71,19 +77,21 @@ def _columns(prog: Program) -> tuple[list[int], tuple[list, ...], bool]:
     peer = np.concatenate([rp.peer for rp in prog.ranks])
     rank = np.repeat(np.arange(R), lengths)
     none = np.full(len(op), -1, dtype=np.int64)
-    prev_s, next_s = np.clip(s - 1, 0, S - 1), np.clip(s + 1, 0, S - 1)
-    prev_local, next_local = placement[prev_s] == rank, placement[next_s] == rank
-    msg = _message_keys(op, mb, s, S, m)
-    f_remote = (op == FWD) & (s > 0) & ~prev_local
-    b_remote = (op == BWD) & (s < S - 1) & ~next_local
-    msg = np.where(f_remote, (s - 1) * m + mb, np.where(b_remote, (S + s + 1) * m + mb, msg))
-    dep1 = np.where((op == FWD) & (s > 0) & prev_local, prev_s * m + mb, none)
-    dep1 = np.where((op == BWD) & (s < S - 1) & next_local, (S + next_s) * m + mb, dep1)
-    dep1 = np.where(op == WGRAD, (S + s) * m + mb, dep1)
-    dep2 = np.where(op == BWD, s * m + mb, none)
-    own = np.where(op <= WGRAD, (op * S + s) * m + mb, none)
+    # A compute's input (the table's `needs`): a message from the stage beside it, received from a peer
+    # or, when that stage shares the rank, handed over locally (a dependency on the op that produced it).
+    kind = KIND_OF[op]
+    src = s + NEEDS_STAGE[op]
+    has_in = (NEEDS_MSG[op] >= 0) & (src >= 0) & (src < S)
+    src_c = np.clip(src, 0, S - 1)
+    local_in = placement[src_c] == rank
+    remote = has_in & ~local_in
+    msg = np.where(remote, (NEEDS_MSG[op] * S + src_c) * m + mb, message_key(op, mb, s, S, m))
+    dep1 = np.where(has_in & local_in, (PRODUCER_KIND[np.maximum(NEEDS_MSG[op], 0)] * S + src_c) * m + mb, none)
+    after = AFTER_KIND[np.maximum(kind, 0)]
+    dep2 = np.where((kind >= 0) & (after >= 0), (after * S + s) * m + mb, none)
+    own = np.where(kind >= 0, (kind * S + s) * m + mb, none)
     # Channel position of each send/receive: how many earlier ones its rank issued to that peer.
-    comm = np.flatnonzero((op >= RECV_ACT) & (op <= SEND_GRAD))
+    comm = np.flatnonzero(IS_P2P[op])
     k = none.copy()
     directed = rank[comm] * R + peer[comm]
     by_order = np.argsort(directed, kind="stable")
@@ -92,10 +100,10 @@ def _columns(prog: Program) -> tuple[list[int], tuple[list, ...], bool]:
         starts = np.flatnonzero(np.r_[True, d_sorted[1:] != d_sorted[:-1]])
         k[by] = np.arange(len(by)) - np.repeat(starts, np.diff(np.r_[starts, len(by)]))
     # A compute with a remote input waits on its rank's receive of that message.
-    needs = np.flatnonzero(f_remote | b_remote)
-    recvs = np.flatnonzero((op == RECV_ACT) | (op == RECV_GRAD))
+    needs = np.flatnonzero(remote)
+    recvs = np.flatnonzero(IS_RECV[op])
     if len(needs):
-        peer[needs] = placement[np.where(f_remote[needs], prev_s[needs], next_s[needs])]
+        peer[needs] = placement[src_c[needs]]
         if len(recvs):  # a message key names one message: look its receive up directly
             k_of = np.full(2 * S * m, -1, dtype=np.int64)
             rank_of = np.full(2 * S * m, -1, dtype=np.int64)
@@ -107,8 +115,8 @@ def _columns(prog: Program) -> tuple[list[int], tuple[list, ...], bool]:
     out, back = rank * R + q, q * R + rank
     # When every local input is computed earlier on its own rank, no compute can wait for one: the run
     # then tracks remote inputs only (and leaves the three local-dependency columns empty).
-    computes = np.flatnonzero(op <= WGRAD)
-    where_own = np.full(3 * S * m, -1, dtype=np.int64)
+    computes = np.flatnonzero(IS_COMPUTE[op])
+    where_own = np.full(len(OP_KINDS) * S * m, -1, dtype=np.int64)
     where_own[own[computes]] = computes
     local_in_order = True
     for dep in (dep1, dep2):
@@ -121,28 +129,15 @@ def _columns(prog: Program) -> tuple[list[int], tuple[list, ...], bool]:
     return offsets.tolist(), cols, local_in_order
 
 
-def _message_keys(op, mb, s, S: int, m: int):
-    sender = np.where(op == RECV_ACT, s - 1, np.where(op == RECV_GRAD, S + s + 1, -1))
-    sender = np.where(op == SEND_ACT, s, np.where(op == SEND_GRAD, S + s, sender))
-    return np.where(sender >= 0, sender * m + mb, -1)
-
-
 def check_channels(prog: Program) -> None:
-    """Every send and receive names the right peer, and both ends of every rank pair issue the same
-    messages in the same order (E404)."""
+    """Both ends of every rank pair issue the same messages in the same order (E404). Peers are right
+    by then: `validate` checked that each transfer names the owner of the stage at its other end."""
     S, m = prog.num_stages, prog.num_microbatches
-    placement = np.asarray(prog.placement, dtype=np.int64)
     seqs: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
     for r, rp in enumerate(prog.ranks):
-        comm = np.flatnonzero((rp.op >= RECV_ACT) & (rp.op <= SEND_GRAD))
+        comm = np.flatnonzero(IS_P2P[rp.op])
         op, s = rp.op[comm], rp.stage[comm]
-        is_send = (op == SEND_ACT) | (op == SEND_GRAD)
-        other = np.where((op == RECV_ACT) | (op == SEND_GRAD), s - 1, s + 1)
-        ok = (other >= 0) & (other < S) & (placement[np.clip(other, 0, S - 1)] == rp.peer[comm]) & (rp.peer[comm] != r)
-        if not ok.all():
-            j = int(comm[np.flatnonzero(~ok)[0]])
-            raise error("E404", f"rank {r}: `{_instr_at(prog, r, j)}` names the wrong peer or a stage out of range")
-        keys = _message_keys(op, rp.mb[comm], s, S, m) * 2 + is_send
+        keys = message_key(op, rp.mb[comm], s, S, m) * 2 + IS_SEND[op]
         by_peer = np.argsort(rp.peer[comm], kind="stable")
         peers = rp.peer[comm][by_peer]
         for q in np.unique(peers).tolist():
@@ -174,7 +169,8 @@ def _mismatch(prog: Program, a: int, b: int, k: int, where_a, where_b) -> PipecE
 
 
 def dry_run(prog: Program) -> DryRun:
-    """Run the Program under the rules above (after `check_channels`)."""
+    """Run the Program under the rules above (after `validate` and `check_channels`)."""
+    validate(prog)
     check_channels(prog)
     S, m, R = prog.num_stages, prog.num_microbatches, prog.num_ranks
     offsets, cols, local_in_order = _columns(prog)
@@ -183,7 +179,8 @@ def dry_run(prog: Program) -> DryRun:
     ends = offsets[1:]
     kmax = max((b - a for a, b in zip(offsets, offsets[1:])), default=0) + 1
     issued_upto = list(pc)
-    computed = bytearray(3 * S * m)
+    computed = bytearray(len(OP_KINDS) * S * m)
+    is_compute, is_local, is_send = (c.tolist() for c in (IS_COMPUTE, ~(IS_COMPUTE | IS_P2P), IS_SEND))
     issued = [0] * (R * R)  # issued[a * R + b]: messages a issued towards b
     matched = [0] * (R * R)  # matched[min * R + max]: messages matched between the two
     waiting: dict[int, list[int]] = {}  # channel * kmax + k, or -1 - op key -> ranks
@@ -195,7 +192,7 @@ def dry_run(prog: Program) -> DryRun:
         j, end = pc[r], ends[r]
         while j < end:
             o = ops[j]
-            if o <= WGRAD:
+            if is_compute[o]:
                 if msgs[j] >= 0:
                     k = ks[j]
                     if k < 0 or matched[chans[j]] <= k:
@@ -221,7 +218,7 @@ def dry_run(prog: Program) -> DryRun:
                         queue.append(w)
                 j += 1
                 continue
-            if o > SEND_GRAD:  # REDUCE_GRAD, STEP
+            if is_local[o]:  # REDUCE_GRAD, STEP
                 j += 1
                 continue
             if not groups[j]:  # a lone send or receive: the common case, kept short
@@ -239,16 +236,14 @@ def dry_run(prog: Program) -> DryRun:
                                 queue.append(w)
                         matched[c] += 1
                     issued_upto[r] = j + 1
-                if o == SEND_ACT or o == SEND_GRAD:
+                if is_send[o]:
                     if matched[chans[j]] <= ks[j]:
                         blocked[r] = ("match", msgs[j], outs[j] % R)
                         waiting.setdefault(chans[j] * kmax + ks[j], []).append(r)
                         break
                 j += 1
                 continue
-            last = j  # a batched group: issued once, as a whole
-            while groups[last] and last + 1 < end and RECV_ACT <= ops[last + 1] <= SEND_GRAD:
-                last += 1
+            last = j + 1  # a batched exchange of two (validate allows no other group of transfers)
             if issued_upto[r] <= j:
                 for x in range(j, last + 1):
                     issued[outs[x]] += 1
@@ -262,7 +257,7 @@ def dry_run(prog: Program) -> DryRun:
                 issued_upto[r] = last + 1
             stuck = -1  # its sends block until matched
             for x in range(j, last + 1):
-                if (ops[x] == SEND_ACT or ops[x] == SEND_GRAD) and matched[chans[x]] <= ks[x]:
+                if is_send[ops[x]] and matched[chans[x]] <= ks[x]:
                     stuck = x
                     break
             if stuck >= 0:
@@ -283,9 +278,9 @@ def dry_run(prog: Program) -> DryRun:
         rest, mb = divmod(key, m)
         kind, stage = divmod(rest, S)
         if event == "compute":
-            what = f"{('FWD', 'BWD', 'WGRAD')[kind]} {mb} {stage}"
+            what = f"{OPCODES[COMPUTE_OF_KIND[kind]]} {mb} {stage}"
         else:
-            what = f"the {'activation' if kind == 0 else 'gradient'} of micro-batch {mb} from stage {stage}"
+            what = f"the {MESSAGE_NOUNS[kind]} of micro-batch {mb} from stage {stage}"
         j = pc[r] - offsets[r]
         waits.append(Wait(r, j, _instr_at(prog, r, j), event, peer, what))
     return DryRun(False, tuple(waits))

@@ -27,22 +27,25 @@ from __future__ import annotations
 
 import numpy as np
 
+from pipec.opcodes import (
+    COMPUTE_OF_KIND,
+    HAS_SEND,
+    IN_MSG,
+    IN_STAGE,
+    IS_COMPUTE,
+    IS_P2P,
+    OUT_PEER_STAGE,
+    PRODUCER_KIND,
+    RECV_OF_KIND,
+    REDUCE_GRAD,
+    SEND_OF_KIND,
+    STEP,
+    may_group,
+)
 from pipec.passes.deadlock import global_order
 from pipec.passes.dryrun import DryRun, dry_run
+from pipec.program import Program, RankProgram
 from pipec.schedule import RankOps, Schedule
-from pipec.program import (
-    BWD,
-    FWD,
-    RECV_ACT,
-    RECV_GRAD,
-    REDUCE_GRAD,
-    SEND_ACT,
-    SEND_GRAD,
-    STEP,
-    WGRAD,
-    Program,
-    RankProgram,
-)
 
 
 def lower(sched: Schedule) -> Program:
@@ -85,25 +88,25 @@ def _lower_rank(
     second[1:] = ops.paired[:-1]
     step = np.cumsum(~second) - 1
 
-    is_f, is_b = kind == 0, kind == 1
-    prev_owner = placement[np.maximum(stage - 1, 0)]
-    next_owner = placement[np.minimum(stage + 1, S - 1)]
-    recv = (is_f & (stage > 0) & (prev_owner != rank)) | (is_b & (stage < S - 1) & (next_owner != rank))
-    send = (is_f & (stage < S - 1) & (next_owner != rank)) | (is_b & (stage > 0) & (prev_owner != rank))
-    recv_peer = np.where(is_f, prev_owner, next_owner)
-    send_peer = np.where(is_f, next_owner, prev_owner)
+    # What each op receives and sends, from the instruction table: its input comes from stage
+    # s + IN_STAGE, its output goes to s + OUT_PEER_STAGE; a neighbour on this rank is a local hand-off.
+    src, dst = stage + IN_STAGE[kind], stage + OUT_PEER_STAGE[kind]
+    src_owner, dst_owner = placement[np.clip(src, 0, S - 1)], placement[np.clip(dst, 0, S - 1)]
+    recv = (RECV_OF_KIND[kind] >= 0) & (src >= 0) & (src < S) & (src_owner != rank)
+    send = HAS_SEND[kind] & (dst >= 0) & (dst < S) & (dst_owner != rank)
+    recv_peer, send_peer = src_owner, dst_owner
     # A message's time: when its producer completes (the producer of B(i,s)'s gradient is B(i,s+1)).
-    producer_stage = np.clip(np.where(is_f, stage - 1, stage + 1), 0, S - 1)
-    recv_time = time_of[(is_b * S + producer_stage) * m + mb]
+    producer = PRODUCER_KIND[np.maximum(IN_MSG[kind], 0)]
+    recv_time = time_of[(producer * S + np.clip(src, 0, S - 1)) * m + mb]
 
     # Slot keys (primary, secondary): compute of step g at 4g+1 and its sends at 4g+2, both after their
     # time; a receive of a message produced at time t right after this rank's last op before t.
     r_idx, s_idx = np.flatnonzero(recv), np.flatnonzero(send)
     before = np.searchsorted(times, recv_time[r_idx]) - 1
     recv_primary = np.where(before >= 0, 4 * step[np.maximum(before, 0)] + 2, -1)
-    recv_code = np.where(is_f, RECV_ACT, RECV_GRAD)[r_idx]
-    send_code = np.where(is_f, SEND_ACT, SEND_GRAD)[s_idx]
-    compute_code = np.where(is_f, FWD, np.where(is_b, BWD, WGRAD))
+    recv_code = RECV_OF_KIND[kind[r_idx]]
+    send_code = SEND_OF_KIND[kind[s_idx]]
+    compute_code = COMPUTE_OF_KIND[kind]
     primary = np.concatenate([recv_primary, 4 * step + 1, 4 * step[s_idx] + 2])
     secondary = np.concatenate([recv_time[r_idx], times, times[s_idx]])
     code = np.concatenate([recv_code, compute_code, send_code])
@@ -113,7 +116,7 @@ def _lower_rank(
     code, peer, src = code[order], peer[order], src[order]
 
     group = np.zeros(len(code), dtype=bool)
-    comp = np.flatnonzero(code <= WGRAD)
+    comp = np.flatnonzero(IS_COMPUTE[code])
     group[comp] = ops.paired[src[comp]]  # overlapped compute pairs
     group = _bind_exchanges(code, peer, group)
 
@@ -130,10 +133,10 @@ def _lower_rank(
 
 
 def _bind_exchanges(code: np.ndarray, peer: np.ndarray, group: np.ndarray) -> np.ndarray:
-    """A send and a receive with the same peer, side by side, become one batched exchange."""
-    is_send = (code == SEND_ACT) | (code == SEND_GRAD)
-    comm = is_send | (code == RECV_ACT) | (code == RECV_GRAD)
-    pair = comm[:-1] & comm[1:] & (peer[:-1] == peer[1:]) & (is_send[:-1] != is_send[1:])
+    """A send and a receive with the same peer, side by side, become one batched exchange (the table's
+    exchange group)."""
+    comm = IS_P2P[code]
+    pair = comm[:-1] & comm[1:] & may_group(code[:-1], code[1:], peer[:-1], peer[1:])
     taken = -2
     for j in np.flatnonzero(pair).tolist():
         if j > taken + 1:  # never chain three into one group

@@ -1,0 +1,230 @@
+"""`validate(program)`: the structural rules every consumer of a Program relies on, checked once.
+
+A Program may come from the lowering, from a file someone edited, or from an
+importer. Readers, the dry run and the executor all call this before they
+trust it, so each can assume what it says: every instruction is a known
+opcode with the operands the instruction table gives it, on a stage its rank
+owns, naming the peer that owns the other end; groups are the ones the table
+allows (at most `GROUP_MAX` long); every compute op happens exactly once; every
+message the placement needs is sent once and received once; and each stage
+reduces its gradients once and then steps its optimizer once, after its last
+compute. What it leaves to the dry
+run is order: whether the ranks can run these instructions without a deadlock.
+
+Vectorised per rank (a Program reaches millions of instructions). A failure
+is one E502 diagnostic naming the first problems by rank and instruction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from pipec.errors import PipecError, Source, Span, error
+from pipec.opcodes import (
+    HAS_MB,
+    HAS_PEER,
+    IS_COMPUTE,
+    IS_P2P,
+    IS_SEND,
+    KIND_OF,
+    MESSAGE_NOUNS,
+    OP_KINDS,
+    OPCODES,
+    PEER_STAGE,
+    REDUCE_GRAD,
+    STEP,
+    TABLE,
+    may_group,
+    message_key,
+)
+
+if TYPE_CHECKING:
+    from pipec.program import Program
+
+# Where a problem is: (rank, instruction index or -1 for the rank or the header) -> a span in the source.
+Locate = Callable[[int, int], Span | None]
+
+_SHOWN = 8  # problems listed in one diagnostic
+
+
+def validate(prog: Program, source: Source | None = None, locate: Locate | None = None) -> None:
+    """Raise E502 unless `prog` is well formed (see the module docstring); return None when it is."""
+    problems = _header(prog)
+    if not problems:
+        for r, rp in enumerate(prog.ranks):
+            problems += _rank(prog, r, rp)
+            if len(problems) > _SHOWN:
+                break
+    if not problems:
+        problems = _exactly_once(prog) + _messages(prog)
+    if problems:
+        raise _diagnostic(prog, problems, source, locate)
+
+
+def _describe(prog: Program, r: int, j: int) -> str:
+    rp = prog.ranks[r]
+    o = int(rp.op[j])
+    if not 0 <= o < len(TABLE):
+        return f"opcode {o}"
+    vals = {"mb": int(rp.mb[j]), "stage": int(rp.stage[j]), "peer": int(rp.peer[j])}
+    return " ".join([OPCODES[o], *(str(vals[x]) for x in TABLE[o].operands)]) + (" &" if bool(rp.group[j]) else "")
+
+
+def _diagnostic(
+    prog: Program, problems: list[tuple[int, int, str]], source: Source | None, locate: Locate | None
+) -> PipecError:
+    def where(r: int, j: int) -> str:
+        if r < 0:
+            return ""
+        if j < 0:
+            return f"rank {r}: "
+        return f"rank {r}, instruction #{j} `{_describe(prog, r, j)}`: "
+
+    (r0, j0, first), rest = problems[0], problems[1 : _SHOWN + 1]
+    notes = [where(r, j) + msg for r, j, msg in rest]
+    if len(problems) > _SHOWN + 1:
+        notes.append("... and more")
+    span = locate(r0, j0) if locate is not None and r0 >= 0 else None
+    return error("E502", "invalid program: " + where(r0, j0) + first, span, source, tuple(notes))
+
+
+def _header(prog: Program) -> list[tuple[int, int, str]]:
+    S, R, m = prog.num_stages, prog.num_ranks, prog.num_microbatches
+    out = []
+    for name, v in (("stages", S), ("ranks", R), ("micro-batches", m)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            out.append((-1, -1, f"the number of {name} must be a positive integer, not {v!r}"))
+    if out:
+        return out
+    if len(prog.placement) != S:
+        out.append((-1, -1, f"the placement names {len(prog.placement)} stages, the program has {S}"))
+    bad = [s for s, r in enumerate(prog.placement) if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < R]
+    if bad:
+        out.append((-1, -1, f"stage {bad[0]} is placed on {prog.placement[bad[0]]!r}, not one of the {R} ranks"))
+    if len(prog.ranks) != R:
+        out.append((-1, -1, f"the program declares {R} ranks and holds {len(prog.ranks)} instruction streams"))
+    return out
+
+
+def _rank(prog: Program, r: int, rp) -> list[tuple[int, int, str]]:
+    S, m = prog.num_stages, prog.num_microbatches
+    placement = np.asarray(prog.placement, dtype=np.int64)
+    n = len(rp.op)
+    if any(len(c) != n for c in (rp.mb, rp.stage, rp.peer, rp.group)):
+        return [(r, -1, "its instruction columns have different lengths")]
+    out: list[tuple[int, int, str]] = []
+
+    def flag(mask: np.ndarray, say: Callable[[int], str]) -> None:
+        for j in np.flatnonzero(mask)[: _SHOWN + 1].tolist():
+            out.append((r, j, say(j)))
+
+    op = rp.op
+    unknown = (op < 0) | (op >= len(TABLE))
+    flag(unknown, lambda j: f"no such opcode (the table has {len(TABLE)})")
+    if out:
+        return out
+    mb, st, peer, group = rp.mb, rp.stage, rp.peer, rp.group.astype(bool)
+    flag(np.where(HAS_MB[op], (mb < 0) | (mb >= m), mb != -1), lambda j: f"micro-batch outside 0 .. {m - 1}")
+    bad_stage = (st < 0) | (st >= S)
+    flag(bad_stage, lambda j: f"stage outside 0 .. {S - 1}")
+    owner = placement[np.clip(st, 0, S - 1)]
+    flag(~bad_stage & (owner != r), lambda j: f"stage {int(st[j])} is placed on rank {int(owner[j])}")
+    other = st + PEER_STAGE[op]
+    inside = (other >= 0) & (other < S)
+    other_owner = placement[np.clip(other, 0, S - 1)]
+    p2p = IS_P2P[op]
+    flag(p2p & ~bad_stage & ~inside, lambda j: f"stage {int(st[j])} has no neighbour that way")
+    flag(
+        p2p & inside & ((other_owner != peer) | (peer == r)),
+        lambda j: (
+            f"the peer must be rank {int(other_owner[j])} (the owner of stage {int(other[j])})"
+            if int(other_owner[j]) != r
+            else f"stage {int(other[j])} is on this rank too: it is handed over locally, not sent"
+        ),
+    )
+    flag(~HAS_PEER[op] & (peer != -1), lambda j: "takes no peer")
+    if n and group[-1]:
+        out.append((r, n - 1, "the last instruction cannot bind a next one"))
+    if n > 1:
+        allowed = may_group(op[:-1], op[1:], peer[:-1], peer[1:])
+        flag(group[:-1] & ~allowed, lambda j: "cannot be grouped with the next instruction")
+        flag(group[:-1] & group[1:], lambda j: "a group holds at most 2 instructions")
+    # Each stage reduces its gradients once and steps once, in that order, after its last compute.
+    for s in np.flatnonzero(placement == r).tolist():
+        at = st == s
+        steps = np.flatnonzero(at & (op == STEP))
+        reduces = np.flatnonzero(at & (op == REDUCE_GRAD))
+        computes = np.flatnonzero(at & IS_COMPUTE[op])
+        last = int(computes[-1]) if len(computes) else -1
+        if len(steps) != 1:
+            out.append((r, -1, f"stage {s} has {len(steps)} STEP instructions; it needs exactly one"))
+        elif steps[0] < last:
+            out.append((r, int(steps[0]), f"steps stage {s} before its last compute (#{last})"))
+        if len(reduces) != 1:
+            out.append((r, -1, f"stage {s} has {len(reduces)} REDUCE_GRAD instructions; it needs exactly one"))
+        elif reduces[0] < last or (len(steps) == 1 and reduces[0] > steps[0]):
+            out.append((r, int(reduces[0]), f"must come after stage {s}'s last compute and before its STEP"))
+    return out
+
+
+def _exactly_once(prog: Program) -> list[tuple[int, int, str]]:
+    """Every (kind, micro-batch, stage) of the Program's kinds exactly once: W only when backward is split."""
+    S, m = prog.num_stages, prog.num_microbatches
+    kinds = 3 if prog.split_backward else 2
+    count = np.zeros(len(OP_KINDS) * S * m, dtype=np.int64)
+    out: list[tuple[int, int, str]] = []
+    for r, rp in enumerate(prog.ranks):
+        comp = np.flatnonzero(IS_COMPUTE[rp.op])
+        kind = KIND_OF[rp.op[comp]]
+        if not prog.split_backward:
+            for j in comp[kind == 2][:1].tolist():
+                out.append((r, j, "a WGRAD in a program whose backward is not split"))
+        key = (kind * S + rp.stage[comp]) * m + rp.mb[comp]
+        np.add.at(count, key, 1)
+        twice = np.flatnonzero(count[key] > 1)
+        if len(twice) and not out:
+            j = int(comp[twice[0]])
+            out.append((r, j, "this op was already executed (each op happens exactly once)"))
+    if out:
+        return out
+    missing = np.flatnonzero(count[: kinds * S * m] == 0)
+    for key in missing[:_SHOWN].tolist():
+        rest, mb = divmod(key, m)
+        kind, s = divmod(rest, S)
+        name = OPCODES[int(np.flatnonzero(KIND_OF == kind)[0])]
+        out.append((prog.placement[s], -1, f"`{name} {mb} {s}` never happens (each op happens exactly once)"))
+    return out
+
+
+def _messages(prog: Program) -> list[tuple[int, int, str]]:
+    """Each message the placement needs (a stage boundary between two ranks) is sent once and received once."""
+    S, m = prog.num_stages, prog.num_microbatches
+    placement = np.asarray(prog.placement, dtype=np.int64)
+    # needed[(msg * S + sending stage) * m + mb]: act leaves s towards s + 1, grad leaves s towards s - 1.
+    cross_up = np.r_[placement[:-1] != placement[1:], False]
+    cross_down = np.r_[False, placement[1:] != placement[:-1]]
+    needed = np.concatenate([np.repeat(cross_up, m), np.repeat(cross_down, m)])
+    sends = np.zeros(2 * S * m, dtype=np.int64)
+    recvs = np.zeros(2 * S * m, dtype=np.int64)
+    out: list[tuple[int, int, str]] = []
+    for r, rp in enumerate(prog.ranks):
+        comm = np.flatnonzero(IS_P2P[rp.op])
+        keys = message_key(rp.op[comm], rp.mb[comm], rp.stage[comm], S, m)
+        is_send = IS_SEND[rp.op[comm]]
+        np.add.at(sends, keys[is_send], 1)
+        np.add.at(recvs, keys[~is_send], 1)
+        extra = np.flatnonzero(~needed[keys] | (np.where(is_send, sends[keys], recvs[keys]) > 1))
+        for x in extra[:1].tolist():
+            out.append((r, int(comm[x]), "sends or receives a message that is sent once and only between ranks"))
+    if out:
+        return out
+    for count, side in ((sends, "sent"), (recvs, "received")):
+        for key in np.flatnonzero(needed & (count == 0))[:_SHOWN].tolist():
+            rest, mb = divmod(key, m)
+            msg, s = divmod(rest, S)
+            what = MESSAGE_NOUNS[msg]
+            out.append((-1, -1, f"the {what} of micro-batch {mb} from stage {s} is never {side}"))
+    return out
