@@ -2,7 +2,7 @@
 
 The fast path is a progress run over ops (program order plus cross-rank data
 dependencies, each op visited once). Only when ranks get stuck do we build
-the rank wait-for graph and let networkx find the cycle to explain.
+the rank wait-for relation (each stuck rank waits on one other) and follow it to the cycle to explain.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-import networkx as nx
 import numpy as np
 
 from pipec.errors import PipecError, error
@@ -124,12 +123,16 @@ def _explain(sched: Schedule, pc: list[int], stuck_on: dict[int, int], offsets) 
         r = int(np.searchsorted(offsets, g, side="right") - 1)
         return r, g - int(offsets[r])
 
-    graph = nx.DiGraph()
-    for r, need in stuck_on.items():
-        if pc[r] < len(sched.ranks[r]):
-            graph.add_edge(r, locate(need)[0])
-    start = min(r for r in stuck_on if pc[r] < len(sched.ranks[r]))
-    cycle = nx.find_cycle(graph, source=start)
+    # Each stuck rank waits on exactly one other rank, which is stuck too (a finished rank computed all it
+    # sends): following the waits from the lowest stuck rank must come back to a rank already passed.
+    waits_on = {r: locate(need)[0] for r, need in stuck_on.items() if pc[r] < len(sched.ranks[r])}
+    path, seen, r = [], {}, min(waits_on)
+    while r not in seen:
+        seen[r] = len(path)
+        path.append(r)
+        r = waits_on[r]
+    loop = path[seen[r] :]
+    cycle = [(a, loop[(i + 1) % len(loop)]) for i, a in enumerate(loop)]
     steps = []
     for a, b in cycle:
         op = _op_at(sched, a, pc[a])
