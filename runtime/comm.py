@@ -20,11 +20,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipec.opcodes import ACT_MSG as ACT
+from pipec.opcodes import GRAD_MSG as GRAD
+from pipec.opcodes import MESSAGE_NOUNS as KIND
 from pipec.runtime.errors import CommError
 from pipec.runtime.shapes import Specs
 
-ACT, GRAD = 0, 1
-KIND = ("activation", "gradient")
+__all__ = ["ACT", "GRAD", "KIND"]  # the message kinds are the instruction table's
 MAX_TENSORS = 16  # per message
 
 Key = tuple[int, int, int]  # (kind, micro-batch, sending stage)

@@ -25,24 +25,25 @@ from typing import Any
 
 import torch
 
-from pipec.program import (
+from pipec.opcodes import (
     BWD,
     FWD,
+    IS_RECV,
+    KEY_STAGE,
+    MSG_OF,
+    NEEDS_MSG,
+    NEEDS_STAGE,
     OPCODES,
-    RECV_ACT,
-    RECV_GRAD,
     REDUCE_GRAD,
-    SEND_ACT,
-    SEND_GRAD,
     STEP,
     WGRAD,
-    Instr,
-    Program,
 )
+from pipec.program import Instr, Program
 from pipec.runtime.comm import ACT, GRAD, Key, Recv, key_str
 from pipec.runtime.errors import PipelineError, ShapeError
 from pipec.runtime.shapes import Specs, TensorSpec, fmt
 from pipec.runtime.stage import Stage
+from pipec.validate import validate
 
 
 class Executor:
@@ -57,6 +58,7 @@ class Executor:
     ) -> None:
         if recv_ahead < 0:
             raise ValueError(f"recv_ahead must be at least 0, got {recv_ahead}")
+        validate(program)  # nothing runs unproven: the loop below relies on every rule of the table
         rp = program.ranks[rank]
         self.program = program
         self.rank = rank
@@ -75,7 +77,7 @@ class Executor:
         self.sync: Callable[[], None] = lambda: None  # CUDA: synchronize before reading the clock
         self.recv_ahead = recv_ahead
         # the receives in stream order, and each receive instruction's place in that order
-        self.recvs = [j for j, ins in enumerate(self.instrs) if ins[0] in (RECV_ACT, RECV_GRAD)]
+        self.recvs = [j for j, ins in enumerate(self.instrs) if IS_RECV[ins[0]]]
         self.recv_ord = {j: k for k, j in enumerate(self.recvs)}
         self.posted = 0  # receives of this step posted so far (a prefix of self.recvs)
         self.reached = 0  # receive instructions of this step the loop has reached
@@ -120,7 +122,7 @@ class Executor:
             self.at = j
             op, mb, s, peer, grp = self.instrs[j]
             if op == FWD:
-                args = inputs[mb] if s == 0 else (yield from self._take((ACT, mb, s - 1)))
+                args = inputs[mb] if s == 0 else (yield from self._take(self._input(op, mb, s)))
                 t0 = time.perf_counter() if rec is not None else 0.0
                 out = stages[s].forward(mb, args, targets[mb] if s == S - 1 else None)
                 if out is not None:
@@ -129,7 +131,7 @@ class Executor:
                     self.sync()
                     rec.append(("compute", FWD, mb, s, t0, time.perf_counter()))
             elif op == BWD:
-                grads = None if s == S - 1 else (yield from self._take((GRAD, mb, s + 1)))
+                grads = None if s == S - 1 else (yield from self._take(self._input(op, mb, s)))
                 t0 = time.perf_counter() if rec is not None else 0.0
                 dargs = stages[s].backward(mb, grads)
                 if s > 0:
@@ -149,7 +151,7 @@ class Executor:
             elif op == REDUCE_GRAD:
                 if self.on_reduce_grad is not None:
                     self.on_reduce_grad(s, stages[s].module)
-            elif grp and j + 1 < n and self.instrs[j + 1][0] in (RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD):
+            elif grp:  # a batched exchange: validate allows exactly two transfers with one peer
                 self._exchange([j, j + 1])
                 j += 1
             else:  # a lone transfer
@@ -179,9 +181,19 @@ class Executor:
                 self.record.append(("recv", *key, peer, time.perf_counter()))
         return v
 
+    @staticmethod
+    def _input(op: int, mb: int, s: int) -> Key:
+        """The message a compute consumes (the instruction table's `needs`)."""
+        return (int(NEEDS_MSG[op]), mb, s + int(NEEDS_STAGE[op]))
+
+    @staticmethod
+    def _key(op: int, mb: int, s: int) -> Key:
+        """The message a transfer names: (what travels, micro-batch, sending stage)."""
+        return (int(MSG_OF[op]), mb, s + int(KEY_STAGE[op]))
+
     def _recv_item(self, j: int) -> tuple[str, tuple[int, int, int], int, Any]:
         op, mb, s, peer, _ = self.instrs[j]
-        key = (ACT, mb, s - 1) if op == RECV_ACT else (GRAD, mb, s + 1)
+        key = self._key(op, mb, s)
         if self.record is not None:
             self.record.append(("post", *key, peer, time.perf_counter()))
         return ("recv", key, peer, self.recv_specs[key])
@@ -198,14 +210,14 @@ class Executor:
         items = []
         for j in js:
             op, mb, s, peer, _ = self.instrs[j]
-            if op == RECV_ACT or op == RECV_GRAD:
+            if IS_RECV[op]:
                 k = self.recv_ord[j]
                 self.reached = k + 1
                 if k >= self.posted:  # not posted ahead: post it here, with the rest of the exchange
                     items.append(self._recv_item(j))
                     self.posted = k + 1
             else:
-                key = (ACT, mb, s) if op == SEND_ACT else (GRAD, mb, s)
+                key = self._key(op, mb, s)
                 tensors = self.values.pop(key)
                 expected = self.send_specs.get(key)
                 got = tuple(TensorSpec.of(t) for t in tensors)

@@ -68,8 +68,8 @@ def instruction_overhead(rank: int, nbytes: int, reps: int, gap: float, steps: i
     qualified), rank 1 None. `reps` micro-batches of `nbytes` per message, `gap` seconds per short op."""
     import torch.distributed as dist
 
-    from pipec.frontend import library
     from pipec.api import build
+    from pipec.frontend import library
     from pipec.passes.compiler import compile_schedule
     from pipec.runtime.measure import timeline
     from pipec.runtime.runner import Runner
@@ -112,9 +112,8 @@ def per_instruction(program, timelines) -> float | None:
 def no_wait_gaps(program, tl) -> list[tuple[str, float]]:
     """("send" or "recv", gap per instruction) for the gaps between consecutive compute ops of a rank that
     hold only sends or only receives and whose consumed message (if any) was sent EARLY before the gap."""
-    from pipec.program import BWD, FWD, RECVS, SENDS, WGRAD
+    from pipec.opcodes import IS_COMPUTE, IS_P2P, IS_SEND, NEEDS_MSG, NEEDS_STAGE
 
-    compute = {FWD, BWD, WGRAD}
     keys = zip(tl.msg_kind.tolist(), tl.msg_mb.tolist(), tl.msg_stage.tolist())
     sent = dict(zip(keys, tl.msg_send.tolist()))
     out = []
@@ -122,19 +121,20 @@ def no_wait_gaps(program, tl) -> list[tuple[str, float]]:
         between: list[int] = []
         held = []  # the send and receive instructions before each compute op, since the previous one
         for op in program.ranks[r].op.tolist():
-            if op in compute:
+            if IS_COMPUTE[op]:
                 held.append(between)
                 between = []
-            elif op in SENDS or op in RECVS:
+            elif IS_P2P[op]:
                 between.append(op)
         mine = sorted((i for i in range(len(tl.op)) if int(tl.rank[i]) == r), key=lambda i: float(tl.start[i]))
         for k in range(1, len(mine)):
             prev, cur, ops = mine[k - 1], mine[k], held[k]
-            kinds = {"send" if op in SENDS else "recv" for op in ops}
+            kinds = {"send" if IS_SEND[op] else "recv" for op in ops}
             if len(kinds) != 1:
                 continue
             op, mb, s = int(tl.op[cur]), int(tl.mb[cur]), int(tl.stage[cur])
-            key = (0, mb, s - 1) if op == FWD else (1, mb, s + 1) if op == BWD else None
+            # the message it consumes (the instruction table's `needs`), if any
+            key = (int(NEEDS_MSG[op]), mb, s + int(NEEDS_STAGE[op])) if NEEDS_MSG[op] >= 0 else None
             if key in sent and sent[key] > float(tl.end[prev]) - EARLY:
                 continue  # it may have waited for its message
             out.append((kinds.pop(), (float(tl.start[cur]) - float(tl.end[prev])) / len(ops)))

@@ -13,7 +13,7 @@ def make(body, header="(p: int = 1, m: int = 1)", params=()):
     return build(Source("t.pipe", f'schedule "t" {header} {{\n{body}\n}}'), params)
 
 
-# Was a bug (pipec/frontend/evaluate.py `_run`): parameter defaults are evaluated before `_Env` binds `_fdiv`/`_tdiv`/`_mod`
+# Was a bug (frontend/evaluate.py `_run`): parameter defaults are evaluated before `_Env` binds `_fdiv`/`_tdiv`/`_mod`
 # into the generated module's namespace, so a default that divides by another parameter is a NameError traceback.
 @pytest.mark.parametrize("default, value", [("m // p", 2), ("m / p", 2.0), ("m % p", 0)])
 def test_a_default_may_divide_by_an_earlier_parameter(default, value):
@@ -24,7 +24,7 @@ def test_a_default_may_divide_by_an_earlier_parameter(default, value):
     assert s.param("v") == value
 
 
-# Was a bug (pipec/frontend/codegen.py / evaluate.py): function calls are not charged to the work budget, so a chain of
+# Was a bug (frontend/codegen.py / evaluate.py): function calls are not charged to the work budget, so a chain of
 # k functions each calling the previous twice runs 2**k calls: "evaluation always ends" only in theory.
 def test_exponential_function_calls_are_refused_with_E207():
     defs = "def f0(x) = x + 1\n" + "".join(f"def f{k}(x) = f{k - 1}(x) + f{k - 1}(x)\n" for k in range(1, 41))
@@ -37,7 +37,7 @@ def test_exponential_function_calls_are_refused_with_E207():
     assert "E207" in done.stderr
 
 
-# Was a bug (pipec/frontend/codegen.py `bind`): keywords can be bound by `let` (and as parameters), but the binding can never be
+# Was a bug (frontend/codegen.py `bind`): keywords can be bound by `let` (and as parameters), but the binding can never be
 # read back: `true` still means true. Binding a keyword should be E104 like a built-in name.
 def test_binding_a_keyword_is_E104():
     with pytest.raises(PipecError) as e:
@@ -45,7 +45,7 @@ def test_binding_a_keyword_is_E104():
     assert e.value.code == "E104"
 
 
-# Was a bug (pipec/frontend/codegen.py `value_decl`): `cost`/`memory` bind their stage variable `s` only when no outer `s`
+# Was a bug (frontend/codegen.py `value_decl`): `cost`/`memory` bind their stage variable `s` only when no outer `s`
 # exists; with a parameter (or top-level let) named `s`, `cost F = s` silently uses it for every stage.
 def test_the_stage_variable_of_cost_is_not_captured_by_an_outer_s():
     s = make(
@@ -55,7 +55,7 @@ def test_the_stage_variable_of_cost_is_not_captured_by_an_outer_s():
     assert s.costs["F"] == (0.0, 1.0)
 
 
-# Was a rough edge (pipec/frontend/codegen.py `binop`): op values compare with their source id, so the same op written twice is
+# Was a rough edge (frontend/codegen.py `binop`): op values compare with their source id, so the same op written twice is
 # "different": `F(0) == F(0)` is false. Either compare (kind, mb, stage) or refuse `==` on ops (E103).
 def test_ops_cannot_be_compared():
     with pytest.raises(PipecError) as e:

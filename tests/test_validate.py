@@ -172,3 +172,16 @@ def test_any_single_deletion_is_refused(data):
     with pytest.raises(PipecError) as info:
         validate(_drop(prog, r, j))
     assert info.value.code == "E502"
+
+
+def test_the_docs_list_every_opcode_as_the_table_declares_it():
+    """docs/program.md's instruction list is the table's, row by row (operands and meaning)."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "program.md").read_text()
+    rows = [line for line in doc.split("## Instructions")[1].split("\n## ")[0].splitlines() if line.startswith("| `")]
+    listed = [(cells[1].strip("` ").split()[0], cells[3].strip()) for cells in (r.split("|") for r in rows)]
+    assert listed == [(row.name, row.doc) for row in TABLE]
+    for r in rows:
+        words = r.split("|")[1].strip("` ").split()
+        assert len(words) == 1 + len(BY_NAME[words[0]].operands)
