@@ -1,3 +1,54 @@
-"""pipec: a compiler for pipeline-parallel training schedules. Imports no torch."""
+"""pipec: a compiler for pipeline-parallel training schedules. Imports no torch.
+
+The Python API is five calls (docs/cli.md has the command line's):
+
+>>> import pipec
+>>> sched = pipec.load("1f1b", p=4, m=8)          # a checked Schedule
+>>> prog = pipec.compile(sched)                    # every check, then one instruction stream per rank
+>>> pipec.simulate("1f1b", p=4, m=8, cost="F=1,B=2").stats.makespan
+33.0
+>>> pipec.check("zb-h1", p=4, m=8).program.num_ranks   # all checks, the schedule's `expect`s too
+4
+
+`pipec.read_program(path)` reads a Program file back (validated). User errors raise `PipecError`.
+The calls live in `pipec.api` and are imported on first use, so `import pipec` stays quick.
+"""
+
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
+
+__all__ = ["PipecError", "Program", "Schedule", "__version__", "check", "compile", "load", "read_program", "simulate"]
+
+if TYPE_CHECKING:
+    from pipec.api import check, compile, load, read_program, simulate
+    from pipec.errors import PipecError
+    from pipec.program import Program
+    from pipec.schedule import Schedule
+
+_HOME = {
+    "check": "pipec.api",
+    "compile": "pipec.api",
+    "load": "pipec.api",
+    "read_program": "pipec.api",
+    "simulate": "pipec.api",
+    "PipecError": "pipec.errors",
+    "Program": "pipec.program",
+    "Schedule": "pipec.schedule",
+}
+
+
+def __getattr__(name: str) -> object:
+    """The API on first use (PEP 562): the parser and numpy load when a call needs them, not on import."""
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module 'pipec' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(__all__) | {k for k in globals() if k.startswith("__")})

@@ -1,18 +1,60 @@
-"""The front end in one call: text to a checked Schedule, with parse and codegen cached per text."""
+"""pipec's Python API: a schedule by name or path to a checked Schedule, a Program, a simulation.
+
+The five calls a user needs are re-exported at the top level (`pipec.load`, `pipec.check`,
+`pipec.compile`, `pipec.simulate`, `pipec.read_program`); the CLI is built on the same calls, so
+the library and `pipec ...` give the same answers. Every user error raises `pipec.errors.PipecError`
+with its diagnostics, never anything else. Nothing here imports torch or matplotlib.
+
+>>> import pipec
+>>> pipec.check("1f1b", p=4, m=8).program.num_ranks
+4
+>>> round(pipec.simulate("1f1b", p=4, m=8).stats.bubble_rate, 4)
+0.2727
+"""
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Mapping
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
-from pipec.passes.checks import check_schedule
+import numpy as np
+
+from pipec.errors import Source, error
 from pipec.frontend.codegen import GeneratedCode, compile_ast
-from pipec.errors import Source
 from pipec.frontend.evaluate import evaluate
-from pipec.schedule import Schedule
 from pipec.frontend.library import read
 from pipec.frontend.parse import parse
 from pipec.interop.torch_csv import is_torch_csv, read_csv
+from pipec.passes.checks import check_schedule
+from pipec.program import Program, is_program_text
+from pipec.schedule import RankOps, Schedule
+
+if TYPE_CHECKING:
+    from pipec.passes.compiler import CompiledSchedule
+    from pipec.sim.report import Simulation
+
+__all__ = [
+    "build",
+    "check",
+    "check_program",
+    "compile",
+    "load",
+    "param_names",
+    "read_program",
+    "schedule_of",
+    "simulate",
+    "target_of",
+]
+
+# What check, compile and simulate accept: a Schedule or Program already in hand, or a library name or
+# the path of a .pipe file, a torch CSV or a Program file (JSON or text, told apart by content).
+Target = Schedule | Program | str | os.PathLike
+# A cost model as `pipec simulate --cost` takes it: a cost file's path or overrides like "F=1,B=2",
+# a cost document (a mapping, as in a cost file), or several of these, later ones winning.
+CostSpec = str | Mapping[str, object] | Sequence[str | Mapping[str, object]] | None
 
 
 @functools.lru_cache(maxsize=128)
@@ -22,9 +64,11 @@ def compile_source(source: Source) -> GeneratedCode:
 
 
 def param_names(source: Source) -> tuple[str, ...]:
-    """The parameters a schedule declares (a torch CSV: `p` and `m`)."""
+    """The parameters a schedule declares (a torch CSV: `p` and `m`; a Program file: none)."""
     if is_torch_csv(source):
         return ("p", "m")
+    if is_program_text(source.text):
+        return ()
     return tuple(p.name for p in compile_source(source).params)
 
 
@@ -49,11 +93,204 @@ def build(
     return sched
 
 
-def load(name_or_path: str, params: Mapping[str, object] | None = None, **kwargs: object) -> Schedule:
-    """A library schedule by name, or a file by path, evaluated and checked.
+def load(
+    name_or_path: str | os.PathLike[str], params: Mapping[str, object] | None = None, **kwargs: object
+) -> Schedule:
+    """A library schedule by name, or a `.pipe` file (or torch CSV) by path, evaluated with these
+    parameters and checked op by op (each op once, on its owner, in dependency order).
 
     >>> load("1f1b", p=4, m=8).num_ops
     64
     """
     merged = dict(params or {}, **kwargs)
-    return build(read(name_or_path), merged)
+    return build(read(os.fspath(name_or_path)), merged)
+
+
+def read_program(path: str | os.PathLike[str]) -> Program:
+    """A Program file, JSON or text (told apart by content), read and validated (E501 when it is
+    malformed, E502 when it breaks a rule of docs/program.md; E000 when it cannot be read).
+
+    >>> import os, tempfile
+    >>> from pipec.program import to_text
+    >>> path = os.path.join(tempfile.mkdtemp(), "p.txt")
+    >>> _ = open(path, "w").write(to_text(compile("gpipe", p=2, m=2)))
+    >>> read_program(path) == compile("gpipe", p=2, m=2)
+    True
+    """
+    from pipec.program import read_program as _read
+
+    return _read(os.fspath(path))
+
+
+def schedule_of(prog: Program, source: Source | None = None) -> Schedule:
+    """The Schedule a Program executes: each rank's computes in their order (an overlapped pair stays a
+    pair), with the Program's sizes, parameters and placement. A Program holds no cost, memory,
+    topology or `expect` declarations, so the defaults apply to it (give costs with `cost=`)."""
+    from pipec.opcodes import IS_COMPUTE, KIND_OF
+
+    ranks = []
+    for rp in prog.ranks:
+        idx = np.flatnonzero(IS_COMPUTE[rp.op])
+        ranks.append(
+            RankOps(
+                kind=KIND_OF[rp.op[idx]],
+                mb=rp.mb[idx],
+                stage=rp.stage[idx],
+                sid=np.zeros(len(idx), dtype=np.int64),
+                paired=rp.group[idx],
+            )
+        )
+    return Schedule(
+        name=prog.name,
+        params=tuple(prog.params),
+        num_stages=prog.num_stages,
+        num_ranks=prog.num_ranks,
+        num_microbatches=prog.num_microbatches,
+        kinds=("F", "B", "W") if prog.split_backward else ("F", "B"),
+        placement=tuple(prog.placement),
+        ranks=tuple(ranks),
+        source=source,
+    )
+
+
+def target_of(target: Target, params: Mapping[str, object] | None = None) -> tuple[Schedule | Program, str | None]:
+    """What a target names, and the Program file it was read from (None otherwise): a Schedule
+    (evaluated with the parameters and checked op by op) or a validated Program, which takes no
+    parameters (they were fixed when it was compiled)."""
+    merged = dict(params or {})
+    if isinstance(target, (Schedule, Program)):
+        obj, where = target, None
+    else:
+        source = read(os.fspath(target))
+        if not is_program_text(source.text):
+            return build(source, merged), None
+        obj, where = read_program(source.path), source.path
+    if merged:
+        name = next(iter(merged))
+        if isinstance(obj, Program):
+            given = " ".join(f"{k}={v}" for k, v in obj.params) or "no parameters"
+            raise error(
+                "E205",
+                f"unknown parameter `{name}`: a compiled Program takes no parameters",
+                source=Source(where, "") if where else None,
+                notes=(f"it was compiled with {given}",),
+            )
+        raise error("E205", f"unknown parameter `{name}`: this Schedule is evaluated already")
+    return obj, where
+
+
+def check_program(
+    prog: Program, memory: Mapping[str, float] | None = None, path: str | None = None
+) -> CompiledSchedule:
+    """A Program's checks, the ones a compiled schedule passes: validated, no deadlock when sends block
+    until the receive is posted, and memory within the limit (under `memory`, as a Program holds no
+    memory declarations). `path` names the file in diagnostics."""
+    from pipec.passes.compiler import CompiledSchedule, program_deadlock_error
+    from pipec.passes.dryrun import dry_run
+    from pipec.passes.memory import check_memory, rank_memory
+
+    sched = schedule_of(prog, Source(path or "<program>", ""))
+    run = dry_run(prog)  # validates first
+    if not run.completed:
+        raise program_deadlock_error(sched, run)
+    reports = rank_memory(sched, memory)
+    check_memory(sched, reports)
+    return CompiledSchedule(sched, prog, tuple(reports))
+
+
+def _compiled(target: Target, params, memory, kwargs) -> CompiledSchedule:
+    from pipec.passes.compiler import compile_schedule
+
+    obj, where = target_of(target, dict(params or {}, **kwargs))
+    if isinstance(obj, Program):
+        return check_program(obj, memory, where)
+    return compile_schedule(obj, memory)
+
+
+def check(
+    target: Target,
+    params: Mapping[str, object] | None = None,
+    *,
+    memory: Mapping[str, float] | None = None,
+    **kwargs: object,
+) -> CompiledSchedule:
+    """Every check `pipec check` runs, or raise PipecError: each op once, on its owner, in dependency
+    order; memory within the limit (`memory` overrides `act`, `wact`, `params` and `limit`); no
+    deadlock even when every send blocks until its receive is posted; the schedule's own `expect`
+    lines. A Program (or Program file) is validated and dry-run. Returns the compiled schedule:
+    `.schedule`, `.program` and `.memory` (the per-rank peaks).
+
+    >>> c = check("zb-h1", p=4, m=8)
+    >>> [round(r.peak, 2) for r in c.memory]
+    [4.0, 3.5, 3.0, 2.5]
+    """
+    from pipec.passes.expect import check_expectations
+
+    c = _compiled(target, params, memory, kwargs)
+    check_expectations(c.schedule, c.program)
+    return c
+
+
+def compile(  # noqa: A001 - pipec.compile is the name users look for
+    target: Target,
+    params: Mapping[str, object] | None = None,
+    *,
+    memory: Mapping[str, float] | None = None,
+    **kwargs: object,
+) -> Program:
+    """Check a schedule (as `pipec compile` does: all but its `expect` lines) and lower it to one
+    instruction stream per rank (docs/program.md). Write it with `pipec.program.write_json` or
+    `write_text`.
+
+    >>> prog = compile("1f1b", p=2, m=2)
+    >>> [str(i) for i in prog.ranks[1].instructions()][:3]
+    ['RECV_ACT 0 1 0', 'RECV_ACT 1 1 0', 'FWD 0 1']
+    """
+    return _compiled(target, params, memory, kwargs).program
+
+
+def simulate(
+    target: Target,
+    params: Mapping[str, object] | None = None,
+    *,
+    cost: CostSpec = None,
+    memory: Mapping[str, float] | None = None,
+    topology: str | None = None,
+    **kwargs: object,
+) -> Simulation:
+    """Check, lower and simulate under a cost model, as `pipec simulate` does: `cost` is what
+    `--cost` takes (a cost file's path, overrides like "F=1,B=2,W=1", a cost document, or a list of
+    these, later ones winning) on top of the schedule's own declarations; `topology` what
+    `--topology` takes. Returns the simulation: `.stats` (makespan, bubble, per rank), `.timeline`,
+    `.costs`; `pipec.sim.report.to_json(sim)` is `pipec simulate --json`'s record for it.
+
+    >>> sim = simulate("1f1b", p=4, m=8, cost="F=1,B=2")
+    >>> sim.stats.makespan, sim.stats.bubble_rate
+    (33.0, 0.2727272727272727)
+    """
+    from pipec.sim import report
+    from pipec.sim.costs import cost_model, cost_spec, normalize
+    from pipec.sim.simulate import simulate as run
+    from pipec.sim.simulate import stats
+
+    specs = [] if cost is None else [cost] if isinstance(cost, (str, Mapping)) else list(cost)
+    docs = [cost_spec(c) if isinstance(c, str) else normalize(c, "cost=") for c in specs]
+    obj, where = target_of(target, dict(params or {}, **kwargs))
+    if isinstance(obj, Schedule):
+        if topology:
+            from pipec.sim.topology import read_topology, with_topology
+
+            obj = with_topology(obj, read_topology(topology, obj))
+        return report.run(obj, docs, memory)
+    from pipec.passes.memory import memory_model
+
+    compiled = check_program(obj, memory, where)
+    sched = compiled.schedule
+    if topology:
+        from pipec.sim.topology import read_topology, with_topology
+
+        sched = with_topology(sched, read_topology(topology, sched))
+    costs = cost_model(sched, docs)
+    mem = memory_model(sched, memory)
+    tl = run(obj, costs)
+    return report.Simulation(replace(compiled, schedule=sched), costs, mem, tl, stats(tl, mem))
