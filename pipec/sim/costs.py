@@ -55,6 +55,7 @@ from pathlib import Path
 import numpy as np
 
 from pipec.errors import brief, error
+from pipec.opcodes import ACT_MSG, KIND_OF
 from pipec.schedule import Schedule
 
 FORMAT = "pipec-costs"
@@ -109,9 +110,27 @@ class CostModel:
         return bool(sized and np.isfinite(self.bandwidth).any())
 
     def compute_time(self, op: np.ndarray, stage: np.ndarray) -> np.ndarray:
-        """Durations of compute instructions (opcodes FWD=0, BWD=1, WGRAD=2) on these stages."""
+        """Durations of compute instructions on these stages: the cost of the op kind each executes
+        (`pipec.opcodes.KIND_OF`)."""
+        return self.kind_time(KIND_OF[op], stage)
+
+    def kind_time(self, kind: np.ndarray, stage: np.ndarray) -> np.ndarray:
+        """Durations of ops of these kinds (0 F, 1 B, 2 W) on these stages; B is the full backward when the
+        schedule does not split it."""
         full_b = self.B if self.split_backward else self.B + self.W
-        return np.where(op == 0, self.F[stage], np.where(op == 1, full_b[stage], self.W[stage]))
+        return np.where(kind == 0, self.F[stage], np.where(kind == 1, full_b[stage], self.W[stage]))
+
+    def wire(
+        self, msg: np.ndarray, stage: np.ndarray, src: np.ndarray, dst: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per message (what travels, sending stage, from rank, to rank): its bytes, its time on the wire
+        when alone there (`bytes / bandwidth`, 0 on a free link) and the delay after it left the wire
+        (`latency + comm`). The simulator and the list scheduler time every message with these."""
+        size = np.where(msg == ACT_MSG, self.act_bytes[stage], self.grad_bytes[stage])
+        bw = self.bandwidth[src, dst]
+        finite = np.isfinite(bw)
+        txd = np.where(finite & (size > 0), size / np.where(finite, bw, 1.0), 0.0)
+        return size, txd, self.latency[src, dst] + self.comm[stage]
 
     def per_microbatch(self) -> float:
         """Compute time of one micro-batch through the whole model (every stage's F + B + W)."""

@@ -13,35 +13,57 @@ them and do not block; only the compute that needs the data waits for it. Messag
 eager protocol; rendezvous stalls are what `pipec.passes.dryrun` rules out, not what
 this models). Between two ranks, messages in one direction travel in issue
 order: each takes `bytes / bandwidth` of the link after the previous one has
-left, then `latency + comm`, and never overtakes it. Overlapped pairs (`&`)
+left, then `latency + comm`, and never overtakes it (`CostModel.wire` gives
+each message's two terms). Overlapped pairs (`&`)
 run one after the other on the compute stream; what overlap buys inside a
 pair (hiding its own communication) is not modelled. REDUCE_GRAD and STEP
 take no time.
 
 Messages between two datacenters share one link per direction (the cost
-model's `link_group`): those on it at one time divide its bandwidth equally.
-When every shared link carries one pair of ranks at most, that changes
+model's `link_group`): those on it at one time divide its bandwidth equally
+(`Links`). When every shared link carries one pair of ranks at most, that changes
 nothing (a pair's messages leave the wire one after the other) and the pass
-below runs; otherwise `_run_events` runs every event in time order.
+`_run` below runs; otherwise `_run_events` runs every event in time order.
+
+This is the one machine model of pipec: the list scheduler of `pipec.passes.policy`
+times its ops with the same pieces (`CostModel.wire`, `shared_links`, `Links`, and
+for the overhead a `Plan` of the Program it derived), so its times are this module's.
+
+What an instruction is (compute or transfer, which message it names, which
+message a compute waits for) comes from the instruction table, `pipec.opcodes`.
 
 Deterministic: message times depend only on the sender's own clock, so the
-order in which ranks are advanced does not matter. Fast: numpy precomputes,
-per compute op, its duration, the message it waits for and the messages
-sent after it; then one event-driven pass visits each compute op once and a
-rank that waits for a message sleeps until the message's sender reaches it.
+order in which ranks are advanced does not matter. Fast: `plan` precomputes with
+numpy, once, per compute op its duration, the message it waits for and the
+messages sent after it; then one event-driven pass visits each compute op once
+and a rank that waits for a message sleeps until the message's sender reaches it.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-from pipec.sim.costs import CostModel
 from pipec.errors import error
-from pipec.program import BWD, FWD, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, WGRAD, Program
+from pipec.opcodes import (
+    BWD,
+    FWD,
+    IS_COMPUTE,
+    IS_P2P,
+    IS_RECV,
+    IS_SEND,
+    MSG_OF,
+    NEEDS_MSG,
+    NEEDS_STAGE,
+    WGRAD,
+    message_key,
+)
+from pipec.program import Program
+from pipec.sim.costs import CostModel
 from pipec.sim.timeline import Timeline
 
 
@@ -50,6 +72,87 @@ def simulate(prog: Program, costs: CostModel, *, _events: bool = False) -> Timel
 
     `_events` forces the event-driven pass even without contention (for tests: both passes agree).
     """
+    pl = plan(prog, costs)
+    if pl.group is None and not _events:
+        start_t, end_t, send_t, arrival = _run(pl)
+    else:
+        start_t, end_t, send_t, arrival = _run_events(pl)
+    return Timeline(
+        num_ranks=pl.num_ranks,
+        rank=pl.c_rank,
+        op=pl.c_op,
+        mb=pl.c_mb,
+        stage=pl.c_stage,
+        start=np.asarray(start_t, dtype=float),
+        end=np.asarray(end_t, dtype=float),
+        msg_kind=pl.m_kind,
+        msg_mb=pl.m_mb,
+        msg_stage=pl.m_stage,
+        msg_src=pl.m_src,
+        msg_dst=pl.m_dst,
+        msg_send=np.asarray(send_t, dtype=float),
+        msg_arrival=np.asarray(arrival, dtype=float),
+        msg_bytes=pl.m_bytes,
+        msg_post=pl.posted(end_t),
+        origin="simulated",
+        schedule=prog.name,
+        params=prog.params,
+    )
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """A Program under a cost model, as the event passes read it; built once by `plan`.
+
+    Compute ops are numbered rank by rank in stream order, messages in the order of their sends
+    (rank by rank, in stream order). Lists rather than arrays where the passes read one element at a
+    time (faster in their loops); numpy columns for the Timeline.
+    """
+
+    num_ranks: int
+    first: list[int]  # per rank, the id of its first compute op
+    ends: list[int]  # per rank, one past the id of its last compute op
+    cost: list[float]  # per compute op, its duration
+    need: list[int]  # per compute op, the message it waits for (-1: none)
+    mlo: list[int]  # per compute op, the messages sent after it (before the next one): mlo[j] <= x < mhi[j]
+    mhi: list[int]
+    pre: list[int]  # messages sent before any compute op of their rank (they leave at time 0)
+    prev: list[int]  # per message, the one sent before it on its channel (-1: none)
+    txd: list[float]  # per message, its time on the wire when alone there
+    lat: list[float]  # per message, latency + comm after it left the wire
+    chan: list[int]  # per message, its channel: src * ranks + dst
+    group: list[int] | None  # per message, the contended shared link it crosses (-1: none); None: no contention
+    # The overhead as times (None when o = 0): per message, how long after the end of the compute op
+    # before its send (or after time 0) it leaves; per compute op, the rank's time on the sends and
+    # receives after it, up to its next compute op; per rank, the time on those before its first one.
+    off: list[float] | None
+    tail: list[float] | None
+    head: list[float] | None
+    # For the Timeline.
+    c_rank: np.ndarray
+    c_op: np.ndarray
+    c_mb: np.ndarray
+    c_stage: np.ndarray
+    m_kind: np.ndarray  # pipec.opcodes.MESSAGES index
+    m_mb: np.ndarray
+    m_stage: np.ndarray  # the sending stage
+    m_src: np.ndarray
+    m_dst: np.ndarray
+    m_bytes: np.ndarray
+    recv_msg: np.ndarray  # per receive of a message that is sent: the message
+    recv_after: np.ndarray  # the compute op just before that receive on its rank (-1: none)
+
+    def posted(self, end: list[float]) -> np.ndarray:
+        """When each message's receive was posted: the end of the compute op before it (else 0); NaN: none."""
+        post = np.full(len(self.txd), np.nan)
+        if len(self.recv_msg):
+            end_arr = np.asarray(end, dtype=float) if len(end) else np.zeros(1)
+            post[self.recv_msg] = np.where(self.recv_after >= 0, end_arr[np.maximum(self.recv_after, 0)], 0.0)
+        return post
+
+
+def plan(prog: Program, costs: CostModel) -> Plan:
+    """The Program's compute ops and messages as the passes read them; E403 for a malformed Program."""
     S, m, R = prog.num_stages, prog.num_microbatches, prog.num_ranks
     if costs.num_stages != S or costs.latency.shape != (R, R):
         raise ValueError(f"cost model for {costs.num_stages} stages does not fit a program of {S} stages, {R} ranks")
@@ -62,25 +165,24 @@ def simulate(prog: Program, costs: CostModel, *, _events: bool = False) -> Timel
     rank = np.repeat(np.arange(R), lengths)
     placement = np.asarray(prog.placement, dtype=np.int64)
 
-    # Compute ops: duration and the message each one waits for.
-    cidx = np.flatnonzero(op <= WGRAD)
+    # Compute ops: duration and the message each one waits for (the table's `needs`, when its sender
+    # is on another rank; one on the same rank hands over locally, earlier on the same stream).
+    cidx = np.flatnonzero(IS_COMPUTE[op])
     n = len(cidx)
     c_op, c_mb, c_s, c_rank = op[cidx], mb[cidx], stage[cidx], rank[cidx]
     cost = costs.compute_time(c_op, c_s) if n else np.zeros(0)
-    prev_owner = placement[np.clip(c_s - 1, 0, S - 1)]
-    next_owner = placement[np.clip(c_s + 1, 0, S - 1)]
-    f_remote = (c_op == FWD) & (c_s > 0) & (prev_owner != c_rank)
-    b_remote = (c_op == BWD) & (c_s < S - 1) & (next_owner != c_rank)
-    want = np.where(f_remote, (c_s - 1) * m + c_mb, np.where(b_remote, (S + c_s + 1) * m + c_mb, -1))
+    msg, sender = NEEDS_MSG[c_op], c_s + NEEDS_STAGE[c_op]
+    remote = (msg >= 0) & (sender >= 0) & (sender < S) & (placement[np.clip(sender, 0, S - 1)] != c_rank)
+    want = np.where(remote, (msg * S + sender) * m + c_mb, -1)
 
     # Messages, one per send, in issue order; the compute just before each send gives its clock.
-    sidx = np.flatnonzero((op == SEND_ACT) | (op == SEND_GRAD))
+    sidx = np.flatnonzero(IS_SEND[op])
     M = len(sidx)
-    s_kind = (op[sidx] == SEND_GRAD).astype(np.int64)
+    s_kind = MSG_OF[op[sidx]]
     s_stage, s_mb, s_src, s_dst = stage[sidx], mb[sidx], rank[sidx], peer[sidx]
     if M and not ((s_dst >= 0) & (s_dst < R)).all():
         raise error("E403", "a send names no valid peer rank")
-    key = (s_kind * S + s_stage) * m + s_mb
+    key = message_key(op[sidx], s_mb, s_stage, S, m)
     order = np.argsort(key, kind="stable")
     keys = key[order]
     if M and (keys[1:] == keys[:-1]).any():
@@ -105,10 +207,7 @@ def simulate(prog: Program, costs: CostModel, *, _events: bool = False) -> Timel
     mhi = np.searchsorted(slot, ids, "right")
     pre = np.flatnonzero(~own)  # sends before any compute of their rank leave at time 0
 
-    size = np.where(s_kind == 0, costs.act_bytes[s_stage], costs.grad_bytes[s_stage]) if M else np.zeros(0)
-    bw = costs.bandwidth[s_src, s_dst] if M else np.zeros(0)
-    txd = np.where(np.isfinite(bw) & (size > 0), size / np.where(np.isfinite(bw), bw, 1.0), 0.0)
-    lat = costs.latency[s_src, s_dst] + costs.comm[s_stage] if M else np.zeros(0)
+    size, txd, lat = costs.wire(s_kind, s_stage, s_src, s_dst)
     chan = s_src * R + s_dst
     by_chan = np.argsort(chan, kind="stable")
     prev = np.full(M, -1, dtype=np.int64)
@@ -117,77 +216,55 @@ def simulate(prog: Program, costs: CostModel, *, _events: bool = False) -> Timel
         prev[by_chan[1:][same]] = by_chan[:-1][same]
 
     off, tail, head = _overheads(costs.overhead, op, rank, lengths, cidx, sidx, before, own, R)
-    ends = np.searchsorted(c_rank, np.arange(R), "right").tolist()
-    starts_of_rank = np.searchsorted(c_rank, np.arange(R), "left").tolist()
-    args = (
-        R,
-        n,
-        M,
-        starts_of_rank,
-        ends,
-        need.tolist(),
-        cost.tolist(),
-        mlo.tolist(),
-        mhi.tolist(),
-        pre.tolist(),
-        prev.tolist(),
-        txd.tolist(),
-        lat.tolist(),
-        off,
-        tail,
-        head,
-    )
-    group = _contended(costs, s_src, s_dst, chan, txd) if M else None
-    if group is None and not _events:
-        start_t, end_t, send_t, arrival = _run(*args)
-    else:
-        start_t, end_t, send_t, arrival = _run_events(*args, chan.tolist(), group or [-1] * M)
 
-    # When each receive was posted: the end of the compute just before it on its rank (else 0).
-    post = np.full(M, np.nan)
-    ridx = np.flatnonzero((op == RECV_ACT) | (op == RECV_GRAD))
+    # Receives: the message each names and the compute op just before it on its rank.
+    ridx = np.flatnonzero(IS_RECV[op])
+    recv_msg, recv_after = z, z
     if len(ridx) and M:
-        r_kind = (op[ridx] == RECV_GRAD).astype(np.int64)
-        r_sender = np.where(r_kind == 0, stage[ridx] - 1, stage[ridx] + 1)
-        r_key = (r_kind * S + r_sender) * m + mb[ridx]
+        r_key = message_key(op[ridx], mb[ridx], stage[ridx], S, m)
         at = np.clip(np.searchsorted(keys, r_key), 0, M - 1)
         ok = keys[at] == r_key
         rb = np.searchsorted(cidx, ridx) - 1
         mine = (rb >= 0) & (c_rank[np.maximum(rb, 0)] == rank[ridx]) if n else np.zeros(len(ridx), dtype=bool)
-        end_arr = np.asarray(end_t) if n else np.zeros(1)
-        when = np.where(mine, end_arr[np.maximum(rb, 0)] if n else 0.0, 0.0)
-        post[order[at[ok]]] = when[ok]
+        recv_msg, recv_after = order[at[ok]], np.where(mine, rb, -1)[ok]
 
-    return Timeline(
+    return Plan(
         num_ranks=R,
-        rank=c_rank.astype(np.int64),
-        op=c_op.astype(np.int64),
-        mb=c_mb.astype(np.int64),
-        stage=c_s.astype(np.int64),
-        start=np.asarray(start_t, dtype=float),
-        end=np.asarray(end_t, dtype=float),
-        msg_kind=s_kind,
-        msg_mb=s_mb.astype(np.int64),
-        msg_stage=s_stage.astype(np.int64),
-        msg_src=s_src.astype(np.int64),
-        msg_dst=s_dst.astype(np.int64),
-        msg_send=np.asarray(send_t, dtype=float),
-        msg_arrival=np.asarray(arrival, dtype=float),
-        msg_bytes=np.asarray(size, dtype=float),
-        msg_post=post,
-        origin="simulated",
-        schedule=prog.name,
-        params=prog.params,
+        first=np.searchsorted(c_rank, np.arange(R), "left").tolist(),
+        ends=np.searchsorted(c_rank, np.arange(R), "right").tolist(),
+        cost=cost.tolist(),
+        need=need.tolist(),
+        mlo=mlo.tolist(),
+        mhi=mhi.tolist(),
+        pre=pre.tolist(),
+        prev=prev.tolist(),
+        txd=txd.tolist(),
+        lat=lat.tolist(),
+        chan=chan.tolist(),
+        group=shared_links(costs, s_src, s_dst, txd) if M else None,
+        off=off,
+        tail=tail,
+        head=head,
+        c_rank=c_rank.astype(np.int64),
+        c_op=c_op.astype(np.int64),
+        c_mb=c_mb.astype(np.int64),
+        c_stage=c_s.astype(np.int64),
+        m_kind=s_kind.astype(np.int64),
+        m_mb=s_mb.astype(np.int64),
+        m_stage=s_stage.astype(np.int64),
+        m_src=s_src.astype(np.int64),
+        m_dst=s_dst.astype(np.int64),
+        m_bytes=np.asarray(size, dtype=float),
+        recv_msg=recv_msg,
+        recv_after=recv_after,
     )
 
 
 def _overheads(o: float, op, rank, lengths, cidx, sidx, before, own, R: int):
-    """The `overhead` o as times: per message, how long after the end of the compute op before its send
-    (or after time 0) it leaves; per compute op, the rank's time on the sends and receives after it, up
-    to its next compute op; per rank, the time on those before its first compute op. None when o = 0."""
+    """The `overhead` o as times (see `Plan`); None when o = 0."""
     if not o:
         return None, None, None
-    comm = (op >= RECV_ACT) & (op <= SEND_GRAD)
+    comm = IS_P2P[op]
     cum = np.concatenate([[0], np.cumsum(comm)])  # comm instructions among the first i
     rank_start = np.concatenate([[0], np.cumsum(lengths)])
     c_rank = rank[cidx]
@@ -206,8 +283,29 @@ def _overheads(o: float, op, rank, lengths, cidx, sidx, before, own, R: int):
     return off.tolist(), tail.tolist(), head.tolist()
 
 
-def _run(R, n, M, first, ends, need, cost, mlo, mhi, pre, prev, txd, lat, off, tail, head):
-    """The event-driven pass over compute ops; lists, not arrays, for speed in the loop."""
+def shared_links(costs: CostModel, src: np.ndarray, dst: np.ndarray, txd: np.ndarray) -> list[int] | None:
+    """Per message (src, dst, time on the wire), the shared link it crosses (-1: none), when some shared
+    link carries messages of two channels (pairs of ranks) that take time on the wire; else None, and
+    the per-pair rule is exact (one channel's messages leave one after the other, so they never overlap
+    on its link). Messages that take no time on the wire cross no link."""
+    if costs.link_group is None:
+        return None
+    group = costs.link_group[src, dst]
+    busy = (group >= 0) & (txd > 0)
+    if not busy.any():
+        return None
+    chan = src * costs.latency.shape[0] + dst
+    pairs = np.unique(np.stack([group[busy], chan[busy]]), axis=1)
+    if len(np.unique(pairs[0])) == pairs.shape[1]:
+        return None  # every shared link carries one channel at most
+    return np.where(txd > 0, group, -1).tolist()
+
+
+def _run(pl: Plan):
+    """The event-driven pass over compute ops, without contention; lists, not arrays, for speed in the loop."""
+    R, first, ends, need, cost = pl.num_ranks, pl.first, pl.ends, pl.need, pl.cost
+    mlo, mhi, prev, txd, lat, off, tail = pl.mlo, pl.mhi, pl.prev, pl.txd, pl.lat, pl.off, pl.tail
+    n, M = len(cost), len(txd)
     start = [0.0] * n
     end = [0.0] * n
     send_t = [0.0] * M
@@ -229,11 +327,11 @@ def _run(R, n, M, first, ends, need, cost, mlo, mhi, pre, prev, txd, lat, off, t
         arrival[x] = a
 
     if off is not None:  # the overhead: sends leave when their own call is over
-        for x in pre:
+        for x in pl.pre:
             leave(x, off[x])
-        clocks = list(head)
+        clocks = list(pl.head)
     else:
-        for x in pre:
+        for x in pl.pre:
             leave(x, 0.0)
         clocks = [0.0] * R
     pc = list(first)
@@ -275,55 +373,150 @@ def _run(R, n, M, first, ends, need, cost, mlo, mhi, pre, prev, txd, lat, off, t
                 clock += tail[j]
             j += 1
         pc[r], clocks[r] = j, clock
-    stuck = [r for r in range(R) if pc[r] < ends[r]]
+    _finished(pc, ends)
+    return start, end, send_t, arrival
+
+
+def _finished(pc: list[int], ends: list[int]) -> None:
+    stuck = [r for r in range(len(ends)) if pc[r] < ends[r]]
     if stuck:
         raise error(
             "E403",
             "the program cannot finish: ranks " + ", ".join(map(str, stuck)) + " wait for messages never sent",
         )
-    return start, end, send_t, arrival
 
 
-def _contended(costs: CostModel, src: np.ndarray, dst: np.ndarray, chan: np.ndarray, txd: np.ndarray):
-    """Per message, the shared link it crosses (-1: none), when some shared link carries messages of two
-    channels (pairs of ranks) that take time on the wire; else None, and the per-pair pass is exact (one
-    channel's messages leave one after the other, so they never overlap on its link)."""
-    if costs.link_group is None:
-        return None
-    group = costs.link_group[src, dst]
-    busy = (group >= 0) & (txd > 0)
-    if not busy.any():
-        return None
-    pairs = np.unique(np.stack([group[busy], chan[busy]]), axis=1)
-    if len(np.unique(pairs[0])) == pairs.shape[1]:
-        return None  # every shared link carries one channel at most
-    return np.where(txd > 0, group, -1).tolist()
+class Links:
+    """The network of the machine model: when each message leaves the wire and arrives.
 
+    Within one channel (pair of ranks, one direction) messages enter the wire one after the other, in
+    issue order, and never overtake each other: a message takes `txd` on the wire after the previous one
+    left it, then `lat`. Each shared link (a message's `group` >= 0) is a processor-sharing server: the
+    messages on it at one time each get an equal share of its bandwidth (`txd` is a message's time on
+    the wire alone), so two messages that start together both take twice as long as one. Virtual time
+    `V` grows at rate 1 / (messages on the link); a message that enters at `V` leaves when `V` reaches
+    `V + txd`, so messages leave in the order of those tags.
 
-def _run_events(R, n, M, first, ends, need, cost, mlo, mhi, pre, prev, txd, lat, off, tail, head, chan, group):
-    """The event-driven pass, in time order, for messages that share links.
-
-    Each shared link is a processor-sharing server: the messages on it at one time each get an equal
-    share of its bandwidth (`txd` is a message's time on the wire alone), so two messages that start
-    together both take twice as long as one. Virtual time `V` grows at rate 1 / (messages on the link);
-    a message that enters at `V` leaves when `V` reaches `V + txd`, so messages leave in the order of
-    those tags. Within one channel (pair of ranks, one direction) messages still enter the wire one after
-    the other, in issue order, and never overtake each other. Messages on links that are not shared
-    take the per-pair pass's times; compute ops start when their rank is free and their input arrived.
+    Event-driven, for an owner that runs events in time order: `send` at the time a message leaves its
+    rank; the owner calls `link_event` when the time `schedule(time, link, version)` asked for comes;
+    `arrived(x)` tells it a message's arrival (`arrival[x]`) is known. Used by the simulator's
+    `_run_events` and by the list scheduler of `pipec.passes.policy` (which adds messages as it goes).
     """
+
+    def __init__(
+        self,
+        txd: list[float],
+        lat: list[float],
+        prev: list[int],
+        chan: list[int],
+        group: list[int],
+        groups: int,
+        schedule: Callable[[float, int, int], None],
+        arrived: Callable[[int], None],
+    ) -> None:
+        self.txd, self.lat, self.prev, self.chan, self.group = txd, lat, prev, chan, group
+        M = len(txd)
+        self.send_t = [0.0] * M
+        self.tx_end = [0.0] * M
+        self.arrival = [-1.0] * M
+        self.link_v = [0.0] * groups  # virtual time
+        self.link_t = [0.0] * groups  # when link_v was last brought up to date
+        self.link_tags: list[list[tuple[float, int]]] = [[] for _ in range(groups)]  # heap of (tag, message)
+        self.link_ver = [0] * groups
+        self.chan_busy: dict[int, bool] = {}
+        self.chan_queue: dict[int, deque] = {}
+        self.last: dict[int, int] = {}  # per channel, the last message `add`ed
+        self.schedule, self.arrived = schedule, arrived
+
+    def add(self, chan: int, group: int, txd: float, lat: float) -> int:
+        """A new message on this channel, after those added before it; its id."""
+        x = len(self.txd)
+        self.prev.append(self.last.get(chan, -1))
+        self.last[chan] = x
+        self.chan.append(chan)
+        self.group.append(group)
+        self.txd.append(txd)
+        self.lat.append(lat)
+        self.send_t.append(0.0)
+        self.tx_end.append(0.0)
+        self.arrival.append(-1.0)
+        return x
+
+    def _advance(self, g: int, t: float) -> None:
+        k = len(self.link_tags[g])
+        if k:
+            self.link_v[g] += (t - self.link_t[g]) / k
+        self.link_t[g] = t
+
+    def _reschedule(self, g: int) -> None:
+        self.link_ver[g] += 1
+        tags = self.link_tags[g]
+        if tags:
+            self.schedule(self.link_t[g] + max(tags[0][0] - self.link_v[g], 0.0) * len(tags), g, self.link_ver[g])
+
+    def _leave_wire(self, x: int, t: float) -> None:
+        self.tx_end[x] = t
+        a = t + self.lat[x]
+        p = self.prev[x]
+        if p >= 0 and self.arrival[p] > a:
+            a = self.arrival[p]
+        self.arrival[x] = a
+        self.arrived(x)
+
+    def _enter(self, x: int, t: float) -> None:
+        g = self.group[x]
+        self.chan_busy[self.chan[x]] = True
+        self._advance(g, t)
+        heapq.heappush(self.link_tags[g], (self.link_v[g] + self.txd[x], x))
+        self._reschedule(g)
+
+    def send(self, x: int, t: float) -> None:
+        """Message x leaves its rank at t."""
+        self.send_t[x] = t
+        c = self.chan[x]
+        if self.chan_busy.get(c):  # the channel's previous message is still on a shared link: queue behind it
+            self.chan_queue.setdefault(c, deque()).append(x)
+        elif self.group[x] >= 0:
+            self._enter(x, t)
+        else:
+            p = self.prev[x]
+            tx_end = self.tx_end
+            self._leave_wire(x, (tx_end[p] if p >= 0 and tx_end[p] > t else t) + self.txd[x])
+
+    def link_event(self, g: int, version: int, t: float) -> None:
+        """The time `schedule` asked for has come (stale versions do nothing)."""
+        if version != self.link_ver[g]:
+            return
+        self._advance(g, t)
+        tags = self.link_tags[g]
+        eps = 1e-12 * max(1.0, abs(self.link_v[g]))
+        done = []
+        while tags and tags[0][0] <= self.link_v[g] + eps:
+            done.append(heapq.heappop(tags)[1])
+        for x in done:
+            self._leave_wire(x, t)
+            c = self.chan[x]
+            self.chan_busy[c] = False
+            q = self.chan_queue.get(c)
+            while q and not self.chan_busy[c]:
+                y = q.popleft()
+                if self.group[y] >= 0:
+                    self._enter(y, t)
+                else:  # no bytes: it leaves right behind the message before it
+                    self._leave_wire(y, t + self.txd[y])
+        self._reschedule(g)
+
+
+def _run_events(pl: Plan):
+    """The event-driven pass, in time order, for messages that share links (`Links`); compute ops start
+    when their rank is free and their input arrived."""
+    R, first, ends, need, cost = pl.num_ranks, pl.first, pl.ends, pl.need, pl.cost
+    mlo, mhi, off, tail, head = pl.mlo, pl.mhi, pl.off, pl.tail, pl.head
+    n, M = len(cost), len(pl.txd)
+    group = pl.group or [-1] * M
     start = [0.0] * n
     end = [0.0] * n
-    send_t = [0.0] * M
-    tx_end = [0.0] * M
-    arrival = [-1.0] * M
     waiting: dict[int, int] = {}
-    G = max(group, default=-1) + 1
-    link_v = [0.0] * G  # virtual time
-    link_t = [0.0] * G  # when link_v was last brought up to date
-    link_tags: list[list[tuple[float, int]]] = [[] for _ in range(G)]  # heap of (tag, message)
-    link_ver = [0] * G
-    chan_busy: dict[int, bool] = {}
-    chan_queue: dict[int, deque] = {}
     # (time, seq, kind, who, version): kind 0 = op end on rank `who`, 1 = link `who`, 2 = message `who`
     # leaves (its send's overhead is over)
     events: list = []
@@ -335,18 +528,6 @@ def _run_events(R, n, M, first, ends, need, cost, mlo, mhi, pre, prev, txd, lat,
         nonlocal seq
         heapq.heappush(events, (t, seq, kind, who, ver))
         seq += 1
-
-    def advance(g: int, t: float) -> None:
-        k = len(link_tags[g])
-        if k:
-            link_v[g] += (t - link_t[g]) / k
-        link_t[g] = t
-
-    def reschedule(g: int) -> None:
-        link_ver[g] += 1
-        if link_tags[g]:
-            tag = link_tags[g][0][0]
-            push(link_t[g] + max(tag - link_v[g], 0.0) * len(link_tags[g]), 1, g, link_ver[g])
 
     def try_start(r: int) -> None:
         j = pc[r]
@@ -370,36 +551,13 @@ def _run_events(R, n, M, first, ends, need, cost, mlo, mhi, pre, prev, txd, lat,
         if w is not None:
             try_start(w)
 
-    def leave_wire(x: int, t: float) -> None:
-        tx_end[x] = t
-        a = t + lat[x]
-        p = prev[x]
-        if p >= 0 and arrival[p] > a:
-            a = arrival[p]
-        arrival[x] = a
-        delivered(x)
-
-    def enter(x: int, t: float) -> None:
-        g = group[x]
-        chan_busy[chan[x]] = True
-        advance(g, t)
-        heapq.heappush(link_tags[g], (link_v[g] + txd[x], x))
-        reschedule(g)
-
-    def send(x: int, t: float) -> None:
-        send_t[x] = t
-        c = chan[x]
-        if chan_busy.get(c):  # the channel's previous message is still on a shared link: queue behind it
-            chan_queue.setdefault(c, deque()).append(x)
-        elif group[x] >= 0:
-            enter(x, t)
-        else:
-            p = prev[x]
-            leave_wire(x, (tx_end[p] if p >= 0 and tx_end[p] > t else t) + txd[x])
-
-    for x in pre:
+    links = Links(
+        pl.txd, pl.lat, pl.prev, pl.chan, group, max(group, default=-1) + 1, lambda t, g, v: push(t, 1, g, v), delivered
+    )
+    arrival = links.arrival
+    for x in pl.pre:
         if off is None:
-            send(x, 0.0)
+            links.send(x, 0.0)
         else:
             push(off[x], 2, x)
     for r in range(R):
@@ -412,7 +570,7 @@ def _run_events(R, n, M, first, ends, need, cost, mlo, mhi, pre, prev, txd, lat,
             clock[r] = t
             for x in range(mlo[j], mhi[j]):
                 if off is None:
-                    send(x, t)
+                    links.send(x, t)
                 else:
                     push(t + off[x], 2, x)
             if tail is not None:
@@ -420,34 +578,11 @@ def _run_events(R, n, M, first, ends, need, cost, mlo, mhi, pre, prev, txd, lat,
             pc[r] = j + 1
             try_start(r)
         elif kind == 2:
-            send(who, t)
-        elif ver == link_ver[who]:
-            g = who
-            advance(g, t)
-            tags = link_tags[g]
-            eps = 1e-12 * max(1.0, abs(link_v[g]))
-            done = []
-            while tags and tags[0][0] <= link_v[g] + eps:
-                done.append(heapq.heappop(tags)[1])
-            for x in done:
-                leave_wire(x, t)
-                c = chan[x]
-                chan_busy[c] = False
-                q = chan_queue.get(c)
-                while q and not chan_busy[c]:
-                    y = q.popleft()
-                    if group[y] >= 0:
-                        enter(y, t)
-                    else:  # no bytes: it leaves right behind the message before it
-                        leave_wire(y, t + txd[y])
-            reschedule(g)
-    stuck = [r for r in range(R) if pc[r] < ends[r]]
-    if stuck:
-        raise error(
-            "E403",
-            "the program cannot finish: ranks " + ", ".join(map(str, stuck)) + " wait for messages never sent",
-        )
-    return start, end, send_t, arrival
+            links.send(who, t)
+        else:
+            links.link_event(who, ver, t)
+    _finished(pc, ends)
+    return start, end, links.send_t, arrival
 
 
 def _describe_key(k: int, S: int, m: int) -> str:
