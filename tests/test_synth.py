@@ -25,6 +25,7 @@ from pipec.sim.costs import cost_model, normalize
 from pipec.errors import PipecError, Source
 from pipec.passes.memory import memory_model
 from pipec.passes.policy import Policy, PolicyStuck, derive, machine, orders_from_schedule
+from pipec.schedule import Datacenter, Link, Topology
 from pipec.sim.report import run as simulate_schedule
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -93,7 +94,19 @@ def policies(draw):
         "B": draw(st.floats(0.1, 2)),
         "W": draw(st.floats(0.1, 2)),
         "comm": draw(st.sampled_from([0.0, 0.05, 0.7])),
+        # The rest of the machine: the overhead of each transfer, links (latency, bandwidth), message sizes.
+        "overhead": draw(st.sampled_from([0.0, 0.0, 0.01, 0.05, 0.3])),
+        "latency": draw(st.sampled_from([0.0, 0.02, 0.4])),
+        "bandwidth": draw(st.sampled_from([1e6, 8e6, 1e9])),
+        "act_bytes": draw(st.sampled_from([0.0, 1e5, 4e5])),
     }
+    topology = None
+    if p >= 2 and draw(st.booleans()):  # two or three datacenters: messages between them share one link
+        cuts = sorted(draw(st.sets(st.integers(1, p - 1), min_size=1, max_size=min(2, p - 1))))
+        bounds = [0, *cuts, p]
+        dcs = tuple(Datacenter(f"d{i}", lo, hi) for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])))
+        bps = draw(st.sampled_from([None, 1e6, 8e6]))
+        topology = Topology(dcs, (Link(None, None, draw(st.sampled_from([None, 0.0, 0.1])), bps),))
     spec = synth.Spec(
         p=p,
         m=m,
@@ -102,6 +115,7 @@ def policies(draw):
         split=split,
         cost_docs=(normalize(costs),),
         limit=None if limit is None else (limit,) * p,
+        topology=topology,
     )
     pol = Policy(
         prefer,
@@ -122,6 +136,11 @@ def test_derived_orders_are_valid_and_timed_like_the_simulator(case):
     except PolicyStuck:
         return  # a policy may be unable to finish (a limit too tight); the language reports it as E213
     sim, fig = synth.evaluate_orders(spec, d.orders)  # every check: ownership, once, order, memory, deadlock
+    tl = sim.timeline
+    for r in range(spec.p):  # every op starts and ends when the simulator says (to rounding)
+        sel = np.flatnonzero(tl.rank == r)
+        assert np.allclose(tl.start[sel], d.start[r], rtol=0, atol=1e-9)
+        assert np.allclose(tl.end[sel], d.end[r], rtol=0, atol=1e-9)
     assert fig.makespan == pytest.approx(d.makespan, abs=1e-9)
     assert fig.cost == pytest.approx(d.cost, abs=1e-9)
     assert max(fig.peak) == pytest.approx(max(d.peak), abs=1e-9)

@@ -2,12 +2,14 @@
 
 A policy says how a rank chooses among its ready ops; the list scheduler plays
 the whole pipeline forward under a cost model and records, per rank, the order
-in which the ops ran. The machine is the simulator's (`pipec.sim.simulate`): a rank
-runs one compute op at a time; an op is ready when its inputs are (its local
-inputs have run, its remote input has arrived); a message from stage s leaves
-when the op producing it ends and travels `bytes / bandwidth`, then
-`latency + comm[s]`, in issue order per pair of ranks. So the times the
-scheduler sees are exactly the times `pipec simulate` reports for the order it
+in which the ops ran. The machine is the simulator's, and its pieces are the
+simulator's own code (`pipec.sim.simulate`): a rank runs one compute op at a
+time; an op is ready when its inputs are (its local inputs have run, its remote
+input has arrived); messages are timed by `CostModel.wire` and `Links` (per
+pair of ranks in issue order, shared cross-datacenter links dividing their
+bandwidth); the `overhead` of each send and receive is the Program's, read from
+the simulator's `Plan` of the lowered orders (see `derive`). So the times the
+scheduler reports are the times `pipec simulate` reports for the order it
 derives under the same costs.
 
 The policy, per rank r:
@@ -35,12 +37,18 @@ rank number, so the result is a pure function of the inputs.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from pipec.opcodes import KIND_OF, OUT_MSG, OUT_PEER_STAGE
+from pipec.schedule import RankOps, Schedule
+from pipec.sim.costs import CostModel
+from pipec.sim.simulate import Links, Plan, plan, shared_links, simulate
 
 KINDS = ("F", "B", "W")
 W_MODES = ("idle", "fit")
@@ -80,7 +88,8 @@ def _num(x: float) -> str:
 
 @dataclass(frozen=True)
 class Machine:
-    """What the list scheduler needs of a schedule and its cost and memory models (plain arrays)."""
+    """What the list scheduler needs of a schedule and its cost and memory models (plain arrays), and
+    the cost model and schedule shape themselves: the simulator's machine model reads them."""
 
     num_stages: int
     num_ranks: int
@@ -99,9 +108,11 @@ class Machine:
     wact: np.ndarray
     params: np.ndarray  # per rank
     limit: np.ndarray = field(default_factory=lambda: np.zeros(0))  # per rank; NaN: none
+    costs: CostModel | None = None  # the whole cost model (overhead, shared links): `machine` sets it
+    shape: Schedule | None = None  # the schedule without its orders, to lower derived orders
 
 
-def machine(sched, costs, memory: dict[str, np.ndarray]) -> Machine:
+def machine(sched: Schedule, costs: CostModel, memory: dict[str, np.ndarray]) -> Machine:
     """A Machine from a Schedule's shape, a `pipec.sim.costs.CostModel` and a `pipec.passes.memory.memory_model`."""
     R, S = sched.num_ranks, sched.num_stages
     params = np.zeros(R)
@@ -126,6 +137,8 @@ def machine(sched, costs, memory: dict[str, np.ndarray]) -> Machine:
         wact=np.asarray(memory["wact"], float),
         params=params,
         limit=np.asarray(memory["limit"], float),
+        costs=costs,
+        shape=dataclasses.replace(sched, ranks=()),
     )
 
 
@@ -144,107 +157,226 @@ class Derived:
 
     @property
     def cost(self) -> float:
-        """The longest rank's span (Zero Bubble's objective, `Stats.cost`)."""
+        """The longest rank's span (`Stats.cost`, synth's tie-break after the makespan)."""
         return max((e[-1] - s[0] for s, e in zip(self.start, self.end) if e), default=0.0)
 
 
+# How many times derive re-plays the policy with the overhead of its previous orders' Program (below).
+SETTLE_ROUNDS = 6
+
+
 def derive(mc: Machine, policy: Policy) -> Derived:
-    """List-schedule every op under the policy; raises PolicyStuck when the policy cannot finish."""
-    S, R, m = mc.num_stages, mc.num_ranks, mc.num_microbatches
-    split = mc.split
-    kinds = 3 if split else 2
-    place = mc.placement
-    prio = {k: i for i, k in enumerate(policy.prefer)}
-    if not split:
-        prio.pop("W", None)
-    if set(prio) != set(KINDS[:kinds]):
-        raise ValueError(f"prefer must order {', '.join(KINDS[:kinds])}, got {', '.join(policy.prefer)}")
-    pr = [prio["F"], prio["B"], prio.get("W", 9)]
-    dur = [mc.F.tolist(), mc.B.tolist(), mc.W.tolist()]
-    act, wact = mc.act.tolist(), (mc.wact.tolist() if split else [0.0] * S)
-    limit = [math.inf if not (x == x) else float(x) for x in (mc.limit.tolist() or [math.nan] * R)]
-    params = mc.params.tolist()
-    inflight = [math.inf] * R if policy.inflight is None else [float(x) for x in policy.inflight]
-    st_inflight = [math.inf] * S if policy.stage_inflight is None else [float(x) for x in policy.stage_inflight]
-    lag = [0] * R if policy.w_lag is None else list(policy.w_lag)
-    fit = policy.w_mode == "fit"
-    if policy.w_mode not in W_MODES:
-        raise ValueError(f"w_mode must be one of {W_MODES}")
-    lat = mc.latency.tolist()
-    bw = mc.bandwidth.tolist()
-    comm = mc.comm.tolist()
-    abytes, gbytes = mc.act_bytes.tolist(), mc.grad_bytes.tolist()
+    """List-schedule every op under the policy; raises PolicyStuck when the policy cannot finish.
 
-    # Candidates per rank: ops whose inputs are all scheduled, as [ready time, kind, mb, stage].
-    # F(0..m-1, s) of a first stage, and every op once its inputs are known.
-    cand: list[dict[tuple[int, int, int], float]] = [{} for _ in range(R)]
-    pending_inputs: dict[tuple[int, int, int], list] = {}  # op -> [inputs still missing, ready time]
-    for s in range(S):
-        if s == 0:
-            for i in range(m):
-                cand[place[0]][(0, i, 0)] = 0.0
-    clock = [0.0] * R
-    live = [0] * R  # activations on the rank
-    live_stage = [0] * S
-    mem = [0.0] * R
-    peak = list(params)
-    b_done = [[False] * m for _ in range(S)]
-    b_count = [0] * S  # B done per stage
-    left = [0] * R
-    for s in range(S):
-        left[place[s]] += kinds * m
-    orders: list[list[tuple[int, int, int]]] = [[] for _ in range(R)]
-    starts: list[list[float]] = [[] for _ in range(R)]
-    ends: list[list[float]] = [[] for _ in range(R)]
-    chan_tx: dict[tuple[int, int], float] = {}
-    chan_arr: dict[tuple[int, int], float] = {}
+    The times are the simulator's for the Program of the derived orders. Without `overhead` the
+    scheduler's own times are (it times each op with the simulator's pieces, in time order). With it,
+    each receive costs its rank time where the lowering posts it, which depends on every rank's whole
+    order (`pipec.passes.lower`): so the policy plays again with the overhead of the Program of its
+    previous orders (`pipec.sim.simulate.Plan`) until the orders settle (then its times are that
+    Program's, exactly); if they do not within SETTLE_ROUNDS, the last orders get the simulator's times.
+    """
+    if mc.costs is None or mc.shape is None:
+        raise ValueError("derive needs a Machine built by `machine` (its cost model and schedule shape)")
+    d = _ListScheduler(mc, policy, None).run()
+    if not mc.costs.overhead:
+        return d
+    for _ in range(SETTLE_ROUNDS):
+        pl = plan(_lowered(mc, d.orders), mc.costs)
+        again = _ListScheduler(mc, policy, _Overheads.of(pl)).run()
+        if again.orders == d.orders:
+            return again
+        d = again
+    tl = simulate(_lowered(mc, d.orders), mc.costs)
+    sel = [np.flatnonzero(tl.rank == r) for r in range(mc.num_ranks)]
+    return Derived(
+        d.orders, tuple(tuple(tl.start[x].tolist()) for x in sel), tuple(tuple(tl.end[x].tolist()) for x in sel), d.peak
+    )
 
-    def inputs_needed(k: int, i: int, s: int) -> int:
+
+def _lowered(mc: Machine, orders: Sequence[Sequence[tuple[int, int, int]]]):
+    """The Program of these orders (pipec.passes.lower, as `pipec compile` would lower them)."""
+    from pipec.passes.lower import lower
+
+    ranks = []
+    for ops in orders:
+        a = np.asarray(ops, dtype=np.int64).reshape(-1, 3)
+        z = np.zeros(len(a), np.int64)
+        ranks.append(RankOps(a[:, 0].copy(), a[:, 1].copy(), a[:, 2].copy(), z, np.zeros(len(a), dtype=bool)))
+    return lower(dataclasses.replace(mc.shape, ranks=tuple(ranks)))
+
+
+@dataclass(frozen=True)
+class _Overheads:
+    """The overhead of a Program (`Plan.off`, `tail`, `head`) keyed by op and message, not position."""
+
+    after: dict[tuple[int, int, int], float]  # (kind, mb, stage): the rank's time on the transfers after it
+    leave: dict[tuple[int, int, int], float]  # (message, stage, mb): how long after its producer's end it leaves
+    head: tuple[float, ...]  # per rank: the time on transfers before its first compute op
+
+    @classmethod
+    def of(cls, pl: Plan) -> _Overheads:
+        kinds = KIND_OF[pl.c_op].tolist()
+        after = dict(zip(zip(kinds, pl.c_mb.tolist(), pl.c_stage.tolist()), pl.tail or ()))
+        leave = dict(zip(zip(pl.m_kind.tolist(), pl.m_stage.tolist(), pl.m_mb.tolist()), pl.off or ()))
+        return cls(after, leave, tuple(pl.head or ()))
+
+
+class _ListScheduler:
+    """One play of the pipeline under a policy: the ranks' state as time goes forward, and its steps.
+
+    Decisions and network events run in time order from one heap of (time, kind, who, version): kind 0
+    a shared link's event, 1 a message leaving its rank (onto a contended shared link), 2 rank `who`
+    deciding; at one time links first, then ranks by number, so the result is a pure function of the
+    inputs. Messages are timed by the simulator's `Links` (and `CostModel.wire`, `shared_links`).
+    """
+
+    def __init__(self, mc: Machine, policy: Policy, overheads: _Overheads | None) -> None:
+        S, R, m = mc.num_stages, mc.num_ranks, mc.num_microbatches
+        self.S, self.R, self.m, self.place = S, R, m, mc.placement
+        split = mc.split
+        self.kinds = 3 if split else 2
+        prio = {k: i for i, k in enumerate(policy.prefer)}
+        if not split:
+            prio.pop("W", None)
+        if set(prio) != set(KINDS[: self.kinds]):
+            raise ValueError(f"prefer must order {', '.join(KINDS[: self.kinds])}, got {', '.join(policy.prefer)}")
+        if policy.w_mode not in W_MODES:
+            raise ValueError(f"w_mode must be one of {W_MODES}")
+        self.pr = [prio["F"], prio["B"], prio.get("W", 9)]
+        self.dur = [mc.F.tolist(), mc.B.tolist(), mc.W.tolist()]
+        self.act, self.wact = mc.act.tolist(), (mc.wact.tolist() if split else [0.0] * S)
+        self.limit = [math.inf if not (x == x) else float(x) for x in (mc.limit.tolist() or [math.nan] * R)]
+        self.params = mc.params.tolist()
+        self.inflight = [math.inf] * R if policy.inflight is None else [float(x) for x in policy.inflight]
+        self.st_inflight = (
+            [math.inf] * S if policy.stage_inflight is None else [float(x) for x in policy.stage_inflight]
+        )
+        self.lag = [0] * R if policy.w_lag is None else list(policy.w_lag)
+        self.fit = policy.w_mode == "fit"
+        self.overheads = overheads
+        self._network(mc)
+
+        # Candidates per rank: ops whose inputs are all known, with their ready time; F(0..m-1) of stage 0 first.
+        self.cand: list[dict[tuple[int, int, int], float]] = [{} for _ in range(R)]
+        self.pending: dict[tuple[int, int, int], list] = {}  # op -> [inputs still missing, ready time]
+        for i in range(m):
+            self.cand[self.place[0]][(0, i, 0)] = 0.0
+        self.clock = [0.0] * R if overheads is None else list(overheads.head)
+        self.live = [0] * R  # activations on the rank
+        self.live_stage = [0] * S
+        self.mem = [0.0] * R
+        self.peak = list(self.params)
+        self.b_done = [[False] * m for _ in range(S)]
+        self.b_count = [0] * S  # B done per stage
+        self.left = [0] * R
+        for s in range(S):
+            self.left[self.place[s]] += self.kinds * m
+        self.orders: list[list[tuple[int, int, int]]] = [[] for _ in range(R)]
+        self.starts: list[list[float]] = [[] for _ in range(R)]
+        self.ends: list[list[float]] = [[] for _ in range(R)]
+        self.heap: list[tuple[float, int, int, int]] = []
+        self.version = [0] * R
+
+    def _network(self, mc: Machine) -> None:
+        """Per message class (kind of the op that sends it, its stage): the simulator's wire terms."""
+        S, R, place = self.S, self.R, np.asarray(self.place, dtype=np.int64)
+        cls = [(k, s) for k in (0, 1) for s in range(S) if 0 <= s + OUT_PEER_STAGE[k] < S]
+        k_arr = np.array([k for k, _ in cls], dtype=np.int64)
+        s_arr = np.array([s for _, s in cls], dtype=np.int64)
+        src, dst = place[s_arr], place[s_arr + OUT_PEER_STAGE[k_arr]]
+        _, txd, lat = mc.costs.wire(OUT_MSG[k_arr], s_arr, src, dst)
+        group = shared_links(mc.costs, src, dst, txd) if len(cls) else None
+        self.contended = group is not None
+        self.wire = {
+            c: (int(a) * R + int(b), g, float(t), float(la))
+            for c, a, b, g, t, la in zip(cls, src, dst, group or [-1] * len(cls), txd, lat)
+        }
+        self.to: list[tuple[tuple[int, int, int], int]] = []  # per message: the op it feeds, its rank
+        self.links = Links([], [], [], [], [], max(group or [-1]) + 1, self._link_at, self._arrived)
+
+    def _link_at(self, t: float, g: int, version: int) -> None:
+        heapq.heappush(self.heap, (t, 0, g, version))
+
+    def _arrived(self, x: int) -> None:
+        op, dst = self.to[x]
+        self._deliver(op, self.links.arrival[x])
+        if self.contended:  # an event: the receiver may act now
+            self._push(dst)
+
+    def run(self) -> Derived:
+        for r in range(self.R):
+            self._push(r)
+        heap, links = self.heap, self.links
+        while heap:
+            t, kind, who, ver = heapq.heappop(heap)
+            if kind == 0:
+                links.link_event(who, ver, t)
+                continue
+            if kind == 1:
+                links.send(who, t)
+                continue
+            r = who
+            if ver != self.version[r]:
+                continue
+            t2, op = self._choose(r)
+            if op is None:
+                continue
+            if t2 != t:  # state changed since pushed; re-queue at the new time
+                heapq.heappush(heap, (t2, 2, r, ver))
+                continue
+            for rr in self._run_op(r, op, t):
+                self._push(rr)
+        if any(self.left):
+            raise self._stuck()
+        return Derived(
+            tuple(tuple(o) for o in self.orders),
+            tuple(tuple(x) for x in self.starts),
+            tuple(tuple(x) for x in self.ends),
+            tuple(self.peak),
+        )
+
+    def _push(self, r: int) -> None:
+        self.version[r] += 1
+        t, _ = self._choose(r)
+        if t < math.inf:
+            heapq.heappush(self.heap, (t, 2, r, self.version[r]))
+
+    def _inputs(self, k: int, s: int) -> int:
+        """How many inputs op kind k on stage s waits for: F its stage's input (none on stage 0), B its F and
+        the gradient from the next stage (none on the last), W its B."""
         if k == 0:
             return 1 if s > 0 else 0
         if k == 1:
-            return 2 if s < S - 1 else 1
+            return 2 if s < self.S - 1 else 1
         return 1
 
-    def deliver(op: tuple[int, int, int], t: float) -> None:
+    def _deliver(self, op: tuple[int, int, int], t: float) -> None:
         """One input of `op` is available at t."""
         k, i, s = op
-        st = pending_inputs.get(op)
+        st = self.pending.get(op)
         if st is None:
-            st = pending_inputs[op] = [inputs_needed(k, i, s), 0.0]
+            st = self.pending[op] = [self._inputs(k, s), 0.0]
         st[0] -= 1
         if t > st[1]:
             st[1] = t
         if st[0] == 0:
-            del pending_inputs[op]
-            cand[place[s]][op] = st[1]
+            del self.pending[op]
+            self.cand[self.place[s]][op] = st[1]
 
-    def send(src_rank: int, dst_rank: int, s: int, nbytes: float, t: float) -> float:
-        if src_rank == dst_rank:
-            return t
-        key = (src_rank, dst_rank)
-        b = bw[src_rank][dst_rank]
-        tx = nbytes / b if (nbytes > 0 and b != math.inf) else 0.0
-        t0 = max(t, chan_tx.get(key, 0.0))
-        te = t0 + tx
-        chan_tx[key] = te
-        a = max(te + lat[src_rank][dst_rank] + comm[s], chan_arr.get(key, -1.0))
-        chan_arr[key] = a
-        return a
-
-    def w_allowed(r: int, i: int, s: int) -> bool:
-        g = lag[r]
+    def _w_allowed(self, r: int, i: int, s: int) -> bool:
+        g = self.lag[r]
         if g <= 0:
             return True
-        return (i + g < m and b_done[s][i + g]) or b_count[s] == m
+        return (i + g < self.m and self.b_done[s][i + g]) or self.b_count[s] == self.m
 
-    def choose(r: int) -> tuple[float, tuple[int, int, int] | None]:
+    def _choose(self, r: int) -> tuple[float, tuple[int, int, int] | None]:
         """The time rank r acts next and the op it runs then (None: nothing it may run is known)."""
-        c = cand[r]
+        c = self.cand[r]
         if not c:
             return math.inf, None
-        room = limit[r] - params[r] + 1e-9 - mem[r]
-        f_live_ok = live[r] < inflight[r]
+        act, pr = self.act, self.pr
+        room = self.limit[r] - self.params[r] + 1e-9 - self.mem[r]
+        f_live_ok = self.live[r] < self.inflight[r]
         # Memory pressure: a forward is held back by memory and a W could free some: W passes run
         # whatever the W mode and lag say.
         pressure = any(op[0] == 2 for op in c) and any(op[0] == 0 and act[op[2]] > room for op in c)
@@ -252,103 +384,93 @@ def derive(mc: Machine, policy: Policy) -> Derived:
         for op, ready in c.items():
             k, i, s = op
             if k == 0:
-                if not (f_live_ok and live_stage[s] < st_inflight[s] and act[s] <= room):
+                if not (f_live_ok and self.live_stage[s] < self.st_inflight[s] and act[s] <= room):
                     continue
-            elif k == 2 and not pressure and not w_allowed(r, i, s):
+            elif k == 2 and not pressure and not self._w_allowed(r, i, s):
                 continue
             elig.append((ready, op))
         if not elig:
             return math.inf, None
-        t = max(clock[r], min(x[0] for x in elig))
+        t = max(self.clock[r], min(x[0] for x in elig))
         while True:
             op = min((o for ready, o in elig if ready <= t), key=_tie(pr))
-            if op[0] != 2 or not fit or pressure:
+            if op[0] != 2 or not self.fit or pressure:
                 return t, op
             # W in "fit" mode: only if it ends before every better op the rank knows is coming.
             better = [ready for ready, o in elig if pr[o[0]] < pr[2] and ready > t]
-            if not better or t + dur[2][op[2]] <= min(better) + 1e-12:
+            if not better or t + self.dur[2][op[2]] <= min(better) + 1e-12:
                 return t, op
             t = min(better)
 
-    heap: list[tuple[float, int, int]] = []
-    version = [0] * R
-
-    def push(r: int) -> None:
-        version[r] += 1
-        t, _ = choose(r)
-        if t < math.inf:
-            heapq.heappush(heap, (t, r, version[r]))
-
-    for r in range(R):
-        push(r)
-    done = 0
-    total = sum(left)
-    while heap:
-        t, r, ver = heapq.heappop(heap)
-        if ver != version[r]:
-            continue
-        t2, op = choose(r)
-        if op is None:
-            continue
-        if t2 != t:  # state changed since pushed; re-queue at the new time
-            heapq.heappush(heap, (t2, r, ver))
-            continue
+    def _run_op(self, r: int, op: tuple[int, int, int], start: float) -> set[int]:
+        """Rank r runs op from `start`: its effects on memory and on the ops it feeds; the ranks touched."""
         k, i, s = op
-        del cand[r][op]
-        start = t
-        end = start + dur[k][s]
-        clock[r] = end
-        orders[r].append(op)
-        starts[r].append(start)
-        ends[r].append(end)
-        left[r] -= 1
-        done += 1
+        del self.cand[r][op]
+        end = start + self.dur[k][s]
+        ov = self.overheads
+        self.clock[r] = end if ov is None else end + ov.after.get(op, 0.0)
+        self.orders[r].append(op)
+        self.starts[r].append(start)
+        self.ends[r].append(end)
+        self.left[r] -= 1
         touched = {r}
+        mem, params, peak = self.mem, self.params, self.peak
         if k == 0:
-            live[r] += 1
-            live_stage[s] += 1
-            mem[r] += act[s]
+            self.live[r] += 1
+            self.live_stage[s] += 1
+            mem[r] += self.act[s]
             if mem[r] + params[r] > peak[r]:
                 peak[r] = mem[r] + params[r]
-            deliver((1, i, s), end)  # B(i, s) needs F(i, s)
-            if s < S - 1:
-                dst = place[s + 1]
-                deliver((0, i, s + 1), send(r, dst, s, abytes[s], end))
-                touched.add(dst)
+            self._deliver((1, i, s), end)  # B(i, s) needs F(i, s)
         elif k == 1:
-            live[r] -= 1
-            live_stage[s] -= 1
-            mem[r] += wact[s] - act[s]
+            self.live[r] -= 1
+            self.live_stage[s] -= 1
+            mem[r] += self.wact[s] - self.act[s]
             if mem[r] + params[r] > peak[r]:
                 peak[r] = mem[r] + params[r]
-            b_done[s][i] = True
-            b_count[s] += 1
-            if split:
-                deliver((2, i, s), end)
-            if s > 0:
-                dst = place[s - 1]
-                deliver((1, i, s - 1), send(r, dst, s, gbytes[s], end))
-                touched.add(dst)
+            self.b_done[s][i] = True
+            self.b_count[s] += 1
+            if self.kinds == 3:
+                self._deliver((2, i, s), end)
         else:
-            mem[r] -= wact[s]
-        for rr in touched:
-            push(rr)
-    if done != total:
-        stuck = [r for r in range(R) if left[r]]
-        r = stuck[0]
+            mem[r] -= self.wact[s]
+        if OUT_MSG[k] >= 0 and 0 <= s + OUT_PEER_STAGE[k] < self.S:
+            touched.add(self._send(r, op, end))
+        return touched
+
+    def _send(self, r: int, op: tuple[int, int, int], end: float) -> int:
+        """The output of `op` (ended at `end`) to the same kind of op on the next stage in its direction;
+        the rank it goes to."""
+        k, i, s = op
+        nxt = (k, i, s + int(OUT_PEER_STAGE[k]))
+        dst = self.place[nxt[2]]
+        if dst == r:  # handed over locally
+            self._deliver(nxt, end)
+            return dst
+        chan, group, txd, lat = self.wire[k, s]
+        x = self.links.add(chan, group, txd, lat)
+        self.to.append((nxt, dst))
+        ov = self.overheads
+        leave = end if ov is None else end + ov.leave.get((int(OUT_MSG[k]), s, i), 0.0)
+        if self.contended:
+            heapq.heappush(self.heap, (leave, 1, x, 0))
+        else:
+            self.links.send(x, leave)  # per-pair order only: its arrival is known now
+        return dst
+
+    def _stuck(self) -> PolicyStuck:
+        stuck = [r for r in range(self.R) if self.left[r]]
         notes = []
         for rr in stuck[:4]:
-            why = _why_stuck(rr, cand[rr], live[rr], inflight[rr], mem[rr] + params[rr], limit[rr])
-            notes.append(f"rank {rr}: {left[rr]} op(s) left; {why}")
-        raise PolicyStuck(
-            f"the policy cannot finish: ranks {', '.join(map(str, stuck))} can run none of their ops", r, tuple(notes)
+            why = _why_stuck(
+                rr, self.cand[rr], self.live[rr], self.inflight[rr], self.mem[rr] + self.params[rr], self.limit[rr]
+            )
+            notes.append(f"rank {rr}: {self.left[rr]} op(s) left; {why}")
+        return PolicyStuck(
+            f"the policy cannot finish: ranks {', '.join(map(str, stuck))} can run none of their ops",
+            stuck[0],
+            tuple(notes),
         )
-    return Derived(
-        tuple(tuple(o) for o in orders),
-        tuple(tuple(x) for x in starts),
-        tuple(tuple(x) for x in ends),
-        tuple(peak),
-    )
 
 
 def _tie(pr: list[int]):
