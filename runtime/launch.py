@@ -18,7 +18,7 @@ import traceback
 from collections.abc import Sequence
 
 from pipec.runtime.affinity import MODES, bind_local_rank
-from pipec.runtime.monitor import block_sigterm, say
+from pipec.runtime.monitor import block_sigterm, die_with_parent, say
 
 
 def parser() -> argparse.ArgumentParser:
@@ -81,8 +81,8 @@ def add_run_options(ap: argparse.ArgumentParser) -> None:
 
 def load_program(spec: str, defines: Sequence[str | tuple[str, str]]):
     """A Program from a compiled file (JSON or text), or by compiling a schedule with its parameters."""
-    from pipec.frontend import library
     from pipec.api import build
+    from pipec.frontend import library
     from pipec.passes.compiler import compile_schedule
     from pipec.program import FORMAT, from_json, from_text
 
@@ -98,6 +98,7 @@ def load_program(spec: str, defines: Sequence[str | tuple[str, str]]):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    die_with_parent()  # a SIGKILL of the launcher must not leave this rank training on
     block_sigterm()  # before torch starts any thread
     args = parser().parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
@@ -210,6 +211,7 @@ class Worker:
 
         from pipec.runtime.monitor import Monitor
         from pipec.runtime.runner import Runner
+        from pipec.runtime.sameness import check_same_program
 
         torch, args = self.torch, self.args
         if args.backend == "nccl":
@@ -230,6 +232,15 @@ class Worker:
             dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
         self.store = dist.distributed_c10d._get_default_store()
         self.monitor = Monitor(self.rank, self.world, self.where, self._store_factory(dist, args.timeout)).start()
+        # Before any transfer: nodes launched with different schedules fail here, in seconds, not at the timeout.
+        check_same_program(
+            self.store,
+            self.rank,
+            self.program,
+            self.model.path,
+            args.timeout,
+            os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
+        )
         m = self.model
         self.runner = Runner(
             self.program,

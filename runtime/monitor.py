@@ -34,6 +34,24 @@ ACKS = "pipec/stopped"
 STOPPED = 75  # exit status of a rank that stops because another one failed (the failing one exits 1)
 
 
+def die_with_parent() -> None:
+    """Linux: have the kernel kill this rank when its parent (torchrun's agent, or `pipec run`) dies, so a
+    SIGKILL of the launcher leaves no rank training on. Call first thing; if the parent is already gone
+    by then, exit at once."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:
+        os._exit(STOPPED)
+
+
 def block_sigterm() -> None:
     """Call before any thread starts (before importing torch) so the signal thread alone takes SIGTERM."""
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
@@ -127,16 +145,16 @@ class Monitor:
         if self.stopped.is_set():  # woken by stop(): the run is over
             return
         reason = None
-        try:
-            self.store.wait([ABORT], timedelta(seconds=3))
+        try:  # a rank that failed writes its record before it exits, so before the launcher sends SIGTERM
+            self.store.wait([ABORT], timedelta(seconds=1))
             _, reason = _parse(self.store.get(ABORT))
         except Exception:
             pass
         if self.failing:
             os._exit(self.exit_code)
         say(
-            f"pipec: rank {self.rank}: stopped by the launcher at {self.where()}"
-            + (f", because {reason}" if reason else " (another rank failed; see the launcher's report)")
+            f"pipec: rank {self.rank}: stopped by SIGTERM from the launcher at {self.where()}"
+            + (f", because {reason}" if reason else " (no rank reported a failure: the job was stopped)")
         )
         os._exit(STOPPED)
 

@@ -6,10 +6,15 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import subprocess
 import sys
 import tempfile
 
-from pipec.program import Program, to_json
+from pipec.program import Program, write_json
+
+# Waits for its standard input to close, which happens however `pipec run` ends (a SIGKILL included),
+# then removes the run's temporary folder if it is still there.
+_REAPER = "import shutil, sys; sys.stdin.buffer.read(); shutil.rmtree(sys.argv[1], ignore_errors=True)"
 
 
 def run(args: argparse.Namespace, program: Program) -> int:
@@ -72,10 +77,11 @@ def run_torchrun(args: argparse.Namespace, program: Program, nproc: int) -> int:
 
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    with tempfile.TemporaryDirectory(prefix="pipec-run-") as tmp:
+    tmp = tempfile.mkdtemp(prefix="pipec-run-")
+    with _reaper(tmp):  # removes tmp when this block ends, or when this process is killed
         path = os.path.join(tmp, "program.json")
         with open(path, "w") as f:
-            f.write(to_json(program))
+            write_json(program, f)
         targv = ["--standalone", "--nproc-per-node", str(nproc), "--module", "pipec.runtime.launch"]
         try:
             torchrun(get_args_parser().parse_args(targv + worker_args(args, path)))
@@ -86,6 +92,23 @@ def run_torchrun(args: argparse.Namespace, program: Program, nproc: int) -> int:
             print(f"pipec run: stopped by {e.sigval.name}", file=sys.stderr)
             return 128 + int(e.sigval)
     return 0
+
+
+class _reaper:
+    """A small process that removes `folder` when the block ends or this process dies, however it dies."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def __enter__(self) -> _reaper:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _REAPER, self.folder], stdin=subprocess.PIPE, start_new_session=True
+        )
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
 
 
 def failure_summary(failures: dict) -> str:

@@ -66,11 +66,17 @@ def _rank_main(entry: str, argv: list[str], env: dict[str, str], out: str, err: 
 
 
 def launch(
-    nproc: int, entry: str, argv: list[str], *, env: dict[str, str] | None = None, timeout: float = 120.0
+    nproc: int,
+    entry: str,
+    argv: list[str] | list[list[str]],
+    *,
+    env: dict[str, str] | None = None,
+    timeout: float = 120.0,
 ) -> tuple[list[RankResult], float, int]:
     """Run ranks 0..nproc-1 of one job: entry "launch" (pipec.runtime.launch) or "worker"
-    (tests/runtime_worker.py) with ARGV. Returns the results, the wall time and the number of keys the
-    ranks left in the store. Fails the test (never hangs) past `timeout`."""
+    (tests/runtime_worker.py) with ARGV (one list for all, or one list per rank, as separately launched
+    nodes would be). Returns the results, the wall time and the number of keys the ranks left in the
+    store. Fails the test (never hangs) past `timeout`."""
     import tempfile
 
     import pytest
@@ -92,7 +98,8 @@ def launch(
     start = time.monotonic()
     for r in range(nproc):
         e = dict(base, RANK=str(r), LOCAL_RANK=str(r))
-        p = ctx.Process(target=_rank_main, args=(entry, argv, e, *files[r]))
+        mine = argv[r] if argv and isinstance(argv[0], list) else argv
+        p = ctx.Process(target=_rank_main, args=(entry, mine, e, *files[r]))
         p.start()
         procs.append(p)
     for p in procs:

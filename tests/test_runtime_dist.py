@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -136,6 +137,16 @@ def test_program_for_other_number_of_processes_fails_before_communicating():
     assert keys == 0  # nobody touched the store: no rendezvous, no communication
 
 
+def test_nodes_given_different_schedules_fail_at_start_up():
+    """Issue 16: node 0 with 1f1b, node 1 with gpipe used to deadlock until the timeout."""
+    common = ["-D", "p=2", "-D", "m=2", "--model", "examples/mlp.py", "--timeout", "60"]
+    results, elapsed, _ = launch(2, "launch", [["1f1b", *common], ["gpipe", *common]], timeout=60)
+    msg = "rank 1 was given `gpipe` (p=2 m=2) with mlp.py, but rank 0 runs `1f1b` (p=2 m=2) with mlp.py"
+    assert results[1].returncode == 1 and msg in results[1].stderr, results[1].stderr
+    assert results[0].returncode == STOPPED and msg in results[0].stderr, results[0].stderr
+    assert elapsed < 30  # seconds, not the 60 s timeout
+
+
 # ---- pipec run (through torchrun) ------------------------------------------------------------------------
 
 
@@ -231,3 +242,75 @@ def test_pipec_run_carries_on_when_its_reader_goes():
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err.decode()
     assert b"Traceback" not in err and b"BrokenPipeError" not in err, err.decode()
+
+
+def _children(pid: int) -> list[int]:
+    """The live child processes of `pid` (Linux /proc)."""
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                kids.append(int(entry))
+    return kids
+
+
+def _start_long_run(tmp_path) -> subprocess.Popen:
+    e = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path), **MLP_ENV)
+    cmd = [sys.executable, "-m", "pipec", "run", "1f1b", "-D", "p=2", "-D", "m=2", "--model", "examples/mlp.py"]
+    proc = subprocess.Popen(
+        [*cmd, "--steps", "100000"], cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert proc.stdout.readline().startswith("1f1b (p=2 m=2)")  # the ranks are up and training
+    return proc
+
+
+def _gone(pids: list[int], within: float) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if not any(_alive(p) for p in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_sigkill_of_pipec_run_ends_its_ranks_and_removes_its_files(tmp_path):
+    """Issue 16: after `kill -9` of `pipec run`, its workers trained on and /tmp/pipec-run-* stayed."""
+    proc = _start_long_run(tmp_path)
+    workers = [p for p in _children(proc.pid) if "pipec.runtime.launch" in open(f"/proc/{p}/cmdline").read()]
+    assert len(workers) == 2
+    assert [p.name for p in tmp_path.glob("pipec-run-*")]  # the run's program file is there while it runs
+    proc.kill()
+    proc.wait(timeout=10)
+    assert _gone(workers, within=5), "the ranks outlived `pipec run` by more than 5 s"
+    deadline = time.monotonic() + 5
+    while list(tmp_path.glob("pipec-run-*")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not list(tmp_path.glob("pipec-run-*"))
+
+
+def test_sigterm_of_pipec_run_stops_the_job_and_says_so(tmp_path):
+    import signal
+
+    proc = _start_long_run(tmp_path)
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "pipec run: stopped by SIGTERM" in err
+    assert "another rank failed" not in err
+    assert time.monotonic() - start < 5
+    assert not list(tmp_path.glob("pipec-run-*"))
