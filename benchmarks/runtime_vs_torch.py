@@ -9,8 +9,13 @@ what a training loop does: zero the gradients, the schedule's forward and backwa
 stage (torch's `schedule.step()` then `optimizer.step()`; pipec's `Runner.step`, whose STEP instructions
 run the optimizers). Its time is the slowest rank's, between two barriers.
 
-Each system runs `--steps` steps per round (after two warm-up steps, where the first-step shape inference
-lives), rounds alternate between the two systems so both see the same load, and the median over all
+Before timing, each system runs one step from the same initial weights on the same batch, and their
+gradients are compared, parameter by parameter, in float64: the largest relative difference
+(max |pipec - torch| / max |torch| over each tensor) is in every line as `grad_max_rel_diff`, and the
+script exits with an error when it exceeds `grad_rtol` (1e-9). That step also holds the first-step
+shape inference. Each system then runs `--steps` steps per round (after two warm-up steps), rounds
+alternate between the two systems (`sidebyside.alternate`: torch, pipec, torch, ...) so both see the
+same load, and the median over all
 timed steps is reported: one JSON line per schedule with the ratio pipec/torch (target <= 1.0), and the
 CPU seconds per step of all four processes (all their threads: compute, Python, gloo's I/O threads),
 which other load on the machine disturbs less than wall time. Then the dispatch overhead on an empty
@@ -24,11 +29,12 @@ average before the run (other processes) and after it is in every line.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
+
+from sidebyside import alternate, emit, load_average
 
 P, M, ROWS, WIDTH, BLOCKS = 4, 8, 32, 256, 16
 SCHEDULES = {  # pipec library name -> (torch class name, stages, placement)
@@ -141,6 +147,31 @@ class PipecSide:
         self.runner.step(x, y)
 
 
+GRAD_RTOL = 1e-9  # float64: the two systems sum the same micro-batch gradients, in orders that may differ
+
+
+def grads_of(modules: dict) -> dict[tuple[int, str], object]:
+    """This rank's gradients by (stage, parameter name), after a step."""
+    return {(s, n): p.grad for s, mod in modules.items() for n, p in mod.named_parameters()}
+
+
+def largest_rel_diff(ours: dict, theirs: dict) -> tuple[float, int]:
+    """max over parameters of max|ours - theirs| / max|theirs| (inf when one side lacks a gradient or
+    has another shape), and how many nonzero gradient tensors were compared."""
+    worst, compared = 0.0, 0
+    for key in sorted(set(ours) | set(theirs)):
+        a, b = ours.get(key), theirs.get(key)
+        if a is None and b is None:
+            continue
+        if a is None or b is None or a.shape != b.shape:
+            return float("inf"), compared
+        scale = float(b.abs().max())
+        diff = float((a - b).abs().max())
+        worst = max(worst, diff / scale if scale > 0 else diff)
+        compared += scale > 0
+    return worst, compared
+
+
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     os.environ.update(TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS="1")  # the store is the parent's
@@ -181,13 +212,26 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> N
             "pipec": PipecSide(sched, rank, build, rows_per_mb),
         }
         times: dict[str, list[tuple[float, float, float]]] = {"torch": [], "pipec": []}
+        # Both start from the same weights and see the same batch: their first step's gradients must agree.
         for side in sides.values():
-            timed(side, x, y, 2)  # warm-up: shape inference, first allocations
-        for r in range(args.rounds):
-            order = ["torch", "pipec"] if r % 2 == 0 else ["pipec", "torch"]
-            for who in order:
-                times[who] += timed(sides[who], x, y, args.steps)
-        rows.append((name, times, sides["pipec"].instructions))
+            side.step(x, y)
+        worst, compared = largest_rel_diff(grads_of(sides["pipec"].runner.modules()), grads_of(sides["torch"].modules))
+        diff, count = torch.tensor([worst], dtype=torch.float64), torch.tensor([compared], dtype=torch.int64)
+        dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+        dist.all_reduce(count, op=dist.ReduceOp.SUM)
+        for side in sides.values():
+            timed(side, x, y, 2)  # warm-up: first allocations
+
+        def run(who: str, sides: dict = sides, times: dict = times, x=x, y=y):
+            def one_round() -> float:
+                steps = timed(sides[who], x, y, args.steps)
+                times[who] += steps
+                return sum(t[0] for t in steps)
+
+            return one_round
+
+        alternate({"torch": run("torch"), "pipec": run("pipec")}, args.rounds)
+        rows.append((name, times, sides["pipec"].instructions, (float(diff), int(count))))
         del sides
     if rank == 0:
         out.put(rows)
@@ -207,7 +251,7 @@ def main() -> None:
 
     import torch.distributed as dist
 
-    load_before = os.getloadavg()[0]  # other processes on the machine, before this run adds its own
+    load_before = load_average()[0]  # other processes on the machine, before this run adds its own
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -222,11 +266,23 @@ def main() -> None:
         sys.exit(f"no result after {args.timeout} s (a rank failed: see above)")
     for p in procs:
         p.join()
-    load = {"loadavg_1min_before": round(load_before, 2), "loadavg_1min_after": round(os.getloadavg()[0], 2)}
-    for name, times, instrs in rows:
+    load = {"loadavg_1min_before": round(load_before, 2), "loadavg_1min_after": load_average()[0]}
+    disagree = []
+    for name, times, instrs, (grad_diff, grad_tensors) in rows:
         med = {who: [statistics.median(t[k] for t in ts) for k in range(3)] for who, ts in times.items()}
         (t, t_cpu, t_main), (q, q_cpu, q_main) = med["torch"], med["pipec"]
-        common = {"p": P, "m": M, "backend": "gloo", "steps": len(times["pipec"]), **load}
+        common = {
+            "p": P,
+            "m": M,
+            "backend": "gloo",
+            "steps": len(times["pipec"]),
+            "grad_max_rel_diff": grad_diff,
+            "grad_rtol": GRAD_RTOL,
+            "grad_tensors_compared": grad_tensors,
+            **load,
+        }
+        if not grad_diff <= GRAD_RTOL or grad_tensors == 0:
+            disagree.append(f"{name}: {grad_diff:.3g}")
         if name.startswith("empty:"):
             line = {
                 "benchmark": "dispatch_overhead",
@@ -254,10 +310,15 @@ def main() -> None:
                 "pipec_cpu_s": q_cpu,
                 "cpu_ratio": q_cpu / t_cpu,
             }
-        print(json.dumps(line), flush=True)
+        emit(line)
     codes = [p.exitcode for p in procs]
     if any(codes):  # after the results were sent: reported, not fatal
         print(f"note: worker exit codes {codes}", file=sys.stderr)
+    if disagree:  # the timings mean nothing if the two systems do not compute the same thing
+        sys.exit(
+            f"error: pipec's and torch's gradients disagree (largest relative difference, float64): "
+            f"{'; '.join(disagree)} > {GRAD_RTOL}"
+        )
 
 
 if __name__ == "__main__":

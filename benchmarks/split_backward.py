@@ -2,19 +2,21 @@
 against one full backward, per stage of the example MLP. One JSON line per stage.
 
     .venv/bin/python benchmarks/split_backward.py [--width 256] [--blocks 4] [--rows 32] [--reps 30]
+                                                    [--threads 1] [--clock cpu]
 
 Target (issue 4): ratio (bwd + wgrad) / full <= 1.2. A middle stage is measured (its input needs a
 gradient); the first stage's split is trivially 1.0 (its BWD does nothing, its WGRAD is the full backward).
+Full and split backwards alternate round by round (`sidebyside`), and the medians are compared.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import torch
+from sidebyside import alternate, emit, load_average, summarize
 from torch import nn
 
 from pipec.runtime.stage import Stage
@@ -24,22 +26,21 @@ def block_stack(width: int, blocks: int) -> nn.Module:
     return nn.Sequential(*[m for _ in range(blocks) for m in (nn.Linear(width, width), nn.GELU())])
 
 
-def measure(split: bool, module: nn.Module, x: torch.Tensor, g: torch.Tensor, reps: int) -> dict[str, float]:
-    st = Stage(1, 3, module, None, 1.0, split, None)
-    times: dict[str, list[float]] = {"bwd": [], "wgrad": []}
-    for i in range(reps + 3):
-        st.forward(0, (x.clone(),))
-        t0 = time.perf_counter()
-        st.backward(0, (g,))
-        t1 = time.perf_counter()
-        if split:
-            st.wgrad(0)
-        t2 = time.perf_counter()
-        st.zero_grad()
-        if i >= 3:
-            times["bwd"].append(t1 - t0)
-            times["wgrad"].append(t2 - t1)
-    return {k: statistics.median(v) for k, v in times.items()}
+CLOCKS = {"cpu": time.thread_time, "wall": time.perf_counter}
+
+
+def one_backward(st: Stage, x: torch.Tensor, g: torch.Tensor, parts: list[tuple[float, float]], clock) -> float:
+    """Forward (untimed), then the timed backward: full, or input-only BWD then WGRAD."""
+    st.forward(0, (x.clone(),))
+    t0 = clock()
+    st.backward(0, (g,))
+    t1 = clock()
+    if st.split_backward:
+        st.wgrad(0)
+    t2 = clock()
+    st.zero_grad()
+    parts.append((t1 - t0, t2 - t1))
+    return t2 - t0
 
 
 def main() -> None:
@@ -47,31 +48,57 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--blocks", type=int, default=4)
     ap.add_argument("--rows", type=int, default=32)
-    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--reps", type=int, default=30, help="alternating rounds (full, split, full, ...)")
     ap.add_argument("--dtype", default="float64")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1, as each rank runs)")
+    ap.add_argument(
+        "--clock",
+        choices=CLOCKS,
+        default="cpu",
+        help="cpu: this thread's CPU time (default; with one thread it holds all the work, and other load "
+        "on the machine barely moves it); wall: elapsed time",
+    )
     args = ap.parse_args()
+    if args.clock == "cpu" and args.threads != 1:
+        ap.error("--clock cpu counts the main thread only: use it with --threads 1")
+    clock = CLOCKS[args.clock]
+    torch.set_num_threads(args.threads)  # on a shared machine, more threads mostly measure the contention
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)
     module = block_stack(args.width, args.blocks).to(dtype)
     x = torch.randn(args.rows, args.width, dtype=dtype)
     g = torch.randn(args.rows, args.width, dtype=dtype)
-    full = measure(False, module, x, g, args.reps)["bwd"]
-    split = measure(True, module, x, g, args.reps)
-    print(
-        json.dumps(
-            {
-                "benchmark": "split_backward",
-                "width": args.width,
-                "blocks": args.blocks,
-                "rows": args.rows,
-                "dtype": args.dtype,
-                "full_backward_s": full,
-                "bwd_s": split["bwd"],
-                "wgrad_s": split["wgrad"],
-                "ratio": (split["bwd"] + split["wgrad"]) / full,
-            }
-        )
+    # One module, two stages over it: each round runs a full backward and a split one, so both see
+    # the same load (timing all of one kind first let a load spike decide the ratio).
+    full, split = Stage(1, 3, module, None, 1.0, False, None), Stage(1, 3, module, None, 1.0, True, None)
+    parts: dict[str, list[tuple[float, float]]] = {"full": [], "split": []}
+    start = load_average()
+    seconds = alternate(
+        {
+            "full": lambda: one_backward(full, x, g, parts["full"], clock),
+            "split": lambda: one_backward(split, x, g, parts["split"], clock),
+        },
+        rounds=args.reps,
+        warmup=3,
     )
+    timed_split = parts["split"][-args.reps :]
+    rec = summarize(
+        "split_backward",
+        seconds,
+        ratio=("split", "full"),
+        load_start=start,
+        width=args.width,
+        blocks=args.blocks,
+        rows=args.rows,
+        dtype=args.dtype,
+        threads=args.threads,
+        clock=args.clock,
+        full_backward_s=statistics.median(seconds["full"]),
+        bwd_s=statistics.median(b for b, _ in timed_split),
+        wgrad_s=statistics.median(w for _, w in timed_split),
+        target_ratio=1.2,
+    )
+    emit(rec)
 
 
 if __name__ == "__main__":
