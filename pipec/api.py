@@ -41,11 +41,13 @@ __all__ = [
     "check",
     "check_program",
     "compile",
+    "cost_docs",
     "load",
     "param_names",
     "read_program",
     "schedule_of",
     "simulate",
+    "simulation",
     "target_of",
 ]
 
@@ -153,20 +155,25 @@ def schedule_of(prog: Program, source: Source | None = None) -> Schedule:
     )
 
 
-def target_of(target: Target, params: Mapping[str, object] | None = None) -> tuple[Schedule | Program, str | None]:
+def target_of(
+    target: Target, params: Mapping[str, object] | Iterable[tuple[str, object]] | None = None
+) -> tuple[Schedule | Program, str | None]:
     """What a target names, and the Program file it was read from (None otherwise): a Schedule
     (evaluated with the parameters and checked op by op) or a validated Program, which takes no
     parameters (they were fixed when it was compiled)."""
-    merged = dict(params or {})
+    items = list(params.items()) if isinstance(params, Mapping) else list(params or ())
     if isinstance(target, (Schedule, Program)):
         obj, where = target, None
     else:
         source = read(os.fspath(target))
         if not is_program_text(source.text):
-            return build(source, merged), None
-        obj, where = read_program(source.path), source.path
-    if merged:
-        name = next(iter(merged))
+            return build(source, items), None
+        from pipec.program import from_json, from_text  # the file is read already: parse its text
+
+        text, where = source.text, source.path
+        obj = from_json(text, where) if text.lstrip().startswith("{") else from_text(text, where)
+    if items:
+        name = items[0][0]
         if isinstance(obj, Program):
             given = " ".join(f"{k}={v}" for k, v in obj.params) or "no parameters"
             raise error(
@@ -268,27 +275,39 @@ def simulate(
     >>> sim.stats.makespan, sim.stats.bubble_rate
     (33.0, 0.2727272727272727)
     """
-    from pipec.sim import report
-    from pipec.sim.costs import cost_model, cost_spec, normalize
-    from pipec.sim.simulate import simulate as run
-    from pipec.sim.simulate import stats
+    obj, where = target_of(target, dict(params or {}, **kwargs))
+    return simulation(obj, cost_docs(cost), memory, topology, where)
+
+
+def cost_docs(cost: CostSpec) -> list[dict]:
+    """Cost documents, checked and converted, from what `simulate(cost=...)` takes."""
+    from pipec.sim.costs import cost_spec, normalize
 
     specs = [] if cost is None else [cost] if isinstance(cost, (str, Mapping)) else list(cost)
-    docs = [cost_spec(c) if isinstance(c, str) else normalize(c, "cost=") for c in specs]
-    obj, where = target_of(target, dict(params or {}, **kwargs))
-    if isinstance(obj, Schedule):
-        if topology:
-            from pipec.sim.topology import read_topology, with_topology
+    return [cost_spec(c) if isinstance(c, str) else dict(c) if "_from" in c else normalize(c, "cost=") for c in specs]
 
-            obj = with_topology(obj, read_topology(topology, obj))
-        return report.run(obj, docs, memory)
+
+def simulation(
+    obj: Schedule | Program,
+    docs: Sequence[Mapping] = (),
+    memory: Mapping[str, float] | None = None,
+    topology: str | None = None,
+    where: str | None = None,
+) -> Simulation:
+    """Simulate a Schedule (checked and lowered first) or a Program (checked, then run as it stands) under
+    these cost documents (see `cost_docs`) and memory overrides, on `topology` if given."""
     from pipec.passes.memory import memory_model
+    from pipec.sim import report
+    from pipec.sim.costs import cost_model
+    from pipec.sim.simulate import simulate as run
+    from pipec.sim.simulate import stats
+    from pipec.sim.topology import read_topology, with_topology
 
+    if isinstance(obj, Schedule):
+        return report.run(with_topology(obj, read_topology(topology, obj)) if topology else obj, docs, memory)
     compiled = check_program(obj, memory, where)
     sched = compiled.schedule
     if topology:
-        from pipec.sim.topology import read_topology, with_topology
-
         sched = with_topology(sched, read_topology(topology, sched))
     costs = cost_model(sched, docs)
     mem = memory_model(sched, memory)

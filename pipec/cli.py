@@ -1,27 +1,93 @@
-"""The `pipec` command. The only module that prints."""
+# PYTHON_ARGCOMPLETE_OK
+"""The `pipec` command. The only module that prints.
+
+Conventions every subcommand follows (docs/cli.md): exit status 0 on success, 1 on a schedule or input
+error (a coded diagnostic), 2 on misuse of the command line; `--json` prints one JSON document on
+standard output, `{"version": 1, "command": ..., "ok": ...}` and the command's fields, or on an error
+its diagnostics, while the human-readable text goes to standard error.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import IO, NoReturn
 
-from pipec.api import build
-from pipec.errors import PipecError
+from pipec import __version__
+from pipec.errors import Diagnostic, PipecError, Source, error
 from pipec.frontend import library
 from pipec.passes.compiler import CompiledSchedule, compile_schedule
 from pipec.passes.memory import format_table
-from pipec.program import to_json, to_text
+from pipec.program import Program
 from pipec.schedule import Schedule
-from pipec.sim.grid import format_grid
 
 MISUSE = 2
+JSON_VERSION = 1  # of the documents `--json` prints; a field renamed or removed bumps it (docs/cli.md)
 
 
 class Misuse(Exception):
     """Command-line misuse that argparse cannot see (a bad value, a missing extra): `main` prints
     `pipec COMMAND: error: MESSAGE` and exits 2, so no command restates how misuse is reported."""
+
+    def __init__(self, message: str, parser: argparse.ArgumentParser | None = None) -> None:
+        super().__init__(message)
+        self.parser = parser
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors raised as Misuse so that `main` reports them the one way (with the
+    subcommand's own usage, and as JSON under --json)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise Misuse(message, self)
+
+
+def _stdout() -> IO[str]:
+    """Where a command's output goes: looked up at each write, so tests may redirect sys.stdout."""
+    return sys.stdout
+
+
+def _name(args: argparse.Namespace) -> str:
+    return args.func.__name__.removeprefix("cmd_")
+
+
+def _envelope(command: str | None, ok: bool) -> dict:
+    return {"version": JSON_VERSION, "command": command, "ok": ok}
+
+
+def _emit(args: argparse.Namespace, doc: dict, ok: bool = True) -> None:
+    """A command's --json document: the envelope, then its own fields, on one line of stdout."""
+    out = _stdout()
+    out.write(json.dumps({**_envelope(_name(args), ok), **doc}) + "\n")
+    out.flush()
+
+
+def diagnostic_json(d: Diagnostic) -> dict:
+    """A diagnostic as --json reports it: its code, place and text (`text` is what stderr shows)."""
+    sp = d.span
+    return {
+        "code": d.code,
+        "severity": d.severity,
+        "message": d.message,
+        "path": d.source.path if d.source else None,
+        "line": sp.line if sp else None,
+        "col": sp.col if sp else None,
+        "end_line": sp.end_line if sp else None,
+        "end_col": sp.end_col if sp else None,
+        "notes": list(d.notes),
+        "text": d.format(),
+    }
+
+
+def _fail_json(command: str | None, status: int, diagnostics: list[dict]) -> None:
+    doc = {**_envelope(command, False), "exit": status, "diagnostics": diagnostics}
+    out = _stdout()
+    out.write(json.dumps(doc) + "\n")
+    out.flush()
 
 
 def _define(text: str) -> tuple[str, str]:
@@ -35,9 +101,24 @@ def _define_arg(p: argparse.ArgumentParser, help: str) -> None:
     p.add_argument("-D", dest="defines", metavar="NAME=VALUE", type=_define, action="append", default=[], help=help)
 
 
+def _complete_schedule(prefix: str, **_: object) -> list[str]:
+    """Shell completion of FILE|NAME: library names and schedule files (argcomplete calls this)."""
+    import glob
+
+    files = [f + "/" if os.path.isdir(f) else f for f in glob.glob(prefix + "*")]
+    keep = [f for f in files if f.endswith(("/", ".pipe", ".csv", ".json", ".txt"))]
+    return [n for n in library.names() if n.startswith(prefix)] + sorted(keep)
+
+
 def _schedule_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("schedule", metavar="FILE|NAME", help="a .pipe file, or the name of a library schedule")
+    p.add_argument(
+        "schedule", metavar="FILE|NAME", help="a .pipe file, or the name of a library schedule"
+    ).completer = _complete_schedule
     _define_arg(p, "set a schedule parameter (repeatable), e.g. -D p=4 -D m=8")
+
+
+def _json_arg(p: argparse.ArgumentParser, what: str = "the result") -> None:
+    p.add_argument("--json", action="store_true", help=f"print {what} as one JSON document (docs/cli.md)")
 
 
 def _mem(text: str) -> tuple[str, float]:
@@ -63,18 +144,19 @@ def _memory_args(p: argparse.ArgumentParser) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = _Parser(
         prog="pipec",
         description="Compile, check and show pipeline-parallel training schedules.",
         epilog="Library schedules: " + ", ".join(library.names()),
     )
+    ap.add_argument("--version", action="version", version=f"pipec {__version__}")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser("check", help="parse, evaluate and check a schedule", description=_doc(cmd_check))
     _schedule_args(p)
     _memory_args(p)
     p.add_argument("--memory", action="store_true", help="print the per-rank memory table")
-    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    _json_arg(p, "the summary")
     p.set_defaults(func=cmd_check)
 
     p = sub.add_parser("compile", help="check and lower a schedule to a Program", description=_doc(cmd_compile))
@@ -87,6 +169,7 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="program format (default: json when OUT ends in .json, else text)",
     )
+    _json_arg(p, "a summary (and, without -o, the program)")
     p.set_defaults(func=cmd_compile)
 
     p = sub.add_parser("show", help="print the step-by-rank grid of a schedule", description=_doc(cmd_show))
@@ -96,6 +179,7 @@ def _parser() -> argparse.ArgumentParser:
     _cost_args(p)
     _topology_arg(p)
     p.add_argument("--width", type=int, default=None, help="columns for --timeline (default: the terminal's)")
+    _json_arg(p, "the grid (and with --timeline the simulated spans)")
     p.set_defaults(func=cmd_show)
 
     p = sub.add_parser(
@@ -104,12 +188,14 @@ def _parser() -> argparse.ArgumentParser:
         help="simulate schedules under a cost model: makespan, bubble, memory, trace, plot",
         description=_doc(cmd_simulate),
     )
-    p.add_argument("schedule", metavar="FILE|NAME", nargs="+", help="one schedule, or several to compare")
+    p.add_argument(
+        "schedule", metavar="FILE|NAME", nargs="+", help="one schedule, or several to compare"
+    ).completer = _complete_schedule
     _define_arg(p, "set a schedule parameter (repeatable); with several schedules, each takes those it declares")
     _cost_args(p)
     _topology_arg(p)
     _memory_args(p)
-    p.add_argument("--json", action="store_true", help="print every figure as JSON")
+    _json_arg(p, "every figure")
     p.add_argument("--trace", metavar="OUT.json", help="write a Chrome/Perfetto trace (one schedule)")
     p.add_argument("--plot", metavar="OUT.png", help="draw a Gantt chart (.png, .svg or .pdf), one panel per schedule")
     p.add_argument("--no-memory", action="store_true", help="leave the memory curves out of --plot")
@@ -120,6 +206,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     _schedule_args(p)
     _run_args(p)
+    _json_arg(p, "the per-step losses and times")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser(
@@ -137,13 +224,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--to", choices=("torch-csv",), default="torch-csv", help="the format (default torch-csv)")
     p.add_argument("--comms", action="store_true", help="the compute+communication format (default: compute only)")
     p.add_argument("-o", "--output", metavar="OUT.csv", help="write here instead of standard output")
+    _json_arg(p, "a summary (and, without -o, the CSV)")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser(
         "import", help="turn a torch.distributed.pipelining CSV into a .pipe file", description=_doc(cmd_import)
     )
-    p.add_argument("csv", metavar="FILE.csv", help="a torch schedule CSV (compute-only or compute+comms)")
+    p.add_argument(
+        "csv", metavar="FILE.csv", help="a torch schedule CSV (compute-only or compute+comms)"
+    ).completer = _complete_schedule
     p.add_argument("-o", "--output", metavar="OUT.pipe", help="write here instead of standard output")
+    _json_arg(p, "a summary (and, without -o, the .pipe text)")
     p.set_defaults(func=cmd_import)
 
     p = sub.add_parser(
@@ -157,7 +248,9 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_test)
 
     p = sub.add_parser("list", help="list the library schedules", description=_doc(cmd_list))
+    _json_arg(p, "the list")
     p.set_defaults(func=cmd_list)
+    ap.commands = {name: parser for name, parser in sub.choices.items()}  # each subcommand's parser, aliases too
     return ap
 
 
@@ -165,22 +258,45 @@ def _doc(fn) -> str:
     return (fn.__doc__ or "").strip()
 
 
-def _build(args: argparse.Namespace, **kw) -> Schedule:
-    return build(library.read(args.schedule), args.defines, **kw)
+def _target(args: argparse.Namespace, name: str | None = None) -> tuple[Schedule | Program, str | None]:
+    """The schedule (evaluated with -D, checked op by op) or the validated Program file a command names."""
+    from pipec.api import target_of
+
+    return target_of(args.schedule if name is None else name, args.defines)
 
 
-def _compile(args: argparse.Namespace) -> CompiledSchedule:
+def _build(args: argparse.Namespace) -> Schedule:
+    """The Schedule a command works on; of a Program file, the one it executes (pipec.api.schedule_of)."""
+    from pipec.api import schedule_of
+
+    obj, where = _target(args)
+    return schedule_of(obj, Source(where, "")) if isinstance(obj, Program) else obj
+
+
+def _memory(args: argparse.Namespace) -> dict[str, float]:
     overrides = dict(args.mem)
     if args.memory_limit is not None:
         overrides["limit"] = args.memory_limit
-    return compile_schedule(_build(args), overrides)
+    return overrides
 
 
-def _summary(c: CompiledSchedule) -> dict:
+def _compile(args: argparse.Namespace) -> tuple[CompiledSchedule, bool]:
+    """Every check but the `expect` lines, then the Program (a Program file: validated and dry-run);
+    and whether the input was a Program file."""
+    from pipec.api import check_program
+
+    obj, where = _target(args)
+    if isinstance(obj, Program):
+        return check_program(obj, _memory(args), where), True
+    return compile_schedule(obj, _memory(args)), False
+
+
+def _summary(c: CompiledSchedule, program_file: bool = False) -> dict:
     s = c.schedule
     return {
         "schedule": s.name,
         "source": s.source.path if s.source else None,
+        "input": "program" if program_file else "schedule",
         "params": dict(s.params),
         "stages": s.num_stages,
         "ranks": s.num_ranks,
@@ -193,21 +309,21 @@ def _summary(c: CompiledSchedule) -> dict:
             {"rank": m.rank, "peak": m.peak, "limit": m.limit, "at": str(m.peak_op) if m.peak_op else None}
             for m in c.memory
         ],
-        "ok": True,
     }
 
 
 def cmd_check(args: argparse.Namespace) -> int:
     """Run every check: each op exactly once, on its owner, in dependency order; memory within the limit;
     no deadlock, even when every send blocks until its receive is posted; and the schedule's own `expect`
-    lines, measured under its own cost and memory declarations (E405)."""
+    lines, measured under its own cost and memory declarations (E405). A Program file (`pipec compile`'s
+    output, JSON or text) is validated and dry-run, and its memory checked."""
     from pipec.passes.expect import check_expectations
 
-    c = _compile(args)
+    c, program_file = _compile(args)
     s = c.schedule
     check_expectations(s, c.program)
     if args.json:
-        print(json.dumps(_summary(c)))
+        _emit(args, _summary(c, program_file))
         return 0
     params = " ".join(f"{k}={v}" for k, v in s.params)
     print(f"{s.name} ({params}): {s.num_stages} stages, {s.num_ranks} ranks, {s.num_ops} ops: OK")
@@ -217,43 +333,84 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
-    """Check a schedule and lower it to one instruction stream per rank (see docs/program.md)."""
-    c = _compile(args)
+    """Check a schedule and lower it to one instruction stream per rank (see docs/program.md), written
+    rank by rank as it is produced. With --json and no -o, the program is the `program` field."""
+    from pipec.program import write_json, write_text
+
+    prog = _compile(args)[0].program
     fmt = args.format or ("json" if args.output and args.output.endswith(".json") else "text")
-    text = to_json(c.program) + "\n" if fmt == "json" else to_text(c.program)
+    if args.json and not args.output and args.format == "text":
+        raise Misuse("--json prints the program as JSON; write --format text to a file with -o")
+    write = write_json if fmt == "json" else write_text
+    summary = {
+        "schedule": prog.name,
+        "params": dict(prog.params),
+        "ranks": prog.num_ranks,
+        "instructions": prog.num_instructions,
+        "output": args.output,
+        "format": fmt if args.output else "json" if args.json else fmt,
+    }
     if args.output:
         try:
             with open(args.output, "w") as f:
-                f.write(text)
+                write(prog, f)
+                if fmt == "json":
+                    f.write("\n")
         except OSError as e:
-            print(f"pipec compile: error: cannot write `{args.output}`: {e.strerror}", file=sys.stderr)
-            return MISUSE
-        print(f"wrote {c.program.num_instructions} instructions for {c.program.num_ranks} ranks to {args.output}")
+            raise Misuse(f"cannot write `{args.output}`: {e.strerror}") from None
+        if args.json:
+            _emit(args, summary)
+        else:
+            print(f"wrote {prog.num_instructions} instructions for {prog.num_ranks} ranks to {args.output}")
+        return 0
+    out = _stdout()
+    if args.json:
+        out.write(json.dumps({**_envelope("compile", True), **summary})[:-1] + ', "program": ')
+        write_json(prog, out)
+        out.write("}\n")
     else:
-        sys.stdout.write(text)
+        write(prog, out)
+        if fmt == "json":
+            out.write("\n")
     return 0
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    """Print the schedule as a grid: one row per step, one column per rank; `F3&B1` marks an overlapped pair."""
+    """Print the schedule as a grid: one row per step, one column per rank; `F3&B1` marks an overlapped pair.
+    A Program file shows the schedule it executes."""
+    from pipec.sim.grid import cells, format_grid
+
     s = _build(args)
     ranks = None
     if args.ranks:
         try:
             ranks = [int(x) for x in args.ranks.split(",")]
         except ValueError:
-            print(f"pipec show: error: --ranks expects numbers like 0,3, got `{args.ranks}`", file=sys.stderr)
-            return MISUSE
+            raise Misuse(f"--ranks expects numbers like 0,3, got `{args.ranks}`") from None
         bad = [r for r in ranks if not 0 <= r < s.num_ranks]
         if bad:
-            print(f"pipec show: error: rank {bad[0]} is not in 0..{s.num_ranks - 1}", file=sys.stderr)
-            return MISUSE
+            raise Misuse(f"rank {bad[0]} is not in 0..{s.num_ranks - 1}")
     if args.timeline:
         return _show_timeline(args, s, ranks)
+    if args.json:
+        shown = list(range(s.num_ranks)) if ranks is None else ranks
+        _emit(args, {**_head(s), "grid": [{"rank": r, "cells": cells(s, r)} for r in shown]})
+        return 0
     params = " ".join(f"{k}={v}" for k, v in s.params)
     print(f"{s.name} ({params}): {s.num_stages} stages on {s.num_ranks} ranks, {s.num_microbatches} micro-batches")
     print(format_grid(s, ranks))
     return 0
+
+
+def _head(s: Schedule) -> dict:
+    return {
+        "schedule": s.name,
+        "source": s.source.path if s.source else None,
+        "params": dict(s.params),
+        "stages": s.num_stages,
+        "ranks": s.num_ranks,
+        "microbatches": s.num_microbatches,
+    }
 
 
 def _cost_args(p: argparse.ArgumentParser) -> None:
@@ -293,6 +450,15 @@ def _show_timeline(args: argparse.Namespace, s: Schedule, ranks: list[int] | Non
     from pipec.sim.render import text_gantt
 
     sim = report.run(_on_network(args, s), [cost_spec(t) for t in args.cost])
+    if args.json:
+        shown = list(range(s.num_ranks)) if ranks is None else ranks
+        spans = [
+            {"rank": r, "op": op, "mb": mb, "stage": st, "start": a, "end": b}
+            for r in shown
+            for op, mb, st, a, b in sim.timeline.rank_events(r)
+        ]
+        _emit(args, {**_head(s), "makespan": sim.stats.makespan, "spans": spans})
+        return 0
     width = args.width or shutil.get_terminal_size((120, 24)).columns
     print(report.panel_title(sim))
     print(text_gantt(sim.timeline, width, ranks))
@@ -304,35 +470,34 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     per-rank busy and idle time and peak memory; with several schedules, a table side by side. Costs come
     from the schedule's declarations, cost files and overrides (`--cost F=1,B=2,W=1` per stage, `T_F=1,...`
     per rank); by default T_F = T_B = T_W = 1 for each rank's share of the model, a full backward costs
-    T_B + T_W, and communication is free."""
-    from pipec.api import param_names
+    T_B + T_W, and communication is free. A Program file is simulated as it stands."""
+    from pipec.api import param_names, simulation, target_of
     from pipec.sim import report
     from pipec.sim.costs import cost_spec
 
-    prog = f"pipec {args.command}"
     if len(args.schedule) > 1 and args.trace:
-        print(f"{prog}: error: --trace takes one schedule", file=sys.stderr)
-        return MISUSE
+        raise Misuse("--trace takes one schedule")
     if args.plot and not args.plot.lower().endswith((".png", ".svg", ".pdf")):
-        print(f"{prog}: error: --plot writes .png, .svg or .pdf, not `{args.plot}`", file=sys.stderr)
-        return MISUSE
+        raise Misuse(f"--plot writes .png, .svg or .pdf, not `{args.plot}`")
     docs = [cost_spec(t) for t in args.cost]
-    memory = dict(args.mem)
-    if args.memory_limit is not None:
-        memory["limit"] = args.memory_limit
     sims, used = [], set()
     for name in args.schedule:
-        source = library.read(name)
         defines = args.defines
         if len(args.schedule) > 1:
-            known = set(param_names(source))
+            known = set(param_names(library.read(name)))
             defines = [(k, v) for k, v in args.defines if k in known]
             used |= known
-        sims.append(report.run(_on_network(args, build(source, defines)), docs, memory))
+        obj, where = target_of(name, defines)
+        sims.append(simulation(obj, docs, _memory(args), args.topology, where))
     unused = [k for k, _ in args.defines if len(args.schedule) > 1 and k not in used]
     if unused:
-        print(f"{prog}: error: no schedule here takes parameter `{unused[0]}`", file=sys.stderr)
-        return MISUSE
+        takes = "; ".join(f"{n}: {', '.join(param_names(library.read(n))) or 'none'}" for n in args.schedule)
+        raise error(
+            "E205",
+            f"no schedule here takes parameter `{unused[0]}`",
+            source=Source("<command line>", ""),
+            notes=(f"they take {takes}",),
+        )
     wrote = []
     try:
         if args.trace:
@@ -346,13 +511,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             plot_timelines([report.panel(s, not args.no_memory) for s in sims], args.plot)
             wrote.append(f"wrote plot to {args.plot}")
     except OSError as e:
-        print(f"{prog}: error: cannot write `{e.filename}`: {e.strerror}", file=sys.stderr)
-        return MISUSE
+        raise Misuse(f"cannot write `{e.filename}`: {e.strerror}") from None
     if args.json:
-        docs_out = [report.to_json(s) for s in sims]
-        for d in docs_out:
-            d["trace"], d["plot"] = args.trace, args.plot
-        print(json.dumps(docs_out[0] if len(docs_out) == 1 else {"results": docs_out}))
+        results = [{**report.to_json(s), "trace": args.trace, "plot": args.plot} for s in sims]
+        _emit(args, {"results": results})
         return 0
     print(report.summary_text(sims[0]) if len(sims) == 1 else report.compare_text(sims))
     for line in wrote:
@@ -383,11 +545,19 @@ def _run_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    """Train a model file on a schedule: N local processes through torchrun (gloo on CPU, nccl on CUDA),
-    or every rank in this process with --local. Prints a line per step; --check compares the loss,
-    gradients and parameters with a single-process run. See docs/runtime.md."""
-    sched = _on_network(args, _build(args))
-    program = compile_schedule(sched).program
+    """Train a model file on a schedule (or a Program file): N local processes through torchrun (gloo on
+    CPU, nccl on CUDA), or every rank in this process with --local. Prints a line per step; --check
+    compares the loss, gradients and parameters with a single-process run; --json gives each step's loss
+    and seconds. See docs/runtime.md."""
+    from pipec.api import check_program
+
+    obj, where = _target(args)
+    if isinstance(obj, Program):
+        program = obj
+        sched = _on_network(args, check_program(obj, None, where).schedule)
+    else:
+        sched = _on_network(args, obj)
+        program = compile_schedule(sched).program
     args.links = None
     if args.emulate_links:
         try:
@@ -395,16 +565,81 @@ def cmd_run(args: argparse.Namespace) -> int:
 
             args.links = links_of(sched, args.link_scale)
         except ValueError as e:
-            print(f"pipec run: error: {e}", file=sys.stderr)
-            return 2
+            raise Misuse(str(e)) from None
         except ImportError:
             pass  # reported just below
     try:
         from pipec.runtime.run import run
     except ImportError as e:
-        print(f"pipec run: error: the runtime needs torch ({e}); install pipec[runtime]", file=sys.stderr)
-        return 1
-    return run(args, program)
+        raise Misuse(f"the runtime needs torch ({e}); install pipec[runtime]") from None
+    if not args.json:
+        return run(args, program)
+    with _captured_stdout() as text:
+        status = run(args, program)
+    sys.stderr.write(text[0])  # the run's own lines, for whoever watches
+    doc = run_json(text[0])
+    if status == MISUSE:
+        lines = [ln.split(": error: ", 1)[-1] for ln in doc["log"] if ": error: " in ln]
+        raise Misuse(lines[-1] if lines else "see the messages above")
+    _emit(args, {"schedule": program.name, "params": dict(program.params), "exit": status, **doc}, ok=status == 0)
+    return status
+
+
+@contextmanager
+def _captured_stdout() -> Iterator[list[str]]:
+    """Everything written to standard output inside the block, by this process (sys.stdout) and by the
+    processes it starts (file descriptor 1, which torchrun's workers inherit): the run prints its own lines."""
+    import io
+    import tempfile
+
+    got = [""]
+    out = _stdout()
+    out.flush()
+    sys.stdout.flush()
+    buf, saved = io.StringIO(), sys.stdout
+    with tempfile.TemporaryFile() as tmp:
+        fd = os.dup(1)
+        os.dup2(tmp.fileno(), 1)
+        sys.stdout = buf
+        try:
+            yield got
+        finally:
+            sys.stdout = saved
+            os.dup2(fd, 1)
+            os.close(fd)
+            tmp.seek(0)
+            got[0] = buf.getvalue() + tmp.read().decode("utf-8", "replace")
+
+
+_STEP = None  # the compiled pattern of a step line, made on first use
+
+
+def run_json(text: str) -> dict:
+    """`pipec run`'s printed lines as data: each step's loss and seconds (and, with --check, its relative
+    errors against the reference), the --check verdict, and every other line as it was printed."""
+    import re
+
+    global _STEP
+    if _STEP is None:
+        num = r"([-+0-9.eE]+|inf|nan|-)"
+        _STEP = re.compile(
+            rf"step\s+(\d+)/(\d+): loss {num}, {num} s"
+            rf"(?:\s+\|\s+rel err vs reference: loss {num}, grads {num}, params {num})?\s*$"
+        )
+
+    def value(x: str | None) -> float | None:
+        return None if x in (None, "-") else float(x)
+
+    steps, log = [], []
+    for line in text.splitlines():
+        m = _STEP.match(line.strip())
+        if not m:
+            log.append(line)
+            continue
+        step, _, loss, seconds, le, ge, pe = m.groups()
+        errs = None if le is None else {"loss": value(le), "grads": value(ge), "params": value(pe)}
+        steps.append({"step": int(step), "loss": value(loss), "seconds": value(seconds), "rel_err": errs})
+    return {"steps": steps, "log": log}
 
 
 def _profile_args(p: argparse.ArgumentParser) -> None:
@@ -437,15 +672,13 @@ def cmd_profile(args: argparse.Namespace) -> int:
     bandwidth; write the cost file `pipec simulate --cost` reads. See docs/runtime.md."""
     program = compile_schedule(_build(args)).program
     if args.reps < 1 or args.warmup < 0:
-        print("pipec profile: error: --reps must be at least 1 and --warmup at least 0", file=sys.stderr)
-        return MISUSE
+        raise Misuse("--reps must be at least 1 and --warmup at least 0")
     try:
         from pipec.runtime.errors import PipelineError
         from pipec.runtime.model import load_model
         from pipec.runtime.profile import profile, summary_lines
     except ImportError as e:
-        print(f"pipec profile: error: profiling needs torch ({e}); install pipec[runtime]", file=sys.stderr)
-        return 1
+        raise Misuse(f"profiling needs torch ({e}); install pipec[runtime]") from None
     from pipec.sim.costs import dump_costs
 
     try:
@@ -475,10 +708,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
     as_json = bool(args.output) and not args.output.endswith(".toml")
     text = dump_costs(prof.cost_doc(), toml=not as_json)
     if args.json:
-        print(json.dumps({"costs": prof.cost_doc(), "output": args.output}))
+        _emit(args, {"costs": prof.cost_doc(), "output": args.output})
     if args.output:
-        if not _write("pipec profile", args.output, text):
-            return MISUSE
+        _write(args.output, text)
         if not args.json:
             print("\n".join(summary_lines(prof)))
             defines = "".join(f" -D {k}={v}" for k, v in args.defines)
@@ -488,17 +720,16 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
-def _write(prog: str, path: str | None, text: str) -> bool:
+def _write(path: str | None, text: str) -> None:
+    """Text to a file, or to standard output without one; a file that cannot be written is misuse."""
     if path is None:
-        sys.stdout.write(text)
-        return True
+        _stdout().write(text)
+        return
     try:
         with open(path, "w") as f:
             f.write(text)
     except OSError as e:
-        print(f"{prog}: error: cannot write `{path}`: {e.strerror}", file=sys.stderr)
-        return False
-    return True
+        raise Misuse(f"cannot write `{path}`: {e.strerror}") from None
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -508,20 +739,24 @@ def cmd_export(args: argparse.Namespace) -> int:
     What does not translate is an error, never dropped silently (see docs/interop.md)."""
     from pipec.interop.torch_csv import export_csv
 
-    c = _compile(args)
+    c = _compile(args)[0]
     s = c.schedule
     text = export_csv(s, c.program if args.comms else None)
-    if not _write("pipec export", args.output, text):
-        return MISUSE
+    if args.output or not args.json:
+        _write(args.output, text)
     declared = (("cost", s.costs), ("memory", s.memory), ("topology", s.topology), ("expect", s.expects))
-    dropped = ", ".join(k for k, v in declared if v)
-    note = f"note: torch's CSV has no place for {dropped} declarations; they are not in it" if dropped else ""
+    dropped = [k for k, v in declared if v]
+    note = f"note: torch's CSV has no place for {', '.join(dropped)} declarations; they are not in it"
+    fmt = "compute+comms" if args.comms else "compute-only"
+    if args.json:
+        doc = {"schedule": s.name, "params": dict(s.params), "ranks": s.num_ranks, "format": f"torch-csv {fmt}"}
+        _emit(args, {**doc, "dropped": dropped, "output": args.output, "csv": None if args.output else text})
+        return 0
     if args.output:
-        fmt = "compute+comms" if args.comms else "compute-only"
         print(f"wrote {s.num_ranks} ranks of {s.name} to {args.output} (torch {fmt} CSV)")
-        if note:
+        if dropped:
             print(note)
-    elif note:
+    elif dropped:
         print(note, file=sys.stderr)
     return 0
 
@@ -535,16 +770,19 @@ def cmd_import(args: argparse.Namespace) -> int:
 
     source = library.read(args.csv)
     if not is_torch_csv(source):
-        print(f"pipec import: error: expected a .csv file, got `{args.csv}`", file=sys.stderr)
-        return MISUSE
+        raise Misuse(f"expected a .csv file, got `{args.csv}`")
     s = build(source, check=False)
-    if not _write("pipec import", args.output, to_pipe(s, source.path)):
-        return MISUSE
-    if args.output:
-        sizes = f"{s.num_stages} stages on {s.num_ranks} ranks, {s.num_microbatches} micro-batches, {s.num_ops} ops"
+    text = to_pipe(s, source.path)
+    if args.output or not args.json:
+        _write(args.output, text)
+    sizes = f"{s.num_stages} stages on {s.num_ranks} ranks, {s.num_microbatches} micro-batches, {s.num_ops} ops"
+    if args.output and not args.json:
         print(f"wrote {args.output}: {sizes}")
     compile_schedule(build(source))  # every check, reported after the file is written
-    if args.output:
+    if args.json:
+        doc = {"csv": source.path, "stages": s.num_stages, "ranks": s.num_ranks, "microbatches": s.num_microbatches}
+        _emit(args, {**doc, "ops": s.num_ops, "output": args.output, "pipe": None if args.output else text})
+    elif args.output:
         print(f"{source.path}: OK")
     return 0
 
@@ -583,23 +821,19 @@ def cmd_synth(args: argparse.Namespace) -> int:
     from pipec.sim.costs import cost_spec
 
     if args.p < 1 or args.m < 1 or args.v < 1:
-        print("pipec synth: error: -p, -m and -v must be at least 1", file=sys.stderr)
-        return MISUSE
+        raise Misuse("-p, -m and -v must be at least 1")
     place = args.place or ("v" if args.v > 1 else "loop")
     if place == "v" and args.v not in (1, 2):
-        print("pipec synth: error: --place v takes -v 2", file=sys.stderr)
-        return MISUSE
+        raise Misuse("--place v takes -v 2")
     dcs = []
     for text in args.dc:
         name, sep, rng = text.partition("=")
         lo, dots, hi = rng.partition("..")
         if not (sep and dots and lo.strip().isdigit() and hi.strip().isdigit() and name):
-            print(f"pipec synth: error: --dc expects NAME=LO..HI, got `{text}`", file=sys.stderr)
-            return MISUSE
+            raise Misuse(f"--dc expects NAME=LO..HI, got `{text}`")
         dcs.append((name, int(lo), int(hi)))
     if dcs and not all(0 <= lo < hi <= args.p for _, lo, hi in dcs):
-        print(f"pipec synth: error: --dc ranges must lie within 0..{args.p}", file=sys.stderr)
-        return MISUSE
+        raise Misuse(f"--dc ranges must lie within 0..{args.p}")
     memory = dict(args.mem)
     spec = synth.Spec(
         p=args.p,
@@ -612,8 +846,7 @@ def cmd_synth(args: argparse.Namespace) -> int:
         topology=synth.topology_of(dcs),
     )
     if args.memory_limit is not None and args.memory_limit_of:
-        print("pipec synth: error: give --memory-limit or --memory-limit-of, not both", file=sys.stderr)
-        return MISUSE
+        raise Misuse("give --memory-limit or --memory-limit-of, not both")
     if args.memory_limit is not None:
         spec = synth.replace(spec, limit=(args.memory_limit,) * args.p)
     elif args.memory_limit_of:
@@ -636,12 +869,11 @@ def cmd_synth(args: argparse.Namespace) -> int:
     command = "pipec " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["synth"] else None
     text = synth.write_pipe(result, name, command, table)
     if args.output:
-        if not _write("pipec synth", args.output, text):
-            return MISUSE
+        _write(args.output, text)
     elif not args.json:
         sys.stdout.write(text)
     if args.json:
-        print(json.dumps(synth.to_json(result, rows, name, args.output)))
+        _emit(args, {**synth.to_json(result, rows, name, args.output), "pipe": None if args.output else text})
         return 0
     if result.solver_note and result.solver_status == "unavailable":
         print(f"note: {result.solver_note}; the heuristic's schedule stands", file=sys.stderr)
@@ -657,8 +889,16 @@ def cmd_synth(args: argparse.Namespace) -> int:
 
 def _test_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("paths", metavar="PATH", nargs="+", help=".pipe files, directories to search, or library names")
-    p.add_argument("--examples", type=int, default=100, metavar="N", help="parameter sets per file (default 100)")
+    p.add_argument(
+        "--budget",
+        type=_duration,
+        default=None,
+        metavar="TIME",
+        help="time per file, e.g. 30s, 2m, 500ms (default 30s; 5s where CI=true)",
+    )
+    p.add_argument("--examples", type=int, default=None, metavar="N", help="at most N parameter sets per file")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (default 0): runs are reproducible")
+    p.add_argument("--json", action="store_true", help="print the results and coverage as JSON")
     p.add_argument(
         "--range",
         dest="ranges",
@@ -669,6 +909,16 @@ def _test_args(p: argparse.ArgumentParser) -> None:
     )
     _define_arg(p, "fix a parameter to one value (repeatable)")
     p.add_argument("--runtime", action="store_true", help="also run small cases on the runtime (--local, needs torch)")
+
+
+def _duration(text: str) -> float:
+    """`pipec test --budget`: seconds, with an optional unit (ms, s, m)."""
+    from pipec.testing.files import parse_budget
+
+    try:
+        return parse_budget(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _test_ranges(specs: list[str]) -> dict[str, list]:
@@ -702,22 +952,22 @@ def _number(text: str) -> int | float | bool:
 
 def cmd_test(args: argparse.Namespace) -> int:
     """Property-test schedules: every .pipe file under the paths (or library names) over its parameter
-    space (p 1..6, m 1..12, v 1..3 and so on, within the schedule's `require`s; --range changes it). Each
-    sampled parameter set must pass `pipec check`, pipec.testing's independent checks and the schedule's own
-    `expect`s; a failure is shrunk to the smallest failing parameter set and printed with a `pipec check`
-    command that reproduces it. Exit status 1 when any file fails. See docs/testing.md."""
+    space (p 1..32, m 1..max(12, 4p), v 1..4 and so on, within the schedule's `require`s; --range changes
+    it), for --budget each (30 s; 5 s where CI=true): small sets first, boundaries (m < p, m = p, m = 2p - 1,
+    p = 1, the edges of the `require`s) early, p = 32 within seconds. Each parameter set must pass `pipec
+    check`, pipec.testing's independent checks and the schedule's own `expect`s; a failure is shrunk to the
+    smallest failing parameter set and printed with a `pipec check` command that reproduces it, and the
+    values each parameter took are listed. Exit status 1 when any file fails. See docs/testing.md."""
     import time
 
     try:
         from pipec.testing import check_file, find_schedule_files
+        from pipec.testing.files import default_budget
     except ImportError as e:
         raise Misuse(str(e)) from None
-    try:
-        import hypothesis  # noqa: F401
-    except ImportError:
-        raise Misuse("needs hypothesis: pip install 'pipec[test]'") from None
-    if args.examples < 1:
+    if args.examples is not None and args.examples < 1:
         raise Misuse("--examples must be at least 1")
+    budget = args.budget if args.budget is not None or args.examples is not None else default_budget()
     if args.runtime:
         import importlib.util
 
@@ -747,15 +997,18 @@ def cmd_test(args: argparse.Namespace) -> int:
             raise Misuse(f"no schedule here has a parameter `{name}`")
     tty = sys.stderr.isatty()
     failed = 0
+    results = []
+    of = f" of {budget:g}" if budget is not None else ""
     for n, target in enumerate(files, 1):
         last = [time.monotonic()]
 
-        def progress(done: int, total: int, target=target, n=n, last=last) -> None:
+        def progress(done: int, seconds: float, target=target, n=n, last=last) -> None:
             now = time.monotonic()
+            sets = f"{done} parameter set{'s' if done != 1 else ''}, {seconds:.0f}{of} s"
             if tty:
-                print(f"\r\033[K[{n}/{len(files)}] {target}: {done}/{total}", end="", file=sys.stderr, flush=True)
+                print(f"\r\033[K[{n}/{len(files)}] {target}: {sets}", end="", file=sys.stderr, flush=True)
             elif now - last[0] >= 5.0:  # long runs: a line now and then
-                print(f"  ... {target}: {done}/{total} parameter sets", file=sys.stderr, flush=True)
+                print(f"  ... {target}: {sets}", file=sys.stderr, flush=True)
                 last[0] = now
 
         try:
@@ -763,6 +1016,7 @@ def cmd_test(args: argparse.Namespace) -> int:
                 target,
                 args.examples,
                 args.seed,
+                budget=budget,
                 bounds={k: v for k, v in ranges.items() if k in declared[target]},
                 fixed={k: v for k, v in args.defines if k in declared[target]},
                 runtime=args.runtime,
@@ -773,7 +1027,11 @@ def cmd_test(args: argparse.Namespace) -> int:
         finally:
             if tty:
                 print("\r\033[K", end="", file=sys.stderr, flush=True)
-        what = f"{res.examples} of {res.space} parameter sets"
+        results.append(res)
+        failed += not res.ok
+        if args.json:
+            continue
+        what = res.sets_text
         if res.runtime_checked:
             what += f", {res.runtime_checked} on the runtime"
         if res.ok:
@@ -781,7 +1039,6 @@ def cmd_test(args: argparse.Namespace) -> int:
             for note in res.notes:
                 print(f"  note: {note}")
         else:
-            failed += 1
             f = res.failure
             found = f"smallest of {res.failing} failing; {what}, {res.seconds:.1f} s"
             print(f"{target}: FAILED at {f.params_text} ({found})")
@@ -794,15 +1051,23 @@ def cmd_test(args: argparse.Namespace) -> int:
             for line in f.message.splitlines() if f.kind not in ("invariant", "runtime", "crash") else ():
                 print(f"  {line}")
             print(f"  reproduce: {f.command}")
+        if res.coverage is not None and res.examples:
+            print(f"  tried: {res.coverage.text()}")
         sys.stdout.flush()
     ok = len(files) - failed
-    print(f"{len(files)} file{'s' if len(files) != 1 else ''}: {ok} ok, {failed} failed")
+    if args.json:
+        print(json.dumps({"files": [r.to_json() for r in results], "ok": ok, "failed": failed}))
+    else:
+        print(f"{len(files)} file{'s' if len(files) != 1 else ''}: {ok} ok, {failed} failed")
     return 1 if failed else 0
 
 
 def cmd_list(args: argparse.Namespace) -> int:
     """List the standard library, one line each."""
     names = library.names()
+    if args.json:
+        _emit(args, {"schedules": [{"name": n, "summary": library.summary(n)} for n in names]})
+        return 0
     width = max(map(len, names), default=0)
     for name in names:
         print(f"{name.ljust(width)}  {library.summary(name)}")
@@ -810,18 +1075,47 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    """Run `pipec ARGV`; return the exit status: 0 done, 1 a schedule or input error (a coded
+    diagnostic), 2 misuse of the command line. argparse's own exits (--help, --version, a bad flag)
+    raise SystemExit as argparse does, with the same statuses."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    as_json = "--json" in argv
+    ap = _parser()
+    if "_ARGCOMPLETE" in os.environ:  # the shell asks for completions (docs/cli.md): answer and exit
+        import argcomplete
+
+        argcomplete.autocomplete(ap)
+    try:
+        args, extra = ap.parse_known_args(argv)
+        if extra:  # reported by the subcommand's parser, with its own usage
+            ap.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    except Misuse as e:
+        _misuse(e, e.parser or ap, as_json)
+        raise SystemExit(MISUSE) from None
     try:
         return args.func(args)
     except Misuse as e:
-        print(f"pipec {args.command}: error: {e}", file=sys.stderr)
-        return MISUSE
+        return _misuse(e, ap.commands[args.command], args.json)
     except PipecError as e:
         for d in e.diagnostics:
             print(d.format(), file=sys.stderr)
-        return MISUSE if e.code == "E000" else 1
+        if args.json:
+            _fail_json(_name(args), 1, [diagnostic_json(d) for d in e.diagnostics])
+        return 1
     except BrokenPipeError:  # `pipec show ... | head`
         return 0
+
+
+def _misuse(e: Misuse, parser: argparse.ArgumentParser, as_json: bool) -> int:
+    """Misuse as argparse reports it: the (sub)command's usage, then `PROG: error: MESSAGE`."""
+    text = f"{parser.prog}: error: {e}"
+    sys.stderr.write(parser.format_usage() + text + "\n")
+    if as_json:
+        command = parser.prog.split(" ", 1)[1] if " " in parser.prog else None
+        command = {"compare": "simulate"}.get(command, command)
+        blank = {"path": None, "line": None, "col": None, "end_line": None, "end_col": None, "notes": []}
+        _fail_json(command, MISUSE, [{"code": None, "severity": "error", "message": str(e), **blank, "text": text}])
+    return MISUSE
 
 
 if __name__ == "__main__":

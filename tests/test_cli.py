@@ -132,6 +132,8 @@ def test_a_schedule_error_is_a_diagnostic_on_stderr_with_status_1():
         (["check", "1f1b", "-D", "q=1"], "E205"),
         (["check", "1f1b", "-D", "m=1", "-D", "m=2"], "E204"),
         (["show", "1f1b", "-D", "p=0"], "E202"),
+        (["check", "no-such-schedule"], "E000"),
+        (["check", "missing/file.pipe"], "E000"),
     ],
 )
 def test_parameter_errors_exit_1(argv, code):
@@ -151,8 +153,6 @@ def test_a_broken_file_exits_1(tmp_path):
 @pytest.mark.parametrize(
     "argv, needle",
     [
-        (["check", "no-such-schedule"], "error[E000]: no schedule file or library schedule named `no-such-schedule`"),
-        (["check", "missing/file.pipe"], "error[E000]: cannot read `missing/file.pipe`"),
         (["check", "1f1b", "-D", "m"], "expected NAME=VALUE, got `m`"),
         (["check", "1f1b", "-D", "=3"], "expected NAME=VALUE"),
         (["check"], "the following arguments are required"),
@@ -168,9 +168,13 @@ def test_command_line_misuse_exits_2(argv, needle):
     assert needle in err
 
 
-def test_library_names_list_the_library_when_unknown():
-    _, _, err = run("check", "no-such-schedule")
+def test_an_unreadable_schedule_is_an_input_error_naming_it():
+    rc, out, err = run("check", "no-such-schedule")
+    assert (rc, out) == (1, "")
+    assert "error[E000]: no schedule file or library schedule named `no-such-schedule`" in err
     assert "library: " + ", ".join(library.names()) in err
+    rc, out, err = run("check", "missing/file.pipe")
+    assert (rc, out) == (1, "") and "error[E000]: cannot read `missing/file.pipe`" in err
 
 
 # ---- pipec show ----------------------------------------------------------------------------------------------------
