@@ -34,12 +34,12 @@ from fractions import Fraction
 
 import numpy as np
 
-from pipec.sim.costs import cost_model
 from pipec.errors import error
-from pipec.schedule import Datacenter, RankOps, Schedule, Topology
+from pipec.interop.pipe_text import Step, per_stage_expr, rank_block, rank_lines, schedule_head, topology_lines
 from pipec.passes.memory import memory_model
-from pipec.interop.pipe_text import op_text, rank_block
 from pipec.passes.policy import Derived, Machine, Policy, PolicyStuck, derive, machine
+from pipec.schedule import Datacenter, RankOps, Schedule, Topology
+from pipec.sim.costs import cost_model
 
 Progress = Callable[[str], None]
 
@@ -212,9 +212,9 @@ SEED_NAMES = ("1f1b", "zb-h1", "zb-h2", "zb-v", "interleaved-1f1b", "crossdc-1f1
 def library_seeds(spec: Spec) -> list[Candidate]:
     """The library schedules of the spec's shape (sizes, placement, op kinds) that fit its memory limit,
     with their simulated times: the search starts no worse than the hand-written schedules."""
-    from pipec.frontend import library
     from pipec.api import build, param_names
     from pipec.errors import PipecError
+    from pipec.frontend import library
     from pipec.sim.report import run
 
     out = []
@@ -525,77 +525,32 @@ def _g(x: float) -> str:
 # ---- writing the .pipe file -------------------------------------------------------------------
 
 
-def _segments(ops: Sequence[tuple[int, int, int]], max_len: int = 8) -> list[tuple]:
-    """One rank's order as few tokens as possible: ("loop", lo, count, pattern) where a pattern of ops
-    repeats with every micro-batch one higher each time, and ("ops", [op, ...]) between loops.
-
-    Dynamic programming from the end: a literal op costs 1, a loop its pattern's length + 1; ties go to
-    fewer segments. Every repeat count of every pattern is tried (only the longest when a rank has more
-    than 2,000 ops, to stay fast)."""
-    n = len(ops)
-    best: list[tuple[int, int]] = [(0, 0)] * (n + 1)
-    choice: list[tuple[int, int]] = [(0, 0)] * (n + 1)  # (pattern length, count); (0, 0): a literal
-    for j in range(n - 1, -1, -1):
-        cand = (best[j + 1][0] + 1, best[j + 1][1] + (0 if j + 1 < n and choice[j + 1] == (0, 0) else 1))
-        pick = (0, 0)
-        for L in range(1, min(max_len, (n - j) // 2) + 1):
-            pat = ops[j : j + L]
-            k = 1
-            while j + (k + 1) * L <= n and all(
-                ops[j + k * L + u] == (pat[u][0], pat[u][1] + k, pat[u][2]) for u in range(L)
-            ):
-                k += 1
-            counts = range(2, k + 1) if n <= 2000 else ([k] if k >= 2 else [])
-            for c in counts:
-                rest = best[j + c * L]
-                val = (rest[0] + L + 1, rest[1] + 1)
-                if val < cand:
-                    cand, pick = val, (L, c)
-        best[j], choice[j] = cand, pick
-    out: list[tuple] = []
-    j = 0
-    while j < n:
-        L, c = choice[j]
-        if L == 0:
-            if out and out[-1][0] == "ops":
-                out[-1][1].append(ops[j])
-            else:
-                out.append(("ops", [ops[j]]))
-            j += 1
-        else:
-            out.append(("loop", ops[j][1], c, tuple(ops[j : j + L])))
-            j += L * c
-    return out
-
-
-def _rank_lines(ops: Sequence[tuple[int, int, int]], multi: bool) -> list[str]:
-    lines = []
-    for seg in _segments(ops):
-        if seg[0] == "loop":
-            _, lo, k, pat = seg
-            base = pat[0][1]
-            parts = []
-            for kk, i, s in pat:
-                c = i - base
-                mb = "i" if c == 0 else (f"i + {c}" if c > 0 else f"i - {-c}")
-                parts.append(op_text("FBW"[kk], mb, s, multi))
-            lines.append(f"for i in {lo} .. {lo + k} {{ {'  '.join(parts)} }}")
-        else:
-            ops_ = seg[1]
-            for a in range(0, len(ops_), 8):
-                lines.append("  ".join(op_text("FBW"[k], str(i), s, multi) for k, i, s in ops_[a : a + 8]))
-    return lines
-
-
 def _fmt_num(x: float) -> str:
+    """A number for the header's comments (six significant digits)."""
     return f"{x:g}" if abs(x - round(x, 6)) < 1e-12 else repr(x)
 
 
+def order_steps(ops: Sequence[tuple[int, int, int]], kinds: Sequence[str] = ("F", "B", "W")) -> list[Step]:
+    """A derived order, (kind index, micro-batch, stage) per op, as the steps `pipe_text` writes."""
+    return [((kinds[k], i, s),) for k, i, s in ops]
+
+
 def write_pipe(result: Result, name: str, command: str | None = None, comparison: str | None = None) -> str:
-    """The synthesized schedule as a `.pipe` file: header comment, declarations, per-rank orders."""
+    """The synthesized schedule as a `.pipe` file: header comment, declarations, per-rank orders.
+
+    The declarations are the whole cost model the search used (compute times, message costs and sizes,
+    the topology with every link's latency and bandwidth) and its memory model, written so they read
+    back as the same floats: `pipec simulate` of the file gives the figures of the header. What the
+    language cannot declare (a per-send overhead, per-node links) is named in the header instead."""
     spec, fig = result.spec, result.figures
-    mc = spec_machine(spec)
-    S, R = spec.num_stages, spec.p
+    sched = shape(spec)
+    cm = cost_model(sched, spec.cost_docs)
+    full_b = cm.B if spec.split else cm.B + cm.W  # without W, a declared B is the full backward
+    mem = memory_model(sched)
+    R = spec.p
+    sized = bool(np.any(cm.act_bytes) or np.any(cm.grad_bytes))
+    dcs = [(d.name, d.lo, d.hi) for d in spec.topology.datacenters] if spec.topology is not None else []
+    topology = topology_lines(dcs, cm.latency, cm.bandwidth, sized)
     lines = [
         f"# {name}: synthesized by `pipec synth` for p={spec.p}, m={spec.m}"
         + (f", v={spec.v} ({spec.placement} placement)" if spec.v > 1 else "")
@@ -603,11 +558,19 @@ def write_pipe(result: Result, name: str, command: str | None = None, comparison
     ]
     if command:
         lines.append(f"# Command: {command}")
-    costs = ", ".join(f"{k}={_per_stage_text(getattr(mc, k))}" for k in ("F", "B", "W", "comm"))
+    per_stage = {"F": cm.F, "B": full_b, "W": cm.W, "comm": cm.comm}
+    costs = ", ".join(f"{k}={_per_stage_text(v)}" for k, v in per_stage.items())
     lines.append(f"# Costs (per stage): {costs}" + ("" if spec.split else " (B is the full backward)"))
-    if spec.cost_docs and any(("links" in d or "act_bytes" in d) for d in spec.cost_docs):
-        lines.append("# Links and message sizes: from the cost documents given to `pipec synth` (not declared below)")
-    mem = memory_model(shape(spec))
+    undeclared = []
+    if cm.overhead:
+        undeclared.append(f"overhead={_fmt_num(cm.overhead)} s per send and receive")
+    if topology is None:
+        undeclared.append("links that differ inside a datacenter (ranks_per_node)")
+    if undeclared:
+        lines.append(
+            "# Not declared below (the language has no declaration for it; give the same --cost to pipec "
+            "simulate): " + "; ".join(undeclared)
+        )
     lim = "none" if spec.limit is None else " ".join(_fmt_num(x) for x in spec.limit)
     lines.append(
         f"# Memory: act={_per_stage_text(mem['act'])} wact={_per_stage_text(mem['wact'])}"
@@ -633,42 +596,30 @@ def write_pipe(result: Result, name: str, command: str | None = None, comparison
     if comparison:
         lines.append("# Library schedules under the same costs:")
         lines += ["#   " + x for x in comparison.splitlines()]
-    lines.append(f'schedule "{name}" (p: int = {spec.p}, m: int = {spec.m}) {{')
-    lines.append(
-        f"    require p == {spec.p} and m == {spec.m},"
-        f' "synthesized for p = {spec.p}, m = {spec.m}: run pipec synth again"'
-    )
-    lines.append(f"    stages {S}")
-    if spec.placement == "v" and spec.v > 1:
-        lines.append("    place s -> if s // p % 2 == 0 then s % p else p - 1 - s % p")
-    elif spec.v > 1:
-        lines.append("    place s -> s % p")
-    else:
-        lines.append("    place s -> s")
-    lines.append(f"    ops {'F, B, W' if spec.split else 'F, B'}")
-    full_b = mc.B if spec.split else mc.B  # Machine.B is the full backward when not split
-    for key, arr in (("F", mc.F), ("B", full_b), ("W", mc.W if spec.split else None), ("comm", mc.comm)):
-        if arr is None:
-            continue
-        if key == "comm" and not np.any(arr):
-            continue
-        lines.append(f"    cost {key} = {_stage_expr(arr)}")
+    why = f"synthesized for p = {spec.p}, m = {spec.m}: run pipec synth again"
+    lines += schedule_head(name, spec.p, spec.m, why, sched.placement, sched.kinds)
+    declared = dict(per_stage)
+    if not spec.split:
+        del declared["W"]
+    if not np.any(cm.comm):
+        del declared["comm"]
+    if sized:
+        declared["act_bytes"] = cm.act_bytes
+        if not np.array_equal(cm.grad_bytes, np.concatenate([[0.0], cm.act_bytes[:-1]])):
+            declared["grad_bytes"] = cm.grad_bytes  # not the default (the activation across the boundary)
+    lines += [f"    cost {k} = {per_stage_expr(v)}" for k, v in declared.items()]
     for key in ("act", "wact", "params"):
         if key == "wact" and not spec.split:
             continue
-        lines.append(f"    memory {key} = {_stage_expr(mem[key])}")
+        lines.append(f"    memory {key} = {per_stage_expr(mem[key])}")
     if spec.limit is not None:
-        lines.append(f"    memory limit = {_rank_expr(spec.limit)}")
-    if spec.topology is not None:
-        lines.append("    topology {")
-        for d in spec.topology.datacenters:
-            lines.append(f'        dc "{d.name}" ranks {d.lo} .. {d.hi}')
-        lines.append("    }")
+        lines.append(f"    memory limit = {per_stage_expr(spec.limit, 'r')}")
+    lines += topology or []
     lines.append(f'    expect makespan <= {_ceil6(fig.makespan)}, "the makespan pipec synth found"')
     lines.append(f'    expect bubble <= {_ceil6(fig.bubble)}, "the bubble rate pipec synth found"')
-    place = spec.place()
+    place = sched.placement
     multi = [sum(1 for x in place if x == r) > 1 for r in range(R)]
-    lines += rank_block([_rank_lines(result.orders[r], multi[r]) for r in range(R)])
+    lines += rank_block([rank_lines(order_steps(result.orders[r], sched.kinds), multi[r]) for r in range(R)])
     lines += ["}", ""]
     return "\n".join(lines)
 
@@ -682,29 +633,15 @@ def _per_stage_text(arr) -> str:
     return _fmt_num(vals[0]) if all(v == vals[0] for v in vals) else "[" + ", ".join(map(_fmt_num, vals)) + "]"
 
 
-def _stage_expr(arr) -> str:
-    vals = [float(x) for x in arr]
-    if all(v == vals[0] for v in vals):
-        return _fmt_num(vals[0])
-    expr = _fmt_num(vals[-1])
-    for s in range(len(vals) - 2, -1, -1):
-        expr = f"if s == {s} then {_fmt_num(vals[s])} else {expr}" if vals[s] != vals[-1] else expr
-    return expr
-
-
-def _rank_expr(vals: Sequence[float]) -> str:
-    return _stage_expr(vals).replace("s ==", "r ==")
-
-
 # ---- the comparison table -----------------------------------------------------------------------
 
 
 def library_comparison(spec: Spec, names: Sequence[str] | None = None):
     """The library schedules simulated under the spec's costs and memory model (one stage per rank unless
     they declare chunks): (name, params, Figures or None, note)."""
-    from pipec.frontend import library
     from pipec.api import build, param_names
     from pipec.errors import PipecError
+    from pipec.frontend import library
     from pipec.sim.report import run
 
     if names is None:

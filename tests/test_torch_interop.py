@@ -30,12 +30,12 @@ from torch.distributed.pipelining import schedules as ts
 from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 from torch.distributed.pipelining.stage import PipelineStage
 
-from pipec.frontend import library
 from pipec.api import build
-from pipec.passes.compiler import compile_schedule
 from pipec.errors import PipecError, Source
-from pipec.schedule import Schedule
+from pipec.frontend import library
 from pipec.interop.torch_csv import TORCH_VERSION, comms_rows, export_csv, read_csv, to_pipe
+from pipec.passes.compiler import compile_schedule
+from pipec.schedule import Schedule
 
 ROOT = Path(__file__).resolve().parent.parent
 

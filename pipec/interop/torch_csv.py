@@ -32,16 +32,34 @@ from pathlib import PurePath
 import numpy as np
 
 from pipec.errors import PipecError, Source, Span, error
+from pipec.interop.pipe_text import rank_block, rank_lines, schedule_head, schedule_steps
+from pipec.opcodes import BY_NAME, COMPUTE_OF_KIND, COMPUTE_RES, MESSAGE_NOUNS, MESSAGES, OP_KINDS, OPCODES, Opcode
 from pipec.schedule import RankOps, Schedule
-from pipec.interop.pipe_text import op_text, rank_block
 
 TORCH_VERSION = "2.13"
 MAX_INDEX = 10_000_000  # largest stage or micro-batch index read from a CSV
 
-COMPUTE = ("F", "I", "B", "W")
-COMMS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
-NO_MB = ("UNSHARD", "RESHARD", "REDUCE_GRAD")
-_SIMPLE = re.compile(r"(\d+)(F|I|B|W|UNSHARD|RESHARD|REDUCE_GRAD|SEND_F|RECV_F|SEND_B|RECV_B)(\d*)")
+# torch's action types as pipec opcodes: the one thing this module adds to the instruction table
+# (pipec.opcodes), which says what each is: compute or transfer, which side of which message, where the
+# peer sits. torch's `I` is the input gradient (our BWD in a split schedule); its `B`, the full backward,
+# is our BWD too, followed by a WGRAD when the schedule splits backward.
+OPCODE_OF = {
+    "F": "FWD",
+    "I": "BWD",
+    "B": "BWD",
+    "W": "WGRAD",
+    "SEND_F": "SEND_ACT",
+    "RECV_F": "RECV_ACT",
+    "SEND_B": "SEND_GRAD",
+    "RECV_B": "RECV_GRAD",
+    "REDUCE_GRAD": "REDUCE_GRAD",
+}
+COMPUTE = tuple(k for k, op in OPCODE_OF.items() if BY_NAME[op].resource == COMPUTE_RES)
+COMMS = tuple(k for k, op in OPCODE_OF.items() if BY_NAME[op].side is not None)
+NO_MB = ("UNSHARD", "RESHARD") + tuple(k for k, op in OPCODE_OF.items() if "mb" not in BY_NAME[op].operands)
+_TORCH_NAME = {op: k for k, op in reversed(OPCODE_OF.items())}  # the first name of each opcode
+_TYPES = sorted(COMPUTE + COMMS + NO_MB, key=len, reverse=True)
+_SIMPLE = re.compile(r"(\d+)(" + "|".join(_TYPES) + r")(\d*)")
 _PAIR = re.compile(r"\((.*)\)OVERLAP_F_B")
 
 
@@ -209,6 +227,24 @@ class TorchCsv:
     placement: tuple[int, ...]
 
 
+def _opcode(kind: str) -> Opcode:
+    """The instruction-table row of a torch action type."""
+    return BY_NAME[OPCODE_OF[kind]]
+
+
+def torch_name(op: str, split: bool) -> str:
+    """torch's action type for a pipec opcode: BWD is torch's `I` in a split schedule, its full backward
+    `B` otherwise."""
+    if op == "BWD":
+        return "I" if split else "B"
+    return _TORCH_NAME[op]
+
+
+def _message(op: Opcode, mb: int, stage: int) -> tuple[str, int, int]:
+    """The message a transfer on `stage` names: (what travels, micro-batch, sending stage)."""
+    return (op.message, mb, stage + op.key_stage)
+
+
 def _compute(a: Action) -> Iterable[Action]:
     return a.subs if a.subs else (a,) if a.kind in COMPUTE else ()
 
@@ -218,7 +254,7 @@ def analyse(source: Source) -> TorchCsv:
     first rank that runs it; micro-batches up to the largest; split backward when it has I or W."""
     rows = parse_csv(source)
     computes = [c for row in rows for a in row for c in _compute(a)]
-    split = any(c.kind in ("I", "W") for c in computes)
+    split = any(c.kind in ("I", "W") for c in computes)  # an input gradient or a weight gradient
     comms = any(a.kind in COMMS for row in rows for a in row)
     S = max(c.stage for c in computes) + 1
     M = max(c.mb for c in computes) + 1
@@ -298,8 +334,8 @@ def _schedule(doc: TorchCsv, params: Iterable[tuple[str, object]]) -> Schedule:
             if n is None or not 1 <= n < MAX_INDEX:
                 raise error("E607", f"`m={value}`: the number of micro-batches must be an int >= 1", None, doc.source)
             M = n  # the micro-batches the CSV is meant to have: a cell beyond them is E209
-    kinds = ("F", "B", "W") if doc.split else ("F", "B")
-    code = {"F": 0, "I": 1, "W": 2}
+    kinds = OP_KINDS if doc.split else OP_KINDS[:2]
+    wgrad = OP_KINDS.index(BY_NAME["WGRAD"].kind)
     spans: list[Span] = []
     ranks = []
     for row in doc.rows:
@@ -311,10 +347,10 @@ def _schedule(doc: TorchCsv, params: Iterable[tuple[str, object]]) -> Schedule:
             for j, c in enumerate(a.subs or (a,)):
                 spans.append(c.span)
                 sid = len(spans) - 1
-                kind = 1 if c.kind == "B" else code[c.kind]
+                kind = OP_KINDS.index(_opcode(c.kind).kind)
                 ops.append((kind, c.mb, c.stage, sid, bool(a.subs) and j == 0))
                 if c.kind == "B" and doc.split:
-                    full.append((2, c.mb, c.stage, sid, False))
+                    full.append((wgrad, c.mb, c.stage, sid, False))
             ops += full  # a full backward in a split schedule: B, then its W (after the pair)
         cols = list(zip(*ops)) if ops else [(), (), (), (), ()]
         ranks.append(
@@ -353,26 +389,27 @@ def check_comms(doc: TorchCsv, sched: Schedule) -> None:
 
     S, placement = doc.num_stages, doc.placement
     for r, row in enumerate(doc.rows):
-        done: set[tuple[str, int, int]] = set()
+        done: dict[tuple[str, int, int], tuple[Action, Opcode]] = {}  # message -> the compute and its send
         posted: set[tuple[str, int, int]] = set()
         sent: set[tuple[str, int, int]] = set()
         for a in row:
             for c in a.subs or (a,):
                 if c.kind in COMMS:
                     _check_comm(doc, sched, r, c, done, posted, sent)
-                elif c.kind in ("F", "I", "B"):
+                elif c.kind in COMPUTE:
                     _check_input(doc, r, c, posted)
-                    done.add(("F" if c.kind == "F" else "B", c.mb, c.stage))
-        for key in sorted(done):
-            k, i, s = key
-            other = s + 1 if k == "F" else s - 1
-            if 0 <= other < S and placement[other] != r and (k, i, s) not in sent:
-                what = "SEND_F" if k == "F" else "SEND_B"
-                cell = _find(row, k, i, s)
+                    out = _opcode(c.kind).sends
+                    if out is not None:
+                        done[_message(BY_NAME[out], c.mb, c.stage)] = (c, BY_NAME[out])
+        for key in sorted(done, key=lambda k: (-MESSAGES.index(k[0]), k[1], k[2])):  # gradients first, as ever
+            msg, i, s = key
+            cell, send = done[key]
+            other = s + send.peer_stage
+            if 0 <= other < S and placement[other] != r and key not in sent:
                 raise error(
                     "E608",
-                    f"`{cell}` on rank {r} has no `{s}{what}{i}` after it: rank {placement[other]} never gets its "
-                    + ("activation" if k == "F" else "gradient"),
+                    f"`{cell}` on rank {r} has no `{s}{torch_name(send.name, doc.split)}{i}` after it: rank "
+                    f"{placement[other]} never gets its {MESSAGE_NOUNS[MESSAGES.index(msg)]}",
                     cell.span,
                     doc.source,
                 )
@@ -400,19 +437,11 @@ def check_comms(doc: TorchCsv, sched: Schedule) -> None:
         )
 
 
-def _find(row: Sequence[Action], k: str, i: int, s: int) -> Action:
-    for a in row:
-        for c in a.subs or (a,):
-            if c.stage == s and c.mb == i and (c.kind == "F") == (k == "F") and c.kind != "W" and c.kind in COMPUTE:
-                return c
-    raise AssertionError((k, i, s))
-
-
 def _check_comm(doc: TorchCsv, sched: Schedule, r: int, c: Action, done, posted, sent) -> None:
     S, M, placement = doc.num_stages, sched.num_microbatches, doc.placement
-    fwd = c.kind.endswith("_F")
-    send = c.kind.startswith("SEND")
-    other = c.stage + 1 if fwd == send else c.stage - 1  # the peer stage
+    op = _opcode(c.kind)
+    send = op.side == "send"
+    other = c.stage + op.peer_stage  # the peer stage
     bad = None
     if c.stage >= S or c.mb >= M:
         bad = f"stage {c.stage} or micro-batch {c.mb} is out of range (stages 0..{S - 1}, micro-batches 0..{M - 1})"
@@ -424,28 +453,35 @@ def _check_comm(doc: TorchCsv, sched: Schedule, r: int, c: Action, done, posted,
         bad = f"stages {c.stage} and {other} are both on rank {r}: torch hands the tensor over locally"
     if bad:
         raise error("E608", f"`{c}` on rank {r}: {bad}", c.span, doc.source)
-    key = ("F" if fwd else "B", c.mb, c.stage if send else other)  # the producing op
+    key = _message(op, c.mb, c.stage)
     mine = sent if send else posted
     if key in mine:
         raise error("E608", f"`{c}` appears twice on rank {r}", c.span, doc.source)
     if send and key not in done:
-        what = f"`{c.stage}F{c.mb}`" if fwd else f"`{c.stage}I{c.mb}` (or `{c.stage}B{c.mb}`)"
+        producer = next(o for o in BY_NAME.values() if o.sends == op.name)
+        names = [k for k, o in OPCODE_OF.items() if o == producer.name]  # torch's I, or its full backward B
+        what = f"`{c.stage}{names[0]}{c.mb}`" + "".join(f" (or `{c.stage}{k}{c.mb}`)" for k in names[1:])
         raise error("E608", f"`{c}` on rank {r} comes before {what}, which computes it", c.span, doc.source)
     mine.add(key)
 
 
 def _check_input(doc: TorchCsv, r: int, c: Action, posted) -> None:
     S, placement = doc.num_stages, doc.placement
-    if c.kind == "W":
+    needs = _opcode(c.kind).needs
+    if needs is None:  # W: its input is on its own rank
         return
-    fwd = c.kind == "F"
-    other = c.stage - 1 if fwd else c.stage + 1
+    msg, offset = needs
+    other = c.stage + offset
     if not 0 <= other < S or placement[other] == r:
         return
-    key = ("F" if fwd else "B", c.mb, other)
-    if key not in posted:
-        recv = f"{c.stage}{'RECV_F' if fwd else 'RECV_B'}{c.mb}"
-        raise error("E608", f"`{c}` on rank {r} needs `{recv}` before it", c.span, doc.source)
+    if (msg, c.mb, other) not in posted:
+        recv = next(o for o in BY_NAME.values() if o.side == "recv" and (o.message, o.key_stage) == needs)
+        raise error(
+            "E608",
+            f"`{c}` on rank {r} needs `{c.stage}{torch_name(recv.name, doc.split)}{c.mb}` before it",
+            c.span,
+            doc.source,
+        )
 
 
 def _program(doc: TorchCsv, sched: Schedule):
@@ -454,37 +490,31 @@ def _program(doc: TorchCsv, sched: Schedule):
 
     placement = doc.placement
     ranks, where = [], []
-    peer_of = {
-        "SEND_F": ("SEND_ACT", 1),
-        "RECV_F": ("RECV_ACT", -1),
-        "SEND_B": ("SEND_GRAD", -1),
-        "RECV_B": ("RECV_GRAD", 1),
-    }
-    for row in doc.rows:
+    for r, row in enumerate(doc.rows):
         instrs: list[Instr] = []
         acts: list[Action] = []
         for a in row:
             if a.kind in NO_MB:
-                if a.kind == "REDUCE_GRAD":
-                    instrs.append(Instr("REDUCE_GRAD", -1, a.stage))
-                    acts.append(a)
-                continue
-            if a.kind in peer_of:
-                op, d = peer_of[a.kind]
-                instrs.append(Instr(op, a.mb, a.stage, placement[a.stage + d]))
+                continue  # FSDP and gradient reduction: local, nothing to wait for
+            if a.kind in COMMS:
+                op = _opcode(a.kind)
+                instrs.append(Instr(op.name, a.mb, a.stage, placement[a.stage + op.peer_stage]))
                 acts.append(a)
                 continue
             subs = a.subs or (a,)
             full = []
             for j, c in enumerate(subs):
-                op = {"F": "FWD", "I": "BWD", "B": "BWD", "W": "WGRAD"}[c.kind]
-                instrs.append(Instr(op, c.mb, c.stage, -1, bool(a.subs) and j == 0))
+                instrs.append(Instr(OPCODE_OF[c.kind], c.mb, c.stage, -1, bool(a.subs) and j == 0))
                 acts.append(c)
                 if c.kind == "B" and doc.split:
                     full.append(c)
             for c in full:
                 instrs.append(Instr("WGRAD", c.mb, c.stage))
                 acts.append(c)
+        # Each stage's gradient reduction and optimizer step close its stream, as lowering writes them
+        # (a Program has them once per stage); local, so they change no wait.
+        for s in (s for s, q in enumerate(placement) if q == r):
+            instrs += [Instr("REDUCE_GRAD", -1, s), Instr("STEP", -1, s)]
         ranks.append(RankProgram.from_instructions(instrs))
         where.append(acts)
     prog = Program(
@@ -507,11 +537,9 @@ def _check_order(doc: TorchCsv, where: list[list[Action]]) -> None:
         for a in acts:
             if a.kind not in COMMS:
                 continue
-            fwd, send = a.kind.endswith("_F"), a.kind.startswith("SEND")
-            sender = a.stage if send else a.stage - 1 if fwd else a.stage + 1
-            peer_stage = a.stage + 1 if fwd == send else a.stage - 1
-            q = doc.placement[peer_stage]
-            seqs.setdefault((r, q), []).append((("F" if fwd else "B", a.mb, sender), send, a))
+            op = _opcode(a.kind)
+            q = doc.placement[a.stage + op.peer_stage]
+            seqs.setdefault((r, q), []).append((_message(op, a.mb, a.stage), op.side == "send", a))
     for (a, b), mine in seqs.items():
         if a > b:
             continue
@@ -544,7 +572,8 @@ def _pos(a: Action) -> str:
 
 
 def _letter(kind: str, split: bool) -> str:
-    return "I" if kind == "B" and split else kind
+    """torch's action type for a Schedule op kind (F, B, W)."""
+    return torch_name(OPCODES[COMPUTE_OF_KIND[OP_KINDS.index(kind)]], split)
 
 
 def compute_rows(sched: Schedule) -> list[list[str]]:
@@ -567,17 +596,9 @@ def compute_rows(sched: Schedule) -> list[list[str]]:
             f, b = ops[j], ops[j + 1]
             if f.kind != "F":
                 f, b = b, f
-            full = (
-                split
-                and j + 2 < len(ops)
-                and ops[j + 2].kind == "W"
-                and (ops[j + 2].mb, ops[j + 2].stage)
-                == (
-                    b.mb,
-                    b.stage,
-                )
-            )
-            letter = "B" if full or not split else "I"
+            w = ops[j + 2] if j + 2 < len(ops) else None
+            full = split and w is not None and w.kind == "W" and (w.mb, w.stage) == (b.mb, b.stage)
+            letter = torch_name("BWD", split and not full)  # torch's full backward B when its W follows the pair
             cells.append(f"({f.stage}F{f.mb};{b.stage}{letter}{b.mb})OVERLAP_F_B")
             j += 3 if full else 2
         rows.append(cells)
@@ -665,7 +686,7 @@ def comms_rows(sched: Schedule, program) -> list[list[str]]:
         j = 0
         while j < len(instrs):
             x = instrs[j]
-            if x.group and x.op not in ("FWD", "BWD", "WGRAD"):
+            if x.group and BY_NAME[x.op].resource != COMPUTE_RES:
                 group = [x]
                 while group[-1].group and j + 1 < len(instrs):
                     j += 1
@@ -695,12 +716,6 @@ def comms_rows(sched: Schedule, program) -> list[list[str]]:
             sched.source,
             tuple(f"rank {w.rank} blocks at `{w.instr}`" for w in run.waits),
         )
-    names = {
-        "SEND_ACT": "SEND_F",
-        "RECV_ACT": "RECV_F",
-        "SEND_GRAD": "SEND_B",
-        "RECV_GRAD": "RECV_B",
-    }
     rows = []
     for instrs in unbatched:
         cells: list[str] = []
@@ -708,7 +723,8 @@ def comms_rows(sched: Schedule, program) -> list[list[str]]:
         j = 0
         while j < len(instrs):
             x = instrs[j]
-            if x.op in ("FWD", "BWD", "WGRAD"):
+            op = BY_NAME[x.op]
+            if op.resource == COMPUTE_RES:
                 if x.stage not in unsharded:
                     unsharded.append(x.stage)
                     cells.append(f"{x.stage}UNSHARD")
@@ -721,14 +737,13 @@ def comms_rows(sched: Schedule, program) -> list[list[str]]:
                         unsharded.append(y.stage)
                         cells.append(f"{y.stage}UNSHARD")
                     f, b = (x, y) if x.op == "FWD" else (y, x)
-                    letter = "B" if (b.mb, b.stage) in merged or not split else "I"
+                    letter = torch_name("BWD", split and (b.mb, b.stage) not in merged)
                     cells.append(f"({f.stage}F{f.mb};{b.stage}{letter}{b.mb})OVERLAP_F_B")
                     j += 2
                     continue
-                letter = {"FWD": "F", "BWD": "I" if split else "B", "WGRAD": "W"}[x.op]
-                cells.append(f"{x.stage}{letter}{x.mb}")
-            elif x.op in names:
-                cells.append(f"{x.stage}{names[x.op]}{x.mb}")
+                cells.append(f"{x.stage}{torch_name(x.op, split)}{x.mb}")
+            elif op.side is not None:
+                cells.append(f"{x.stage}{torch_name(x.op, split)}{x.mb}")
             elif x.op == "REDUCE_GRAD":
                 cells.append(f"{x.stage}REDUCE_GRAD")
                 cells.append(f"{x.stage}RESHARD")
@@ -750,120 +765,11 @@ def export_csv(sched: Schedule, program=None) -> str:
 
 # ---- .pipe text ---------------------------------------------------------------
 
-_MAX_PATTERN = 12  # longest repeated pattern (in steps) folded into a loop
-_PER_LINE = 8  # steps per line where nothing repeats
-
-
-def _placement_expr(placement: Sequence[int], p: int) -> str:
-    S = len(placement)
-    stages = range(S)
-    if all(placement[s] == s for s in stages):
-        return "s"
-    if p and all(placement[s] == s % p for s in stages):
-        return "s % p"
-    if S == 2 * p and all(placement[s] == (s if s < p else 2 * p - 1 - s) for s in stages):
-        return "if s < p then s else 2 * p - 1 - s"
-    if p and S % p == 0 and all(placement[s] == s // (S // p) for s in stages):
-        return f"s // {S // p}"
-    runs: list[tuple[int, int]] = []  # (one past the last stage, rank)
-    for s in stages:
-        if runs and runs[-1][1] == placement[s]:
-            runs[-1] = (s + 1, placement[s])
-        else:
-            runs.append((s + 1, placement[s]))
-    parts = [f"if s < {end} then {rank} else " for end, rank in runs[:-1]]
-    return "".join(parts) + str(runs[-1][1])
-
-
-@dataclass(frozen=True)
-class _Step:
-    ops: tuple[tuple[str, int, int], ...]  # one op, or the two of a pair
-
-    def shape(self) -> tuple[tuple[str, int], ...]:
-        return tuple((k, s) for k, _, s in self.ops)
-
-
-def _steps(sched: Schedule, r: int) -> list[_Step]:
-    ops, paired = sched.ops(r), sched.ranks[r].paired.tolist()
-    out: list[_Step] = []
-    j = 0
-    while j < len(ops):
-        n = 2 if paired[j] else 1
-        out.append(_Step(tuple((o.kind, o.mb, o.stage) for o in ops[j : j + n])))
-        j += n
-    return out
-
-
-def _step_text(step: _Step, multi: bool, base: int | None = None) -> str:
-    def mb(i: int) -> str:
-        if base is None:
-            return str(i)
-        d = i - base
-        return "i" if d == 0 else f"i + {d}" if d > 0 else f"i - {-d}"
-
-    return " & ".join(op_text(k, mb(i), s, multi) for k, i, s in step.ops)
-
-
-def _repeats(steps: list[_Step], j: int, n: int) -> tuple[int, int]:
-    """How many times the n steps at j repeat back to back, each time with every micro-batch moved by
-    the same nonzero delta; returns (times, delta)."""
-    if j + 2 * n > len(steps):
-        return 1, 0
-    first, nxt = steps[j], steps[j + n]
-    d = nxt.ops[0][1] - first.ops[0][1]
-    if d == 0:
-        return 1, 0
-    times = 1
-    while j + (times + 1) * n <= len(steps):
-        ok = True
-        for q in range(n):
-            a, b = steps[j + q], steps[j + times * n + q]
-            if a.shape() != b.shape() or any(y[1] - x[1] != times * d for x, y in zip(a.ops, b.ops)):
-                ok = False
-                break
-        if not ok:
-            break
-        times += 1
-    return times, d
-
-
-def _rank_lines(steps: list[_Step], multi: bool) -> list[str]:
-    lines: list[str] = []
-    plain: list[str] = []
-
-    def flush() -> None:
-        for k in range(0, len(plain), _PER_LINE):
-            lines.append("  ".join(plain[k : k + _PER_LINE]))
-        plain.clear()
-
-    j = 0
-    while j < len(steps):
-        best = (1, 1, 0)  # (times, pattern length, delta)
-        for n in range(1, _MAX_PATTERN + 1):
-            times, d = _repeats(steps, j, n)
-            if times >= 2 and times * n > best[0] * best[1] and times * n >= 3:
-                best = (times, n, d)
-        times, n, d = best
-        if times < 2:
-            plain.append(_step_text(steps[j], multi))
-            j += 1
-            continue
-        flush()
-        base = steps[j].ops[0][1]
-        body = "  ".join(_step_text(s, multi, base) for s in steps[j : j + n])
-        stop = base + times * d
-        by = "" if d == 1 else f" by {d}"
-        lines.append(f"for i in {base} .. {stop}{by} {{ {body} }}")
-        j += times * n
-    flush()
-    return lines
-
 
 def to_pipe(sched: Schedule, origin: str | None = None) -> str:
     """A `.pipe` file with this schedule's explicit per-rank orders; repeated patterns become loops.
     Evaluating it gives the same Schedule (orders, pairs, placement, kinds)."""
-    R, S, M = sched.num_ranks, sched.num_stages, sched.num_microbatches
-    name = re.sub(r'["\n\r]', "_", sched.name)
+    R, M = sched.num_ranks, sched.num_microbatches
     head = []
     if origin is not None:
         head += [
@@ -872,16 +778,11 @@ def to_pipe(sched: Schedule, origin: str | None = None) -> str:
             "# torch's F is F; I (input gradient) is B and W is W (split backward); a full backward B is B,",
             "# or B then W in a split schedule; (F;B)OVERLAP_F_B is the overlapped pair `F & B`.",
         ]
-    head += [
-        f'schedule "{name}" (p: int = {R}, m: int = {M}) {{',
-        f'    require p == {R} and m == {M}, "this schedule has fixed sizes: p = {R} ranks, m = {M} micro-batches"',
-        f"    stages {S}",
-        f"    place s -> {_placement_expr(sched.placement, R)}",
-        f"    ops {', '.join(sched.kinds)}",
-    ]
+    why = f"this schedule has fixed sizes: p = {R} ranks, m = {M} micro-batches"
+    head += schedule_head(sched.name, R, M, why, sched.placement, sched.kinds)
     bodies = []
     for r in range(R):
         own = sched.stages_of(r)
         multi = len(own) != 1 or bool((sched.ranks[r].stage != own[0]).any())  # else `stage:` goes without saying
-        bodies.append(_rank_lines(_steps(sched, r), multi))
+        bodies.append(rank_lines(schedule_steps(sched, r), multi))
     return "\n".join(head + rank_block(bodies) + ["}", ""])
