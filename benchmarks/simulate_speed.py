@@ -13,8 +13,10 @@ latency plus bytes over bandwidth) and the best of three runs is reported.
 from __future__ import annotations
 
 import argparse
-import json
+import statistics
 import time
+
+from sidebyside import alternate, emit, load_average, timed
 
 POINTS = {
     "1f1b": [{"p": 8, "m": 640}, {"p": 16, "m": 3200}, {"p": 64, "m": 3200}, {"p": 128, "m": 4096}],
@@ -23,16 +25,7 @@ POINTS = {
 COMM = "latency=10us,act_bytes=16MiB,bandwidth=100Gbps,comm=1us"
 
 
-def best_of(n: int, fn):
-    best, out = float("inf"), None
-    for _ in range(n):
-        t0 = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - t0)
-    return best, out
-
-
-def measure(name: str, params: dict[str, int]) -> dict:
+def measure(name: str, params: dict[str, int], rounds: int = 3) -> dict:
     from pipec.api import load
     from pipec.passes.compiler import compile_schedule
     from pipec.sim.costs import cost_model, parse_overrides
@@ -44,9 +37,13 @@ def measure(name: str, params: dict[str, int]) -> dict:
     t_compile = time.perf_counter() - t0
     free = cost_model(sched)
     linked = cost_model(sched, [parse_overrides(COMM)])
-    t_free, tl = best_of(3, lambda: simulate(prog, free))
-    t_link, tl2 = best_of(3, lambda: simulate(prog, linked))
-    t_stats, st = best_of(3, lambda: stats(tl))
+    tl, tl2 = simulate(prog, free), simulate(prog, linked)
+    st = stats(tl)
+    seconds = alternate(
+        {"free": timed(lambda: simulate(prog, free)), "links": timed(lambda: simulate(prog, linked))}, rounds
+    )
+    t_free, t_link = statistics.median(seconds["free"]), statistics.median(seconds["links"])
+    t_stats = statistics.median(alternate({"stats": timed(lambda: stats(tl))}, rounds)["stats"])
     n = sched.num_ops
     return {
         "schedule": name,
@@ -62,35 +59,36 @@ def measure(name: str, params: dict[str, int]) -> dict:
         "makespan": st.makespan,
         "makespan_with_links": tl2.makespan,
         "bubble_rate": round(st.bubble_rate, 6),
+        "rounds": rounds,
+        "load_avg": load_average(),
     }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="skip the 1,000,000-op points")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per point (default 3)")
     args = ap.parse_args()
     for name, grid in POINTS.items():
         rows = []
         for params in grid:
             if args.quick and params["p"] == 128:
                 continue
-            rec = measure(name, params)
+            rec = measure(name, params, args.rounds)
             rows.append(rec)
-            print(json.dumps(rec), flush=True)
-        print(
-            json.dumps(
-                {
-                    "scaling": name,
-                    "ops_small": rows[0]["compute_ops"],
-                    "ops_large": rows[-1]["compute_ops"],
-                    "us_per_op_small": rows[0]["us_per_op"],
-                    "us_per_op_large": rows[-1]["us_per_op"],
-                    "per_op_ratio": round(rows[-1]["us_per_op"] / rows[0]["us_per_op"], 2),
-                    "seconds_large": rows[-1]["simulate_seconds"],
-                    "target_seconds_at_1M": 10,
-                }
-            ),
-            flush=True,
+            emit(rec)
+        emit(
+            {
+                "scaling": name,
+                "ops_small": rows[0]["compute_ops"],
+                "ops_large": rows[-1]["compute_ops"],
+                "us_per_op_small": rows[0]["us_per_op"],
+                "us_per_op_large": rows[-1]["us_per_op"],
+                "per_op_ratio": round(rows[-1]["us_per_op"] / rows[0]["us_per_op"], 2),
+                "seconds_large": rows[-1]["simulate_seconds"],
+                "target_seconds_at_1M": 10,
+                "load_avg": load_average(),
+            }
         )
 
 
