@@ -9,7 +9,9 @@ The heavy targets live in benchmarks/synth_targets.py.
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -20,12 +22,14 @@ from hypothesis import strategies as st
 
 from pipec import synth
 from pipec.api import build, load
-from pipec.passes.compiler import compile_schedule
-from pipec.sim.costs import cost_model, normalize
 from pipec.errors import PipecError, Source
+from pipec.interop.pipe_text import op_text, rank_lines
+from pipec.interop.torch_csv import to_pipe
+from pipec.passes.compiler import compile_schedule
 from pipec.passes.memory import memory_model
 from pipec.passes.policy import Policy, PolicyStuck, derive, machine, orders_from_schedule
-from pipec.schedule import Datacenter, Link, Topology
+from pipec.schedule import Datacenter, Link, RankOps, Schedule, Topology
+from pipec.sim.costs import cost_model, normalize
 from pipec.sim.report import run as simulate_schedule
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -260,7 +264,10 @@ def test_search_never_loses_to_a_library_schedule_that_fits():
 
 
 @pytest.mark.skipif(not HAS_SOLVER, reason="OR-Tools not installed (pip install pipec[synth])")
-def test_solver_beats_zb_h2_at_its_memory_and_proves_the_makespan():
+def test_solver_matches_zb_h2_at_its_memory_and_proves_the_makespan():
+    """ZB-H2's makespan is a lower bound with one stage per rank: the solver reaches it and proves it, so
+    the search can only tie ZB-H2 here (benchmarks/synth_targets.py's verdict "equal", not "met"); among
+    schedules of that makespan it keeps the one whose longest rank span is shorter."""
     spec = synth.Spec(p=4, m=8, cost_docs=(UNEVEN,), limit=(7.0,) * 4)
     lines: list[str] = []
     res = synth.synthesize(spec, time_limit=20, use_solver=True, progress=lines.append)
@@ -268,7 +275,7 @@ def test_solver_beats_zb_h2_at_its_memory_and_proves_the_makespan():
     assert res.solver_status == "optimal"
     assert res.figures.makespan == pytest.approx(zb_h2.makespan)  # 27.15: (p-1)(T_F+comm) + m(T_F+T_B+T_W)
     assert res.bound == pytest.approx(res.figures.makespan)
-    assert res.figures.bubble < zb_h2.bubble_rate - 0.01
+    assert res.figures.cost < zb_h2.cost - 0.1
     assert any(x.startswith("solver:") for x in lines) and any(x.startswith("heuristic:") for x in lines)
 
 
@@ -302,13 +309,148 @@ def test_written_file_checks_keeps_its_promises_and_has_the_same_orders(tmp_path
 def test_loops_compress_the_1f1b_order():
     s = load("1f1b", p=4, m=16)
     orders = orders_from_schedule(s)
-    assert synth._rank_lines(orders[0], multi=False) == [
+
+    def lines(r: int) -> list[str]:
+        return rank_lines(synth.order_steps(orders[r]), multi=False)
+
+    assert lines(0) == [
         "for i in 0 .. 3 { F(i) }",
         "for i in 3 .. 16 { F(i)  B(i - 3) }",
         "for i in 13 .. 16 { B(i) }",
     ]
-    assert synth._rank_lines(orders[1], multi=False)[0] == "F(0)  F(1)"
-    assert synth._rank_lines(orders[3], multi=False) == ["for i in 0 .. 16 { F(i)  B(i) }"]
+    assert lines(1)[0] == "F(0)  F(1)"
+    assert lines(3) == ["for i in 0 .. 16 { F(i)  B(i) }"]
+
+
+def test_written_file_keeps_the_whole_topology_and_simulates_the_same():
+    """Datacenters, links with latency and bandwidth, message sizes: all declared, so the file alone
+    simulates to the makespan the search found, and its cost model is the spec's, float for float."""
+    docs = (
+        normalize({"T_F": 1, "T_B": 1.2, "T_W": 0.8, "act_bytes": "3MiB", "comm": 0.01}),
+        normalize({"latency.cross": "40ms", "bandwidth.cross": "10Gbps", "latency.dc": "7us", "bandwidth.dc": 3e10}),
+    )
+    dcs = synth.topology_of([("east", 0, 2), ("west", 2, 4)])
+    spec = synth.Spec(p=4, m=6, cost_docs=docs, limit=(6.0,) * 4, topology=dcs)
+    res = synth.synthesize(spec, use_solver=False)
+    text = synth.write_pipe(res, "dc")
+    assert "Not declared" not in text and 'link "east" <-> "west" latency 40ms bandwidth 10Gbps' in text
+    s = build(Source("dc.pipe", text))
+    assert orders_from_schedule(s) == res.orders
+    mine, theirs = cost_model(s), cost_model(synth.shape(spec), docs)
+    for key in ("F", "B", "W", "comm", "act_bytes", "grad_bytes", "latency", "bandwidth", "link_class"):
+        assert np.array_equal(getattr(mine, key), getattr(theirs, key)), key
+    assert simulate_schedule(s).stats.makespan == res.figures.makespan
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [{"latency": 0.25}, {"latency": "3ms", "bandwidth": "1Gbps", "act_bytes": 1e6}, {"comm": 0.1, "overhead": 0.05}],
+    ids=["latency", "bandwidth", "overhead"],
+)
+def test_written_file_without_datacenters_keeps_its_links(doc):
+    """Links given without datacenters hold for every rank pair; the file says so with a `default link`
+    (or says what it cannot declare, a per-send overhead, and then simulates without it)."""
+    spec = synth.Spec(p=3, m=4, cost_docs=(normalize(doc),), limit=(3.0,) * 3)
+    res = synth.synthesize(spec, use_solver=False)
+    text = synth.write_pipe(res, "t")
+    s = build(Source("t.pipe", text))
+    if "overhead" in doc:
+        assert "Not declared below" in text and "overhead=0.05" in text and "topology" not in text
+        again = simulate_schedule(s, [normalize({"overhead": 0.05})]).stats.makespan
+    else:
+        assert "default link latency" in text
+        again = simulate_schedule(s).stats.makespan
+    assert again == res.figures.makespan
+
+
+@st.composite
+def rank_orders(draw):
+    """Per rank, steps (one op, or an overlapped pair) built from literal stretches and patterns repeated
+    with a micro-batch step of 1, 2, 3 or -1, so that loops of every kind, with pairs and `by`, occur."""
+    S = draw(st.integers(1, 3))
+    op = st.tuples(st.sampled_from("FBW"), st.integers(0, 5), st.integers(0, S - 1))
+    step = st.one_of(op.map(lambda o: (o,)), st.tuples(op, op))
+    ranks = []
+    for _ in range(draw(st.integers(1, 3))):
+        steps: list = []
+        for _ in range(draw(st.integers(0, 4))):
+            pattern = draw(st.lists(step, min_size=1, max_size=3))
+            count, d = draw(st.integers(1, 5)), draw(st.sampled_from([1, 1, 2, 3, -1]))
+            low = min(o[1] + min(0, (count - 1) * d) for s in pattern for o in s)
+            steps += [tuple((k, i - low + t * d, s) for k, i, s in x) for t in range(count) for x in pattern]
+        ranks.append(steps)
+    return S, ranks
+
+
+def _schedule_of(S: int, ranks) -> Schedule:
+    cols = []
+    for steps in ranks:
+        ops = [(("FBW".index(k), i, s), j + 1 < len(x)) for x in steps for j, (k, i, s) in enumerate(x)]
+        a = np.array([o for o, _ in ops], dtype=np.int64).reshape(-1, 3)
+        paired = np.array([p for _, p in ops], dtype=bool)
+        cols.append(RankOps(a[:, 0].copy(), a[:, 1].copy(), a[:, 2].copy(), np.zeros(len(a), np.int64), paired))
+    m = max([int(r.mb.max()) + 1 for r in cols if len(r.mb)], default=1)
+    R = len(ranks)
+    return Schedule("w", (("p", R), ("m", m)), S, R, m, ("F", "B", "W"), tuple(s % R for s in range(S)), tuple(cols))
+
+
+@settings(max_examples=150, deadline=None)
+@given(rank_orders())
+def test_written_orders_read_back_the_same(case):
+    """The one `.pipe` writer (pipec import's and pipec synth's): any per-rank orders, pairs included,
+    evaluate back to the same orders and pairs, and no rank is written with more tokens than the best
+    folding a brute-force search finds."""
+    S, ranks = case
+    sched = _schedule_of(S, ranks)
+    back = build(Source("w.pipe", to_pipe(sched)), check=False)
+    for a, b in zip(back.ranks, sched.ranks):
+        assert all(np.array_equal(getattr(a, f), getattr(b, f)) for f in ("kind", "mb", "stage", "paired"))
+    for steps in ranks:
+        assert _tokens(rank_lines(steps, S > 1)) == _fewest_tokens(steps, S > 1)
+
+
+def _tokens(lines) -> int:
+    return sum(len(re.findall(r"\.\.|\w+|[^\s\w]", x)) for x in lines)
+
+
+def _fewest_tokens(steps, multi: bool) -> int:
+    """The fewest tokens over every way to write these steps with loops: each loop repeats one pattern
+    with every micro-batch moved by one nonzero delta, however many times it repeats."""
+
+    def text(step, base=None) -> str:
+        def mb(i):
+            return (
+                str(i) if base is None else "i" if i == base else f"i + {i - base}" if i > base else f"i - {base - i}"
+            )
+
+        return " & ".join(op_text(k, mb(i), s, multi) for k, i, s in step)
+
+    @functools.cache
+    def best(j: int) -> int:
+        if j == len(steps):
+            return 0
+        out = _tokens([text(steps[j])]) + best(j + 1)
+        for L in range(1, (len(steps) - j) // 2 + 1):
+            d = steps[j + L][0][1] - steps[j][0][1]
+            c = 1
+            while (
+                j + (c + 1) * L <= len(steps)
+                and d != 0
+                and all(
+                    [(k, s) for k, _, s in steps[j + c * L + u]] == [(k, s) for k, _, s in steps[j + u]]
+                    and all(y[1] - x[1] == c * d for x, y in zip(steps[j + u], steps[j + c * L + u]))
+                    for u in range(L)
+                )
+            ):
+                c += 1
+                base = steps[j][0][1]
+                body = "  ".join(text(x, base) for x in steps[j : j + L])
+                by = "" if d == 1 else f" by {d}"
+                line = f"for i in {base} .. {base + c * d}{by} {{ {body} }}"
+                out = min(out, _tokens([line]) + best(j + c * L))
+        return out
+
+    return best(0)
 
 
 def test_written_v_schedule_names_stages(tmp_path):
