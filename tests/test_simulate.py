@@ -23,13 +23,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from strategies import deps, random_schedules
 
-from pipec.frontend import library
 from pipec.api import build, load
-from pipec.passes.compiler import compile_schedule
-from pipec.sim.costs import cost_model, cost_spec, dump_costs, normalize, parse_overrides, read_cost_file
 from pipec.errors import PipecError, Source
+from pipec.frontend import library
+from pipec.passes.compiler import compile_schedule
 from pipec.passes.memory import memory_model, rank_memory
 from pipec.program import BWD, FWD, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, WGRAD
+from pipec.sim.costs import cost_model, cost_spec, dump_costs, normalize, parse_overrides, read_cost_file
 from pipec.sim.render import Panel, plot_timelines, text_gantt
 from pipec.sim.simulate import memory_curve, simulate, stats
 from pipec.sim.timeline import Timeline
@@ -116,18 +116,23 @@ def test_zb_h2_bubble(tf, tb, tw):
     for p in (2, 3, 4, 6):
         for m in (2 * p - 1, 2 * p, 4 * p):
             st_, _ = sim("zb-h2", {"F": tf, "B": tb, "W": tw}, p=p, m=m)
-            assert st_.bubble_time == pytest.approx((p - 1) * (tf + tb - 2 * tw)), (p, m)
+            # Zero Bubble's formula is for each rank's span (`cost`); the bubble, on the makespan from the
+            # step's start, adds the warm-up before the last rank's first op (issue 15: one definition).
+            assert st_.cost - st_.ideal == pytest.approx((p - 1) * (tf + tb - 2 * tw)), (p, m)
+            assert st_.bubble_time == pytest.approx(st_.makespan - st_.ideal) and st_.makespan >= st_.cost
             assert st_.peak_memory <= 2 * p  # about twice 1F1B's
 
 
 def test_zb_v_zero_bubble_at_1f1b_memory():
-    """Equal times: no bubble within any rank's span (only the warm-up wait and the cool-down remain),
-    at 1F1B's peak memory when each of the two chunks holds half a rank's layers (act 1/2 per stage)."""
+    """Equal times: no bubble within any rank's span (only the warm-up wait remains: (p - 1) chunk
+    forwards before the last rank starts), at 1F1B's peak memory when each of the two chunks holds half a
+    rank's layers (act 1/2 per stage)."""
     for p in (2, 3, 4, 6, 8):
         for m in (2 * p - 1, 2 * p, 3 * p, 5 * p):
             st_, _ = sim("zb-v", {"F": 0.5, "B": 0.5, "W": 0.5}, {"act": 0.5, "wact": 0.25}, p=p, m=m)
             one, _ = sim("1f1b", p=p, m=m)
-            assert st_.bubble_time == 0 and st_.bubble_rate == 0, (p, m)
+            assert st_.cost == st_.ideal, (p, m)
+            assert st_.bubble_time == pytest.approx((p - 1) * 0.5) and st_.bubble_rate > 0, (p, m)
             assert st_.peak_memory == one.peak_memory == p
             assert st_.makespan < one.makespan
 
@@ -656,7 +661,8 @@ def test_show_timeline():
 
 def test_import_pipec_loads_neither_torch_nor_matplotlib():
     code = (
-        "import sys, pipec, pipec.cli, pipec.sim.simulate, pipec.sim.render, pipec.sim.trace, pipec.sim.report, pipec.sim.costs; "
+        "import sys, pipec, pipec.cli, pipec.sim.simulate, pipec.sim.render, pipec.sim.trace, pipec.sim.report, "
+        "pipec.sim.costs; "
         "print('torch' in sys.modules, 'matplotlib' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)

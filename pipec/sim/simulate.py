@@ -614,19 +614,27 @@ class RankStats:
 
 @dataclass(frozen=True)
 class Stats:
-    makespan: float
-    cost: float  # the longest rank's span (Zero Bubble's objective)
+    """The figures of one step, defined here once: `simulate`, `compare`, `expect` and synth all read these.
+
+    The bubble is measured on the makespan, from the step's common start, as Zero Bubble's cost is
+    (each rank's time from the start of the step): so two schedules with the same work and the same
+    makespan have the same bubble, whichever rank happens to start late or finish early.
+    """
+
+    makespan: float  # from the step's start (time 0, or the earliest event if earlier) to the last op's end
+    cost: float  # the longest rank's span, first op to last (synth's tie-break after the makespan)
     ideal: float  # the busiest rank's compute time: m (T_F + T_B + T_W) with uniform costs
     ranks: tuple[RankStats, ...]
 
     @property
     def bubble_time(self) -> float:
-        return self.cost - self.ideal
+        """The makespan less the busiest rank's compute: time that rank is not computing."""
+        return self.makespan - self.ideal
 
     @property
     def bubble_rate(self) -> float:
-        """Zero Bubble's bubble rate, (cost - m(T_F + T_B + T_W)) / cost."""
-        return self.bubble_time / self.cost if self.cost > 0 else 0.0
+        """(makespan - ideal) / makespan: Zero Bubble's (cost - m(T_F + T_B + T_W)) / cost, cost from the start."""
+        return self.bubble_time / self.makespan if self.makespan > 0 else 0.0
 
     @property
     def peak_memory(self) -> float | None:
