@@ -2,6 +2,8 @@
 
 Each line: the case, the equivalent command, the synthesized figures, the library schedules' figures under
 the same costs and memory model, whether the target is met, and the seconds spent (heuristic, solver).
+A "beat X" target also has a verdict: "beat" (met: a strictly shorter step at no more memory), "equal"
+(the same step: not met) or "worse"; each line carries the load average, as every benchmark's does.
 
     .venv/bin/python benchmarks/synth_targets.py            # every case (a few minutes on 2 cores)
     .venv/bin/python benchmarks/synth_targets.py --quick    # p=4 and p=8 only, shorter solver limits
@@ -10,9 +12,10 @@ the same costs and memory model, whether the target is met, and the seconds spen
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
+
+from sidebyside import emit, load_average
 
 from pipec.sim.costs import normalize
 from pipec.synth import Spec, comparison_text, library_comparison, peak_of, replace, synthesize, topology_of
@@ -35,6 +38,7 @@ def case(name, p, m, costs, limit_text, target, time_limit, v=1, place="loop", c
     else:
         limit = float(limit_text)
     spec = replace(spec, limit=(limit,) * p)
+    load_start = load_average()
     t0 = time.monotonic()
     res = synthesize(spec, time_limit=time_limit)
     secs = time.monotonic() - t0
@@ -47,7 +51,8 @@ def case(name, p, m, costs, limit_text, target, time_limit, v=1, place="loop", c
     extra_dc = "".join(f" --dc {n}={lo}..{hi}" for n, lo, hi in dcs)
     mem_arg = f"--memory-limit-of {limit_text[3:]}" if limit_text.startswith("of:") else f"--memory-limit {limit:g}"
     extra = f" -v {v} --place {place}" if v > 1 else ""
-    met = check(f, lib) if check else None
+    verdict = check(f, lib) if check else None
+    met = verdict == "beat" if isinstance(verdict, str) else verdict
     return {
         "case": name,
         "target": target,
@@ -74,7 +79,9 @@ def case(name, p, m, costs, limit_text, target, time_limit, v=1, place="loop", c
             n: {"makespan": x.makespan, "bubble_rate": x.bubble, "peak_memory": max(x.peak)} for n, x in lib.items()
         },
         "met": met,
+        **({"verdict": verdict} if isinstance(verdict, str) else {}),
         "table": comparison_text(res, rows, "synth"),
+        "load_average": {"start": load_start, "end": load_average()},
     }
 
 
@@ -87,14 +94,18 @@ def at_most(x):
 
 
 def beats(ref):
-    """Smaller (makespan, bubble) than the reference: a shorter step, or the same step with less bubble."""
-    return lambda f, lib: (
-        (round(f.makespan, 9), round(f.bubble, 9))
-        < (
-            round(lib[ref].makespan, 9),
-            round(lib[ref].bubble, 9),
-        )
-    )
+    """Against the reference at no more memory: "beat" for a strictly shorter step, "equal" for the same
+    step, else "worse" (or "over memory"). The step decides alone: the bubble is defined on it (the same
+    work and the same makespan give the same bubble), so a bubble cannot beat where the makespan ties."""
+
+    def verdict(f, lib) -> str:
+        r = lib[ref]
+        if max(f.peak) > max(r.peak) + 1e-9:
+            return "over memory"
+        ours, theirs = round(f.makespan, 9), round(r.makespan, 9)
+        return "beat" if ours < theirs else "equal" if ours == theirs else "worse"
+
+    return verdict
 
 
 def main() -> int:
@@ -182,7 +193,7 @@ def main() -> int:
     for c in cases:
         if args.case and args.case not in c[0]:
             continue
-        print(json.dumps(case(*c)), flush=True)
+        emit(case(*c))
     return 0
 
 

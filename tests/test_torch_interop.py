@@ -36,6 +36,8 @@ from pipec.frontend import library
 from pipec.interop.torch_csv import TORCH_VERSION, comms_rows, export_csv, read_csv, to_pipe
 from pipec.passes.compiler import compile_schedule
 from pipec.schedule import Schedule
+from pipec.sim.costs import normalize
+from pipec.sim.report import run as simulate
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -146,7 +148,12 @@ def test_round_trip_random_schedules(rs):
     assert expected is None
     for text in texts:
         same(read_csv(csv(text)), s)
-    same(build(Source("t.pipe", to_pipe(read_csv(csv(texts[0]))))), s)
+    imported = read_csv(csv(texts[0]))
+    written = build(Source("t.pipe", to_pipe(imported)))
+    same(written, s)
+    # ... and the written file simulates as the CSV does, on the same network (links, message sizes).
+    links = [normalize({"latency": "2ms", "bandwidth": "1Gbps", "act_bytes": "1MiB", "comm": 0.01})]
+    assert simulate(written, links).stats.makespan == simulate(imported, links).stats.makespan
     rt = torch_runtime(s.num_ranks, s.num_stages, s.num_microbatches)
     rt._prepare_schedule_with_comms(
         {r: [ts._Action.from_str(a) for a in row.split(",")] for r, row in enumerate(texts[0].splitlines())}
