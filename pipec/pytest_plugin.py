@@ -2,10 +2,12 @@
 
 Registered by the distribution (entry point `pytest11` in pyproject.toml), so it loads in every pytest
 run; it does nothing without `--pipec`, and imports nothing of pipec until a .pipe file is collected.
-Each file becomes one test item running what `pipec test` runs (pipec.testing.check_file); a failure
-reports the smallest failing parameter set, its diagnostic and a `pipec check` command reproducing it.
+Each file becomes one test item running what `pipec test` runs (pipec.testing.check_file), for
+`--pipec-budget` seconds (30, or 5 where CI=true, as `pipec test`); a failure reports the smallest
+failing parameter set, its diagnostic and a `pipec check` command reproducing it, and the terminal
+summary lists, per file, the values each parameter took (the coverage).
 
-    pytest --pipec schedules/ my_schedules/ --pipec-examples 200 --pipec-seed 1
+    pytest --pipec schedules/ my_schedules/ --pipec-budget 10s --pipec-seed 1
 """
 
 from __future__ import annotations
@@ -13,12 +15,21 @@ from __future__ import annotations
 import pytest
 
 
+def _budget(text: str) -> float:
+    from pipec.testing.files import parse_budget
+
+    return parse_budget(text)
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("pipec", "property-testing of pipec schedules (.pipe files)")
     group.addoption(
         "--pipec", action="store_true", default=False, help="collect .pipe files and property-test each one"
     )
-    group.addoption("--pipec-examples", type=int, default=50, metavar="N", help="parameter sets per file (50)")
+    group.addoption(
+        "--pipec-budget", type=_budget, default=None, metavar="TIME", help="time per file (30s; 5s where CI=true)"
+    )
+    group.addoption("--pipec-examples", type=int, default=None, metavar="N", help="at most N parameter sets per file")
     group.addoption("--pipec-seed", type=int, default=0, metavar="S", help="random seed (0)")
     group.addoption("--pipec-runtime", action="store_true", default=False, help="also run small cases on the runtime")
 
@@ -27,6 +38,25 @@ def pytest_collect_file(parent: pytest.Collector, file_path):
     if file_path.suffix == ".pipe" and parent.config.getoption("pipec"):
         return PipeFile.from_parent(parent, path=file_path)
     return None
+
+
+_RESULTS = pytest.StashKey[list]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[_RESULTS] = []
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
+    results = config.stash.get(_RESULTS, [])
+    if not results:
+        return
+    terminalreporter.section("pipec coverage")
+    for res in results:
+        state = "ok" if res.ok else f"FAILED at {res.failure.params_text}"
+        terminalreporter.write_line(f"{res.target}: {state} ({res.sets_text}, {res.seconds:.1f} s)")
+        if res.coverage is not None and res.examples:
+            terminalreporter.write_line(f"  tried: {res.coverage.text()}")
 
 
 class PipecFailure(Exception):
@@ -49,16 +79,19 @@ class PipeItem(pytest.Item):
             os.path.relpath(self.path, cfg.invocation_params.dir),
             cfg.getoption("pipec_examples"),
             cfg.getoption("pipec_seed"),
+            budget=cfg.getoption("pipec_budget"),
             runtime=cfg.getoption("pipec_runtime"),
         )
+        cfg.stash[_RESULTS].append(res)
         if not res.ok:
             f = res.failure
             lines = [
-                f"{f.target}: fails at {f.params_text} "
-                f"(smallest of {res.failing} failing; {res.examples} of {res.space} parameter sets checked)",
+                f"{f.target}: fails at {f.params_text} (smallest of {res.failing} failing; {res.sets_text} checked)",
                 f.message,
                 f"reproduce: {f.command}",
             ]
+            if res.coverage is not None and res.examples:
+                lines.append(f"tried: {res.coverage.text()}")
             raise PipecFailure("\n".join(lines))
 
     def repr_failure(self, excinfo, style=None):

@@ -21,25 +21,30 @@ import pytest
 from hypothesis import HealthCheck, assume, find, given, settings
 from hypothesis import strategies as st
 
-from pipec import cli, library
+from pipec import cli
 from pipec.api import build, load
+from pipec.errors import PipecError, Source
+from pipec.frontend import library
 from pipec.passes.checks import check_schedule
 from pipec.passes.compiler import compile_schedule
-from pipec.errors import PipecError, Source
 from pipec.passes.expect import Metrics, check_expectations
 from pipec.program import Program, RankProgram
 from pipec.testing import (
     InvariantError,
     Listing,
+    Sampler,
     check_file,
     check_invariants,
+    default_budget,
     mutations,
     parameter_space,
     params,
     program_problem,
+    sample_space,
     schedules,
 )
 from pipec.testing.files import _check_point
+from pipec.testing.space import m_limit
 
 ROOT = Path(__file__).resolve().parent.parent
 SEEDED = ROOT / "tests" / "seeded"
@@ -204,58 +209,147 @@ def test_a_wrong_verdict_of_pipec_is_an_invariant_error(monkeypatch):
 # ---- seeded bugs: found, and shrunk to the smallest failing parameters ---------------------------------------
 
 
-def _smallest_failing(path: Path):
-    """Brute force: every parameter set of the bounded space, in the kit's order; the first that fails."""
+def _confirm_smallest(path: Path, point: dict, code: str) -> None:
+    """Brute force: the set fails with this code, and every smaller set of the space passes."""
     source = library.read(str(path))
-    for point in parameter_space(source):
-        res = _check_point(source, str(path), point, False)
-        if res is not None and res != "skip":
-            return point, res.kind
-    return None
+    res = _check_point(source, str(path), point, False)
+    assert res is not None and res != "skip" and res.kind == code, res
+    for smaller in sample_space(source).smaller(point):
+        res = _check_point(source, str(path), smaller, False)
+        assert res is None or res == "skip", f"{smaller} fails too: {res}"
 
 
 SEEDED_CASES = [
     ("interleaved_warmup_deadlock.pipe", "E401", {"p": 4, "v": 2, "m": 8}),
     ("snake_placement_odd_p.pipe", "E208", {"p": 3, "m": 1}),
     ("zb_h1_last_rank_w_first.pipe", "E304", {"p": 1, "m": 1}),
+    ("deep_bubble_promise.pipe", "E405", {"p": 7, "m": 1}),  # the `expect` fails from p = 7 on
+    ("tuned_for_p16.pipe", "E405", {"p": 16, "m": 2}),  # the `expect` fails at p = 16 only
 ]
 
 
 @pytest.mark.parametrize(("name", "code", "smallest"), SEEDED_CASES)
-def test_seeded_bug_is_found_and_shrunk(name, code, smallest, capsys):
+def test_seeded_bug_is_found_with_the_defaults_and_shrunk(name, code, smallest, capsys, monkeypatch):
     path = SEEDED / name
     rel = str(path.relative_to(ROOT))
-    assert _smallest_failing(path) == (smallest, code)  # what "smallest" means, by brute force
-    with pytest.MonkeyPatch.context() as mp:
-        mp.chdir(ROOT)
-        # The deadlock shows at 8 of 186 parameter sets: 200 examples cover the space whatever
-        # hypothesis's version draws; the other two fail at many and are found within a few.
-        assert cli.main(["test", rel, "--examples", "200" if code == "E401" else "20"]) == 1
+    monkeypatch.delenv("CI", raising=False)  # the defaults a user has; the search stops at the first failure
+    monkeypatch.chdir(ROOT)
+    assert cli.main(["test", rel]) == 1
     out = capsys.readouterr().out
     shown = " ".join(f"{k}={v}" for k, v in smallest.items())
     assert f"{rel}: FAILED at {shown} (" in out
     assert f"error[{code}]" in out
     command = f"pipec check {rel} " + " ".join(f"-D {k}={v}" for k, v in smallest.items())
     assert f"  reproduce: {command}\n" in out
-    # The command reproduces it.
-    with pytest.MonkeyPatch.context() as mp:
-        mp.chdir(ROOT)
-        assert cli.main(command.split()[1:]) == 1
+    assert "  tried: p " in out
+    # The command reproduces it, and it is the smallest failing set there is.
+    assert cli.main(command.split()[1:]) == 1
     assert f"error[{code}]" in capsys.readouterr().err
+    _confirm_smallest(path, smallest, code)
 
 
 def test_the_seeded_deadlock_is_found_for_other_seeds_too():
     for seed in (1, 2):
-        res = check_file(str(SEEDED / "interleaved_warmup_deadlock.pipe"), examples=200, seed=seed)
+        res = check_file(str(SEEDED / "interleaved_warmup_deadlock.pipe"), seed=seed, budget=300)
         assert not res.ok and res.failure.params == {"p": 4, "v": 2, "m": 8}
 
 
-def test_the_library_passes(capsys):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.chdir(ROOT)
-        assert cli.main(["test", "schedules/", "--examples", "12"]) == 0
+def test_the_library_passes(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert cli.main(["test", "schedules/", "--budget", "1s"]) == 0
     out = capsys.readouterr().out
     assert f"{len(library.names())} files: {len(library.names())} ok, 0 failed" in out
+    assert out.count("  tried: p ") == len(library.names())
+
+
+@pytest.mark.parametrize("name", library.names())
+def test_the_sampler_starts_small_and_reaches_p32_early(name):
+    """Without checking anything: the order `pipec test` checks sets in, for every library schedule."""
+    source = library.read(name)
+    space = sample_space(source)
+    sampler = Sampler(space, source)
+    first = [pt for _, pt in zip(range(80), sampler)]
+    for pt in first:  # every set passes the top-level `require`s
+        build(source, pt, check=False, ranks=())
+    assert space.cost(first[0]) <= 2  # p = 1 or 2 with m = 1 (or the smallest m the `require`s allow)
+    assert 32 in {pt["p"] for pt in first}, "the ladder reaches p = 32 within 80 sets"
+    if "v" in space.axis:
+        assert {pt["v"] for pt in first} == {1, 2, 3, 4}
+
+
+def test_the_sampler_weights_the_boundaries_of_m():
+    source = library.read("1f1b")
+    space = sample_space(source)
+    first = [pt for _, pt in zip(range(200), Sampler(space, source))]
+    at16 = {pt["m"] for pt in first if pt["p"] == 16}
+    assert {1, 15, 16, 17, 31} <= at16  # m < p, m = p, m = p + 1, m = 2p - 1
+    assert max(pt["m"] for pt in first) <= m_limit(32)
+    # A `require`'s edge: zb-v needs m >= 2p - 1; its sets at p = 16 start at m = 31.
+    zbv = library.read("zb-v")
+    sp = sample_space(zbv)
+    assert min(pt["m"] for _, pt in zip(range(120), Sampler(sp, zbv)) if pt["p"] == 16) == 31
+
+
+def test_the_space_reaches_production_degrees():
+    space = sample_space("interleaved-1f1b")
+    assert space.axis["p"] == tuple(range(1, 33)) and space.axis["v"] == (1, 2, 3, 4)
+    assert max(m["m"] for m in space.members() if m["p"] == 32) == 128
+    assert max(m["m"] for m in space.members() if m["p"] == 2) == 12
+    # Parameters with many values are drawn per set rather than multiplying the space.
+    cross = sample_space("crossdc-zb")
+    assert cross.drawn == ("cut", "g") and cross.size() == sample_space("1f1b").size()
+    # --range and -D still rule.
+    narrow = sample_space("1f1b", {"m": [2, 3]}, {"p": "4"})
+    assert narrow.members() == [{"p": 4, "m": 2}, {"p": 4, "m": 3}]
+
+
+def test_a_count_limit_and_the_coverage_it_reports():
+    res = check_file("interleaved-1f1b", examples=12)
+    assert res.ok and res.examples == 12 and res.budget is None
+    cov = res.coverage
+    assert sum(cov.values("p").values()) == 12 and sum(cov.values("v").values()) == 12
+    big = dict(cov.largest)
+    assert big["p"] in cov.values("p") and big["m"] in cov.values("m") and big["v"] in cov.values("v")
+    assert not cov.exhausted
+    text = cov.text()
+    assert text.startswith("p ") and f"largest p x m: {big['p']} x {big['m']}" in text
+
+
+def test_a_small_space_is_exhausted(capsys):
+    assert cli.main(["test", "1f1b", "--range", "p=1..4", "--range", "m=1..4"]) == 0
+    out = capsys.readouterr().out
+    assert "1f1b: ok (all 9 parameter sets, " in out
+    assert "  tried: p 1..3 (1:3 2:3 3:3), m 1..3 (1:3 2:3 3:3); largest p x m: 3 x 3\n" in out
+
+
+def test_pipec_test_json(capsys, monkeypatch):
+    import json
+
+    monkeypatch.chdir(ROOT)
+    rel = "tests/seeded/snake_placement_odd_p.pipe"
+    assert cli.main(["test", "1f1b", rel, "--examples", "6", "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["ok"], doc["failed"]) == (1, 1)
+    good, bad = doc["files"]
+    assert good["ok"] and good["checked"] == 6 and sum(good["coverage"]["values"]["p"].values()) == 6
+    assert bad["failure"]["params"] == {"p": 3, "m": 1} and bad["failure"]["kind"] == "E208"
+    assert bad["failure"]["command"] == f"pipec check {rel} -D p=3 -D m=1"
+
+
+def test_the_default_budget_is_smaller_on_ci(monkeypatch):
+    monkeypatch.delenv("CI", raising=False)
+    assert default_budget() == 30.0
+    monkeypatch.setenv("CI", "true")
+    assert default_budget() == 5.0
+
+
+def test_budget_values():
+    from pipec.testing.files import parse_budget
+
+    assert [parse_budget(t) for t in ("30s", "2m", "500ms", "1.5")] == [30.0, 120.0, 0.5, 1.5]
+    for bad in ("0s", "soon", "-1"):
+        with pytest.raises(ValueError):
+            parse_budget(bad)
 
 
 def test_pipec_test_misuse_exits_2(tmp_path, capsys):
@@ -266,6 +360,9 @@ def test_pipec_test_misuse_exits_2(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "no .pipe files" in err and "--examples" in err and "NAME=LO..HI" in err
     assert "no schedule here has a parameter `q`" in err
+    with pytest.raises(SystemExit) as info:
+        cli.main(["test", "1f1b", "--budget", "soon"])
+    assert info.value.code == 2 and "expected a time such as 30s" in capsys.readouterr().err
 
 
 def test_a_file_that_does_not_parse_fails_at_once(tmp_path, capsys):
@@ -285,6 +382,7 @@ def test_pytest_plugin_reports_the_smallest_case(tmp_path):
     assert run.returncode == 1, run.stdout + run.stderr
     assert "fails at p=3 m=1" in run.stdout
     assert "-D p=3 -D m=1" in run.stdout
+    assert "pipec coverage" in run.stdout and "tried: p 2..3" in run.stdout
     # Without --pipec, .pipe files are not collected.
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", str(target), "-q"],
@@ -425,19 +523,21 @@ _FENCE = re.compile(r"^```([^\n]*)\n(.*?)^```[ \t]*$", re.S | re.M)
 
 
 def _expected_pattern(text: str) -> re.Pattern:
-    """Shown output as a pattern: `...` lines match any lines; timings (`0.6 s`) match any timing, and so do
-    the counts of parameter sets checked and failing, which depend on what hypothesis's version draws (the
-    parameters shown, the smallest failing ones, do not)."""
+    """Shown output as a pattern: `...` lines match any lines, a line ending in `...` any line that starts
+    so; timings (`0.6 s`) match any timing, and so do the counts of parameter sets checked and failing,
+    which depend on the machine's speed within a budget (the parameters shown, the smallest failing ones,
+    do not)."""
     parts = []
     for line in text.splitlines():
         if line.strip() == "...":
             parts.append(r"(?:[^\n]*\n)*?")
+        elif line.endswith("..."):  # a line shown in part (a coverage line): its start
+            parts.append(re.escape(line[:-3]) + r"[^\n]*\n")
         else:
             esc = re.escape(line)
             esc = re.sub(r"\d+\\\.\d+\\ s", r"\\d+\\.\\d+\\ s", esc)
             esc = re.sub(r"smallest\\ of\\ \d+", r"smallest\\ of\\ \\d+", esc)
-            esc = re.sub(r"\((?:\\ )?\d+\\ of\\ ", r"(\\d+\\ of\\ ", esc)
-            esc = re.sub(r";\\ \d+\\ of\\ ", r";\\ \\d+\\ of\\ ", esc)
+            esc = re.sub(r"(?:all\\ )?\d[\d,]*\\ parameter\\ sets", r"(?:all\\ )?[\\d,]+\\ parameter\\ sets", esc)
             esc = esc.replace(r"in\ \.\.\.", r"in\ .*")
             parts.append(esc + r"\n")
     return re.compile("".join(parts))
@@ -451,7 +551,8 @@ def _run_doc_command(cmd: str, cwd: Path, capsys) -> tuple[int, str]:
             capsys.readouterr()
             rc = cli.main(argv[1:])
             out = capsys.readouterr()
-        return rc, out.out + out.err
+        err = re.sub(r"^  \.\.\. .*\n", "", out.err, flags=re.M)  # progress lines of long runs: not shown
+        return rc, out.out + err
     assert argv[0] == "pytest", cmd
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *argv[1:]], capture_output=True, text=True, cwd=cwd
@@ -459,10 +560,12 @@ def _run_doc_command(cmd: str, cwd: Path, capsys) -> tuple[int, str]:
     return run.returncode, run.stdout + run.stderr
 
 
-def test_the_walkthrough_works_as_written(tmp_path, capsys):
+def test_the_walkthrough_works_as_written(tmp_path, capsys, monkeypatch):
     """Every ```pipe file=..., ```diff and ```console block of docs/testing.md, in order, in a copy of the
     repository's tests/seeded and schedules; each command's output must be what the page shows."""
     import shutil
+
+    monkeypatch.delenv("CI", raising=False)  # the page shows the defaults a user has
 
     work = tmp_path / "repo"
     shutil.copytree(SEEDED, work / "tests" / "seeded")

@@ -22,35 +22,50 @@ Five tools, for anyone who writes a schedule (see docs/testing.md):
   compare the loss and gradients with a single-process reference (torch).
 
 `check_file` runs the whole property over one schedule file (what `pipec
-test` and the pytest plugin do): hypothesis samples parameter sets, and the
-first failure is shrunk to the smallest failing parameter set of the bounded
-space (hypothesis's shrinking, then a scan of every smaller set), reported
-as a `pipec check` command that reproduces it.
+test` and the pytest plugin do), for a time budget: `sample_space` is p up to
+32, m up to max(12, 4p), v up to 4; `Sampler` orders it cheapest first with
+weight on boundaries (m < p, m = p, m = 2p - 1, p = 1, the edges of the
+`require`s) and a ladder up to p = 32. The first failure is shrunk to the
+smallest failing parameter set (each parameter down, then a scan of every
+smaller set), reported as a `pipec check` command that reproduces it, with
+the values each parameter took (`Coverage`).
 
 hypothesis is a test extra (`pip install pipec[test]`): this module imports
-it only inside the functions that need it (the strategies and `check_file`),
-so `import pipec.testing` and `check_invariants` work without it.
+it only inside the strategies, so `import pipec.testing`, `check_invariants`
+and `check_file` work without it.
 
 Modules: `listing` (explicit schedules and the `schedules` strategy), `mutations`, `space` (parameter
 sets), `invariants` (the independent checks), `files` (`check_file`, `runtime_check`).
 """
 
-from pipec.testing.files import Failure, FileResult, check_file, find_schedule_files, runtime_check
+from pipec.testing.files import (
+    Coverage,
+    Failure,
+    FileResult,
+    check_file,
+    default_budget,
+    find_schedule_files,
+    runtime_check,
+)
 from pipec.testing.invariants import Checked, InvariantError, check_invariants, program_problem, schedule_problem
 from pipec.testing.listing import Listing, deps, schedules
 from pipec.testing.mutations import Mutation, mutations
-from pipec.testing.space import DEFAULT_BOUNDS, parameter_space, params
+from pipec.testing.space import DEFAULT_BOUNDS, Sampler, Space, parameter_space, params, sample_space
 
 __all__ = [
     "DEFAULT_BOUNDS",
     "Checked",
+    "Coverage",
     "FileResult",
     "Failure",
     "InvariantError",
     "Listing",
     "Mutation",
+    "Sampler",
+    "Space",
     "check_file",
     "check_invariants",
+    "default_budget",
     "deps",
     "find_schedule_files",
     "mutations",
@@ -58,6 +73,7 @@ __all__ = [
     "params",
     "program_problem",
     "runtime_check",
+    "sample_space",
     "schedule_problem",
     "schedules",
 ]

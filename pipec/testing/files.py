@@ -3,22 +3,23 @@ gradient check of a schedule (`runtime_check`)."""
 
 from __future__ import annotations
 
+import os
 import shlex
 import time
 import traceback
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipec.passes.compiler import CompiledSchedule, compile_schedule
 from pipec.errors import PipecError, Source
-from pipec.schedule import Schedule
+from pipec.passes.compiler import CompiledSchedule, compile_schedule
 from pipec.program import (
     Program,
 )
+from pipec.schedule import Schedule
 from pipec.testing.invariants import InvariantError, _fail, check_invariants
-from pipec.testing.listing import _hypothesis
-from pipec.testing.space import _point_strategy, parameter_space
+from pipec.testing.space import Sampler, Space, _key, _size, _values, sample_space
 
 
 def _fmt_value(v: object) -> str:
@@ -53,20 +54,133 @@ class Failure:
         return " ".join(f"{k}={_fmt_value(v)}" for k, v in self.params.items()) or "(defaults)"
 
 
+DEFAULT_BUDGET = 30.0  # seconds per schedule file
+CI_BUDGET = 5.0  # where CI=true: CI machines test the whole library on every push
+
+
+def default_budget() -> float:
+    """Seconds per schedule file when none is given: DEFAULT_BUDGET, or CI_BUDGET where CI=true."""
+    return CI_BUDGET if os.environ.get("CI", "").strip().lower() in ("true", "1") else DEFAULT_BUDGET
+
+
+def parse_budget(text: str) -> float:
+    """A time such as `30s`, `2m`, `500ms` or `30` (seconds), in seconds; ValueError otherwise."""
+    t = text.strip().lower()
+    scale = next((f for unit, f in (("ms", 1e-3), ("s", 1.0), ("m", 60.0)) if t.endswith(unit)), 1.0)
+    try:
+        value = float(t.rstrip("ms")) * scale
+    except ValueError:
+        raise ValueError(f"expected a time such as 30s, 2m or 500ms, got `{text}`") from None
+    if not value > 0:
+        raise ValueError(f"the budget must be more than 0, got `{text}`")
+    return value
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """Which parameter sets a run checked: the values of each parameter, with how many sets had each."""
+
+    counts: tuple[tuple[str, tuple[tuple[object, int], ...]], ...]  # per parameter: (value, sets), by value
+    largest: tuple[tuple[str, object], ...] = ()  # the checked set with the largest p x m (largest size if no p, m)
+    rejected: int = 0  # sets of the space that a `require` rejects
+    space: int = 0  # sets of the enumerated space, before the `require`s
+    exhausted: bool = False  # every set of the space was checked (or rejected)
+
+    def values(self, name: str) -> dict[object, int]:
+        return dict(dict(self.counts).get(name, ()))
+
+    def text(self) -> str:
+        """One line: p's values with their counts, the others' ranges, the largest p x m."""
+        parts = []
+        for name, pairs in self.counts:
+            vals = [v for v, _ in pairs]
+            if not vals:
+                continue
+            span = _fmt_value(vals[0]) if len(vals) == 1 else f"{_fmt_value(vals[0])}..{_fmt_value(vals[-1])}"
+            if name == "p" or len(vals) <= 4:
+                counts = " ".join(f"{_fmt_value(v)}:{n}" for v, n in pairs)
+                parts.append(f"{name} {span} ({counts})" if len(vals) > 1 else f"{name} {span}")
+            else:
+                parts.append(f"{name} {span} ({len(vals)} values)")
+        line = ", ".join(parts) or "(no parameters)"
+        big = dict(self.largest)
+        if "p" in big and "m" in big:
+            line += f"; largest p x m: {big['p']} x {big['m']}"
+        return line
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "values": {name: {_fmt_value(v): n for v, n in pairs} for name, pairs in self.counts},
+            "largest": dict(self.largest),
+            "rejected": self.rejected,
+            "space": self.space,
+            "exhausted": self.exhausted,
+        }
+
+
+def _coverage(points: Iterable[Mapping[str, object]], names, rejected: int, space: int, exhausted: bool) -> Coverage:
+    points = list(points)
+    counts = []
+    for name in names:
+        c = Counter(pt[name] for pt in points if name in pt)
+        counts.append((name, tuple(sorted(c.items(), key=lambda kv: (isinstance(kv[0], str), kv[0])))))
+
+    def size(pt):
+        p, m = pt.get("p"), pt.get("m")
+        if isinstance(p, int) and isinstance(m, int):
+            return (p * m, p)
+        return (_size(pt)[0], 0)
+
+    largest = tuple(max(points, key=size).items()) if points else ()
+    return Coverage(tuple(counts), largest, rejected, space, exhausted)
+
+
 @dataclass(frozen=True)
 class FileResult:
     target: str
     examples: int  # parameter sets checked
-    space: int  # parameter sets within the bounds
+    space: int  # parameter sets of the enumerated space, before the `require`s
     failure: Failure | None
     failing: int  # distinct failing parameter sets seen
     seconds: float
     runtime_checked: int = 0  # parameter sets also run on the runtime (--runtime)
     notes: tuple[str, ...] = field(default=())
+    coverage: Coverage | None = None
+    budget: float | None = None  # seconds it was given; None: a count (`examples`)
 
     @property
     def ok(self) -> bool:
         return self.failure is None
+
+    @property
+    def sets_text(self) -> str:
+        """ "312 parameter sets", or "all 72 parameter sets" when the space was exhausted."""
+        n = f"{self.examples:,} parameter set{'s' if self.examples != 1 else ''}"
+        return f"all {n}" if self.coverage is not None and self.coverage.exhausted and self.examples > 1 else n
+
+    def to_json(self) -> dict[str, object]:
+        """What `pipec test --json` prints for the file."""
+        out: dict[str, object] = {
+            "target": self.target,
+            "ok": self.ok,
+            "checked": self.examples,
+            "space": self.space,
+            "seconds": round(self.seconds, 3),
+            "budget": self.budget,
+            "runtime_checked": self.runtime_checked,
+            "coverage": self.coverage.to_json() if self.coverage is not None else None,
+            "notes": list(self.notes),
+        }
+        if self.failure is not None:
+            f = self.failure
+            out["failure"] = {
+                "params": f.params,
+                "kind": f.kind,
+                "message": f.message,
+                "command": f.command,
+                "failing": self.failing,
+            }
+        return out
 
 
 def find_schedule_files(paths: Iterable[str]) -> list[str]:
@@ -152,86 +266,150 @@ def runtime_check(target: Schedule | CompiledSchedule | Program, steps: int = 2,
 
 def check_file(
     target: str,
-    examples: int = 100,
+    examples: int | None = None,
     seed: int = 0,
     *,
+    budget: float | None = None,
     bounds: Mapping[str, Iterable] | None = None,
     fixed: Mapping[str, object] | None = None,
     runtime: bool = False,
-    progress: Callable[[int, int], None] | None = None,
+    progress: Callable[[int, float], None] | None = None,
     max_scan: int = 500,
     runtime_cases: int = 3,
 ) -> FileResult:
-    """Property-test one schedule file (or library name) over its bounded parameter space.
+    """Property-test one schedule file (or library name) over the space `pipec test` samples.
 
-    hypothesis draws up to `examples` parameter sets from `params(target)` (seeded, no example
-    database) and checks each with `check_invariants`; on a failure it shrinks, and then every smaller
-    parameter set (up to `max_scan` of them) is checked in order, so the reported failure is the
-    smallest of the bounded space. `progress(done, examples)` is called after each parameter set.
-    With `runtime`, the `runtime_cases` smallest checked parameter sets with at least two ranks then
-    also train on the runtime's `--local` mode (`runtime_check`).
+    Parameter sets come from `space.Sampler` (cheapest first, boundaries early, a ladder up to p = 32)
+    and each is checked with `check_invariants`, until `budget` seconds are spent (a set predicted not to
+    fit in the time left is passed over), `examples` sets are checked, or the space is exhausted; with
+    neither given, the budget is `default_budget()`. On the first failure the search stops and shrinks
+    it: each parameter in turn goes to its smallest value that still fails, then every smaller set is
+    checked in order (up to `max_scan` new checks), then each parameter again. The search does not
+    depend on the time the checks take, only on where the budget cuts it. `progress(checked, seconds)`
+    is called after each set. With `runtime`, the `runtime_cases` smallest checked sets with at least
+    two ranks also train on the runtime's `--local` mode (`runtime_check`).
     """
-    import random
-
-    hypothesis, st = _hypothesis()
     from pipec.frontend.library import read
 
     started = time.perf_counter()
+    if examples is None and budget is None:
+        budget = default_budget()
     source = read(target)
     try:
-        points = parameter_space(source, bounds, fixed)
+        space = sample_space(source, bounds, fixed)
     except PipecError as e:  # the file does not parse or type-check: every parameter set fails
         msg = "\n".join(d.format() for d in e.diagnostics)
         return FileResult(target, 0, 0, Failure(target, {}, e.code, msg), 1, time.perf_counter() - started)
-    if not points:
-        note = ("no parameter set within the bounds passes the schedule's `require`s",)
-        return FileResult(target, 0, 0, None, 0, time.perf_counter() - started, notes=note)
-    index = {tuple(sorted(p.items(), key=lambda kv: kv[0])): n for n, p in enumerate(points)}
-    results: dict[int, Failure | None | str] = {}
-    tried = [0]
+    sampler = Sampler(space, source, seed)
+    results: dict[tuple, Failure | None | str] = {}
+    checked: list[dict[str, object]] = []
+    rate = [0.0]  # seconds per unit of `Space.cost`, the worst seen on sets of some size
 
-    def run(n: int) -> Failure | None | str:
-        if n not in results:
-            results[n] = _check_point(source, target, points[n], False)
-            tried[0] += 1
-            if progress is not None:
-                progress(min(tried[0], examples), examples)
-        return results[n]
+    def run(point: dict[str, object]) -> Failure | None | str:
+        key = _key(point)
+        if key not in results:
+            t0 = time.perf_counter()
+            results[key] = res = _check_point(source, target, point, False)
+            cost = space.cost(point)
+            if cost >= 64:
+                rate[0] = max(rate[0], (time.perf_counter() - t0) / cost)
+            if res == "skip":
+                sampler.rejected += 1
+            else:
+                checked.append(point)
+                if progress is not None:
+                    progress(len(checked), time.perf_counter() - started)
+        return results[key]
 
-    def fails(point: dict) -> bool:
-        res = run(index[tuple(sorted(point.items(), key=lambda kv: kv[0]))])
-        return isinstance(res, Failure)
-
-    settings = hypothesis.settings(
-        max_examples=examples,
-        database=None,
-        deadline=None,
-        suppress_health_check=list(hypothesis.HealthCheck),
-    )
-    try:
-        found = hypothesis.find(_point_strategy(points, st), fails, settings=settings, random=random.Random(seed))
-    except hypothesis.errors.NoSuchExample:
-        found = None
+    deadline = None if budget is None else started + budget
+    passed_over = 0
+    found = None
+    while examples is None or len(checked) < examples:
+        cost = sampler.peek_cost()
+        if cost is None:
+            break
+        if deadline is not None:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                break
+            if rate[0] * cost > left:
+                sampler.skip()
+                passed_over += 1
+                continue
+        try:
+            point = next(sampler)
+        except StopIteration:
+            break
+        if isinstance(run(point), Failure):
+            found = point
+            break
+    exhausted = found is None and sampler.peek_cost() is None and not passed_over
     failure = None
     if found is not None:
-        best = index[tuple(sorted(found.items(), key=lambda kv: kv[0]))]
-        for n in range(min(best, max_scan)):  # points are sorted smallest first
-            if isinstance(run(n), Failure):
-                best = n
-                break
-        failure = results[best]
+        failure = results[_key(_shrink(found, space, sampler, run, results, max_scan))]
     failing = sum(isinstance(r, Failure) for r in results.values())
     on_runtime = 0
     if runtime and failure is None:
-        small = [n for n in sorted(results) if results[n] is None and _ranks_of(points[n]) >= 2][:runtime_cases]
-        for n in small:
+        small = sorted((pt for pt in checked if results[_key(pt)] is None and _ranks_of(pt) >= 2), key=_size)
+        for point in small[:runtime_cases]:
             on_runtime += 1
-            res = _check_point(source, target, points[n], True)
+            res = _check_point(source, target, point, True)
             if isinstance(res, Failure):
                 failure, failing = res, 1
                 break
+    coverage = _coverage(checked, space.names, sampler.rejected, space.size(), exhausted)
+    notes: tuple[str, ...] = ()
+    if not checked and failure is None:
+        notes = ("no parameter set within the bounds passes the schedule's `require`s",)
     seconds = time.perf_counter() - started
-    return FileResult(target, len(results), len(points), failure, failing, seconds, on_runtime)
+    return FileResult(
+        target, len(checked), space.size(), failure, failing, seconds, on_runtime, notes, coverage, budget
+    )
+
+
+def _shrink(
+    point: dict[str, object], space: Space, sampler: Sampler, run: Callable, results: Mapping, max_scan: int
+) -> dict[str, object]:
+    """The smallest failing set found from a failing one (see `check_file`)."""
+
+    def fails(pt: dict[str, object]) -> bool:
+        return space.contains(pt) and sampler.valid(pt) and isinstance(run(pt), Failure)
+
+    def descend(best: dict[str, object]) -> dict[str, object]:
+        moved = True
+        while moved:
+            moved = False
+            for name in space.names:
+                for value in _smaller_values(space, sampler, best, name):
+                    trial = {**best, name: value}
+                    if fails(trial):
+                        best, moved = trial, True
+                        break
+        return best
+
+    best = descend(point)
+    fresh = 0
+    for trial in space.smaller(best):
+        if fresh >= max_scan:
+            break
+        fresh += _key(trial) not in results
+        if fails(trial):
+            best = descend(trial)
+            break
+    return best
+
+
+def _smaller_values(space: Space, sampler: Sampler, point: Mapping[str, object], name: str) -> list:
+    """The values below the set's value of `name` that the shrinker tries, smallest first."""
+    value = point.get(name)
+    if value is None or isinstance(value, str):
+        return []
+    if name in space.axis:
+        vals = space.axis[name]
+    else:  # a drawn parameter: the range it is drawn from there
+        typ = space._type[name]
+        vals = tuple(_values(name, typ, sampler.defaults({n: point[n] for n in space.axis}).get(name), {}))
+    return sorted((v for v in vals if v < value), key=lambda v: (v,))
 
 
 def _ranks_of(point: Mapping[str, object]) -> int:
