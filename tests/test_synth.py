@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from pipec import synth
 from pipec.api import build, load
 from pipec.errors import PipecError, Source
-from pipec.interop.pipe_text import op_text, rank_lines
+from pipec.interop.pipe_text import op_text, rank_lines, topology_lines
 from pipec.interop.torch_csv import to_pipe
 from pipec.passes.compiler import compile_schedule
 from pipec.passes.memory import memory_model
@@ -346,24 +346,40 @@ def test_written_file_keeps_the_whole_topology_and_simulates_the_same():
 
 
 @pytest.mark.parametrize(
-    "doc",
-    [{"latency": 0.25}, {"latency": "3ms", "bandwidth": "1Gbps", "act_bytes": 1e6}, {"comm": 0.1, "overhead": 0.05}],
-    ids=["latency", "bandwidth", "overhead"],
+    ("doc", "undeclared"),
+    [
+        ({"latency": 0.25}, None),
+        ({"latency": "3ms", "bandwidth": "1Gbps", "act_bytes": 1e6}, None),
+        ({"comm": 0.1, "overhead": 0.05}, "overhead=0.05"),
+        ({"ranks_per_node": 2, "latency.node": 0.1, "latency.dc": 0.2}, "ranks_per_node"),
+    ],
+    ids=["latency", "bandwidth", "overhead", "per-node"],
 )
-def test_written_file_without_datacenters_keeps_its_links(doc):
-    """Links given without datacenters hold for every rank pair; the file says so with a `default link`
-    (or says what it cannot declare, a per-send overhead, and then simulates without it)."""
+def test_written_file_without_datacenters_keeps_its_links(doc, undeclared):
+    """Links given without datacenters hold for every rank pair; the file says so with a `default link`.
+    What the language cannot declare (a per-send overhead, per-node links) the header names, and the
+    file simulates the same given it again."""
     spec = synth.Spec(p=3, m=4, cost_docs=(normalize(doc),), limit=(3.0,) * 3)
     res = synth.synthesize(spec, use_solver=False)
     text = synth.write_pipe(res, "t")
     s = build(Source("t.pipe", text))
-    if "overhead" in doc:
-        assert "Not declared below" in text and "overhead=0.05" in text and "topology" not in text
-        again = simulate_schedule(s, [normalize({"overhead": 0.05})]).stats.makespan
+    if undeclared:
+        assert "Not declared below" in text and undeclared in text and "topology" not in text
+        again = simulate_schedule(s, [normalize(doc)]).stats.makespan
     else:
-        assert "default link latency" in text
+        assert "Not declared" not in text and "default link latency" in text
         again = simulate_schedule(s).stats.makespan
     assert again == res.figures.makespan
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.floats(1e-9, 1e3), st.floats(1.0, 1e15))
+def test_written_quantities_read_back_exactly(latency, bandwidth):
+    """A link's latency and bandwidth, written in whichever unit is shortest, read back as the same floats."""
+    lines = topology_lines([], np.full((2, 2), latency), np.full((2, 2), bandwidth / 8), sized=True)
+    text = 'schedule "q" (p: int = 2, m: int = 1) { stages 2\n' + "\n".join(lines) + "\nrank r { F(0)  B(0) } }"
+    (link,) = build(Source("q.pipe", text), check=False).topology.links
+    assert (link.latency_s, link.bandwidth_bps) == (latency, bandwidth)
 
 
 @st.composite

@@ -2,8 +2,8 @@
 
 Both tools hand over each rank's order as steps (one op, or the ops of an overlapped pair) and get the
 same text back: the same declarations, the same `rank r { if r == ... }` block, and the same folding of
-repeated steps into loops. Folding is by dynamic programming, so a rank is written with the fewest op
-calls a `for` loop over one pattern can give (a loop costs its pattern plus one); a pattern may repeat
+repeated steps into loops. Folding is by dynamic programming (`fold`), so a rank is written with the
+fewest tokens of the language that `for` loops over repeated patterns can give; a pattern may repeat
 with its micro-batches moved by any constant step (`by d`), and may hold overlapped pairs.
 
 Numbers are written so that reading the file back gives the same floats (`number`, `quantity`): a
