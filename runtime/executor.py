@@ -92,10 +92,10 @@ class Executor:
             if self.step < 0:
                 return "start-up"
             what = "the shape handshake" if self.handshaking else "before the first instruction"
-            return f"step {self.step}, {what}"
+            return f"step {self.step + 1}, {what}"
         if self.at >= len(self.instrs):
-            return f"step {self.step}, after the last instruction"
-        return f"step {self.step}, instruction #{self.at} `{self.instr(self.at)}`"
+            return f"step {self.step + 1}, after the last instruction"
+        return f"step {self.step + 1}, instruction #{self.at} `{self.instr(self.at)}`"
 
     # ---- shapes ---------------------------------------------------------------------------------
     def set_specs(self, ins: dict[int, list[Specs]], outs: dict[int, list[Specs]]) -> None:
@@ -223,7 +223,7 @@ class Executor:
                 got = tuple(TensorSpec.of(t) for t in tensors)
                 if expected is not None and got != expected:
                     raise ShapeError(
-                        f"stage {s} produced {fmt(got)} as {key_str(key)} at step {self.step}, but the first "
+                        f"stage {s} produced {fmt(got)} as {key_str(key)} at step {self.step + 1}, but the first "
                         f"step established {fmt(expected)} (shapes between stages must not change)"
                     )
                 items.append(("send", key, peer, tensors))

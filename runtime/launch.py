@@ -84,15 +84,16 @@ def load_program(spec: str, defines: Sequence[str | tuple[str, str]]):
     from pipec.api import build
     from pipec.frontend import library
     from pipec.passes.compiler import compile_schedule
-    from pipec.program import FORMAT, from_json, from_text
+    from pipec.passes.dryrun import prove
+    from pipec.program import is_program_text, read_program
 
     if os.path.isfile(spec):
-        with open(spec) as f:
+        with open(spec, errors="replace") as f:
             head = f.read(200)
-        if head.lstrip().startswith("{") or head.startswith(FORMAT):
-            with open(spec) as f:
-                text = f.read()
-            return from_json(text) if head.lstrip().startswith("{") else from_text(text, spec)
+        if is_program_text(head):  # read and validated (E501, E502), then proven (E404, E403)
+            program = read_program(spec)
+            prove(program)
+            return program
     pairs = [d if isinstance(d, tuple) else tuple(x.strip() for x in d.split("=", 1)) for d in defines]
     return compile_schedule(build(library.read(spec), pairs)).program
 

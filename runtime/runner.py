@@ -197,7 +197,7 @@ class Runner:
             if specs != self.first_specs:
                 i = next(i for i, (a, b) in enumerate(zip(specs, self.first_specs)) if a != b)
                 raise ShapeError(
-                    f"micro-batch {i}'s input is {fmt(specs[i])} at step {self.steps_done}, but was "
+                    f"micro-batch {i}'s input is {fmt(specs[i])} at step {self.steps_done + 1}, but was "
                     f"{fmt(self.first_specs[i])} at the first step (shapes are fixed at the first step)"
                 )
         self.executor.record = [] if record else None

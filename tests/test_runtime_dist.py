@@ -82,25 +82,25 @@ FAULTY = ["1f1b", "-D", "p=3", "-D", "m=3", "--model", "tests/models/faulty.py"]
 
 
 def _fault(kind: str, stage: int, timeout: float = 20.0):
-    env = {"PIPEC_FAULT": kind, "PIPEC_FAULT_STAGE": str(stage), "PIPEC_FAULT_CALL": "4"}  # step 1, micro-batch 1
+    env = {"PIPEC_FAULT": kind, "PIPEC_FAULT_STAGE": str(stage), "PIPEC_FAULT_CALL": "4"}  # step 2, micro-batch 1
     return launch(3, "launch", [*FAULTY, "--timeout", str(timeout)], env=env, timeout=timeout + 40)
 
 
 def test_rank_that_raises_stops_every_rank():
     results, elapsed, _ = _fault("raise", stage=1)
-    where = r"rank 1 failed at step 1, instruction #\d+ `FWD 1 1`: RuntimeError: injected failure"
+    where = r"rank 1 failed at step 2, instruction #\d+ `FWD 1 1`: RuntimeError: injected failure"
     assert results[1].returncode == 1
     assert re.search(where, results[1].stderr), results[1].stderr
     for r in (results[0], results[2]):
         assert r.returncode == STOPPED, r.stderr
-        assert re.search(rf"pipec: rank {r.rank}: stopping at step 1, instruction #\d+ `.*`, because {where}", r.stderr)
+        assert re.search(rf"pipec: rank {r.rank}: stopping at step 2, instruction #\d+ `.*`, because {where}", r.stderr)
     assert elapsed < 20
 
 
 def test_rank_that_dies_stops_every_rank():
     results, elapsed, _ = _fault("exit", stage=0)  # rank 0 dies in FWD 1 0 (os._exit)
     assert results[0].returncode == 3
-    dead = r"rank 0 stopped responding or died \(its last reported position: step 1, instruction #\d+ `FWD 1 0`\)"
+    dead = r"rank 0 stopped responding or died \(its last reported position: step 2, instruction #\d+ `FWD 1 0`\)"
     for r in results[1:]:
         assert r.returncode != 0
         assert re.search(dead, r.stderr), r.stderr
@@ -109,7 +109,7 @@ def test_rank_that_dies_stops_every_rank():
 
 def test_rank_that_hangs_is_given_up_on_after_the_timeout():
     results, elapsed, _ = _fault("hang", stage=1, timeout=3)
-    hung = r"rank 1 stopped responding or died \(its last reported position: step 1, instruction #\d+ `FWD 1 1`\)"
+    hung = r"rank 1 stopped responding or died \(its last reported position: step 2, instruction #\d+ `FWD 1 1`\)"
     for r in results:
         assert r.returncode != 0
         assert re.search(hung, r.stderr), r.stderr
@@ -124,7 +124,7 @@ def test_stage_output_that_does_not_fit_the_next_stage():
     assert results[1].returncode == 1
     msg = "stage 0 (rank 0) outputs float64 [6, 8] for micro-batch 0, which stage 1 (rank 1) cannot take"
     assert msg in results[1].stderr
-    assert "step 0, the shape handshake" in results[1].stderr
+    assert "step 1, the shape handshake" in results[1].stderr
     assert results[0].returncode == STOPPED and msg in results[0].stderr
 
 
@@ -184,8 +184,8 @@ def test_pipec_run_reports_the_failing_rank():
     env = {"PIPEC_FAULT": "raise", "PIPEC_FAULT_STAGE": "1", "PIPEC_FAULT_CALL": "2"}
     r = pipec("run", "gpipe", "-D", "p=2", "-D", "m=2", "--model", "tests/models/faulty.py", "--timeout", "20", env=env)
     assert r.returncode == 1
-    assert re.search(r"rank 1 failed at step 1, instruction #\d+ `FWD 0 1`: RuntimeError: injected failure", r.stderr)
-    assert re.search(r"pipec: rank 0: stopping at step 1, .*because rank 1 failed at step 1", r.stderr), r.stderr
+    assert re.search(r"rank 1 failed at step 2, instruction #\d+ `FWD 0 1`: RuntimeError: injected failure", r.stderr)
+    assert re.search(r"pipec: rank 0: stopping at step 2, .*because rank 1 failed at step 2", r.stderr), r.stderr
     assert "pipec run: failed: rank 1 exited with status 1; rank 0 stopped because of it" in r.stderr
 
 
@@ -314,3 +314,41 @@ def test_sigterm_of_pipec_run_stops_the_job_and_says_so(tmp_path):
     assert "another rank failed" not in err
     assert time.monotonic() - start < 5
     assert not list(tmp_path.glob("pipec-run-*"))
+
+
+def _mutated_program(tmp_path, edit) -> str:
+    from pipec.api import load
+    from pipec.passes.lower import lower
+    from pipec.program import to_text
+
+    text = to_text(lower(load("1f1b", p=2, m=2)))
+    path = tmp_path / "prog.txt"
+    path.write_text(edit(text))
+    return str(path)
+
+
+def _swap_first(text: str, a: str, b: str) -> str:
+    lines = text.splitlines()
+    i, j = lines.index(a), lines.index(b)
+    lines[i], lines[j] = lines[j], lines[i]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize(
+    "kind, edit, code, where",
+    [
+        ("missing op", lambda t: t.replace("STEP 1\n", ""), "E502", "stage 1 has 0 STEP instructions"),
+        ("duplicated op", lambda t: t.replace("FWD 1 0\n", "FWD 0 0\n", 1), "E502", "already executed"),
+        ("unmatched receive", lambda t: t.replace("RECV_ACT 1 1 0\n", ""), "E502", "is never received"),
+        ("bad operands", lambda t: t.replace("SEND_ACT 0 0 1", "SEND_ACT 0 0 0", 1), "E502", "the peer must be"),
+        ("channel order", lambda t: _swap_first(t, "RECV_ACT 0 1 0", "RECV_ACT 1 1 0"), "E404", "different orders"),
+    ],
+)
+def test_launch_refuses_an_invalid_program_before_any_process_group(tmp_path, kind, edit, code, where):
+    """Issue 16: `torchrun -m pipec.runtime.launch prog.txt` with STEP 1 deleted trained wrongly with exit 0."""
+    prog = _mutated_program(tmp_path, edit)
+    results, _, keys = launch(2, "launch", [prog, "--model", "examples/mlp.py", "--timeout", "20"], timeout=60)
+    for r in results:
+        assert r.returncode == 1, (kind, r.stderr)
+        assert f"error[{code}]" in r.stderr and where in r.stderr, (kind, r.stderr)
+    assert keys == 0  # refused before the rendezvous: nobody touched the store

@@ -251,8 +251,8 @@ def test_local_mode_reports_a_deadlock():
     with pytest.raises(PipelineError) as e:
         pipe.step(torch.randn(4, 4), torch.randn(4, 4))
     assert str(e.value) == (
-        "deadlock: every remaining rank waits for a message: rank 0 at step 0, instruction #3 `BWD 0 0`; "
-        "rank 1 at step 0, instruction #3 `FWD 1 1`"
+        "deadlock: every remaining rank waits for a message: rank 0 at step 1, instruction #3 `BWD 0 0`; "
+        "rank 1 at step 1, instruction #3 `FWD 1 1`"
     )
 
 
@@ -299,7 +299,7 @@ def test_shape_mismatch_names_both_stages_local():
 def test_shapes_are_fixed_at_the_first_step():
     pipe = LocalPipeline(program("1f1b", p=2, m=2), *_mlp(), dtype=torch.float64)
     pipe.step(torch.randn(4, 4), torch.randn(4, 4))
-    with pytest.raises(ShapeError, match=r"micro-batch 0's input is float64 \[3, 4\] at step 1, but was float64 "
+    with pytest.raises(ShapeError, match=r"micro-batch 0's input is float64 \[3, 4\] at step 2, but was float64 "
                                          r"\[2, 4\] at the first step"):  # fmt: skip
         pipe.step(torch.randn(6, 4), torch.randn(6, 4))
 

@@ -12,14 +12,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import networkx as nx
-
-from pipec.passes.dryrun import DryRun
-from pipec.errors import PipecError, error
-from pipec.schedule import Schedule
+from pipec.errors import PipecError
+from pipec.passes.dryrun import DryRun, deadlock_error
 from pipec.passes.lower import lower_with_proof
 from pipec.passes.memory import RankMemory, check_memory, rank_memory
 from pipec.program import Program
+from pipec.schedule import Schedule
 
 
 @dataclass(frozen=True)
@@ -40,25 +38,4 @@ def compile_schedule(sched: Schedule, memory: Mapping[str, float] | None = None)
 
 
 def program_deadlock_error(sched: Schedule, run: DryRun) -> PipecError:
-    by_rank = {w.rank: w for w in run.waits}
-    graph = nx.DiGraph((w.rank, w.peer) for w in run.waits)
-    try:
-        cycle = [a for a, _ in nx.find_cycle(graph, source=run.waits[0].rank)]
-    except nx.NetworkXNoCycle:
-        cycle = [w.rank for w in run.waits]
-    notes = []
-    for r in cycle:
-        w = by_rank[r]
-        if w.event == "match":
-            notes.append(f"rank {r} blocks at `{w.instr}` until rank {w.peer} issues the matching receive")
-        elif w.event == "arrival":
-            notes.append(f"rank {r} blocks at `{w.instr}` waiting for {w.what} from rank {w.peer}")
-        else:
-            notes.append(f"rank {r} blocks at `{w.instr}` waiting for its own `{w.what}`, which comes later")
-    return error(
-        "E403",
-        "the lowered program can deadlock when sends block until the peer posts its receive",
-        sched.decl_spans.get("rank"),
-        sched.source,
-        tuple(notes),
-    )
+    return deadlock_error(run, sched.decl_spans.get("rank"), sched.source)

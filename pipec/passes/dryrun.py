@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipec.errors import PipecError, error
+from pipec.errors import PipecError, Source, Span, error
 from pipec.opcodes import (
     AFTER_KIND,
     COMPUTE_OF_KIND,
@@ -289,3 +289,39 @@ def dry_run(prog: Program) -> DryRun:
 def _instr_at(prog: Program, r: int, j: int) -> Instr:
     rp = prog.ranks[r]
     return Instr(OPCODES[int(rp.op[j])], int(rp.mb[j]), int(rp.stage[j]), int(rp.peer[j]), bool(rp.group[j]))
+
+
+def deadlock_error(run: DryRun, span: Span | None = None, source: Source | None = None) -> PipecError:
+    """E403 for a dry run that did not complete: the cycle of waits, rank by rank. Each stuck rank waits
+    on one peer, so following those waits from any stuck rank reaches the cycle."""
+    by_rank = {w.rank: w for w in run.waits}
+    r, seen = run.waits[0].rank, []
+    while r in by_rank and r not in seen:
+        seen.append(r)
+        r = by_rank[r].peer
+    cycle = seen[seen.index(r) :] if r in seen else seen
+    notes = []
+    for r in cycle:
+        w = by_rank[r]
+        if w.event == "match":
+            notes.append(f"rank {r} blocks at `{w.instr}` until rank {w.peer} issues the matching receive")
+        elif w.event == "arrival":
+            notes.append(f"rank {r} blocks at `{w.instr}` waiting for {w.what} from rank {w.peer}")
+        else:
+            notes.append(f"rank {r} blocks at `{w.instr}` waiting for its own `{w.what}`, which comes later")
+    return error(
+        "E403",
+        "the lowered program can deadlock when sends block until the peer posts its receive",
+        span,
+        source,
+        tuple(notes),
+    )
+
+
+def prove(prog: Program) -> None:
+    """Everything a Program must pass before it runs: `validate` (E502), one message order per channel
+    (E404) and the strict rendezvous dry run (E403). For Programs read from files; compiled ones are
+    proven while they are lowered."""
+    run = dry_run(prog)
+    if not run.completed:
+        raise deadlock_error(run)
