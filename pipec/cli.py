@@ -1056,7 +1056,7 @@ def cmd_test(args: argparse.Namespace) -> int:
         sys.stdout.flush()
     ok = len(files) - failed
     if args.json:
-        print(json.dumps({"files": [r.to_json() for r in results], "ok": ok, "failed": failed}))
+        _emit(args, {"files": [r.to_json() for r in results], "passed": ok, "failed": failed}, ok=not failed)
     else:
         print(f"{len(files)} file{'s' if len(files) != 1 else ''}: {ok} ok, {failed} failed")
     return 1 if failed else 0

@@ -329,7 +329,7 @@ def test_pipec_test_json(capsys, monkeypatch):
     rel = "tests/seeded/snake_placement_odd_p.pipe"
     assert cli.main(["test", "1f1b", rel, "--examples", "6", "--json"]) == 1
     doc = json.loads(capsys.readouterr().out)
-    assert (doc["ok"], doc["failed"]) == (1, 1)
+    assert (doc["ok"], doc["command"], doc["passed"], doc["failed"]) == (False, "test", 1, 1)
     good, bad = doc["files"]
     assert good["ok"] and good["checked"] == 6 and sum(good["coverage"]["values"]["p"].values()) == 6
     assert bad["failure"]["params"] == {"p": 3, "m": 1} and bad["failure"]["kind"] == "E208"
