@@ -255,8 +255,11 @@ def test_heuristic_meets_the_equal_cost_targets_at_small_size():
     one = synth.synthesize(synth.Spec(p=p, m=m, limit=(p,) * p), use_solver=False)
     zb_h1 = simulate_schedule(load("zb-h1", p=p, m=m)).stats
     assert one.figures.bubble <= zb_h1.bubble_rate + 1e-12 and max(one.figures.peak) <= p
+    # At twice the memory, no bubble but the fill: ZB-H2's makespan, (p - 1) T_F + m (T_F + T_B + T_W).
     two = synth.synthesize(synth.Spec(p=p, m=m, limit=(2 * p,) * p), use_solver=False)
-    assert two.figures.bubble <= 0.01 and max(two.figures.peak) <= 2 * p
+    zb_h2 = simulate_schedule(load("zb-h2", p=p, m=m)).stats
+    assert two.figures.makespan == pytest.approx(zb_h2.makespan) == (p - 1) + 3 * m
+    assert two.figures.bubble <= zb_h2.bubble_rate + 1e-12 and max(two.figures.peak) <= 2 * p
 
 
 def test_search_never_loses_to_a_library_schedule_that_fits():
