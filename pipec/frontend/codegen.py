@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipec.frontend import ast
 from pipec.errors import PipecError, Source, Span, error
+from pipec.frontend import ast
 
 OP_KINDS = ("F", "B", "W")
 KEYWORDS = frozenset(
@@ -220,14 +220,33 @@ class _Compiler:
         if op in ("<", "<=", ">", ">="):
             return f"({a} {op} {b})", "bool"
         t = "int" if at == bt == "int" else ("any" if "any" in (at, bt) else "float")
-        if op == "/":
-            return f"_tdiv({a}, {b}, {self.sid(e.op_span)})", "float"
-        if op in ("//", "%"):
-            if isinstance(e.right, ast.Num) and e.right.value != 0:
-                return f"({a} {op} {b})", t
-            helper = "_fdiv" if op == "//" else "_mod"
-            return f"{helper}({a}, {b}, {self.sid(e.op_span)})", t
+        if op in ("/", "//", "%"):
+            rt = "float" if op == "/" else t
+            if op != "/" and isinstance(e.right, ast.Num) and e.right.value != 0:
+                return f"({a} {op} {b})", rt
+            if bt in NUMERIC and self.pure(e.right, scope):
+                # Inline, as `a // (b or _zero_div(sid))`: a number is zero exactly when it is false, and a
+                # then b are evaluated in the helper's order, so the results and errors are the helper's.
+                # Only for a divisor without divisions or calls: it nests two parentheses deeper than the
+                # call did, once, so the generated code stays well inside Python's 200 (see MAX_DEPTH).
+                zero = "_zero_mod" if op == "%" else "_zero_div"
+                return f"({a} {op} ({b} or {zero}({self.sid(e.op_span)})))", rt
+            helper = {"/": "_tdiv", "//": "_fdiv", "%": "_mod"}[op]
+            return f"{helper}({a}, {b}, {self.sid(e.op_span)})", rt
         return f"({a} {op} {b})", t
+
+    def pure(self, e: ast.Expr, scope: _Scope) -> bool:
+        """Numbers, plain names, and + - * of them: no call, no division inside."""
+        if isinstance(e, (ast.Num, ast.Bool)):
+            return True
+        if isinstance(e, ast.Var):
+            b = scope.lookup(e.name)
+            return isinstance(b, _Value) and b.pyname.isidentifier()
+        if isinstance(e, ast.Unary):
+            return e.op == "-" and self.pure(e.operand, scope)
+        if isinstance(e, ast.BinOp):
+            return e.op in ("+", "-", "*") and self.pure(e.left, scope) and self.pure(e.right, scope)
+        return False
 
     def call(self, e: ast.Call, scope: _Scope) -> tuple[str, str]:
         if e.name in OP_KINDS:
