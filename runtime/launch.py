@@ -71,6 +71,24 @@ def add_run_options(ap: argparse.ArgumentParser) -> None:
         help="gloo: bind each local rank to its own share of the CPUs when there are enough (default auto)",
     )
     ap.add_argument(
+        "--checkpoint",
+        metavar="DIR",
+        default=None,
+        help="save checkpoints (torch.distributed.checkpoint) in DIR, a folder every rank can reach",
+    )
+    ap.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=None,
+        metavar="K",
+        help="with --checkpoint: save every K steps (default: at the end only)",
+    )
+    ap.add_argument(
+        "--resume",
+        action="store_true",
+        help="with --checkpoint: continue from DIR's newest complete checkpoint (from step 0 when it has none)",
+    )
+    ap.add_argument(
         "--loss-scale",
         type=float,
         default=None,
@@ -303,6 +321,7 @@ class Worker:
             )
             checks = CheckStats()
         needs_batch = runner.has_first or runner.has_last or reference is not None
+        start = self._resume(dist, reference)
         if self.rank == 0:
             show(header(self.program, f"{args.backend}, {self.world} processes", m.path))
             binding = describe(args.cpus, args.local_world, args.cpu_bind, args.backend)
@@ -310,7 +329,12 @@ class Worker:
                 show(binding)
             if getattr(runner.executor.comm, "links", None) is not None:
                 show(runner.executor.comm.links.describe())
-        for step in range(args.steps):
+        if self.rank == 0 and start:
+            if start >= args.steps:
+                show(f"{self.restored.path} is after step {start}: nothing left to run for --steps {args.steps}")
+            else:
+                show(f"resumed from {self.restored.path}: steps {start + 1} to {args.steps}")
+        for step in range(start, args.steps):
             x, y = m.batch(step) if needs_batch else (None, None)
             res = runner.step(x, y, record=bool(args.trace) and step == args.steps - 1)
             errs = [0.0, 0.0, 0.0]
@@ -327,6 +351,7 @@ class Worker:
             s = stats.tolist()
             if self.rank == 0:
                 show(step_line(step, args.steps, s[1], s[0], tuple(s[2:]) if reference else None))
+            self._maybe_save(dist, step + 1)
         code = 0
         if reference is not None:
             self.store.set(f"pipec/check/{self.rank}", checks.to_json())
@@ -348,6 +373,37 @@ class Worker:
                 write_trace(timeline(self.program, events), args.trace)
                 show(f"wrote the measured timeline of step {args.steps} to {args.trace}")
         return code
+
+    def _resume(self, dist, reference) -> int:
+        """With --resume, load the newest complete checkpoint; the step to start at (0 without one). The
+        --check reference is brought to the same step by running it over the steps already done."""
+        self.restored = None
+        args = self.args
+        if not (args.checkpoint and args.resume):
+            return 0
+        from pipec.runtime.checkpoint import restore
+
+        self.restored = restore(args.checkpoint, self.runner)
+        if self.restored is None:
+            return 0
+        if reference is not None:
+            for step in range(self.restored.step):
+                reference.step(*self.model.batch(step))
+        return self.restored.step
+
+    def _maybe_save(self, dist, steps_done: int) -> None:
+        args = self.args
+        if not args.checkpoint:
+            return
+        every = args.checkpoint_every
+        if steps_done != args.steps and not (every and steps_done % every == 0):
+            return
+        from pipec.runtime.checkpoint import save
+        from pipec.runtime.report import show
+
+        path = save(args.checkpoint, self.runner, steps_done, dist.barrier)
+        if self.rank == 0:
+            show(f"checkpoint: {path}")
 
 
 def backend_threads() -> list[str]:

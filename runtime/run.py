@@ -21,6 +21,12 @@ def run(args: argparse.Namespace, program: Program) -> int:
 
     if args.steps < 1:
         return _misuse(f"--steps must be at least 1, got {args.steps}")
+    if (args.checkpoint_every is not None or args.resume) and not args.checkpoint:
+        return _misuse("--checkpoint-every and --resume need --checkpoint DIR")
+    if args.checkpoint_every is not None and args.checkpoint_every < 1:
+        return _misuse(f"--checkpoint-every must be at least 1, got {args.checkpoint_every}")
+    if args.checkpoint and args.local:
+        return _misuse("--checkpoint needs the distributed runtime (torch.distributed.checkpoint), not --local")
     if not args.local and args.nproc is not None and args.nproc != program.num_ranks:
         from pipec.runtime.errors import wrong_world_size
 
@@ -60,6 +66,12 @@ def worker_args(args: argparse.Namespace, program_path: str) -> list[str]:
         out += ["--loss-scale", repr(args.loss_scale)]
     if args.recv_ahead is not None:
         out += ["--recv-ahead", str(args.recv_ahead)]
+    if args.checkpoint:
+        out += ["--checkpoint", os.path.abspath(args.checkpoint)]
+        if args.checkpoint_every:
+            out += ["--checkpoint-every", str(args.checkpoint_every)]
+        if args.resume:
+            out.append("--resume")
     if getattr(args, "links", None) is not None:
         links_path = os.path.join(os.path.dirname(program_path), "links.json")
         with open(links_path, "w") as f:

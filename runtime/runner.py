@@ -142,7 +142,8 @@ class Runner:
         if self.device.type == "cuda":
             self.executor.sync = lambda: torch.cuda.synchronize(self.device)
         self.first_specs: list[Specs] | None = None
-        self.steps_done = 0
+        self.steps_done = 0  # a restored checkpoint sets it (pipec.runtime.checkpoint)
+        self.handshaken = False  # shapes are exchanged at this runner's first step, whatever its number
 
     @property
     def has_first(self) -> bool:
@@ -183,7 +184,7 @@ class Runner:
         for st in self.stages.values():
             st.zero_grad()
         self.executor.step, self.executor.at = self.steps_done, -1
-        if self.steps_done == 0:
+        if not self.handshaken:
             self.executor.handshaking = True
             specs = [tuple(TensorSpec.of(a) for a in args) for args in mb_in] if mb_in is not None else None
             self.first_specs = specs
@@ -192,6 +193,7 @@ class Runner:
             )
             self.executor.set_specs(ins, outs)
             self.executor.handshaking = False
+            self.handshaken = True
         elif mb_in is not None:
             specs = [tuple(TensorSpec.of(a) for a in args) for args in mb_in]
             if specs != self.first_specs:
