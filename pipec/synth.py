@@ -15,11 +15,13 @@ Two phases, both under the simulator's machine and cost model (`pipec.passes.pol
    result stands and `Result.solver_note` says why.
 
 The objective is the simulated makespan, then Zero Bubble's cost (the longest
-rank's span), so that among schedules with the same step time the one with the
-smaller bubble wins. `write_pipe` turns the per-rank orders into a readable
-schedule file (loops where a pattern repeats) whose header records the inputs
-and figures; the file declares its costs and memory limit and `expect`s its
-figures, so `pipec check` re-proves them.
+rank's span): among schedules with the same step time, and so the same bubble
+(`Stats.bubble_rate` is on the makespan), the one whose ranks are busy over the
+shortest span wins. `write_pipe` turns the per-rank orders into a readable
+schedule file (`pipec.interop.pipe_text`, the writer `pipec import` uses too)
+whose header records the inputs and figures; the file declares its whole cost
+model (topology included), memory model and limit, and `expect`s its figures,
+so `pipec check` re-proves them and `pipec simulate` reproduces them.
 
 Pure: nothing here prints; progress goes to a callback (`pipec synth` prints it).
 """
