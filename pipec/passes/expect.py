@@ -5,9 +5,9 @@ example `expect bubble <= (p - 1) / (m + p - 1)`, or in the rank block
 `expect peak_memory(r) <= p - r`. Inside an `expect`, these names are defined:
 
 - `makespan`: simulated time of one step, first op to last;
-- `bubble`: Zero Bubble's bubble rate, `(cost - ideal) / cost` (cost: the
-  longest rank's span); `bubble_time`: `cost - ideal`; `ideal`: the busiest
-  rank's compute time, `m (T_F + T_B + T_W)` with uniform costs;
+- `bubble`: the bubble rate, `(makespan - ideal) / makespan` (one definition,
+  `pipec.sim.simulate.Stats`); `bubble_time`: `makespan - ideal`; `ideal`: the
+  busiest rank's compute time, `m (T_F + T_B + T_W)` with uniform costs;
 - `peak_memory(r)`: rank r's peak memory under the memory model;
 - `in_flight(r)`: the most micro-batches rank r holds at once, counted per
   stage: F done, and the last backward piece (B, or W when split) not yet.
@@ -26,8 +26,8 @@ import functools
 import numpy as np
 
 from pipec.errors import PipecError, error
-from pipec.schedule import Expectation, Schedule
 from pipec.program import Program
+from pipec.schedule import Expectation, Schedule
 
 
 class Metrics:

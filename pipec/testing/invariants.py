@@ -9,10 +9,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pipec.errors import PipecError
 from pipec.passes.checks import check_schedule
 from pipec.passes.compiler import CompiledSchedule, compile_schedule
-from pipec.errors import PipecError
-from pipec.schedule import Schedule
 from pipec.program import (
     BWD,
     FWD,
@@ -26,6 +25,7 @@ from pipec.program import (
     WGRAD,
     Program,
 )
+from pipec.schedule import Schedule
 from pipec.testing.listing import COMPUTE, Listing, Op3, _fmt_op, deps
 
 
@@ -193,6 +193,9 @@ def program_problem(prog: Program, sched: Schedule | None = None) -> str | None:
             kind, i, s = extra[0]
             return f"the {kind} of micro-batch {i} from stage {s} is {what} but no compute needs it"
     # Batches: a group is two adjacent compute instructions, or a send and a receive with one peer.
+    last_compute: dict[int, int] = {}  # stage -> index of its last compute on its owner (one pass, not one per STEP)
+    for (_, _, s), (_, jj) in seen.items():
+        last_compute[s] = max(last_compute.get(s, -1), jj)
     for r, ins in enumerate(instrs):
         for j, x in enumerate(ins):
             if not x.group:
@@ -224,7 +227,7 @@ def program_problem(prog: Program, sched: Schedule | None = None) -> str | None:
                 return f"rank {r}: {OPCODES[code]} for stages {stages}, but the rank owns {owned}"
         for j, x in enumerate(ins):
             if x.op == "STEP":
-                last = max((jj for (k, i, s), (rr, jj) in seen.items() if s == x.stage), default=-1)
+                last = last_compute.get(x.stage, -1)
                 if last > j:
                     return f"rank {r}: `STEP {x.stage}` comes before the last compute of stage {x.stage}"
     # Both ends of every channel issue its messages in one order.
@@ -424,9 +427,9 @@ def check_invariants(
     rendezvous dry run, memory (`memory` overrides as in `pipec check --mem`), the simulated timeline
     under the schedule's costs, and (unless told not to) the schedule's `expect`s (E405).
     """
-    from pipec.sim.costs import cost_model
     from pipec.passes.expect import check_expectations
     from pipec.passes.memory import memory_model
+    from pipec.sim.costs import cost_model
     from pipec.sim.simulate import simulate, stats
 
     if isinstance(target, Listing):
