@@ -18,7 +18,7 @@ import traceback
 from collections.abc import Sequence
 
 from pipec.runtime.affinity import MODES, bind_local_rank
-from pipec.runtime.monitor import block_sigterm, die_with_parent, say
+from pipec.runtime.monitor import BEAT_EVERY, block_sigterm, die_with_parent, say
 
 
 def parser() -> argparse.ArgumentParser:
@@ -210,9 +210,13 @@ class Worker:
                 os._exit(1)
             culprit = e.peer if isinstance(e, CommError) else self.rank
             if isinstance(e, CommError):
-                peer = e.peer
+                # Blame the rank whose heartbeat stopped, not merely the one this rank waited on.
+                silent = self.monitor.silent_ranks()
+                peer = e.peer if e.peer in silent or not silent else silent[0]
+                culprit = peer
+                silence = f"no heartbeat for {6 * BEAT_EVERY:g} s; " if peer in silent else ""
                 reason = (
-                    f"rank {peer} stopped responding or died (its last reported position: "
+                    f"rank {peer} stopped responding or died ({silence}its last reported position: "
                     f"{self.monitor.position_of(peer)}); rank {self.rank} found out at {self.where()}: {e}"
                 )
             elif isinstance(e, KeyboardInterrupt):

@@ -31,6 +31,8 @@ from datetime import timedelta
 
 ABORT = "pipec/abort"
 ACKS = "pipec/stopped"
+BEAT = "pipec/beat/"  # + rank: a counter the watcher adds to every BEAT_EVERY seconds
+BEAT_EVERY = 0.25
 STOPPED = 75  # exit status of a rank that stops because another one failed (the failing one exits 1)
 
 
@@ -114,12 +116,16 @@ class Monitor:
     # ---- the watcher -----------------------------------------------------------------------------
     def _watch(self) -> None:
         last = None
+        beat = 0.0
         while not self.stopped.is_set():
             try:
                 pos = self.where()
                 if pos != last:
                     self.store.set(f"pipec/at/{self.rank}", pos)
                     last = pos
+                if time.monotonic() - beat >= BEAT_EVERY:  # the heartbeat: this process still answers
+                    self.store.add(BEAT + str(self.rank), 1)
+                    beat = time.monotonic()
                 if not self.failing and self.store.check([ABORT]):
                     culprit, reason = _parse(self.store.get(ABORT))
                     if not self.failing and not self.stopped.is_set():
@@ -166,6 +172,19 @@ class Monitor:
         except Exception:
             pass
         return "an unknown position"
+
+    def silent_ranks(self, window: float = 6 * BEAT_EVERY) -> list[int]:
+        """The other ranks whose heartbeat did not move for `window` seconds: stopped (SIGSTOP), dead, or
+        cut off. A rank that waits for a peer still beats, so this names the rank that stopped answering,
+        not the ranks that wait on it."""
+        others = [r for r in range(self.world) if r != self.rank]
+        try:
+            before = [self.main_store.add(BEAT + str(r), 0) for r in others]
+            time.sleep(window)
+            after = [self.main_store.add(BEAT + str(r), 0) for r in others]
+        except Exception:
+            return []
+        return [r for r, a, b in zip(others, before, after) if a == b]
 
     def fail(self, reason: str, culprit: int, grace: float = 3.0) -> int:
         """Record the failure of rank `culprit` (this rank, or a peer it lost) for every rank, unless

@@ -12,6 +12,8 @@ import tempfile
 
 from pipec.program import Program, write_json
 
+SHUTDOWN_S = 5
+
 # Waits for its standard input to close, which happens however `pipec run` ends (a SIGKILL included),
 # then removes the run's temporary folder if it is still there.
 _REAPER = "import shutil, sys; sys.stdin.buffer.read(); shutil.rmtree(sys.argv[1], ignore_errors=True)"
@@ -94,7 +96,10 @@ def run_torchrun(args: argparse.Namespace, program: Program, nproc: int) -> int:
         path = os.path.join(tmp, "program.json")
         with open(path, "w") as f:
             write_json(program, f)
-        targv = ["--standalone", "--nproc-per-node", str(nproc), "--module", "pipec.runtime.launch"]
+        # A rank answers SIGTERM within a second or two; one that does not (stopped, or stuck in C code) is
+        # killed SHUTDOWN_S seconds later instead of torchrun's default 30.
+        targv = ["--standalone", "--nproc-per-node", str(nproc), "--shutdown-timeout", str(SHUTDOWN_S)]
+        targv += ["--module", "pipec.runtime.launch"]
         try:
             torchrun(get_args_parser().parse_args(targv + worker_args(args, path)))
         except ChildFailedError as e:

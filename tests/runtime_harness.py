@@ -72,11 +72,13 @@ def launch(
     *,
     env: dict[str, str] | None = None,
     timeout: float = 120.0,
+    stopped: tuple[int, ...] = (),
 ) -> tuple[list[RankResult], float, int]:
     """Run ranks 0..nproc-1 of one job: entry "launch" (pipec.runtime.launch) or "worker"
     (tests/runtime_worker.py) with ARGV (one list for all, or one list per rank, as separately launched
     nodes would be). Returns the results, the wall time and the number of keys the ranks left in the
-    store. Fails the test (never hangs) past `timeout`."""
+    store. Fails the test (never hangs) past `timeout`. Ranks in `stopped` are expected to stop
+    themselves (SIGSTOP): the wall time is that of the others, and they are killed once those are done."""
     import tempfile
 
     import pytest
@@ -102,10 +104,11 @@ def launch(
         p = ctx.Process(target=_rank_main, args=(entry, mine, e, *files[r]))
         p.start()
         procs.append(p)
-    for p in procs:
-        p.join(max(0.1, timeout - (time.monotonic() - start)))
+    for r, p in enumerate(procs):
+        if r not in stopped:
+            p.join(max(0.1, timeout - (time.monotonic() - start)))
     elapsed = time.monotonic() - start
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    hung = [r for r, p in enumerate(procs) if p.is_alive() and r not in stopped]
     for p in procs:
         if p.is_alive():
             p.kill()

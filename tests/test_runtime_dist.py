@@ -100,7 +100,8 @@ def test_rank_that_raises_stops_every_rank():
 def test_rank_that_dies_stops_every_rank():
     results, elapsed, _ = _fault("exit", stage=0)  # rank 0 dies in FWD 1 0 (os._exit)
     assert results[0].returncode == 3
-    dead = r"rank 0 stopped responding or died \(its last reported position: step 2, instruction #\d+ `FWD 1 0`\)"
+    dead = r"rank 0 stopped responding or died \((no heartbeat for [\d.]+ s; )?its last reported position: step 2, "
+    dead += r"instruction #\d+ `FWD 1 0`\)"
     for r in results[1:]:
         assert r.returncode != 0
         assert re.search(dead, r.stderr), r.stderr
@@ -116,6 +117,19 @@ def test_rank_that_hangs_is_given_up_on_after_the_timeout():
     assert "timed out after 3 s" in results[0].stderr + results[2].stderr
     assert results[1].returncode == 1  # the hung rank is the culprit
     assert elapsed < 20
+
+
+def test_a_stopped_rank_is_named_by_its_silent_heartbeat():
+    """Issue 16: a SIGSTOPped rank; every other rank names it (never a live rank or itself) and exits within
+    the timeout and a few seconds."""
+    env = {"PIPEC_FAULT": "stop", "PIPEC_FAULT_STAGE": "1", "PIPEC_FAULT_CALL": "4"}
+    argv = [*FAULTY, "--timeout", "3"]
+    results, elapsed, _ = launch(3, "launch", argv, env=env, timeout=40, stopped=(1,))
+    silent = r"rank 1 stopped responding or died \(no heartbeat for [\d.]+ s; its last reported position: step 2, "
+    for r in (results[0], results[2]):
+        assert r.returncode != 0
+        assert re.search(silent, r.stderr), r.stderr
+    assert elapsed < 30  # the 40 s harness limit is a hang; the exit time is measured in docs/reliability.md
 
 
 def test_stage_output_that_does_not_fit_the_next_stage():

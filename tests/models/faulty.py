@@ -1,11 +1,12 @@
 """A small MLP model file that fails on purpose, for the runtime's fault tests.
 
-PIPEC_FAULT=raise|exit|hang, PIPEC_FAULT_STAGE=s, PIPEC_FAULT_CALL=k: stage s's k-th real forward
+PIPEC_FAULT=raise|exit|hang|stop, PIPEC_FAULT_STAGE=s, PIPEC_FAULT_CALL=k: stage s's k-th real forward
 (counted from 0 over all steps, not counting shape inference) raises, kills its process (after a short
-pause, so the rank has published where it is), or hangs.
+pause, so the rank has published where it is), hangs, or stops its process (SIGSTOP).
 """
 
 import os
+import signal
 import time
 
 import torch
@@ -35,6 +36,9 @@ class Faulty(nn.Module):
                     os._exit(3)
                 if FAULT == "hang":
                     time.sleep(3600)
+                if FAULT == "stop":  # the whole process stops answering, its threads too (as SIGSTOP does)
+                    time.sleep(0.5)
+                    os.kill(os.getpid(), signal.SIGSTOP)
             self.calls += 1
         return torch.tanh(self.layer(x))
 
