@@ -62,6 +62,7 @@ def _progress(sched: Schedule) -> tuple[list[np.ndarray], tuple[WaitStep, ...]]:
         dep = np.where(valid, where[(k * S + dep_stage_c) * m + i], -1)
         remote.append(dep.tolist())
     paired = [r.paired.tolist() for r in sched.ranks]
+    any_paired = [bool(r.paired.any()) for r in sched.ranks]
 
     # Rounds: all ranks step together, one op (or overlapped pair) per round, so an op runs in round
     # max(previous op's round, its remote input's round) + 1. Computed event-driven, each op once.
@@ -76,6 +77,25 @@ def _progress(sched: Schedule) -> tuple[list[np.ndarray], tuple[WaitStep, ...]]:
         r = queue.popleft()
         deps, pairs, base = remote[r], paired[r], int(offsets[r])
         j, end, t = pc[r], len(deps), last_round[r]
+        if not any_paired[r]:  # the common case: no overlapped pairs, a lean loop
+            while j < end:
+                d = deps[j]
+                if d >= 0:
+                    td = rounds[d]
+                    if td < 0:
+                        stuck_on[r] = d
+                        waiters.setdefault(d, []).append(r)
+                        break
+                    if td > t:
+                        t = td
+                t += 1
+                g = base + j
+                rounds[g] = t
+                if g in waiters:
+                    queue.extend(waiters.pop(g))
+                j += 1
+            pc[r], last_round[r] = j, t
+            continue
         while j < end:
             d = deps[j]
             if pairs[j] and j + 1 < end:  # an overlapped pair starts when both ops have their inputs
@@ -112,7 +132,7 @@ def _progress(sched: Schedule) -> tuple[list[np.ndarray], tuple[WaitStep, ...]]:
     # One total order, the same on every rank: by round, then rank, then position.
     rnd = np.asarray(rounds, dtype=np.int64)
     rank_of = np.repeat(np.arange(R), np.diff(offsets))
-    order = np.lexsort((np.arange(n), rank_of, rnd))
+    order = np.argsort(rnd * R + rank_of, kind="stable")  # stable: position breaks the last ties
     time = np.empty(n, dtype=np.int64)
     time[order] = np.arange(n)
     return [time[offsets[r] : offsets[r + 1]] for r in range(R)], ()
