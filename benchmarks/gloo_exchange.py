@@ -7,7 +7,8 @@ Two processes on this machine, one thread each. Each repetition: both post their
 barrier, compute `--compute-ms` (a 1F1B step's op, shortened), then send each other a message at the
 same moment and wait for the peer's. The latency of a message is its arrival on the receiver minus the
 later of its send and the receiver's own send (both clocks are this machine's monotonic clock). One JSON
-line per layout and session: median, 90th percentile and largest latency, and how many exceeded 1 ms.
+line per layout and session (sessions alternate between the layouts): median, 90th percentile and
+largest latency, and how many exceeded 1 ms; then one `sidebyside` line comparing the sessions' medians.
 On one connection, a send from the main thread and the peer's message arriving contend for the
 connection's lock, and gloo's thread then leaves the arrival for a later wake-up.
 """
@@ -15,11 +16,11 @@ connection's lock, and gloo's thread then leaves the arrival for a later wake-up
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
+
+from sidebyside import alternate, emit, load_average, summarize
 
 from pipec.runtime import spawned
 
@@ -65,30 +66,48 @@ def main() -> None:
     ap.add_argument("--kib", type=int, default=64, help="message size in KiB (default 64)")
     ap.add_argument("--sessions", type=int, default=2, help="sessions per layout, alternating (default 2)")
     args = ap.parse_args()
-    for session in range(args.sessions):
-        for split in (False, True):
+    sessions = {False: 0, True: 0}
+
+    def session(split: bool):
+        def run() -> float:
             per_rank = spawned.run_gloo(worker, 2, split, args, timeout=600)
             if isinstance(per_rank, str):
                 sys.exit(f"gloo_exchange: {per_rank}")
             lat = sorted(per_rank[1])
-            print(
-                json.dumps(
-                    {
-                        "benchmark": "gloo_exchange",
-                        "layout": "one group per direction (pipec)" if split else "one group (torch)",
-                        "session": session,
-                        "kib": args.kib,
-                        "compute_ms": args.compute_ms,
-                        "exchanges": len(lat),
-                        "median_us": round(statistics.median(lat) * 1e6, 1),
-                        "p90_us": round(lat[int(0.9 * (len(lat) - 1))] * 1e6, 1),
-                        "max_us": round(lat[-1] * 1e6, 1),
-                        "over_1ms": sum(x > 1e-3 for x in lat),
-                        "loadavg_1min": round(os.getloadavg()[0], 2),
-                    }
-                ),
-                flush=True,
+            emit(
+                {
+                    "benchmark": "gloo_exchange",
+                    "layout": "one group per direction (pipec)" if split else "one group (torch)",
+                    "session": sessions[split],
+                    "kib": args.kib,
+                    "compute_ms": args.compute_ms,
+                    "exchanges": len(lat),
+                    "median_us": round(statistics.median(lat) * 1e6, 1),
+                    "p90_us": round(lat[int(0.9 * (len(lat) - 1))] * 1e6, 1),
+                    "max_us": round(lat[-1] * 1e6, 1),
+                    "over_1ms": sum(x > 1e-3 for x in lat),
+                    "loadavg_1min": load_average()[0],
+                }
             )
+            sessions[split] += 1
+            return statistics.median(lat)
+
+        return run
+
+    # Sessions alternate (one group, split, one group, ...); the last line compares the sessions' medians.
+    start = load_average()
+    medians = alternate({"one_group": session(False), "split": session(True)}, args.sessions)
+    emit(
+        summarize(
+            "gloo_exchange",
+            medians,
+            ratio=("one_group", "split"),
+            load_start=start,
+            kib=args.kib,
+            compute_ms=args.compute_ms,
+            measure="median message latency per session, seconds",
+        )
+    )
 
 
 if __name__ == "__main__":
