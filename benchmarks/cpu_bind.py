@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import statistics
@@ -25,6 +24,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import sidebyside
+from sidebyside import alternate, load_average
 
 from pipec.runtime import spawned
 
@@ -65,8 +67,10 @@ def worker(rank: int, world: int, port: int, bound: bool, args: argparse.Namespa
 
 
 def messages(args: argparse.Namespace) -> None:
-    for session in range(args.sessions):
-        for bound in (False, True):
+    sessions = {False: 0, True: 0}
+
+    def session(bound: bool):
+        def run() -> float:
             per_rank = spawned.run_gloo(worker, 2, bound, args, timeout=600)
             if isinstance(per_rank, str):
                 sys.exit(f"cpu_bind: {per_rank}")
@@ -74,7 +78,7 @@ def messages(args: argparse.Namespace) -> None:
             emit(
                 benchmark="cpu_bind_messages",
                 layout="bound, one CPU per rank" if bound else "unbound",
-                session=session,
+                session=sessions[bound],
                 compute_ms=args.compute_ms,
                 messages=len(lat),
                 median_us=round(statistics.median(lat) * 1e6, 1),
@@ -82,21 +86,31 @@ def messages(args: argparse.Namespace) -> None:
                 max_us=round(lat[-1] * 1e6, 1),
                 over_1ms=sum(x > 1e-3 for x in lat),
             )
+            sessions[bound] += 1
+            return statistics.median(lat)
+
+        return run
+
+    alternate({"unbound": session(False), "bound": session(True)}, args.sessions)
 
 
 def runs(args: argparse.Namespace) -> None:
     env = dict(os.environ, BLOCKS_M="8", PYTHONPATH=str(ROOT))
     for name, defines in RUNS.items():
-        steps: dict[str, list[float]] = {"auto": [], "none": []}
-        for _ in range(args.rounds):
-            for mode in steps:
+
+        def run(mode: str, name: str = name, defines: list[str] = defines):
+            def once() -> float:
                 cmd = [sys.executable, "-m", "pipec.cli", "run", name, *defines]
                 cmd += ["--model", "benchmarks/blocks_model.py", "--nproc", "2", "--steps", str(args.steps)]
                 res = subprocess.run([*cmd, "--cpu-bind", mode], cwd=ROOT, env=env, capture_output=True, text=True)
                 times = [float(t) for t in STEP.findall(res.stdout)]
                 if res.returncode != 0 or len(times) != args.steps:
                     sys.exit(f"pipec run failed ({res.returncode}): {' '.join(cmd)}\n{res.stderr[-2000:]}")
-                steps[mode].append(statistics.median(times[2:]))
+                return statistics.median(times[2:])
+
+            return once
+
+        steps = alternate({"auto": run("auto"), "none": run("none")}, args.rounds)  # auto, none, auto, ...
         bound, free = statistics.median(steps["auto"]), statistics.median(steps["none"])
         emit(
             benchmark="cpu_bind_runs",
@@ -112,7 +126,7 @@ def runs(args: argparse.Namespace) -> None:
 
 
 def emit(**row) -> None:
-    print(json.dumps({**row, "loadavg_1min": round(os.getloadavg()[0], 2)}), flush=True)
+    sidebyside.emit({**row, "loadavg_1min": load_average()[0]})
 
 
 def main() -> None:
