@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
+
+from sidebyside import emit, load_average
 
 from pipec.runtime import spawned
 
@@ -97,7 +98,7 @@ def main() -> None:
         sys.exit(f"transfer_calls: {per_rank}")
     rows = [row for per in per_rank for row in per]
     for row in sorted(rows, key=lambda r: (r["rank"], r["call"])):
-        print(json.dumps({**row, "loadavg_1min": round(os.getloadavg()[0], 2)}), flush=True)
+        emit({**row, "loadavg_1min": load_average()[0]})
 
 
 if __name__ == "__main__":
