@@ -539,7 +539,12 @@ class _Compiler:
                 continue
             code, t = self.expr(call, scope)
             if t == "op":
-                self.line(indent, f"_emit_value({code}, {sid})")
+                # Inline, not a helper call per op: the value's micro-batch, or the next one when it has none.
+                self.line(
+                    indent,
+                    f"_emit((_ev[0], _ev[1], _ev[2], {sid})) if (_ev := {code})[1] is not None "
+                    f"else _next(_ev[0], _ev[2], {sid})",
+                )
             elif t == "none" and len(st.calls) == 1:
                 self.line(indent, code)
             elif t == "none":

@@ -513,9 +513,8 @@ class _Env:
             ns["_next"] = nxt
             ns["_done"] = lambda k, s, sid: counts.get((k, s), 0)
         else:
-            emit = ns["_emit"] = ops.append
-            nxt = ns["_next"] = None
-        ns["_emit_value"] = lambda t, sid: nxt(t[0], t[2], sid) if t[1] is None else emit((t[0], t[1], t[2], sid))
+            ns["_emit"] = ops.append
+            ns["_next"] = None  # no op without a micro-batch: the generated code never calls it
         fn(rank)
         return _to_arrays(ops, pairs)
 
