@@ -214,7 +214,7 @@ class Worker:
                 silent = self.monitor.silent_ranks()
                 peer = e.peer if e.peer in silent or not silent else silent[0]
                 culprit = peer
-                silence = f"no heartbeat for {6 * BEAT_EVERY:g} s; " if peer in silent else ""
+                silence = f"no heartbeat for {4 * BEAT_EVERY:g} s; " if peer in silent else ""
                 reason = (
                     f"rank {peer} stopped responding or died ({silence}its last reported position: "
                     f"{self.monitor.position_of(peer)}); rank {self.rank} found out at {self.where()}: {e}"

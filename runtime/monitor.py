@@ -160,7 +160,7 @@ class Monitor:
             os._exit(self.exit_code)
         say(
             f"pipec: rank {self.rank}: stopped by SIGTERM from the launcher at {self.where()}"
-            + (f", because {reason}" if reason else " (no rank reported a failure: the job was stopped)")
+            + (f", because {reason}" if reason else " (no rank recorded a failure; see the launcher's report)")
         )
         os._exit(STOPPED)
 
@@ -173,7 +173,7 @@ class Monitor:
             pass
         return "an unknown position"
 
-    def silent_ranks(self, window: float = 6 * BEAT_EVERY) -> list[int]:
+    def silent_ranks(self, window: float = 4 * BEAT_EVERY) -> list[int]:
         """The other ranks whose heartbeat did not move for `window` seconds: stopped (SIGSTOP), dead, or
         cut off. A rank that waits for a peer still beats, so this names the rank that stopped answering,
         not the ranks that wait on it."""
@@ -201,6 +201,10 @@ class Monitor:
             who, first = _parse(current)
             self.exit_code = 1 if who == self.rank else STOPPED
             say(f"pipec: rank {self.rank}: stopping at {self.where()}, because {first}")
+            try:  # acknowledged like any rank that stops, so the recorder need not wait out its grace
+                self.main_store.add(ACKS, 1)
+            except Exception:
+                pass
             return self.exit_code
         say(f"pipec: {reason}")
         deadline = time.monotonic() + grace

@@ -12,7 +12,7 @@ import tempfile
 
 from pipec.program import Program, write_json
 
-SHUTDOWN_S = 5
+SHUTDOWN_S = 3  # seconds a rank has to answer SIGTERM (ours take about one) before SIGKILL
 
 # Waits for its standard input to close, which happens however `pipec run` ends (a SIGKILL included),
 # then removes the run's temporary folder if it is still there.
@@ -96,12 +96,13 @@ def run_torchrun(args: argparse.Namespace, program: Program, nproc: int) -> int:
         path = os.path.join(tmp, "program.json")
         with open(path, "w") as f:
             write_json(program, f)
-        # A rank answers SIGTERM within a second or two; one that does not (stopped, or stuck in C code) is
-        # killed SHUTDOWN_S seconds later instead of torchrun's default 30.
+        # A rank that does not answer SIGTERM (stopped, or stuck in C code) is killed SHUTDOWN_S seconds
+        # later instead of torchrun's default 30.
         targv = ["--standalone", "--nproc-per-node", str(nproc), "--shutdown-timeout", str(SHUTDOWN_S)]
         targv += ["--module", "pipec.runtime.launch"]
         try:
-            torchrun(get_args_parser().parse_args(targv + worker_args(args, path)))
+            with _stop_within_shutdown_timeout():
+                torchrun(get_args_parser().parse_args(targv + worker_args(args, path)))
         except ChildFailedError as e:
             print(f"pipec run: failed: {failure_summary(e.failures)}", file=sys.stderr)
             return 1
@@ -109,6 +110,30 @@ def run_torchrun(args: argparse.Namespace, program: Program, nproc: int) -> int:
             print(f"pipec run: stopped by {e.sigval.name}", file=sys.stderr)
             return 128 + int(e.sigval)
     return 0
+
+
+class _stop_within_shutdown_timeout:
+    """torch 2.13's agent waits its default 30 s before it SIGKILLs a worker that ignores SIGTERM (a
+    stopped rank) wherever it stops workers after a failure (`SubprocessContext._poll` and
+    `LocalElasticAgent._stop_workers` call `close()` without the --shutdown-timeout it was given), so a
+    stopped rank held the job 30 s. Within this block, closing waits SHUTDOWN_S seconds at most."""
+
+    def __enter__(self) -> None:
+        from torch.distributed.elastic.multiprocessing.api import PContext
+
+        self.cls, self.orig = PContext, PContext.__dict__.get("close")
+        if self.orig is None:
+            return  # another torch: leave it as it is
+        orig = self.orig
+
+        def close(ctx, death_sig=None, timeout: int = SHUTDOWN_S) -> None:
+            orig(ctx, death_sig, min(timeout, SHUTDOWN_S))
+
+        PContext.close = close
+
+    def __exit__(self, *exc: object) -> None:
+        if self.orig is not None:
+            self.cls.close = self.orig
 
 
 class _reaper:

@@ -19,6 +19,13 @@ FAULT_CALL = int(os.environ.get("PIPEC_FAULT_CALL", "0"))
 dtype = torch.float64
 
 
+def _mark() -> None:
+    """Write the moment of the fault to PIPEC_FAULT_MARK, if set (benchmarks/faults.py times exits from it)."""
+    if os.environ.get("PIPEC_FAULT_MARK"):
+        with open(os.environ["PIPEC_FAULT_MARK"], "w") as f:
+            f.write(repr(time.time()))
+
+
 class Faulty(nn.Module):
     def __init__(self, stage: int) -> None:
         super().__init__()
@@ -30,14 +37,18 @@ class Faulty(nn.Module):
         if x.device.type != "meta" and torch.is_grad_enabled():
             if self.stage == FAULT_STAGE and self.calls == FAULT_CALL:
                 if FAULT == "raise":
+                    _mark()
                     raise RuntimeError("injected failure")
                 if FAULT == "exit":
                     time.sleep(0.5)
+                    _mark()
                     os._exit(3)
                 if FAULT == "hang":
+                    _mark()
                     time.sleep(3600)
                 if FAULT == "stop":  # the whole process stops answering, its threads too (as SIGSTOP does)
                     time.sleep(0.5)
+                    _mark()
                     os.kill(os.getpid(), signal.SIGSTOP)
             self.calls += 1
         return torch.tanh(self.layer(x))
