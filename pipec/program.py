@@ -21,6 +21,7 @@ from typing import IO
 
 import numpy as np
 
+from pipec import rowtext
 from pipec.errors import PipecError, Source, Span, error
 
 # The vocabulary lives in pipec.opcodes; these names stay importable from here for readers of a Program.
@@ -166,12 +167,8 @@ def _json_chunks(prog: Program) -> Iterator[str]:
     }
     yield json.dumps(head, separators=(",", ":"))[:-1] + ',"ranks":['
     for r, rp in enumerate(prog.ranks):
-        rows = [
-            list(row)
-            for row in zip(rp.op.tolist(), rp.mb.tolist(), rp.stage.tolist(), rp.peer.tolist(), rp.group.tolist())
-        ]
-        rank = {"rank": r, "columns": _COLUMNS, "instructions": rows}
-        yield ("," if r else "") + json.dumps(rank, separators=(",", ":"))
+        yield ("," if r else "") + f'{{"rank":{r},"columns":{json.dumps(_COLUMNS, separators=(",", ":"))},'
+        yield '"instructions":[' + _json_rows(rp) + "]}"
     yield "]}"
 
 
@@ -241,19 +238,44 @@ def _text_chunks(prog: Program) -> Iterator[str]:
         f" split {str(prog.split_backward).lower()}\n"
         "place " + " ".join(map(str, prog.placement)) + "\n"
     )
-    # one format per opcode, its operands picked from (mb, stage, peer) as the table lists them
-    pick = {"mb": 0, "stage": 1, "peer": 2}
-    formats = [
-        (" ".join([name] + ["%d"] * len(BY_NAME[name].operands)), [pick[x] for x in BY_NAME[name].operands])
-        for name in OPCODES
-    ]
     for r, rp in enumerate(prog.ranks):
-        lines = [f"rank {r}"]
-        for o, *vals, g in zip(rp.op.tolist(), rp.mb.tolist(), rp.stage.tolist(), rp.peer.tolist(), rp.group.tolist()):
-            fmt, idx = formats[o]
-            line = fmt % tuple(vals[i] for i in idx)
-            lines.append(line + " &" if g else line)
-        yield "\n".join(lines) + "\n"
+        yield f"rank {r}\n" + _text_rows(rp)
+
+
+def _json_rows(rp: RankProgram) -> str:
+    """`[op,mb,stage,peer,group],...` for every instruction, as json.dumps writes them."""
+    n = len(rp)
+    if n == 0:
+        return ""
+    body = rowtext.join_rows(
+        [
+            rowtext.literal("[", n),
+            rowtext.integers(rp.op),
+            rowtext.integers(rp.mb, ","),
+            rowtext.integers(rp.stage, ","),
+            rowtext.integers(rp.peer, ","),
+            rowtext.choice([",false],", ",true],"], rp.group.astype(np.int64)),
+        ]
+    )
+    return body[:-1].decode()
+
+
+def _text_rows(rp: RankProgram) -> str:
+    """One line per instruction: the name, the operands the instruction table gives it, `&` if grouped."""
+    n = len(rp)
+    if n == 0:
+        return ""
+    op = np.clip(rp.op, 0, len(OPCODES) - 1)
+    tokens = [rowtext.choice(OPCODES, op)]
+    for name, col in (("mb", rp.mb), ("stage", rp.stage), ("peer", rp.peer)):
+        mat, lengths = rowtext.integers(col, " ")
+        tokens.append((mat, np.where(_HAS_OPERAND[name][op], lengths, 0)))
+    tokens.append(rowtext.choice(["\n", " &\n"], rp.group.astype(np.int64)))
+    return rowtext.join_rows(tokens).decode()
+
+
+# Which opcodes write each operand; the text form writes them in this order (the table lists them so).
+_HAS_OPERAND = {x: np.array([x in BY_NAME[name].operands for name in OPCODES]) for x in ("mb", "stage", "peer")}
 
 
 def write_text(prog: Program, fh: IO[str]) -> None:
