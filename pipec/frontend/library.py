@@ -2,16 +2,29 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
-from importlib import resources
 from pathlib import Path
 
 from pipec.errors import Source, error
 
 
+def package_files(package: str):
+    """A package's directory: a Path when it is a directory on disk (an ordinary or editable install),
+    which saves a fresh process importing `importlib.resources` and its readers (more time than reading
+    the file); else `importlib.resources.files` (a zip, say). Both offer joinpath, is_file, read_text."""
+    spec = importlib.util.find_spec(package)
+    for where in (spec.submodule_search_locations or ()) if spec else ():
+        if Path(where).is_dir():
+            return Path(where)
+    from importlib import resources
+
+    return resources.files(package)
+
+
 def names() -> list[str]:
     """Names of the library schedules, sorted."""
-    files = resources.files("pipec.schedules").iterdir()
+    files = package_files("pipec.schedules").iterdir()
     return sorted(f.name[: -len(".pipe")] for f in files if f.name.endswith(".pipe"))
 
 
@@ -39,7 +52,7 @@ def read(name_or_path: str) -> Source:
             raise error("E000", f"cannot read `{name_or_path}`: {e.strerror}") from None
         except UnicodeDecodeError:
             raise error("E000", f"`{name_or_path}` is not a UTF-8 text file") from None
-    res = resources.files("pipec.schedules").joinpath(f"{name_or_path}.pipe")
+    res = package_files("pipec.schedules").joinpath(f"{name_or_path}.pipe")
     if not res.is_file():
         raise error(
             "E000",

@@ -8,7 +8,6 @@ import hashlib
 import math
 import os
 import sys
-from importlib import resources
 from pathlib import Path
 
 import lark
@@ -17,6 +16,7 @@ from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput
 
 from pipec.errors import PipecError, Source, Span, error
 from pipec.frontend import ast
+from pipec.frontend.library import package_files
 
 _UNITS = {  # unit -> (multiply, divide), so that 5us is exactly 5 / 1e6 seconds
     "us": (1.0, 1e6),
@@ -55,7 +55,7 @@ def _parser() -> lark.Lark:
     it is written to a temporary name and renamed, so a concurrent reader sees a whole file or none;
     and it lives in a directory only this user may write (`_cache_dir`), because loading it unpickles.
     Without such a directory the tables are built in-process, each time."""
-    grammar = resources.files("pipec.grammar").joinpath("pipe.lark").read_text()
+    grammar = package_files("pipec.grammar").joinpath("pipe.lark").read_text()
     where = _cache_dir()
     if where is None:
         return lark.Lark(grammar, **_OPTIONS)
