@@ -5,9 +5,10 @@ Each measurement runs in a fresh subprocess, so nothing computed by an earlier o
 memory is its own. pipec compiles from text (parse, evaluate, every check, lowering with its rendezvous
 dry run, as `pipec compile` does); torch runs `get_schedule_ops(..., with_comms=True)`. The two systems
 alternate round by round (pipec, torch, pipec, torch, ...) so both see the same load; `speedup` is
-torch's median over pipec's. "fresh": the first compile in the process (pipec loads its parser tables
-from the per-user cache, builds its lexers); "warm": after compiling another schedule first. Start-up:
-the wall time of `python -c "import ..."` for what each compile needs, against a bare interpreter.
+torch's median wall time over pipec's, `cpu_speedup` the same for CPU time (steadier under load).
+"fresh": the first compile in the process (pipec loads its parser tables from the per-user cache and
+builds its lexers); "warm": after compiling another schedule first. Start-up: the wall time of
+`python -c "import ..."` for what each compile needs, against a bare interpreter.
 
     python benchmarks/compile_speed.py            # everything (a few minutes on 2 cores)
     python benchmarks/compile_speed.py --quick    # skip the 1,000,000-op points
@@ -37,11 +38,11 @@ def pipec_once(name: str, params: dict[str, int], warm: bool = False) -> dict:
     if warm:  # load the grammar tables and touch every pass once, on another schedule
         compile_schedule(build(read("gpipe"), {"p": 2, "m": 2}))
     source = read(name)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     sched = build(source, params)
     t_front = time.perf_counter() - t0
     compiled = compile_schedule(sched)
-    total = time.perf_counter() - t0
+    total, cpu = time.perf_counter() - t0, time.process_time() - c0
     return {
         "system": "pipec",
         "process": "warm" if warm else "fresh",
@@ -50,6 +51,7 @@ def pipec_once(name: str, params: dict[str, int], warm: bool = False) -> dict:
         "compute_ops": sched.num_ops,
         "instructions": compiled.program.num_instructions,
         "seconds": round(total, 4),
+        "cpu_seconds": round(cpu, 4),
         "seconds_front_end": round(t_front, 4),
         "import_seconds": round(t_import, 4),
         "us_per_op": round(1e6 * total / sched.num_ops, 3),
@@ -63,9 +65,9 @@ def torch_once(p: int, v: int, m: int, warm: bool = False) -> dict:
 
     if warm:
         get_schedule_ops(ScheduleInterleaved1F1B, 2, 2, num_stages_per_rank=2, with_comms=True)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     ops = get_schedule_ops(ScheduleInterleaved1F1B, p, m, num_stages_per_rank=v, with_comms=True)
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     compute = sum(1 for rank in ops for a in rank if a is not None and "SEND" not in str(a) and "RECV" not in str(a))
     return {
         "system": "torch.distributed.pipelining",
@@ -74,6 +76,7 @@ def torch_once(p: int, v: int, m: int, warm: bool = False) -> dict:
         "params": {"p": p, "v": v, "m": m},
         "compute_ops_and_reduce": compute,
         "seconds": round(seconds, 4),
+        "cpu_seconds": round(cpu, 4),
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
     }
 
@@ -148,6 +151,10 @@ def reference(rounds: int) -> None:
         )
         rec["speedup"] = rec["ratio"]
         rec["target_speedup"] = 20
+        # CPU time of the same runs: both compile on one thread, and other load moves it far less.
+        cpu = {k: statistics.median(r["cpu_seconds"] for r in v) for k, v in records.items()}
+        rec["cpu_median_s"] = {k: round(x, 4) for k, x in cpu.items()}
+        rec["cpu_speedup"] = round(cpu["torch"] / cpu["pipec"], 4)
         emit(rec)
 
 
