@@ -29,33 +29,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sidebyside import emit, load_average  # noqa: E402
 
+from pipec.runtime.spawned import alive, children  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ["1f1b", "-D", "p=3", "-D", "m=3", "--model", "tests/models/faulty.py", "--nproc", "3"]
 
 
 def _env(**extra: str) -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1", **extra)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        out.append(int(entry))
-            except OSError:
-                pass
-    return out
 
 
 def model_fault(kind: str, timeout: float) -> dict:
@@ -67,11 +48,11 @@ def model_fault(kind: str, timeout: float) -> dict:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         workers: list[int] = []
         while proc.poll() is None and not mark.exists():
-            workers = workers or [p for p in _children(proc.pid)]
+            workers = workers or [p for p in children(proc.pid)]
             time.sleep(0.02)
         _, err = proc.communicate(timeout=timeout + 120)
         end = time.time()
-        while any(_alive(p) for p in workers):
+        while any(alive(p) for p in workers):
             time.sleep(0.02)
         end = max(end, time.time())
         at = float(mark.read_text()) if mark.exists() else float("nan")
@@ -95,11 +76,11 @@ def signal_fault(kind: str) -> dict:
     sig = {"sigterm": signal.SIGTERM, "sigint": signal.SIGINT, "sigkill": signal.SIGKILL}[kind]
     with tempfile.TemporaryDirectory() as tmp:
         proc = _start_training(tmp)
-        workers = [p for p in _children(proc.pid) if "pipec.runtime.launch" in Path(f"/proc/{p}/cmdline").read_text()]
+        workers = [p for p in children(proc.pid) if "pipec.runtime.launch" in Path(f"/proc/{p}/cmdline").read_text()]
         t0 = time.time()
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=120)
-        while any(_alive(p) for p in workers) and time.time() - t0 < 60:
+        while any(alive(p) for p in workers) and time.time() - t0 < 60:
             time.sleep(0.02)
         seconds = time.time() - t0
         while list(Path(tmp).glob("pipec-run-*")) and time.time() - t0 < 60:

@@ -118,3 +118,27 @@ def failed(out, rank: int, culprit: int, message: str) -> None:
     out.close()
     out.join_thread()  # the message is out of this process before it ends
     os._exit(1)
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` is running (Linux /proc; a zombie is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def children(pid: int) -> list[int]:
+    """The live child processes of `pid` (Linux /proc): how the fault tests and benchmarks find ranks."""
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                kids.append(int(entry))
+    return kids

@@ -19,6 +19,7 @@ from runtime_harness import ROOT, launch  # noqa: E402
 from test_runtime_local import schedule_params  # noqa: E402
 
 from pipec.frontend import library  # noqa: E402
+from pipec.runtime.spawned import alive, children  # noqa: E402
 
 TOL = 1e-10
 MLP_ENV = {"MLP_WIDTH": "16", "MLP_DEPTH": "8", "MLP_BATCH": "16", "MLP_DTYPE": "float64"}
@@ -258,21 +259,6 @@ def test_pipec_run_carries_on_when_its_reader_goes():
     assert b"Traceback" not in err and b"BrokenPipeError" not in err, err.decode()
 
 
-def _children(pid: int) -> list[int]:
-    """The live child processes of `pid` (Linux /proc)."""
-    kids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid and fields[0] != "Z":
-                kids.append(int(entry))
-    return kids
-
-
 def _start_long_run(tmp_path) -> subprocess.Popen:
     e = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path), **MLP_ENV)
     cmd = [sys.executable, "-m", "pipec", "run", "1f1b", "-D", "p=2", "-D", "m=2", "--model", "examples/mlp.py"]
@@ -286,25 +272,17 @@ def _start_long_run(tmp_path) -> subprocess.Popen:
 def _gone(pids: list[int], within: float) -> bool:
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
-        if not any(_alive(p) for p in pids):
+        if not any(alive(p) for p in pids):
             return True
         time.sleep(0.1)
     return False
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
 def test_sigkill_of_pipec_run_ends_its_ranks_and_removes_its_files(tmp_path):
     """Issue 16: after `kill -9` of `pipec run`, its workers trained on and /tmp/pipec-run-* stayed."""
     proc = _start_long_run(tmp_path)
-    workers = [p for p in _children(proc.pid) if "pipec.runtime.launch" in open(f"/proc/{p}/cmdline").read()]
+    workers = [p for p in children(proc.pid) if "pipec.runtime.launch" in open(f"/proc/{p}/cmdline").read()]
     assert len(workers) == 2
     assert [p.name for p in tmp_path.glob("pipec-run-*")]  # the run's program file is there while it runs
     proc.kill()

@@ -384,8 +384,8 @@ def test_deadlock_of_the_comms_is_explained():
     d = info.value.diagnostics[0]
     assert d.code == "E609" and (d.span.line, d.span.col) == (1, 111)
     assert d.notes == (
-        "rank 0 blocks at `3F2` (1:111) waiting for the activation of micro-batch 2 from stage 2, on rank 2",
-        "rank 1 blocks at `4F2` (2:138) waiting for the activation of micro-batch 2 from stage 3, on rank 0",
+        "rank 0 blocks at `3F2` (1:111) waiting for the activation of micro-batch 2 from stage 2, sent by rank 2",
+        "rank 1 blocks at `4F2` (2:138) waiting for the activation of micro-batch 2 from stage 3, sent by rank 0",
         "rank 2 blocks at `5SEND_B0` (3:111) until rank 1 posts the matching receive",
     )
 

@@ -420,13 +420,7 @@ def check_comms(doc: TorchCsv, sched: Schedule) -> None:
         notes = []
         for w in run.waits:
             a = where[w.rank][w.index]
-            line = f"{a.span.line}:{a.span.col}"
-            if w.event == "match":
-                notes.append(f"rank {w.rank} blocks at `{a}` ({line}) until rank {w.peer} posts the matching receive")
-            elif w.event == "arrival":
-                notes.append(f"rank {w.rank} blocks at `{a}` ({line}) waiting for {w.what}, on rank {w.peer}")
-            else:
-                notes.append(f"rank {w.rank} blocks at `{a}` ({line}) waiting for its own later `{w.what}`")
+            notes.append(w.describe(f"`{a}` ({a.span.line}:{a.span.col})"))
         first = where[run.waits[0].rank][run.waits[0].index]
         raise error(
             "E609",

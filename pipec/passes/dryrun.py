@@ -51,6 +51,15 @@ class Wait:
     peer: int
     what: str  # human description of what it waits for
 
+    def describe(self, at: str | None = None) -> str:
+        """One line of a deadlock's chain of waits; `at` names the instruction (default: its text)."""
+        at = at or f"`{self.instr}`"
+        if self.event == "match":
+            return f"rank {self.rank} blocks at {at} until rank {self.peer} posts the matching receive"
+        if self.event == "arrival":
+            return f"rank {self.rank} blocks at {at} waiting for {self.what}, sent by rank {self.peer}"
+        return f"rank {self.rank} blocks at {at} waiting for its own `{self.what}`, which comes later"
+
 
 @dataclass(frozen=True)
 class DryRun:
@@ -300,21 +309,13 @@ def deadlock_error(run: DryRun, span: Span | None = None, source: Source | None 
         seen.append(r)
         r = by_rank[r].peer
     cycle = seen[seen.index(r) :] if r in seen else seen
-    notes = []
-    for r in cycle:
-        w = by_rank[r]
-        if w.event == "match":
-            notes.append(f"rank {r} blocks at `{w.instr}` until rank {w.peer} issues the matching receive")
-        elif w.event == "arrival":
-            notes.append(f"rank {r} blocks at `{w.instr}` waiting for {w.what} from rank {w.peer}")
-        else:
-            notes.append(f"rank {r} blocks at `{w.instr}` waiting for its own `{w.what}`, which comes later")
+    notes = tuple(by_rank[r].describe() for r in cycle)
     return error(
         "E403",
         "the lowered program can deadlock when sends block until the peer posts its receive",
         span,
         source,
-        tuple(notes),
+        notes,
     )
 
 
