@@ -12,11 +12,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from strategies import RandomSchedule, deps, random_schedules
 
-from pipec.frontend import library
 from pipec.api import build, load
+from pipec.errors import PipecError, Source
+from pipec.frontend import library
 from pipec.passes.compiler import compile_schedule
 from pipec.passes.dryrun import dry_run
-from pipec.errors import PipecError, Source
 from pipec.passes.lower import lower
 from pipec.passes.memory import rank_memory
 from pipec.program import COMPUTE, OPCODES, RECVS, SENDS, from_json, from_text, to_json, to_text

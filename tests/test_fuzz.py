@@ -22,9 +22,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.lark import from_lark
 
-from pipec.frontend import evaluate
 from pipec.api import build
 from pipec.errors import PipecError, Source
+from pipec.frontend import evaluate
 from pipec.frontend.parse import parse
 
 EXAMPLES = int(os.environ.get("PIPEC_FUZZ_EXAMPLES", "100"))

@@ -15,10 +15,10 @@ from torch.distributed.pipelining import schedules as ts
 from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 from torch.distributed.pipelining.stage import PipelineStage
 
-from pipec.frontend import library
 from pipec.api import compile_source, load
-from pipec.passes.compiler import compile_schedule
 from pipec.errors import PipecError
+from pipec.frontend import library
+from pipec.passes.compiler import compile_schedule
 from pipec.schedule import Schedule
 
 # An op as compared here: (kind, micro-batch, stage, overlapped with the next op).

@@ -17,10 +17,10 @@ from runtime_harness import ROOT  # noqa: E402
 
 from pipec.api import load  # noqa: E402
 from pipec.passes.compiler import compile_schedule  # noqa: E402
-from pipec.schedule import Datacenter, Link, Topology  # noqa: E402
 from pipec.runtime import LocalPipeline, Reference, load_model  # noqa: E402
 from pipec.runtime.links import Links, links_of  # noqa: E402
 from pipec.runtime.reference import compare  # noqa: E402
+from pipec.schedule import Datacenter, Link, Topology  # noqa: E402
 from pipec.sim.topology import with_topology  # noqa: E402
 
 MLP_ENV = {"MLP_WIDTH": "16", "MLP_DEPTH": "8", "MLP_BATCH": "16", "MLP_DTYPE": "float64"}

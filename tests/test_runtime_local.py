@@ -9,8 +9,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from pipec.frontend import library  # noqa: E402
 from pipec.api import load  # noqa: E402
+from pipec.frontend import library  # noqa: E402
 from pipec.passes.compiler import compile_schedule  # noqa: E402
 from pipec.program import RECV_ACT, RECV_GRAD, WGRAD  # noqa: E402
 from pipec.runtime import LocalPipeline, Reference, load_model  # noqa: E402

@@ -13,9 +13,9 @@ from fractions import Fraction
 import numpy as np
 
 from pipec.passes.compiler import CompiledSchedule, compile_schedule
-from pipec.sim.costs import CostModel, cost_model
-from pipec.schedule import Schedule
 from pipec.passes.memory import memory_model
+from pipec.schedule import Schedule
+from pipec.sim.costs import CostModel, cost_model
 from pipec.sim.simulate import Stats, memory_curve, simulate, stats
 from pipec.sim.timeline import Timeline
 

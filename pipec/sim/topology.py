@@ -22,8 +22,8 @@ import dataclasses
 import re
 from pathlib import Path
 
-from pipec.frontend import ast
 from pipec.errors import Diagnostic, PipecError, Source, Span, error
+from pipec.frontend import ast
 from pipec.schedule import Schedule, Topology
 
 _COMMENT = re.compile(r"#[^\n]*")
