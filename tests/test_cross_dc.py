@@ -23,10 +23,10 @@ from hypothesis import strategies as st
 from strategies import random_schedules
 
 from pipec.api import build, load
-from pipec.passes.compiler import compile_schedule
-from pipec.sim.costs import cost_model, normalize
 from pipec.errors import PipecError, Source
+from pipec.passes.compiler import compile_schedule
 from pipec.schedule import Datacenter, Link, Topology
+from pipec.sim.costs import cost_model, normalize
 from pipec.sim.simulate import simulate, stats
 from pipec.sim.topology import read_topology, with_topology
 
@@ -134,10 +134,10 @@ def test_cli_topology_option(tmp_path):
     costs = "T_F=25ms,T_B=25ms,T_W=25ms,act_bytes=16MiB"
     rc, out, err = run("simulate", "1f1b", "-D", "p=8", "-D", "m=8", "--cost", costs, "--json")
     assert rc == 0, err
-    free = json.loads(out)["makespan"]
+    free = json.loads(out)["results"][0]["makespan"]
     rc, out, err = run("simulate", "1f1b", "-D", "p=8", "-D", "m=8", "--cost", costs, "--json", "--topology", ITEMS)
     assert rc == 0, err
-    doc = json.loads(out)
+    doc = json.loads(out)["results"][0]
     assert doc["makespan"] > free + 2 * 0.04  # a round trip over the slow link at least
     assert doc["costs"]["links"]["cross"] == {
         "pairs": 16,
@@ -150,7 +150,7 @@ def test_cli_topology_option(tmp_path):
     rc, _, err = run("simulate", "1f1b", "--topology", 'dc "a" ranks 0 .. 2')
     assert rc == 1 and "error[E112]" in err and "ranks 2..4 are in no datacenter" in err
     rc, _, err = run("simulate", "1f1b", "--topology", str(tmp_path / "none.topo"))
-    assert rc == 2 and "error[E000]" in err
+    assert rc == 1 and "error[E000]" in err
 
 
 # ---------------------------------------------------------------- links shared by concurrent messages

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from pipec import cli, library
+from pipec import cli
 from pipec.api import build
 from pipec.errors import PipecError, Source
+from pipec.frontend import library
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "errors.md"
@@ -204,15 +205,15 @@ def test_cli_misuse_exits_2(argv, capsys):
     assert "Traceback" not in capsys.readouterr().err
 
 
-def test_cli_unknown_library_name_exits_2(capsys):
-    assert cli.main(["check", "no-such-schedule"]) == 2
+def test_cli_unknown_library_name_exits_1(capsys):
+    assert cli.main(["check", "no-such-schedule"]) == 1  # an input error (E000), not command-line misuse
     err = capsys.readouterr().err
     assert "error[E000]" in err
     assert "Traceback" not in err
 
 
-def test_cli_missing_file_exits_2(in_tmp, capsys):
-    assert cli.main(["check", "missing.pipe"]) == 2
+def test_cli_missing_file_exits_1(in_tmp, capsys):
+    assert cli.main(["check", "missing.pipe"]) == 1
     assert "error[E000]" in capsys.readouterr().err
 
 

@@ -16,9 +16,9 @@ from runtime_harness import ROOT  # noqa: E402
 from pipec.api import load  # noqa: E402
 from pipec.cli import main  # noqa: E402
 from pipec.passes.compiler import compile_schedule  # noqa: E402
-from pipec.sim.costs import cost_model, read_cost_file  # noqa: E402
 from pipec.runtime import load_model  # noqa: E402
 from pipec.runtime.profile import measure_link, profile  # noqa: E402
+from pipec.sim.costs import cost_model, read_cost_file  # noqa: E402
 
 MLP = {"MLP_WIDTH": "16", "MLP_DEPTH": "4", "MLP_BATCH": "8", "MLP_DTYPE": "float64"}
 MODEL = str(ROOT / "examples" / "mlp.py")
@@ -33,7 +33,7 @@ def small_mlp(monkeypatch):
 def _simulate(capsys, args: list[str]) -> dict:
     capsys.readouterr()
     assert main(["simulate", *args, "--json"]) == 0
-    return json.loads(capsys.readouterr().out)
+    return json.loads(capsys.readouterr().out)["results"][0]
 
 
 @pytest.mark.parametrize(

@@ -52,7 +52,7 @@ def sim(name: str, costs: dict | None = None, memory: dict | None = None, **para
 def test_1f1b_p4_m8_bubble_is_exactly_3_11():
     rc, out, err = run("simulate", "1f1b", "-D", "p=4", "-D", "m=8", "--json")
     assert rc == 0, err
-    doc = json.loads(out)
+    doc = json.loads(out)["results"][0]
     assert doc["bubble_rate"] == 3 / 11 and doc["bubble_rate_fraction"] == "3/11"
     assert doc["makespan"] == 33 and doc["bubble_time"] == 9 and doc["peak_memory"] == 4
     assert [r["busy"] for r in doc["per_rank"]] == [24] * 4
@@ -235,7 +235,7 @@ def test_a_given_b_without_w_is_the_full_backward():
     assert cost_model(s, [parse_overrides("B=3")]).compute_time(*full).tolist() == [3.0]
     assert cost_model(s, [parse_overrides("B=3,W=1")]).compute_time(*full).tolist() == [4.0]
     rc, out, _ = run("simulate", str(ROOT / "examples/extra_warmup_1f1b.pipe"), "--json")  # cost F = 1, B = 2
-    assert rc == 0 and json.loads(out)["per_rank"][0]["busy"] == 8 * 3
+    assert rc == 0 and json.loads(out)["results"][0]["per_rank"][0]["busy"] == 8 * 3
 
 
 def test_per_rank_share_costs():
@@ -618,7 +618,7 @@ def test_simulate_every_library_schedule_json_and_trace(tmp_path):
         trace = tmp_path / f"{name}.json"
         rc, out, err = run("simulate", name, "--json", "--trace", str(trace), "--cost", "latency=0.01")
         assert rc == 0, (name, err)
-        doc = json.loads(out)
+        doc = json.loads(out)["results"][0]
         assert doc["schedule"] == name and doc["trace"] == str(trace) and doc["makespan"] > 0
         assert 0 <= doc["bubble_rate"] < 1 and len(doc["per_rank"]) == doc["ranks"]
         assert read_trace(trace).num_ranks == doc["ranks"]
@@ -642,7 +642,7 @@ def test_compare_side_by_side():
     rc, out, _ = run("simulate", "1f1b", "zb-h1", "--json", "--cost", "F=1,B=2,W=1")
     assert rc == 0 and [d["schedule"] for d in json.loads(out)["results"]] == ["1f1b", "zb-h1"]
     rc, _, err = run("simulate", "1f1b", "zb-h1", "-D", "q=3")
-    assert rc == 2 and "no schedule here takes parameter `q`" in err
+    assert rc == 1 and "error[E205]: no schedule here takes parameter `q`" in err
     rc, _, err = run("simulate", "1f1b", "zb-h1", "--trace", "x.json")
     assert rc == 2 and "--trace takes one schedule" in err
     rc, _, err = run("simulate", "1f1b", "--plot", "x.gif")
