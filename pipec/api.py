@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pipec.errors import Source, error
+from pipec.errors import Source, brief, error
 from pipec.frontend.codegen import GeneratedCode, compile_ast
 from pipec.frontend.evaluate import evaluate
 from pipec.frontend.library import read
@@ -88,11 +89,40 @@ def build(
     """
     items = list(params.items()) if isinstance(params, Mapping) else list(params)
     if is_torch_csv(source):  # torch.distributed.pipelining's schedule CSV: its own front end
-        return read_csv(source, items, check=check and ranks is None)
-    sched = evaluate(compile_source(source), source, items, ranks)
+        for name, value in items:
+            if name in ("p", "m") and isinstance(value, str) and not _INT.fullmatch(value.strip()):
+                raise error("E607", f"`{name}={brief(value)}`: expected an int (ASCII digits)", None, source)
+        sched = read_csv(source, items, check=check and ranks is None)
+    else:
+        code = compile_source(source)
+        _strict_numbers(code, source, items)
+        sched = evaluate(code, source, items, ranks)
     if check and ranks is None:
+        from pipec.files import require_ops_fit
+
+        require_ops_fit(sched.num_ops, f"`{sched.name}`")  # before the checks' arrays
         check_schedule(sched)
     return sched
+
+
+# A parameter's value given as text (`-D p=4`): the language's own literals, ASCII digits with an optional
+# sign (Python's int() and float() would also take `1_0` as 10 and Arabic-Indic `٤` as 4).
+_INT = re.compile(r"[-+]?[0-9]+")
+_FLOAT = re.compile(r"[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
+
+
+def _strict_numbers(code: GeneratedCode, source: Source, items: Sequence[tuple[str, object]]) -> None:
+    """E206 for an int or float parameter given as text that is no literal of the language. (This belongs
+    in pipec/frontend/evaluate.py's `_parse_value`; it is here until that file takes it.)"""
+    types = {p.name: (p, t) for p, t in zip(code.params, code.param_types)}
+    for name, raw in items:
+        prm, typ = types.get(name, (None, None))
+        if prm is None or not isinstance(raw, str) or typ not in ("int", "float"):
+            continue
+        text = raw.strip()
+        ok = _INT.fullmatch(text) if typ == "int" else (_FLOAT.fullmatch(text) or text in ("inf", "-inf", "nan"))
+        if not ok:
+            raise error("E206", f"parameter `{name}` must be {typ}, got `{brief(raw)}`", prm.span, source)
 
 
 def load(
@@ -105,7 +135,17 @@ def load(
     64
     """
     merged = dict(params or {}, **kwargs)
-    return build(read(os.fspath(name_or_path)), merged)
+    return build(_read(name_or_path), merged)
+
+
+def _read(target: str | os.PathLike[str]) -> Source:
+    """The schedule, CSV or Program file a target names (`pipec.frontend.library.read`), after refusing
+    (E901) a path that is not a regular file or is above 64 MiB: `/dev/zero` or a FIFO would be read
+    forever. (library.read should read through pipec.files.read_text itself; until then, this.)"""
+    from pipec.files import check_input
+
+    check_input(os.fspath(target), "schedule file")
+    return read(os.fspath(target))
 
 
 def read_program(path: str | os.PathLike[str]) -> Program:
@@ -165,13 +205,12 @@ def target_of(
     if isinstance(target, (Schedule, Program)):
         obj, where = target, None
     else:
-        source = read(os.fspath(target))
+        source = _read(target)
         if not is_program_text(source.text):
             return build(source, items), None
-        from pipec.program import from_json, from_text  # the file is read already: parse its text
+        from pipec.program import parse_program  # the file is read already: parse its text
 
-        text, where = source.text, source.path
-        obj = from_json(text, where) if text.lstrip().startswith("{") else from_text(text, where)
+        obj, where = parse_program(source.text, source.path), source.path
     if items:
         name = items[0][0]
         if isinstance(obj, Program):

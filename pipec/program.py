@@ -69,6 +69,7 @@ __all__ = [
     "from_json",
     "from_text",
     "is_program_text",
+    "parse_program",
     "read_program",
     "to_json",
     "to_text",
@@ -388,11 +389,16 @@ def is_program_text(text: str) -> bool:
     return head.startswith("{") and f'"{FORMAT}"' in head or head.startswith(FORMAT)
 
 
+def parse_program(text: str, path: str = "<program>") -> Program:
+    """A Program's text in either form (told apart by its first character), validated."""
+    return from_json(text, path) if text.lstrip().startswith("{") else from_text(text, path)
+
+
 def read_program(path: str) -> Program:
-    """A Program file in either form (told apart by content), validated."""
+    """A Program file in either form, validated."""
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except (OSError, UnicodeDecodeError) as e:
         raise error("E000", f"cannot read {path}: {e.strerror if isinstance(e, OSError) else e}") from None
-    return from_json(text, path) if text.lstrip().startswith("{") else from_text(text, path)
+    return parse_program(text, path)
