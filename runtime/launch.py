@@ -211,7 +211,7 @@ class Worker:
             culprit = e.peer if isinstance(e, CommError) else self.rank
             if isinstance(e, CommError):
                 # Blame the rank whose heartbeat stopped, not merely the one this rank waited on.
-                silent = self.monitor.silent_ranks()
+                silent = [] if self.monitor.recorded() else self.monitor.silent_ranks()
                 peer = e.peer if e.peer in silent or not silent else silent[0]
                 culprit = peer
                 silence = f"no heartbeat for {4 * BEAT_EVERY:g} s; " if peer in silent else ""

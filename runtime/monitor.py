@@ -173,6 +173,13 @@ class Monitor:
             pass
         return "an unknown position"
 
+    def recorded(self) -> bool:
+        """Whether some rank has recorded a failure already (then there is no culprit left to find)."""
+        try:
+            return bool(self.main_store.check([ABORT]))
+        except Exception:
+            return False
+
     def silent_ranks(self, window: float = 4 * BEAT_EVERY) -> list[int]:
         """The other ranks whose heartbeat did not move for `window` seconds: stopped (SIGSTOP), dead, or
         cut off. A rank that waits for a peer still beats, so this names the rank that stopped answering,
