@@ -157,14 +157,19 @@ def plot_timelines(panels: Sequence[Panel], path: str | Path, *, width: float | 
             mx.legend(loc="upper left", bbox_to_anchor=(1.0, 1.05), fontsize=6, frameon=False, ncol=ncol)
     axes[-1].set_xlabel("time (s)", fontsize=9)
     fig.subplots_adjust(left=0.06, right=0.9, top=1 - 0.35 / (sum(heights) + 0.6), bottom=0.5 / sum(heights))
-    if str(path).lower().endswith(".png"):
-        _save_small_png(fig, path, dpi)
-    else:
-        fig.savefig(path, dpi=dpi)
-    plt.close(fig)
+    from pipec.files import atomic_write
+
+    try:
+        with atomic_write(path, "wb") as f:  # all or nothing: a kill midway leaves the old picture
+            if str(path).lower().endswith(".png"):
+                _save_small_png(fig, f, dpi)
+            else:
+                fig.savefig(f, dpi=dpi, format=str(path).rsplit(".", 1)[-1].lower())
+    finally:
+        plt.close(fig)
 
 
-def _save_small_png(fig, path, dpi: int) -> None:
+def _save_small_png(fig, out, dpi: int) -> None:
     """Flat colours compress well once quantised to a palette: a third of the size, no visible change."""
     import io
 
@@ -174,7 +179,7 @@ def _save_small_png(fig, path, dpi: int) -> None:
     fig.savefig(buf, dpi=dpi, format="png")
     buf.seek(0)
     with Image.open(buf) as im:
-        im.convert("RGB").quantize(colors=128, method=Image.Quantize.MEDIANCUT).save(path, optimize=True)
+        im.convert("RGB").quantize(colors=128, method=Image.Quantize.MEDIANCUT).save(out, format="PNG", optimize=True)
 
 
 def text_gantt(tl: Timeline, width: int = 120, ranks: Sequence[int] | None = None) -> str:

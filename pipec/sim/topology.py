@@ -33,8 +33,10 @@ def read_topology(spec: str, sched: Schedule) -> Topology:
     """The topology `spec` names (a file or the text itself), evaluated for this schedule's parameters."""
     path = Path(spec)
     if path.is_file():
+        from pipec.files import read_text  # bounded: a topology file is no larger than 64 MiB (E901)
+
         try:
-            text = path.read_text()
+            text = read_text(path, "topology file")
         except (OSError, UnicodeDecodeError) as e:
             raise error("E000", f"cannot read topology file `{spec}`: {e}") from None
         source = Source(str(path), text)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipec.errors import error
+from pipec.errors import brief, error
 from pipec.program import OPCODES
 from pipec.sim.timeline import Timeline
 
@@ -188,20 +188,27 @@ def trace_events(tl: Timeline, memory: dict[str, np.ndarray] | None = None) -> d
 
 
 def write_trace(tl: Timeline, path: str | Path, memory: dict[str, np.ndarray] | None = None) -> None:
-    """Write the Chrome/Perfetto trace of a Timeline (simulated or measured) to `path`."""
-    with open(path, "w") as f:
+    """Write the Chrome/Perfetto trace of a Timeline (simulated or measured) to `path`, atomically: a kill
+    or a failure midway leaves the old file (or none), never a partial trace."""
+    from pipec.files import atomic_write
+
+    with atomic_write(path) as f:
         json.dump(trace_events(tl, memory), f, separators=(",", ":"))
         f.write("\n")
 
 
 def read_trace(path: str | Path) -> Timeline:
     """Read a trace written by `write_trace` back into the Timeline it came from (E802 when it is not one)."""
+    from pipec.files import read_text
+
     try:
-        doc = json.loads(Path(path).read_text())
+        doc = json.loads(read_text(Path(path), "trace"))
     except OSError as e:
         raise error("E802", f"cannot read trace `{path}`: {e.strerror}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise error("E802", f"trace `{path}` is not JSON: {e}") from None
+    except (UnicodeDecodeError, ValueError) as e:  # ValueError: JSONDecodeError, or an int of 5,000 digits
+        raise error("E802", f"trace `{path}` is not JSON: {brief(e, 200)}") from None
+    except RecursionError:
+        raise error("E802", f"trace `{path}` nests its JSON too deeply") from None
     try:
         head = doc["otherData"]
         if head.get("format") != FORMAT:
@@ -256,5 +263,5 @@ def read_trace(path: str | Path) -> Timeline:
             schedule=str(head.get("schedule", "")),
             params=tuple(head.get("params", {}).items()),
         )
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise error("E802", f"malformed pipec trace `{path}`: {e!r}") from None
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError) as e:
+        raise error("E802", f"malformed pipec trace `{path}`: {brief(repr(e), 200)}") from None
