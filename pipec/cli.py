@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from typing import IO, NoReturn
 
 from pipec import __version__
-from pipec.errors import Diagnostic, PipecError, Source, error
+from pipec.errors import Diagnostic, PipecError, Source, brief, error
 from pipec.frontend import library
 from pipec.passes.compiler import CompiledSchedule, compile_schedule
 from pipec.passes.memory import format_table
@@ -26,6 +26,10 @@ from pipec.program import Program
 from pipec.schedule import Schedule
 
 MISUSE = 2
+# pipec synth's sizes: each of p, m, v, and the ops p * v * m * kinds, within what a schedule may have (the
+# language's limits: pipec/frontend/evaluate.py's MAX_SIZE and MAX_OPS); -p 1000000000 would run for hours.
+SYNTH_MAX = 10_000_000
+SYNTH_MAX_OPS = 50_000_000
 JSON_VERSION = 1  # of the documents `--json` prints; a field renamed or removed bumps it (docs/cli.md)
 
 
@@ -121,14 +125,48 @@ def _json_arg(p: argparse.ArgumentParser, what: str = "the result") -> None:
     p.add_argument("--json", action="store_true", help=f"print {what} as one JSON document (docs/cli.md)")
 
 
+_FLOAT = None  # the compiled pattern of a command-line number, made on first use
+
+
+def _finite(text: str) -> float:
+    """A number given on the command line: ASCII digits, an optional sign, point and exponent (float()
+    would also take `1_0`, `٤`, `nan` and `inf`), finite and >= 0."""
+    import math
+    import re
+
+    global _FLOAT
+    if _FLOAT is None:
+        _FLOAT = re.compile(r"\+?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
+    text = text.strip()
+    if not _FLOAT.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"expected a number >= 0 (ASCII digits), got `{brief(text)}`")
+    value = float(text)
+    if not math.isfinite(value) or value > 1e300:
+        raise argparse.ArgumentTypeError(f"`{brief(text)}` is out of range")
+    return value
+
+
+def _count(lo: int, hi: int):
+    """An integer option between lo and hi, in ASCII digits (int() would also take `1_0` and `٤`)."""
+
+    def parse(text: str) -> int:
+        t = text.strip()
+        digits = t[1:] if t[:1] in "+-" else t
+        if not (digits.isascii() and digits.isdigit()):
+            raise argparse.ArgumentTypeError(f"expected an integer (ASCII digits), got `{brief(text)}`")
+        if len(digits) > 12 or not lo <= int(t) <= hi:
+            raise argparse.ArgumentTypeError(f"expected an integer from {lo:,} to {hi:,}, got {brief(t)}")
+        return int(t)
+
+    parse.__name__ = "integer"  # argparse names the type in its messages
+    return parse
+
+
 def _mem(text: str) -> tuple[str, float]:
     name, sep, value = text.partition("=")
     if not sep or name not in ("act", "wact", "params"):
-        raise argparse.ArgumentTypeError(f"expected act=X, wact=X or params=X, got `{text}`")
-    try:
-        return name, float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"`{value}` is not a number") from None
+        raise argparse.ArgumentTypeError(f"expected act=X, wact=X or params=X, got `{brief(text)}`")
+    return name, _finite(value)
 
 
 def _memory_args(p: argparse.ArgumentParser) -> None:
@@ -140,7 +178,7 @@ def _memory_args(p: argparse.ArgumentParser) -> None:
         default=[],
         help="override the memory model for every stage: act=, wact= or params= (repeatable)",
     )
-    p.add_argument("--memory-limit", type=float, default=None, metavar="X", help="per-rank memory limit")
+    p.add_argument("--memory-limit", type=_finite, default=None, metavar="X", help="per-rank memory limit")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -178,7 +216,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeline", action="store_true", help="simulate and draw a text Gantt chart instead of the grid")
     _cost_args(p)
     _topology_arg(p)
-    p.add_argument("--width", type=int, default=None, help="columns for --timeline (default: the terminal's)")
+    p.add_argument(
+        "--width", type=_count(1, 100_000), default=None, help="columns for --timeline (default: the terminal's)"
+    )
     _json_arg(p, "the grid (and with --timeline the simulated spans)")
     p.set_defaults(func=cmd_show)
 
@@ -263,6 +303,15 @@ def _target(args: argparse.Namespace, name: str | None = None) -> tuple[Schedule
     from pipec.api import target_of
 
     return target_of(args.schedule if name is None else name, args.defines)
+
+
+def _read_source(name: str) -> Source:
+    """A schedule, CSV or Program file by name or path, as library.read gives it, after refusing (E901) a
+    path that is no regular file or is too large (`import /dev/zero` read for ever)."""
+    from pipec.files import check_input
+
+    check_input(name, "input file")
+    return library.read(name)
 
 
 def _build(args: argparse.Namespace) -> Schedule:
@@ -351,8 +400,10 @@ def cmd_compile(args: argparse.Namespace) -> int:
         "format": fmt if args.output else "json" if args.json else fmt,
     }
     if args.output:
+        from pipec.files import atomic_write
+
         try:
-            with open(args.output, "w") as f:
+            with atomic_write(args.output) as f:  # streamed, and all or nothing
                 write(prog, f)
                 if fmt == "json":
                     f.write("\n")
@@ -384,9 +435,9 @@ def cmd_show(args: argparse.Namespace) -> int:
     ranks = None
     if args.ranks:
         try:
-            ranks = [int(x) for x in args.ranks.split(",")]
-        except ValueError:
-            raise Misuse(f"--ranks expects numbers like 0,3, got `{args.ranks}`") from None
+            ranks = [_count(-(10**9), 10**9)(x) for x in args.ranks.split(",")]
+        except argparse.ArgumentTypeError:
+            raise Misuse(f"--ranks expects numbers like 0,3, got `{brief(args.ranks)}`") from None
         bad = [r for r in ranks if not 0 <= r < s.num_ranks]
         if bad:
             raise Misuse(f"rank {bad[0]} is not in 0..{s.num_ranks - 1}")
@@ -484,14 +535,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     for name in args.schedule:
         defines = args.defines
         if len(args.schedule) > 1:
-            known = set(param_names(library.read(name)))
+            known = set(param_names(_read_source(name)))
             defines = [(k, v) for k, v in args.defines if k in known]
             used |= known
         obj, where = target_of(name, defines)
         sims.append(simulation(obj, docs, _memory(args), args.topology, where))
     unused = [k for k, _ in args.defines if len(args.schedule) > 1 and k not in used]
     if unused:
-        takes = "; ".join(f"{n}: {', '.join(param_names(library.read(n))) or 'none'}" for n in args.schedule)
+        takes = "; ".join(f"{n}: {', '.join(param_names(_read_source(n))) or 'none'}" for n in args.schedule)
         raise error(
             "E205",
             f"no schedule here takes parameter `{unused[0]}`",
@@ -526,7 +577,13 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     from pipec.runtime.launch import add_run_options  # stdlib only: no torch until `pipec run` runs
 
     add_run_options(p)
-    p.add_argument("--nproc", type=int, default=None, metavar="N", help="processes (default: the schedule's ranks)")
+    p.add_argument(
+        "--nproc",
+        type=_count(1, 1_000_000),
+        default=None,
+        metavar="N",
+        help="processes (default: the schedule's ranks)",
+    )
     p.add_argument("--local", action="store_true", help="run every rank in this process (in-memory messages)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="--local: where to run (default cpu)")
     p.add_argument(
@@ -536,7 +593,7 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--link-scale",
-        type=float,
+        type=_finite,
         default=1.0,
         metavar="X",
         help="--emulate-links: latencies times X, bandwidths divided by X (default 1)",
@@ -721,13 +778,15 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def _write(path: str | None, text: str) -> None:
-    """Text to a file, or to standard output without one; a file that cannot be written is misuse."""
+    """Text to a file (atomically), or to standard output without one; a file that cannot be written is
+    misuse."""
+    from pipec.files import write_text
+
     if path is None:
         _stdout().write(text)
         return
     try:
-        with open(path, "w") as f:
-            f.write(text)
+        write_text(path, text)  # atomically: a failure leaves the old file, never a partial one
     except OSError as e:
         raise Misuse(f"cannot write `{path}`: {e.strerror}") from None
 
@@ -768,7 +827,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     from pipec.api import build
     from pipec.interop.torch_csv import is_torch_csv, to_pipe
 
-    source = library.read(args.csv)
+    source = _read_source(args.csv)
     if not is_torch_csv(source):
         raise Misuse(f"expected a .csv file, got `{args.csv}`")
     s = build(source, check=False)
@@ -788,16 +847,16 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def _synth_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-p", type=int, required=True, help="ranks")
-    p.add_argument("-m", type=int, required=True, help="micro-batches")
-    p.add_argument("-v", type=int, default=1, help="stages (chunks) per rank (default 1)")
+    p.add_argument("-p", type=_count(1, SYNTH_MAX), required=True, help="ranks")
+    p.add_argument("-m", type=_count(1, SYNTH_MAX), required=True, help="micro-batches")
+    p.add_argument("-v", type=_count(1, SYNTH_MAX), default=1, help="stages (chunks) per rank (default 1)")
     p.add_argument("--place", choices=("loop", "v"), default=None, help="chunk placement with -v 2 (default: v)")
     p.add_argument("--full-backward", action="store_true", help="ops F, B only (default: split backward F, B, W)")
     _cost_args(p)
     _memory_args(p)
     p.add_argument("--memory-limit-of", metavar="NAME", help="the limit: this library schedule's peak memory")
     p.add_argument("--dc", metavar="NAME=LO..HI", action="append", default=[], help="a datacenter of ranks LO..HI-1")
-    p.add_argument("--time-limit", type=float, default=30.0, metavar="S", help="solver seconds (default 30)")
+    p.add_argument("--time-limit", type=_finite, default=30.0, metavar="S", help="solver seconds (default 30)")
     solver = p.add_mutually_exclusive_group()
     solver.add_argument("--no-solver", action="store_true", help="the heuristic only")
     solver.add_argument("--solver", action="store_true", help="run the solver even on a large case")
@@ -822,6 +881,12 @@ def cmd_synth(args: argparse.Namespace) -> int:
 
     if args.p < 1 or args.m < 1 or args.v < 1:
         raise Misuse("-p, -m and -v must be at least 1")
+    ops = args.p * args.v * args.m * (2 if args.full_backward else 3)
+    if ops > SYNTH_MAX_OPS:
+        raise Misuse(f"-p {args.p} -v {args.v} -m {args.m} make {ops:,} ops, above the limit of {SYNTH_MAX_OPS:,}")
+    from pipec.files import require_ops_fit
+
+    require_ops_fit(ops, f"synth -p {args.p} -v {args.v} -m {args.m}")
     place = args.place or ("v" if args.v > 1 else "loop")
     if place == "v" and args.v not in (1, 2):
         raise Misuse("--place v takes -v 2")
@@ -986,7 +1051,7 @@ def cmd_test(args: argparse.Namespace) -> int:
     declared: dict[str, set[str]] = {}
     for target in files:
         try:
-            declared[target] = {prm.name for prm in compile_source(library.read(target)).params}
+            declared[target] = {prm.name for prm in compile_source(_read_source(target)).params}
         except PipecError as e:
             if e.code == "E000":
                 raise
@@ -1038,22 +1103,25 @@ def cmd_test(args: argparse.Namespace) -> int:
             print(f"{target}: ok ({what}, {res.seconds:.1f} s)")
             for note in res.notes:
                 print(f"  note: {note}")
-        else:
+        else:  # a failure is a diagnostic: the whole report of it goes to stderr, as `pipec check`'s
             f = res.failure
+            sys.stdout.flush()
+            err = sys.stderr
             found = f"smallest of {res.failing} failing; {what}, {res.seconds:.1f} s"
-            print(f"{target}: FAILED at {f.params_text} ({found})")
+            print(f"{target}: FAILED at {f.params_text} ({found})", file=err)
             if f.kind == "invariant":
-                print(f"  pipec and the independent checks disagree: {f.message}")
+                print(f"  pipec and the independent checks disagree: {f.message}", file=err)
             elif f.kind == "runtime":
-                print(f"  {f.message}")
+                print(f"  {f.message}", file=err)
             elif f.kind == "crash":
-                print("  pipec crashed: " + f.message.replace("\n", "\n  "))
+                print("  pipec crashed: " + f.message.replace("\n", "\n  "), file=err)
             for line in f.message.splitlines() if f.kind not in ("invariant", "runtime", "crash") else ():
-                print(f"  {line}")
-            print(f"  reproduce: {f.command}")
+                print(f"  {line}", file=err)
+            print(f"  reproduce: {f.command}", file=err)
         if res.coverage is not None and res.examples:
-            print(f"  tried: {res.coverage.text()}")
+            print(f"  tried: {res.coverage.text()}", file=sys.stdout if res.ok else sys.stderr)
         sys.stdout.flush()
+        sys.stderr.flush()
     ok = len(files) - failed
     if args.json:
         _emit(args, {"files": [r.to_json() for r in results], "passed": ok, "failed": failed}, ok=not failed)

@@ -56,11 +56,29 @@ class Diagnostic:
                     if self.span.end_line == self.span.line
                     else len(text) - self.span.col + 1
                 )
+                shown, col, width = snippet(text, self.span.col, max(1, width))
                 gutter = f"{self.span.line:>4} | "
-                out.append(gutter + text)
-                out.append(" " * (len(gutter) + self.span.col - 1) + "^" * max(1, width))
+                out.append(gutter + shown)
+                out.append(" " * (len(gutter) + col - 1) + "^" * width)
         out.extend(f"  = note: {n}" for n in self.notes)
         return "\n".join(out)
+
+
+SNIPPET_WIDTH = 200  # columns of a source line a diagnostic quotes; a longer line is cut around the caret
+
+
+def snippet(text: str, col: int, width: int, limit: int = SNIPPET_WIDTH) -> tuple[str, int, int]:
+    """The part of a source line a diagnostic quotes, the caret's 1-based column in it and the caret's width:
+    the whole line when it fits in `limit` columns, else a window around the span with `...` where the
+    line was cut (a 1 MB line is not echoed whole), the caret cut to the window."""
+    if len(text) <= limit:
+        return text, col, width
+    width = max(1, min(width, limit // 2))
+    start = max(0, min(col - 1 - (limit - width) // 2, len(text) - limit))
+    end = min(len(text), start + limit)
+    head = "..." if start > 0 else ""
+    tail = "..." if end < len(text) else ""
+    return head + text[start:end] + tail, col - start + len(head), width
 
 
 def brief(value: object, width: int = 40) -> str:

@@ -22,7 +22,7 @@ from typing import IO
 import numpy as np
 
 from pipec import rowtext
-from pipec.errors import PipecError, Source, Span, error
+from pipec.errors import PipecError, Source, Span, brief, error
 
 # The vocabulary lives in pipec.opcodes; these names stay importable from here for readers of a Program.
 from pipec.opcodes import (
@@ -212,12 +212,14 @@ def from_json(text: str, path: str = "<program>") -> Program:
                     codes[opc], rows[:, 1].copy(), rows[:, 2].copy(), rows[:, 3].copy(), rows[:, 4].astype(bool)
                 )
             )
+        if not isinstance(doc["placement"], list):
+            raise ValueError(f"placement must be a list of ranks, got {type(doc['placement']).__name__}")
         prog = Program(
             name=str(doc["schedule"]),
             params=tuple(doc["params"].items()),
-            num_stages=doc["num_stages"],
-            num_ranks=doc["num_ranks"],
-            num_microbatches=doc["num_microbatches"],
+            num_stages=_size(doc["num_stages"], "num_stages"),
+            num_ranks=_size(doc["num_ranks"], "num_ranks"),
+            num_microbatches=_size(doc["num_microbatches"], "num_microbatches"),
             split_backward=bool(doc["split_backward"]),
             placement=tuple(doc["placement"]),
             ranks=tuple(ranks),
@@ -285,6 +287,17 @@ def write_text(prog: Program, fh: IO[str]) -> None:
         fh.write(chunk)
 
 
+# A Program's sizes, as the language bounds a schedule's (pipec/frontend/evaluate.py's MAX_SIZE): a
+# 400-digit count is malformed (E501), and never reaches arithmetic or a message whole.
+MAX_SIZE = 10_000_000
+
+
+def _size(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SIZE:
+        raise ValueError(f"`{what}` must be an integer from 1 to {MAX_SIZE:,}, got {brief(value)}")
+    return value
+
+
 def to_text(prog: Program) -> str:
     return "".join(_text_chunks(prog))
 
@@ -323,7 +336,8 @@ def from_text(text: str, path: str = "<program>") -> Program:
         f = lines[2][1].split()
         if f[0::2] != ["stages", "ranks", "microbatches", "split"] or f[7] not in ("true", "false"):
             raise ValueError("expected `stages S ranks R microbatches M split true|false`")
-        stages, ranks, mbs, split = int(f[1]), int(f[3]), int(f[5]), f[7] == "true"
+        stages, ranks = _size(int(f[1]), "stages"), _size(int(f[3]), "ranks")
+        mbs, split = _size(int(f[5]), "microbatches"), f[7] == "true"
         at = 3
         words = lines[3][1].split()
         if words[0] != "place":
@@ -356,9 +370,7 @@ def from_text(text: str, path: str = "<program>") -> Program:
                 vals[pick[x]] = v
             progs[-1].append(Instr(op, vals[0], vals[1], vals[2], group))
             line_of[-1].append(n)
-        at = len(lines)
-        if len(progs) != ranks:
-            raise ValueError(f"expected {ranks} ranks, found {len(progs)}")
+        at = len(lines)  # the count of `rank` sections against `ranks`: validate's E502, as for JSON
         prog = Program(
             name,
             tuple(params),
@@ -396,9 +408,10 @@ def parse_program(text: str, path: str = "<program>") -> Program:
 
 def read_program(path: str) -> Program:
     """A Program file in either form, validated."""
+    from pipec.files import read_text  # bounded, and refuses /dev/zero or a FIFO (E901)
+
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        text = read_text(path, "program file")
     except (OSError, UnicodeDecodeError) as e:
         raise error("E000", f"cannot read {path}: {e.strerror if isinstance(e, OSError) else e}") from None
     return parse_program(text, path)

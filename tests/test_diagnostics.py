@@ -14,7 +14,7 @@ import pytest
 
 from pipec import cli
 from pipec.api import build
-from pipec.errors import PipecError, Source
+from pipec.errors import PipecError, Source, snippet
 from pipec.frontend import library
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -143,10 +143,12 @@ def test_code_span_and_caret(case):
     out = d.format()
     first, *rest = out.splitlines()
     assert first.startswith(f"t.pipe:{line}:{col}: error[{code}]: ")
-    # The source line, then a caret line starting under the span's first column.
-    assert rest[0].endswith(" | " + Source("t.pipe", text).line(line))
+    # The source line (a long one cut around the span, errors.snippet), then a caret line starting under
+    # the span's first column.
+    shown, at, _ = snippet(Source("t.pipe", text).line(line), col, 1)
+    assert rest[0].endswith(" | " + shown)
     assert re.fullmatch(r" *\^+", rest[1]), out
-    assert rest[1].index("^") == rest[0].index(" | ") + 3 + col - 1
+    assert rest[1].index("^") == rest[0].index(" | ") + 3 + at - 1
 
 
 def test_the_base_schedule_is_fine():

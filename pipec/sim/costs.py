@@ -59,7 +59,21 @@ from pipec.opcodes import ACT_MSG, KIND_OF
 from pipec.schedule import Schedule
 
 FORMAT = "pipec-costs"
-VERSION = 1
+# Version 2 (what `dump_costs` writes, so every `pipec profile` file) declares what it holds, so that a
+# reader tells a whole file from a cut one: `keys`, the names of its top-level entries; `stages`, the
+# length of every per-stage list; and last, the `[end]` table with `keys` = their count, which a
+# truncated file lacks wherever it was cut. Version 1 and files without a version (hand-written) are read
+# as they are.
+VERSION = 2
+VERSIONS = (1, 2)
+# The largest quantity a cost may take (seconds, bytes, bit/s): far beyond any real cost, and small
+# enough that sums and products over millions of ops stay finite (1e308 overflowed to inf, then nan).
+MAX_QUANTITY = 1e18
+MIN_BANDWIDTH = 1e-6  # bit/s; a smaller one makes bytes / bandwidth overflow
+_SEAL = ("stages", "keys", "end")  # what dump_costs adds to declare a whole file
+_META = ("format", "version", "comment", "unit", "measured", "schedule", "params", "stages", "keys", "end")
+# A number as --cost takes it: ASCII digits only (float() would also take `1_0` and Arabic-Indic digits).
+_NUMBER = re.compile(r"[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?|[-+]?(?:inf|nan)", re.IGNORECASE)
 
 STAGE_KEYS = ("F", "B", "W", "comm", "act_bytes", "grad_bytes")
 LINK_CLASSES = ("node", "dc", "cross")
@@ -183,7 +197,10 @@ def quantity(value: object, kind: str, what: str) -> float:
     if isinstance(value, bool):
         raise error("E801", f"{what}: expected a number, got `{brief(value)}`")
     if isinstance(value, int | float):
-        x = float(value)
+        try:
+            x = float(value)
+        except OverflowError:  # a 400-digit integer
+            raise error("E801", f"{what}: `{brief(value)}` is out of range (at most {MAX_QUANTITY:g})") from None
     elif isinstance(value, str):
         text = value.strip().replace(" ", "")
         m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)(.*)", text)
@@ -199,8 +216,16 @@ def quantity(value: object, kind: str, what: str) -> float:
     if kind == "bandwidth":
         if not x > 0:
             raise error("E801", f"{what}: bandwidth must be positive, got `{brief(value)}`")
+        if not (x == math.inf or MIN_BANDWIDTH <= x <= MAX_QUANTITY):
+            raise error(
+                "E801",
+                f"{what}: bandwidth `{brief(value)}` is out of range ({MIN_BANDWIDTH:g} to {MAX_QUANTITY:g} bit/s,"
+                " or inf for a free link)",
+            )
     elif not (math.isfinite(x) and x >= 0):
         raise error("E801", f"{what}: expected a finite number >= 0, got `{brief(value)}`")
+    elif x > MAX_QUANTITY:
+        raise error("E801", f"{what}: `{brief(value)}` is out of range (at most {MAX_QUANTITY:g})")
     return x
 
 
@@ -230,12 +255,19 @@ def normalize(doc: Mapping, what: str = "costs") -> dict:
     """Check a cost document (from a file or `--cost`) and convert its quantities; unknown keys are errors."""
     out: dict = {}
     links: dict[str, dict[str, float]] = {}
+    version = doc.get("version")
+    if "version" in doc and (isinstance(version, bool) or version not in VERSIONS):
+        raise error(
+            "E801",
+            f"{what}: cost file version {brief(version)} is not supported (this pipec reads "
+            f"{', '.join(map(str, VERSIONS))})",
+        )
+    if version == 2:
+        _check_whole(doc, what)
     for key, value in doc.items():
-        if key in ("format", "version", "comment", "unit", "measured", "schedule", "params"):
+        if key in _META:
             if key == "format" and value != FORMAT:
-                raise error("E801", f"{what}: format is `{value}`, expected `{FORMAT}`")
-            if key == "version" and value != VERSION:
-                raise error("E801", f"{what}: cost file version {value} is not supported (this pipec reads {VERSION})")
+                raise error("E801", f"{what}: format is `{brief(value)}`, expected `{FORMAT}`")
             if key == "unit" and value not in ("s", "seconds"):
                 raise error("E801", f'{what}: times must be in seconds (`unit = "s"`), got `{brief(value)}`')
             continue
@@ -269,7 +301,7 @@ def normalize(doc: Mapping, what: str = "costs") -> dict:
                     raise error("E801", f"{what}: unknown link class `{cls}` (known: {', '.join(LINK_CLASSES)})")
                 links.setdefault(cls, {}).update(_link(spec, f"{what}: links.{cls}"))
         elif key == "ranks_per_node":
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 10_000_000:
                 raise error("E801", f"{what}: ranks_per_node must be a positive integer, got `{brief(value)}`")
             out["ranks_per_node"] = value
         else:
@@ -277,11 +309,39 @@ def normalize(doc: Mapping, what: str = "costs") -> dict:
                 STAGE_KEYS
                 + ("T_F", "T_B", "T_W", "bytes", "overhead", "latency", "bandwidth", "links", "ranks_per_node")
             )
-            raise error("E801", f"{what}: unknown cost `{key}` (known: {known})")
+            raise error("E801", f"{what}: unknown cost `{brief(key)}` (known: {known})")
     if links:
         out["links"] = links
     out["_from"] = what
     return out
+
+
+def _check_whole(doc: Mapping, what: str) -> None:
+    """A version-2 document holds every entry its `keys` name, per-stage lists of `stages` values, and the
+    `end` marker counting its keys; a file cut short lacks the marker (it comes last) and what followed."""
+    keys = doc.get("keys")
+    if not (isinstance(keys, list) and all(isinstance(k, str) for k in keys)):
+        raise error("E801", f"{what}: a version 2 cost file lists its entries in `keys`, and this one does not")
+    missing = [k for k in keys if k not in doc]
+    end = doc.get("end")
+    ended = isinstance(end, Mapping) and end.get("keys") == len(keys) and not isinstance(end.get("keys"), bool)
+    if missing or not ended:
+        lacks = ", ".join(f"`{brief(k)}`" for k in missing[:12]) + (", ..." if len(missing) > 12 else "")
+        parts = ([f"the entries {lacks}"] if missing else []) + ([] if ended else ["the `[end]` marker"])
+        raise error(
+            "E801",
+            f"{what} is incomplete (truncated?): it lacks {' and '.join(parts)}",
+            notes=(f"it declares {len(keys)} entries: {', '.join(map(brief, keys[:20]))}",),
+        )
+    stages = doc.get("stages")
+    if stages is None:
+        return
+    if isinstance(stages, bool) or not isinstance(stages, int) or not 1 <= stages <= 10_000_000:
+        raise error("E801", f"{what}: `stages` must be a positive integer, got `{brief(stages)}`")
+    for k in STAGE_KEYS:
+        v = doc.get(k)
+        if isinstance(v, list) and len(v) != stages:
+            raise error("E801", f"{what}: `{k}` lists {len(v)} values but the file declares {stages} stages")
 
 
 def parse_overrides(text: str) -> dict:
@@ -292,10 +352,7 @@ def parse_overrides(text: str) -> dict:
         if not sep or not key.strip() or not value.strip():
             raise error("E801", f"--cost: expected KEY=VALUE, got `{brief(item)}`")
         value = value.strip()
-        try:
-            doc[key.strip()] = float(value)
-        except ValueError:
-            doc[key.strip()] = value
+        doc[key.strip()] = float(value) if _NUMBER.fullmatch(value) else value
     if not doc:
         raise error("E801", "--cost: nothing given")
     return normalize(doc, "--cost")
@@ -303,18 +360,24 @@ def parse_overrides(text: str) -> dict:
 
 def read_cost_file(path: str | Path) -> dict:
     """A cost file: TOML (`.toml`) or JSON (anything else); see docs/simulate.md for the keys."""
+    from pipec.files import read_text
+
     path = Path(path)
     try:
-        text = path.read_text()
+        text = read_text(path, "cost file")
     except OSError as e:
-        raise error("E801", f"cannot read cost file `{path}`: {e.strerror}") from None
+        raise error("E801", f"cannot read cost file `{brief(str(path), 80)}`: {e.strerror}") from None
     except UnicodeDecodeError:
         raise error("E801", f"cost file `{path}` is not UTF-8 text") from None
+    if not text.strip():  # 0 bytes (or blanks): never the defaults in disguise
+        raise error("E801", f"cost file `{path}` is empty")
+    kind = "TOML" if path.suffix == ".toml" else "JSON"
     try:
         doc = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
-        kind = "TOML" if path.suffix == ".toml" else "JSON"
-        raise error("E801", f"cost file `{path}` is not valid {kind}: {e}") from None
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError, ValueError) as e:  # ValueError: int digits limit
+        raise error("E801", f"cost file `{path}` is not valid {kind}: {brief(e, 200)}") from None
+    except RecursionError:
+        raise error("E801", f"cost file `{path}` nests its {kind} too deeply") from None
     if not isinstance(doc, Mapping):
         raise error("E801", f"cost file `{path}` must hold a table of costs")
     return normalize(doc, str(path))
@@ -333,10 +396,19 @@ def cost_spec(text: str) -> dict:
 
 def dump_costs(doc: Mapping, toml: bool = True) -> str:
     """Write a cost document (plain numbers, lists and `links` tables) as TOML or JSON; the runtime's
-    profiler writes its measurements with this, so `read_cost_file` reads them back."""
+    profiler writes its measurements with this, so `read_cost_file` reads them back. The text is format
+    version 2: it names its entries (`keys`), the length of its per-stage lists (`stages`) and ends with
+    the `end` marker, so that `read_cost_file` refuses a copy cut short."""
+    skip = ("format", "version", *_SEAL)
+    body = {k: v for k, v in doc.items() if not (k.startswith("_") or k in skip or v == {})}  # {}: no table
+    lengths = {len(v) for k, v in body.items() if k in STAGE_KEYS and isinstance(v, list | tuple)}
+    head: dict = {"format": FORMAT, "version": VERSION}
+    if len(lengths) == 1:
+        head["stages"] = lengths.pop()
+    head["keys"] = list(body)
+    end = {"keys": len(body)}
     if not toml:
-        body = {k: v for k, v in doc.items() if not k.startswith("_")}
-        return json.dumps({"format": FORMAT, "version": VERSION, **body}, indent=2) + "\n"
+        return json.dumps({**head, **body, "end": end}, indent=2) + "\n"
 
     def val(v) -> str:
         if isinstance(v, str):
@@ -347,17 +419,16 @@ def dump_costs(doc: Mapping, toml: bool = True) -> str:
             return "inf" if v > 0 else "nan"
         return repr(v) if isinstance(v, float) else str(int(v))
 
-    lines = [f'format = "{FORMAT}"', f"version = {VERSION}"]
+    lines = [f"{k} = {val(v)}" for k, v in head.items()]
     tables = []
-    for k, v in doc.items():
-        if k.startswith("_"):
-            continue
+    for k, v in body.items():
         if isinstance(v, Mapping):
             for cls, spec in v.items():
                 tables.append(f"\n[{k}.{cls}]")
                 tables.extend(f"{a} = {val(x)}" for a, x in spec.items())
         else:
             lines.append(f"{k} = {val(v)}")
+    tables += ["\n[end]", f"keys = {end['keys']}"]  # last: a file cut anywhere before it lacks it
     return "\n".join(lines + tables) + "\n"
 
 
@@ -366,7 +437,11 @@ def dump_costs(doc: Mapping, toml: bool = True) -> str:
 
 def cost_model(sched: Schedule, overrides: Sequence[Mapping] = ()) -> CostModel:
     """The cost model of a schedule: defaults, its declarations, then each override document in order."""
+    from pipec.files import require_memory
+
     S, R = sched.num_stages, sched.num_ranks
+    # Five (ranks, ranks) tables of 8 bytes and their temporaries: 10,000 ranks take 8 GB.
+    require_memory(10 * 8 * float(R) ** 2, f"the cost model's per-rank-pair links of {R:,} ranks")
     vals = {k: np.full(S, R / S) for k in ("F", "B", "W")}
     vals.update({k: np.zeros(S) for k in ("comm", "act_bytes")})
     grad: np.ndarray | None = None  # default: the activation size across the same boundary
@@ -424,6 +499,8 @@ def cost_model(sched: Schedule, overrides: Sequence[Mapping] = ()) -> CostModel:
     for k in ("F", "B", "W", "comm", "act_bytes", "grad_bytes"):
         if not (np.isfinite(vals[k]).all() and (vals[k] >= 0).all()):
             raise error("E801", f"cost `{k}` must be a finite number >= 0 for every stage")
+        if (vals[k] > MAX_QUANTITY).any():  # a schedule's own declaration, or T_F scaled by p / S
+            raise error("E801", f"cost `{k}` is out of range (at most {MAX_QUANTITY:g}) on some stage")
     np.fill_diagonal(latency, 0.0)
     np.fill_diagonal(bandwidth, np.inf)
     return CostModel(
