@@ -235,7 +235,7 @@ def test_seeded_bug_is_found_with_the_defaults_and_shrunk(name, code, smallest, 
     monkeypatch.delenv("CI", raising=False)  # the defaults a user has; the search stops at the first failure
     monkeypatch.chdir(ROOT)
     assert cli.main(["test", rel]) == 1
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err  # a failure's report is a diagnostic: stderr
     shown = " ".join(f"{k}={v}" for k, v in smallest.items())
     assert f"{rel}: FAILED at {shown} (" in out
     assert f"error[{code}]" in out
@@ -368,7 +368,7 @@ def test_pipec_test_misuse_exits_2(tmp_path, capsys):
 def test_a_file_that_does_not_parse_fails_at_once(tmp_path, capsys):
     (tmp_path / "bad.pipe").write_text('schedule "x" (p: int = 2) { stages p) }\n')
     assert cli.main(["test", str(tmp_path / "bad.pipe")]) == 1
-    assert "error[E001]" in capsys.readouterr().out
+    assert "error[E001]" in capsys.readouterr().err  # a failure is reported on stderr
 
 
 def test_pytest_plugin_reports_the_smallest_case(tmp_path):
@@ -552,7 +552,7 @@ def _run_doc_command(cmd: str, cwd: Path, capsys) -> tuple[int, str]:
             rc = cli.main(argv[1:])
             out = capsys.readouterr()
         err = re.sub(r"^  \.\.\. .*\n", "", out.err, flags=re.M)  # progress lines of long runs: not shown
-        return rc, out.out + err
+        return rc, err + out.out  # pipec test: failures (stderr) come before the summary line (stdout)
     assert argv[0] == "pytest", cmd
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *argv[1:]], capture_output=True, text=True, cwd=cwd
