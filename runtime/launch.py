@@ -211,7 +211,9 @@ class Worker:
             culprit = e.peer if isinstance(e, CommError) else self.rank
             if isinstance(e, CommError):
                 # Blame the rank whose heartbeat stopped, not merely the one this rank waited on.
-                silent = [] if self.monitor.recorded() else self.monitor.silent_ranks()
+                # A closed connection is a dead peer; a timeout may be a peer waiting on a silent one.
+                timed_out = "timed out" in str(e)
+                silent = self.monitor.silent_ranks() if timed_out and not self.monitor.recorded() else []
                 peer = e.peer if e.peer in silent or not silent else silent[0]
                 culprit = peer
                 silence = f"no heartbeat for {4 * BEAT_EVERY:g} s; " if peer in silent else ""
