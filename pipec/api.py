@@ -14,6 +14,7 @@ with its diagnostics, never anything else. Nothing here imports torch or matplot
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
@@ -23,11 +24,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from pipec import cachedir
 from pipec.errors import Source, brief, error
 from pipec.frontend.codegen import GeneratedCode, compile_ast
 from pipec.frontend.evaluate import evaluate
-from pipec.frontend.library import read
-from pipec.frontend.parse import parse
+from pipec.frontend.library import package_files, read
 from pipec.interop.torch_csv import is_torch_csv, read_csv
 from pipec.passes.checks import check_schedule
 from pipec.program import Program, is_program_text
@@ -62,8 +63,50 @@ CostSpec = str | Mapping[str, object] | Sequence[str | Mapping[str, object]] | N
 
 @functools.lru_cache(maxsize=128)
 def compile_source(source: Source) -> GeneratedCode:
-    """Parse and generate code once per distinct text."""
-    return compile_ast(parse(source), source)
+    """Parse and generate code once per distinct text: in this process (lru_cache), and across processes
+    through the per-user cache (`pipec.cachedir`), since every rank of a job, and every fresh `pipec`
+    command, compiles the same few schedule texts again. The entry's name digests the text and the
+    front end's own files, so an edit to either is never served stale."""
+    import hashlib
+    import pickle
+
+    name = "code-" + hashlib.sha256((_front_end_digest() + "\0" + source.text).encode()).hexdigest()[:32] + ".pickle"
+    data = cachedir.load(name)
+    if data is not None:
+        try:
+            code = pickle.loads(data)
+            if isinstance(code, GeneratedCode):
+                return code
+        except Exception:  # a damaged entry: compute it again
+            pass
+    from pipec.frontend.parse import parse  # lark loads only when a text is parsed
+
+    code = compile_ast(parse(source), source)
+    cachedir.store(name, pickle.dumps(code))
+    return code
+
+
+@functools.cache
+def _front_end_digest() -> str:
+    """What the generated code depends on besides the text: the grammar, the front end's modules, the
+    versions of pipec and Python."""
+    import hashlib
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    h = hashlib.sha256(f"{sys.version}\0{_version()}".encode())
+    for path in sorted((here / "frontend").glob("*.py")):
+        with contextlib.suppress(OSError):
+            h.update(path.read_bytes())
+    h.update(package_files("pipec.grammar").joinpath("pipe.lark").read_bytes())
+    return h.hexdigest()
+
+
+def _version() -> str:
+    from pipec import __version__
+
+    return __version__
 
 
 def param_names(source: Source) -> tuple[str, ...]:

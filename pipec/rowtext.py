@@ -41,7 +41,9 @@ def integers(values: np.ndarray, prefix: str = "") -> Token:
     lo, hi = int(v.min()), int(v.max())
     if hi - lo < 1 << 20:  # a table of every value in range: one gather
         return choice([prefix + str(x) for x in range(lo, hi + 1)], v - lo)
-    return choice([prefix + str(x) for x in np.unique(v).tolist()], np.searchsorted(np.unique(v), v))
+    values = np.sort(v)
+    values = values[np.r_[True, values[1:] != values[:-1]]]  # the distinct values (np.unique imports numpy.ma)
+    return choice([prefix + str(x) for x in values.tolist()], np.searchsorted(values, v))
 
 
 def join_rows(tokens: Sequence[Token]) -> bytes:
