@@ -119,7 +119,11 @@ def load_program(spec: str, defines: Sequence[str | tuple[str, str]]):
 def main(argv: Sequence[str] | None = None) -> int:
     die_with_parent()  # a SIGKILL of the launcher must not leave this rank training on
     block_sigterm()  # before torch starts any thread
-    args = parser().parse_args(argv)
+    ap = parser()
+    args = ap.parse_args(argv)
+    for d in args.defines:
+        if "=" not in d or not d.split("=", 1)[0].strip():
+            ap.error(f"-D takes NAME=VALUE, got {d!r}")
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

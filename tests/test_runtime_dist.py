@@ -344,3 +344,12 @@ def test_launch_refuses_an_invalid_program_before_any_process_group(tmp_path, ki
         assert r.returncode == 1, (kind, r.stderr)
         assert f"error[{code}]" in r.stderr and where in r.stderr, (kind, r.stderr)
     assert keys == 0  # refused before the rendezvous: nobody touched the store
+
+
+def test_launch_with_a_define_without_a_value_is_misuse():
+    """Issue 16: `python -m pipec.runtime.launch 1f1b -D p` was a ValueError traceback."""
+    r = subprocess.run(
+        [sys.executable, "-m", "pipec.runtime.launch", "1f1b", "-D", "p", "--model", "examples/mlp.py"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 2 and "-D takes NAME=VALUE, got 'p'" in r.stderr and "Traceback" not in r.stderr
