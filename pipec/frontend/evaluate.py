@@ -10,11 +10,13 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import re
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 
 from pipec.errors import PipecError, Source, Span, brief, error
+from pipec.files import require_ops_fit
 from pipec.frontend.codegen import GeneratedCode
 from pipec.schedule import Datacenter, Expectation, Link, RankOps, Schedule, Topology
 
@@ -37,10 +39,21 @@ def _code_object(code: str):
         raise _Fail("E003", "the file nests expressions or blocks too deeply", None) from e
 
 
+# A parameter's value given as text (`-D p=4`): the language's own literals, ASCII digits with an optional
+# sign (Python's int() and float() would also take `1_0` as 10 and Arabic-Indic `٤` as 4).
+_INT = re.compile(r"[-+]?[0-9]+")
+_FLOAT = re.compile(r"[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
+
+
 def _parse_value(text: str, typ: str):
+    """A `-D` value as the parameter's type; ValueError (E206) for text that is no literal of it."""
     if typ == "int":
+        if not _INT.fullmatch(text.strip()):
+            raise ValueError(text)
         return int(text)
     if typ == "float":
+        if not (_FLOAT.fullmatch(text.strip()) or text.strip() in ("inf", "-inf", "nan")):
+            raise ValueError(text)
         return float(text)
     if typ == "bool":
         if text not in ("true", "false"):
@@ -180,6 +193,14 @@ def _run(compiled: GeneratedCode, source: Source, given: dict[str, object], only
     m, _ = size("microbatches", "m")
     if num_stages * m * len(compiled.kinds) > MAX_OPS:
         raise _Fail("E210", f"the schedule would have more than {MAX_OPS:,} ops", rt.decls["stages"][1])
+    # Before the arrays are allocated (E902): the ops a schedule would have if its rank blocks emit them all,
+    # when every rank is evaluated (one rank of a run evaluates its own ops only).
+    if only is None:
+        try:
+            require_ops_fit(num_stages * m * len(compiled.kinds), f"`{compiled.name}`")
+        except PipecError as e:
+            d = e.diagnostics[0]
+            raise _Fail(d.code, d.message, rt.decls["stages"][1], d.notes) from None
     if "rank" in rt.decls and "order" in rt.decls:
         raise _Fail("E106", "a schedule has a `rank` block or an `order` block, not both", rt.decls["order"][1])
     if "rank" not in rt.decls and "order" not in rt.decls:

@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 from pipec.errors import Source, error
+from pipec.files import read_text
 
 
 def package_files(package: str):
@@ -46,8 +47,9 @@ def read(name_or_path: str) -> Source:
     by library name."""
     path = Path(name_or_path)
     if path.suffix in (".pipe", ".csv") or "/" in name_or_path or path.is_file():
-        try:
-            return Source(str(path), path.read_text())
+        try:  # bounded: a FIFO, /dev/zero or a file above 64 MiB is E901, never a hang
+            text = read_text(path, "schedule file")
+            return Source(str(path), text.replace("\r\n", "\n").replace("\r", "\n"))  # as open() reads it
         except OSError as e:
             raise error("E000", f"cannot read `{name_or_path}`: {e.strerror}") from None
         except UnicodeDecodeError:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import hashlib
 import math
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -40,6 +42,10 @@ _UNITS = {  # unit -> (multiply, divide), so that 5us is exactly 5 / 1e6 seconds
 # Deeper syntax trees are refused (E003): the AST transformer and the code generator recurse, and the
 # generated Python may nest at most 200 parentheses and 100 indentation levels.
 MAX_DEPTH = 150
+# Longer lines are refused (E901, input too large) before parsing: lark takes about 0.1 ms a statement,
+# so a 1 MB line of `F(0)` would take 20 s or more; pipec's own writers (`pipec import`, `pipec synth`)
+# put at most 8 ops on a line.
+MAX_LINE = 10_000
 
 
 _OPTIONS = {"parser": "lalr", "propagate_positions": True, "maybe_placeholders": True}
@@ -385,7 +391,81 @@ def _describe(parser: lark.Lark, names) -> str:
 
 
 def parse(source: Source) -> ast.ScheduleAst:
-    """Parse one schedule file; syntax errors become E001/E002 diagnostics."""
+    """Parse one schedule file; syntax errors become E001/E002 diagnostics, a line above MAX_LINE
+    characters E901 and nesting above MAX_DEPTH E003."""
+    _check_parentheses(source)
+    _check_lines(source)
+    with _no_gc():
+        return _parse(source)
+
+
+@contextlib.contextmanager
+def _no_gc():
+    """The cyclic collector off while lark builds the tree: parse trees hold no cycles, and each full
+    collection walks every node made so far, which made a long file's parse time grow faster than its
+    length (40,000 statements: 10 s with the collector, 6.5 s without)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _check_lines(source: Source) -> None:
+    """E901 at the first line longer than MAX_LINE characters (a scan at C speed, before lark)."""
+    text = source.text
+    if len(text) <= MAX_LINE:
+        return
+    start = 0
+    line = 1
+    while start <= len(text):
+        end = text.find("\n", start)
+        if end < 0:
+            end = len(text)
+        if end - start > MAX_LINE:
+            span = Span(line, MAX_LINE + 1, line, MAX_LINE + 2)
+            raise error(
+                "E901",
+                f"line {line} is {end - start:,} characters long, above the limit of {MAX_LINE:,}",
+                span,
+                source,
+                ("break it into several lines (statements need no separator)",),
+            )
+        start = end + 1
+        line += 1
+
+
+_PARENTHESES = re.compile(r'"[^"\n]*"|#[^\n]*|[()]')
+
+
+def _check_parentheses(source: Source) -> None:
+    """E003 at the first `(` nested more than MAX_DEPTH deep, counted on the text (strings and comments
+    skipped) before lark: parentheses leave no node in the tree, so `_check_depth` cannot see them, and
+    10,000 of them were parsed and compiled. (Blocks are nodes: `_check_depth` counts them.)"""
+    text = source.text
+    if text.count("(") <= MAX_DEPTH:
+        return
+    depth = 0
+    for m in _PARENTHESES.finditer(text):
+        c = m.group()
+        if c == "(":
+            depth += 1
+            if depth > MAX_DEPTH:
+                line = text.count("\n", 0, m.start()) + 1
+                col = m.start() - (text.rfind("\n", 0, m.start()) + 1) + 1
+                raise error(
+                    "E003",
+                    f"the file nests expressions or blocks more than {MAX_DEPTH} levels deep",
+                    Span(line, col, line, col + 1),
+                    source,
+                )
+        elif c == ")":
+            depth = max(depth - 1, 0)
+
+
+def _parse(source: Source) -> ast.ScheduleAst:
     parser = _parser()
     try:
         tree = parser.parse(source.text)
