@@ -289,3 +289,89 @@ def test_a_schedule_too_large_for_the_machine_is_refused_naming_its_size(argv, m
     err = capsys.readouterr().err
     assert "error[E902]" in err and "ops) needs about" in err and "64 KiB available" in err
     assert "Traceback" not in err
+
+
+# ---- the front end ----------------------------------------------------------------------
+
+HEAD = 'schedule "t" (p: int = 2, m: int = 2) {\n    stages p\n    place s -> s\n    ops F, B\n    rank r {\n'
+TAIL = "\n    }\n}\n"
+
+
+def _front_end_refuses(text: str) -> Diagnostic:
+    from pipec.frontend.parse import parse
+
+    with pytest.raises(PipecError) as e:
+        parse(Source("t.pipe", text))
+    return e.value.diagnostics[0]
+
+
+def test_a_one_megabyte_source_line_is_refused_at_that_line_before_parsing(tmp_path):
+    """200,000 `F(0)` on one line took lark 20 s or more; the line is refused before lark sees it."""
+    d = _front_end_refuses(HEAD + "F(0) " * 200_000 + TAIL)
+    assert d.code == "E901" and d.span.line == 6
+    assert "line 6 is 1,000,000 characters long, above the limit of 10,000" in d.message
+    (tmp_path / "t.pipe").write_text(HEAD + "F(0) " * 200_000 + TAIL)
+    _refused(_pipec("check", str(tmp_path / "t.pipe")), "E901", "above the limit of 10,000")
+
+
+def test_ten_thousand_nested_parentheses_are_too_deep():
+    """Parentheses leave no node in lark's tree, so the tree's depth check never saw them."""
+    one_line = _front_end_refuses(HEAD + "let x = " + "(" * 10_000 + "1" + ")" * 10_000 + TAIL)
+    assert one_line.code == "E003" and "more than 150 levels deep" in one_line.message
+    assert (one_line.span.line, one_line.span.col) == (6, 9 + 150)
+    many_lines = _front_end_refuses(HEAD + "let x = " + "(\n" * 10_000 + "1" + "\n)" * 10_000 + TAIL)
+    assert many_lines.code == "E003" and many_lines.span.line == 6 + 150
+
+
+def test_parentheses_in_comments_and_strings_and_in_turn_are_not_nesting():
+    from pipec.frontend.parse import parse
+
+    text = HEAD + "# " + "(" * 200 + '\n        require 1 == 1, "' + "(" * 200 + '"\n'
+    text += "let y = " + "(1) + " * 100 + "0\n        F(0)" + TAIL
+    assert parse(Source("t.pipe", text)).name == "t"
+
+
+@pytest.mark.parametrize(
+    ("typ", "value"), [("int", "1_0"), ("int", "٤"), ("int", "0x4"), ("float", "1_0.5"), ("float", "٤.5")]
+)
+def test_define_values_are_ascii_literals_in_the_evaluator_itself(typ, value):
+    """`_parse_value`, not only the API's own check: int() and float() take `1_0` and `٤`."""
+    from pipec.frontend.codegen import compile_ast
+    from pipec.frontend.evaluate import evaluate
+    from pipec.frontend.parse import parse
+
+    src = Source("t.pipe", HEAD.replace("(p: int = 2,", f"(p: int = 2, q: {typ} = 1,") + "F(0)  B(0)" + TAIL)
+    code = compile_ast(parse(src), src)
+    with pytest.raises(PipecError) as e:
+        evaluate(code, src, [("q", value)])
+    d = e.value.diagnostics[0]
+    assert d.code == "E206" and f"parameter `q` must be {typ}, got `{value}`" in d.message
+    assert evaluate(code, src, [("q", " -3 ")]).num_ops == 4  # what was taken before is taken still
+
+
+def test_a_schedule_too_large_for_memory_is_refused_before_evaluation_allocates(monkeypatch):
+    """20,000,000 ops of 1F1B on a machine with 64 KiB: E902 at the `stages` declaration, from the evaluator
+    (the API's own estimate, after evaluation, names no line)."""
+    from pipec.api import load
+
+    monkeypatch.setattr(files, "available_memory", lambda: 2**16)
+    with pytest.raises(PipecError) as e:
+        load("1f1b", p=2, m=5_000_000)
+    d = e.value.diagnostics[0]
+    assert d.code == "E902" and "(20,000,000 ops) needs about 18.6 GiB" in d.message
+    assert d.span is not None and d.source.line(d.span.line).strip() == "stages p"
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_the_library_reader_refuses_a_fifo_or_device_itself(kind, fifo):
+    """`pipec.frontend.library.read`, not only the API in front of it (a fresh process: a hang guard)."""
+    path = fifo if kind == "fifo" else "/dev/zero"
+    code = (
+        "from pipec.errors import PipecError\nfrom pipec.frontend.library import read\n"
+        f"try:\n    read({path!r})\nexcept PipecError as e:\n    print(e.code, e.diagnostics[0].message)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_GUARD, env=env)
+    assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr
+    shown = "is a FIFO, not a regular file" if kind == "fifo" else "is a character device, not a regular file"
+    assert run.stdout.startswith("E901 schedule file `") and shown in run.stdout
