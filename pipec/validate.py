@@ -118,8 +118,9 @@ def _rank(prog: Program, r: int, rp) -> list[tuple[int, int, str]]:
     out: list[tuple[int, int, str]] = []
 
     def flag(mask: np.ndarray, say: Callable[[int], str]) -> None:
-        for j in np.flatnonzero(mask)[: _SHOWN + 1].tolist():
-            out.append((r, j, say(j)))
+        if mask.any():  # the common case, a valid rank, costs one pass per rule
+            for j in np.flatnonzero(mask)[: _SHOWN + 1].tolist():
+                out.append((r, j, say(j)))
 
     op = rp.op
     unknown = (op < 0) | (op >= len(TABLE))
@@ -130,7 +131,8 @@ def _rank(prog: Program, r: int, rp) -> list[tuple[int, int, str]]:
     flag(np.where(HAS_MB[op], (mb < 0) | (mb >= m), mb != -1), lambda j: f"micro-batch outside 0 .. {m - 1}")
     bad_stage = (st < 0) | (st >= S)
     flag(bad_stage, lambda j: f"stage outside 0 .. {S - 1}")
-    owner = placement[np.clip(st, 0, S - 1)]
+    st_c = np.clip(st, 0, S - 1)
+    owner = placement[st_c]
     flag(~bad_stage & (owner != r), lambda j: f"stage {int(st[j])} is placed on rank {int(owner[j])}")
     other = st + PEER_STAGE[op]
     inside = (other >= 0) & (other < S)
@@ -148,25 +150,36 @@ def _rank(prog: Program, r: int, rp) -> list[tuple[int, int, str]]:
     flag(~HAS_PEER[op] & (peer != -1), lambda j: "takes no peer")
     if n and group[-1]:
         out.append((r, n - 1, "the last instruction cannot bind a next one"))
-    if n > 1:
-        allowed = may_group(op[:-1], op[1:], peer[:-1], peer[1:])
-        flag(group[:-1] & ~allowed, lambda j: "cannot be grouped with the next instruction")
+    grouped = np.flatnonzero(group[:-1])
+    if len(grouped):
+        allowed = may_group(op[grouped], op[grouped + 1], peer[grouped], peer[grouped + 1])
+        bad = np.zeros(n, dtype=bool)
+        bad[grouped[~allowed]] = True
+        flag(bad, lambda j: "cannot be grouped with the next instruction")
         flag(group[:-1] & group[1:], lambda j: "a group holds at most 2 instructions")
     # Each stage reduces its gradients once and steps once, in that order, after its last compute.
-    for s in np.flatnonzero(placement == r).tolist():
-        at = st == s
-        steps = np.flatnonzero(at & (op == STEP))
-        reduces = np.flatnonzero(at & (op == REDUCE_GRAD))
-        computes = np.flatnonzero(at & IS_COMPUTE[op])
-        last = int(computes[-1]) if len(computes) else -1
-        if len(steps) != 1:
-            out.append((r, -1, f"stage {s} has {len(steps)} STEP instructions; it needs exactly one"))
-        elif steps[0] < last:
-            out.append((r, int(steps[0]), f"steps stage {s} before its last compute (#{last})"))
-        if len(reduces) != 1:
-            out.append((r, -1, f"stage {s} has {len(reduces)} REDUCE_GRAD instructions; it needs exactly one"))
-        elif reduces[0] < last or (len(steps) == 1 and reduces[0] > steps[0]):
-            out.append((r, int(reduces[0]), f"must come after stage {s}'s last compute and before its STEP"))
+    own = np.flatnonzero(placement == r)
+    comps = np.flatnonzero(IS_COMPUTE[op])
+    last = np.full(S, -1, dtype=np.int64)
+    if len(comps):  # the last compute of each stage: the final index of each stage's run, stably sorted
+        by = comps[np.argsort(st_c[comps], kind="stable")]
+        ends = np.r_[st_c[by][1:] != st_c[by][:-1], True]
+        last[st_c[by][ends]] = by[ends]
+    for code, name in ((STEP, "STEP"), (REDUCE_GRAD, "REDUCE_GRAD")):
+        at = np.flatnonzero(op == code)
+        count = np.bincount(st_c[at], minlength=S)
+        for s in own[count[own] != 1].tolist():
+            out.append((r, -1, f"stage {s} has {int(count[s])} {name} instructions; it needs exactly one"))
+    steps, reduces = np.full(S, -1, dtype=np.int64), np.full(S, -1, dtype=np.int64)
+    at = np.flatnonzero(op == STEP)
+    steps[st_c[at]] = at
+    at = np.flatnonzero(op == REDUCE_GRAD)
+    reduces[st_c[at]] = at
+    for s in own.tolist():
+        if steps[s] >= 0 and steps[s] < last[s]:
+            out.append((r, int(steps[s]), f"steps stage {s} before its last compute (#{int(last[s])})"))
+        if reduces[s] >= 0 and (reduces[s] < last[s] or (steps[s] >= 0 and reduces[s] > steps[s])):
+            out.append((r, int(reduces[s]), f"must come after stage {s}'s last compute and before its STEP"))
     return out
 
 
