@@ -1,20 +1,32 @@
-"""Fuzzing the front end: whatever the text, the only exception that escapes is PipecError.
+"""Fuzzing every input: whatever the text, the only exception that escapes is PipecError.
 
-Four properties, each run through `parse` and `build` with small parameters:
+Four properties of the front end, each run through `parse` and `build` with small parameters:
 random token soup, text generated from the grammar, generated schedules (valid
 syntax, random meaning), and mutations of the library files. Each failure that
 these found is kept in REGRESSIONS.
 
-Examples per property: `PIPEC_FUZZ_EXAMPLES` (default 100, a few seconds in all).
-`python benchmarks/fuzz.py` runs the same properties with 10,000 each.
+Then every input kind (section (c), `KINDS`): schedules, cost files (TOML and JSON), topologies,
+torch CSVs and Programs (JSON and text), each a valid file mutated (a line deleted, duplicated or
+swapped, a number changed, a token dropped, a group flag flipped, the file cut short) and read
+as pipec reads it, from a file; what is accepted goes on (a cost file into a cost model and a
+simulation, a Program into the dry run, which may refuse it only with E403 or E404).
+
+Examples per property: `PIPEC_FUZZ_EXAMPLES` (default 100, a few seconds in all); inputs per kind
+here: `PIPEC_FUZZ_INPUTS` (default 40). `python benchmarks/fuzz.py` runs both at length.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import random
 import re
+import signal
+import traceback
+from collections import Counter
 from contextlib import contextmanager
 from importlib import resources
+from pathlib import Path
 
 import lark
 import pytest
@@ -413,3 +425,281 @@ def test_regressions(text):
 
 # The hypothesis properties, by name (benchmarks/fuzz.py runs them at length).
 PROPERTIES = ("test_token_soup", "test_grammar_text", "test_generated_schedules", "test_library_mutations")
+
+
+# ---- (c) every input kind, from files: seeds, mutations, and what must hold ----------------------------
+
+KINDS = ("pipe", "cost-toml", "cost-json", "topology", "torch-csv", "program-json", "program-text")
+INPUTS = int(os.environ.get("PIPEC_FUZZ_INPUTS", "40"))
+ROOT = Path(__file__).resolve().parent.parent
+NUMBERS = [
+    "0", "-0", "1", "-1", "2", "3", "7", "0.5", "-2.5", "1e308", "1e999", "-1e999", "1e-400", "nan", "inf",
+    "-inf", "2147483648", "9223372036854775807", "9223372036854775808", "-9223372036854775809",
+    "99999999999999999999", "1" + "0" * 400, "1_0", "\u0664", "0x10", "3.0", "1e3", "40ms", "10Gbps", "16MiB",
+]  # fmt: skip
+NOISE = {
+    "pipe": ["{", "}", "(", ")", ",", "F(0)", "B(0)", "W(0)", "rank r {", "for i in 0 .. m {", "&", "stages p"],
+    "cost-toml": ["[", "]", "=", '"', ",", "#", "\n", "[end]", "[links]", "keys = 1", "stages = 0", "version = 3",
+                  'format = "x"', 'F = "1ms"', "F = []", "F = [[1]]", 'B = "x"', "{", "}", "W = -1"],
+    "cost-json": ["{", "}", "[", "]", ",", ":", '"', "null", "true", "false", '"F"', '"end"', '"keys"', "[]", "{}"],
+    "topology": ["{", "}", "..", "<->", '"a"', '"b"', "dc", "link", "default", "latency", "bandwidth", "ranks"],
+    "torch-csv": [",", "\n", "F", "B", "W", "I", "0F0", "1B1", "0SEND_F0", "1RECV_F0", "0UNSHARD", "0RESHARD",
+                  "0REDUCE_GRAD", "F0", "9F9", "-1F0", '"', ";"],
+    "program-json": ["{", "}", "[", "]", ",", ":", '"', "null", "true", "false", "[0,0,0,-1,false]", '"ranks"',
+                     '"version"', "-1", "[]"],
+    "program-text": ["&", "rank 0", "rank 9", "FWD 0 0", "BWD 1 0", "WGRAD 0 0", "SEND_ACT 0 0 1", "RECV_ACT 0 1 0",
+                     "SEND_GRAD 0 1 0", "RECV_GRAD 0 0 1", "REDUCE_GRAD 0", "STEP 0", "split true", "place 0 0",
+                     "stages 1", "-1", "\n"],
+}  # fmt: skip
+_NUMBER_RE = re.compile(r"(?<![A-Za-z_0-9])-?[0-9]+(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
+_TOKEN_RE = re.compile(r'"[^"\n]*"|[A-Za-z_][A-Za-z_0-9]*|[0-9.]+|\s+|.')
+
+
+def _library_programs() -> list[tuple[str, dict]]:
+    return [("1f1b", {"p": 2, "m": 3}), ("gpipe", {"p": 3, "m": 2}), ("zb-h1", {"p": 2, "m": 4}),
+            ("interleaved-1f1b", {"p": 2, "m": 4, "v": 2}), ("dualpipe-v", {"p": 4, "m": 8})]  # fmt: skip
+
+
+@functools.cache
+def kind_seeds(kind: str) -> tuple[tuple[str, str], ...]:
+    """Valid files of this kind, as (suffix, text): what the mutations start from."""
+    from pipec.api import compile as compile_program
+    from pipec.api import load
+    from pipec.interop.torch_csv import export_csv
+    from pipec.program import to_json, to_text
+    from pipec.sim.costs import dump_costs
+
+    if kind == "pipe":
+        return tuple((".pipe", text) for _, text in LIBRARY)
+    if kind.startswith("cost"):
+        docs = [
+            {"F": [1.0, 1.5], "B": [2.0, 2.5], "W": 0.0, "comm": 0.01, "act_bytes": 1e6},
+            {"F": 1.0, "B": 2.0},
+            {"F": [0.001, 0.002], "B": [0.002, 0.004], "W": [0.001, 0.001], "act_bytes": [1e6, 2e6]},
+        ]
+        toml = kind == "cost-toml"
+        seeds = [(".toml" if toml else ".json", dump_costs(d, toml)) for d in docs]
+        if toml:
+            seeds += [
+                (".toml", "F = 1.0\nB = 2.0\ncomm = 0.001\n"),
+                (".toml", (ROOT / "examples/cross_dc.toml").read_text()),
+            ]
+        else:
+            seeds.append((".json", '{"F": 1.0, "B": [2.0, 3.0], "comm": "1ms"}'))
+        return tuple(seeds)
+    if kind == "topology":
+        items = 'dc "a" ranks 0 .. 2\ndc "b" ranks 2 .. 4\nlink "a" <-> "b" latency 1ms bandwidth 10Gbps\n'
+        items += "default link latency 5us bandwidth 100Gbps\n"
+        return (
+            (".topo", items),
+            (".topo", "topology {\n" + items + "}\n"),
+            (".pipe", (ROOT / "examples/cross_dc.pipe").read_text()),
+        )
+    if kind == "torch-csv":
+        seeds = []
+        for name, params in _library_programs():
+            try:
+                seeds.append((".csv", export_csv(load(name, params))))
+                seeds.append((".csv", export_csv(load(name, params), compile_program(name, params))))
+            except PipecError:  # a schedule torch's CSV cannot hold
+                continue
+        return tuple(seeds)
+    if kind.startswith("program"):
+        write = to_json if kind == "program-json" else to_text
+        suffix = ".json" if kind == "program-json" else ".txt"
+        return tuple((suffix, write(compile_program(name, params))) for name, params in _library_programs())
+    raise ValueError(f"no input kind {kind!r} (kinds: {', '.join(KINDS)})")
+
+
+def make_input(kind: str, seed: int, i: int) -> tuple[str, str]:
+    """Input `i` of this kind and seed (the same every time): a seed file, mutated one to four times, or
+    now and then noise."""
+    rng = random.Random(f"{kind}/{seed}/{i}")
+    suffix, text = rng.choice(kind_seeds(kind))
+    if rng.random() < 0.02:
+        alphabet = "".join(NOISE[kind]) + "\x00\r\t\u0664\u2028\ufeff\U0001f600" + "".join(NUMBERS[:8])
+        return suffix, "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 400)))
+    if rng.random() < 0.01:  # deep nesting
+        n = rng.choice([200, 5_000, 100_000])
+        opener = {"cost-json": "[", "program-json": "[", "cost-toml": "a = [", "pipe": "("}.get(kind, "{")
+        at = rng.randint(0, len(text))
+        return suffix, text[:at] + opener * n + text[at:]
+    for _ in range(rng.randint(1, 4)):
+        text = _mutate_text(rng, kind, text)
+    return suffix, text
+
+
+def _mutate_text(rng: random.Random, kind: str, text: str) -> str:
+    lines = text.split("\n")
+    how = rng.choice(["delete line", "duplicate line", "swap lines", "number", "number", "number", "delete token",
+                      "duplicate token", "swap tokens", "insert", "truncate", "flip group", "flip group"])  # fmt: skip
+    if how.endswith("line") or how == "swap lines":
+        a, b = rng.randrange(len(lines)), rng.randrange(len(lines))
+        if how == "delete line":
+            del lines[a]
+        elif how == "swap lines":
+            lines[a], lines[b] = lines[b], lines[a]
+        else:
+            lines.insert(b, lines[a])
+        return "\n".join(lines)
+    if how == "number":
+        found = list(_NUMBER_RE.finditer(text))
+        if not found:
+            return text
+        m = rng.choice(found)
+        old = m.group()
+        nudged = [str(int(old) + d) for d in (-1, 1, 2)] if re.fullmatch(r"-?[0-9]{1,30}", old) else []
+        new = rng.choice(NUMBERS + nudged * 3)
+        return text[: m.start()] + new + text[m.end() :]
+    if how == "truncate":
+        return text[: rng.randint(0, len(text))]
+    if how == "flip group":  # a Program's overlap flag; elsewhere a `true`/`false` or `&` of any kind
+        if kind == "program-text":
+            k = rng.randrange(len(lines))
+            lines[k] = lines[k][:-2] if lines[k].endswith(" &") else lines[k] + " &"
+            return "\n".join(lines)
+        flags = list(re.finditer(r"\btrue\b|\bfalse\b", text))
+        if not flags:
+            return text
+        m = rng.choice(flags)
+        return text[: m.start()] + ("false" if m.group() == "true" else "true") + text[m.end() :]
+    toks = _TOKEN_RE.findall(text)
+    words = [j for j, t in enumerate(toks) if not t.isspace()] or [0]
+    j = rng.choice(words)
+    if not toks:
+        return rng.choice(NOISE[kind])
+    if how == "delete token":
+        toks[j] = ""
+    elif how == "duplicate token":
+        toks[j] = toks[j] + " " + toks[j]
+    elif how == "swap tokens":
+        k = rng.choice(words)
+        toks[j], toks[k] = toks[k], toks[j]
+    else:
+        toks[j] = rng.choice(NOISE[kind]) + (" " if rng.random() < 0.5 else "") + toks[j]
+    return "".join(toks)
+
+
+class Wrong(Exception):
+    """An input accepted where it must be refused, or refused later with a code that should have come first."""
+
+
+@functools.cache
+def _fixtures():
+    from pipec.api import compile as compile_program
+    from pipec.api import load
+
+    return {
+        "sched": load("1f1b", p=2, m=2),
+        "prog": compile_program("1f1b", p=2, m=2),
+        "sched4": load("1f1b", p=4, m=4),
+        "prog4": compile_program("1f1b", p=4, m=4),
+    }
+
+
+def read_as_pipec_does(kind: str, path: str) -> None:
+    """Read the file at `path` as pipec reads an input of this kind, then use what was accepted; a refusal
+    is a PipecError. Raises Wrong for an accepted input that a later stage refuses with the wrong code."""
+    from pipec.api import compile as compile_program
+    from pipec.frontend.library import read
+    from pipec.passes.dryrun import prove
+    from pipec.program import read_program
+    from pipec.sim.costs import cost_model, read_cost_file
+    from pipec.sim.simulate import simulate
+    from pipec.sim.topology import read_topology, with_topology
+
+    fx = _fixtures()
+    if kind == "pipe":
+        source = read(path)
+        with small_limits():
+            build(source, declared_params(source.text))
+    elif kind.startswith("cost"):
+        doc = read_cost_file(path)
+        simulate(fx["prog"], cost_model(fx["sched"], [doc]))
+    elif kind == "topology":
+        sched = with_topology(fx["sched4"], read_topology(path, fx["sched4"]))
+        simulate(fx["prog4"], cost_model(sched))
+    elif kind == "torch-csv":
+        with small_limits():
+            compile_program(path)
+    else:
+        prog = read_program(path)  # read and validated (E501, E502)
+        try:
+            prove(prog)  # one message order per channel (E404), the rendezvous dry run (E403)
+        except PipecError as e:
+            if e.code not in ("E403", "E404"):
+                raise Wrong(f"read_program accepted a Program that prove refuses with {e.code}: {e}") from None
+            raise
+
+
+def check_diagnostics(e: PipecError, text: str) -> None:
+    """Every diagnostic has a code and formats, its span (if any) on a line of the text or just past it."""
+    assert e.diagnostics
+    lines = max(1, len(text.split("\n")))
+    for d in e.diagnostics:
+        assert re.fullmatch(r"E\d{3}", d.code), d.code
+        out = d.format()
+        assert f"error[{d.code}]: " in out.splitlines()[0], out
+        if d.span is not None and d.source is not None and d.source.text == text:
+            assert 1 <= d.span.line <= lines + 1 and d.span.col >= 1, out
+
+
+class Hang(Exception):
+    pass
+
+
+@contextmanager
+def watchdog(seconds: float):
+    """Hang (from SIGALRM) if the block runs longer than `seconds`; a no-op off the main thread."""
+
+    def ring(signum, frame):
+        raise Hang(f"still running after {seconds} s")
+
+    try:
+        old = signal.signal(signal.SIGALRM, ring)
+    except ValueError:  # not the main thread
+        yield
+        return
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def fuzz_one(kind: str, seed: int, i: int, folder: str, timeout: float = 60.0) -> tuple[str, str]:
+    """Outcome of input `i`: ("accepted", ""), (code, ""), or ("traceback" | "wrong" | "hang", details)."""
+    suffix, text = make_input(kind, seed, i)
+    path = os.path.join(folder, "input" + suffix)
+    with open(path, "w", encoding="utf-8", errors="surrogatepass") as f:
+        f.write(text)
+    try:
+        with watchdog(timeout):
+            read_as_pipec_does(kind, path)
+    except PipecError as e:
+        try:
+            check_diagnostics(e, text)
+        except Exception:
+            return "traceback", traceback.format_exc()
+        return e.code, ""
+    except Wrong as e:
+        return "wrong", str(e)
+    except Hang as e:
+        return "hang", str(e)
+    except Exception:
+        return "traceback", traceback.format_exc()
+    return "accepted", ""
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_input_kind_is_read_or_refused(kind, tmp_path):
+    outcomes = Counter()
+    for i in range(INPUTS):
+        outcome, detail = fuzz_one(kind, 0, i, str(tmp_path), timeout=60.0)
+        assert outcome not in ("traceback", "wrong", "hang"), (
+            f"{kind} input {i}: {detail}\n{make_input(kind, 0, i)[1]!r}"
+        )
+        outcomes[outcome] += 1
+    assert sum(outcomes.values()) == INPUTS
+    assert len(outcomes) > 1, outcomes  # the mutations reach past the first check, and some refuse
