@@ -18,6 +18,7 @@ here: `PIPEC_FUZZ_INPUTS` (default 40). `python benchmarks/fuzz.py` runs both at
 from __future__ import annotations
 
 import functools
+import json
 import os
 import random
 import re
@@ -525,8 +526,62 @@ def make_input(kind: str, seed: int, i: int) -> tuple[str, str]:
         at = rng.randint(0, len(text))
         return suffix, text[:at] + opener * n + text[at:]
     for _ in range(rng.randint(1, 4)):
-        text = _mutate_text(rng, kind, text)
+        if kind.startswith("program") and rng.random() < 0.7:
+            text = _mutate_program(rng, kind, text)
+        else:
+            text = _mutate_text(rng, kind, text)
     return suffix, text
+
+
+def _mutate_program(rng: random.Random, kind: str, text: str) -> str:
+    """One change to a Program's instructions that keeps its syntax: an instruction deleted, duplicated or
+    moved, one of its numbers moved by one or two (or made -1), or its group (overlap) flag flipped."""
+    how = rng.choice(["delete", "duplicate", "swap", "number", "number", "flip group"])
+    if kind == "program-json":
+        try:
+            doc = json.loads(text)
+            rows = [rank["instructions"] for rank in doc["ranks"]]
+        except (ValueError, KeyError, TypeError):
+            return text
+        where = [(r, j) for r, rs in enumerate(rows) for j in range(len(rs))]
+        if not where:
+            return text
+        (r, j), (r2, j2) = rng.choice(where), rng.choice(where)
+        if how == "delete":
+            del rows[r][j]
+        elif how == "duplicate":
+            rows[r2].insert(j2, list(rows[r][j]))
+        elif how == "swap":
+            rows[r][j], rows[r2][j2] = rows[r2][j2], rows[r][j]
+        elif how == "number":
+            row = rows[r][j]
+            k = rng.randrange(len(row) - 1) if len(row) > 1 else 0
+            if isinstance(row[k], int) and not isinstance(row[k], bool):
+                row[k] = rng.choice([row[k] - 1, row[k] + 1, row[k] + 2, -1])
+        elif isinstance(rows[r][j][-1], bool):
+            rows[r][j][-1] = not rows[r][j][-1]
+        return json.dumps(doc, separators=(",", ":"))
+    lines = text.split("\n")
+    where = [k for k, line in enumerate(lines) if line[:1].isupper()]  # instruction lines: `FWD 0 0`
+    if not where:
+        return text
+    a, b = rng.choice(where), rng.choice(where)
+    if how == "delete":
+        del lines[a]
+    elif how == "duplicate":
+        lines.insert(b, lines[a])
+    elif how == "swap":
+        lines[a], lines[b] = lines[b], lines[a]
+    elif how == "number":
+        words = lines[a].split(" ")
+        k = rng.choice([k for k, w in enumerate(words) if w.lstrip("-").isdigit()] or [0])
+        if words[k].lstrip("-").isdigit():
+            n = int(words[k])
+            words[k] = str(rng.choice([n - 1, n + 1, n + 2, -1]))
+        lines[a] = " ".join(words)
+    else:
+        lines[a] = lines[a][:-2] if lines[a].endswith(" &") else lines[a] + " &"
+    return "\n".join(lines)
 
 
 def _mutate_text(rng: random.Random, kind: str, text: str) -> str:
