@@ -42,8 +42,8 @@ def emit(out, **row) -> bool:
 def local_schedules(device: str, out) -> bool:
     import torch
 
-    from pipec.frontend import library
     from pipec.api import load
+    from pipec.frontend import library
     from pipec.passes.compiler import compile_schedule
     from pipec.runtime import LocalPipeline, Reference, load_model
     from pipec.runtime.reference import compare, rel_err
