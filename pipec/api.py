@@ -137,9 +137,7 @@ def build(
                 raise error("E607", f"`{name}={brief(value)}`: expected an int (ASCII digits)", None, source)
         sched = read_csv(source, items, check=check and ranks is None)
     else:
-        code = compile_source(source)
-        _strict_numbers(code, source, items)
-        sched = evaluate(code, source, items, ranks)
+        sched = evaluate(compile_source(source), source, items, ranks)
     if check and ranks is None:
         from pipec.files import require_ops_fit
 
@@ -148,24 +146,9 @@ def build(
     return sched
 
 
-# A parameter's value given as text (`-D p=4`): the language's own literals, ASCII digits with an optional
-# sign (Python's int() and float() would also take `1_0` as 10 and Arabic-Indic `٤` as 4).
+# A torch CSV's `p` or `m` given as text (`-D p=4`): ASCII digits with an optional sign, as the language's
+# own integers (pipec.frontend.evaluate); Python's int() would also take `1_0` as 10 and `٤` as 4.
 _INT = re.compile(r"[-+]?[0-9]+")
-_FLOAT = re.compile(r"[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
-
-
-def _strict_numbers(code: GeneratedCode, source: Source, items: Sequence[tuple[str, object]]) -> None:
-    """E206 for an int or float parameter given as text that is no literal of the language. (This belongs
-    in pipec/frontend/evaluate.py's `_parse_value`; it is here until that file takes it.)"""
-    types = {p.name: (p, t) for p, t in zip(code.params, code.param_types)}
-    for name, raw in items:
-        prm, typ = types.get(name, (None, None))
-        if prm is None or not isinstance(raw, str) or typ not in ("int", "float"):
-            continue
-        text = raw.strip()
-        ok = _INT.fullmatch(text) if typ == "int" else (_FLOAT.fullmatch(text) or text in ("inf", "-inf", "nan"))
-        if not ok:
-            raise error("E206", f"parameter `{name}` must be {typ}, got `{brief(raw)}`", prm.span, source)
 
 
 def load(
@@ -182,12 +165,8 @@ def load(
 
 
 def _read(target: str | os.PathLike[str]) -> Source:
-    """The schedule, CSV or Program file a target names (`pipec.frontend.library.read`), after refusing
-    (E901) a path that is not a regular file or is above 64 MiB: `/dev/zero` or a FIFO would be read
-    forever. (library.read should read through pipec.files.read_text itself; until then, this.)"""
-    from pipec.files import check_input
-
-    check_input(os.fspath(target), "schedule file")
+    """The schedule, CSV or Program file a target names (`pipec.frontend.library.read`, which refuses
+    with E901 a path that is not a regular file or is above 64 MiB)."""
     return read(os.fspath(target))
 
 

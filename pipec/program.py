@@ -305,21 +305,24 @@ def to_text(prog: Program) -> str:
 def from_text(text: str, path: str = "<program>") -> Program:
     """Read the text form and validate it; a malformed file is an E501 diagnostic at its line, an
     invalid one E502 at the line of the first problem."""
-    lines = [
-        (n, ln.strip()) for n, ln in enumerate(text.splitlines(), 1) if ln.strip() and not ln.lstrip().startswith("#")
-    ]
+    # Lines as Source counts them: "\n" ends a line (a CRLF line loses its "\r"), nothing else does.
+    raw = [ln.removesuffix("\r") for ln in text.split("\n")]
+    lines = [(n, ln.strip()) for n, ln in enumerate(raw, 1) if ln.strip() and not ln.lstrip().startswith("#")]
     source = Source(path, text)
     at = 0
 
     def fail(message: str) -> PipecError:
-        n, ln = lines[at] if at < len(lines) else (len(text.splitlines()) or 1, "")
+        n, ln = lines[at] if at < len(lines) else (len(raw), "")
         return error("E501", message, Span(n, 1, n, len(ln) + 1), source)
 
     pick = {"mb": 0, "stage": 1, "peer": 2}
     line_of: list[list[int]] = []  # per rank, the line of each instruction
     rank_line: list[int] = []
     try:
-        magic, version = lines[0][1].split()
+        head_words = lines[0][1].split()
+        if len(head_words) != 2:
+            raise fail("not a pipec program (expected `pipec-program 1` on the first line)")
+        magic, version = head_words
         if magic != FORMAT:
             raise fail("not a pipec program (expected `pipec-program 1` on the first line)")
         if int(version) != VERSION:
@@ -334,7 +337,7 @@ def from_text(text: str, path: str = "<program>") -> Program:
         params = list(decoder.raw_decode(rest[end:].strip())[0].items())
         at = 2
         f = lines[2][1].split()
-        if f[0::2] != ["stages", "ranks", "microbatches", "split"] or f[7] not in ("true", "false"):
+        if len(f) != 8 or f[0::2] != ["stages", "ranks", "microbatches", "split"] or f[7] not in ("true", "false"):
             raise ValueError("expected `stages S ranks R microbatches M split true|false`")
         stages, ranks = _size(int(f[1]), "stages"), _size(int(f[3]), "ranks")
         mbs, split = _size(int(f[5]), "microbatches"), f[7] == "true"

@@ -760,12 +760,6 @@ def test_every_input_kind_is_read_or_refused(kind, tmp_path):
     assert len(outcomes) > 1, outcomes  # the mutations reach past the first check, and some refuse
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="pipec/program.py from_text counts lines with str.splitlines() (a lone \\r, \\u2028, \\f ... ends a "
-    "line), Source and the parser with \\n only: the span is past the file's last line (found by "
-    "benchmarks/fuzz.py, program-json input 8096 of seed 0); remove this mark when from_text splits on \\n",
-)
 def test_a_program_diagnostic_counts_lines_as_the_file_does():
     from pipec.program import parse_program
 
