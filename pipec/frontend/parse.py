@@ -6,16 +6,16 @@ import contextlib
 import functools
 import gc
 import hashlib
+import io
 import math
-import os
 import re
 import sys
-from pathlib import Path
 
 import lark
 from lark import Token, Transformer, Tree, v_args
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
 
+from pipec import cachedir
 from pipec.errors import PipecError, Source, Span, error
 from pipec.frontend import ast
 from pipec.frontend.library import package_files
@@ -56,61 +56,26 @@ def _parser() -> lark.Lark:
     """The LALR parser of `grammar/pipe.lark`, its tables loaded from the per-user cache when there.
 
     Building the tables takes far longer than a whole compile of a large schedule, so a fresh process
-    loads them from a file written by an earlier one. The file's name is a digest of everything the
-    tables depend on (grammar text, options, lark and Python versions), so a stale file is never read;
-    it is written to a temporary name and renamed, so a concurrent reader sees a whole file or none;
-    and it lives in a directory only this user may write (`_cache_dir`), because loading it unpickles.
-    Without such a directory the tables are built in-process, each time."""
+    loads them from an entry written by an earlier one (`pipec.cachedir`: private to the user, written
+    atomically). The entry's name is a digest of everything the tables depend on (grammar text,
+    options, lark and Python versions), so a stale one is never read. Without a cache the tables are
+    built in-process, each time."""
     grammar = package_files("pipec.grammar").joinpath("pipe.lark").read_text()
-    where = _cache_dir()
-    if where is None:
-        return lark.Lark(grammar, **_OPTIONS)
     digest = hashlib.sha256(
         "\0".join((grammar, repr(sorted(_OPTIONS.items())), lark.__version__, sys.version)).encode()
     ).hexdigest()[:32]
-    path = where / f"pipe-lark-{digest}.pickle"
-    try:
-        with open(path, "rb") as f:
-            return lark.Lark.load(f)
-    except Exception:  # none yet, or unreadable or damaged: build the tables and write a new one
-        pass
+    name = f"pipe-lark-{digest}.pickle"
+    data = cachedir.load(name)
+    if data is not None:
+        try:
+            return lark.Lark.load(io.BytesIO(data))
+        except Exception:  # unreadable or damaged: build the tables and write a new entry
+            pass
     parser = lark.Lark(grammar, **_OPTIONS)
-    _save(parser, path)
+    out = io.BytesIO()
+    parser.save(out)
+    cachedir.store(name, out.getvalue())
     return parser
-
-
-def _cache_dir() -> Path | None:
-    """`$PIPEC_CACHE_DIR`, else `$XDG_CACHE_HOME/pipec`, else `~/.cache/pipec`, created private to this
-    user; None (no cache) when it cannot be created, or when someone else owns it or may write to it."""
-    try:
-        env = os.environ.get("PIPEC_CACHE_DIR")
-        base = Path(env) if env else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pipec"
-        base.mkdir(mode=0o700, parents=True, exist_ok=True)
-        st = base.stat()
-    except (OSError, RuntimeError):  # RuntimeError: no home directory to be found
-        return None
-    if hasattr(os, "getuid") and (st.st_uid != os.getuid() or st.st_mode & 0o022):
-        return None
-    return base
-
-
-def _save(parser: lark.Lark, path: Path) -> None:
-    """Write the tables to `path` atomically; any failure (read-only disk, full disk) only costs speed."""
-    import tempfile  # only when writing, which is rare
-
-    tmp = None
-    try:
-        with tempfile.NamedTemporaryFile("wb", dir=path.parent, prefix=path.name + ".", delete=False) as f:
-            tmp = f.name
-            parser.save(f)
-        os.replace(tmp, path)
-        tmp = None
-    except OSError:
-        pass
-    finally:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
 
 
 def _tok_span(tok: Token) -> Span:
