@@ -454,14 +454,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def _head(s: Schedule) -> dict:
-    return {
-        "schedule": s.name,
-        "source": s.source.path if s.source else None,
-        "params": dict(s.params),
-        "stages": s.num_stages,
-        "ranks": s.num_ranks,
-        "microbatches": s.num_microbatches,
-    }
+    return s.head()
 
 
 def _cost_args(p: argparse.ArgumentParser) -> None:

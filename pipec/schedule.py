@@ -106,6 +106,17 @@ class Schedule:
     def stages_of(self, rank: int) -> tuple[int, ...]:
         return tuple(s for s, owner in enumerate(self.placement) if owner == rank)
 
+    def head(self) -> dict:
+        """What names this schedule in every JSON document (`check`, `simulate`, ... `--json`)."""
+        return {
+            "schedule": self.name,
+            "source": self.source.path if self.source else None,
+            "params": dict(self.params),
+            "stages": self.num_stages,
+            "ranks": self.num_ranks,
+            "microbatches": self.num_microbatches,
+        }
+
     def ops(self, rank: int) -> list[Op]:
         r = self.ranks[rank]
         kinds = self.kinds

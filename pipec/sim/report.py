@@ -61,12 +61,7 @@ def to_json(sim: Simulation) -> dict:
     limit = sim.memory["limit"]
     curves = memory_curve(tl, sim.memory)
     return {
-        "schedule": s.name,
-        "source": s.source.path if s.source else None,
-        "params": dict(s.params),
-        "stages": s.num_stages,
-        "ranks": s.num_ranks,
-        "microbatches": s.num_microbatches,
+        **s.head(),
         "split_backward": s.split_backward,
         "costs": sim.costs.describe(),
         "makespan": _num(st.makespan),
