@@ -445,16 +445,12 @@ def cmd_show(args: argparse.Namespace) -> int:
         return _show_timeline(args, s, ranks)
     if args.json:
         shown = list(range(s.num_ranks)) if ranks is None else ranks
-        _emit(args, {**_head(s), "grid": [{"rank": r, "cells": cells(s, r)} for r in shown]})
+        _emit(args, {**s.head(), "grid": [{"rank": r, "cells": cells(s, r)} for r in shown]})
         return 0
     params = " ".join(f"{k}={v}" for k, v in s.params)
     print(f"{s.name} ({params}): {s.num_stages} stages on {s.num_ranks} ranks, {s.num_microbatches} micro-batches")
     print(format_grid(s, ranks))
     return 0
-
-
-def _head(s: Schedule) -> dict:
-    return s.head()
 
 
 def _cost_args(p: argparse.ArgumentParser) -> None:
@@ -501,7 +497,7 @@ def _show_timeline(args: argparse.Namespace, s: Schedule, ranks: list[int] | Non
             for r in shown
             for op, mb, st, a, b in sim.timeline.rank_events(r)
         ]
-        _emit(args, {**_head(s), "makespan": sim.stats.makespan, "spans": spans})
+        _emit(args, {**s.head(), "makespan": sim.stats.makespan, "spans": spans})
         return 0
     width = args.width or shutil.get_terminal_size((120, 24)).columns
     print(report.panel_title(sim))

@@ -203,11 +203,6 @@ AFTER_KIND = np.array(
 )
 
 
-def arity(code: int) -> int:
-    """How many numbers the text form writes after the opcode's name."""
-    return len(TABLE[code].operands)
-
-
 def message_key(op: np.ndarray, mb: np.ndarray, stage: np.ndarray, num_stages: int, m: int) -> np.ndarray:
     """Each transfer's message as one integer, (message * S + sending stage) * m + mb; -1 for the rest."""
     sender = stage + KEY_STAGE[op]
