@@ -26,6 +26,7 @@ import numpy as np
 COMPUTE_RES = "compute"
 P2P_RES = "p2p"
 LOCAL_RES = "local"
+COLL_RES = "collective"  # data-parallel collectives: a stream of their own that overlaps compute
 
 # What a message carries: index into MESSAGES; MESSAGE_NOUNS says it in words.
 MESSAGES = ("act", "grad")
@@ -46,7 +47,7 @@ class Opcode:
     """One instruction kind.
 
     operands: the numbers the text form writes after the name, in order ("mb", "stage", "peer").
-    resource: where it runs (compute, p2p or local).
+    resource: where it runs (compute, p2p, collective or local).
     kind: for a compute, the Schedule op kind it executes ("F", "B", "W"): that kind's cost and memory
         effect (an F holds `act` until its B; a split B holds `wact` until its W).
     side, message, key_stage, peer_stage: for a transfer, "send" or "recv", what travels, and the
@@ -143,15 +144,31 @@ TABLE: tuple[Opcode, ...] = (
         peer_stage=-1,
         group=EXCHANGE,
     ),
-    Opcode("REDUCE_GRAD", ("stage",), LOCAL_RES, "data-parallel gradient reduction of stage s (a hook today)"),
-    Opcode("STEP", ("stage",), LOCAL_RES, "optimizer step of stage s"),
+    Opcode(
+        "REDUCE_GRAD",
+        ("stage",),
+        COLL_RES,
+        "start stage s's gradient reduction across its data-parallel replicas (all-reduce for ddp, "
+        "reduce-scatter for fsdp), asynchronously; STEP s waits for it",
+    ),
+    Opcode("STEP", ("stage",), LOCAL_RES, "optimizer step of stage s (waits for its REDUCE_GRAD)"),
+    Opcode(
+        "UNSHARD",
+        ("stage",),
+        COLL_RES,
+        "start the all-gather of stage s's sharded parameters (fsdp), asynchronously; stage s's next compute "
+        "waits for it",
+    ),
+    Opcode("RESHARD", ("stage",), LOCAL_RES, "free stage s's gathered parameters, keeping its shard (fsdp)"),
 )
 
 OPCODES: tuple[str, ...] = tuple(o.name for o in TABLE)
 CODE: dict[str, int] = {o.name: i for i, o in enumerate(TABLE)}
 BY_NAME: dict[str, Opcode] = {o.name: o for o in TABLE}
 
-FWD, BWD, WGRAD, RECV_ACT, SEND_ACT, RECV_GRAD, SEND_GRAD, REDUCE_GRAD, STEP = (CODE[n] for n in OPCODES)
+FWD, BWD, WGRAD, RECV_ACT, SEND_ACT, RECV_GRAD, SEND_GRAD, REDUCE_GRAD, STEP, UNSHARD, RESHARD = (
+    CODE[n] for n in OPCODES
+)
 
 
 def _column(f, dtype=np.int64) -> np.ndarray:
@@ -163,6 +180,7 @@ IS_COMPUTE = _column(lambda o: o.resource == COMPUTE_RES, bool)
 IS_SEND = _column(lambda o: o.side == "send", bool)
 IS_RECV = _column(lambda o: o.side == "recv", bool)
 IS_P2P = IS_SEND | IS_RECV
+IS_COLLECTIVE = _column(lambda o: o.resource == COLL_RES, bool)
 HAS_MB = _column(lambda o: "mb" in o.operands, bool)
 HAS_PEER = _column(lambda o: "peer" in o.operands, bool)
 KIND_OF = _column(lambda o: OP_KINDS.index(o.kind) if o.kind else -1)  # opcode -> Schedule kind, -1 if none

@@ -136,11 +136,26 @@ class Program:
     split_backward: bool
     placement: tuple[int, ...]
     ranks: tuple[RankProgram, ...]
+    # Data parallelism: the replicas of each rank that run this Program (a "dp" mesh dim of that size) and
+    # how they share a stage's parameters: "ddp" (replicated; REDUCE_GRAD all-reduces) or "fsdp" (sharded;
+    # UNSHARD/RESHARD gather and free, REDUCE_GRAD reduce-scatters).
+    dp: int = 1
+    dp_kind: str = "ddp"
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Program):
             return NotImplemented
-        head = ("name", "params", "num_stages", "num_ranks", "num_microbatches", "split_backward", "placement")
+        head = (
+            "name",
+            "params",
+            "num_stages",
+            "num_ranks",
+            "num_microbatches",
+            "split_backward",
+            "placement",
+            "dp",
+            "dp_kind",
+        )
         return all(getattr(self, f) == getattr(other, f) for f in head) and self.ranks == other.ranks
 
     @property

@@ -40,6 +40,18 @@ class RankOps:
 
 
 @dataclass(frozen=True)
+class Collective:
+    """A data-parallel collective the schedule places itself: `op` ("UNSHARD", "RESHARD" or "REDUCE_GRAD",
+    rows of pipec.opcodes) on `stage`, issued just before the rank's op at index `before` of its order
+    (`before == len(rank's ops)`: after its last op). Ranks without any use the lowering's default placement."""
+
+    op: str
+    stage: int
+    before: int
+    span: Span | None = None
+
+
+@dataclass(frozen=True)
 class Datacenter:
     name: str
     lo: int  # first rank
@@ -94,6 +106,7 @@ class Schedule:
     source: Source | None = None
     decl_spans: dict[str, Span] = field(default_factory=dict)
     expects: tuple[Expectation, ...] = ()
+    collectives: tuple[tuple[Collective, ...], ...] = ()  # per rank, in order; () when the schedule places none
 
     @property
     def split_backward(self) -> bool:
