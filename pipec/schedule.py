@@ -72,6 +72,10 @@ class Link:
 class Topology:
     datacenters: tuple[Datacenter, ...]
     links: tuple[Link, ...]
+    # Where the data-parallel replicas sit (PP x DP): datacenters over replica indices 0 .. dp-1, named like
+    # the rank datacenters so `links` between them apply; a DP group whose replicas span two of them
+    # reduces over that link. Empty: all replicas share one datacenter.
+    replica_dcs: tuple[Datacenter, ...] = ()
 
 
 @dataclass(frozen=True, eq=False)
