@@ -36,10 +36,12 @@ from pipec.opcodes import (
     RECV_GRAD,
     RECVS,
     REDUCE_GRAD,
+    RESHARD,
     SEND_ACT,
     SEND_GRAD,
     SENDS,
     STEP,
+    UNSHARD,
     WGRAD,
 )
 from pipec.validate import validate
@@ -57,10 +59,12 @@ __all__ = [
     "RECV_GRAD",
     "RECVS",
     "REDUCE_GRAD",
+    "RESHARD",
     "SEND_ACT",
     "SEND_GRAD",
     "SENDS",
     "STEP",
+    "UNSHARD",
     "VERSION",
     "WGRAD",
     "Instr",
@@ -179,6 +183,7 @@ def _json_chunks(prog: Program) -> Iterator[str]:
         "num_microbatches": prog.num_microbatches,
         "split_backward": prog.split_backward,
         "placement": list(prog.placement),
+        **_dp_head(prog),
         "opcodes": list(OPCODES),
     }
     yield json.dumps(head, separators=(",", ":"))[:-1] + ',"ranks":['
@@ -186,6 +191,17 @@ def _json_chunks(prog: Program) -> Iterator[str]:
         yield ("," if r else "") + f'{{"rank":{r},"columns":{json.dumps(_COLUMNS, separators=(",", ":"))},'
         yield '"instructions":[' + _json_rows(rp) + "]}"
     yield "]}"
+
+
+def _dp_head(prog: Program) -> dict[str, object]:
+    """`dp` and `dp_kind` where they are not the defaults (1, "ddp"), so a Program without data
+    parallelism is written byte for byte as before PP x DP; readers take their absence as the defaults."""
+    out: dict[str, object] = {}
+    if prog.dp != 1:
+        out["dp"] = prog.dp
+    if prog.dp_kind != "ddp":
+        out["dp_kind"] = prog.dp_kind
+    return out
 
 
 def write_json(prog: Program, fh: IO[str]) -> None:
@@ -238,6 +254,8 @@ def from_json(text: str, path: str = "<program>") -> Program:
             split_backward=bool(doc["split_backward"]),
             placement=tuple(doc["placement"]),
             ranks=tuple(ranks),
+            dp=doc.get("dp", 1),
+            dp_kind=doc.get("dp_kind", "ddp"),
         )
     except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError, RecursionError) as e:
         raise error("E501", f"malformed program JSON: {e}", source=Source(path, "")) from None
@@ -254,7 +272,7 @@ def _text_chunks(prog: Program) -> Iterator[str]:
         f"schedule {json.dumps(prog.name)} {json.dumps(dict(prog.params))}\n"
         f"stages {prog.num_stages} ranks {prog.num_ranks} microbatches {prog.num_microbatches}"
         f" split {str(prog.split_backward).lower()}\n"
-        "place " + " ".join(map(str, prog.placement)) + "\n"
+        "place " + " ".join(map(str, prog.placement)) + "\n" + "".join(f"{k} {v}\n" for k, v in _dp_head(prog).items())
     )
     for r, rp in enumerate(prog.ranks):
         yield f"rank {r}\n" + _text_rows(rp)
@@ -361,8 +379,17 @@ def from_text(text: str, path: str = "<program>") -> Program:
         if words[0] != "place":
             raise ValueError("expected `place` and the rank of each stage")
         placement = tuple(int(x) for x in words[1:])
+        dp: dict[str, object] = {"dp": 1, "dp_kind": "ddp"}  # optional header lines `dp N`, `dp_kind K`
+        body = 4
+        while body < len(lines) and lines[body][1].split()[0] in dp:
+            at = body
+            words = lines[body][1].split()
+            if len(words) != 2:
+                raise ValueError(f"expected `{words[0]} VALUE`")
+            dp[words[0]] = int(words[1]) if words[0] == "dp" else words[1]
+            body += 1
         progs: list[list[Instr]] = []
-        for at in range(4, len(lines)):
+        for at in range(body, len(lines)):
             n, line = lines[at]
             words = line.split()
             if words[0] == "rank":
@@ -398,6 +425,8 @@ def from_text(text: str, path: str = "<program>") -> Program:
             split,
             placement,
             tuple(RankProgram.from_instructions(p) for p in progs),
+            dp=dp["dp"],  # type: ignore[arg-type]  # checked by validate (E502)
+            dp_kind=dp["dp_kind"],  # type: ignore[arg-type]
         )
     except (IndexError, ValueError, json.JSONDecodeError, AttributeError, OverflowError) as e:
         raise fail(f"malformed program text: {e}") from None

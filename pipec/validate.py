@@ -8,8 +8,16 @@ owns, naming the peer that owns the other end; groups are the ones the table
 allows (at most `GROUP_MAX` long); every compute op happens exactly once; every
 message the placement needs is sent once and received once; and each stage
 reduces its gradients once and then steps its optimizer once, after its last
-compute. What it leaves to the dry
+compute. Data parallelism: `dp` is a positive integer and `dp_kind` "ddp" or
+"fsdp"; ddp has no UNSHARD/RESHARD; under fsdp each stage's UNSHARDs and
+RESHARDs alternate, starting with UNSHARD and ending with RESHARD (at least one
+window per owned stage), every compute of the stage lies inside one of its
+windows, and its STEP comes after its last RESHARD. What it leaves to the dry
 run is order: whether the ranks can run these instructions without a deadlock.
+
+That every replica of a data-parallel group issues the same collectives in the
+same order needs no rule here: the replicas of a pipeline rank all run that
+rank's one Program (docs/program.md, "Data parallelism").
 
 Vectorised per rank (a Program reaches millions of instructions). A failure
 is one E502 diagnostic naming the first problems by rank and instruction.
@@ -22,6 +30,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from pipec.dataparallel import KINDS as DP_KINDS
 from pipec.errors import PipecError, Source, Span, error
 from pipec.opcodes import (
     HAS_MB,
@@ -35,8 +44,10 @@ from pipec.opcodes import (
     OPCODES,
     PEER_STAGE,
     REDUCE_GRAD,
+    RESHARD,
     STEP,
     TABLE,
+    UNSHARD,
     may_group,
     message_key,
 )
@@ -48,6 +59,7 @@ if TYPE_CHECKING:
 Locate = Callable[[int, int], Span | None]
 
 _SHOWN = 8  # problems listed in one diagnostic
+_IS_WINDOW = np.isin(np.arange(len(TABLE)), [UNSHARD, RESHARD])  # the fsdp window instructions, by opcode
 
 
 def validate(prog: Program, source: Source | None = None, locate: Locate | None = None) -> None:
@@ -106,6 +118,11 @@ def _header(prog: Program) -> list[tuple[int, int, str]]:
         out.append((-1, -1, f"stage {bad[0]} is placed on {prog.placement[bad[0]]!r}, not one of the {R} ranks"))
     if len(prog.ranks) != R:
         out.append((-1, -1, f"the program declares {R} ranks and holds {len(prog.ranks)} instruction streams"))
+    dp = getattr(prog, "dp", 1)
+    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+        out.append((-1, -1, f"the data-parallel size must be a positive integer, not {dp!r}"))
+    if getattr(prog, "dp_kind", "ddp") not in DP_KINDS:
+        out.append((-1, -1, f"the data-parallel kind must be one of {', '.join(DP_KINDS)}, not {prog.dp_kind!r}"))
     return out
 
 
@@ -180,6 +197,59 @@ def _rank(prog: Program, r: int, rp) -> list[tuple[int, int, str]]:
             out.append((r, int(steps[s]), f"steps stage {s} before its last compute (#{int(last[s])})"))
         if reduces[s] >= 0 and (reduces[s] < last[s] or (steps[s] >= 0 and reduces[s] > steps[s])):
             out.append((r, int(reduces[s]), f"must come after stage {s}'s last compute and before its STEP"))
+    windows = _IS_WINDOW[op]
+    if prog.dp_kind != "fsdp":
+        flag(windows, lambda j: "UNSHARD and RESHARD belong to fsdp programs; this one is ddp (replicated)")
+    else:
+        out += _windows(r, op, st_c, comps, windows, own, steps, S)
+    return out
+
+
+def _windows(
+    r: int,
+    op: np.ndarray,
+    st: np.ndarray,
+    comps: np.ndarray,
+    windows: np.ndarray,
+    own: np.ndarray,
+    steps: np.ndarray,
+    S: int,
+) -> list[tuple[int, int, str]]:
+    """fsdp: per stage, UNSHARD and RESHARD alternate from an UNSHARD to a RESHARD; every compute lies in a
+    window of its stage; STEP after the last RESHARD; each owned stage has a window. One stable sort of
+    the window instructions by stage, then masks."""
+    out: list[tuple[int, int, str]] = []
+    at = np.flatnonzero(windows)
+    by = at[np.argsort(st[at], kind="stable")]  # by stage, in stream order within a stage
+    bst, opens = st[by], op[by] == UNSHARD
+    start = np.r_[True, bst[1:] != bst[:-1]] if len(by) else np.zeros(0, dtype=bool)
+    end = np.r_[start[1:], True] if len(by) else np.zeros(0, dtype=bool)
+    run_start = np.maximum.accumulate(np.where(start, np.arange(len(by)), 0)) if len(by) else by
+    even = (np.arange(len(by)) - run_start) % 2 == 0  # an UNSHARD must come at even places in its stage's run
+    for x in np.flatnonzero(opens != even)[: _SHOWN + 1].tolist():
+        s = int(bst[x])
+        what = f"stage {s} is gathered already" if opens[x] else f"stage {s} is not gathered (no UNSHARD {s} open)"
+        out.append((r, int(by[x]), what))
+    for x in np.flatnonzero(end & opens)[: _SHOWN + 1].tolist():
+        out.append((r, int(by[x]), f"stage {int(bst[x])} is never resharded after this UNSHARD"))
+    count = np.bincount(bst[opens], minlength=S)
+    for s in own[count[own] == 0].tolist():
+        out.append((r, -1, f"stage {s} has no UNSHARD .. RESHARD window (fsdp gathers a stage to compute on it)"))
+    # Each compute: the last window instruction of its stage before it must be an UNSHARD.
+    n = len(op)
+    keys = bst * (n + 1) + by
+    ck = st[comps] * (n + 1) + comps
+    prev = np.searchsorted(keys, ck) - 1
+    ok = (prev >= 0) & (bst[np.maximum(prev, 0)] == st[comps]) & opens[np.maximum(prev, 0)] if len(by) else None
+    outside = comps if ok is None else comps[~ok]
+    for j in outside[: _SHOWN + 1].tolist():
+        out.append((r, j, f"computes on stage {int(st[j])} outside its UNSHARD .. RESHARD windows"))
+    last_reshard = np.full(S, -1, dtype=np.int64)
+    closing = end & ~opens
+    last_reshard[bst[closing]] = by[closing]
+    for s in own.tolist():
+        if steps[s] >= 0 and steps[s] < last_reshard[s]:
+            out.append((r, int(steps[s]), f"steps stage {s} before its last RESHARD (#{int(last_reshard[s])})"))
     return out
 
 
