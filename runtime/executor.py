@@ -35,7 +35,9 @@ from pipec.opcodes import (
     NEEDS_STAGE,
     OPCODES,
     REDUCE_GRAD,
+    RESHARD,
     STEP,
+    UNSHARD,
     WGRAD,
 )
 from pipec.program import Instr, Program
@@ -76,6 +78,8 @@ class Executor:
         self.record: list[tuple] | None = None  # measured events of this step when not None
         self.sync: Callable[[], None] = lambda: None  # CUDA: synchronize before reading the clock
         self.recv_ahead = recv_ahead
+        # data parallelism (pipec.runtime.dataparallel.StageDP): UNSHARD, RESHARD, REDUCE_GRAD and STEP's wait
+        self.dp: Any = None
         # the receives in stream order, and each receive instruction's place in that order
         self.recvs = [j for j, ins in enumerate(self.instrs) if IS_RECV[ins[0]]]
         self.recv_ord = {j: k for k, j in enumerate(self.recvs)}
@@ -114,6 +118,7 @@ class Executor:
         self.step, self.at = step, -1
         values, stages, comm, S = self.values, self.stages, self.comm, self.S
         rec = self.record
+        dp = self.dp
         n = len(self.instrs)
         self.posted = self.reached = 0
         self._post_upto(self.recv_ahead)
@@ -123,6 +128,8 @@ class Executor:
             op, mb, s, peer, grp = self.instrs[j]
             if op == FWD:
                 args = inputs[mb] if s == 0 else (yield from self._take(self._input(op, mb, s)))
+                if dp is not None:
+                    dp.ready(s)
                 t0 = time.perf_counter() if rec is not None else 0.0
                 out = stages[s].forward(mb, args, targets[mb] if s == S - 1 else None)
                 if out is not None:
@@ -132,6 +139,8 @@ class Executor:
                     rec.append(("compute", FWD, mb, s, t0, time.perf_counter()))
             elif op == BWD:
                 grads = None if s == S - 1 else (yield from self._take(self._input(op, mb, s)))
+                if dp is not None:
+                    dp.ready(s)
                 t0 = time.perf_counter() if rec is not None else 0.0
                 dargs = stages[s].backward(mb, grads)
                 if s > 0:
@@ -140,6 +149,8 @@ class Executor:
                     self.sync()
                     rec.append(("compute", BWD, mb, s, t0, time.perf_counter()))
             elif op == WGRAD:
+                if dp is not None:
+                    dp.ready(s)
                 t0 = time.perf_counter() if rec is not None else 0.0
                 stages[s].wgrad(mb)
                 if rec is not None:
@@ -147,10 +158,20 @@ class Executor:
                     rec.append(("compute", WGRAD, mb, s, t0, time.perf_counter()))
             elif op == STEP:
                 comm.finish_sends()
+                if dp is not None:
+                    dp.finish(s)  # waits for REDUCE_GRAD's reduction
                 stages[s].step()
             elif op == REDUCE_GRAD:
+                if dp is not None:
+                    dp.reduce_grad(s)
                 if self.on_reduce_grad is not None:
                     self.on_reduce_grad(s, stages[s].module)
+            elif op == UNSHARD:
+                if dp is not None:
+                    dp.unshard(s)
+            elif op == RESHARD:
+                if dp is not None:
+                    dp.reshard(s)
             elif grp:  # a batched exchange: validate allows exactly two transfers with one peer
                 self._exchange([j, j + 1])
                 j += 1

@@ -1,5 +1,6 @@
 """The single-process reference: the same stages (same seeds, so the same weights), chained, on the same
-micro-batches, with the same loss scaling and optimizers; and the relative errors against it."""
+micro-batches, with the same loss scaling and optimizers; and the relative errors against it. With
+`replicas=N` it runs the whole global batch of N data-parallel replicas: N x m micro-batches."""
 
 from __future__ import annotations
 
@@ -25,7 +26,11 @@ class Reference:
         device: torch.device | str = "cpu",
         loss_scale: float | None = None,
         seed: int | None = 0,
+        replicas: int = 1,
     ) -> None:
+        if replicas < 1:
+            raise ValueError(f"replicas must be at least 1, got {replicas}")
+        self.replicas = replicas
         self.device = torch.device(device)
         self.dtype = dtype
         self.loss_fn = loss_fn
@@ -46,15 +51,20 @@ class Reference:
         for st in self.stages:
             for p in st.parameters():
                 p.grad = None
-        xs = split(inputs, self.m, "inputs")
-        ts = split(targets, self.m, "targets")
+        # With data parallelism: replica d's micro-batches are part d of the global batch, split in m (as
+        # pipec.runtime.dataparallel.slice_replica and the Runner do); each replica's loss counts 1/replicas.
+        xs, ts = [], []
+        for x, t in zip(_parts(inputs, self.replicas, "inputs"), _parts(targets, self.replicas, "targets")):
+            xs += split(x, self.m, "inputs")
+            ts += split(t, self.m, "targets")
+        scale = self.scale / self.replicas
         total = 0.0
         for x, t in zip(xs, ts):
             args = as_args(to_device(x, self.device, self.dtype))
             for k, st in enumerate(self.stages):
                 out = st(*args)
                 args = tuple(out) if isinstance(out, (tuple, list)) and k < len(self.stages) - 1 else (out,)
-            loss = self.loss_fn(out, to_device(t, self.device)).reshape(()) * self.scale
+            loss = self.loss_fn(out, to_device(t, self.device)).reshape(()) * scale
             loss.backward()
             total += float(loss.detach())
         for opt in self.optimizers:
@@ -67,6 +77,10 @@ class Reference:
 
     def named_parameters(self) -> dict[tuple[int, str], torch.Tensor]:
         return {(s, n): p for s, st in enumerate(self.stages) for n, p in st.named_parameters()}
+
+
+def _parts(batch: Any, n: int, what: str) -> list[Any]:
+    return split(batch, n, what) if n > 1 else [batch]
 
 
 def rel_err(a: torch.Tensor | float | None, b: torch.Tensor | float | None) -> float:

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 import time
 from collections.abc import Callable, Generator
@@ -21,6 +22,18 @@ import torch
 
 from pipec.program import Program
 from pipec.runtime.comm import DistComm
+from pipec.runtime.dataparallel import (
+    UNITS,
+    StageDP,
+    as_replica_mesh,
+    check_mesh,
+    check_not_shared,
+    check_program,
+    make_mesh,
+    named_full,
+    slice_replica,
+    wrap,
+)
 from pipec.runtime.errors import CommError, PipelineError, ShapeError, wrong_world_size
 from pipec.runtime.executor import Executor
 from pipec.runtime.microbatch import as_args, split, to_device
@@ -85,19 +98,36 @@ class Runner:
         where: str = "build_stage",
         links: Any = None,
         recv_ahead: int | None = None,
+        mesh: Any = None,
+        dp_unit: str = "stage",
     ) -> None:
+        replicas = None  # this process's place in the ("pp", "dp") mesh (pipec.runtime.dataparallel)
+        if dp_unit not in UNITS:
+            raise PipelineError(f"dp_unit must be one of {', '.join(UNITS)}, got {dp_unit!r}")
         if comm is None:
             import torch.distributed as dist
 
             if not dist.is_initialized():
                 raise PipelineError("torch.distributed is not initialised: call init_process_group first")
+            if device is None:
+                device = default_device()
+            if mesh is None and program.dp > 1:
+                if group is not None:
+                    raise PipelineError("a Program with dp > 1 takes mesh=, not group=")
+                mesh = make_mesh(program.num_ranks, program.dp, torch.device(device).type, timeout)
+            if mesh is not None:
+                replicas = as_replica_mesh(mesh)
+                check_mesh(program, replicas)
+                if replicas.dp_size > 1:
+                    check_program(program)
+                group = replicas.pp_group
             world = dist.get_world_size(group)
             if world != program.num_ranks:
                 raise PipelineError(wrong_world_size(program, world))
             rank = dist.get_rank(group) if rank is None else rank
-            if device is None:
-                device = default_device()
-            store = dist.PrefixStore(f"pipec/{next(_IDS)}/", dist.distributed_c10d._get_default_store())
+            # one namespace per replica: each replica's stages publish their shapes under the same names
+            space = f"pipec/{next(_IDS)}/" + (f"dp{replicas.dp_rank}/" if replicas is not None else "")
+            store = dist.PrefixStore(space, dist.distributed_c10d._get_default_store())
             kv = StoreKV(store, timeout) if kv is None else kv
             comm = DistComm(program.num_stages, program.num_microbatches, torch.device(device), timeout, group)
             if recv_ahead is None:
@@ -123,11 +153,24 @@ class Runner:
         scale = 1.0 / m if loss_scale is None else loss_scale
         own = [s for s, r in enumerate(program.placement) if r == rank]
         make_opt = optimizer or default_optimizer
-        self.stages: dict[int, Stage] = {}
-        for s in own:
-            module = build_stage_module(
+        self.replicas = replicas if replicas is not None and replicas.dp_size > 1 else None
+        modules = {
+            s: build_stage_module(
                 build_stage, s, program.num_stages, seed=seed, dtype=dtype, device=self.device, where=where
             )
+            for s in own
+        }
+        self.shape_modules: dict[int, torch.nn.Module] | None = None
+        if self.replicas is not None:
+            check_not_shared(modules, program.dp_kind, dp_unit)
+            # The first step's shape handshake runs the plain modules (a sharded one has its shards' shapes);
+            # the copies go once it is done.
+            self.shape_modules = {s: copy.deepcopy(m) for s, m in modules.items()}
+            for m in modules.values():
+                wrap(m, program.dp_kind, self.replicas, dp_unit)  # before the optimizer: it steps the shards
+        self.stages: dict[int, Stage] = {}
+        for s in own:
+            module = modules[s]
             params = [p for p in module.parameters() if p.requires_grad]
             self.stages[s] = Stage(
                 s,
@@ -138,7 +181,10 @@ class Runner:
                 program.split_backward,
                 make_opt(params) if params else None,
             )
+            self.stages[s].live_params = self.replicas is not None
         self.executor = Executor(program, rank, self.stages, comm, on_reduce_grad, recv_ahead or 0)
+        if self.replicas is not None:
+            self.executor.dp = StageDP(modules, rank, self.replicas.dp_rank, self.executor.where)
         if self.device.type == "cuda":
             self.executor.sync = lambda: torch.cuda.synchronize(self.device)
         self.first_specs: list[Specs] | None = None
@@ -173,6 +219,10 @@ class Runner:
         t0 = time.perf_counter()
         m = self.program.num_microbatches
         mb_in = mb_tg = None
+        if self.replicas is not None:  # this replica's share of the global batch
+            n, d = self.replicas.dp_size, self.replicas.dp_rank
+            inputs = None if inputs is None else slice_replica(inputs, n, d, "inputs")
+            targets = None if targets is None else slice_replica(targets, n, d, "targets")
         if self.has_first:
             if inputs is None:
                 raise PipelineError(f"rank {self.rank} runs stage 0 and needs the inputs")
@@ -188,9 +238,9 @@ class Runner:
             self.executor.handshaking = True
             specs = [tuple(TensorSpec.of(a) for a in args) for args in mb_in] if mb_in is not None else None
             self.first_specs = specs
-            ins, outs = yield from handshake(
-                self.modules(), self.program.placement, self.rank, specs, self.kv, self.device
-            )
+            shapes = self.shape_modules if self.shape_modules is not None else self.modules()
+            ins, outs = yield from handshake(shapes, self.program.placement, self.rank, specs, self.kv, self.device)
+            self.shape_modules = None
             self.executor.set_specs(ins, outs)
             self.executor.handshaking = False
             self.handshaken = True
@@ -206,7 +256,14 @@ class Runner:
         yield from self.executor.run(self.steps_done, mb_in, mb_tg)
         loss = None
         if self.has_last:
-            loss = float(self.stages[self.program.num_stages - 1].loss)
+            loss = self.stages[self.program.num_stages - 1].loss
+            if self.replicas is not None:  # the global batch's loss: the mean of the replicas'
+                import torch.distributed as dist
+
+                loss = loss.detach().clone()
+                dist.all_reduce(loss, group=self.replicas.dp_group)
+                loss = loss / self.replicas.dp_size
+            loss = float(loss)
         self.steps_done += 1
         return StepResult(self.steps_done - 1, loss, time.perf_counter() - t0)
 
@@ -215,10 +272,15 @@ class Runner:
         return list(self.executor.record or [])
 
     def named_gradients(self) -> dict[tuple[int, str], torch.Tensor | None]:
-        return {(s, n): p.grad for s, st in self.stages.items() for n, p in st.module.named_parameters()}
+        """Each parameter's gradient; with data parallelism the whole (gathered) one: under fsdp that is an
+        all-gather over "dp", so every replica must call it, in the same order."""
+        named = [((s, n), p.grad) for s, st in self.stages.items() for n, p in st.module.named_parameters()]
+        return named_full(named) if self.replicas is not None else dict(named)
 
     def named_parameters(self) -> dict[tuple[int, str], torch.Tensor]:
-        return {(s, n): p for s, st in self.stages.items() for n, p in st.module.named_parameters()}
+        """Each parameter; whole (gathered) with data parallelism, as named_gradients."""
+        named = [((s, n), p) for s, st in self.stages.items() for n, p in st.module.named_parameters()]
+        return named_full(named) if self.replicas is not None else dict(named)
 
 
 def default_device() -> torch.device:

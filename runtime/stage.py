@@ -36,6 +36,9 @@ class Stage:
         self.split_backward = split_backward
         self.optimizer = optimizer
         self.params = [p for p in module.parameters() if p.requires_grad]
+        # Under FSDP2 the module's parameters change between the sharded ones (the optimizer's) and the
+        # gathered ones (the autograd graph's) with each unshard and reshard: read them when needed.
+        self.live_params = False
         self.saved: dict[int, tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = {}
         self.deferred: dict[int, Any] = {}
         self.loss = None  # sum of this step's scaled micro-batch losses (last stage)
@@ -65,7 +68,7 @@ class Stage:
             if self.first:  # no input gradient to compute: WGRAD does the whole backward
                 self.deferred[mb] = (outs, grads)
                 return None
-            dargs, groups = split.backward_input(outs, grads, args, self.params)
+            dargs, groups = split.backward_input(outs, grads, args, self.trainable())
             self.deferred[mb] = groups
         else:
             pairs = [(o, None if grads is None else grads[k]) for k, o in enumerate(outs) if o.requires_grad]
@@ -87,9 +90,17 @@ class Stage:
         else:
             split.backward_weight(state)
 
+    def trainable(self) -> list[torch.nn.Parameter]:
+        if self.live_params:
+            return [p for p in self.module.parameters() if p.requires_grad]
+        return self.params
+
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None
+        if self.live_params:
+            for p in self.module.parameters():
+                p.grad = None
         self.loss = None
 
     def step(self) -> None:

@@ -1,0 +1,133 @@
+"""PP x DP on the runtime: pipelines x data-parallel replicas on a ("pp", "dp") DeviceMesh, over gloo.
+
+After 3 steps, gradients (every step) and parameters (the last) must equal a single-process float64
+reference over the whole global batch to 1e-10. The default suite runs a few representative cells; the
+whole grid (4 schedules x {2x2, 4x2} x {ddp, fsdp}) is behind `-m dp_grid`:
+
+    pytest tests/test_dp_runtime.py -m dp_grid -p no:cacheprovider
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from runtime_harness import _context  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TOL = 1e-10
+STEPS = 3
+# small enough for 8 gloo processes on 2 cores: 8-wide blocks, one per stage at p=4 interleaved (8 stages)
+BATCH = 32
+ENV = {"MLP_WIDTH": "8", "MLP_DEPTH": "4", "MLP_BATCH": str(BATCH), "OMP_NUM_THREADS": "1"}
+SCHEDULES = {
+    "1f1b": "1f1b:p={p},m={m}",
+    "interleaved": "interleaved-1f1b:p={p},m={m},v=2",
+    "zb-h1": "zb-h1:p={p},m={m}",
+    "zb-v": "zb-v:p={p},m={m}",
+}
+
+
+def launch_dp(nproc: int, argv: list[str], timeout: float = 240.0) -> tuple[list[dict], float]:
+    """Ranks 0..nproc-1 of one job running tests/dp_worker.py; their JSON results and the wall time.
+    Fails (never hangs) past `timeout`, with every rank's standard error."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    base = dict(
+        ENV,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(store.port),
+        WORLD_SIZE=str(nproc),
+        TORCHELASTIC_USE_AGENT_STORE="True",
+    )
+    ctx = _context()
+    import dp_worker
+
+    tmp = tempfile.mkdtemp(prefix="pipec-dp-")
+    files = [(os.path.join(tmp, f"{r}.out"), os.path.join(tmp, f"{r}.err")) for r in range(nproc)]
+    start = time.monotonic()
+    procs = []
+    for r in range(nproc):
+        env = dict(base, RANK=str(r), LOCAL_RANK=str(r))
+        p = ctx.Process(target=dp_worker.rank_main, args=([tmp, *argv], env, *files[r]))
+        p.start()
+        procs.append(p)
+    for p in procs:
+        p.join(max(0.1, timeout - (time.monotonic() - start)))
+    elapsed = time.monotonic() - start
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    errs = "\n".join(f"rank {r}: {Path(e).read_text()[-3000:]}" for r, (_, e) in enumerate(files))
+    if hung:
+        pytest.fail(f"ranks {hung} still running after {timeout} s (a hang):\n{errs}")
+    bad = [r for r, p in enumerate(procs) if p.exitcode != 0]
+    if bad:
+        pytest.fail(f"ranks {bad} failed:\n{errs}")
+    return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(nproc)], elapsed
+
+
+def check(results: list[dict], configs: list[str], p: int, dp: int) -> None:
+    for spec in configs:
+        per_rank = [r[spec] for r in results]
+        # every (pp, dp) coordinate once; replicas of a pipeline rank hold the same stages
+        assert sorted((r["pp"], r["dp"]) for r in per_rank) == [(a, b) for a in range(p) for b in range(dp)]
+        stages = {}
+        for r in per_rank:
+            stages.setdefault(r["pp"], set()).add(tuple(r["stages"]))
+        assert all(len(v) == 1 for v in stages.values()), stages
+        if ":fsdp" in spec:
+            assert all(r["sharded"] for r in per_rank), f"{spec}: parameters are not sharded"
+        for r in per_rank:
+            assert r["grads"] > 0
+            assert len(r["grad_err"]) == STEPS
+            assert max(r["grad_err"]) <= TOL, f"{spec} rank {r['pp']},{r['dp']}: gradients {r['grad_err']}"
+            assert r["param_err"] <= TOL, f"{spec} rank {r['pp']},{r['dp']}: parameters {r['param_err']}"
+            losses = [e for e in r["loss_err"] if e is not None]
+            assert all(e <= TOL for e in losses), f"{spec}: loss {r['loss_err']}"
+        assert any(r["loss_err"][0] is not None for r in per_rank)  # the last stage's ranks report the loss
+        # each replica ran its own 1/dp of the global batch, in m micro-batches
+        m = int(spec.split("m=")[1].split(",")[0].split(":")[0])
+        rows = [r["mb_rows"] for r in per_rank if "mb_rows" in r]
+        assert len(rows) == dp and all(x == [BATCH // (dp * m)] * m for x in rows), rows
+
+
+def configs_for(schedules: list[str], p: int, kinds: list[str], extra: str = "") -> list[str]:
+    m = 2 * p
+    return [SCHEDULES[s].format(p=p, m=m) + f":{k}{extra}" for s in schedules for k in kinds]
+
+
+def test_1f1b_ddp_and_zbv_fsdp_2x2():
+    """The default suite's representative cells: 1F1B under ddp, ZB-V (split backward, two stages per
+    rank, UNSHARD/RESHARD windows mid-step) under fsdp; 2 ranks x 2 replicas."""
+    cfgs = [SCHEDULES["1f1b"].format(p=2, m=4) + ":ddp", SCHEDULES["zb-v"].format(p=2, m=4) + ":fsdp"]
+    results, elapsed = launch_dp(4, [str(STEPS), "2", *cfgs])
+    check(results, cfgs, 2, 2)
+    print(f"2x2 1f1b ddp + zb-v fsdp: {elapsed:.1f} s")
+
+
+@pytest.mark.dp_grid
+@pytest.mark.parametrize("p", [2, 4], ids=["2x2", "4x2"])
+def test_grid(p, request):
+    """Every schedule x {ddp, fsdp} on p ranks x 2 replicas (one job per mesh size, so the processes start
+    once); per-block FSDP and the (pp, dp) sub-mesh form of mesh= ride along. Opt-in (minutes on 2 cores):
+    it runs only when `-m` names dp_grid."""
+    if "dp_grid" not in (request.config.getoption("markexpr") or ""):
+        pytest.skip("the whole PP x DP grid is opt-in: pytest -m dp_grid tests/test_dp_runtime.py")
+    cfgs = configs_for(list(SCHEDULES), p, ["ddp", "fsdp"])
+    cfgs += [SCHEDULES["zb-h1"].format(p=p, m=2 * p) + ":fsdp:block:pair"]
+    results, elapsed = launch_dp(2 * p, [str(STEPS), "2", *cfgs], timeout=600.0)
+    check(results, cfgs, p, 2)
+    for spec in cfgs:
+        print(f"{p}x2 {spec}: {max(r[spec]['seconds'] for r in results):.1f} s")
+    print(f"{p}x2 grid: {elapsed:.1f} s")
