@@ -67,23 +67,55 @@ class DryRun:
     waits: tuple[Wait, ...]  # for each stuck rank, what it waits on (empty when completed)
 
 
-def _columns(prog: Program) -> tuple[list[int], tuple[list, ...], bool]:
-    """Per rank and instruction: message key it issues or awaits; local ops it needs (a BWD needs its
-    forward and, when the next stage shares the rank, that stage's backward); key of the op it
-    computes; its position k on the channel with its peer (for a compute: the k of the receive it
-    awaits); the channel (pair of ranks) and the directed counters it touches. Computed for all ranks
-    at once. Message key: (kind * S + sending stage) * m + mb; op key: (kind * S + stage) * m + mb."""
+# What the run does at each instruction, decided once per instruction in numpy so the loop below
+# branches on one small integer: nothing (a local or collective instruction: every replica of a rank runs
+# the same Program, so a DP group's collectives meet without waiting on any pipeline peer; or a compute
+# whose inputs are all local and earlier on its rank), wait for a remote input's arrival, wait for it and
+# for local inputs computed elsewhere in the order, or issue a lone receive or send, or a batched exchange
+# of two (named by its first instruction, the second then reads as lone). Sends are the odd ones.
+NOTHING, ARRIVAL, ARRIVAL_AND_LOCAL, LOCAL, RECV, SEND, EXCHANGE_RECV, EXCHANGE_SEND = range(8)
+
+
+@dataclass(frozen=True, eq=False)
+class _Columns:
+    """Per instruction, all ranks concatenated (numpy): its rank and action (above); the local ops it
+    needs and the op key of the compute (dep1, dep2, own; empty when every local input is simply earlier
+    on its rank, `local_in_order`); the channel (pair of ranks) and its position k on it (for a compute:
+    the k of the receive it awaits, and `recv` that receive's index); the directed counters it touches;
+    the message key it issues or awaits and the rank at its other end."""
+
+    offsets: np.ndarray
+    rank: np.ndarray
+    act: np.ndarray
+    group: np.ndarray
+    dep1: np.ndarray
+    dep2: np.ndarray
+    own: np.ndarray
+    chan: np.ndarray
+    k: np.ndarray
+    recv: np.ndarray
+    out: np.ndarray
+    back: np.ndarray
+    msg: np.ndarray
+    peer: np.ndarray
+    local_in_order: bool
+
+
+def _columns(prog: Program) -> _Columns:
+    """Message key: (kind * S + sending stage) * m + mb; op key: (kind * S + stage) * m + mb."""
     S, m, R = prog.num_stages, prog.num_microbatches, prog.num_ranks
     lengths = [len(rp) for rp in prog.ranks]
     offsets = np.cumsum([0] + lengths)
-    if offsets[-1] == 0:
-        return offsets.tolist(), tuple([] for _ in range(10)), True
     placement = np.asarray(prog.placement, dtype=np.int64)
-    op = np.concatenate([rp.op for rp in prog.ranks])
-    mb = np.concatenate([rp.mb for rp in prog.ranks])
-    s = np.concatenate([rp.stage for rp in prog.ranks])
-    group = np.concatenate([rp.group for rp in prog.ranks])
-    peer = np.concatenate([rp.peer for rp in prog.ranks])
+
+    def cat(xs: list[np.ndarray]) -> np.ndarray:
+        return np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64)
+
+    op = cat([rp.op for rp in prog.ranks]).astype(np.int64)
+    mb = cat([rp.mb for rp in prog.ranks]).astype(np.int64)
+    s = cat([rp.stage for rp in prog.ranks]).astype(np.int64)
+    group = cat([rp.group for rp in prog.ranks]).astype(bool)
+    peer = cat([rp.peer for rp in prog.ranks]).astype(np.int64)
     rank = np.repeat(np.arange(R), lengths)
     none = np.full(len(op), -1, dtype=np.int64)
     # A compute's input (the table's `needs`): a message from the stage beside it, received from a peer
@@ -92,7 +124,7 @@ def _columns(prog: Program) -> tuple[list[int], tuple[list, ...], bool]:
     src = s + NEEDS_STAGE[op]
     has_in = (NEEDS_MSG[op] >= 0) & (src >= 0) & (src < S)
     src_c = np.clip(src, 0, S - 1)
-    local_in = placement[src_c] == rank
+    local_in = placement[src_c] == rank if len(placement) else np.zeros(len(op), dtype=bool)
     remote = has_in & ~local_in
     msg = np.where(remote, (NEEDS_MSG[op] * S + src_c) * m + mb, message_key(op, mb, s, S, m))
     dep1 = np.where(has_in & local_in, (PRODUCER_KIND[np.maximum(NEEDS_MSG[op], 0)] * S + src_c) * m + mb, none)
@@ -111,20 +143,23 @@ def _columns(prog: Program) -> tuple[list[int], tuple[list, ...], bool]:
     # A compute with a remote input waits on its rank's receive of that message.
     needs = np.flatnonzero(remote)
     recvs = np.flatnonzero(IS_RECV[op])
+    recv_at = none.copy()
     if len(needs):
         peer[needs] = placement[src_c[needs]]
         if len(recvs):  # a message key names one message: look its receive up directly
-            k_of = np.full(2 * S * m, -1, dtype=np.int64)
-            rank_of = np.full(2 * S * m, -1, dtype=np.int64)
-            k_of[msg[recvs]] = k[recvs]
-            rank_of[msg[recvs]] = rank[recvs]
-            k[needs] = np.where(rank_of[msg[needs]] == rank[needs], k_of[msg[needs]], -1)
-    q = np.clip(peer, 0, R - 1)
+            index_of = np.full(2 * S * m, -1, dtype=np.int64)
+            index_of[msg[recvs]] = recvs
+            at = index_of[msg[needs]]
+            mine = (at >= 0) & (rank[np.maximum(at, 0)] == rank[needs])
+            recv_at[needs] = np.where(mine, at, -1)
+            k[needs] = np.where(mine, k[np.maximum(at, 0)], -1)
+    q = np.clip(peer, 0, max(R - 1, 0))
     chan = np.minimum(rank, q) * R + np.maximum(rank, q)
     out, back = rank * R + q, q * R + rank
     # When every local input is computed earlier on its own rank, no compute can wait for one: the run
     # then tracks remote inputs only (and leaves the three local-dependency columns empty).
-    computes = np.flatnonzero(IS_COMPUTE[op])
+    is_compute = IS_COMPUTE[op]
+    computes = np.flatnonzero(is_compute)
     where_own = np.full(len(OP_KINDS) * S * m, -1, dtype=np.int64)
     where_own[own[computes]] = computes
     local_in_order = True
@@ -132,10 +167,77 @@ def _columns(prog: Program) -> tuple[list[int], tuple[list, ...], bool]:
         at = np.flatnonzero(dep >= 0)
         src = where_own[dep[at]]
         local_in_order &= bool(((src >= 0) & (src < at) & (rank[np.maximum(src, 0)] == rank[at])).all())
+    act = np.full(len(op), NOTHING, dtype=np.int64)
     if local_in_order:
-        dep1 = dep2 = own = np.zeros(0, dtype=np.int64)
-    cols = tuple(c.tolist() for c in (op, msg, dep1, dep2, own, group, chan, k, out, back))
-    return offsets.tolist(), cols, local_in_order
+        act[remote] = ARRIVAL
+        dep1 = dep2 = np.zeros(0, dtype=np.int64)
+    else:
+        act[is_compute] = np.where(remote[is_compute], ARRIVAL_AND_LOCAL, LOCAL)
+    p2p = IS_P2P[op]
+    act[p2p] = RECV + IS_SEND[op[p2p]] + 2 * group[p2p]
+    return _Columns(offsets, rank, act, group, dep1, dep2, own, chan, k, recv_at, out, back, msg, q, local_in_order)
+
+
+def _witnessed(cols: _Columns, op_round: np.ndarray) -> bool:
+    """Whether an execution the caller proposes satisfies every rule: True proves the Program finishes.
+
+    The witness gives each compute op a round (the lowering's `global_order`); every instruction gets
+    the time I = its rank's last compute round so far, then its place after that compute. The rules
+    hold when, on every rank, I strictly increases; each compute with a remote input comes after the
+    match of its message, M = max(I of the two ends at that channel position) (both sides have issued
+    it, so every earlier message on the pair matched too); and each send's successor (the instruction
+    after its group) comes after the send's match.
+
+    Why that proves the run finishes: suppose the run stops with ranks stuck. Give each stuck rank the
+    time by which the witness has it moving on: the I of the compute it waits at, or of the instruction
+    after the send it blocks at (unbounded for a rank's last send). Take the stuck rank r with the
+    smallest. What it waits for is a match M smaller than that time, so both ends have I < it. Every
+    instruction with such an I is issued: on r because it lies before r's position, on another rank q
+    because q is finished or stuck at a position of at least r's time, and everything before (and the
+    send or exchange q blocks at) is issued. So the message matched and r is not stuck: a contradiction.
+    (When every stuck rank waits at its last send, every instruction is issued and all of them match.)
+    A witness that fails proves nothing; `dry_run` then runs the event loop."""
+    n = len(cols.act)
+    if n == 0:
+        return True
+    if not cols.local_in_order or len(op_round) <= cols.own.max(initial=-1):
+        return False
+    idx = np.arange(n)
+    start = cols.offsets[:-1][cols.rank]
+    compute_at = np.where(cols.own >= 0, idx, -1)
+    last = np.maximum.accumulate(compute_at)
+    before = last < start  # no compute yet on this rank
+    big = int(np.diff(cols.offsets).max()) + 2
+    base = np.where(before, -1, op_round[cols.own[np.maximum(last, 0)]])
+    t = base * big + np.where(before, idx - start + 1, idx - last)
+    inner = cols.rank[1:] == cols.rank[:-1]
+    if not (np.diff(t)[inner] > 0).all():
+        return False
+    # Pair the two ends of every message: the same channel and position, one instruction on each rank.
+    p2p = np.flatnonzero(cols.act >= RECV)
+    if len(p2p):
+        pos = cols.chan[p2p] * big + cols.k[p2p]
+        by = p2p[np.argsort(pos, kind="stable")]
+        if len(by) % 2:
+            return False
+        a, b = by[0::2], by[1::2]
+        if not ((cols.chan[a] == cols.chan[b]) & (cols.k[a] == cols.k[b]) & (cols.rank[a] != cols.rank[b])).all():
+            return False
+        match = np.empty(n, dtype=np.int64)
+        match[a] = match[b] = np.maximum(t[a], t[b])
+        sends = p2p[cols.act[p2p] % 2 == 1]
+        nxt = sends + 1 + cols.group[sends]
+        has_next = nxt < cols.offsets[1:][cols.rank[sends]]
+        if not (t[nxt[has_next]] > match[sends[has_next]]).all():
+            return False
+    else:
+        match = np.zeros(n, dtype=np.int64)
+    waits = np.flatnonzero(cols.act == ARRIVAL)
+    if len(waits):
+        at = cols.recv[waits]
+        if (at < 0).any() or not (t[waits] > match[at]).all():
+            return False
+    return True
 
 
 def check_channels(prog: Program) -> None:
@@ -179,46 +281,61 @@ def _mismatch(prog: Program, a: int, b: int, k: int, where_a, where_b) -> PipecE
     )
 
 
-def dry_run(prog: Program) -> DryRun:
-    """Run the Program under the rules above (after `validate` and `check_channels`)."""
+def dry_run(prog: Program, witness: np.ndarray | None = None) -> DryRun:
+    """Run the Program under the rules above (after `validate` and `check_channels`). `witness`: a round
+    per compute op key from the caller's own execution of the schedule (the lowering passes its global
+    order); when it satisfies the rules the run is proven without replaying it (`_witnessed`), else, and
+    without one, the event loop below runs every instruction."""
     validate(prog)
     check_channels(prog)
+    cols = _columns(prog)
+    if witness is not None and _witnessed(cols, witness):
+        return DryRun(True, ())
+    return _replay(prog, cols)
+
+
+def _replay(prog: Program, cols: _Columns) -> DryRun:
+    """The event loop: each instruction visited once, a blocked rank asleep until what it waits for."""
     S, m, R = prog.num_stages, prog.num_microbatches, prog.num_ranks
-    offsets, cols, local_in_order = _columns(prog)
-    ops, msgs, dep1s, dep2s, owns, groups, chans, ks, outs, backs = cols
+    offsets = cols.offsets.tolist()
+    acts, dep1s, dep2s, owns, chans, ks, outs, backs = (
+        c.tolist() for c in (cols.act, cols.dep1, cols.dep2, cols.own, cols.chan, cols.k, cols.out, cols.back)
+    )
     pc = offsets[:-1]  # global instruction indices, one per rank
     ends = offsets[1:]
     kmax = max((b - a for a, b in zip(offsets, offsets[1:])), default=0) + 1
-    issued_upto = list(pc)
+    issued_upto = list(pc)  # a rank resumed at a blocked send or exchange has issued it already
     computed = bytearray(len(OP_KINDS) * S * m)
-    is_compute, is_local, is_send = (c.tolist() for c in (IS_COMPUTE, ~(IS_COMPUTE | IS_P2P), IS_SEND))
     issued = [0] * (R * R)  # issued[a * R + b]: messages a issued towards b
     matched = [0] * (R * R)  # matched[min * R + max]: messages matched between the two
     waiting: dict[int, list[int]] = {}  # channel * kmax + k, or -1 - op key -> ranks
-    blocked: dict[int, tuple[str, int, int]] = {}  # rank -> (event, key, peer)
+    blocked: dict[int, tuple[str, int]] = {}  # rank -> (event, instruction or op key)
     queue = deque(range(R))
 
     while queue:
         r = queue.popleft()
         j, end = pc[r], ends[r]
         while j < end:
-            o = ops[j]
-            if is_compute[o]:
-                if msgs[j] >= 0:
+            a = acts[j]
+            if a == NOTHING:
+                j += 1
+                continue
+            if a <= LOCAL:  # a compute
+                if a != LOCAL:
                     k = ks[j]
                     if k < 0 or matched[chans[j]] <= k:
-                        blocked[r] = ("arrival", msgs[j], outs[j] % R)
+                        blocked[r] = ("arrival", j)
                         if k >= 0:
                             waiting.setdefault(chans[j] * kmax + k, []).append(r)
                         break
-                if local_in_order:
-                    j += 1
-                    continue
+                    if a == ARRIVAL:
+                        j += 1
+                        continue
                 d = dep1s[j]
                 if d < 0 or computed[d]:
                     d = dep2s[j]
                 if d >= 0 and not computed[d]:
-                    blocked[r] = ("compute", d, r)
+                    blocked[r] = ("compute", d)
                     waiting.setdefault(-1 - d, []).append(r)
                     break
                 key = owns[j]
@@ -229,16 +346,14 @@ def dry_run(prog: Program) -> DryRun:
                         queue.append(w)
                 j += 1
                 continue
-            if is_local[o]:  # REDUCE_GRAD, STEP
-                j += 1
-                continue
-            if not groups[j]:  # a lone send or receive: the common case, kept short
-                if issued_upto[r] <= j:
-                    ox = outs[j]
+            last = j + 1 if a >= EXCHANGE_RECV else j  # a batched exchange of two (validate allows no other)
+            if issued_upto[r] <= j:
+                for x in range(j, last + 1):
+                    ox = outs[x]
                     mine = issued[ox] + 1
                     issued[ox] = mine
-                    theirs = issued[backs[j]]
-                    c = chans[j]
+                    theirs = issued[backs[x]]
+                    c = chans[x]
                     done = mine if mine < theirs else theirs
                     while matched[c] < done:
                         if waiting:
@@ -246,33 +361,17 @@ def dry_run(prog: Program) -> DryRun:
                                 del blocked[w]
                                 queue.append(w)
                         matched[c] += 1
-                    issued_upto[r] = j + 1
-                if is_send[o]:
-                    if matched[chans[j]] <= ks[j]:
-                        blocked[r] = ("match", msgs[j], outs[j] % R)
-                        waiting.setdefault(chans[j] * kmax + ks[j], []).append(r)
-                        break
+                issued_upto[r] = last + 1
+            if a == RECV:  # posting a receive never blocks
                 j += 1
                 continue
-            last = j + 1  # a batched exchange of two (validate allows no other group of transfers)
-            if issued_upto[r] <= j:
-                for x in range(j, last + 1):
-                    issued[outs[x]] += 1
-                    c = chans[x]
-                    done = min(issued[outs[x]], issued[backs[x]])
-                    while matched[c] < done:
-                        for w in waiting.pop(c * kmax + matched[c], ()):
-                            del blocked[w]
-                            queue.append(w)
-                        matched[c] += 1
-                issued_upto[r] = last + 1
-            stuck = -1  # its sends block until matched
+            stuck = -1  # sends block until matched
             for x in range(j, last + 1):
-                if is_send[ops[x]] and matched[chans[x]] <= ks[x]:
+                if acts[x] % 2 and matched[chans[x]] <= ks[x]:
                     stuck = x
                     break
             if stuck >= 0:
-                blocked[r] = ("match", msgs[stuck], outs[stuck] % R)
+                blocked[r] = ("match", stuck)
                 waiting.setdefault(chans[stuck] * kmax + ks[stuck], []).append(r)
                 j = stuck
                 break
@@ -285,13 +384,15 @@ def dry_run(prog: Program) -> DryRun:
     for r in range(R):
         if pc[r] == ends[r]:
             continue
-        event, key, peer = blocked[r]
-        rest, mb = divmod(key, m)
-        kind, stage = divmod(rest, S)
+        event, at = blocked[r]
         if event == "compute":
-            what = f"{OPCODES[COMPUTE_OF_KIND[kind]]} {mb} {stage}"
+            rest, mb = divmod(at, m)
+            kind, stage = divmod(rest, S)
+            what, peer = f"{OPCODES[COMPUTE_OF_KIND[kind]]} {mb} {stage}", r
         else:
-            what = f"the {MESSAGE_NOUNS[kind]} of micro-batch {mb} from stage {stage}"
+            rest, mb = divmod(int(cols.msg[at]), m)
+            kind, stage = divmod(rest, S)
+            what, peer = f"the {MESSAGE_NOUNS[kind]} of micro-batch {mb} from stage {stage}", int(cols.peer[at])
         j = pc[r] - offsets[r]
         waits.append(Wait(r, j, _instr_at(prog, r, j), event, peer, what))
     return DryRun(False, tuple(waits))

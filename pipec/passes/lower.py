@@ -74,7 +74,7 @@ def lower_with_proof(sched: Schedule) -> tuple[Program, DryRun]:
         placement=sched.placement,
         ranks=ranks,
     )
-    return prog, dry_run(prog)
+    return prog, dry_run(prog, witness=time_of)  # the order above, checked against every rule
 
 
 def _lower_rank(
