@@ -8,8 +8,15 @@ earlier message between the two ranks has matched (rendezvous); a batched
 group issues all of its operations before its sends wait; a compute waits
 until the receive of its input has completed and its local inputs were
 computed. A Program that finishes under these rules finishes under any
-buffering. Event-driven: each instruction is visited once, a blocked rank
-sleeps until the event it waits for; per-instruction keys come from numpy.
+buffering.
+
+Two ways to the verdict, the same verdict. A compiled Program comes with a
+witness, the execution the lowering built it from; checking that execution
+against the rules is a handful of numpy passes (`_witnessed` says why a
+witness that holds proves the run). Without one, or when it fails, the run is
+replayed event by event: each instruction visited once, a blocked rank asleep
+until the event it waits for, per-instruction keys from numpy; the replay is
+what names the stuck ranks.
 """
 
 from __future__ import annotations
