@@ -95,10 +95,62 @@ def add_run_options(ap: argparse.ArgumentParser) -> None:
         metavar="X",
         help="each micro-batch's loss is multiplied by X (default 1/m: the mean)",
     )
+    add_dp_run_options(ap)
 
 
-def load_program(spec: str, defines: Sequence[str | tuple[str, str]]):
-    """A Program from a compiled file (JSON or text), or by compiling a schedule with its parameters."""
+def add_dp_run_options(ap: argparse.ArgumentParser) -> None:
+    """Data parallelism: --dp N replicas of every rank on a ("pp", "dp") mesh (world = ranks x N),
+    --dp-kind, --prefetch, --max-gathered (the lowering's, pipec.dataparallel), and the runtime's
+    --dp-unit (what FSDP2 shards as one unit)."""
+    if "--dp" not in ap._option_string_actions:  # a parser that already has the lowering's flags keeps them
+        try:
+            from pipec.dataparallel import add_dp_options
+        except ImportError:  # a tree without the lowering's data parallelism: the same flags, here
+            add_dp_options = _add_dp_options
+        add_dp_options(ap)
+    ap.add_argument(
+        "--dp-unit",
+        choices=("stage", "block"),
+        default="stage",
+        help="fsdp: fully_shard each stage (default), or each of its child blocks and then the stage",
+    )
+
+
+def _add_dp_options(ap: argparse.ArgumentParser) -> None:
+    g = ap.add_argument_group("data parallelism")
+    g.add_argument("--dp", type=int, default=1, metavar="N", help="data-parallel replicas of each rank (default 1)")
+    g.add_argument("--dp-kind", choices=("ddp", "fsdp"), default="ddp", help="ddp (replicated) or fsdp (sharded)")
+    g.add_argument("--prefetch", type=int, default=1, metavar="K", help="fsdp: UNSHARD K computes before use")
+    g.add_argument("--max-gathered", type=int, default=None, metavar="K", help="fsdp: at most K stages gathered")
+
+
+def with_dp(program, args: argparse.Namespace):
+    """The Program to run with the command line's data parallelism (None of it given: as it stands).
+
+    A Program compiled for data parallelism must agree with --dp/--dp-kind. One compiled without it (dp 1,
+    no UNSHARD/RESHARD: the Program files of a tree whose formats do not carry dp yet) is run with the
+    flags' dp: its REDUCE_GRAD and STEP are already where both kinds need them, and under fsdp without
+    UNSHARD the stage's FSDP2 pre-forward hook gathers the parameters itself. Raises ValueError."""
+    import dataclasses
+
+    dp, kind = getattr(args, "dp", 1), getattr(args, "dp_kind", "ddp")
+    if dp < 1:
+        raise ValueError(f"--dp must be at least 1, got {dp}")
+    if dp == 1 and kind == "ddp":
+        return program
+    if (program.dp, program.dp_kind) == (dp, kind):
+        return program
+    if program.dp != 1:
+        raise ValueError(
+            f"the Program was compiled for data parallelism {program.dp} x {program.dp_kind}, not the "
+            f"--dp {dp} --dp-kind {kind} asked for; compile it again with these options, or leave them out"
+        )
+    return dataclasses.replace(program, dp=dp, dp_kind=kind)
+
+
+def load_program(spec: str, defines: Sequence[str | tuple[str, str]], args: argparse.Namespace | None = None):
+    """A Program from a compiled file (JSON or text), or by compiling a schedule with its parameters (and
+    the data parallelism of `args`, when the lowering places its collectives)."""
     from pipec.api import build
     from pipec.frontend import library
     from pipec.passes.compiler import compile_schedule
@@ -113,7 +165,28 @@ def load_program(spec: str, defines: Sequence[str | tuple[str, str]]):
             prove(program)
             return program
     pairs = [d if isinstance(d, tuple) else tuple(x.strip() for x in d.split("=", 1)) for d in defines]
-    return compile_schedule(build(library.read(spec), pairs)).program
+    sched = build(library.read(spec), pairs)
+    if args is not None and getattr(args, "dp", 1) > 1:
+        import inspect
+
+        if "data_parallel" in inspect.signature(compile_schedule).parameters:
+            from pipec.dataparallel import from_args
+
+            return compile_schedule(sched, None, from_args(args)).program
+    return compile_schedule(sched).program
+
+
+def dp_problem(program, args: argparse.Namespace, world: int | None) -> str | None:
+    """Why this data-parallel run cannot start (None when it can): the world, and what dp does not support."""
+    if world is not None:
+        from pipec.runtime.dataparallel import check_world
+
+        problem = check_world(program.num_ranks, program.dp, world)
+        if problem:
+            return problem
+    if getattr(args, "checkpoint", None):
+        return f"--checkpoint with --dp {program.dp} is not supported yet (the checkpoint writes one replica's shards)"
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -134,13 +207,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     from pipec.errors import PipecError
 
     try:
-        program = load_program(args.schedule, args.defines)
+        program = with_dp(load_program(args.schedule, args.defines, args), args)
     except PipecError as e:
         say("\n".join(d.format() for d in e.diagnostics))
         return 1
+    except ValueError as e:
+        say(f"pipec: rank {rank}: error: {e}")
+        return 1
     from pipec.runtime.errors import wrong_world_size
 
-    if world != program.num_ranks:  # before any communication
+    if program.dp > 1:  # before any communication
+        problem = dp_problem(program, args, world)
+        if problem:
+            say(f"pipec: rank {rank}: error: {problem}")
+            return 1
+    elif world != program.num_ranks:
         say(f"pipec: rank {rank}: error: {wrong_world_size(program, world)}")
         return 1
 
@@ -212,6 +293,8 @@ class Worker:
             if self.monitor is None:
                 say(f"pipec: rank {self.rank}: error during start-up: {type(e).__name__}: {e}")
                 os._exit(1)
+            if isinstance(e, CommError) and self.runner is not None:
+                e.peer = self.runner.global_rank(e.peer)  # the Program's rank -> this job's rank
             culprit = e.peer if isinstance(e, CommError) else self.rank
             if isinstance(e, CommError):
                 # Blame the rank whose heartbeat stopped, not merely the one this rank waited on.
@@ -275,7 +358,7 @@ class Worker:
             self.program,
             m.build_stage,
             m.loss_fn,
-            rank=self.rank,
+            rank=self.rank if self.program.dp == 1 else None,  # with a mesh: its "pp" coordinate
             optimizer=m.optimizer,
             dtype=m.dtype,
             device=self.device,
@@ -285,6 +368,7 @@ class Worker:
             where=f"{m.path}: build_stage",
             links=self._links(),
             recv_ahead=args.recv_ahead,
+            dp_unit=args.dp_unit,
         )
 
     def _links(self):
@@ -328,12 +412,17 @@ class Worker:
                 device=self.device,
                 loss_scale=args.loss_scale,
                 seed=args.seed,
+                replicas=self.program.dp,
             )
             checks = CheckStats()
         needs_batch = runner.has_first or runner.has_last or reference is not None
         start = self._resume(dist, reference)
         if self.rank == 0:
-            show(header(self.program, f"{args.backend}, {self.world} processes", m.path))
+            how = f"{args.backend}, {self.world} processes"
+            if self.program.dp > 1:
+                unit = f" per {args.dp_unit}" if self.program.dp_kind == "fsdp" else ""
+                how += f" ({self.program.num_ranks} ranks x {self.program.dp} {self.program.dp_kind} replicas{unit})"
+            show(header(self.program, how, m.path))
             binding = describe(args.cpus, args.local_world, args.cpu_bind, args.backend)
             if binding:
                 show(binding)
@@ -379,7 +468,9 @@ class Worker:
                 from pipec.runtime.measure import timeline
                 from pipec.sim.trace import write_trace
 
-                events = [json.loads(self.store.get(f"pipec/trace/{r}").decode()) for r in range(self.world)]
+                # the pipeline of replica 0 (global ranks 0, dp, 2 dp, ...: pipec.runtime.dataparallel)
+                ranks = range(0, self.world, self.program.dp)
+                events = [json.loads(self.store.get(f"pipec/trace/{r}").decode()) for r in ranks]
                 write_trace(timeline(self.program, events), args.trace)
                 show(f"wrote the measured timeline of step {args.steps} to {args.trace}")
         return code
@@ -435,7 +526,8 @@ def backend_threads() -> list[str]:
 def default_tol(runner) -> float:
     import torch
 
-    dtypes = {p.dtype for p in runner.named_parameters().values()}
+    # the modules' own parameters: named_parameters gathers shards, a collective rank 0 cannot call alone
+    dtypes = {p.dtype for st in runner.stages.values() for p in st.module.parameters()}
     return 1e-10 if dtypes <= {torch.float64} else 1e-4
 
 

@@ -29,7 +29,24 @@ def run(args: argparse.Namespace, program: Program) -> int:
         return _misuse(f"--checkpoint-every must be at least 1, got {args.checkpoint_every}")
     if args.checkpoint and args.local:
         return _misuse("--checkpoint needs the distributed runtime (torch.distributed.checkpoint), not --local")
-    if not args.local and args.nproc is not None and args.nproc != program.num_ranks:
+    from pipec.runtime.launch import dp_problem, with_dp
+
+    try:
+        program = with_dp(program, args)
+    except ValueError as e:
+        return _misuse(str(e))
+    if program.dp > 1:
+        if args.local:
+            return _misuse(
+                f"--dp {program.dp} needs the distributed runtime (a DeviceMesh of {program.num_ranks} x "
+                f"{program.dp} processes); --local runs one pipeline in one process"
+            )
+        problem = dp_problem(program, args, args.nproc)
+        if problem:
+            return _misuse(problem)
+        if getattr(args, "dp_unit", "stage") != "stage" and program.dp_kind != "fsdp":
+            return _misuse("--dp-unit block shards per block: it needs --dp-kind fsdp")
+    elif not args.local and args.nproc is not None and args.nproc != program.num_ranks:
         from pipec.runtime.errors import wrong_world_size
 
         return _misuse(wrong_world_size(program, args.nproc))
@@ -47,7 +64,7 @@ def run(args: argparse.Namespace, program: Program) -> int:
         except PipelineError as e:
             print(f"pipec run: error: {e}", file=sys.stderr)
             return 1
-    return run_torchrun(args, program, program.num_ranks)
+    return run_torchrun(args, program, program.num_ranks * program.dp)
 
 
 def _misuse(message: str) -> int:
@@ -68,6 +85,12 @@ def worker_args(args: argparse.Namespace, program_path: str) -> list[str]:
         out += ["--loss-scale", repr(args.loss_scale)]
     if args.recv_ahead is not None:
         out += ["--recv-ahead", str(args.recv_ahead)]
+    if getattr(args, "dp", 1) != 1 or getattr(args, "dp_kind", "ddp") != "ddp":
+        out += ["--dp", str(args.dp), "--dp-kind", args.dp_kind, "--prefetch", str(args.prefetch)]
+        if args.max_gathered is not None:
+            out += ["--max-gathered", str(args.max_gathered)]
+    if getattr(args, "dp_unit", "stage") != "stage":
+        out += ["--dp-unit", args.dp_unit]
     if args.checkpoint:
         out += ["--checkpoint", os.path.abspath(args.checkpoint)]
         if args.checkpoint_every:

@@ -205,6 +205,16 @@ class Runner:
     def where(self) -> str:
         return self.executor.where()
 
+    def global_rank(self, rank: int) -> int:
+        """The job's rank of the Program's rank `rank` in this replica (itself without a mesh or group)."""
+        comm = self.executor.comm
+        if self.replicas is None and getattr(comm, "peers", None) is None:
+            return rank
+        try:
+            return comm.global_rank(rank)
+        except (AttributeError, IndexError):
+            return rank
+
     def step(self, inputs: Any = None, targets: Any = None, *, record: bool = False) -> StepResult:
         """One training step on the whole batch (inputs needed on the first stage's rank, targets on the
         last stage's); the optimizer has stepped when it returns, and `.grad` holds this step's gradients."""
