@@ -25,7 +25,22 @@ a list with one per stage:
   measures it; default 0);
 - `act_bytes`: bytes of the activation stage s sends to s + 1; `grad_bytes`:
   bytes of the gradient stage s sends to s - 1 (default: the activation size
-  across the same boundary, `act_bytes[s - 1]`).
+  across the same boundary, `act_bytes[s - 1]`);
+- data parallelism (a Program with `dp` = N > 1 replicas of each rank): `param_bytes`, the bytes of
+  stage s's parameters (its gradients are as large); `reduce_grad` and `unshard`, the seconds of stage
+  s's gradient reduction and parameter all-gather when no bytes are known (they win over the ring
+  formulas below); `dp_latency` (seconds per ring hop) and `dp_bandwidth` (bit/s), both one number: the
+  link between the replicas of a rank inside one datacenter.
+
+Collectives (`REDUCE_GRAD`, `UNSHARD`) are rings over the N replicas (`collective_time`): with a link of
+latency a and bandwidth b (bytes/s) and B bytes, an all-reduce (ddp's REDUCE_GRAD) takes 2(N-1) a +
+2(N-1)/N B / b, an all-gather (fsdp's UNSHARD) or a reduce-scatter (fsdp's REDUCE_GRAD) (N-1) a +
+(N-1)/N B / b, and nothing with N = 1. Every step of a ring moves a chunk of B / N over each hop at
+once, so a step takes its slowest hop's time: the hop between replicas in one datacenter takes
+`dp_latency`/`dp_bandwidth`, or when those are not given the link of two ranks inside that datacenter
+(free with no topology); the hop between replicas in two datacenters (the topology's `replica_dcs`)
+takes the link between those datacenters by the rules of rank links below. Collectives are free when
+nothing is given, as messages are.
 
 A message from stage s, rank a to rank b arrives `comm[s] + latency(a, b) +
 bytes / bandwidth(a, b)` after it is sent, when nothing else is on its link:
@@ -56,7 +71,7 @@ import numpy as np
 
 from pipec.errors import brief, error
 from pipec.opcodes import ACT_MSG, KIND_OF
-from pipec.schedule import Schedule
+from pipec.schedule import Schedule, Topology
 
 FORMAT = "pipec-costs"
 # Version 2 (what `dump_costs` writes, so every `pipec profile` file) declares what it holds, so that a
@@ -75,7 +90,9 @@ _META = ("format", "version", "comment", "unit", "measured", "schedule", "params
 # A number as --cost takes it: ASCII digits only (float() would also take `1_0` and Arabic-Indic digits).
 _NUMBER = re.compile(r"[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?|[-+]?(?:inf|nan)", re.IGNORECASE)
 
-STAGE_KEYS = ("F", "B", "W", "comm", "act_bytes", "grad_bytes")
+STAGE_KEYS = ("F", "B", "W", "comm", "act_bytes", "grad_bytes", "param_bytes", "reduce_grad", "unshard")
+# Per-stage keys whose absence means "compute it" (NaN in the model), not zero: the collectives' direct times.
+_DIRECT = ("reduce_grad", "unshard")
 LINK_CLASSES = ("node", "dc", "cross")
 # Built-in links when a topology is declared but a class is not: NVLink-like inside a node,
 # InfiniBand-like inside a datacenter, a long-haul link between datacenters. (latency s, bandwidth bit/s)
@@ -88,6 +105,10 @@ _RATE.update({"B/s": 8.0, "KB/s": 8e3, "MB/s": 8e6, "GB/s": 8e9, "TB/s": 8e12})
 _SIZE = {"B": 1.0, "KB": 1e3, "MB": 1e6, "GB": 1e9, "KiB": 2.0**10, "MiB": 2.0**20, "GiB": 2.0**30}
 _KIND_UNITS = {"time": _TIME, "bandwidth": _RATE, "bytes": _SIZE}
 _KEY_KIND = {"F": "time", "B": "time", "W": "time", "comm": "time", "act_bytes": "bytes", "grad_bytes": "bytes"}
+_KEY_KIND.update({"param_bytes": "bytes", "reduce_grad": "time", "unshard": "time"})
+# The ring collectives: how many ring steps each takes per replica beyond the first (an all-reduce is a
+# reduce-scatter then an all-gather).
+RING_STEPS = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
 
 
 @dataclass(frozen=True, eq=False)
@@ -110,10 +131,74 @@ class CostModel:
     # concurrent messages on it share its bandwidth; links inside a datacenter are not shared.
     link_group: np.ndarray | None = None
     overhead: float = 0.0  # seconds of the rank's time per send or receive instruction (LogP's o)
+    # Data parallelism (the module docstring): per stage, its parameters' bytes and the direct times of its
+    # reduction and all-gather (NaN where not given: the ring formula's); per rank, (latency s, bandwidth
+    # bytes/s) of a ring hop between two of its replicas inside one datacenter; per replica index, the
+    # datacenter the topology's `replica_dcs` puts it in (empty: the rank's own), and the hop link between
+    # two such datacenters by name. None: nothing given (a model built before collectives, all free).
+    param_bytes: np.ndarray | None = None
+    reduce_grad: np.ndarray | None = None
+    unshard: np.ndarray | None = None
+    dp_link: np.ndarray | None = None
+    replica_names: tuple[str | None, ...] = ()
+    replica_links: Mapping[tuple[str, str], tuple[float, float]] = field(default_factory=dict)
 
     @property
     def num_stages(self) -> int:
         return len(self.F)
+
+    @property
+    def free_collectives(self) -> bool:
+        """Whether every collective takes no time at any number of replicas (nothing sized or timed)."""
+        direct = [a for a in (self.reduce_grad, self.unshard) if a is not None]
+        if any((np.nan_to_num(a, nan=0.0) > 0).any() for a in direct):
+            return False
+        sized = self.param_bytes is not None and (self.param_bytes > 0).any()
+        links = [] if self.dp_link is None else [tuple(x) for x in self.dp_link.tolist()]
+        links += list(self.replica_links.values())
+        return not any(lat > 0 or (sized and math.isfinite(bw)) for lat, bw in links)
+
+    def ring_hops(self, rank: int, n: int) -> list[tuple[float, float]]:
+        """The links (latency s, bandwidth bytes/s) of the ring over rank's n replicas, replica i to i + 1:
+        inside the rank's datacenter, or between the datacenters `replica_dcs` puts them in."""
+        own = FREE if self.dp_link is None else (float(self.dp_link[rank, 0]), float(self.dp_link[rank, 1]))
+        if not self.replica_names:
+            return [own] * n
+        names = self.replica_names[:n]
+        if len(names) < n or None in names:
+            lost = next(i for i in range(n) if i >= len(names) or names[i] is None)
+            raise error(
+                "E801",
+                f"the program runs {n} data-parallel replicas of each rank, but the topology's replica "
+                f"datacenters leave replica {lost} out",
+            )
+        return [self.replica_links.get((names[i], names[(i + 1) % n]), own) for i in range(n)]
+
+    def collective_time(self, op: np.ndarray, stage: np.ndarray, rank: np.ndarray, n: int, dp_kind: str) -> np.ndarray:
+        """Durations of collective instructions (opcodes of `pipec.opcodes`) on these stages and ranks, over
+        n replicas sharing parameters as `dp_kind` says: REDUCE_GRAD an all-reduce (ddp) or reduce-scatter
+        (fsdp) of the stage's gradients, UNSHARD an all-gather of its parameters, RESHARD nothing. A given
+        `reduce_grad`/`unshard` time wins over the formula; with one replica everything is free. The
+        simulator charges every collective with this (`ring_time` for the formula)."""
+        from pipec.opcodes import REDUCE_GRAD, UNSHARD
+
+        out = np.zeros(len(op))
+        if n <= 1 or not len(op):
+            return out
+        size = np.zeros(len(op)) if self.param_bytes is None else self.param_bytes[stage]
+        reduce = "all_reduce" if dp_kind == "ddp" else "reduce_scatter"
+        for r in np.unique(rank).tolist():
+            hops = self.ring_hops(r, n)
+            for code, algo, direct in ((REDUCE_GRAD, reduce, self.reduce_grad), (UNSHARD, "all_gather", self.unshard)):
+                sel = (rank == r) & (op == code)
+                if not sel.any():
+                    continue
+                t = ring_time(algo, n, size[sel], hops)
+                if direct is not None:
+                    given = direct[stage[sel]]
+                    t = np.where(np.isnan(given), t, given)
+                out[sel] = t
+        return out
 
     @property
     def free_comm(self) -> bool:
@@ -145,6 +230,37 @@ class CostModel:
         finite = np.isfinite(bw)
         txd = np.where(finite & (size > 0), size / np.where(finite, bw, 1.0), 0.0)
         return size, txd, self.latency[src, dst] + self.comm[stage]
+
+    def _describe_collectives(self, col) -> dict:
+        """The data-parallel part of `describe`: sizes, direct times (None: the ring's), the ring hops."""
+
+        def direct(a: np.ndarray | None):
+            if a is None or np.isnan(a).all():
+                return None
+            return col(np.where(np.isnan(a), -1.0, a))  # -1: the formula's on that stage
+
+        hop = None
+        if self.dp_link is not None and len(self.dp_link):
+            lat = sorted(set(self.dp_link[:, 0].tolist()))
+            bw = sorted(set((self.dp_link[:, 1] * 8).tolist()))
+            hop = {
+                "latency_s": lat[0] if len(lat) == 1 else lat,
+                "bandwidth_bps": _json_num(bw[0]) if len(bw) == 1 else [_json_num(b) for b in bw],
+            }
+        between = {
+            f"{a} <-> {b}": {"latency_s": lat, "bandwidth_bps": _json_num(bw * 8)}
+            for (a, b), (lat, bw) in sorted(self.replica_links.items())
+            if a < b
+        }
+        return {
+            "param_bytes": None if self.param_bytes is None else col(self.param_bytes),
+            "reduce_grad": direct(self.reduce_grad),
+            "unshard": direct(self.unshard),
+            "dp_link": hop,
+            "replica_dcs": sorted({n for n in self.replica_names if n is not None}),
+            "between_replica_dcs": between,
+            "free": self.free_collectives,
+        }
 
     def per_microbatch(self) -> float:
         """Compute time of one micro-batch through the whole model (every stage's F + B + W)."""
@@ -180,9 +296,28 @@ class CostModel:
             "grad_bytes": col(self.grad_bytes),
             "overhead": self.overhead,
             "links": links,
+            "collectives": self._describe_collectives(col),
             "free_comm": self.free_comm,
             "from": list(self.origin),
         }
+
+
+def ring_time(algo: str, n: int, nbytes: np.ndarray | float, hops: Sequence[tuple[float, float]]) -> np.ndarray:
+    """Time of a ring collective (`RING_STEPS`: "all_reduce", "all_gather", "reduce_scatter") of `nbytes`
+    over n replicas whose ring hops have these links (latency s, bandwidth bytes/s; inf: no size term).
+
+    Each of its steps (2(n-1) for an all-reduce, n-1 for the others) sends a chunk of nbytes / n over every
+    hop at once and takes the slowest hop's time; over one link (a, b) that is Patarasuk and Yuan's
+    2(n-1) a + 2(n-1)/n B/b for an all-reduce and (n-1) a + (n-1)/n B/b for the others. Zero for n = 1.
+    """
+    size = np.asarray(nbytes, dtype=float)
+    if n <= 1:
+        return np.zeros(size.shape)
+    step = np.zeros(size.shape)
+    for lat, bw in set(hops):
+        chunk = np.where(size > 0, size / n / bw, 0.0) if math.isfinite(bw) else np.zeros(size.shape)
+        step = np.maximum(step, lat + chunk)
+    return RING_STEPS[algo] * (n - 1) * step
 
 
 def _json_num(x: float):
@@ -281,6 +416,10 @@ def normalize(doc: Mapping, what: str = "costs") -> dict:
             out["act_bytes"] = _per_stage(value, "bytes", f"{what}: bytes")
         elif key == "overhead":
             out["overhead"] = quantity(value, "time", f"{what}: overhead")
+        elif key == "dp_latency":
+            out["dp_latency"] = quantity(value, "time", f"{what}: dp_latency")
+        elif key == "dp_bandwidth":
+            out["dp_bandwidth"] = quantity(value, "bandwidth", f"{what}: dp_bandwidth")
         elif key == "latency":
             for c in LINK_CLASSES:
                 links.setdefault(c, {})["latency"] = quantity(value, "time", f"{what}: latency")
@@ -308,6 +447,7 @@ def normalize(doc: Mapping, what: str = "costs") -> dict:
             known = ", ".join(
                 STAGE_KEYS
                 + ("T_F", "T_B", "T_W", "bytes", "overhead", "latency", "bandwidth", "links", "ranks_per_node")
+                + ("dp_latency", "dp_bandwidth")
             )
             raise error("E801", f"{what}: unknown cost `{brief(key)}` (known: {known})")
     if links:
@@ -443,7 +583,8 @@ def cost_model(sched: Schedule, overrides: Sequence[Mapping] = ()) -> CostModel:
     # Five (ranks, ranks) tables of 8 bytes and their temporaries: 10,000 ranks take 8 GB.
     require_memory(10 * 8 * float(R) ** 2, f"the cost model's per-rank-pair links of {R:,} ranks")
     vals = {k: np.full(S, R / S) for k in ("F", "B", "W")}
-    vals.update({k: np.zeros(S) for k in ("comm", "act_bytes")})
+    vals.update({k: np.zeros(S) for k in ("comm", "act_bytes", "param_bytes")})
+    vals.update({k: np.full(S, np.nan) for k in _DIRECT})
     grad: np.ndarray | None = None  # default: the activation size across the same boundary
     origin = ["defaults"]
     if sched.costs:
@@ -456,9 +597,11 @@ def cost_model(sched: Schedule, overrides: Sequence[Mapping] = ()) -> CostModel:
     given = set(sched.costs)
     ranks_per_node = None
     overhead = 0.0
+    dp_given: dict[str, float] = {}
     for ov in overrides:
         ranks_per_node = ov.get("ranks_per_node", ranks_per_node)
         overhead = ov.get("overhead", overhead)
+        dp_given.update({k[3:]: ov[k] for k in ("dp_latency", "dp_bandwidth") if k in ov})
     dc = _datacenter_of(sched, R)
     cls = _link_classes(dc, ranks_per_node)
     latency, bandwidth = _topology_links(sched, dc, cls)
@@ -496,11 +639,14 @@ def cost_model(sched: Schedule, overrides: Sequence[Mapping] = ()) -> CostModel:
     if not sched.split_backward and "B" in given and "W" not in given:
         vals["W"] = np.zeros(S)  # B was given for a schedule without W: it is the full backward
     vals["grad_bytes"] = grad
-    for k in ("F", "B", "W", "comm", "act_bytes", "grad_bytes"):
-        if not (np.isfinite(vals[k]).all() and (vals[k] >= 0).all()):
+    for k in ("F", "B", "W", "comm", "act_bytes", "grad_bytes", "param_bytes", *_DIRECT):
+        v = vals[k][~np.isnan(vals[k])] if k in _DIRECT else vals[k]  # a direct time not given is NaN
+        if not (np.isfinite(v).all() and (v >= 0).all()):
             raise error("E801", f"cost `{k}` must be a finite number >= 0 for every stage")
-        if (vals[k] > MAX_QUANTITY).any():  # a schedule's own declaration, or T_F scaled by p / S
+        if (v > MAX_QUANTITY).any():  # a schedule's own declaration, or T_F scaled by p / S
             raise error("E801", f"cost `{k}` is out of range (at most {MAX_QUANTITY:g}) on some stage")
+    class_specs = [(c, spec) for ov in overrides for c, spec in ov.get("links", {}).items()]
+    dp_link, replica_names, replica_links = _dp_links(sched.topology, dc, class_specs, dp_given)
     np.fill_diagonal(latency, 0.0)
     np.fill_diagonal(bandwidth, np.inf)
     return CostModel(
@@ -517,7 +663,55 @@ def cost_model(sched: Schedule, overrides: Sequence[Mapping] = ()) -> CostModel:
         origin=tuple(origin),
         link_group=_link_groups(dc, cls),
         overhead=float(overhead),
+        param_bytes=vals["param_bytes"],
+        reduce_grad=vals["reduce_grad"],
+        unshard=vals["unshard"],
+        dp_link=dp_link,
+        replica_names=replica_names,
+        replica_links=replica_links,
     )
+
+
+def _dc_link(topo: Topology | None, a: str | None, b: str | None, class_specs) -> tuple[float, float]:
+    """(latency s, bandwidth bytes/s) between datacenters named a and b (None: the implicit one of ranks
+    outside every declared datacenter), by the rules of rank links: free without a topology, else the
+    class default (`dc` for one datacenter, `cross` for two), `default link`, then `link "A" <-> "B"`, then
+    the cost documents' class settings in order."""
+    cls = "dc" if a == b else "cross"
+    lat, bps = FREE if topo is None else LINK_DEFAULTS[cls]
+    if topo is not None:
+        for link in sorted(topo.links, key=lambda lk: lk.a is not None):
+            if link.a is None or {link.a, link.b} == {a, b}:
+                lat = lat if link.latency_s is None else link.latency_s
+                bps = bps if link.bandwidth_bps is None else link.bandwidth_bps
+    for c, spec in class_specs:
+        if c == cls:
+            lat, bps = spec.get("latency", lat), spec.get("bandwidth", bps)
+    return float(lat), float(bps) / 8.0
+
+
+def _dp_links(topo: Topology | None, dc: np.ndarray, class_specs, given: Mapping[str, float]):
+    """The ring hops of data parallelism (see `CostModel`): per rank the hop inside its datacenter
+    (`dp_latency`/`dp_bandwidth` where given, else the link of two ranks there), the datacenter of each
+    replica index, and the hop between two replica datacenters by name (inside one: the given values)."""
+    names = [d.name for d in topo.datacenters] if topo is not None else []
+
+    def inside(name: str | None) -> tuple[float, float]:
+        lat, bw = _dc_link(topo, name, name, class_specs)
+        return given.get("latency", lat), given["bandwidth"] / 8.0 if "bandwidth" in given else bw
+
+    own = {i: inside(names[i] if i >= 0 else None) for i in set(dc.tolist())}
+    dp_link = np.array([own[i] for i in dc.tolist()], dtype=float).reshape(len(dc), 2)
+    replicas = topo.replica_dcs if topo is not None else ()
+    by_index: list[str | None] = [None] * max((d.hi for d in replicas), default=0)
+    for d in replicas:
+        by_index[d.lo : d.hi] = [d.name] * (d.hi - d.lo)
+    replica_names = tuple(by_index)
+    links = {}
+    for a in {d.name for d in replicas}:
+        for b in {d.name for d in replicas}:
+            links[a, b] = inside(a) if a == b else _dc_link(topo, a, b, class_specs)
+    return dp_link, replica_names, links
 
 
 def _datacenter_of(sched: Schedule, R: int) -> np.ndarray:
@@ -564,6 +758,8 @@ def _topology_links(sched: Schedule, dc: np.ndarray, cls: np.ndarray) -> tuple[n
         if link.a is None:
             sel = cls >= 0
         else:
+            if link.a not in names or link.b not in names:
+                continue  # a link between datacenters of replicas only (`replica_dcs`): no rank pair crosses it
             a, b = names[link.a], names[link.b]
             sel = ((dc[:, None] == a) & (dc[None, :] == b)) | ((dc[:, None] == b) & (dc[None, :] == a))
         if link.latency_s is not None:

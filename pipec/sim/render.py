@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pipec.opcodes import REDUCE_GRAD, RESHARD, UNSHARD
 from pipec.program import BWD, FWD, WGRAD
 from pipec.sim.timeline import Timeline
 
@@ -20,6 +21,11 @@ from pipec.sim.timeline import Timeline
 COLORS = {FWD: "#4878d0", BWD: "#6acc64", WGRAD: "#ee854a"}
 LIGHT = {FWD: "#a9c2ef", BWD: "#b9e8b5", WGRAD: "#f7c6a6"}
 LETTER = {FWD: "F", BWD: "B", WGRAD: "W"}
+# Collectives (data parallelism): a thin lane under each rank's compute row; waits for them in the row.
+COLL_COLORS = {REDUCE_GRAD: "#8c61c9", UNSHARD: "#2aa198", RESHARD: "#333333"}
+COLL_LETTER = {REDUCE_GRAD: "R", UNSHARD: "U", RESHARD: "|"}
+COLL_NAMES = {REDUCE_GRAD: "reduce grad", UNSHARD: "unshard", RESHARD: "reshard"}
+WAIT_COLOR = "#e9a3a3"
 
 
 @dataclass(frozen=True)
@@ -92,12 +98,26 @@ def plot_timelines(panels: Sequence[Panel], path: str | Path, *, width: float | 
         chunk = _chunks(tl)
         boxes, colors = [], []
         y0 = tl.rank.astype(float)
+        has_coll = len(tl.coll_rank) > 0
+        low = -0.2 if has_coll else -0.42  # with collectives, their lane takes the bottom of each row
         for j in range(len(tl.rank)):
             s, e, y = float(tl.start[j]), float(tl.end[j]), R - 1 - y0[j]
-            boxes.append([(s, y - 0.42), (s, y + 0.42), (e, y + 0.42), (e, y - 0.42)])
+            boxes.append([(s, y + low), (s, y + 0.42), (e, y + 0.42), (e, y + low)])
             op = int(tl.op[j])
             colors.append((LIGHT if chunk[j] % 2 else COLORS).get(op, "#999999"))
+        for j in range(len(tl.wait_rank)):
+            s, e, y = float(tl.wait_start[j]), float(tl.wait_end[j]), R - 1 - float(tl.wait_rank[j])
+            boxes.append([(s, y + low), (s, y + 0.42), (e, y + 0.42), (e, y + low)])
+            colors.append(WAIT_COLOR)
         ax.add_collection(PolyCollection(boxes, facecolors=colors, edgecolors="white", linewidths=0.6))
+        if has_coll:
+            lane, lane_colors = [], []
+            for j in range(len(tl.coll_rank)):
+                s, e, y = float(tl.coll_start[j]), float(tl.coll_end[j]), R - 1 - float(tl.coll_rank[j])
+                e = max(e, s + horizon * 1e-3)  # an instant (RESHARD) as a tick
+                lane.append([(s, y - 0.42), (s, y - 0.26), (e, y - 0.26), (e, y - 0.42)])
+                lane_colors.append(COLL_COLORS.get(int(tl.coll_op[j]), "#999999"))
+            ax.add_collection(PolyCollection(lane, facecolors=lane_colors, edgecolors="none"))
         # Micro-batch numbers: font size from the narrowest box, skipped when boxes are too thin.
         durs = tl.end - tl.start
         if len(durs):
@@ -130,6 +150,10 @@ def plot_timelines(panels: Sequence[Panel], path: str | Path, *, width: float | 
         handles = [Patch(color=COLORS[k], label={FWD: "F", BWD: "B", WGRAD: "W"}[k]) for k in kinds if k in COLORS]
         if (chunk > 0).any():
             handles += [Patch(color=LIGHT[k], label=f"{LETTER[k]}, chunk 2") for k in kinds if k in LIGHT]
+        for k in sorted(set(tl.coll_op.tolist())):
+            handles.append(Patch(color=COLL_COLORS.get(k, "#999999"), label=COLL_NAMES.get(k, str(k))))
+        if len(tl.wait_rank):
+            handles.append(Patch(color=WAIT_COLOR, label="wait for collective"))
         ax.legend(
             handles=handles,
             loc="upper left",
@@ -185,7 +209,9 @@ def _save_small_png(fig, out, dpi: int) -> None:
 def text_gantt(tl: Timeline, width: int = 120, ranks: Sequence[int] | None = None) -> str:
     """A compact text Gantt: one row per rank, each op its kind letter and micro-batch (`F3`, `B12`) from its
     start column, `.` where the rank is idle; lower-case letters mark a rank's second (odd) chunk. The time
-    scale gives the shortest op room for its label; a long schedule wraps into bands of `width` columns."""
+    scale gives the shortest op room for its label; a long schedule wraps into bands of `width` columns.
+    With data parallelism each rank's row has a `coll` row under it: `R1` where stage 1's gradient
+    reduction runs, `U1` its all-gather, `|` a reshard; `~` in the rank's row where it waits for one."""
     R = tl.num_ranks
     shown = list(range(R)) if ranks is None else list(ranks)
     label_w = len(f"rank {max(shown, default=0)}") + 1
@@ -211,6 +237,23 @@ def text_gantt(tl: Timeline, width: int = 120, ranks: Sequence[int] | None = Non
         if len(label) > b - a:
             label = letter
         lines[int(tl.rank[j])][a:b] = list(label.ljust(b - a))
+    for j in range(len(tl.wait_rank)):
+        a, b = int(math.floor(tl.wait_start[j] * scale + 1e-9)), int(math.floor(tl.wait_end[j] * scale + 1e-9))
+        row = lines[int(tl.wait_rank[j])]
+        row[a:b] = ["~" if c == "." else c for c in row[a:b]]
+    coll = None
+    if len(tl.coll_rank):
+        total = max(total, int(math.ceil(float(tl.coll_end.max()) * scale - 1e-9)))
+        for row in lines:
+            row.extend(["."] * (total - len(row)))
+        coll = [[" "] * total for _ in range(R)]
+        for j in range(len(tl.coll_rank)):
+            a = int(math.floor(tl.coll_start[j] * scale + 1e-9))
+            b = max(int(math.floor(tl.coll_end[j] * scale + 1e-9)), a + 1)
+            letter = COLL_LETTER.get(int(tl.coll_op[j]), "?")
+            label = letter if letter == "|" else f"{letter}{int(tl.coll_stage[j])}"
+            label = (label if len(label) <= b - a else letter).ljust(b - a, "=" if letter != "|" else " ")
+            coll[int(tl.coll_rank[j])][a : min(b, total)] = list(label[: total - a])
     # Time ticks every ~10 columns, at round times.
     ticks = [" "] * (total + 16)
     step = _nice_step(10 / scale)
@@ -225,7 +268,10 @@ def text_gantt(tl: Timeline, width: int = 120, ranks: Sequence[int] | None = Non
         if lo:
             out.append("")
         out.append(" " * label_w + "".join(ticks[lo : lo + cols]).rstrip())
-        out.extend((f"rank {r}".ljust(label_w) + "".join(lines[r][lo : lo + cols])).rstrip() for r in shown)
+        for r in shown:
+            out.append((f"rank {r}".ljust(label_w) + "".join(lines[r][lo : lo + cols])).rstrip())
+            if coll is not None:
+                out.append((" coll".ljust(label_w) + "".join(coll[r][lo : lo + cols])).rstrip())
     return "\n".join(out)
 
 

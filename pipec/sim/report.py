@@ -74,6 +74,9 @@ def to_json(sim: Simulation) -> dict:
         "compute_ops": int(len(tl.rank)),
         "messages": int(len(tl.msg_send)),
         "message_bytes": _num(float(tl.msg_bytes.sum())) if len(tl.msg_bytes) else 0,
+        "collectives": int(len(tl.coll_rank)),
+        "collective_busy": _num(sum(r.collective_busy for r in st.ranks)),
+        "collective_exposed": _num(max((r.collective_exposed for r in st.ranks), default=0.0)),
         "per_rank": [
             {
                 "rank": r.rank,
@@ -82,6 +85,8 @@ def to_json(sim: Simulation) -> dict:
                 "span": _num(r.span),
                 "busy": _num(r.busy),
                 "idle": _num(r.idle),
+                "collective_busy": _num(r.collective_busy),
+                "collective_exposed": _num(r.collective_exposed),
                 "peak_memory": None if r.peak_memory is None else _num(r.peak_memory),
                 "memory_limit": None if np.isnan(limit[r.rank]) else _num(float(limit[r.rank])),
                 "memory_curve": [[_num(t), _num(v)] for t, v in zip(*(c.tolist() for c in curves[r.rank]))],
@@ -123,9 +128,14 @@ def summary_text(sim: Simulation) -> str:
 
     costs = f"costs: F={short(desc['F'])} B={short(desc['B'])} W={short(desc['W'])}{full}, {link}"
     rows = [("rank", "first", "last", "busy", "idle", "peak memory")]
+    coll = len(sim.timeline.coll_rank) > 0  # data parallelism: the collective stream's columns too
+    if coll:
+        rows[0] += ("collectives", "exposed")
     for r in st.ranks:
         rows.append((str(r.rank), _g(r.first), _g(r.last), _g(r.busy), _g(r.idle), _g(r.peak_memory or 0)))
-    return "\n".join([head, costs, _table(rows, right={1, 2, 3, 4, 5})])
+        if coll:
+            rows[-1] += (_g(r.collective_busy), _g(r.collective_exposed))
+    return "\n".join([head, costs, _table(rows, right={1, 2, 3, 4, 5, 6, 7})])
 
 
 def compare_text(sims: Sequence[Simulation]) -> str:

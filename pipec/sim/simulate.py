@@ -52,6 +52,7 @@ from pipec.errors import error
 from pipec.opcodes import (
     BWD,
     FWD,
+    IS_COLLECTIVE,
     IS_COMPUTE,
     IS_P2P,
     IS_RECV,
@@ -59,6 +60,10 @@ from pipec.opcodes import (
     MSG_OF,
     NEEDS_MSG,
     NEEDS_STAGE,
+    REDUCE_GRAD,
+    RESHARD,
+    STEP,
+    UNSHARD,
     WGRAD,
     message_key,
 )
@@ -77,27 +82,77 @@ def simulate(prog: Program, costs: CostModel, *, _events: bool = False) -> Timel
         start_t, end_t, send_t, arrival = _run(pl)
     else:
         start_t, end_t, send_t, arrival = _run_events(pl)
+    start, end = np.asarray(start_t, dtype=float), np.asarray(end_t, dtype=float)
+    send, arr, post = np.asarray(send_t, dtype=float), np.asarray(arrival, dtype=float), pl.posted(end_t)
+    coll: dict[str, np.ndarray] = {}
+    c_rank, c_op, c_mb, c_stage = pl.c_rank, pl.c_op, pl.c_mb, pl.c_stage
+    if pl.real is not None:  # data parallelism: split the stream's ops and the messages by what they are
+        coll = _collective_rows(pl, start, end, send, arr)
+        real = pl.real
+        c_rank, c_op, c_mb, c_stage, start, end = (a[real] for a in (c_rank, c_op, c_mb, c_stage, start, end))
+        send, arr, post = send[pl.p2p], arr[pl.p2p], post[pl.p2p]
     return Timeline(
         num_ranks=pl.num_ranks,
-        rank=pl.c_rank,
-        op=pl.c_op,
-        mb=pl.c_mb,
-        stage=pl.c_stage,
-        start=np.asarray(start_t, dtype=float),
-        end=np.asarray(end_t, dtype=float),
+        rank=c_rank,
+        op=c_op,
+        mb=c_mb,
+        stage=c_stage,
+        start=start,
+        end=end,
         msg_kind=pl.m_kind,
         msg_mb=pl.m_mb,
         msg_stage=pl.m_stage,
         msg_src=pl.m_src,
         msg_dst=pl.m_dst,
-        msg_send=np.asarray(send_t, dtype=float),
-        msg_arrival=np.asarray(arrival, dtype=float),
+        msg_send=send,
+        msg_arrival=arr,
         msg_bytes=pl.m_bytes,
-        msg_post=pl.posted(end_t),
+        msg_post=post,
+        **coll,
         origin="simulated",
         schedule=prog.name,
         params=prog.params,
     )
+
+
+def _collective_rows(pl: Plan, start: np.ndarray, end: np.ndarray, send: np.ndarray, arr: np.ndarray) -> dict:
+    """The Timeline's collective rows and exposed waits from a data-parallel run (see `Plan`, `Timeline`).
+
+    A collective's message leaves (`send`) when the stream issues it and arrives when its collective
+    stream finishes it; it started when both the issue came and the one before it on that stream was done.
+    A zero-cost op (a STEP or an inserted wait) reached at `reached` and passed at `start` waited that long;
+    the part after the message its next compute needs anyway arrived is the collective's exposure.
+    """
+    k = pl.k_ids
+    prev = np.asarray(pl.prev, dtype=np.int64)[k]
+    issue = send[k]
+    began = np.where(prev >= 0, np.maximum(issue, arr[np.maximum(prev, 0)]), issue)
+    rows = {
+        "coll_rank": pl.k_rank.astype(np.int64),
+        "coll_op": pl.k_op.astype(np.int64),
+        "coll_stage": pl.k_stage.astype(np.int64),
+        "coll_issue": issue,
+        "coll_start": began,
+        "coll_end": arr[k],
+        "coll_bytes": pl.k_bytes,
+    }
+    zero = np.flatnonzero(~pl.real)
+    first = np.asarray(pl.first, dtype=np.int64)
+    r = pl.c_rank[zero]
+    at_first = zero == first[r]
+    head = np.zeros(pl.num_ranks) if pl.head is None else np.asarray(pl.head)
+    tail = np.zeros(len(end)) if pl.tail is None else np.asarray(pl.tail)
+    j = np.maximum(zero - 1, 0)
+    reached = np.where(at_first, head[r], end[j] + tail[j]) if len(zero) else np.zeros(0)
+    # The message the next op (a compute of the same rank) waits for anyway.
+    nxt = np.minimum(zero + 1, len(end) - 1)
+    need = np.asarray(pl.need, dtype=np.int64)
+    follows = (zero + 1 < len(end)) & pl.real[nxt] & (pl.c_rank[nxt] == r) & (need[nxt] >= 0)
+    other = np.where(follows, arr[np.maximum(need[nxt], 0)], reached)
+    lo = np.maximum(reached, other)
+    sel = start[zero] > lo
+    rows.update(wait_rank=r[sel].astype(np.int64), wait_start=lo[sel], wait_end=start[zero][sel])
+    return rows
 
 
 @dataclass(frozen=True, eq=False)
@@ -141,6 +196,15 @@ class Plan:
     m_bytes: np.ndarray
     recv_msg: np.ndarray  # per receive of a message that is sent: the message
     recv_after: np.ndarray  # the compute op just before that receive on its rank (-1: none)
+    # Data parallelism (None without): which stream ops are computes (the rest are STEPs and waits), the
+    # ids of the p2p messages among all, and the collectives' message ids, opcodes, stages, ranks, bytes.
+    real: np.ndarray | None = None
+    p2p: np.ndarray | None = None
+    k_ids: np.ndarray | None = None
+    k_op: np.ndarray | None = None
+    k_stage: np.ndarray | None = None
+    k_rank: np.ndarray | None = None
+    k_bytes: np.ndarray | None = None
 
     def posted(self, end: list[float]) -> np.ndarray:
         """When each message's receive was posted: the end of the compute op before it (else 0); NaN: none."""
@@ -152,7 +216,15 @@ class Plan:
 
 
 def plan(prog: Program, costs: CostModel) -> Plan:
-    """The Program's compute ops and messages as the passes read them; E403 for a malformed Program."""
+    """The Program's compute ops and messages as the passes read them; E403 for a malformed Program.
+
+    With data parallelism (dp > 1 and collectives in the Program), the passes see collectives as messages
+    on a channel of their own per rank (R * R + rank): issued where the stream reaches them, one after the
+    other, each `CostModel.collective_time` on that channel's wire, so the channel is the rank's collective
+    stream; RESHARD is an instant message on a second channel (R * R + R + rank). The stream waits on them
+    through zero-cost ops: each STEP waits for its stage's REDUCE_GRAD, and a wait inserted before the
+    next compute of stage s after an UNSHARD s waits for that UNSHARD. With dp = 1 none of this exists.
+    """
     S, m, R = prog.num_stages, prog.num_microbatches, prog.num_ranks
     if costs.num_stages != S or costs.latency.shape != (R, R):
         raise ValueError(f"cost model for {costs.num_stages} stages does not fit a program of {S} stages, {R} ranks")
@@ -164,13 +236,22 @@ def plan(prog: Program, costs: CostModel) -> Plan:
     peer = np.concatenate([rp.peer for rp in prog.ranks]) if sum(lengths) else z
     rank = np.repeat(np.arange(R), lengths)
     placement = np.asarray(prog.placement, dtype=np.int64)
+    dp = prog.dp > 1 and bool(IS_COLLECTIVE[op].any())
+    wait_for = None
+    if dp:
+        op, mb, stage, peer, rank, wait_for = _with_waits(op, mb, stage, peer, rank, S)
+        lengths = np.bincount(rank, minlength=R).tolist()
 
     # Compute ops: duration and the message each one waits for (the table's `needs`, when its sender
-    # is on another rank; one on the same rank hands over locally, earlier on the same stream).
-    cidx = np.flatnonzero(IS_COMPUTE[op])
+    # is on another rank; one on the same rank hands over locally, earlier on the same stream). With
+    # data parallelism the stream's ops also hold STEPs and the inserted waits (zero cost, `real` False).
+    cidx = np.flatnonzero(IS_COMPUTE[op] | (op == STEP)) if dp else np.flatnonzero(IS_COMPUTE[op])
     n = len(cidx)
     c_op, c_mb, c_s, c_rank = op[cidx], mb[cidx], stage[cidx], rank[cidx]
     cost = costs.compute_time(c_op, c_s) if n else np.zeros(0)
+    real = IS_COMPUTE[c_op] if dp else None
+    if real is not None:
+        cost = np.where(real, cost, 0.0)
     msg, sender = NEEDS_MSG[c_op], c_s + NEEDS_STAGE[c_op]
     remote = (msg >= 0) & (sender >= 0) & (sender < S) & (placement[np.clip(sender, 0, S - 1)] != c_rank)
     want = np.where(remote, (msg * S + sender) * m + c_mb, -1)
@@ -198,24 +279,48 @@ def plan(prog: Program, costs: CostModel) -> Plan:
             raise error("E403", f"the program never sends {_describe_key(k, S, m)}, which a compute op needs")
         need[remote] = order[at]
 
-    before = np.searchsorted(cidx, sidx) - 1  # global compute id of the op just before each send
-    own = (before >= 0) & (c_rank[np.maximum(before, 0)] == s_src) if n else np.zeros(M, dtype=bool)
+    size, txd, lat = costs.wire(s_kind, s_stage, s_src, s_dst)
+    chan = s_src * R + s_dst
+    group = shared_links(costs, s_src, s_dst, txd) if M else None
+    p2p = k_pos = None
+    midx = sidx  # every message's instruction, in issue order (with data parallelism: collectives too)
+    if dp:
+        midx = np.flatnonzero(IS_SEND[op] | IS_COLLECTIVE[op] | (op == RESHARD))
+        p2p = np.searchsorted(midx, sidx)  # each p2p message's id among all messages
+        k_pos = midx[~IS_SEND[op[midx]]]
+        k_op = op[k_pos]
+        k_txd = costs.collective_time(k_op, stage[k_pos], rank[k_pos], prog.dp, prog.dp_kind)
+        all_txd, all_lat = np.zeros(len(midx)), np.zeros(len(midx))
+        all_chan = R * R + rank[midx] + np.where(op[midx] == RESHARD, R, 0)
+        all_txd[p2p], all_lat[p2p], all_chan[p2p] = txd, lat, chan
+        all_txd[~IS_SEND[op[midx]]] = k_txd
+        if group is not None:
+            full = np.full(len(midx), -1, dtype=np.int64)
+            full[p2p] = group
+            group = full.tolist()
+        if len(p2p):
+            need = np.where(need >= 0, p2p[np.maximum(need, 0)], -1)
+        need = _collective_needs(need, op, stage, rank, cidx, midx, wait_for, S)
+        txd, lat, chan = all_txd, all_lat, all_chan
+        M = len(midx)
+    s_src_all = rank[midx]
+
+    before = np.searchsorted(cidx, midx) - 1  # global compute id of the op just before each send
+    own = (before >= 0) & (c_rank[np.maximum(before, 0)] == s_src_all) if n else np.zeros(M, dtype=bool)
     first_of_rank = np.concatenate([[0], np.cumsum(np.bincount(c_rank, minlength=R))])[:-1]
-    slot = np.where(own, before.astype(float), first_of_rank[s_src] - 0.5)  # monotone in issue order
+    slot = np.where(own, before.astype(float), first_of_rank[s_src_all] - 0.5)  # monotone in issue order
     ids = np.arange(n)
     mlo = np.searchsorted(slot, ids, "left")
     mhi = np.searchsorted(slot, ids, "right")
     pre = np.flatnonzero(~own)  # sends before any compute of their rank leave at time 0
 
-    size, txd, lat = costs.wire(s_kind, s_stage, s_src, s_dst)
-    chan = s_src * R + s_dst
     by_chan = np.argsort(chan, kind="stable")
     prev = np.full(M, -1, dtype=np.int64)
     if M:
         same = chan[by_chan][1:] == chan[by_chan][:-1]
         prev[by_chan[1:][same]] = by_chan[:-1][same]
 
-    off, tail, head = _overheads(costs.overhead, op, rank, lengths, cidx, sidx, before, own, R)
+    off, tail, head = _overheads(costs.overhead, op, rank, lengths, cidx, midx, before, own, R)
 
     # Receives: the message each names and the compute op just before it on its rank.
     ridx = np.flatnonzero(IS_RECV[op])
@@ -227,6 +332,8 @@ def plan(prog: Program, costs: CostModel) -> Plan:
         rb = np.searchsorted(cidx, ridx) - 1
         mine = (rb >= 0) & (c_rank[np.maximum(rb, 0)] == rank[ridx]) if n else np.zeros(len(ridx), dtype=bool)
         recv_msg, recv_after = order[at[ok]], np.where(mine, rb, -1)[ok]
+        if p2p is not None:
+            recv_msg = p2p[recv_msg]
 
     return Plan(
         num_ranks=R,
@@ -241,7 +348,7 @@ def plan(prog: Program, costs: CostModel) -> Plan:
         txd=txd.tolist(),
         lat=lat.tolist(),
         chan=chan.tolist(),
-        group=shared_links(costs, s_src, s_dst, txd) if M else None,
+        group=group,
         off=off,
         tail=tail,
         head=head,
@@ -257,7 +364,79 @@ def plan(prog: Program, costs: CostModel) -> Plan:
         m_bytes=np.asarray(size, dtype=float),
         recv_msg=recv_msg,
         recv_after=recv_after,
+        real=real,
+        p2p=p2p,
+        k_ids=None if k_pos is None else np.flatnonzero(~IS_SEND[op[midx]]),
+        k_op=None if k_pos is None else k_op,
+        k_stage=None if k_pos is None else stage[k_pos],
+        k_rank=None if k_pos is None else rank[k_pos],
+        k_bytes=None if k_pos is None else _shard_bytes(costs, k_op, stage[k_pos]),
     )
+
+
+def _with_waits(op, mb, stage, peer, rank, S: int):
+    """The instruction columns with a zero-cost wait (coded STEP, stage s) inserted right before the next
+    compute of stage s on its rank after each UNSHARD s; and per instruction, for an inserted wait the
+    index of the UNSHARD it waits for (-1 elsewhere)."""
+    N = len(op)
+    comp = np.flatnonzero(IS_COMPUTE[op])
+    uns = np.flatnonzero(op == UNSHARD)
+    target = src = np.zeros(0, dtype=np.int64)
+    if len(uns) and len(comp):
+        group_c = rank[comp] * S + stage[comp]
+        o = np.lexsort((comp, group_c))
+        keys = group_c[o] * N + comp[o]
+        ukey = (rank[uns] * S + stage[uns]) * N + uns
+        at = np.searchsorted(keys, ukey)
+        ok = at < len(keys)
+        ok[ok] = keys[at[ok]] // N == ukey[ok] // N
+        target, src = comp[o][at[ok]], uns[ok]
+    K = len(target)
+    order = np.argsort(np.concatenate([2 * np.arange(N) + 1, 2 * target]), kind="stable")
+    inv = np.empty(N + K, dtype=np.int64)
+    inv[order] = np.arange(N + K)
+    minus = np.full(K, -1, dtype=np.int64)
+    cols = [
+        np.concatenate([op, np.full(K, STEP)])[order],
+        np.concatenate([mb, minus])[order],
+        np.concatenate([stage, stage[src]])[order],
+        np.concatenate([peer, minus])[order],
+        np.concatenate([rank, rank[target]])[order],
+    ]
+    wait_for = np.full(N + K, -1, dtype=np.int64)
+    wait_for[inv[N:]] = inv[src]
+    return (*cols, wait_for)
+
+
+def _collective_needs(need, op, stage, rank, cidx, midx, wait_for, S: int) -> np.ndarray:
+    """`need` with each zero-cost op's collective: an inserted wait's UNSHARD, a STEP's REDUCE_GRAD (the
+    last of its stage before it on its rank); a message id among `midx`."""
+    need = need.copy()
+    steps = np.flatnonzero(op[cidx] == STEP)
+    if not len(steps):
+        return need
+    pos = cidx[steps]
+    waits = wait_for[pos] >= 0
+    need[steps[waits]] = np.searchsorted(midx, wait_for[pos[waits]])
+    N = len(op)
+    rg = np.flatnonzero(op == REDUCE_GRAD)
+    plain = steps[~waits]
+    if len(rg) and len(plain):
+        p = cidx[plain]
+        keys = (rank[rg] * S + stage[rg]) * N + rg
+        o = np.argsort(keys, kind="stable")
+        keys = keys[o]
+        want = (rank[p] * S + stage[p]) * N + p
+        at = np.searchsorted(keys, want) - 1
+        ok = (at >= 0) & (keys[np.maximum(at, 0)] // N == want // N)
+        need[plain[ok]] = np.searchsorted(midx, rg[o][at[ok]])
+    return need
+
+
+def _shard_bytes(costs: CostModel, op: np.ndarray, stage: np.ndarray) -> np.ndarray:
+    """The bytes each collective moves in: the stage's parameters (or gradients); RESHARD none."""
+    size = np.zeros(len(op)) if costs.param_bytes is None else costs.param_bytes[stage].astype(float)
+    return np.where(op == RESHARD, 0.0, size)
 
 
 def _overheads(o: float, op, rank, lengths, cidx, sidx, before, own, R: int):
@@ -601,6 +780,8 @@ class RankStats:
     last: float  # end of its last op
     busy: float  # total compute time
     peak_memory: float | None = None
+    collective_busy: float = 0.0  # time its collective stream runs (data parallelism; 0 without)
+    collective_exposed: float = 0.0  # time its compute stream waits for collectives beyond other waits
 
     @property
     def span(self) -> float:
@@ -650,12 +831,23 @@ def stats(tl: Timeline, memory: dict[str, np.ndarray] | None = None) -> Stats:
     last = np.full(R, -np.inf)
     np.minimum.at(first, tl.rank, tl.start)
     np.maximum.at(last, tl.rank, tl.end)
+    coll = np.zeros(R)
+    exposed = np.zeros(R)
+    if len(tl.coll_rank):  # a rank's step ends when its gradients are reduced
+        np.minimum.at(first, tl.coll_rank, tl.coll_start)
+        np.maximum.at(last, tl.coll_rank, tl.coll_end)
+        coll = np.bincount(tl.coll_rank, weights=tl.coll_end - tl.coll_start, minlength=R)
+    if len(tl.wait_rank):
+        exposed = np.bincount(tl.wait_rank, weights=tl.wait_end - tl.wait_start, minlength=R)
     has = np.isfinite(first)
     first, last = np.where(has, first, 0.0), np.where(has, last, 0.0)
     peaks = [None] * R
     if memory is not None:
         peaks = [float(v.max()) if len(v) else 0.0 for _, v in memory_curve(tl, memory, collapse=False)]
-    ranks = tuple(RankStats(r, float(first[r]), float(last[r]), float(busy[r]), peaks[r]) for r in range(R))
+    ranks = tuple(
+        RankStats(r, float(first[r]), float(last[r]), float(busy[r]), peaks[r], float(coll[r]), float(exposed[r]))
+        for r in range(R)
+    )
     cost = max((r.span for r in ranks), default=0.0)
     return Stats(tl.makespan, cost, float(busy.max()) if R else 0.0, ranks)
 

@@ -36,13 +36,37 @@ class Timeline:
     msg_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=float))
     # When the receiver posted its receive (empty when unknown; may precede the send).
     msg_post: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=float))
+    # Data-parallel collectives, one row each (pipec.opcodes: REDUCE_GRAD, UNSHARD, RESHARD): their rank and
+    # stage, when the rank's stream issued them, when its collective stream ran them (RESHARD is instant at
+    # its issue) and the bytes each replica holds of the stage's parameters.
+    coll_rank: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    coll_op: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    coll_stage: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    coll_issue: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=float))
+    coll_start: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=float))
+    coll_end: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=float))
+    coll_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=float))
+    # Exposed collective time: intervals in which a rank's stream waited for a collective (at a STEP for its
+    # REDUCE_GRAD, before a compute for its UNSHARD) beyond the message that compute waited for anyway.
+    wait_rank: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    wait_start: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=float))
+    wait_end: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=float))
     origin: str = "simulated"  # or "measured"
     schedule: str = ""
     params: tuple[tuple[str, object], ...] = ()
 
     @property
     def makespan(self) -> float:
-        return float(self.end.max() - min(self.start.min(), 0.0)) if len(self.end) else 0.0
+        """From the step's start (0, or an earlier event) to the end of its last compute or collective: a
+        step is over when every rank has computed and every gradient is reduced."""
+        if not len(self.end):
+            return 0.0
+        last = float(self.end.max())
+        first = min(float(self.start.min()), 0.0)
+        if len(self.coll_end):
+            last = max(last, float(self.coll_end.max()))
+            first = min(first, float(self.coll_start.min()))
+        return last - first
 
     def rank_events(self, rank: int) -> list[tuple[str, int, int, float, float]]:
         """(opcode name, micro-batch, stage, start, end) of one rank, in start order."""

@@ -2,7 +2,10 @@
 
 One process per rank, with threads for its streams: `compute`, and lanes
 `send`/`recv` (`send 2`, ... when messages overlap in time, since a trace
-thread must nest its slices). Durations are real, in microseconds. Each
+thread must nest its slices), and with data parallelism `collectives` (each
+REDUCE_GRAD and UNSHARD from when its collective stream ran it to its end; a
+RESHARD as an instant) and `collective wait` (where the compute stream waited
+for one). Durations are real, in microseconds. Each
 message is a slice on its sender (from the send until it arrives) and on its
 receiver (from when the receive was posted, or the send if later, until it
 arrives), joined by a flow arrow (flow events v2: `bind_id`, `flow_out`,
@@ -32,7 +35,8 @@ VERSION = 1
 _KIND = ("act", "grad")
 _SHORT = {"FWD": "F", "BWD": "B", "WGRAD": "W"}
 _CNAME = {"FWD": "thread_state_runnable", "BWD": "thread_state_running", "WGRAD": "thread_state_iowait"}
-_COMPUTE_TID, _SEND_TID, _RECV_TID = 0, 1000, 2000
+_COMPUTE_TID, _SEND_TID, _RECV_TID, _COLL_TID, _WAIT_TID = 0, 1000, 2000, 3000, 3500
+_COLL_CNAME = {"REDUCE_GRAD": "rail_response", "UNSHARD": "rail_load", "RESHARD": "rail_idle"}
 
 
 def _us(t: float) -> float:
@@ -157,6 +161,43 @@ def trace_events(tl: Timeline, memory: dict[str, np.ndarray] | None = None) -> d
         )
     events.extend(recvs)  # after every send: a flow's start must come first at equal times
 
+    k_rank, k_op, k_stage = tl.coll_rank.tolist(), tl.coll_op.tolist(), tl.coll_stage.tolist()
+    k_issue, k_start, k_end = tl.coll_issue.tolist(), tl.coll_start.tolist(), tl.coll_end.tolist()
+    k_bytes = tl.coll_bytes.tolist() if len(tl.coll_bytes) == len(k_rank) else [0.0] * len(k_rank)
+    for i in range(len(k_rank)):
+        op = OPCODES[k_op[i]]
+        threads.add((k_rank[i], _COLL_TID, "collectives"))
+        args = {"op": op, "stage": k_stage[i], "issue_s": k_issue[i], "start_s": k_start[i], "end_s": k_end[i]}
+        events.append(
+            {
+                "name": f"{op} {k_stage[i]}",
+                "cat": "collective",
+                "ph": "X",
+                "pid": k_rank[i],
+                "tid": _COLL_TID,
+                "ts": _us(k_start[i]),
+                "dur": _us(k_end[i] - k_start[i]),
+                "cname": _COLL_CNAME.get(op, "generic_work"),
+                "args": {**args, "bytes": k_bytes[i]},
+            }
+        )
+    w_rank, w_start, w_end = tl.wait_rank.tolist(), tl.wait_start.tolist(), tl.wait_end.tolist()
+    for i in range(len(w_rank)):
+        threads.add((w_rank[i], _WAIT_TID, "collective wait"))
+        events.append(
+            {
+                "name": "wait for collective",
+                "cat": "collective wait",
+                "ph": "X",
+                "pid": w_rank[i],
+                "tid": _WAIT_TID,
+                "ts": _us(w_start[i]),
+                "dur": _us(w_end[i] - w_start[i]),
+                "cname": "bad",
+                "args": {"start_s": w_start[i], "end_s": w_end[i]},
+            }
+        )
+
     if memory is not None:
         from pipec.sim.simulate import memory_curve
 
@@ -217,12 +258,28 @@ def read_trace(path: str | Path) -> Timeline:
             raise error("E802", f"pipec trace version {head.get('version')} is not supported (this reads {VERSION})")
         comp: list[tuple] = []
         msgs: list[tuple] = []
+        colls: list[tuple] = []
+        waits: list[tuple] = []
         for ev in doc["traceEvents"]:
             if ev.get("ph") != "X":
                 continue
             a = ev["args"]
             if ev["cat"] in ("FWD", "BWD", "WGRAD"):
                 comp.append((int(ev["pid"]), OPCODES.index(a["op"]), a["mb"], a["stage"], a["start_s"], a["end_s"]))
+            elif ev["cat"] == "collective":
+                colls.append(
+                    (
+                        int(ev["pid"]),
+                        OPCODES.index(a["op"]),
+                        a["stage"],
+                        a["issue_s"],
+                        a["start_s"],
+                        a["end_s"],
+                        a["bytes"],
+                    )
+                )
+            elif ev["cat"] == "collective wait":
+                waits.append((int(ev["pid"]), a["start_s"], a["end_s"]))
             elif ev["cat"] == "send":
                 post = math.nan if a["post_s"] is None else a["post_s"]
                 msgs.append(
@@ -240,6 +297,8 @@ def read_trace(path: str | Path) -> Timeline:
                 )
         c = list(zip(*comp)) if comp else [[]] * 6
         m = list(zip(*msgs)) if msgs else [[]] * 9
+        k = list(zip(*colls)) if colls else [[]] * 7
+        w = list(zip(*waits)) if waits else [[]] * 3
         ints = lambda xs: np.asarray(xs, dtype=np.int64)  # noqa: E731
         floats = lambda xs: np.asarray(xs, dtype=float)  # noqa: E731
         return Timeline(
@@ -259,6 +318,16 @@ def read_trace(path: str | Path) -> Timeline:
             msg_arrival=floats(m[6]),
             msg_bytes=floats(m[7]),
             msg_post=floats(m[8]),
+            coll_rank=ints(k[0]),
+            coll_op=ints(k[1]),
+            coll_stage=ints(k[2]),
+            coll_issue=floats(k[3]),
+            coll_start=floats(k[4]),
+            coll_end=floats(k[5]),
+            coll_bytes=floats(k[6]),
+            wait_rank=ints(w[0]),
+            wait_start=floats(w[1]),
+            wait_end=floats(w[2]),
             origin=str(head.get("origin", "simulated")),
             schedule=str(head.get("schedule", "")),
             params=tuple(head.get("params", {}).items()),
