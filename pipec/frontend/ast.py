@@ -198,9 +198,13 @@ class Quantity(Node):
 
 @dataclass(frozen=True)
 class TopoDc(Node):
+    """`dc "name" ranks lo .. hi`, or with `replicas` (`replicas=True`): the data-parallel replicas
+    lo .. hi - 1 sit in that datacenter (PP x DP across datacenters)."""
+
     name: str
     lo: Expr
     hi: Expr
+    replicas: bool = False
 
 
 @dataclass(frozen=True)

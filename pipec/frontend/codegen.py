@@ -23,6 +23,9 @@ KEYWORDS = frozenset(
     " expect when".split()
 )
 BUILTINS = ("min", "max", "abs", "done")
+# Data-parallel collectives a rank block may place itself (rows of pipec.opcodes; PP x DP, docs/language.md
+# section 16): statements like ops, but they take a stage only and become `Schedule.collectives`.
+COLLECTIVES = ("UNSHARD", "RESHARD", "REDUCE_GRAD")
 COST_KEYS = ("F", "B", "W", "comm", "act_bytes", "grad_bytes")
 MEMORY_KEYS = ("act", "wact", "params", "limit")
 NUMERIC = ("int", "float")
@@ -83,6 +86,9 @@ class GeneratedCode:
     name: str
     header: Span
     line_spans: tuple[Span, ...] = ()  # per line of `code`: the statement it came from
+    # Whether any rank block places a collective: without one, evaluation keeps its plain path (no
+    # `_coll` helper, no per-rank list) and the Schedule's `collectives` stays empty.
+    collectives: bool = False
 
 
 class _Compiler:
@@ -95,6 +101,7 @@ class _Compiler:
         self.cur = tree.span
         self.n = 0
         self.counts_ops = False
+        self.collectives = False
         self.weights: list[int] = [0]  # function calls made by the code being generated, per open loop/def
         self.kinds = self._find_kinds()
 
@@ -131,7 +138,7 @@ class _Compiler:
     def bind(self, scope: _Scope, name: str, value, span: Span) -> None:
         if name in KEYWORDS:
             raise self.err("E104", f"`{name}` is a keyword and cannot name a value", span)
-        if name in OP_KINDS or name in BUILTINS:
+        if name in OP_KINDS or name in BUILTINS or name in COLLECTIVES:
             raise self.err("E104", f"`{name}` is a built-in name and cannot be redefined", span)
         if name in scope.names:
             raise self.err("E104", f"`{name}` is already defined in this block", span)
@@ -170,6 +177,8 @@ class _Compiler:
         if e.name in OP_KINDS:
             self.check_kind(e.name, e.span)
             return repr(self.kinds.index(e.name)), "kind"
+        if e.name in COLLECTIVES:
+            raise self.err("E103", f"`{e.name}` is a collective; place it with `{e.name}(stage: s)`", e.span)
         b = scope.lookup(e.name)
         if b is None:
             if e.name in BUILTINS:
@@ -210,7 +219,7 @@ class _Compiler:
             self.want(bt, ("bool",), e.right.span, f"`{op}`")
             return f"({a} {op} {b})", "bool"
         if op in ("==", "!="):
-            if "op" in (at, bt):
+            if "op" in (at, bt) or "coll" in (at, bt):
                 raise self.err("E103", "ops cannot be compared; compare their micro-batches or stages", e.op_span)
             if "any" not in (at, bt) and at != bt and not (at in NUMERIC and bt in NUMERIC):
                 raise self.err("E103", f"cannot compare {at} with {bt}", e.op_span)
@@ -251,6 +260,8 @@ class _Compiler:
     def call(self, e: ast.Call, scope: _Scope) -> tuple[str, str]:
         if e.name in OP_KINDS:
             return self.op_call(e, scope, emit=False)
+        if e.name in COLLECTIVES:
+            return self.coll_call(e, scope, emit=False)
         b = scope.lookup(e.name)
         if b is None and e.name in BUILTINS:
             return self.builtin(e, scope)
@@ -345,6 +356,30 @@ class _Compiler:
         if mb is None:
             return f"_next({k}, {stage}, {sid})", "none"
         return f"_emit(({k}, {mb}, {stage}, {sid}))", "none"
+
+    def coll_call(self, e: ast.Call, scope: _Scope, emit: bool, sid: int | None = None) -> tuple[str, str]:
+        """A collective: as a value `(index in COLLECTIVES, stage)`; as a statement, `_coll(...)`, which
+        records it before the rank's next op (pipec.frontend.evaluate). The stage defaults to the rank's
+        only stage, as an op's does; a collective has no micro-batch, so the stage is always named."""
+        if e.args:
+            raise self.err(
+                "E102",
+                f"`{e.name}` takes no micro-batch, only a stage: write `{e.name}(stage: s)`",
+                e.args[0].span,
+            )
+        stage = "_ds"
+        for i, kw in enumerate(e.kwargs):
+            if kw.name != "stage" or i > 0:
+                what = "the stage given twice" if kw.name == "stage" else f"no argument `{kw.name}`"
+                raise self.err("E105", f"`{e.name}` has {what}; it takes `stage:` only", kw.span)
+            code, t = self.expr(kw.value, scope)
+            self.want(t, ("int",), kw.value.span, "`stage:`")
+            stage = code
+        self.collectives = True
+        k = COLLECTIVES.index(e.name)
+        if not emit:
+            return f"({k}, {stage})", "coll"
+        return f"_coll({k}, {stage}, {self.sid(e.span) if sid is None else sid})", "none"
 
     def check_func(self, f: _Func, types: tuple[str, ...], span: Span) -> str:
         """Type-check a function body for these argument types (once per distinct types)."""
@@ -530,6 +565,9 @@ class _Compiler:
         if len(st.calls) > 2:
             raise self.err("E111", "an overlapped group pairs exactly two ops (`a & b`)", st.span)
         if len(st.calls) == 2:
+            for call in st.calls:
+                if call.name in COLLECTIVES:
+                    raise self.err("E111", f"`{call.name}` cannot be overlapped: only two ops pair with `&`", call.span)
             self.line(indent, "_pair()")
         for call in st.calls:
             sid = self.sid(call.span)
@@ -537,8 +575,16 @@ class _Compiler:
                 code, _ = self.op_call(call, scope, emit=True, sid=sid)
                 self.line(indent, code)
                 continue
+            if call.name in COLLECTIVES:
+                code, _ = self.coll_call(call, scope, emit=True, sid=sid)
+                self.line(indent, code)
+                continue
             code, t = self.expr(call, scope)
-            if t == "op":
+            if t == "coll" and len(st.calls) == 1:
+                self.line(indent, f"_coll((_cv := {code})[0], _cv[1], {sid})")
+            elif t == "coll":
+                raise self.err("E111", "a collective cannot be overlapped: only two ops pair with `&`", call.span)
+            elif t == "op":
                 # Inline, not a helper call per op: the value's micro-batch, or the next one when it has none.
                 self.line(
                     indent,
@@ -619,9 +665,11 @@ class _Compiler:
             if isinstance(it, ast.TopoDc):
                 lo, lt = self.expr(it.lo, scope)
                 hi, ht = self.expr(it.hi, scope)
-                self.want(lt, ("int",), it.lo.span, "a rank bound")
-                self.want(ht, ("int",), it.hi.span, "a rank bound")
-                items.append(f"('dc', {it.name!r}, {lo}, {hi}, {self.sid(it.span)})")
+                what = "a replica bound" if it.replicas else "a rank bound"
+                self.want(lt, ("int",), it.lo.span, what)
+                self.want(ht, ("int",), it.hi.span, what)
+                kind = "replicas" if it.replicas else "dc"
+                items.append(f"({kind!r}, {it.name!r}, {lo}, {hi}, {self.sid(it.span)})")
             else:
                 lat = None if it.latency is None else it.latency.value
                 bw = None if it.bandwidth is None else it.bandwidth.value
@@ -727,6 +775,7 @@ class _Compiler:
             param_types=tuple(types),
             kinds=self.kinds,
             counts_ops=self.counts_ops,
+            collectives=self.collectives,
             name=tree.name,
             header=tree.span,
             line_spans=tuple(self.where),

@@ -17,8 +17,8 @@ import numpy as np
 
 from pipec.errors import PipecError, Source, Span, brief, error
 from pipec.files import require_ops_fit
-from pipec.frontend.codegen import GeneratedCode
-from pipec.schedule import Datacenter, Expectation, Link, RankOps, Schedule, Topology
+from pipec.frontend.codegen import COLLECTIVES, GeneratedCode
+from pipec.schedule import Collective, Datacenter, Expectation, Link, RankOps, Schedule, Topology
 
 MAX_SIZE = 10_000_000  # stages, ranks, micro-batches
 MAX_OPS = 50_000_000  # ops a schedule may have in all
@@ -254,14 +254,25 @@ def _run(compiled: GeneratedCode, source: Source, given: dict[str, object], only
     else:
         rank_fn, rank_sid = rt.decls["rank"]
     rank_ops = []
+    coll_rows: list[list[tuple]] = []
     for r in range(num_ranks):
         if derived is not None:
             rank_ops.append(derived[r] if r in wanted else _empty_rank())
         elif r in wanted:
             cap = len(compiled.kinds) * len(owned[r]) * m
             rank_ops.append(env.run_rank(rank_fn, r, owned[r][0] if len(owned[r]) == 1 else -1, cap))
+            if compiled.collectives:
+                coll_rows.append(_check_collectives(env.colls, r, owned[r], placement))
         else:
             rank_ops.append(_empty_rank())
+            if compiled.collectives:
+                coll_rows.append([])
+    collectives: tuple[tuple[Collective, ...], ...] = ()
+    if any(coll_rows):
+        spans = compiled.spans
+        collectives = tuple(
+            tuple(Collective(COLLECTIVES[k], s, before, spans[sid]) for k, s, before, sid in row) for row in coll_rows
+        )
     decl_spans = {k: compiled.spans[sid] for k, (_, sid) in rt.decls.items()}
     expects = tuple(
         Expectation(compiled.spans[sid], compiled.spans[csid], msg, rank, _expectation_test(fn, compiled, source))
@@ -283,7 +294,29 @@ def _run(compiled: GeneratedCode, source: Source, given: dict[str, object], only
         source=source,
         decl_spans=decl_spans,
         expects=expects,
+        collectives=collectives,
     )
+
+
+def _check_collectives(colls: list[tuple], rank: int, owned: list[int], placement: list[int]) -> list[tuple]:
+    """A rank's collectives as `(op index, stage, before, sid)`, each on a stage the rank owns: the ops'
+    own codes, at the collective's statement (E308 no stage named on a rank of several, E208 no such
+    stage, E301 another rank's stage). Whether they pair up (an UNSHARD before each compute, a RESHARD
+    after, a REDUCE_GRAD after the last backward) is the validator's proof, on the lowered Program."""
+    for k, s, _, sid in colls:
+        name = COLLECTIVES[k]
+        if s == -1:
+            raise _Fail("E308", f"rank {rank} owns stages {owned}: say which, e.g. `{name}(stage: s)`", sid)
+        if not 0 <= s < len(placement):
+            raise _Fail("E208", f"stage {s} is out of range 0..{len(placement) - 1}", sid)
+        if placement[s] != rank:
+            raise _Fail(
+                "E301",
+                f"{name}(stage {s}) placed on rank {rank}, but stage {s} is placed on rank {placement[s]}",
+                sid,
+                (f"rank {rank} owns stage{'s' if len(owned) != 1 else ''} {', '.join(map(str, owned)) or 'none'}",),
+            )
+    return colls
 
 
 def _derive(shape: Schedule, owned: list[list[int]], decl, sid: int) -> list[RankOps]:
@@ -378,10 +411,24 @@ def _topology(decl, num_ranks: int) -> Topology | None:
         return None
     items, decl_sid = decl
     dcs, links, names = [], [], set()
+    replica_dcs: list[Datacenter] = []
     for item in items:
-        if item[0] == "dc":
+        if item[0] == "replicas":
+            # Where data-parallel replicas sit. Their number is a compile option (`--dp N`), unknown here:
+            # the ranges must start at replica 0 and leave no gap; the lowering checks they reach N.
             _, name, lo, hi, sid = item
-            if name in names:
+            if any(d.name == name for d in replica_dcs):
+                raise _Fail("E112", f'datacenter "{name}" declared twice for replicas', sid)
+            if not 0 <= lo < hi <= MAX_SIZE:
+                raise _Fail("E112", f'datacenter "{name}" replicas {lo}..{hi}: need 0 <= lo < hi', sid)
+            for d in replica_dcs:
+                if lo < d.hi and d.lo < hi:
+                    raise _Fail("E112", f'datacenter "{name}" replicas overlap those of "{d.name}"', sid)
+            names.add(name)
+            replica_dcs.append(Datacenter(name, lo, hi))
+        elif item[0] == "dc":
+            _, name, lo, hi, sid = item
+            if any(d.name == name for d in dcs):
                 raise _Fail("E112", f'datacenter "{name}" declared twice', sid)
             if not 0 <= lo < hi <= num_ranks:
                 raise _Fail("E112", f'datacenter "{name}" ranks {lo}..{hi} are not within 0..{num_ranks}', sid)
@@ -415,7 +462,18 @@ def _topology(decl, num_ranks: int) -> Topology | None:
             decl_sid,
             (f"once a datacenter is declared, each of the {num_ranks} ranks must be in one",),
         )
-    return Topology(tuple(dcs), tuple(links))
+    at = 0
+    for d in sorted(replica_dcs, key=lambda d: d.lo):
+        if d.lo > at:
+            what = f"replica {at} is" if d.lo == at + 1 else f"replicas {at}..{d.lo} are"
+            raise _Fail(
+                "E112",
+                f"{what} in no datacenter",
+                decl_sid,
+                ("datacenters for replicas cover 0 .. N - 1 for `--dp N`, without a gap",),
+            )
+        at = d.hi
+    return Topology(tuple(dcs), tuple(links), tuple(sorted(replica_dcs, key=lambda d: d.lo)))
 
 
 class _Env:
@@ -426,6 +484,7 @@ class _Env:
         self.ns = ns
         self.left = WORK_FIXED
         self.rank: int | None = None  # the rank block being run, for `expect`s written in it
+        self.colls: list[tuple] = []  # the collectives the rank block being run placed (when it places any)
         self.expects: list[tuple] = []
         ns.update(
             _tdiv=self.tdiv,
@@ -515,6 +574,10 @@ class _Env:
         ns["_ops"] = ops
         ns["_ds"] = default_stage
         ns["_pair"] = lambda: pairs.append(len(ops))
+        if self.compiled.collectives:
+            colls: list[tuple] = []
+            self.colls = colls
+            ns["_coll"] = lambda k, s, sid: colls.append((k, s, len(ops), sid))
         if self.compiled.counts_ops:
             counts: dict[tuple[int, int], int] = {}
             append = ops.append

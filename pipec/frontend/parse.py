@@ -271,6 +271,9 @@ class _ToAst(Transformer):
     def topo_dc(self, meta, c):
         return ast.TopoDc(_meta_span(meta), str(c[0])[1:-1], c[1], c[2])
 
+    def topo_replicas(self, meta, c):
+        return ast.TopoDc(_meta_span(meta), str(c[0])[1:-1], c[1], c[2], replicas=True)
+
     def _link(self, meta, a, b, attrs):
         found = {}
         for key, value in attrs:
