@@ -37,6 +37,8 @@ MAIN_CONFIGS: dict[str, list[dict[str, int]]] = {
     # Two datacenters of p / 2 ranks (docs/cross-dc.md, examples/cross_dc.pipe).
     "crossdc-1f1b": [dict(p=4, m=8), dict(p=8, m=16), dict(p=8, m=32)],
     "crossdc-zb": [dict(p=4, m=8), dict(p=8, m=16), dict(p=8, m=32)],
+    # Blocks of b = p micro-batches per chunk (the paper's scheduling unit), and one of 2p.
+    "zeropp": [dict(p=4, v=2, m=8), dict(p=4, v=4, m=16), dict(p=8, v=2, m=32), dict(p=4, v=2, m=16, b=8)],
 }
 
 
