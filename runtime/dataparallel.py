@@ -68,7 +68,7 @@ class ReplicaMesh:
 def check_world(num_ranks: int, dp: int, world: int) -> str | None:
     """Why a job of `world` processes cannot run `num_ranks` ranks x `dp` replicas (None when it can)."""
     if dp < 1:
-        return f"--dp must be at least 1, got {dp}"
+        return f"data parallelism: the size (--dp) must be an integer >= 1, got {dp}"
     if world % dp:
         return f"--dp {dp} does not divide the {world} processes of this job"
     if world != num_ranks * dp:

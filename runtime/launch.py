@@ -135,7 +135,7 @@ def with_dp(program, args: argparse.Namespace):
 
     dp, kind = getattr(args, "dp", 1), getattr(args, "dp_kind", "ddp")
     if dp < 1:
-        raise ValueError(f"--dp must be at least 1, got {dp}")
+        raise ValueError(f"data parallelism: the size (--dp) must be an integer >= 1, got {dp}")
     if dp == 1 and kind == "ddp":
         return program
     if (program.dp, program.dp_kind) == (dp, kind):

@@ -73,8 +73,8 @@ def main(argv: list[str] | None = None) -> None:
     model = load_model(str(ROOT / "examples" / "mlp.py"))
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
-    results = {}
-    for spec in configs:
+    results = bad_inputs(model, dp) if configs == ["BAD"] else {}
+    for spec in configs if configs != ["BAD"] else []:
         name, kv, kind, *rest = spec.split(":")
         unit = rest[0] if rest else "stage"
         how = rest[1] if len(rest) > 1 else "2d"
@@ -113,6 +113,49 @@ def main(argv: list[str] | None = None) -> None:
         json.dump(results, f)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def bad_inputs(model, dp: int) -> dict[str, str]:
+    """On a (1, dp) mesh: each bad input's message from the Runner's constructor (before any step), or
+    "no error"."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pipec.api import load
+    from pipec.passes.compiler import compile_schedule
+    from pipec.program import Instr, RankProgram
+    from pipec.runtime import PipelineError, Runner
+
+    mesh = init_device_mesh("cpu", (1, dp), mesh_dim_names=("pp", "dp"))
+    shared = torch.nn.Linear(8, 8)
+
+    def tied_stages(stage: int, num_stages: int) -> torch.nn.Module:  # the same Linear in both stages
+        return torch.nn.Sequential(shared, torch.nn.Linear(8, 8 if stage < num_stages - 1 else 1))
+
+    def tied_blocks(stage: int, num_stages: int) -> torch.nn.Module:  # one Linear twice in a stage
+        inner = torch.nn.Linear(8, 8)
+        return torch.nn.Sequential(inner, torch.nn.Sequential(inner), torch.nn.Linear(8, 1))
+
+    def prog(name: str, kind: str, d: int = dp, **params):
+        return dataclasses.replace(compile_schedule(load(name, **params)).program, dp=d, dp_kind=kind)
+
+    ddp = prog("1f1b", "ddp", p=1, m=2)
+    unshard = RankProgram.from_instructions([Instr("UNSHARD", -1, 0, -1), *ddp.ranks[0].instructions()])
+    cases = {
+        "tied_stages": (prog("zb-v", "fsdp", p=1, m=2), tied_stages, "stage"),
+        "tied_blocks": (prog("1f1b", "fsdp", p=1, m=2), tied_blocks, "block"),
+        "dp_mismatch": (prog("1f1b", "ddp", d=2 * dp, p=1, m=2), model.build_stage, "stage"),
+        "pp_mismatch": (prog("1f1b", "ddp", p=2, m=2), model.build_stage, "stage"),
+        "unshard_in_ddp": (dataclasses.replace(ddp, ranks=(unshard,)), model.build_stage, "stage"),
+    }
+    out = {}
+    for name, (program, build, unit) in cases.items():
+        try:
+            Runner(program, build, model.loss_fn, mesh=mesh, dp_unit=unit, dtype=torch.float64)
+            out[name] = "no error"
+        except PipelineError as e:
+            out[name] = str(e)
+    return out
 
 
 def rank_main(argv: list[str], env: dict[str, str], out: str, err: str) -> None:

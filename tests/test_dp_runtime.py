@@ -26,7 +26,8 @@ TOL = 1e-10
 STEPS = 3
 # small enough for 8 gloo processes on 2 cores: 8-wide blocks, one per stage at p=4 interleaved (8 stages)
 BATCH = 32
-ENV = {"MLP_WIDTH": "8", "MLP_DEPTH": "4", "MLP_BATCH": str(BATCH), "OMP_NUM_THREADS": "1"}
+MODEL_ENV = {"MLP_WIDTH": "8", "MLP_DEPTH": "4", "MLP_BATCH": str(BATCH)}
+ENV = {**MODEL_ENV, "OMP_NUM_THREADS": "1"}
 SCHEDULES = {
     "1f1b": "1f1b:p={p},m={m}",
     "interleaved": "interleaved-1f1b:p={p},m={m},v=2",
@@ -131,3 +132,50 @@ def test_grid(p, request):
     for spec in cfgs:
         print(f"{p}x2 {spec}: {max(r[spec]['seconds'] for r in results):.1f} s")
     print(f"{p}x2 grid: {elapsed:.1f} s")
+
+
+def test_bad_input_is_refused_before_any_step():
+    """Each refused in the Runner's constructor with a message saying what is wrong: FSDP over parameters
+    shared across stages or blocks, a Program whose dp or ranks disagree with the mesh, UNSHARD in ddp."""
+    results, _ = launch_dp(2, [str(STEPS), "2", "BAD"], timeout=120.0)
+    for r in results:
+        assert "same Parameter" in r["tied_stages"] and "stage 0" in r["tied_stages"], r["tied_stages"]
+        assert "stage 1" in r["tied_stages"] and "shared across stages" in r["tied_stages"]
+        assert "same Parameter" in r["tied_blocks"] and "block" in r["tied_blocks"], r["tied_blocks"]
+        assert "'dp' dimension has 2 replicas" in r["dp_mismatch"] and "dp=4" in r["dp_mismatch"]
+        assert "'pp' dimension has 1 ranks" in r["pp_mismatch"] and "has 2" in r["pp_mismatch"]
+        assert "UNSHARD" in r["unshard_in_ddp"] and "ddp" in r["unshard_in_ddp"], r["unshard_in_ddp"]
+
+
+def test_launch_refuses_a_world_dp_does_not_fit(tmp_path):
+    """torchrun-launched ranks whose world is not ranks x dp stop before any communication, each saying
+    why (3 processes for 2 ranks x --dp 2; 4 processes for 2 ranks x --dp 3)."""
+    from runtime_harness import launch
+
+    model = str(ROOT / "examples" / "mlp.py")
+    for nproc, dp, want in ((3, 2, "--dp 2 does not divide the 3 processes"), (4, 3, "--dp 3 does not divide")):
+        argv = ["1f1b", "-D", "p=2", "-D", "m=4", "--model", model, "--dp", str(dp)]
+        results, _, _ = launch(nproc, "launch", argv, env=MODEL_ENV, timeout=120.0)
+        for r in results:
+            assert r.returncode == 1, r.stderr
+            assert want in r.stderr and "Traceback" not in r.stderr, r.stderr
+    argv = ["1f1b", "-D", "p=2", "-D", "m=2", "--model", model, "--dp", "2"]
+    results, _, _ = launch(2, "launch", argv, env=MODEL_ENV, timeout=120.0)
+    assert all("that is 4 processes, but this job has 2" in r.stderr for r in results), results[0].stderr
+
+
+def test_pipec_run_refuses_bad_dp_before_starting_processes():
+    import subprocess
+    import sys
+
+    model = str(ROOT / "examples" / "mlp.py")
+    base = [sys.executable, "-m", "pipec", "run", "1f1b", "-D", "p=2", "-D", "m=4", "--model", model]
+    cases = [
+        (["--dp", "3", "--nproc", "4"], "--dp 3 does not divide the 4 processes"),
+        (["--dp", "2", "--local"], "--local runs one pipeline"),
+        (["--dp", "2", "--dp-unit", "block"], "--dp-unit block shards per block: it needs --dp-kind fsdp"),
+    ]
+    for extra, want in cases:
+        p = subprocess.run(base + extra, capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert p.returncode == 2, (extra, p.stderr)
+        assert want in p.stderr and "Traceback" not in p.stderr, (extra, p.stderr)
