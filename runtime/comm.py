@@ -110,6 +110,11 @@ class DistComm:
     def global_rank(self, rank: int) -> int:
         return rank if self.peers is None else self.peers[rank]
 
+    def name(self, rank: int) -> str:
+        """A peer in messages: the Program's rank, and the job's where they differ (a subgroup, a replica)."""
+        g = self.global_rank(rank)
+        return f"rank {rank}" if g == rank else f"rank {rank} (job rank {g})"
+
     def post(self, key: Key, peer: int, specs: Specs) -> Recv:
         bufs, ops = self._recv_ops(key, peer, specs)
         return Recv(key, peer, bufs, self._start(ops, peer, key))
@@ -135,7 +140,8 @@ class DistComm:
         try:
             works = self._issue(ops) if self.pg is not None else dist.batch_isend_irecv(ops)
         except Exception as e:
-            raise CommError(f"could not start the exchange with rank {items[0][2]}: {e}", items[0][2]) from e
+            who = self.name(items[0][2])
+            raise CommError(f"could not start the exchange with {who}: {e}", items[0][2]) from e
         coalesced = len(works) != len(ops)  # NCCL returns one work for the whole group
         out: list[Recv | None] = []
         for what, key, peer, x, bufs, a, b in spans:
@@ -157,7 +163,7 @@ class DistComm:
                 return self._issue(ops)
             works = [op.op(op.tensor, op.peer, op.group, op.tag) for op in ops]
         except Exception as e:
-            raise CommError(f"could not start the transfer of {key_str(key)} with rank {peer}: {e}", peer) from e
+            raise CommError(f"could not start the transfer of {key_str(key)} with {self.name(peer)}: {e}", peer) from e
         return [w for w in works if w is not None]
 
     def _wait(self, work, peer: int, what: str) -> None:
@@ -171,7 +177,7 @@ class DistComm:
 
     def wait(self, recv: Recv) -> Generator[object, None, tuple[torch.Tensor, ...]]:
         for w in recv.works:
-            self._wait(w, recv.peer, f"receiving {key_str(recv.key)} from rank {recv.peer} failed")
+            self._wait(w, recv.peer, f"receiving {key_str(recv.key)} from {self.name(recv.peer)} failed")
         return recv.tensors
         yield  # a generator that never yields
 
@@ -181,4 +187,4 @@ class DistComm:
         for w, peer, key, _ in sends:
             if id(w) not in seen:
                 seen.add(id(w))
-                self._wait(w, peer, f"sending {key_str(key)} to rank {peer} failed")
+                self._wait(w, peer, f"sending {key_str(key)} to {self.name(peer)} failed")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -179,3 +180,20 @@ def test_pipec_run_refuses_bad_dp_before_starting_processes():
         p = subprocess.run(base + extra, capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert p.returncode == 2, (extra, p.stderr)
         assert want in p.stderr and "Traceback" not in p.stderr, (extra, p.stderr)
+
+
+def test_a_replica_that_hangs_is_given_up_on_after_the_timeout():
+    """Job rank 3 (pp 1, replica 1) hangs in a forward of step 2: its pipeline peer times out on a
+    transfer, its replica peer on the collective (REDUCE_GRAD); every rank exits within the timeout and a
+    few seconds, naming a rank and an instruction, never hanging."""
+    from runtime_harness import launch
+
+    argv = ["1f1b", "-D", "p=2", "-D", "m=2", "--model", "tests/models/dp_hang.py", "--dp", "2", "--timeout", "3"]
+    results, elapsed, _ = launch(4, "launch", argv, env={"PIPEC_HANG_RANK": "3"}, timeout=60)
+    for r in results:
+        assert r.returncode != 0, r.stderr
+        assert "Traceback" not in r.stderr, r.stderr
+        assert re.search(r"step 2, instruction #\d+ `", r.stderr), r.stderr
+    assert "rank 3" in results[2].stderr, results[2].stderr  # its replica peer names it
+    print(f"a hung replica: every rank out in {elapsed:.1f} s; rank 2 said: {results[2].stderr.strip()[-400:]}")
+    assert elapsed < 30
