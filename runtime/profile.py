@@ -29,6 +29,7 @@ the CPUs divided by the ranks), so the times are those of a rank in a run on thi
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import statistics
 import time
@@ -65,6 +66,9 @@ class Profile:
     overhead: float | None = None  # a rank's time per send or receive instruction, seconds (LogP's o)
     bandwidth: float | None = None  # bits per second, beyond the latency; None: not measured or unmeasurable
     in_situ: dict | None = None  # pipec.runtime.insitu's result: the ops as the schedule runs them
+    # bytes of each stage's parameters (what its data-parallel collectives move, unsharded)
+    param_bytes: list[int] = field(default_factory=list)
+    collectives: Collectives | None = None  # the data-parallel group's collectives (`dp` > 1)
 
     def cost_doc(self) -> dict:
         """The cost file's document (for `pipec.sim.costs.dump_costs`)."""
@@ -95,6 +99,9 @@ class Profile:
             doc["bandwidth"] = float(f"{self.bandwidth:.6g}")
         if self.overhead is not None:
             doc["overhead"] = round(self.overhead, 9)
+        if self.collectives is not None:
+            doc["comment"] += f"; collectives on a data-parallel group of {self.collectives.size}"
+            doc.update(self.collectives.cost_keys(self.param_bytes))
         doc["measured"] = {
             "stages": {
                 "forward": _r(self.forward),
@@ -105,6 +112,8 @@ class Profile:
             },
             "run": {k: v for k, v in self.info.items() if v is not None},
         }
+        if self.collectives is not None:
+            doc["measured"]["collectives"] = self.collectives.measured()
         if self.in_situ is not None:
             doc["measured"]["in_situ"] = {
                 "forward": _r(self.situ(FWD)),
@@ -144,6 +153,8 @@ def profile(
     in_situ: bool = False,
     progress: Callable[[str], None] | None = None,
     concurrent: bool | None = None,
+    dp: int | None = None,
+    dp_kind: str | None = None,
 ) -> Profile:
     """Measure every stage of `program` on `model` (see the module's docstring); with `in_situ`, also run
     the schedule on its ranks' processes and take F, B, W and the overhead from that (pipec.runtime.insitu).
@@ -151,8 +162,16 @@ def profile(
     more than one rank and a CPU for each) times the ops in one process per rank at once, each bound to its
     CPUs as a run's rank is, and keeps each stage's times from the process of the rank that owns it;
     otherwise they are timed in this process alone (each process times every stage, so with more ranks
-    than CPUs the concurrent profile would take ranks / CPUs times as long)."""
+    than CPUs the concurrent profile would take ranks / CPUs times as long). `dp` and `dp_kind` (default:
+    the Program's own, `program.dp` and `program.dp_kind`): with `dp` > 1 and `comm`, the collectives of a
+    data-parallel group of `dp` processes are timed too (`measure_collectives`), and the file gets the
+    ring model's `dp_latency` and `dp_bandwidth`, each stage's `param_bytes`, and its measured
+    `reduce_grad` (and, for fsdp, `unshard`) times."""
     say = progress or (lambda _: None)
+    dp = program.dp if dp is None else dp
+    dp_kind = program.dp_kind if dp_kind is None else dp_kind
+    if dp < 1 or dp_kind not in DP_KINDS:
+        raise PipelineError(f"data parallelism: dp must be at least 1 and dp_kind one of {', '.join(DP_KINDS)}")
     if reps < 1 or warmup < 0:
         raise ValueError("reps must be at least 1 and warmup at least 0")
     device = torch.device(device)
@@ -208,6 +227,22 @@ def profile(
         )
         if prof.in_situ["overhead"] is not None:
             prof.overhead = prof.in_situ["overhead"]
+    if comm and dp > 1:
+        if device.type != "cpu" or backend != "gloo":
+            prof.info["collectives"] = f"not measured ({backend} on {device.type}: profile measures gloo on CPU only)"
+        else:
+            say(f"timing all-reduce, all-gather and reduce-scatter on a data-parallel group of {dp} gloo processes")
+            dtype = getattr(torch, prof.info["dtype"], None)  # the parameters' dtype: gloo reduces it
+            prof.collectives = measure_collectives(
+                dp,
+                kind=dp_kind,
+                stage_bytes=prof.param_bytes,
+                reps=max(reps, 3),
+                warmup=max(warmup, 1),
+                dtype=dtype if isinstance(dtype, torch.dtype) else torch.float32,
+                world=program.num_ranks * dp,
+            )
+            prof.info["collectives"] = prof.collectives.how
     return prof
 
 
@@ -305,6 +340,7 @@ def _measure(
     med = {k: [statistics.median(v) if v else 0.0 for v in per] for k, per in times.items()}
     mean_bytes = lambda xs: round(statistics.fmean(xs)) if xs else 0  # noqa: E731
     dtypes = {p.dtype for mod in modules for p in mod.parameters()} or {model.dtype}
+    param_bytes = [sum(p.numel() * p.element_size() for p in mod.parameters()) for mod in modules]
     return Profile(
         schedule=program.name,
         params=tuple(program.params),
@@ -317,6 +353,7 @@ def _measure(
         act_bytes=[mean_bytes(a) for a in act],
         grad_bytes=[mean_bytes(g) for g in grad],
         info={"dtypes": sorted(str(d).removeprefix("torch.") for d in dtypes if d is not None)},
+        param_bytes=param_bytes,
     )
 
 
@@ -420,6 +457,201 @@ def _rtt(rank: int, dist, nbytes: int, reps: int) -> float:
     return statistics.median(times)
 
 
+# ---- the data-parallel group's collectives: the ring model's latency and bandwidth -------------------
+
+DP_KINDS = ("ddp", "fsdp")
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+# 4 KiB .. 16 MiB, by factors of 4: from latency-bound to bandwidth-bound on any link `pipec run` uses
+COLLECTIVE_SIZES = tuple(4096 * 4**k for k in range(7))
+
+
+def ring_terms(kind: str, n: int) -> tuple[float, float]:
+    """The ring model of a collective on n processes, as the simulator charges it (pipec.sim.costs): its
+    time is `hops * latency + share * bytes * 8 / bandwidth`, `bytes` the whole buffer (the reduced one,
+    the gathered one, the one scattered). All-reduce is a reduce-scatter then an all-gather: twice both."""
+    if kind not in COLLECTIVES:
+        raise ValueError(f"unknown collective {kind!r} (known: {', '.join(COLLECTIVES)})")
+    hops, share = n - 1, (n - 1) / n
+    return (2 * hops, 2 * share) if kind == "all_reduce" else (hops, share)
+
+
+def ring_time(kind: str, n: int, nbytes: float, latency: float, bandwidth: float) -> float:
+    """Seconds of one collective under the ring model (`ring_terms`); bandwidth in bits per second."""
+    hops, share = ring_terms(kind, n)
+    return hops * latency + share * nbytes * 8 / bandwidth
+
+
+def fit_ring(samples: list[tuple[str, int, float, float]]) -> tuple[float, float]:
+    """The ring model's (latency s, bandwidth bit/s) from timed collectives `(kind, n, bytes, seconds)`,
+    by least squares on relative errors: the model is linear in (latency, 1 / bandwidth), and weighting each
+    sample by 1 / its time lets a 4 KiB all-gather (latency-bound) count as much as a 16 MiB all-reduce,
+    which absolute errors would drown. A fit that makes either term negative (latency below measurement
+    noise, or a bandwidth no size reaches) keeps that term at 0 and fits the other alone; bandwidth is
+    then inf (no size term)."""
+    import numpy as np
+
+    rows = [(k, n, b, t) for k, n, b, t in samples if t > 0 and n > 1]
+    if not rows:
+        raise ValueError("no timed collective to fit (each needs n > 1 processes and a positive time)")
+    A = np.array([[ring_terms(k, n)[0], ring_terms(k, n)[1] * b * 8] for k, n, b, _ in rows], dtype=float)
+    t = np.array([r[3] for r in rows], dtype=float)
+    A, y = A / t[:, None], np.ones_like(t)
+    (a, inv_b), *_ = np.linalg.lstsq(A, y, rcond=None)
+    if a < 0 or inv_b <= 0:  # one term alone, the better of the two that are not negative
+        fits = []
+        for col in (0, 1):
+            x = float(A[:, col] @ y / (A[:, col] @ A[:, col])) if A[:, col].any() else 0.0
+            fits.append((float(np.sum((A[:, col] * x - y) ** 2)), col, max(x, 0.0)))
+        _, col, x = min(fits)
+        a, inv_b = (x, 0.0) if col == 0 else (0.0, x)
+    return float(a), (1.0 / float(inv_b) if inv_b > 0 else math.inf)
+
+
+@dataclass
+class Collectives:
+    """A data-parallel group's timed collectives and the ring model fitted to them."""
+
+    size: int  # processes in the group
+    kind: str  # ddp or fsdp: which collectives a stage's REDUCE_GRAD and UNSHARD are
+    latency: float  # the fit over every kind and size: seconds per ring hop
+    bandwidth: float  # bits per second
+    times: dict[str, dict[int, float]]  # kind -> bytes -> median seconds
+    per_kind: dict[str, tuple[float, float]]  # kind -> its own fit
+    stage_bytes: list[int]  # each stage's parameter bytes, timed as they are
+    how: str = ""
+
+    def stage_times(self, kind: str) -> list[float]:
+        """The measured seconds of collective `kind` on each stage's parameter bytes (0 for none)."""
+        return [self.times[kind][b] if b > 0 else 0.0 for b in self.stage_bytes]
+
+    def cost_keys(self, param_bytes: list[int]) -> dict[str, Any]:
+        """The cost file's keys (pipec.sim.costs): the fit, the parameter bytes, and each stage's measured
+        REDUCE_GRAD (all-reduce for ddp, reduce-scatter for fsdp) and, for fsdp, UNSHARD (all-gather)."""
+        keys: dict[str, Any] = {
+            "param_bytes": list(param_bytes),
+            "dp_latency": float(f"{self.latency:.6g}"),
+            "dp_bandwidth": float(f"{self.bandwidth:.6g}"),
+        }
+        keys["reduce_grad"] = _r(self.stage_times("all_reduce" if self.kind == "ddp" else "reduce_scatter"))
+        if self.kind == "fsdp":
+            keys["unshard"] = _r(self.stage_times("all_gather"))
+        return keys
+
+    def measured(self) -> dict[str, Any]:
+        """The `[measured.collectives]` table: every size's median per kind, and each kind's own fit."""
+        sizes = sorted({b for per in self.times.values() for b in per})
+        table: dict[str, Any] = {"size": self.size, "kind": self.kind, "how": self.how, "bytes": sizes}
+        for k, per in self.times.items():
+            table[f"{k}_s"] = _r([per[b] for b in sizes])
+            a, b = self.per_kind[k]
+            table[f"{k}_latency"], table[f"{k}_bandwidth"] = float(f"{a:.6g}"), float(f"{b:.6g}")
+        return table
+
+    def worst_fit_error(self) -> float:
+        """The largest relative error of the fit over the timed collectives."""
+        return max(
+            abs(ring_time(k, self.size, b, self.latency, self.bandwidth) / t - 1)
+            for k, per in self.times.items()
+            for b, t in per.items()
+            if t > 0
+        )
+
+
+def measure_collectives(
+    size: int,
+    *,
+    kind: str = "ddp",
+    sizes: tuple[int, ...] | None = None,
+    stage_bytes: list[int] | tuple[int, ...] = (),
+    reps: int = 10,
+    warmup: int = 2,
+    dtype: torch.dtype = torch.float32,
+    world: int | None = None,
+    groups: int = 1,
+    timeout: float = 600.0,
+) -> Collectives:
+    """Time all-reduce, all-gather and reduce-scatter on a gloo group of `size` fresh local processes, at
+    each of `sizes` bytes (default COLLECTIVE_SIZES) and at each stage's `stage_bytes`, and fit the ring
+    model (`fit_ring`).
+
+    Each collective's time is the slowest process's, between barriers (a collective ends for the step when
+    it ends everywhere), the median of `reps` after `warmup`. The processes are bound to CPUs as `pipec run`
+    binds the ranks of a job of `world` processes on this machine (default: `size`): with the p x dp
+    ranks of a PP x DP run sharing it, each gets the CPUs a rank of that run would. With `groups` > 1,
+    `groups` such groups (rank g * size + i in group g, the "dp" dim of a ("pp", "dp") mesh) time theirs
+    at once, as the pipeline ranks' groups may in a run; their medians are pooled."""
+    from pipec.runtime import spawned
+
+    if size < 2 or groups < 1 or reps < 1 or warmup < 0:
+        raise ValueError("collectives need a group of at least 2 processes, groups >= 1, reps >= 1, warmup >= 0")
+    if kind not in DP_KINDS:
+        raise ValueError(f"kind must be one of {', '.join(DP_KINDS)}, got {kind!r}")
+    nproc = size * groups
+    world = max(world or nproc, nproc)
+    sizes = COLLECTIVE_SIZES if sizes is None else sizes
+    timed_sizes = sorted({int(b) for b in (*sizes, *stage_bytes) if b > 0})
+    spec = dict(size=size, sizes=timed_sizes, reps=reps, warmup=warmup, dtype=str(dtype).removeprefix("torch."))
+    spec["world"] = world
+    per_rank = spawned.run_gloo(_collective_rank, nproc, spec, timeout=timeout)
+    if isinstance(per_rank, str):
+        raise PipelineError(f"timing the collectives of a data-parallel group of {size} failed: {per_rank}")
+    times: dict[str, dict[int, float]] = {}
+    for k in COLLECTIVES:
+        times[k] = {}
+        for b in timed_sizes:
+            slowest = [  # per group and rep, the slowest of the group's processes
+                max(per_rank[g * size + i][k][b][r] for i in range(size)) for g in range(groups) for r in range(reps)
+            ]
+            times[k][b] = statistics.median(slowest)
+    samples = [(k, size, b, t) for k, per in times.items() for b, t in per.items()]
+    per_kind = {k: fit_ring([x for x in samples if x[0] == k]) for k in COLLECTIVES}
+    latency, bandwidth = fit_ring(samples)
+    binding = "unbound" if per_rank[0]["cpus"] is None else f"each on {len(per_rank[0]['cpus'])} CPU(s)"
+    how = (
+        f"gloo, {groups} group(s) of {size} local processes at once, bound as {world} ranks of a run ({binding}), "
+        f"{str(dtype).removeprefix('torch.')}, slowest process, medians of {reps}"
+    )
+    return Collectives(size, kind, latency, bandwidth, times, per_kind, [int(b) for b in stage_bytes], how)
+
+
+def _collective_rank(rank: int, world: int, port: int, spec: dict, out) -> None:
+    from pipec.runtime import spawned
+    from pipec.runtime.affinity import bind_local_rank
+
+    cpus = bind_local_rank("auto", "gloo", rank, spec["world"])  # as a rank of the whole run is bound
+    dist = spawned.join_gloo(rank, world, port, bind=False)
+    try:
+        n = spec["size"]
+        groups = [dist.new_group(list(range(g * n, (g + 1) * n))) for g in range(world // n)]
+        group = groups[rank // n]
+        dtype = getattr(torch, spec["dtype"])
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        result: dict[str, Any] = {"cpus": cpus}
+        for k in COLLECTIVES:
+            result[k] = {}
+        for nbytes in spec["sizes"]:
+            count = max(n, -(-nbytes // itemsize // n) * n)  # whole shards, as FSDP pads them
+            full = torch.ones(count, dtype=dtype)
+            shard = torch.ones(count // n, dtype=dtype)
+            ops = {
+                "all_reduce": lambda f=full: dist.all_reduce(f, group=group),
+                "all_gather": lambda f=full, h=shard: dist.all_gather_single(f, h, group=group),
+                "reduce_scatter": lambda f=full, h=shard: dist.reduce_scatter_single(h, f, group=group),
+            }
+            for k, op in ops.items():  # the kinds alternate at each size, so load drifts hit them alike
+                seconds = []
+                for i in range(spec["warmup"] + spec["reps"]):
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    op()
+                    if i >= spec["warmup"]:
+                        seconds.append(time.perf_counter() - t0)
+                result[k][nbytes] = seconds
+        out.put(("result", rank, result))
+    finally:
+        spawned.leave_gloo(dist, barrier=True)
+
+
 def summary_lines(prof: Profile) -> list[str]:
     """A table of the measurements, for `pipec profile` to print."""
     ms = lambda x: f"{x * 1e3:.3f}"  # noqa: E731
@@ -443,6 +675,15 @@ def summary_lines(prof: Profile) -> list[str]:
     if prof.latency is not None:
         bw = f"{prof.bandwidth / 1e9:.3g} Gbit/s" if prof.bandwidth else "not measurable"
         lines.append(f"link ({prof.info.get('link')}): latency {prof.latency * 1e6:.1f} us, bandwidth {bw}")
+    if prof.collectives is not None:
+        c = prof.collectives
+        lines.append(
+            f"collectives ({c.how}): ring fit latency {c.latency * 1e6:.1f} us per hop, bandwidth "
+            f"{c.bandwidth / 1e9:.3g} Gbit/s (worst error {c.worst_fit_error():.0%}); per stage "
+            f"param bytes {c.stage_bytes}, reduce_grad ms "
+            f"{[round(x * 1e3, 3) for x in c.stage_times('all_reduce' if c.kind == 'ddp' else 'reduce_scatter')]}"
+            + (f", unshard ms {[round(x * 1e3, 3) for x in c.stage_times('all_gather')]}" if c.kind == "fsdp" else "")
+        )
     if prof.in_situ is not None:
         situ = prof.in_situ
         per = [

@@ -1,0 +1,300 @@
+"""pipec PP x DP against torch.distributed.pipelining composed with FSDP2, on the same model, in one run.
+
+    .venv/bin/python benchmarks/pp_dp_vs_torch.py [--rounds 5] [--steps 3] [--schedules 1f1b,interleaved-1f1b,zb-v]
+                                                  [--kinds ddp,fsdp] [--rows 32]
+
+A 2 x 2 mesh on gloo: 4 processes, `init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))`, global
+rank g at (pp, dp) = divmod(g, 2) (pipec.runtime.dataparallel's layout). The model: 16 blocks of
+Linear(256, 256) + GELU in float64 (benchmarks/runtime_vs_torch.py's), split evenly over the stages (2
+stages of 8 blocks for 1F1B; 4 stages of 4 blocks for interleaved 1F1B with v=2 and for ZB-V), the MSE
+loss against a fixed target, SGD. Each replica trains on its half of the global batch (rows split as
+`pipec.runtime.dataparallel.slice_replica` splits them), m=8 micro-batches of `--rows` rows each.
+
+Both sides use the same FSDP2 machinery on the "dp" sub-mesh, wrapped the same way:
+- ddp: `replicate` (torch.distributed._composable.replicate_with_fsdp), gradients all-reduced once per step;
+- fsdp: `fully_shard(module, mesh=mesh["dp"], reshard_after_forward=False)` per stage, parameters gathered
+  once per step and gradients reduce-scattered once per step (torchtitan's setting under PP: resharding
+  after every forward would all-gather every stage twice per micro-batch).
+torch: `PipelineStage` on the "pp" group and `Schedule1F1B`, `ScheduleInterleaved1F1B` or
+`ScheduleZBVZeroBubble` (its `perform_reduce_grad` runs the post-backward reductions); pipec: the Program
+compiled with `DataParallel(2, kind)` (REDUCE_GRAD after each stage's last backward; for fsdp UNSHARD /
+RESHARD windows) run by `Runner(mesh=...)`, as `pipec run --dp 2 --dp-kind KIND` runs it.
+
+Before timing, each side runs one step from the same weights on the same batch, and their gathered
+gradients are compared in float64 (largest relative difference per tensor, `grad_max_rel_diff`; the
+script fails above 1e-9): the two sides do the same work. Then two warm-up steps each, and `--rounds`
+alternating rounds (`sidebyside.alternate`: pipec, torch, pipec, ...) of `--steps` steps. A step's time is
+the slowest of the 4 processes, between barriers. One JSON line per schedule x kind
+(`sidebyside.summarize`: medians per step, every step's seconds, ratio pipec / torch, its range over the
+rounds' paired steps, the load average at start and end), plus the CPU seconds per step of all 4
+processes, which other load on the machine disturbs less than wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+from sidebyside import alternate, emit, load_average, summarize
+
+P, DP, M = 2, 2, 8
+SCHEDULES = {  # pipec library name -> (torch class name, stages, placement)
+    "1f1b": ("Schedule1F1B", P, lambda s: s),
+    "interleaved-1f1b": ("ScheduleInterleaved1F1B", 2 * P, lambda s: s % P),
+    "zb-v": ("ScheduleZBVZeroBubble", 2 * P, lambda s: s if s < P else 2 * P - 1 - s),
+}
+GRAD_RTOL = 1e-9  # float64: both sides sum the same micro-batch gradients, in orders that may differ
+
+
+def build_stage(stage: int, num_stages: int, blocks: int = 16, width: int = 256):
+    from torch import nn
+
+    n = blocks // num_stages
+    return nn.Sequential(*[m for _ in range(n) for m in (nn.Linear(width, width), nn.GELU())])
+
+
+def build_seeded(stage: int, num_stages: int):
+    """The same weights in both systems and every replica: seeded by the stage."""
+    import torch
+
+    torch.manual_seed(1000 + stage)
+    return build_stage(stage, num_stages)
+
+
+def loss_fn(output, target):
+    import torch
+
+    return torch.nn.functional.mse_loss(output, target)
+
+
+def data(rows: int, width: int = 256):
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, width, generator=g, dtype=torch.float64)
+    return x, torch.randn(rows, width, generator=g, dtype=torch.float64)
+
+
+def dp_wrap(module, kind: str, dp_mesh):
+    """FSDP2 on the "dp" mesh, as pipec.runtime.dataparallel.wrap does it (so the comparison is of the
+    pipelines, not of two data-parallel libraries)."""
+    from torch.distributed.fsdp import fully_shard
+
+    if kind == "ddp":
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        replicate(module, mesh=dp_mesh)
+    else:
+        fully_shard(module, mesh=dp_mesh, reshard_after_forward=False)
+    return module
+
+
+class TorchSide:
+    def __init__(self, name: str, kind: str, mesh) -> None:
+        import torch
+        from torch.distributed.pipelining import schedules
+        from torch.distributed.pipelining.stage import PipelineStage
+
+        cls_name, S, place = SCHEDULES[name]
+        pp = mesh["pp"].get_local_rank()
+        self.mine = [s for s in range(S) if place(s) == pp]
+        self.modules = {s: dp_wrap(build_seeded(s, S).double(), kind, mesh["dp"]) for s in self.mine}
+        group = mesh["pp"].get_group()
+        stages = [PipelineStage(self.modules[s], s, S, torch.device("cpu"), group=group) for s in self.mine]
+        cls = getattr(schedules, cls_name)
+        self.schedule = cls(stages[0] if cls_name == "Schedule1F1B" else stages, M, loss_fn=loss_fn)
+        params = [p for mod in self.modules.values() for p in mod.parameters()]
+        self.opt = torch.optim.SGD(params, lr=1e-3)
+        self.first, self.last = 0 in self.mine, S - 1 in self.mine
+
+    def step(self, x, y) -> None:
+        self.opt.zero_grad(set_to_none=True)
+        kw = {"target": y, "losses": []} if self.last else {}
+        self.schedule.step(*((x,) if self.first else ()), **kw)
+        self.opt.step()
+
+    def gradients(self) -> dict:
+        from pipec.runtime.dataparallel import named_full
+
+        return named_full([((s, n), p.grad) for s, mod in self.modules.items() for n, p in mod.named_parameters()])
+
+
+class PipecSide:
+    def __init__(self, name: str, kind: str, mesh) -> None:
+        import torch
+
+        from pipec.api import compile as compile_program
+        from pipec.dataparallel import DataParallel
+        from pipec.runtime import Runner
+
+        params = {"p": P, "m": M, **({"v": 2} if name == "interleaved-1f1b" else {})}
+        self.program = compile_program(name, params, data_parallel=DataParallel(DP, kind))
+        self.runner = Runner(
+            self.program,
+            build_seeded,
+            loss_fn,
+            dtype=torch.float64,
+            seed=None,
+            optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3),
+            mesh=mesh,
+        )
+
+    def step(self, x, y) -> None:
+        self.runner.step(x, y)
+
+    def gradients(self) -> dict:
+        return self.runner.named_gradients()
+
+
+def largest_rel_diff(ours: dict, theirs: dict) -> tuple[float, int]:
+    """max over parameters of max|ours - theirs| / max|theirs| (inf when one side lacks a gradient or has
+    another shape), and how many nonzero gradient tensors were compared."""
+    worst, compared = 0.0, 0
+    for key in sorted(set(ours) | set(theirs)):
+        a, b = ours.get(key), theirs.get(key)
+        if a is None and b is None:
+            continue
+        if a is None or b is None or a.shape != b.shape:
+            return float("inf"), compared
+        scale = float(b.abs().max())
+        worst = max(worst, float((a - b).abs().max()) / scale if scale > 0 else float((a - b).abs().max()))
+        compared += scale > 0
+    return worst, compared
+
+
+def worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.update(TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS="1")  # the store is the parent's
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    import torch.distributed.nn.functional  # noqa: F401 - before the group (see runtime/launch.py, Worker._teardown)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pipec.runtime.dataparallel import slice_replica
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (P, DP), mesh_dim_names=("pp", "dp"))
+    d = mesh["dp"].get_local_rank()
+    x, y = data(DP * M * args.rows)
+    x_mine, y_mine = slice_replica(x, DP, d, "inputs"), slice_replica(y, DP, d, "targets")
+    rows = []
+
+    def timed(side, who: str, n: int) -> list[tuple[float, float]]:
+        """(wall s of the slowest process, CPU s of all processes) per step."""
+        times = []
+        for _ in range(n):
+            dist.barrier()
+            t0, c0 = time.perf_counter(), time.process_time()
+            if who == "pipec":
+                side.step(x, y)  # the global batch: the Runner takes this replica's rows
+            else:
+                side.step(x_mine, y_mine)
+            t1, c1 = time.perf_counter(), time.process_time()
+            wall, cpu = torch.tensor([t1 - t0], dtype=torch.float64), torch.tensor([c1 - c0], dtype=torch.float64)
+            dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+            dist.all_reduce(cpu, op=dist.ReduceOp.SUM)
+            times.append((float(wall), float(cpu)))
+        return times
+
+    for name in args.schedules:
+        for kind in args.kinds:
+            sides = {"pipec": PipecSide(name, kind, mesh), "torch": TorchSide(name, kind, mesh)}
+            for who, side in sides.items():  # the first step, from the same weights on the same batch
+                timed(side, who, 1)
+            worst, compared = largest_rel_diff(sides["pipec"].gradients(), sides["torch"].gradients())
+            diff, count = torch.tensor([worst], dtype=torch.float64), torch.tensor([compared], dtype=torch.int64)
+            dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+            dist.all_reduce(count, op=dist.ReduceOp.SUM)
+            for who, side in sides.items():
+                timed(side, who, 2)  # warm-up
+            times: dict[str, list[tuple[float, float]]] = {"pipec": [], "torch": []}
+
+            def run(who: str, sides: dict = sides, times: dict = times):
+                def one_round() -> float:
+                    steps = timed(sides[who], who, args.steps)
+                    times[who] += steps
+                    return sum(t[0] for t in steps)
+
+                return one_round
+
+            alternate({"pipec": run("pipec"), "torch": run("torch")}, args.rounds)
+            rows.append((name, kind, times, float(diff), int(count)))
+            del sides
+            dist.barrier()
+    if rank == 0:
+        out.put(rows)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=5, help="alternating rounds per system (default 5)")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per round (default 3)")
+    ap.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated (default: all three)")
+    ap.add_argument("--kinds", default="ddp,fsdp", help="comma-separated dp kinds (default ddp,fsdp)")
+    ap.add_argument("--rows", type=int, default=32, help="rows per micro-batch (default 32)")
+    ap.add_argument("--timeout", type=float, default=3600, help="give up after this many seconds")
+    args = ap.parse_args()
+    args.schedules = [s for s in args.schedules.split(",") if s]
+    args.kinds = [k for k in args.kinds.split(",") if k]
+    import multiprocessing as mp
+
+    import torch.distributed as dist
+
+    load_start = load_average()  # other processes on the machine, before this run adds its own
+    world = P * DP
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, world, store.port, args, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        rows = out.get(timeout=args.timeout)
+    except Exception:
+        for p in procs:
+            p.kill()
+        sys.exit(f"no result after {args.timeout} s (a rank failed: see above)")
+    for p in procs:
+        p.join(60)
+    disagree = []
+    for name, kind, times, grad_diff, grad_tensors in rows:
+        wall = {who: [t[0] for t in ts] for who, ts in times.items()}
+        rec = summarize(
+            "pp_dp_vs_torch",
+            wall,
+            ratio=("pipec", "torch"),
+            load_start=load_start,
+            schedule=name,
+            dp_kind=kind,
+            mesh=f"{P} x {DP} (pp, dp)",
+            m=M,
+            rows_per_microbatch=args.rows,
+            model="16 x (Linear(256, 256) + GELU), float64, SGD",
+            backend="gloo",
+            steps_per_round=args.steps,
+            grad_max_rel_diff=grad_diff,
+            grad_rtol=GRAD_RTOL,
+            grad_tensors_compared=grad_tensors,
+        )
+        cpu = {who: statistics.median(t[1] for t in ts) for who, ts in times.items()}
+        rec["cpu_s_per_step"] = {who: round(c, 6) for who, c in cpu.items()}
+        rec["cpu_ratio"] = round(cpu["pipec"] / cpu["torch"], 4)
+        emit(rec)
+        if not grad_diff <= GRAD_RTOL or grad_tensors == 0:
+            disagree.append(f"{name} {kind}: {grad_diff:.3g}")
+    codes = [p.exitcode for p in procs]
+    if any(codes):  # after the results were sent: reported, not fatal
+        print(f"note: worker exit codes {codes}", file=sys.stderr)
+    if disagree:  # the timings mean nothing if the two systems do not compute the same thing
+        sys.exit(f"error: pipec's and torch's gradients disagree (float64): {'; '.join(disagree)} > {GRAD_RTOL}")
+
+
+if __name__ == "__main__":
+    main()
