@@ -18,10 +18,22 @@ from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-__all__ = ["PipecError", "Program", "Schedule", "__version__", "check", "compile", "load", "read_program", "simulate"]
+__all__ = [
+    "DataParallel",
+    "PipecError",
+    "Program",
+    "Schedule",
+    "__version__",
+    "check",
+    "compile",
+    "load",
+    "read_program",
+    "simulate",
+]
 
 if TYPE_CHECKING:
     from pipec.api import check, compile, load, read_program, simulate
+    from pipec.dataparallel import DataParallel
     from pipec.errors import PipecError
     from pipec.program import Program
     from pipec.schedule import Schedule
@@ -32,6 +44,7 @@ _HOME = {
     "load": "pipec.api",
     "read_program": "pipec.api",
     "simulate": "pipec.api",
+    "DataParallel": "pipec.dataparallel",
     "PipecError": "pipec.errors",
     "Program": "pipec.program",
     "Schedule": "pipec.schedule",

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from pipec import cachedir
+from pipec.dataparallel import DataParallel
 from pipec.errors import Source, brief, error
 from pipec.frontend.codegen import GeneratedCode, compile_ast
 from pipec.frontend.evaluate import evaluate
@@ -248,31 +249,50 @@ def target_of(
 
 
 def check_program(
-    prog: Program, memory: Mapping[str, float] | None = None, path: str | None = None
+    prog: Program,
+    memory: Mapping[str, float] | None = None,
+    path: str | None = None,
+    data_parallel: DataParallel | None = None,
 ) -> CompiledSchedule:
     """A Program's checks, the ones a compiled schedule passes: validated, no deadlock when sends block
     until the receive is posted, and memory within the limit (under `memory`, as a Program holds no
-    memory declarations). `path` names the file in diagnostics."""
+    memory declarations; fsdp Programs count their own windows). `path` names the file in diagnostics.
+    `data_parallel`, when given, must agree with the Program's own `dp` and `dp_kind` (E422): a Program
+    was lowered for its data parallelism and is run as it stands."""
     from pipec.passes.compiler import CompiledSchedule, program_deadlock_error
     from pipec.passes.dryrun import dry_run
-    from pipec.passes.memory import check_memory, rank_memory
+    from pipec.passes.memory import check_memory, program_memory
 
-    sched = schedule_of(prog, Source(path or "<program>", ""))
     run = dry_run(prog)  # validates first
+    if data_parallel is not None:
+        require_same_dp(prog, data_parallel, path)
+    sched = schedule_of(prog, Source(path or "<program>", ""))
     if not run.completed:
         raise program_deadlock_error(sched, run)
-    reports = rank_memory(sched, memory)
+    reports = program_memory(prog, sched, memory)
     check_memory(sched, reports)
     return CompiledSchedule(sched, prog, tuple(reports))
 
 
-def _compiled(target: Target, params, memory, kwargs) -> CompiledSchedule:
+def require_same_dp(prog: Program, dp: DataParallel, path: str | None = None) -> None:
+    """E422 unless a Program's data parallelism is `dp`'s (size and kind; a Program's windows are fixed)."""
+    if (prog.dp, prog.dp_kind) != (dp.size, dp.kind):
+        raise error(
+            "E422",
+            f"the Program was compiled for data parallelism {prog.dp} x {prog.dp_kind}, "
+            f"not the {dp.size} x {dp.kind} asked for",
+            source=Source(path, "") if path else None,
+            notes=("compile the schedule again with these options, or leave them out to run the Program as it is",),
+        )
+
+
+def _compiled(target: Target, params, memory, kwargs, data_parallel: DataParallel | None) -> CompiledSchedule:
     from pipec.passes.compiler import compile_schedule
 
     obj, where = target_of(target, dict(params or {}, **kwargs))
     if isinstance(obj, Program):
-        return check_program(obj, memory, where)
-    return compile_schedule(obj, memory)
+        return check_program(obj, memory, where, data_parallel)
+    return compile_schedule(obj, memory, data_parallel)
 
 
 def check(
@@ -280,13 +300,15 @@ def check(
     params: Mapping[str, object] | None = None,
     *,
     memory: Mapping[str, float] | None = None,
+    data_parallel: DataParallel | None = None,
     **kwargs: object,
 ) -> CompiledSchedule:
     """Every check `pipec check` runs, or raise PipecError: each op once, on its owner, in dependency
     order; memory within the limit (`memory` overrides `act`, `wact`, `params` and `limit`); no
     deadlock even when every send blocks until its receive is posted; the schedule's own `expect`
-    lines. A Program (or Program file) is validated and dry-run. Returns the compiled schedule:
-    `.schedule`, `.program` and `.memory` (the per-rank peaks).
+    lines. A Program (or Program file) is validated and dry-run. `data_parallel` (`pipec.DataParallel`)
+    replicates each rank (ddp) or shards it (fsdp) and places the collectives (docs/program.md).
+    Returns the compiled schedule: `.schedule`, `.program` and `.memory` (the per-rank peaks).
 
     >>> c = check("zb-h1", p=4, m=8)
     >>> [round(r.peak, 2) for r in c.memory]
@@ -294,7 +316,7 @@ def check(
     """
     from pipec.passes.expect import check_expectations
 
-    c = _compiled(target, params, memory, kwargs)
+    c = _compiled(target, params, memory, kwargs, data_parallel)
     check_expectations(c.schedule, c.program)
     return c
 
@@ -304,17 +326,18 @@ def compile(  # noqa: A001 - pipec.compile is the name users look for
     params: Mapping[str, object] | None = None,
     *,
     memory: Mapping[str, float] | None = None,
+    data_parallel: DataParallel | None = None,
     **kwargs: object,
 ) -> Program:
     """Check a schedule (as `pipec compile` does: all but its `expect` lines) and lower it to one
-    instruction stream per rank (docs/program.md). Write it with `pipec.program.write_json` or
-    `write_text`.
+    instruction stream per rank (docs/program.md), with the collectives `data_parallel` calls for
+    (`prog.dp`, `prog.dp_kind` record it). Write it with `pipec.program.write_json` or `write_text`.
 
     >>> prog = compile("1f1b", p=2, m=2)
     >>> [str(i) for i in prog.ranks[1].instructions()][:3]
     ['RECV_ACT 0 1 0', 'RECV_ACT 1 1 0', 'FWD 0 1']
     """
-    return _compiled(target, params, memory, kwargs).program
+    return _compiled(target, params, memory, kwargs, data_parallel).program
 
 
 def simulate(
@@ -324,20 +347,22 @@ def simulate(
     cost: CostSpec = None,
     memory: Mapping[str, float] | None = None,
     topology: str | None = None,
+    data_parallel: DataParallel | None = None,
     **kwargs: object,
 ) -> Simulation:
     """Check, lower and simulate under a cost model, as `pipec simulate` does: `cost` is what
     `--cost` takes (a cost file's path, overrides like "F=1,B=2,W=1", a cost document, or a list of
     these, later ones winning) on top of the schedule's own declarations; `topology` what
-    `--topology` takes. Returns the simulation: `.stats` (makespan, bubble, per rank), `.timeline`,
-    `.costs`; `pipec.sim.report.to_json(sim)` is `pipec simulate --json`'s record for it.
+    `--topology` takes; `data_parallel` as for `compile`. Returns the simulation: `.stats` (makespan,
+    bubble, per rank), `.timeline`, `.costs`; `pipec.sim.report.to_json(sim)` is `pipec simulate --json`'s
+    record for it.
 
     >>> sim = simulate("1f1b", p=4, m=8, cost="F=1,B=2")
     >>> sim.stats.makespan, sim.stats.bubble_rate
     (33.0, 0.2727272727272727)
     """
     obj, where = target_of(target, dict(params or {}, **kwargs))
-    return simulation(obj, cost_docs(cost), memory, topology, where)
+    return simulation(obj, cost_docs(cost), memory, topology, where, data_parallel)
 
 
 def cost_docs(cost: CostSpec) -> list[dict]:
@@ -354,9 +379,11 @@ def simulation(
     memory: Mapping[str, float] | None = None,
     topology: str | None = None,
     where: str | None = None,
+    data_parallel: DataParallel | None = None,
 ) -> Simulation:
-    """Simulate a Schedule (checked and lowered first) or a Program (checked, then run as it stands) under
-    these cost documents (see `cost_docs`) and memory overrides, on `topology` if given."""
+    """Simulate a Schedule (checked and lowered first, with `data_parallel`'s collectives) or a Program
+    (checked, then run as it stands) under these cost documents (see `cost_docs`) and memory overrides,
+    on `topology` if given."""
     from pipec.passes.memory import memory_model
     from pipec.sim import report
     from pipec.sim.costs import cost_model
@@ -364,9 +391,15 @@ def simulation(
     from pipec.sim.simulate import stats
     from pipec.sim.topology import read_topology, with_topology
 
-    if isinstance(obj, Schedule):
+    if isinstance(obj, Schedule) and (data_parallel is None or data_parallel.is_default):
         return report.run(with_topology(obj, read_topology(topology, obj)) if topology else obj, docs, memory)
-    compiled = check_program(obj, memory, where)
+    if isinstance(obj, Schedule):
+        from pipec.passes.compiler import compile_schedule
+
+        compiled = compile_schedule(obj, memory, data_parallel)
+        obj = compiled.program
+    else:
+        compiled = check_program(obj, memory, where, data_parallel)
     sched = compiled.schedule
     if topology:
         sched = with_topology(sched, read_topology(topology, sched))

@@ -69,9 +69,7 @@ def add_dp_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("data parallelism (docs/program.md)")
     g.add_argument("--dp", type=int, default=1, metavar="N", help="data-parallel replicas of each rank (default 1)")
     g.add_argument("--dp-kind", choices=KINDS, default="ddp", help="ddp (replicated, default) or fsdp (sharded)")
-    g.add_argument(
-        "--prefetch", type=int, default=1, metavar="K", help="fsdp: UNSHARD a stage K computes before it is used"
-    )
+    g.add_argument("--prefetch", type=int, default=1, metavar="K", help="fsdp: UNSHARD a stage K steps before its use")
     g.add_argument(
         "--max-gathered", type=int, default=None, metavar="K", help="fsdp: at most K stages of a rank gathered at once"
     )

@@ -4,7 +4,9 @@ Order: memory (E402); the schedule's own wait-for relation (E401, found while
 lowering takes its global order); lowering; a strict dry run of the Program
 (E404 when two ranks would issue messages to each other in different orders,
 E403 when the Program can still deadlock, a lowering bug this check exists to
-catch).
+catch). Under fsdp the memory model needs the Program's UNSHARD .. RESHARD
+windows, so memory is checked after lowering (a schedule that both deadlocks
+and is over its limit then reports E401).
 """
 
 from __future__ import annotations
@@ -12,10 +14,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from pipec.dataparallel import DataParallel
 from pipec.errors import PipecError
 from pipec.passes.dryrun import DryRun, deadlock_error
 from pipec.passes.lower import lower_with_proof
-from pipec.passes.memory import RankMemory, check_memory, rank_memory
+from pipec.passes.memory import RankMemory, check_memory, program_memory, rank_memory
 from pipec.program import Program
 from pipec.schedule import Schedule
 
@@ -27,11 +30,22 @@ class CompiledSchedule:
     memory: tuple[RankMemory, ...]
 
 
-def compile_schedule(sched: Schedule, memory: Mapping[str, float] | None = None) -> CompiledSchedule:
-    """Check memory and deadlock freedom and lower; raises PipecError (E401/E402/E403)."""
+def compile_schedule(
+    sched: Schedule, memory: Mapping[str, float] | None = None, dp: DataParallel | None = None
+) -> CompiledSchedule:
+    """Check memory and deadlock freedom and lower with the data-parallel options `dp` (default: none);
+    raises PipecError (E401/E402/E403, E421/E423 for data parallelism)."""
+    dp = dp or DataParallel()
+    if dp.kind == "fsdp":
+        prog, run = lower_with_proof(sched, dp)
+        if not run.completed:
+            raise program_deadlock_error(sched, run)
+        reports = program_memory(prog, sched, memory)
+        check_memory(sched, reports)
+        return CompiledSchedule(sched, prog, tuple(reports))
     reports = rank_memory(sched, memory)
     check_memory(sched, reports)
-    prog, run = lower_with_proof(sched)  # E401 when the schedule itself deadlocks
+    prog, run = lower_with_proof(sched, dp)  # E401 when the schedule itself deadlocks
     if not run.completed:
         raise program_deadlock_error(sched, run)
     return CompiledSchedule(sched, prog, tuple(reports))

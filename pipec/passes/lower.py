@@ -19,14 +19,54 @@ message time on both sides.
   exchange (one `batch_isend_irecv`, Megatron's `send_forward_recv_backward`).
 - Stages on the same rank hand tensors over locally: no instruction.
 
+Data-parallel collectives (`DataParallel`, docs/program.md "Data parallelism").
+Without data parallelism (size 1, ddp) each rank ends with `REDUCE_GRAD` then
+`STEP` of its stages, as before PP x DP, and collectives a schedule places are
+not lowered (a single replica reduces nothing). Otherwise the collectives go into the stream at two kinds of
+points that never split a group: *after step g* (right after step g's compute
+and the sends that carry its output, so the neighbour is not delayed; past the
+receive a send is batched with) and *before step g* (right before step g's
+first compute, after the receives posted for it). A step is one compute or an
+overlapped pair.
+
+- `REDUCE_GRAD s` after the step of stage s's last compute; the `STEP`s close
+  the stream (each waits for its reduction).
+- fsdp: windows `UNSHARD s` .. `RESHARD s`. The windows of a rank follow from
+  its steps: with no `max_gathered` (or one at least the rank's stage count),
+  one window per stage, from its first compute to its last; with
+  `max_gathered = k`, Belady's rule: walking the steps, a step that needs a
+  stage not gathered opens a window for it and, when k are gathered already,
+  closes the gathered stage (not needed by this step) whose next use is
+  furthest ahead. A window closes after the step of its last use: `RESHARD s`
+  after that step (after `REDUCE_GRAD s` for a stage's last window). Its
+  `UNSHARD s` is issued before the step `prefetch` steps ahead of its first
+  use (at the very start of the stream when there are fewer steps before it),
+  but never while stage s is still gathered and never so early that more than
+  k stages would be gathered at once: windows are placed in order of first
+  use, each as early as those bounds allow. At one point RESHARDs come before
+  UNSHARDs, so a closing window and an opening one are never both held.
+- A schedule that places collectives itself (`Schedule.collectives`, a ZeroPP-
+  style schedule) gets exactly those: a collective before op j goes right
+  before the compute of op j (before the first of its pair when op j is the
+  second), one before `len(ops)` after the last op; the defaults above are
+  added only for the stages and opcodes it does not place (`REDUCE_GRAD s`, or
+  the windows of s), and `max_gathered` bounds the default windows only. Under
+  ddp the schedule's UNSHARD/RESHARD are dropped (replicated parameters have
+  nothing to gather, as torch's UNSHARD of an unsharded stage does nothing).
+  `validate` proves the result; a rule it breaks is E423 at the collective.
+
 `pipec.passes.dryrun` then proves the result under rendezvous sends. Built with
-numpy per rank: slot keys, one sort, masks.
+numpy per rank: slot keys, one sort, masks; the collectives are merged in with
+one more sort (the Belady walk over steps is the one loop, fsdp with
+`max_gathered` only).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from pipec.dataparallel import DataParallel
+from pipec.errors import PipecError, error
 from pipec.opcodes import (
     COMPUTE_OF_KIND,
     HAS_SEND,
@@ -34,35 +74,44 @@ from pipec.opcodes import (
     IN_STAGE,
     IS_COMPUTE,
     IS_P2P,
+    IS_RECV,
     OUT_PEER_STAGE,
     PRODUCER_KIND,
     RECV_OF_KIND,
     REDUCE_GRAD,
+    RESHARD,
     SEND_OF_KIND,
     STEP,
+    UNSHARD,
     may_group,
 )
 from pipec.passes.deadlock import global_order
 from pipec.passes.dryrun import DryRun, dry_run
 from pipec.program import Program, RankProgram
-from pipec.schedule import RankOps, Schedule
+from pipec.schedule import Collective, RankOps, Schedule
+from pipec.validate import validate
 
 
-def lower(sched: Schedule) -> Program:
-    """One instruction stream per rank (the schedule must have passed `check_schedule`)."""
-    return lower_with_proof(sched)[0]
+def lower(sched: Schedule, dp: DataParallel | None = None) -> Program:
+    """One instruction stream per rank (the schedule must have passed `check_schedule`), with the
+    data-parallel collectives of `dp` (default: none beyond each stage's REDUCE_GRAD and STEP)."""
+    return lower_with_proof(sched, dp)[0]
 
 
-def lower_with_proof(sched: Schedule) -> tuple[Program, DryRun]:
-    """The Program and a strict rendezvous dry run of it; E401 when the schedule itself deadlocks."""
+def lower_with_proof(sched: Schedule, dp: DataParallel | None = None) -> tuple[Program, DryRun]:
+    """The Program and a strict rendezvous dry run of it; E401 when the schedule itself deadlocks, E421
+    when `dp` cannot be honoured, E423 when the schedule's own collectives break a rule."""
+    dp = dp or DataParallel()
     times = global_order(sched)
     S, m, K = sched.num_stages, sched.num_microbatches, len(sched.kinds)
     time_of = np.zeros(K * S * m, dtype=np.int64)  # op key -> completion time
     for ops, t in zip(sched.ranks, times):
         time_of[(ops.kind * S + ops.stage) * m + ops.mb] = t
     placement = np.asarray(sched.placement, dtype=np.int64)
+    placed: list[list[tuple[int, Collective]]] = []  # per rank: (instruction index, collective) it placed
     ranks = tuple(
-        _lower_rank(sched, r, ops, t, time_of, placement) for r, (ops, t) in enumerate(zip(sched.ranks, times))
+        _lower_rank(sched, r, ops, t, time_of, placement, dp, placed)
+        for r, (ops, t) in enumerate(zip(sched.ranks, times))
     )
     prog = Program(
         name=sched.name,
@@ -73,12 +122,48 @@ def lower_with_proof(sched: Schedule) -> tuple[Program, DryRun]:
         split_backward=sched.split_backward,
         placement=sched.placement,
         ranks=ranks,
+        dp=dp.size,
+        dp_kind=dp.kind,
     )
+    if any(placed):
+        _prove_placed(sched, prog, placed)
     return prog, dry_run(prog, witness=time_of)  # the order above, checked against every rule
 
 
+def _prove_placed(sched: Schedule, prog: Program, placed: list[list[tuple[int, Collective]]]) -> None:
+    """Validate a Program holding the schedule's own collectives; a broken rule is E423 at the collective
+    it concerns (or the first the rank placed)."""
+    where = [dict(p) for p in placed]
+
+    def locate(r: int, j: int):
+        if not 0 <= r < len(where) or not where[r]:
+            return None
+        c = where[r].get(j) or next(iter(where[r].values()))
+        return c.span
+
+    try:
+        validate(prog, sched.source, locate)
+    except PipecError as e:
+        d = e.diagnostics[0]
+        message = d.message.replace("invalid program: ", "", 1)
+        raise error(
+            "E423",
+            "the schedule's data-parallel collectives make an invalid program: " + message,
+            d.span,
+            sched.source,
+            d.notes,
+        ) from None
+
+
 def _lower_rank(
-    sched: Schedule, rank: int, ops: RankOps, times: np.ndarray, time_of: np.ndarray, placement: np.ndarray
+    sched: Schedule,
+    rank: int,
+    ops: RankOps,
+    times: np.ndarray,
+    time_of: np.ndarray,
+    placement: np.ndarray,
+    dp: DataParallel,
+    placed: list[list[tuple[int, Collective]]],
 ) -> RankProgram:
     S, m = sched.num_stages, sched.num_microbatches
     n = len(ops)
@@ -121,15 +206,190 @@ def _lower_rank(
     group = _bind_exchanges(code, peer, group)
 
     own = np.asarray(sched.stages_of(rank), dtype=np.int64)[::-1]
-    tail = np.concatenate([np.full(len(own), REDUCE_GRAD), np.full(len(own), STEP)])
-    z = np.full(len(tail), -1)
-    return RankProgram(
-        op=np.concatenate([code, tail]).astype(np.int64),
-        mb=np.concatenate([mb[src], z]).astype(np.int64),
-        stage=np.concatenate([stage[src], own, own]).astype(np.int64),
-        peer=np.concatenate([peer, z]).astype(np.int64),
-        group=np.concatenate([group, np.zeros(len(tail), dtype=bool)]),
-    )
+    if dp.is_default:  # no data parallelism, as before PP x DP: the reductions, then the steps, close the stream
+        tail = np.concatenate([np.full(len(own), REDUCE_GRAD), np.full(len(own), STEP)])
+        z = np.full(len(tail), -1)
+        return RankProgram(
+            op=np.concatenate([code, tail]).astype(np.int64),
+            mb=np.concatenate([mb[src], z]).astype(np.int64),
+            stage=np.concatenate([stage[src], own, own]).astype(np.int64),
+            peer=np.concatenate([peer, z]).astype(np.int64),
+            group=np.concatenate([group, np.zeros(len(tail), dtype=bool)]),
+        )
+    mine = sched.collectives[rank] if rank < len(sched.collectives) else ()
+    c_op, c_stage, c_pos, c_from = _collectives(sched, rank, ops, step, code, src, group, own, dp, mine)
+    n_base = len(code)
+    # Merge: a collective at position p goes before base instruction p (after the ones before it).
+    new_base = np.arange(n_base) + np.searchsorted(c_pos, np.arange(n_base), side="right")
+    new_coll = c_pos + np.arange(len(c_pos))
+    total = n_base + len(c_pos) + len(own)
+    out = {k: np.full(total, -1, dtype=np.int64) for k in ("op", "mb", "stage", "peer")}
+    out_group = np.zeros(total, dtype=bool)
+    out["op"][new_base], out["mb"][new_base], out["stage"][new_base] = code, mb[src], stage[src]
+    out["peer"][new_base], out_group[new_base] = peer, group
+    out["op"][new_coll], out["stage"][new_coll] = c_op, c_stage
+    steps = np.arange(n_base + len(c_pos), total)
+    out["op"][steps], out["stage"][steps] = STEP, own
+    placed.append([(int(new_coll[k]), mine[int(c_from[k])]) for k in np.flatnonzero(c_from >= 0).tolist()])
+    return RankProgram(out["op"], out["mb"], out["stage"], out["peer"], out_group)
+
+
+# Order of the collectives at one point: the schedule's own first (in its order), then reductions, then
+# closing windows, then opening ones (so a closing and an opening window are never held at once).
+_PHASE_PLACED, _PHASE_REDUCE, _PHASE_RESHARD, _PHASE_UNSHARD = range(4)
+
+
+def _collectives(
+    sched: Schedule,
+    rank: int,
+    ops: RankOps,
+    step: np.ndarray,
+    code: np.ndarray,
+    src: np.ndarray,
+    group: np.ndarray,
+    own: np.ndarray,
+    dp: DataParallel,
+    mine: tuple[Collective, ...],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The rank's collectives as (opcode, stage, insertion position in the base stream, index into the
+    schedule's own or -1), sorted by position and phase."""
+    n_base, n_ops = len(code), len(ops)
+    num_steps = int(step[-1]) + 1 if n_ops else 0
+    comp = np.flatnonzero(IS_COMPUTE[code])
+    comp_step = step[src[comp]]
+    first = np.r_[True, comp_step[1:] != comp_step[:-1]] if len(comp) else np.zeros(0, dtype=bool)
+    before_step = np.r_[comp[first], n_base]  # position right before step g's first compute; n_base: the end
+    body = np.flatnonzero(~IS_RECV[code])  # computes and sends, which belong to the step that produced them
+    body_step = step[src[body]]
+    last = np.r_[body_step[1:] != body_step[:-1], True] if len(body) else np.zeros(0, dtype=bool)
+    end = body[last]
+    after_step = end + 1 + group[end]  # past the receive a step's last send may be batched with
+    # Rows: (position, phase, sequence, opcode, stage, index into `mine`).
+    rows: list[tuple[int, int, int, int, int, int]] = []
+    keep_windows = dp.kind == "fsdp"
+    for k, c in enumerate(mine):
+        if c.op not in (UNSHARD_NAME, RESHARD_NAME, REDUCE_NAME):
+            raise error("E423", f"`{c.op}` is not a data-parallel collective", c.span, sched.source)
+        if c.op != REDUCE_NAME and not keep_windows:
+            continue
+        if not 0 <= c.before <= n_ops:
+            raise error(
+                "E423", f"`{c.op} {c.stage}` is placed before op {c.before}, outside 0 .. {n_ops}", c.span, sched.source
+            )
+        g = int(step[c.before]) if c.before < n_ops else num_steps
+        rows.append((int(before_step[g]), _PHASE_PLACED, k, _CODE[c.op], c.stage, k))
+    placed_reduce = {c.stage for c in mine if c.op == REDUCE_NAME}
+    placed_window = {c.stage for c in mine if c.op != REDUCE_NAME}
+    last_step = np.full(sched.num_stages, -1, dtype=np.int64)
+    np.maximum.at(last_step, ops.stage, step)  # each stage's last step
+    for s in own.tolist():
+        if s in placed_reduce:
+            continue
+        if last_step[s] >= 0:
+            rows.append((int(after_step[last_step[s]]), _PHASE_REDUCE, int(last_step[s]), REDUCE_GRAD, s, -1))
+    if keep_windows:
+        stages = [s for s in own.tolist() if s not in placed_window]
+        for s, opened, closed, issue in _windows(sched, rank, ops, step, num_steps, stages, dp):
+            at = 0 if issue < 0 else int(before_step[issue])
+            rows.append((at, _PHASE_UNSHARD, opened, UNSHARD, s, -1))
+            rows.append((int(after_step[closed]), _PHASE_RESHARD, closed, RESHARD, s, -1))
+    if not rows:
+        return tuple(np.zeros(0, dtype=np.int64) for _ in range(4))  # type: ignore[return-value]
+    a = np.array(rows, dtype=np.int64)
+    order = np.lexsort((a[:, 2], a[:, 1], a[:, 0]))
+    a = a[order]
+    return a[:, 3], a[:, 4], a[:, 0], a[:, 5]
+
+
+REDUCE_NAME, UNSHARD_NAME, RESHARD_NAME = "REDUCE_GRAD", "UNSHARD", "RESHARD"
+_CODE = {REDUCE_NAME: REDUCE_GRAD, UNSHARD_NAME: UNSHARD, RESHARD_NAME: RESHARD}
+
+
+def _windows(
+    sched: Schedule,
+    rank: int,
+    ops: RankOps,
+    step: np.ndarray,
+    num_steps: int,
+    stages: list[int],
+    dp: DataParallel,
+) -> list[tuple[int, int, int, int]]:
+    """The default fsdp windows of these stages as (stage, first step used, last step used, step before
+    which its UNSHARD is issued, -1 for the start of the stream); see the module docstring."""
+    if not stages or not num_steps:
+        return []
+    k = dp.max_gathered
+    wanted = np.zeros(sched.num_stages, dtype=bool)
+    wanted[stages] = True
+    use = wanted[ops.stage]
+    first = np.full(sched.num_stages, num_steps, dtype=np.int64)
+    last = np.full(sched.num_stages, -1, dtype=np.int64)
+    np.maximum.at(last, ops.stage[use], step[use])
+    np.minimum.at(first, ops.stage[use], step[use])
+    windows: list[tuple[int, int, int]] = []  # (stage, opened, closed)
+    if k is None or k >= len(stages):
+        windows = sorted(((s, int(first[s]), int(last[s])) for s in stages if last[s] >= 0), key=lambda w: w[1])
+    else:
+        windows = _belady(sched, rank, ops, step, num_steps, use, k)
+    open_at = np.zeros(num_steps, dtype=np.int64)  # windows holding a stage before each step
+    closed_last: dict[int, int] = {}
+    out = []
+    for s, a, b in windows:  # in order of first use
+        want = a - dp.prefetch
+        t = max(want, closed_last.get(s, -1) + 1, 0)
+        if k is not None and t < a:
+            full = np.flatnonzero(open_at[t:a] >= k)
+            if len(full):
+                t = t + int(full[-1]) + 1
+        open_at[t : b + 1] += 1
+        closed_last[s] = b
+        out.append((s, a, b, -1 if t == 0 and want < 0 else t))
+    return out
+
+
+def _belady(
+    sched: Schedule, rank: int, ops: RankOps, step: np.ndarray, num_steps: int, use: np.ndarray, k: int
+) -> list[tuple[int, int, int]]:
+    """Windows of at most k stages at once, closing the stage whose next use is furthest ahead."""
+    st = ops.stage[use].tolist()
+    sp = step[use].tolist()
+    need: list[list[int]] = [[] for _ in range(num_steps)]
+    for s, g in zip(st, sp):
+        if s not in need[g]:
+            need[g].append(s)
+    uses: dict[int, list[int]] = {}
+    for g, ss in enumerate(need):
+        for s in ss:
+            uses.setdefault(s, []).append(g)
+    nxt = {s: 0 for s in uses}  # index into uses[s] of its next use
+    held: dict[int, int] = {}  # stage -> step its window opened
+    last_use: dict[int, int] = {}
+    windows: list[tuple[int, int, int]] = []
+    for g, ss in enumerate(need):
+        if len(ss) > k:
+            raise error(
+                "E421",
+                f"data parallelism: --max-gathered {k} cannot hold the {len(ss)} stages that rank {rank}'s "
+                f"overlapped pair at step {g} computes together ({', '.join(map(str, ss))})",
+            )
+        for s in ss:
+            if s in held:
+                continue
+            if len(held) >= k:
+
+                def ahead(q: int) -> int:
+                    i = nxt[q]
+                    return uses[q][i] if i < len(uses[q]) else num_steps + 1
+
+                victim = max((q for q in held if q not in ss), key=lambda q: (ahead(q), q))
+                windows.append((victim, held.pop(victim), last_use[victim]))
+            held[s] = g
+        for s in ss:
+            last_use[s] = g
+            nxt[s] += 1
+    windows += [(s, a, last_use[s]) for s, a in held.items()]
+    windows.sort(key=lambda w: (w[1], w[0]))
+    return windows
 
 
 def _bind_exchanges(code: np.ndarray, peer: np.ndarray, group: np.ndarray) -> np.ndarray:
