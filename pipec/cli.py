@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from typing import IO, NoReturn
 
 from pipec import __version__
+from pipec import dataparallel as dpopts
 from pipec.errors import Diagnostic, PipecError, Source, brief, error
 from pipec.frontend import library
 from pipec.passes.compiler import CompiledSchedule, compile_schedule
@@ -193,6 +194,7 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check", help="parse, evaluate and check a schedule", description=_doc(cmd_check))
     _schedule_args(p)
     _memory_args(p)
+    dpopts.add_dp_options(p)
     p.add_argument("--memory", action="store_true", help="print the per-rank memory table")
     _json_arg(p, "the summary")
     p.set_defaults(func=cmd_check)
@@ -200,6 +202,7 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compile", help="check and lower a schedule to a Program", description=_doc(cmd_compile))
     _schedule_args(p)
     _memory_args(p)
+    dpopts.add_dp_options(p)
     p.add_argument("-o", "--output", metavar="OUT", help="write here instead of standard output")
     p.add_argument(
         "--format",
@@ -219,6 +222,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--width", type=_count(1, 100_000), default=None, help="columns for --timeline (default: the terminal's)"
     )
+    dpopts.add_dp_options(p)
     _json_arg(p, "the grid (and with --timeline the simulated spans)")
     p.set_defaults(func=cmd_show)
 
@@ -235,6 +239,7 @@ def _parser() -> argparse.ArgumentParser:
     _cost_args(p)
     _topology_arg(p)
     _memory_args(p)
+    dpopts.add_dp_options(p)
     _json_arg(p, "every figure")
     p.add_argument("--trace", metavar="OUT.json", help="write a Chrome/Perfetto trace (one schedule)")
     p.add_argument("--plot", metavar="OUT.png", help="draw a Gantt chart (.png, .svg or .pdf), one panel per schedule")
@@ -329,6 +334,13 @@ def _memory(args: argparse.Namespace) -> dict[str, float]:
     return overrides
 
 
+def _dp(args: argparse.Namespace, program_file: bool = False) -> dpopts.DataParallel | None:
+    """The data-parallel options of the command line (E421 out of range); for a Program file None unless
+    given (it was lowered for its own, and must agree with any given: E422)."""
+    dp = dpopts.from_args(args)
+    return None if program_file and not dpopts.given(args) else dp
+
+
 def _compile(args: argparse.Namespace) -> tuple[CompiledSchedule, bool]:
     """Every check but the `expect` lines, then the Program (a Program file: validated and dry-run);
     and whether the input was a Program file."""
@@ -336,8 +348,8 @@ def _compile(args: argparse.Namespace) -> tuple[CompiledSchedule, bool]:
 
     obj, where = _target(args)
     if isinstance(obj, Program):
-        return check_program(obj, _memory(args), where), True
-    return compile_schedule(obj, _memory(args)), False
+        return check_program(obj, _memory(args), where, _dp(args, True)), True
+    return compile_schedule(obj, _memory(args), _dp(args)), False
 
 
 def _summary(c: CompiledSchedule, program_file: bool = False) -> dict:
@@ -354,11 +366,37 @@ def _summary(c: CompiledSchedule, program_file: bool = False) -> dict:
         "kinds": list(s.kinds),
         "placement": list(s.placement),
         "instructions": c.program.num_instructions,
+        **_dp_json(c.program),
         "memory": [
             {"rank": m.rank, "peak": m.peak, "limit": m.limit, "at": str(m.peak_op) if m.peak_op else None}
+            | ({"params": m.params, "gathered": list(m.gathered)} if c.program.dp_kind == "fsdp" else {})
             for m in c.memory
         ],
     }
+
+
+def _dp_json(prog: Program) -> dict:
+    """`data_parallel` of a JSON summary, only where the Program has data parallelism (so the documents
+    of a Program without it stay as they were)."""
+    if (prog.dp, prog.dp_kind) == (1, "ddp"):
+        return {}
+    return {"data_parallel": {"size": prog.dp, "kind": prog.dp_kind}}
+
+
+def _collectives(prog: Program) -> list[dict]:
+    """Each rank's data-parallel instructions with the op they come before, as `Schedule.collectives`
+    counts them: `before` is the index in the rank's op order of the next compute (its count of ops
+    after the last one)."""
+    import numpy as np
+
+    from pipec.opcodes import IS_COMPUTE, OPCODES, REDUCE_GRAD, RESHARD, UNSHARD
+
+    out = []
+    for r, rp in enumerate(prog.ranks):
+        done = np.cumsum(IS_COMPUTE[rp.op]) - IS_COMPUTE[rp.op]  # computes before each instruction
+        for j in np.flatnonzero(np.isin(rp.op, [REDUCE_GRAD, UNSHARD, RESHARD])).tolist():
+            out.append({"rank": r, "op": OPCODES[int(rp.op[j])], "stage": int(rp.stage[j]), "before": int(done[j])})
+    return out
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -375,7 +413,8 @@ def cmd_check(args: argparse.Namespace) -> int:
         _emit(args, _summary(c, program_file))
         return 0
     params = " ".join(f"{k}={v}" for k, v in s.params)
-    print(f"{s.name} ({params}): {s.num_stages} stages, {s.num_ranks} ranks, {s.num_ops} ops: OK")
+    dp = "" if not _dp_json(c.program) else f", data parallelism {c.program.dp} x {c.program.dp_kind}"
+    print(f"{s.name} ({params}): {s.num_stages} stages, {s.num_ranks} ranks, {s.num_ops} ops{dp}: OK")
     if args.memory:
         print(format_table(list(c.memory)))
     return 0
@@ -395,6 +434,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
         "schedule": prog.name,
         "params": dict(prog.params),
         "ranks": prog.num_ranks,
+        **_dp_json(prog),
         "instructions": prog.num_instructions,
         "output": args.output,
         "format": fmt if args.output else "json" if args.json else fmt,
@@ -429,9 +469,18 @@ def cmd_compile(args: argparse.Namespace) -> int:
 def cmd_show(args: argparse.Namespace) -> int:
     """Print the schedule as a grid: one row per step, one column per rank; `F3&B1` marks an overlapped pair.
     A Program file shows the schedule it executes."""
+    from pipec.api import check_program, schedule_of
     from pipec.sim.grid import cells, format_grid
 
-    s = _build(args)
+    obj, where = _target(args)
+    s = schedule_of(obj, Source(where, "")) if isinstance(obj, Program) else obj
+    prog = None  # with data parallelism: the Program whose collectives are shown under the grid
+    if isinstance(obj, Program) and _dp_json(obj):
+        prog = check_program(obj, None, where, _dp(args, True)).program
+    elif isinstance(obj, Program) and dpopts.given(args):
+        prog = check_program(obj, None, where, _dp(args, True)).program  # E422: it has none
+    elif dpopts.given(args):
+        prog = compile_schedule(obj, None, _dp(args)).program
     ranks = None
     if args.ranks:
         try:
@@ -442,15 +491,41 @@ def cmd_show(args: argparse.Namespace) -> int:
         if bad:
             raise Misuse(f"rank {bad[0]} is not in 0..{s.num_ranks - 1}")
     if args.timeline:
-        return _show_timeline(args, s, ranks)
+        return _show_timeline(args, s, ranks, prog)
+    shown = list(range(s.num_ranks)) if ranks is None else ranks
     if args.json:
-        shown = list(range(s.num_ranks)) if ranks is None else ranks
-        _emit(args, {**s.head(), "grid": [{"rank": r, "cells": cells(s, r)} for r in shown]})
+        doc = {**s.head(), "grid": [{"rank": r, "cells": cells(s, r)} for r in shown]}
+        if prog is not None:
+            doc |= _dp_json(prog) | {"collectives": [c for c in _collectives(prog) if c["rank"] in shown]}
+        _emit(args, doc)
         return 0
     params = " ".join(f"{k}={v}" for k, v in s.params)
     print(f"{s.name} ({params}): {s.num_stages} stages on {s.num_ranks} ranks, {s.num_microbatches} micro-batches")
     print(format_grid(s, ranks))
+    if prog is not None:
+        print(_collectives_text(prog, shown))
     return 0
+
+
+def _collectives_text(prog: Program, ranks: list[int]) -> str:
+    """Under the grid: each rank's collectives at the step they are issued before (`end`: after its last)."""
+    import numpy as np
+
+    from pipec.opcodes import IS_COMPUTE, OPCODES, REDUCE_GRAD, RESHARD, UNSHARD
+
+    lines = [f"data parallelism {prog.dp} x {prog.dp_kind}: collectives at the step they are issued before"]
+    for r in ranks:
+        rp = prog.ranks[r]
+        ends = IS_COMPUTE[rp.op] & ~rp.group  # the last compute of each step (a pair is one step)
+        done = np.cumsum(ends) - ends
+        steps = int(ends.sum())
+        width = len(str(max(steps - 1, 1)))
+        cells = []
+        for j in np.flatnonzero(np.isin(rp.op, [REDUCE_GRAD, UNSHARD, RESHARD])).tolist():
+            at = "end" if done[j] == steps else f"{int(done[j]):0{max(width, 2)}d}"
+            cells.append(f"{OPCODES[int(rp.op[j])]} {int(rp.stage[j])} @{at}")
+        lines.append(f"Rank {r}: " + (", ".join(cells) or "-"))
+    return "\n".join(lines)
 
 
 def _cost_args(p: argparse.ArgumentParser) -> None:
@@ -482,14 +557,19 @@ def _on_network(args: argparse.Namespace, s: Schedule) -> Schedule:
     return with_topology(s, read_topology(args.topology, s))
 
 
-def _show_timeline(args: argparse.Namespace, s: Schedule, ranks: list[int] | None) -> int:
+def _show_timeline(args: argparse.Namespace, s: Schedule, ranks: list[int] | None, prog: Program | None = None) -> int:
     import shutil
 
+    from pipec.api import simulation
     from pipec.sim import report
     from pipec.sim.costs import cost_spec
     from pipec.sim.render import text_gantt
 
-    sim = report.run(_on_network(args, s), [cost_spec(t) for t in args.cost])
+    docs = [cost_spec(t) for t in args.cost]
+    if prog is None:
+        sim = report.run(_on_network(args, s), docs)
+    else:  # the Program with its collectives, as lowered for the data parallelism asked for
+        sim = simulation(prog, docs, None, getattr(args, "topology", None))
     if args.json:
         shown = list(range(s.num_ranks)) if ranks is None else ranks
         spans = [
@@ -528,7 +608,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             defines = [(k, v) for k, v in args.defines if k in known]
             used |= known
         obj, where = target_of(name, defines)
-        sims.append(simulation(obj, docs, _memory(args), args.topology, where))
+        sims.append(simulation(obj, docs, _memory(args), args.topology, where, _dp(args, isinstance(obj, Program))))
     unused = [k for k, _ in args.defines if len(args.schedule) > 1 and k not in used]
     if unused:
         takes = "; ".join(f"{n}: {', '.join(param_names(_read_source(n))) or 'none'}" for n in args.schedule)
@@ -600,10 +680,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     obj, where = _target(args)
     if isinstance(obj, Program):
         program = obj
-        sched = _on_network(args, check_program(obj, None, where).schedule)
+        sched = _on_network(args, check_program(obj, None, where, _dp(args, True)).schedule)
     else:
         sched = _on_network(args, obj)
-        program = compile_schedule(sched).program
+        program = compile_schedule(sched, None, _dp(args)).program  # --dp etc. when `run` has them
     args.links = None
     if args.emulate_links:
         try:
