@@ -34,7 +34,7 @@ import numpy as np
 from pipec.errors import PipecError, Source, Span, error
 from pipec.interop.pipe_text import rank_block, rank_lines, schedule_head, schedule_steps
 from pipec.opcodes import BY_NAME, COMPUTE_OF_KIND, COMPUTE_RES, MESSAGE_NOUNS, MESSAGES, OP_KINDS, OPCODES, Opcode
-from pipec.schedule import RankOps, Schedule
+from pipec.schedule import Collective, RankOps, Schedule
 
 TORCH_VERSION = "2.13"
 MAX_INDEX = 10_000_000  # largest stage or micro-batch index read from a CSV
@@ -53,10 +53,12 @@ OPCODE_OF = {
     "SEND_B": "SEND_GRAD",
     "RECV_B": "RECV_GRAD",
     "REDUCE_GRAD": "REDUCE_GRAD",
+    "UNSHARD": "UNSHARD",
+    "RESHARD": "RESHARD",
 }
 COMPUTE = tuple(k for k, op in OPCODE_OF.items() if BY_NAME[op].resource == COMPUTE_RES)
 COMMS = tuple(k for k, op in OPCODE_OF.items() if BY_NAME[op].side is not None)
-NO_MB = ("UNSHARD", "RESHARD") + tuple(k for k, op in OPCODE_OF.items() if "mb" not in BY_NAME[op].operands)
+NO_MB = tuple(k for k, op in OPCODE_OF.items() if "mb" not in BY_NAME[op].operands)  # REDUCE_GRAD, UNSHARD, RESHARD
 _TORCH_NAME = {op: k for k, op in reversed(OPCODE_OF.items())}  # the first name of each opcode
 _TYPES = sorted(COMPUTE + COMMS + NO_MB, key=len, reverse=True)
 _SIMPLE = re.compile(r"(\d+)(" + "|".join(_TYPES) + r")(\d*)")
@@ -338,9 +340,14 @@ def _schedule(doc: TorchCsv, params: Iterable[tuple[str, object]]) -> Schedule:
     wgrad = OP_KINDS.index(BY_NAME["WGRAD"].kind)
     spans: list[Span] = []
     ranks = []
+    collectives: list[tuple[Collective, ...]] = []
     for row in doc.rows:
         ops: list[tuple[int, int, int, int, bool]] = []
+        placed: list[Collective] = []  # UNSHARD, RESHARD, REDUCE_GRAD where the file puts them (docs/interop.md)
         for a in row:
+            if a.kind in NO_MB:
+                placed.append(Collective(OPCODE_OF[a.kind], a.stage, len(ops), a.span))
+                continue
             if not a.subs and a.kind not in COMPUTE:
                 continue
             full = []
@@ -362,6 +369,7 @@ def _schedule(doc: TorchCsv, params: Iterable[tuple[str, object]]) -> Schedule:
                 paired=np.array(cols[4], dtype=bool),
             )
         )
+        collectives.append(tuple(placed))
     return Schedule(
         name=PurePath(doc.source.path).stem,
         params=(("p", R), ("m", M)),
@@ -373,6 +381,7 @@ def _schedule(doc: TorchCsv, params: Iterable[tuple[str, object]]) -> Schedule:
         ranks=tuple(ranks),
         spans=tuple(spans),
         source=doc.source,
+        collectives=tuple(collectives) if any(collectives) else (),
     )
 
 
@@ -664,9 +673,11 @@ def _at(sched: Schedule, r: int, j: int, code: str, message: str, notes: tuple[s
 def comms_rows(sched: Schedule, program) -> list[list[str]]:
     """Each rank's compute and communication actions (torch's compute+comms format), from pipec's
     Program: its proven order of sends and receives, a batched exchange split so that the lower rank
-    posts its receive first (torch issues one action at a time), UNSHARD of each stage before its
-    first use and REDUCE_GRAD then RESHARD at the end; STEP (the optimizer) is not a torch action.
-    The result is proven again by pipec's strict dry run (E613 if it could deadlock)."""
+    posts its receive first (torch issues one action at a time), REDUCE_GRAD where the Program has it;
+    an fsdp Program's own UNSHARD and RESHARD where it has them, else (ddp) UNSHARD of each stage before
+    its first use and RESHARD right after its REDUCE_GRAD, as torch's runtime expects of every stage;
+    STEP (the optimizer) is not a torch action. The result is proven again by pipec's strict dry run
+    (E613 if it could deadlock)."""
     from pipec.passes.dryrun import dry_run
     from pipec.program import Program, RankProgram
 
@@ -699,6 +710,8 @@ def comms_rows(sched: Schedule, program) -> list[list[str]]:
         split_backward=program.split_backward,
         placement=program.placement,
         ranks=tuple(RankProgram.from_instructions(x) for x in unbatched),
+        dp=program.dp,
+        dp_kind=program.dp_kind,
     )
     run = dry_run(check)
     if not run.completed:
@@ -711,9 +724,10 @@ def comms_rows(sched: Schedule, program) -> list[list[str]]:
             tuple(f"rank {w.rank} blocks at `{w.instr}`" for w in run.waits),
         )
     rows = []
+    own_windows = program.dp_kind == "fsdp"
     for instrs in unbatched:
         cells: list[str] = []
-        unsharded: list[int] = []
+        unsharded: list[int] = [] if not own_windows else list(range(program.num_stages))  # fsdp: its own
         j = 0
         while j < len(instrs):
             x = instrs[j]
@@ -740,7 +754,10 @@ def comms_rows(sched: Schedule, program) -> list[list[str]]:
                 cells.append(f"{x.stage}{torch_name(x.op, split)}{x.mb}")
             elif x.op == "REDUCE_GRAD":
                 cells.append(f"{x.stage}REDUCE_GRAD")
-                cells.append(f"{x.stage}RESHARD")
+                if not own_windows:
+                    cells.append(f"{x.stage}RESHARD")
+            elif x.op in OPCODE_OF and x.op in NO_MB:  # the Program's own UNSHARD, RESHARD (fsdp)
+                cells.append(f"{x.stage}{x.op}")
             j += 1
         rows.append(cells)
     return rows
