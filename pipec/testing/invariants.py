@@ -1,5 +1,12 @@
 """Checks of a Schedule, its Program or a bare Program by code independent of the compiler's
-(`check_invariants`, `schedule_problem`, `program_problem`)."""
+(`check_invariants`, `schedule_problem`, `program_problem`).
+
+The rules are restated here on purpose, in plain Python over readable instructions, so that a bug in
+the vectorised validator or the lowering shows up as a disagreement. Data parallelism too: each stage
+reduces once after its last compute and before its STEP; a ddp Program has no UNSHARD/RESHARD; an fsdp
+Program opens and closes each stage's windows in turn, computes only inside them, steps after the last
+close, and its memory is the sharded parameters plus the open windows, walked instruction by
+instruction (`_fsdp_peaks`)."""
 
 from __future__ import annotations
 
@@ -9,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pipec.dataparallel import DataParallel
 from pipec.errors import PipecError
 from pipec.passes.checks import check_schedule
 from pipec.passes.compiler import CompiledSchedule, compile_schedule
@@ -220,6 +228,9 @@ def program_problem(prog: Program, sched: Schedule | None = None) -> str | None:
                 return f"rank {r}: more than two transfers batched at `{x}`"
         # One reduction and one step per owned stage, after all of that stage's compute.
         owned = [s for s in range(S) if placement[s] == r]
+        problem = _dp_problem(prog, r, ins, owned, last_compute)
+        if problem:
+            return problem
         for code in (REDUCE_GRAD, STEP):
             at = [j for j, x in enumerate(ins) if x.op == OPCODES[code]]
             stages = sorted(ins[j].stage for j in at)
@@ -242,6 +253,84 @@ def program_problem(prog: Program, sched: Schedule | None = None) -> str | None:
         if seq != seqs.get((b, a), []):
             return f"ranks {a} and {b} issue their messages to each other in different orders"
     return _rendezvous(prog, instrs)
+
+
+def _dp_problem(prog: Program, r: int, ins, owned: list[int], last_compute: dict[int, int]) -> str | None:
+    """The data-parallel rules for one rank, instruction by instruction."""
+    if not (isinstance(prog.dp, int) and not isinstance(prog.dp, bool) and prog.dp >= 1):
+        return f"data-parallel size {prog.dp!r} is not a positive integer"
+    if prog.dp_kind not in ("ddp", "fsdp"):
+        return f"data-parallel kind {prog.dp_kind!r} is neither ddp nor fsdp"
+    reduce_at = {x.stage: j for j, x in enumerate(ins) if x.op == "REDUCE_GRAD"}
+    step_at = {x.stage: j for j, x in enumerate(ins) if x.op == "STEP"}
+    for s, j in reduce_at.items():
+        if j < last_compute.get(s, -1):
+            return f"rank {r}: `REDUCE_GRAD {s}` comes before the last compute of stage {s}"
+        if s in step_at and j > step_at[s]:
+            return f"rank {r}: `REDUCE_GRAD {s}` comes after `STEP {s}`"
+    gathered: dict[int, bool] = {}
+    windows: dict[int, int] = {}
+    last_close: dict[int, int] = {}
+    for j, x in enumerate(ins):
+        if x.op in ("UNSHARD", "RESHARD"):
+            if prog.dp_kind != "fsdp":
+                return f"rank {r}: `{x}` in a {prog.dp_kind} program"
+            opening = x.op == "UNSHARD"
+            if gathered.get(x.stage, False) == opening:
+                return f"rank {r}: `{x}` at #{j} " + ("re-gathers a gathered stage" if opening else "frees no window")
+            gathered[x.stage] = opening
+            if opening:
+                windows[x.stage] = windows.get(x.stage, 0) + 1
+            else:
+                last_close[x.stage] = j
+        elif x.op in COMPUTE and prog.dp_kind == "fsdp" and not gathered.get(x.stage, False):
+            return f"rank {r}: `{x}` at #{j} computes on stage {x.stage} while it is not gathered"
+    if prog.dp_kind == "fsdp":
+        for s in owned:
+            if windows.get(s, 0) == 0:
+                return f"rank {r}: stage {s} has no UNSHARD .. RESHARD window"
+            if gathered.get(s, False):
+                return f"rank {r}: stage {s} is still gathered at the end"
+            if s in step_at and step_at[s] < last_close[s]:
+                return f"rank {r}: `STEP {s}` comes before the last `RESHARD {s}`"
+    return None
+
+
+def _fsdp_peaks(prog: Program, sched: Schedule, model: dict[str, np.ndarray]) -> list[float]:
+    """Per-rank peak memory of an fsdp Program: params / N of each owned stage throughout, plus
+    params * (N - 1) / N of each gathered stage, plus the live activations, after every instruction."""
+    act, wact, par = model["act"], model["wact"], model["params"]
+    n = prog.dp
+    out = []
+    for r, rp in enumerate(prog.ranks):
+        base = float(sum(par[s] for s in sched.stages_of(r))) / n
+        live = gathered = 0.0
+        peak = 0.0
+        for x in rp.instructions():
+            if x.op == "FWD":
+                live += act[x.stage]
+            elif x.op == "BWD":
+                live += (wact[x.stage] if prog.split_backward else 0.0) - act[x.stage]
+            elif x.op == "WGRAD":
+                live -= wact[x.stage]
+            elif x.op == "UNSHARD":
+                gathered += par[x.stage] * (n - 1) / n
+            elif x.op == "RESHARD":
+                gathered -= par[x.stage] * (n - 1) / n
+            peak = max(peak, live + gathered)
+        out.append(base + peak)
+    return out
+
+
+def _fsdp_over(sched: Schedule, memory, dp: DataParallel) -> tuple[str | None, str | None]:
+    """Whether the fsdp Program of a schedule pipec found over its limit is over it by `_fsdp_peaks`."""
+    from pipec.passes.lower import lower
+    from pipec.passes.memory import memory_model
+
+    model = memory_model(sched, memory)
+    peaks = _fsdp_peaks(lower(sched, dp), sched, model)
+    over = [r for r, peak in enumerate(peaks) if not np.isnan(model["limit"][r]) and peak > model["limit"][r] + 1e-9]
+    return ("E402", f"rank {over[0]} is over its memory limit") if over else (None, None)
 
 
 def _rendezvous(prog: Program, instrs) -> str | None:
@@ -418,6 +507,7 @@ def check_invariants(
     memory: Mapping[str, float] | None = None,
     *,
     expectations: bool = True,
+    data_parallel: DataParallel | None = None,
 ) -> Checked:
     """Check a schedule (or its compiled form, or a bare Program) by code independent of the compiler.
 
@@ -425,7 +515,9 @@ def check_invariants(
     when the independent checks agree that the schedule is broken, and InvariantError when they
     disagree (pipec accepts a broken schedule or rejects a valid one). Then the Program, its strict
     rendezvous dry run, memory (`memory` overrides as in `pipec check --mem`), the simulated timeline
-    under the schedule's costs, and (unless told not to) the schedule's `expect`s (E405).
+    under the schedule's costs, and (unless told not to) the schedule's `expect`s (E405). A schedule
+    is compiled with `data_parallel` (default: none); an fsdp Program's memory is recomputed from its
+    windows.
     """
     from pipec.passes.expect import check_expectations
     from pipec.passes.memory import memory_model
@@ -452,7 +544,8 @@ def check_invariants(
         sched = target
         problem = schedule_problem(sched)
         over = []
-        if problem is None or problem.startswith("deadlock"):
+        fsdp = data_parallel is not None and data_parallel.kind == "fsdp"
+        if (problem is None or problem.startswith("deadlock")) and not fsdp:  # fsdp: after lowering, below
             model = memory_model(sched, memory)
             limit = model["limit"]
             peaks = _memory_peaks(sched, model)
@@ -469,8 +562,11 @@ def check_invariants(
             expected, why = None, None
         try:
             check_schedule(sched)
-            compiled = compile_schedule(sched, memory)
+            dp_args = () if data_parallel is None else (data_parallel,)
+            compiled = compile_schedule(sched, memory, *dp_args)
         except PipecError as e:
+            if fsdp and e.code == "E402" and expected is None:
+                expected, why = _fsdp_over(sched, memory, data_parallel)
             if e.code in _PIPEC_CODES and (expected is None or not e.code.startswith(expected)):
                 said = e.diagnostics[0].message
                 _fail(f"pipec reports {e.code} ({said}), but " + (why or "the schedule is valid and fits"))
@@ -482,7 +578,7 @@ def check_invariants(
     if problem:
         _fail(f"the lowered program is wrong: {problem}")
     model = memory_model(sched, memory)
-    peaks = _memory_peaks(sched, model)
+    peaks = _fsdp_peaks(prog, sched, model) if prog.dp_kind == "fsdp" else _memory_peaks(sched, model)
     for rep in compiled.memory:
         if abs(rep.peak - peaks[rep.rank]) > 1e-9 * max(1.0, abs(peaks[rep.rank])):
             _fail(f"rank {rep.rank}: pipec's peak memory {rep.peak:g}, recomputed {peaks[rep.rank]:g}")
