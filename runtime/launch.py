@@ -103,10 +103,8 @@ def add_dp_run_options(ap: argparse.ArgumentParser) -> None:
     --dp-kind, --prefetch, --max-gathered (the lowering's, pipec.dataparallel), and the runtime's
     --dp-unit (what FSDP2 shards as one unit)."""
     if "--dp" not in ap._option_string_actions:  # a parser that already has the lowering's flags keeps them
-        try:
-            from pipec.dataparallel import add_dp_options
-        except ImportError:  # a tree without the lowering's data parallelism: the same flags, here
-            add_dp_options = _add_dp_options
+        from pipec.dataparallel import add_dp_options  # stdlib only
+
         add_dp_options(ap)
     ap.add_argument(
         "--dp-unit",
@@ -116,36 +114,19 @@ def add_dp_run_options(ap: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_dp_options(ap: argparse.ArgumentParser) -> None:
-    g = ap.add_argument_group("data parallelism")
-    g.add_argument("--dp", type=int, default=1, metavar="N", help="data-parallel replicas of each rank (default 1)")
-    g.add_argument("--dp-kind", choices=("ddp", "fsdp"), default="ddp", help="ddp (replicated) or fsdp (sharded)")
-    g.add_argument("--prefetch", type=int, default=1, metavar="K", help="fsdp: UNSHARD K computes before use")
-    g.add_argument("--max-gathered", type=int, default=None, metavar="K", help="fsdp: at most K stages gathered")
-
-
 def with_dp(program, args: argparse.Namespace):
-    """The Program to run with the command line's data parallelism (None of it given: as it stands).
-
-    A Program compiled for data parallelism must agree with --dp/--dp-kind. One compiled without it (dp 1,
-    no UNSHARD/RESHARD: the Program files of a tree whose formats do not carry dp yet) is run with the
-    flags' dp: its REDUCE_GRAD and STEP are already where both kinds need them, and under fsdp without
-    UNSHARD the stage's FSDP2 pre-forward hook gathers the parameters itself. Raises ValueError."""
-    import dataclasses
-
+    """The Program to run under the command line's data parallelism: as it stands when no flag is given
+    or the flags agree with what it was compiled for; ValueError otherwise (a Program's collectives are
+    placed by its lowering for one dp and kind, as `pipec.api.require_same_dp` says for E422)."""
     dp, kind = getattr(args, "dp", 1), getattr(args, "dp_kind", "ddp")
     if dp < 1:
         raise ValueError(f"data parallelism: the size (--dp) must be an integer >= 1, got {dp}")
-    if dp == 1 and kind == "ddp":
+    if (dp == 1 and kind == "ddp") or (program.dp, program.dp_kind) == (dp, kind):
         return program
-    if (program.dp, program.dp_kind) == (dp, kind):
-        return program
-    if program.dp != 1:
-        raise ValueError(
-            f"the Program was compiled for data parallelism {program.dp} x {program.dp_kind}, not the "
-            f"--dp {dp} --dp-kind {kind} asked for; compile it again with these options, or leave them out"
-        )
-    return dataclasses.replace(program, dp=dp, dp_kind=kind)
+    raise ValueError(
+        f"the Program was compiled for data parallelism {program.dp} x {program.dp_kind}, not the "
+        f"--dp {dp} --dp-kind {kind} asked for; compile it again with these options, or leave them out"
+    )
 
 
 def load_program(spec: str, defines: Sequence[str | tuple[str, str]], args: argparse.Namespace | None = None):
@@ -166,14 +147,11 @@ def load_program(spec: str, defines: Sequence[str | tuple[str, str]], args: argp
             return program
     pairs = [d if isinstance(d, tuple) else tuple(x.strip() for x in d.split("=", 1)) for d in defines]
     sched = build(library.read(spec), pairs)
-    if args is not None and getattr(args, "dp", 1) > 1:
-        import inspect
+    if args is None:
+        return compile_schedule(sched).program
+    from pipec.dataparallel import from_args
 
-        if "data_parallel" in inspect.signature(compile_schedule).parameters:
-            from pipec.dataparallel import from_args
-
-            return compile_schedule(sched, None, from_args(args)).program
-    return compile_schedule(sched).program
+    return compile_schedule(sched, None, from_args(args)).program  # E421 for a value out of range
 
 
 def dp_problem(program, args: argparse.Namespace, world: int | None) -> str | None:

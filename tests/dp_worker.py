@@ -1,12 +1,14 @@
 """A multi-process worker for tests/test_dp_runtime.py: pipelines x data-parallel replicas on gloo.
 
-Each config is NAME:k=v,...:KIND[:UNIT[:MESH]]: the schedule compiled by today's lowering (REDUCE_GRAD
-and STEP at the tail), with `dp` and `dp_kind` set; for fsdp, UNSHARD/RESHARD windows are inserted by
-`with_windows` (around each run of a stage's computes, the UNSHARD one window early), so the runtime
-gathers and frees mid-step, between F and B and between B and W. MESH "2d" passes the ("pp", "dp")
-DeviceMesh to the Runner, "pair" its two sub-meshes. Per config it writes the relative errors against
-the single-process float64 reference over the whole global batch: the loss and gradients of every step
-and the parameters after the last.
+Each config is NAME:k=v,...:KIND[:OPT,OPT...]: the schedule compiled with the lowering's data parallelism
+(pipec.dataparallel.DataParallel: REDUCE_GRAD after each stage's last compute, fsdp windows), options
+`g1` (max_gathered=1: Belady windows, stages gathered and freed several times a step) and `p0` (no
+prefetch); or with `hand`, today's lowering (REDUCE_GRAD and STEP at the tail) with `dp` and `dp_kind`
+set and, for fsdp, UNSHARD/RESHARD windows inserted by `with_windows` (around each run of a stage's
+computes, the UNSHARD one window early: gathered and freed between F and B and between B and W).
+`block` shards per block; `pair` passes the mesh's two sub-meshes to the Runner instead of the 2-D
+mesh. Per config it writes the relative errors against the single-process float64 reference over the
+whole global batch: the loss and gradients of every step and the parameters after the last.
 
     main([OUT_DIR, STEPS, DP, CONFIG, ...])   (in a forked rank, tests/runtime_harness.py)
 """
@@ -76,20 +78,28 @@ def main(argv: list[str] | None = None) -> None:
     results = bad_inputs(model, dp) if configs == ["BAD"] else {}
     for spec in configs if configs != ["BAD"] else []:
         name, kv, kind, *rest = spec.split(":")
-        unit = rest[0] if rest else "stage"
-        how = rest[1] if len(rest) > 1 else "2d"
+        opts = set(rest[0].split(",")) if rest else set()
+        unit = "block" if "block" in opts else "stage"
+        how = "pair" if "pair" in opts else "2d"
         params = {k: int(v) for k, v in (item.split("=") for item in kv.split(","))}
-        prog = compile_schedule(load(name, **params)).program
-        prog = dataclasses.replace(prog, dp=dp, dp_kind=kind)
-        if kind == "fsdp":
-            prog = with_windows(prog)
+        if "hand" in opts:  # today's lowering (collectives at the tail), windows inserted here
+            prog = compile_schedule(load(name, **params)).program
+            prog = dataclasses.replace(prog, dp=dp, dp_kind=kind)
+            if kind == "fsdp":
+                prog = with_windows(prog)
+        else:  # the lowering's placement (pipec.dataparallel): g1 = at most one stage gathered, p0 = no prefetch
+            from pipec.dataparallel import DataParallel
+
+            opt = DataParallel(dp, kind, 0 if "p0" in opts else 1, 1 if "g1" in opts else None)
+            prog = compile_schedule(load(name, **params), None, opt).program
+        res_prog = {"unshards": sum(i.op == "UNSHARD" for r in prog.ranks for i in r.instructions())}
         mesh = init_device_mesh("cpu", (world // dp, dp), mesh_dim_names=("pp", "dp"))
         arg = mesh if how == "2d" else (mesh["pp"], mesh["dp"])
         kw = dict(optimizer=model.optimizer, dtype=model.dtype)
         t0 = time.perf_counter()
         runner = Runner(prog, model.build_stage, model.loss_fn, timeout=30, mesh=arg, dp_unit=unit, **kw)
         ref = Reference(model.build_stage, model.loss_fn, prog.num_stages, prog.num_microbatches, replicas=dp, **kw)
-        res: dict[str, object] = {"stages": sorted(runner.stages), "pp": mesh.get_local_rank("pp")}
+        res: dict[str, object] = {"stages": sorted(runner.stages), "pp": mesh.get_local_rank("pp"), **res_prog}
         res["dp"] = mesh.get_local_rank("dp")
         res["loss_err"], res["grad_err"], res["grads"] = [], [], 0
         res["sharded"] = any(
