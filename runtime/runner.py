@@ -76,7 +76,13 @@ class StoreKV(KV):
 
 class Runner:
     """One rank of a pipeline. Builds this rank's stages (weights seeded by (seed, stage), so every process
-    and the single-process reference agree), an optimizer per stage, and executes the rank's instructions."""
+    and the single-process reference agree), an optimizer per stage, and executes the rank's instructions.
+
+    Data parallelism (`program.dp` > 1): `mesh` is a 2-D DeviceMesh with dims ("pp", "dp"), or a (pp, dp)
+    pair of 1-D meshes (built from the world when not given); the rank is this process's "pp" coordinate,
+    each stage's module goes under FSDP2 (`program.dp_kind`; `dp_unit` "block" shards each child block
+    too) before its optimizer is built, and `step` takes the global batch and runs this replica's slice
+    (pipec.runtime.dataparallel)."""
 
     def __init__(
         self,
@@ -137,6 +143,11 @@ class Runner:
                     f"recv_ahead={recv_ahead}: receives can be posted ahead on gloo only; NCCL must post them "
                     "where the Program places them (a pending receive holds up the peer's later transfers)"
                 )
+        elif program.dp > 1:
+            raise PipelineError(
+                f"the Program is compiled for {program.dp} data-parallel replicas, which need torch.distributed "
+                "and a ('pp', 'dp') mesh; a given transport (--local, LocalPipeline) runs one pipeline"
+            )
         if rank is None or not 0 <= rank < program.num_ranks:
             raise PipelineError(f"rank {rank} is not in 0..{program.num_ranks - 1}")
         if links is not None:  # emulated links between datacenters (pipec.runtime.links)

@@ -206,3 +206,57 @@ def test_a_replica_that_hangs_is_given_up_on_after_the_timeout():
     assert "rank 3" in results[2].stderr, results[2].stderr  # its replica peer names it
     print(f"a hung replica: every rank out in {elapsed:.1f} s; rank 2 said: {results[2].stderr.strip()[-400:]}")
     assert elapsed < 30
+
+
+def test_world_and_flags_are_checked_in_words():
+    import argparse
+    import dataclasses
+
+    from pipec.api import load
+    from pipec.passes.compiler import compile_schedule
+    from pipec.runtime.dataparallel import check_world
+    from pipec.runtime.launch import with_dp
+
+    assert check_world(2, 2, 4) is None
+    assert "--dp 3 does not divide the 4 processes" in check_world(2, 3, 4)
+    assert "that is 4 processes, but this job has 6" in check_world(2, 2, 6)
+    prog = compile_schedule(load("1f1b", p=2, m=2)).program
+    two = dataclasses.replace(prog, dp=2, dp_kind="fsdp")
+    ns = argparse.Namespace
+    assert with_dp(prog, ns(dp=1, dp_kind="ddp")) is prog
+    assert with_dp(two, ns(dp=1, dp_kind="ddp")) is two  # no flags: the Program's own
+    assert with_dp(two, ns(dp=2, dp_kind="fsdp")) is two
+    with pytest.raises(ValueError, match="compiled for data parallelism 1 x ddp, not the --dp 2 --dp-kind ddp"):
+        with_dp(prog, ns(dp=2, dp_kind="ddp"))
+    with pytest.raises(ValueError, match="2 x fsdp, not the --dp 2 --dp-kind ddp"):
+        with_dp(two, ns(dp=2, dp_kind="ddp"))
+
+
+def test_local_pipeline_refuses_a_data_parallel_program():
+    import dataclasses
+
+    from pipec.api import load
+    from pipec.passes.compiler import compile_schedule
+    from pipec.runtime import LocalPipeline, PipelineError, load_model
+
+    model = load_model(str(ROOT / "examples" / "mlp.py"))
+    prog = dataclasses.replace(compile_schedule(load("1f1b", p=2, m=2)).program, dp=2)
+    with pytest.raises(PipelineError, match="2 data-parallel replicas.*runs one pipeline"):
+        LocalPipeline(prog, model.build_stage, model.loss_fn)
+
+
+def test_reference_over_replicas_is_the_global_batch_in_replica_order():
+    """Reference(replicas=N) runs replica d's rows (part d of N, then m micro-batches), each loss scaled
+    1/(N m): with rows that split evenly that is exactly one pipeline of N m micro-batches."""
+    from pipec.runtime import Reference, load_model
+    from pipec.runtime.dataparallel import slice_replica
+
+    model = load_model(str(ROOT / "examples" / "mlp.py"))
+    x, y = model.batch(0)
+    two = Reference(model.build_stage, model.loss_fn, 2, 2, replicas=2, dtype=torch.float64)
+    one = Reference(model.build_stage, model.loss_fn, 2, 4, dtype=torch.float64)
+    assert two.step(x, y) == pytest.approx(one.step(x, y), rel=1e-15)
+    for k, g in two.named_gradients().items():
+        assert torch.allclose(g, one.named_gradients()[k], rtol=1e-13, atol=0), k
+    assert torch.equal(slice_replica(x, 2, 1), x[x.shape[0] // 2 :])
+    assert slice_replica(x, 1, 0) is x
