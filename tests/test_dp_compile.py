@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pipec
+from pipec.api import param_names
 from pipec.dataparallel import DataParallel
 from pipec.errors import PipecError, Source, Span
 from pipec.frontend import library
@@ -132,7 +133,7 @@ def _check_reduce_right_after_last_compute(prog: Program, sched) -> None:
 @pytest.mark.parametrize("kind", ["ddp", "fsdp"])
 @pytest.mark.parametrize("size", [2, 4])
 def test_default_placement_every_library_schedule(name, kind, size):
-    params = {"v": 2} if "v" in pipec.api.param_names(library.read(name)) else {}
+    params = {"v": 2} if "v" in param_names(library.read(name)) else {}
     s = lib(name, **params)
     compiled = compile_schedule(s, None, DataParallel(size, kind))
     prog = compiled.program
@@ -498,3 +499,33 @@ def test_every_library_schedule_at_dp_runs_through_the_simulator():
     for name in ("1f1b", "zb-v"):
         sim = pipec.simulate(name, p=4, m=8, data_parallel=DataParallel(2, "fsdp", max_gathered=1))
         assert np.isfinite(sim.stats.makespan) and sim.compiled.program.dp == 2
+
+
+@pytest.mark.parametrize("cls_name", ["ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleLoopedBFS"])
+def test_torchs_own_fsdp_windows_compile_as_they_are(cls_name):
+    """torch's compute+comms order (its `_add_unshard_reshard` windows and `_add_reduce_grad`), read as a
+    CSV: under fsdp pipec places exactly torch's UNSHARD/RESHARD, and the oracle accepts the Program."""
+    pytest.importorskip("torch")
+    from unittest import mock
+
+    import torch.distributed.pipelining.schedules as ts
+    from torch.distributed.pipelining import PipelineStage
+
+    p, v, m = 2, 2, 4
+    stage = mock.create_autospec(PipelineStage, instance=True)
+    stage.group_rank, stage.group_size, stage.submod, stage.num_stages = 0, p, None, p * v
+    order = getattr(ts, cls_name)([stage] * v, m).pipeline_order_with_comms
+    text = "".join(",".join(str(a) for a in order[r] if a is not None) + "\n" for r in range(p))
+    s = read_csv(Source("t.csv", text), {"m": m})
+    prog = compile_schedule(s, None, DataParallel(2, "fsdp")).program
+    assert program_problem(prog, s) is None
+    for r in range(p):
+        theirs = [str(a) for a in order[r] if a is not None and str(a).endswith(("UNSHARD", "RESHARD"))]
+        assert [f"{x.stage}{x.op}" for x in ins(prog, r) if x.op in ("UNSHARD", "RESHARD")] == theirs
+
+
+def test_zeropp_under_fsdp_passes_the_oracle():
+    """The library's ZeroPP-style schedule places its own windows; pipec keeps them, memory included."""
+    s = lib("zeropp")
+    c = check_invariants(s, {"params": 2}, data_parallel=DataParallel(2, "fsdp"), expectations=False)
+    assert c.instructions > s.num_ops
