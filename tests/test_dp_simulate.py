@@ -371,3 +371,35 @@ def test_the_data_parallel_path_is_not_much_slower():
     a, b, t1, t2 = map(float, out.stdout.split())
     assert b == pytest.approx(a + 5)  # the last rank's reduction is exposed whole at its STEP
     assert t2 < 3 * t1 + 0.5
+
+
+# ---------------------------------------------------------------- with the lowering's placement
+
+
+def test_the_lowerings_collectives_simulate():
+    # The lowering puts REDUCE_GRAD s right after stage s's last compute: on interleaved 1F1B the
+    # reduction of a rank's first-finished chunk overlaps its other chunk's backwards, so the exposed
+    # time is less than the two reductions back to back; fsdp's all-gather before the first forward is
+    # exposed on rank 0 in full.
+    from pipec.dataparallel import DataParallel
+
+    sched = load("interleaved-1f1b", p=4, v=2, m=8)
+    c = model(sched, T_F=1, T_B=2, reduce_grad=1.5, unshard=0.5)
+    tl, st = times(lower(sched, DataParallel(2, "ddp")), c)
+    assert len(tl.coll_rank) == 8 and (tl.coll_op == REDUCE_GRAD).all()
+    for r in st.ranks:
+        assert r.collective_busy == 3.0 and r.collective_exposed < 3.0
+    base = stats(simulate(lower(sched), c)).makespan
+    assert base < st.makespan <= base + 3.0
+    tl, st = times(lower(sched, DataParallel(2, "fsdp")), c)
+    first = tl.start[tl.rank == 0].min()
+    assert first == 0.5 and st.ranks[0].collective_exposed >= 0.5
+
+
+def test_the_cross_dc_table_is_the_scripts():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import cross_dc_dp
+
+    doc = (ROOT / "docs" / "cross-dc.md").read_text()
+    table = cross_dc_dp.markdown(cross_dc_dp.rows())
+    assert table in doc

@@ -121,6 +121,8 @@ def summary_text(sim: Simulation) -> str:
     c = sim.costs
     full = "" if c.split_backward else " (full backward B+W)"
     link = "free communication" if c.free_comm else "communication as costed"
+    if len(sim.timeline.coll_rank):
+        link += ", free collectives" if c.free_collectives else ", collectives as costed"
     desc = sim.costs.describe()
 
     def short(v) -> str:
