@@ -17,9 +17,10 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from pipec.errors import error
+from pipec.errors import brief, error
 
 KINDS = ("ddp", "fsdp")
+MAX_SIZE = 10_000_000  # replicas per rank, as a Program's other sizes are bounded (pipec/program.py)
 
 
 @dataclass(frozen=True)
@@ -43,10 +44,11 @@ class DataParallel:
 
     def __post_init__(self) -> None:
         def bad(what: str, value: object, want: str) -> None:
-            raise error("E421", f"data parallelism: {what} must be {want}, got {value!r}")
+            shown = repr(value) if isinstance(value, str) else brief(value)
+            raise error("E421", f"data parallelism: {what} must be {want}, got {shown}")
 
-        if not _is_int(self.size) or self.size < 1:
-            bad("the size (--dp)", self.size, "an integer >= 1")
+        if not _is_int(self.size) or not 1 <= self.size <= MAX_SIZE:
+            bad("the size (--dp)", self.size, f"an integer from 1 to {MAX_SIZE:,}")
         if self.kind not in KINDS:
             bad("the kind (--dp-kind)", self.kind, "one of " + ", ".join(KINDS))
         if not _is_int(self.prefetch) or self.prefetch < 0:

@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from pipec.dataparallel import KINDS as DP_KINDS
-from pipec.errors import PipecError, Source, Span, error
+from pipec.dataparallel import MAX_SIZE as DP_MAX
+from pipec.errors import PipecError, Source, Span, brief, error
 from pipec.opcodes import (
     HAS_MB,
     HAS_PEER,
@@ -119,10 +120,10 @@ def _header(prog: Program) -> list[tuple[int, int, str]]:
     if len(prog.ranks) != R:
         out.append((-1, -1, f"the program declares {R} ranks and holds {len(prog.ranks)} instruction streams"))
     dp = getattr(prog, "dp", 1)
-    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
-        out.append((-1, -1, f"the data-parallel size must be a positive integer, not {dp!r}"))
+    if isinstance(dp, bool) or not isinstance(dp, int) or not 1 <= dp <= DP_MAX:
+        out.append((-1, -1, f"the data-parallel size must be a positive integer up to {DP_MAX:,}, not {brief(dp)}"))
     if getattr(prog, "dp_kind", "ddp") not in DP_KINDS:
-        out.append((-1, -1, f"the data-parallel kind must be one of {', '.join(DP_KINDS)}, not {prog.dp_kind!r}"))
+        out.append((-1, -1, f"the data-parallel kind must be one of {', '.join(DP_KINDS)}, not {brief(prog.dp_kind)}"))
     return out
 
 

@@ -66,6 +66,7 @@ def open_windows(instrs: list[Instr]) -> list[set[int]]:
     "kwargs, what",
     [
         ({"size": 0}, "size"),
+        ({"size": 10**400}, "size"),
         ({"size": True}, "size"),
         ({"kind": "zero"}, "kind"),
         ({"prefetch": -1}, "prefetch"),
@@ -412,9 +413,10 @@ def test_readers_refuse_bad_dp_headers():
             from_text(text.replace(bad, code))
         assert e.value.code in ("E501", "E502")
     doc = json.loads(to_json(_fsdp()))
-    with pytest.raises(PipecError) as e:
-        from_json(json.dumps(doc | {"dp": "2"}))
-    assert e.value.code == "E502"
+    for dp in ("2", 10**400, True):
+        with pytest.raises(PipecError) as e:
+            from_json(json.dumps(doc | {"dp": dp}))
+        assert e.value.code == "E502" and "data-parallel size" in e.value.diagnostics[0].message
 
 
 # ---- torch CSV ---------------------------------------------------------------------------------------
