@@ -269,6 +269,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--to", choices=("torch-csv",), default="torch-csv", help="the format (default torch-csv)")
     p.add_argument("--comms", action="store_true", help="the compute+communication format (default: compute only)")
     p.add_argument("-o", "--output", metavar="OUT.csv", help="write here instead of standard output")
+    dpopts.add_dp_options(p)
     _json_arg(p, "a summary (and, without -o, the CSV)")
     p.set_defaults(func=cmd_export)
 
@@ -863,10 +864,13 @@ def _write(path: str | None, text: str) -> None:
 def cmd_export(args: argparse.Namespace) -> int:
     """Check a schedule (every check of `pipec check`) and write it as torch.distributed.pipelining's
     action CSV (torch 2.13), one row per rank: compute-only, which torch's `_load_csv` lowers itself, or
-    with --comms the compute+communication format, with pipec's proven placement of sends and receives.
-    What does not translate is an error, never dropped silently (see docs/interop.md)."""
+    with --comms the compute+communication format, with pipec's proven placement of sends and receives
+    (and, with --dp-kind fsdp, the lowering's UNSHARD/RESHARD windows). What does not translate is an
+    error, never dropped silently (see docs/interop.md)."""
     from pipec.interop.torch_csv import export_csv
 
+    if dpopts.given(args) and not args.comms:
+        raise Misuse("the data-parallel options place collectives in the compute+comms CSV: add --comms")
     c = _compile(args)[0]
     s = c.schedule
     text = export_csv(s, c.program if args.comms else None)

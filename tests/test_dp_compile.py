@@ -531,3 +531,13 @@ def test_zeropp_under_fsdp_passes_the_oracle():
     s = lib("zeropp")
     c = check_invariants(s, {"params": 2}, data_parallel=DataParallel(2, "fsdp"), expectations=False)
     assert c.instructions > s.num_ops
+
+
+def test_cli_export_comms_with_fsdp_windows():
+    inter = ("interleaved-1f1b", "-D", "p=2", "-D", "m=4", "-D", "v=2")
+    rc, out, _ = run_cli("export", *inter, "--comms", "--dp", "2", "--dp-kind", "fsdp", "--max-gathered", "1")
+    prog = compile_schedule(lib("interleaved-1f1b", p=2, m=4, v=2), None, DataParallel(2, "fsdp", max_gathered=1))
+    want = [f"{x.stage}{x.op}" for x in ins(prog.program, 0) if x.op in ("UNSHARD", "RESHARD")]
+    assert rc == 0 and [c for c in out.splitlines()[0].split(",") if c.endswith("SHARD")] == want
+    rc, _, err = run_cli("export", *inter, "--dp-kind", "fsdp")
+    assert rc == 2 and "--comms" in err
