@@ -34,6 +34,9 @@ MAIN_CONFIGS: dict[str, list[dict[str, int]]] = {
     "zb-h2": [dict(p=4, m=8), dict(p=8, m=24)],
     "zb-v": [dict(p=4, m=8), dict(p=4, m=7), dict(p=8, m=32)],
     "dualpipe-v": [dict(p=4, m=8), dict(p=4, m=20), dict(p=8, m=32)],
+    # Pipeline Parallelism with Controllable Memory (NeurIPS 2024): the issue-19 reference points.
+    "v-half": [dict(p=4, m=8), dict(p=8, m=16)],
+    "v-min": [dict(p=4, m=8), dict(p=8, m=16)],
     # Two datacenters of p / 2 ranks (docs/cross-dc.md, examples/cross_dc.pipe).
     "crossdc-1f1b": [dict(p=4, m=8), dict(p=8, m=16), dict(p=8, m=32)],
     "crossdc-zb": [dict(p=4, m=8), dict(p=8, m=16), dict(p=8, m=32)],
