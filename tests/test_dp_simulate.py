@@ -16,9 +16,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from strategies import random_schedules
 
-from pipec.api import load
-from pipec.errors import PipecError
+from pipec.api import build, load
+from pipec.errors import PipecError, Source
 from pipec.opcodes import CODE, OPCODES, REDUCE_GRAD, RESHARD, UNSHARD
 from pipec.passes.lower import lower
 from pipec.program import Instr, Program, RankProgram
@@ -403,3 +406,60 @@ def test_the_cross_dc_table_is_the_scripts():
     doc = (ROOT / "docs" / "cross-dc.md").read_text()
     table = cross_dc_dp.markdown(cross_dc_dp.rows())
     assert table in doc
+
+
+# ---------------------------------------------------------------- properties over random schedules
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_schedules(max_ranks=3, max_stages=5, max_mb=3), st.data())
+def test_collectives_keep_the_machines_rules(rs, data):
+    """Over random schedules lowered with ddp or fsdp (any prefetch, any max_gathered) and random costs:
+    both passes agree; a rank's collectives run one at a time in its Program order, none before it is
+    issued; a REDUCE_GRAD starts after the last compute of its stage on its rank; a compute starts after
+    the UNSHARDs of its stage issued before it; STEP-bound reductions end within the step; and with the
+    collectives free, every compute and message time is dp = 1's, bit for bit."""
+    from pipec.dataparallel import DataParallel
+
+    sched = build(Source("random.pipe", rs.text()), {})
+    kind = data.draw(st.sampled_from(["ddp", "fsdp"]))
+    opts = DataParallel(
+        data.draw(st.sampled_from([2, 3])),
+        kind,
+        prefetch=data.draw(st.integers(0, 2)),
+        max_gathered=data.draw(st.sampled_from([None, 1, 2])),
+    )
+    prog = lower(sched, opts)
+    S = sched.num_stages
+    per = st.floats(0.0, 3.0, allow_nan=False)
+    doc = {
+        "F": data.draw(st.lists(per, min_size=S, max_size=S)),
+        "B": data.draw(st.lists(per, min_size=S, max_size=S)),
+        "reduce_grad": data.draw(st.lists(per, min_size=S, max_size=S)),
+        "unshard": data.draw(st.lists(per, min_size=S, max_size=S)),
+        "latency": data.draw(st.sampled_from([0.0, 0.2])),
+        "overhead": data.draw(st.sampled_from([0.0, 0.05])),
+    }
+    c = model(sched, **doc)
+    tl, st_ = times(prog, c)
+    tl_e, _ = times(prog, c, _events=True)
+    for col in ("start", "end", "msg_arrival", "coll_start", "coll_end"):
+        assert np.allclose(getattr(tl, col), getattr(tl_e, col)), col
+    for r in range(sched.num_ranks):
+        mine = np.flatnonzero(tl.coll_rank == r)  # in Program order
+        spans = tl.coll_op[mine] != RESHARD
+        starts, ends = tl.coll_start[mine][spans], tl.coll_end[mine][spans]
+        assert (starts[1:] >= ends[:-1] - 1e-9).all() and (tl.coll_start[mine] >= tl.coll_issue[mine] - 1e-12).all()
+        computes = tl.rank == r
+        for j in mine.tolist():
+            s, op = int(tl.coll_stage[j]), int(tl.coll_op[j])
+            if op == REDUCE_GRAD:
+                assert tl.coll_start[j] >= tl.end[computes & (tl.stage == s)].max() - 1e-9
+            if op == UNSHARD:  # the next compute of s after its issue waits for it
+                later = computes & (tl.stage == s) & (tl.start >= tl.coll_issue[j] - 1e-12)
+                assert tl.start[later].min() >= tl.coll_end[j] - 1e-9
+    assert st_.makespan >= tl.coll_end.max() - 1e-12 and st_.makespan >= tl.end.max()
+    free = model(sched, **{**doc, "reduce_grad": 0, "unshard": 0, "dp_latency": 0})
+    a, b = simulate(prog, free), simulate(dataclasses.replace(prog, dp=1), free)
+    for col in ("start", "end", "msg_send", "msg_arrival"):
+        assert np.array_equal(getattr(a, col), getattr(b, col)), col

@@ -252,8 +252,13 @@ def text_gantt(tl: Timeline, width: int = 120, ranks: Sequence[int] | None = Non
             b = max(int(math.floor(tl.coll_end[j] * scale + 1e-9)), a + 1)
             letter = COLL_LETTER.get(int(tl.coll_op[j]), "?")
             label = letter if letter == "|" else f"{letter}{int(tl.coll_stage[j])}"
-            label = (label if len(label) <= b - a else letter).ljust(b - a, "=" if letter != "|" else " ")
-            coll[int(tl.coll_rank[j])][a : min(b, total)] = list(label[: total - a])
+            row = coll[int(tl.coll_rank[j])]
+            if letter == "|":  # an instant: only where no collective runs
+                if a < total and row[a] == " ":
+                    row[a] = "|"
+                continue
+            label = (label if len(label) <= b - a else letter).ljust(b - a, "=")
+            row[a : min(b, total)] = list(label[: total - a])
     # Time ticks every ~10 columns, at round times.
     ticks = [" "] * (total + 16)
     step = _nice_step(10 / scale)
