@@ -384,3 +384,27 @@ def test_zeropp_checks_and_compiles_with_fsdp():
             else:  # ddp drops the schedule's UNSHARD/RESHARD: replicated parameters have nothing to gather
                 assert names.count("UNSHARD") == names.count("RESHARD") == 0
             assert names.count("REDUCE_GRAD") == mine - placed_windows == z.num_stages
+
+
+def test_the_replica_link_of_the_topology_prices_the_collectives():
+    """`dc ... replicas` puts the two replicas in two datacenters: their link is the DP ring's (the simulator
+    reads `replica_dcs`), so a slow link there slows the step and a fast one does not."""
+    import pipec
+    from pipec.dataparallel import DataParallel
+
+    def step(link: str) -> float:
+        text = TWO_CHUNKS.replace("BODY", DEFAULT_BODY).replace(
+            "    rank r {",
+            f'    topology {{ dc "west" replicas 0 .. 1  dc "east" replicas 1 .. 2  link "west" <-> "east" {link} }}\n'
+            "    rank r {",
+        )
+        sim = pipec.simulate(
+            build(Source("t.pipe", text), {}),
+            cost="param_bytes=100MB,F=1ms,B=2ms",
+            data_parallel=DataParallel(2, "fsdp"),
+        )
+        return sim.stats.makespan
+
+    slow, fast = step("latency 20ms bandwidth 10Gbps"), step("latency 1us bandwidth 1000Gbps")
+    assert slow > 10 * fast
+    assert slow > 0.02 * 4  # at least the latency of the exposed gathers and reductions
