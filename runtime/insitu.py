@@ -34,7 +34,9 @@ def profile_in_situ(
 ) -> dict:
     """Run the Program on its number of local gloo processes; returns {"ops": {(op, stage): median s},
     "overhead": s or None, "step_s": median step time, "steps": recorded steps}. `timeout` is how long a
-    rank waits for a peer (as `pipec run --timeout`); the whole run is given `timeout` per step."""
+    rank waits for a peer (as `pipec run --timeout`); the whole run is given `timeout` per step. A Program
+    with `dp` > 1 runs as `pipec run --dp` runs it: ranks x dp processes on a ("pp", "dp") mesh, each
+    replica on its share of the batch; the ops are replica 0's (its processes are ranks r * dp)."""
     if reps < 1 or warmup < 0:
         raise ValueError("reps must be at least 1 and warmup at least 0")
     spec = dict(
@@ -47,7 +49,8 @@ def profile_in_situ(
         loss_scale=loss_scale,
         timeout=timeout,
     )
-    result = spawned.run_gloo(_rank, program.num_ranks, spec, timeout=timeout * (warmup + reps + 2))
+    procs = program.num_ranks * program.dp
+    result = spawned.run_gloo(_rank, procs, spec, timeout=timeout * (warmup + reps + 2))
     if isinstance(result, str):
         raise PipelineError(f"the in-situ profile of {program.name} failed: {result}")
     return result[0]
@@ -67,7 +70,7 @@ def _rank(rank: int, world: int, port: int, spec: dict, out) -> None:
             program,
             model.build_stage,
             model.loss_fn,
-            rank=rank,
+            rank=rank if program.dp == 1 else None,  # with replicas the mesh says (Runner makes it)
             optimizer=model.optimizer,
             dtype=model.dtype,
             seed=spec["seed"],
@@ -83,7 +86,8 @@ def _rank(rank: int, world: int, port: int, spec: dict, out) -> None:
                 seconds.append(res.seconds)
         gathered: list = [None] * world
         dist.all_gather_object(gathered, (steps, seconds))
-        summary = summarize(program, [g[0] for g in gathered], [g[1] for g in gathered]) if rank == 0 else None
+        replica0 = gathered[:: program.dp]  # global rank r * dp: rank r of replica 0
+        summary = summarize(program, [g[0] for g in replica0], [g[1] for g in gathered]) if rank == 0 else None
         out.put(("result", rank, summary))
     except Exception as e:  # noqa: BLE001 - reported by the parent, which names the profile
         if not isinstance(e, PipelineError):  # the model's own code: where it failed

@@ -177,22 +177,27 @@ def profile(
     device = torch.device(device)
     if in_situ and (device.type != "cpu" or backend != "gloo"):
         raise PipelineError("--in-situ runs the schedule on gloo processes on this machine's CPUs only")
+    if in_situ and dp != program.dp:
+        raise PipelineError(
+            f"--in-situ runs the Program as compiled (dp = {program.dp}); compile it for dp = {dp} to profile that"
+        )
+    procs = program.num_ranks * dp  # the processes of a run: every rank of every replica
     if concurrent is None:  # as `pipec run --cpu-bind auto` binds: when every rank can have its own CPU
         cpus = allowed_cpus()
-        concurrent = device.type == "cpu" and 1 < program.num_ranks <= len(cpus or [])
+        # With replicas, always: the run's p x dp processes share the CPUs, so its ops take that long.
+        concurrent = device.type == "cpu" and 1 < procs and (procs <= len(cpus or []) or dp > 1)
     elif concurrent and device.type != "cpu":
         raise PipelineError("concurrent timing is for ranks sharing this machine's CPUs; on GPUs each has its own")
-    threads = threads or default_threads(program.num_ranks)
+    threads = threads or default_threads(procs)
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         if concurrent:
-            p = program.num_ranks
-            say(f"timing each op of {program.num_stages} stages in {p} processes at once, {warmup} + {reps} rounds")
-            prof = _measure_concurrently(program, model.path, reps, warmup, threads, seed, loss_scale)
+            say(f"timing each op of {program.num_stages} stages in {procs} processes at once, {warmup} + {reps} rounds")
+            prof = _measure_concurrently(program, model.path, reps, warmup, threads, seed, loss_scale, dp)
         else:
             say(f"timing each op of {program.num_stages} stages alone, {warmup} + {reps} rounds")
-            prof = _measure(program, model, reps, warmup, device, seed, loss_scale)
+            prof = _measure(program, model, reps, warmup, device, seed, loss_scale, dp)
     finally:
         torch.set_num_threads(old_threads)
     prof.info.update(
@@ -202,7 +207,10 @@ def profile(
         threads=threads,
         reps=reps,
         warmup=warmup,
-        timing=f"{program.num_ranks} processes at once, one per rank" if concurrent else "one process",
+        timing=f"{procs} processes at once, one per rank{' of each replica' if dp > 1 else ''}"
+        if concurrent
+        else "one process",
+        **({"replica_rows": f"1/{dp} of batch(0) per replica, as a run's replicas split it"} if dp > 1 else {}),
         host=os.uname().nodename,
         when=time.strftime("%Y-%m-%d %H:%M:%S"),
         loadavg_1min=round(os.getloadavg()[0], 2),
@@ -226,6 +234,8 @@ def profile(
             program, model.path, reps=reps, warmup=warmup, threads=threads, seed=seed, loss_scale=loss_scale
         )
         if prof.in_situ["overhead"] is not None:
+            if prof.overhead is not None:  # the stand-in GPipe's, kept in [measured.run]
+                prof.info["link_overhead"] = round(prof.overhead, 9)
             prof.overhead = prof.in_situ["overhead"]
     if comm and dp > 1:
         if device.type != "cpu" or backend != "gloo":
@@ -255,8 +265,10 @@ def default_threads(ranks: int) -> int:
 
 
 def _measure(
-    program: Program, model: Model, reps: int, warmup: int, device: torch.device, seed: int, loss_scale
+    program: Program, model: Model, reps: int, warmup: int, device: torch.device, seed: int, loss_scale, dp: int = 1
 ) -> Profile:
+    """Time every stage's ops on the micro-batches of `batch(0)` (with `dp` replicas, of replica 0's share
+    of it, as a run's replicas split the global batch: pipec.runtime.dataparallel.slice_replica)."""
     S, m = program.num_stages, program.num_microbatches
     scale = 1.0 / m if loss_scale is None else loss_scale
     modules = [
@@ -277,6 +289,10 @@ def _measure(
 
     full, split_ = stages(False), stages(True)
     inputs, targets = model.batch(0)
+    if dp > 1:
+        from pipec.runtime.dataparallel import slice_replica
+
+        inputs, targets = slice_replica(inputs, dp, 0, "inputs"), slice_replica(targets, dp, 0, "targets")
     mb_in = [as_args(to_device(x, device, model.dtype)) for x in split(inputs, m, "inputs")]
     mb_tg = [to_device(t, device) for t in split(targets, m, "targets")]
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
@@ -358,20 +374,23 @@ def _measure(
 
 
 def _measure_concurrently(
-    program: Program, model_path: str, reps: int, warmup: int, threads: int, seed: int, loss_scale
+    program: Program, model_path: str, reps: int, warmup: int, threads: int, seed: int, loss_scale, dp: int = 1
 ) -> Profile:
     """`_measure` in one process per rank at once (a run's ranks share this machine's caches, memory
     bandwidth and, beyond one per CPU, its CPUs), each bound as `pipec run` binds its ranks; stage s's
-    times are those measured by the process of its rank."""
+    times are those measured by the process of its rank. With `dp` replicas, one process per rank of every
+    replica (process r * dp + d: rank r of replica d, as the ("pp", "dp") mesh numbers them), each on its
+    replica's share of the batch; the times are replica 0's."""
     from pipec.program import to_json
     from pipec.runtime import spawned
 
     spec = dict(program=to_json(program), model=model_path, reps=reps, warmup=warmup, threads=threads)
-    spec.update(seed=seed, loss_scale=loss_scale)
-    per_rank = spawned.run(_timing_rank, program.num_ranks, program.num_ranks, spec, timeout=3600, barrier=True)
+    spec.update(seed=seed, loss_scale=loss_scale, dp=dp)
+    procs = program.num_ranks * dp
+    per_rank = spawned.run(_timing_rank, procs, procs, spec, timeout=3600, barrier=True)
     if isinstance(per_rank, str):
         raise PipelineError(f"timing the ops of {program.name} failed: {per_rank}")
-    return merge_by_owner(per_rank, program.placement)
+    return merge_by_owner(per_rank[::dp], program.placement)
 
 
 def merge_by_owner(per_rank: list[Profile], placement: tuple[int, ...]) -> Profile:
@@ -393,7 +412,14 @@ def _timing_rank(rank: int, world: int, spec: dict, barrier, out) -> None:
         program, model = from_json(spec["program"]), load_model(spec["model"])
         barrier.wait(timeout=600)  # every rank starts timing at once
         prof = _measure(
-            program, model, spec["reps"], spec["warmup"], torch.device("cpu"), spec["seed"], spec["loss_scale"]
+            program,
+            model,
+            spec["reps"],
+            spec["warmup"],
+            torch.device("cpu"),
+            spec["seed"],
+            spec["loss_scale"],
+            spec.get("dp", 1),
         )
         out.put(("result", rank, prof))
     except Exception as e:  # noqa: BLE001 - reported by the parent, which names the profile

@@ -166,3 +166,21 @@ def test_profile_with_dp_times_the_collectives_of_each_stage(small_mlp_env, no_l
     assert "bound as 4 ranks of a run" in prof.info["collectives"]  # p=2 x dp=2 on this machine
     text = "\n".join(summary_lines(prof))
     assert "collectives (gloo" in text and "reduce_grad ms" in text
+
+
+def test_in_situ_profile_of_a_pp_x_dp_program_runs_every_replica(small_mlp_env):
+    """--in-situ with data parallelism runs the p x dp processes on a ("pp", "dp") mesh, as pipec run --dp
+    does, and takes the ops from replica 0."""
+    from pipec.api import compile as compile_program
+    from pipec.dataparallel import DataParallel
+    from pipec.program import BWD, FWD
+    from pipec.runtime.errors import PipelineError
+    from pipec.runtime.insitu import profile_in_situ
+
+    prog = compile_program("1f1b", {"p": 2, "m": 2}, data_parallel=DataParallel(2, "fsdp"))
+    situ = profile_in_situ(prog, MODEL, reps=1, warmup=0, timeout=120)
+    assert situ["steps"] == 1 and situ["step_s"] > 0
+    assert sorted(situ["ops"]) == [(FWD, 0), (FWD, 1), (BWD, 0), (BWD, 1)]  # both stages' F and B
+    assert all(t > 0 for t in situ["ops"].values())
+    with pytest.raises(PipelineError, match="--in-situ runs the Program as compiled"):
+        profile(prog, load_model(MODEL), comm=False, in_situ=True, dp=1)
