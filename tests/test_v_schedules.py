@@ -137,3 +137,18 @@ def test_trains_with_check_on_gloo(name):
         assert r.returncode == 0, f"rank {r.rank}:\n{r.stderr[-3000:]}"
     out = "".join(r.stdout for r in results)
     assert "OK: largest relative error" in out, out
+
+
+def test_the_docs_table_is_the_benchmark_s():
+    """docs/memory.md's table is `python benchmarks/v_memory.py --markdown`, as printed now."""
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "benchmarks"))
+    try:
+        import v_memory
+    finally:
+        sys.path.remove(str(root / "benchmarks"))
+    rows = [v_memory.row(p, 2 * p) for p in (2, 4, 8, 16, 32)]
+    assert v_memory.markdown(rows) in (root / "docs" / "memory.md").read_text()
