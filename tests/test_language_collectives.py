@@ -310,6 +310,9 @@ GRID = [
     dict(p=4, v=2, m=8, b=4, ahead=1),
     dict(p=4, v=2, m=16, b=8, ahead=1),
     dict(p=4, v=4, m=8, b=4, ahead=2),
+    dict(p=4, v=4, m=16, b=4, ahead=3),
+    dict(p=3, v=2, m=12, b=6, ahead=7),
+    dict(p=2, v=3, m=4, b=2, ahead=40),  # lookahead past the last op
 ]
 
 
@@ -342,7 +345,7 @@ def test_zeropp_windows_cover_every_compute(params):
                     assert c.stage not in reduced
                     reduced[c.stage] = i
                 j += 1
-            assert len(held) <= 3
+            assert len(held) <= (3 if params["ahead"] <= 2 else params["v"])
             if i < len(ops):
                 assert ops[i].stage in held, (r, i, ops[i])
         assert not held
@@ -360,7 +363,7 @@ def test_zeropp_requires():
     for params, words in [
         (dict(p=4, m=8, b=2), "b >= p"),
         (dict(p=4, m=12, b=8), "blocks of b"),
-        (dict(p=4, m=8, ahead=3), "ahead is 0, 1 or 2"),
+        (dict(p=4, m=8, ahead=-1), "ahead counts ops of lookahead"),
     ]:
         d = error_of(load, "zeropp", **params)
         assert d.code == "E202" and words in d.message
