@@ -57,8 +57,32 @@ def _state(runner, steps_done: int) -> dict:
         if st.optimizer is not None:
             entry["optim"] = get_optimizer_state_dict(st.module, st.optimizer)
         state[f"stage{s}"] = entry
-    state[f"rng{runner.rank}"] = {"cpu": torch.get_rng_state()}
+    state[_rng_key(runner)] = {"cpu": torch.get_rng_state()}
     return state
+
+
+def _job_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _rng_key(runner) -> str:
+    """Each process's RNG state: by Program rank, and replica under data parallelism (the model and
+    optimizer keys name stages and parameters; FSDP2's DTensors save each shard once)."""
+    replicas = getattr(runner, "replicas", None)
+    return f"rng{runner.rank}" + (f"dp{replicas.dp_rank}" if replicas is not None else "")
+
+
+def _has_key(path: str, key: str) -> bool:
+    """Whether the checkpoint holds `key` at its top level (its metadata, no tensor read)."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        names = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    except Exception:  # noqa: BLE001 - unreadable: the load that follows says so
+        return True
+    return any(n == key or n.startswith(key + ".") for n in names)
 
 
 def _atomic_text(path: str, text: str) -> None:
@@ -82,13 +106,14 @@ def save(folder: str, runner, steps_done: int, barrier) -> str:
 
     final = os.path.join(folder, _name(steps_done))
     partial = final + ".partial"
-    if runner.rank == 0:
+    first = _job_rank() == 0  # with data parallelism every replica has a Program rank 0
+    if first:
         os.makedirs(folder, exist_ok=True)
         _clean_partials(folder)
     barrier()
     dcp.save(_state(runner, steps_done), checkpoint_id=partial)
     barrier()  # every rank's part is written
-    if runner.rank == 0:
+    if first:
         shutil.rmtree(final, ignore_errors=True)  # an earlier run's checkpoint of the same step
         os.replace(partial, final)
         _atomic_text(os.path.join(folder, LATEST), _name(steps_done) + "\n")
@@ -131,8 +156,9 @@ def restore(folder: str, runner) -> Restored | None:
             f"{runner.program.num_stages}: a checkpoint resumes only under a schedule with the same stages"
         )
     state = _state(runner, meta["step"])
-    if meta.get("schedule") != runner.program.name:
-        state.pop(f"rng{runner.rank}")  # ranks differ under another schedule: their RNG streams do not carry
+    if meta.get("schedule") != runner.program.name or not _has_key(path, _rng_key(runner)):
+        # (a checkpoint of another data parallelism names its RNG states by other processes)
+        state.pop(_rng_key(runner))  # ranks differ under another schedule: their RNG streams do not carry
     try:
         dcp.load(state, checkpoint_id=path)
     except Exception as e:  # noqa: BLE001
@@ -145,7 +171,7 @@ def restore(folder: str, runner) -> Restored | None:
         set_model_state_dict(st.module, entry["model"])
         if st.optimizer is not None:
             set_optimizer_state_dict(st.module, st.optimizer, entry["optim"])
-    if f"rng{runner.rank}" in state:
-        torch.set_rng_state(state[f"rng{runner.rank}"]["cpu"])
+    if _rng_key(runner) in state:
+        torch.set_rng_state(state[_rng_key(runner)]["cpu"])
     runner.steps_done = meta["step"]
     return Restored(meta["step"], path)

@@ -162,8 +162,6 @@ def dp_problem(program, args: argparse.Namespace, world: int | None) -> str | No
         problem = check_world(program.num_ranks, program.dp, world)
         if problem:
             return problem
-    if getattr(args, "checkpoint", None):
-        return f"--checkpoint with --dp {program.dp} is not supported yet (the checkpoint writes one replica's shards)"
     return None
 
 

@@ -260,3 +260,21 @@ def test_reference_over_replicas_is_the_global_batch_in_replica_order():
         assert torch.allclose(g, one.named_gradients()[k], rtol=1e-13, atol=0), k
     assert torch.equal(slice_replica(x, 2, 1), x[x.shape[0] // 2 :])
     assert slice_replica(x, 1, 0) is x
+
+
+def test_checkpoint_of_sharded_stages_resumes_under_another_data_parallelism(tmp_path):
+    """fsdp 2x2 saves after 2 steps (DCP writes each shard once); ddp 2x2 resumes it for step 3 and still
+    equals the reference over the global batch."""
+    from runtime_harness import launch
+
+    base = ["zb-v", "-D", "p=2", "-D", "m=4", "--model", "examples/mlp.py", "--dp", "2"]
+    base += ["--checkpoint", str(tmp_path), "--timeout", "60"]
+    results, _, _ = launch(4, "launch", [*base, "--dp-kind", "fsdp", "--steps", "2"], env=MODEL_ENV, timeout=120)
+    assert all(r.returncode == 0 for r in results), results[0].stderr
+    assert (tmp_path / "latest").read_text().strip() == "step-000002"
+    argv = [*base, "--dp-kind", "ddp", "--steps", "3", "--resume", "--check"]
+    results, _, _ = launch(4, "launch", argv, env=MODEL_ENV, timeout=120)
+    assert all(r.returncode == 0 for r in results), [r.stderr for r in results]
+    out = results[0].stdout
+    assert "resumed from" in out and "steps 3 to 3" in out, out
+    assert "OK: largest relative error" in out, out
