@@ -82,7 +82,7 @@ def configs(p: int, m: int, vs: tuple[int, ...]):
         for b in (p, 2 * p, 4 * p):
             if b > m or m % b:
                 continue
-            for ahead in (1, 2):
+            for ahead in (1, 2, 3, 4):
                 label = f"v{v} b{b} ahead{ahead}"
                 yield "zeropp", "zeropp", dict(p=p, v=v, m=m, b=b, ahead=ahead), {}, label
 
