@@ -337,10 +337,8 @@ def _windows(
     for s, a, b in windows:  # in order of first use
         want = a - dp.prefetch
         t = max(want, closed_last.get(s, -1) + 1, 0)
-        if k is not None and t < a:
-            full = np.flatnonzero(open_at[t:a] >= k)
-            if len(full):
-                t = t + int(full[-1]) + 1
+        if k is not None and t < a and open_at[t:a].max() >= k:
+            t = t + int(np.flatnonzero(open_at[t:a] >= k)[-1]) + 1
         open_at[t : b + 1] += 1
         closed_last[s] = b
         out.append((s, a, b, -1 if t == 0 and want < 0 else t))
