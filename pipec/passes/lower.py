@@ -57,8 +57,8 @@ overlapped pair.
 
 `pipec.passes.dryrun` then proves the result under rendezvous sends. Built with
 numpy per rank: slot keys, one sort, masks; the collectives are merged in with
-one more sort (the Belady walk over steps is the one loop, fsdp with
-`max_gathered` only).
+one more sort. The fsdp windows are placed by a loop over windows (one per
+stage without a bound) and, with `max_gathered`, the Belady walk over steps.
 """
 
 from __future__ import annotations
