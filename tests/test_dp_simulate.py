@@ -255,6 +255,34 @@ def test_dp_across_the_slow_link_in_a_simulated_step():
     assert spans["inside"] == pytest.approx(2e-5 + 0.08)
 
 
+def test_rings_crossing_one_link_share_it():
+    # DP across two datacenters, 40 ms and 10 Gbps (1.25e9 B/s), stages of 3.75 GB: a ring of two moves
+    # 3.75 GB over the link (two steps of half), 3 s, then 2 x 40 ms of latency. Rank 1's starts at 7 and
+    # has it alone until rank 0's joins at 9 (2 s done); they share it from then: rank 1's last second
+    # takes 2 s (ends 11 + 0.08), rank 0's ring has done 1 s by 11 and takes 2 s more alone (13 + 0.08).
+    sched, prog = p2_program()
+    topo = Topology((), (Link("east", "west", 0.04, 10e9),), (Datacenter("east", 0, 1), Datacenter("west", 1, 2)))
+    sched = dataclasses.replace(sched, topology=topo)
+    c = cost_model(sched, [normalize({"F": 1, "B": 2, "param_bytes": 3.75e9, "latency.dc": 0})])
+    tl, st = times(prog, c)
+    assert tl.coll_start.tolist() == [9.0, 7.0] and tl.coll_end.tolist() == pytest.approx([13.08, 11.08])
+    assert st.makespan == pytest.approx(13.08)
+    assert c.collective_wire(np.array([REDUCE_GRAD]), np.array([0]), np.array([0]), 2, "ddp") == pytest.approx([3.0])
+    # fsdp: both all-gathers (1.5 s alone) start at 0 and share the link: 3 s, + 40 ms; the computes move
+    # by 3.04; then the reduce-scatters (1.5 s) no longer overlap: rank 1's [10.04, 11.58], rank 0's
+    # [12.04, 13.58]. The second collective of a rank waits for its first to end.
+    tl, st = times(fsdp_program(prog), c)
+    uns = tl.coll_op == UNSHARD
+    assert tl.coll_end[uns].tolist() == pytest.approx([3.04, 3.04])
+    rg = tl.coll_op == REDUCE_GRAD
+    assert tl.coll_start[rg].tolist() == pytest.approx([12.04, 10.04])
+    assert tl.coll_end[rg].tolist() == pytest.approx([13.58, 11.58]) and st.makespan == pytest.approx(13.58)
+    assert tl.start[tl.rank == 0].min() == pytest.approx(3.04)
+    # A direct time is not bytes on the link: nothing to share, the rings run side by side.
+    c = cost_model(sched, [normalize({"F": 1, "B": 2, "reduce_grad": 3.0, "latency.dc": 0})])
+    assert times(prog, c)[0].coll_end.tolist() == [12.0, 10.0]
+
+
 # ---------------------------------------------------------------- dp = 1 does not move
 
 
@@ -429,17 +457,24 @@ def test_collectives_keep_the_machines_rules(rs, data):
         prefetch=data.draw(st.integers(0, 2)),
         max_gathered=data.draw(st.sampled_from([None, 1, 2])),
     )
+    if data.draw(st.booleans()):  # DP across two datacenters: rings of several ranks share the link
+        west = Datacenter("west", 1, opts.size)
+        topo = Topology((), (Link("east", "west", 0.1, 8e9),), (Datacenter("east", 0, 1), west))
+        sched = dataclasses.replace(sched, topology=topo)
     prog = lower(sched, opts)
     S = sched.num_stages
     per = st.floats(0.0, 3.0, allow_nan=False)
     doc = {
         "F": data.draw(st.lists(per, min_size=S, max_size=S)),
         "B": data.draw(st.lists(per, min_size=S, max_size=S)),
-        "reduce_grad": data.draw(st.lists(per, min_size=S, max_size=S)),
-        "unshard": data.draw(st.lists(per, min_size=S, max_size=S)),
         "latency": data.draw(st.sampled_from([0.0, 0.2])),
         "overhead": data.draw(st.sampled_from([0.0, 0.05])),
     }
+    if data.draw(st.booleans()):
+        doc["param_bytes"] = data.draw(st.lists(st.sampled_from([0.0, 1e9, 3e9]), min_size=S, max_size=S))
+    else:
+        doc["reduce_grad"] = data.draw(st.lists(per, min_size=S, max_size=S))
+        doc["unshard"] = data.draw(st.lists(per, min_size=S, max_size=S))
     c = model(sched, **doc)
     tl, st_ = times(prog, c)
     tl_e, _ = times(prog, c, _events=True)
@@ -450,16 +485,22 @@ def test_collectives_keep_the_machines_rules(rs, data):
         spans = tl.coll_op[mine] != RESHARD
         starts, ends = tl.coll_start[mine][spans], tl.coll_end[mine][spans]
         assert (starts[1:] >= ends[:-1] - 1e-9).all() and (tl.coll_start[mine] >= tl.coll_issue[mine] - 1e-12).all()
-        computes = tl.rank == r
-        for j in mine.tolist():
+        computes = np.flatnonzero(tl.rank == r)  # in stream order
+        rp = prog.ranks[r]
+        is_c = np.isin(rp.op, [CODE["FWD"], CODE["BWD"], CODE["WGRAD"]])
+        before = np.cumsum(is_c)[np.isin(rp.op, [REDUCE_GRAD, UNSHARD, RESHARD])]  # computes before each
+        for j, k in zip(mine.tolist(), before.tolist()):
             s, op = int(tl.coll_stage[j]), int(tl.coll_op[j])
+            own = computes[tl.stage[computes] == s]
             if op == REDUCE_GRAD:
-                assert tl.coll_start[j] >= tl.end[computes & (tl.stage == s)].max() - 1e-9
-            if op == UNSHARD:  # the next compute of s after its issue waits for it
-                later = computes & (tl.stage == s) & (tl.start >= tl.coll_issue[j] - 1e-12)
-                assert tl.start[later].min() >= tl.coll_end[j] - 1e-9
+                assert tl.coll_start[j] >= tl.end[own].max() - 1e-9
+            if op == UNSHARD:  # the next compute of s after it in the stream waits for it
+                later = computes[k:][tl.stage[computes[k:]] == s]
+                assert not len(later) or tl.start[later[0]] >= tl.coll_end[j] - 1e-9
     assert st_.makespan >= tl.coll_end.max() - 1e-12 and st_.makespan >= tl.end.max()
-    free = model(sched, **{**doc, "reduce_grad": 0, "unshard": 0, "dp_latency": 0})
+    free = model(sched, **{**doc, "reduce_grad": 0, "unshard": 0, "param_bytes": 0, "dp_latency": 0})
+    if sched.topology is not None:
+        free = dataclasses.replace(free, replica_names=(), replica_links={})  # no ring across: all free
     a, b = simulate(prog, free), simulate(dataclasses.replace(prog, dp=1), free)
     for col in ("start", "end", "msg_send", "msg_arrival"):
         assert np.array_equal(getattr(a, col), getattr(b, col)), col

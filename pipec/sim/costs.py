@@ -200,6 +200,37 @@ class CostModel:
                 out[sel] = t
         return out
 
+    def collective_wire(self, op: np.ndarray, stage: np.ndarray, rank: np.ndarray, n: int, dp_kind: str) -> np.ndarray:
+        """The part of each collective's `collective_time` that is bytes on a link between two replica
+        datacenters (`replica_dcs`): the chunks its ring steps send over that link, when a hop across it is
+        the ring's slowest; 0 for rings inside one datacenter and for given times. The simulator shares
+        such a link among the rings on it at one time, as it shares a cross link among messages."""
+        from pipec.opcodes import REDUCE_GRAD, UNSHARD
+
+        out = np.zeros(len(op))
+        names = self.replica_names[:n]
+        if n <= 1 or not len(op) or self.param_bytes is None or len({x for x in names if x is not None}) < 2:
+            return out
+        size = self.param_bytes[stage]
+        reduce = "all_reduce" if dp_kind == "ddp" else "reduce_scatter"
+        for r in np.unique(rank).tolist():
+            hops = self.ring_hops(r, n)
+            cross = [names[i] != names[(i + 1) % n] for i in range(n)]
+            for code, algo, direct in ((REDUCE_GRAD, reduce, self.reduce_grad), (UNSHARD, "all_gather", self.unshard)):
+                sel = (rank == r) & (op == code)
+                if not sel.any():
+                    continue
+                chunk = size[sel] / n
+                step = np.stack([lat + (chunk / bw if math.isfinite(bw) else 0.0 * chunk) for lat, bw in hops])
+                worst = np.argmax(step, axis=0)
+                bw = np.array([b for _, b in hops])[worst]
+                wire = np.where(np.array(cross)[worst] & np.isfinite(bw), chunk / bw, 0.0)
+                wire = RING_STEPS[algo] * (n - 1) * wire
+                if direct is not None:
+                    wire = np.where(np.isnan(direct[stage[sel]]), wire, 0.0)
+                out[sel] = wire
+        return out
+
     @property
     def free_comm(self) -> bool:
         return not (self.comm.any() or self.latency.any() or self._size_term() or self.overhead)

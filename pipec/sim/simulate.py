@@ -16,8 +16,13 @@ order: each takes `bytes / bandwidth` of the link after the previous one has
 left, then `latency + comm`, and never overtakes it (`CostModel.wire` gives
 each message's two terms). Overlapped pairs (`&`)
 run one after the other on the compute stream; what overlap buys inside a
-pair (hiding its own communication) is not modelled. REDUCE_GRAD and STEP
-take no time.
+pair (hiding its own communication) is not modelled. Without data
+parallelism REDUCE_GRAD and STEP take no time; with it (a Program of dp > 1),
+each rank's collectives run on a stream of their own, overlapping compute,
+one after the other in Program order, each for `CostModel.collective_time`;
+STEP waits for its stage's REDUCE_GRAD, the next compute of stage s for an
+UNSHARD s; rings of several ranks crossing a link between replica
+datacenters share it (`CostModel.collective_wire`). See `plan`.
 
 Messages between two datacenters share one link per direction (the cost
 model's `link_group`): those on it at one time divide its bandwidth equally
@@ -205,6 +210,9 @@ class Plan:
     k_stage: np.ndarray | None = None
     k_rank: np.ndarray | None = None
     k_bytes: np.ndarray | None = None
+    # Per message, whether it waits for the one before it on its channel to arrive before it leaves (the
+    # collectives of a rank when some of them share a link; None: no such waits).
+    hold: list[bool] | None = None
 
     def posted(self, end: list[float]) -> np.ndarray:
         """When each message's receive was posted: the end of the compute op before it (else 0); NaN: none."""
@@ -223,7 +231,10 @@ def plan(prog: Program, costs: CostModel) -> Plan:
     other, each `CostModel.collective_time` on that channel's wire, so the channel is the rank's collective
     stream; RESHARD is an instant message on a second channel (R * R + R + rank). The stream waits on them
     through zero-cost ops: each STEP waits for its stage's REDUCE_GRAD, and a wait inserted before the
-    next compute of stage s after an UNSHARD s waits for that UNSHARD. With dp = 1 none of this exists.
+    next compute of stage s after an UNSHARD s waits for that UNSHARD. When the rings of two ranks or more
+    cross a link between replica datacenters, that link is one more shared link (`Links`): a crossing
+    collective's bytes on it are its wire time, the rest of its time its latency, and it leaves only when
+    the collective before it on its rank has arrived (`hold`). With dp = 1 none of this exists.
     """
     S, m, R = prog.num_stages, prog.num_microbatches, prog.num_ranks
     if costs.num_stages != S or costs.latency.shape != (R, R):
@@ -282,7 +293,7 @@ def plan(prog: Program, costs: CostModel) -> Plan:
     size, txd, lat = costs.wire(s_kind, s_stage, s_src, s_dst)
     chan = s_src * R + s_dst
     group = shared_links(costs, s_src, s_dst, txd) if M else None
-    p2p = k_pos = None
+    p2p = k_pos = hold = None
     midx = sidx  # every message's instruction, in issue order (with data parallelism: collectives too)
     if dp:
         midx = np.flatnonzero(IS_SEND[op] | IS_COLLECTIVE[op] | (op == RESHARD))
@@ -293,11 +304,25 @@ def plan(prog: Program, costs: CostModel) -> Plan:
         all_txd, all_lat = np.zeros(len(midx)), np.zeros(len(midx))
         all_chan = R * R + rank[midx] + np.where(op[midx] == RESHARD, R, 0)
         all_txd[p2p], all_lat[p2p], all_chan[p2p] = txd, lat, chan
-        all_txd[~IS_SEND[op[midx]]] = k_txd
+        is_k = ~IS_SEND[op[midx]]
+        all_txd[is_k] = k_txd
         if group is not None:
             full = np.full(len(midx), -1, dtype=np.int64)
             full[p2p] = group
             group = full.tolist()
+        # Rings of two ranks or more crossing a link between replica datacenters share it: their bytes on
+        # it become a message's wire time on one more shared link, the rest its latency, and each waits
+        # for the collective before it on its rank to end (`hold`), the time-ordered pass running them.
+        k_wire = costs.collective_wire(k_op, stage[k_pos], rank[k_pos], prog.dp, prog.dp_kind)
+        on_link = k_wire > 0
+        if len(np.unique(rank[k_pos][on_link])) >= 2:
+            kid = np.flatnonzero(is_k)[on_link]
+            all_txd[kid] = k_wire[on_link]
+            all_lat[kid] = np.maximum(k_txd[on_link] - k_wire[on_link], 0.0)
+            full = np.full(len(midx), -1, dtype=np.int64) if group is None else np.asarray(group)
+            full[kid] = max(group or [-1]) + 1
+            group = full.tolist()
+            hold = IS_COLLECTIVE[op[midx]].tolist()
         if len(p2p):
             need = np.where(need >= 0, p2p[np.maximum(need, 0)], -1)
         need = _collective_needs(need, op, stage, rank, cidx, midx, wait_for, S)
@@ -371,6 +396,7 @@ def plan(prog: Program, costs: CostModel) -> Plan:
         k_stage=None if k_pos is None else stage[k_pos],
         k_rank=None if k_pos is None else rank[k_pos],
         k_bytes=None if k_pos is None else _shard_bytes(costs, k_op, stage[k_pos]),
+        hold=hold,
     )
 
 
@@ -697,7 +723,7 @@ def _run_events(pl: Plan):
     end = [0.0] * n
     waiting: dict[int, int] = {}
     # (time, seq, kind, who, version): kind 0 = op end on rank `who`, 1 = link `who`, 2 = message `who`
-    # leaves (its send's overhead is over)
+    # is issued (its send's overhead is over), 3 = held message `who` leaves (the one before it arrived)
     events: list = []
     seq = 0
     pc = list(first)
@@ -725,10 +751,29 @@ def _run_events(pl: Plan):
         end[j] = t + cost[j]
         push(end[j], 0, r)
 
+    hold, prev = pl.hold, pl.prev
+    issued = [0.0] * M  # when each message's instruction was issued (a held one leaves later)
+    pending: dict[int, int] = {}  # a held message waiting for the one before it to arrive
+
     def delivered(x: int) -> None:
         w = waiting.pop(x, None)
         if w is not None:
             try_start(w)
+        y = pending.pop(x, None)
+        if y is not None:
+            push(arrival[x], 3, y)
+
+    def out(x: int, t: float) -> None:
+        issued[x] = t
+        if hold is not None and hold[x] and prev[x] >= 0:
+            a = arrival[prev[x]]
+            if a < 0.0:
+                pending[prev[x]] = x
+                return
+            if a > t:
+                push(a, 3, x)
+                return
+        links.send(x, t)
 
     links = Links(
         pl.txd, pl.lat, pl.prev, pl.chan, group, max(group, default=-1) + 1, lambda t, g, v: push(t, 1, g, v), delivered
@@ -736,7 +781,7 @@ def _run_events(pl: Plan):
     arrival = links.arrival
     for x in pl.pre:
         if off is None:
-            links.send(x, 0.0)
+            out(x, 0.0)
         else:
             push(off[x], 2, x)
     for r in range(R):
@@ -749,7 +794,7 @@ def _run_events(pl: Plan):
             clock[r] = t
             for x in range(mlo[j], mhi[j]):
                 if off is None:
-                    links.send(x, t)
+                    out(x, t)
                 else:
                     push(t + off[x], 2, x)
             if tail is not None:
@@ -757,11 +802,13 @@ def _run_events(pl: Plan):
             pc[r] = j + 1
             try_start(r)
         elif kind == 2:
+            out(who, t)
+        elif kind == 3:
             links.send(who, t)
         else:
             links.link_event(who, ver, t)
     _finished(pc, ends)
-    return start, end, links.send_t, arrival
+    return start, end, issued if hold is not None else links.send_t, arrival
 
 
 def _describe_key(k: int, S: int, m: int) -> str:
