@@ -90,12 +90,19 @@ def make_mesh(num_ranks: int, dp: int, device_type: str = "cpu", timeout: float 
     if problem:
         raise PipelineError(problem)
     mesh = init_device_mesh(device_type, (num_ranks, dp), mesh_dim_names=("pp", "dp"))
+    rm = as_replica_mesh(mesh)
     if timeout is not None:
-        from torch.distributed.distributed_c10d import _set_pg_timeout
+        set_timeout(rm, timeout)
+    return rm
 
-        for name in ("pp", "dp"):
-            _set_pg_timeout(timedelta(seconds=timeout), mesh[name].get_group())
-    return as_replica_mesh(mesh)
+
+def set_timeout(rm: ReplicaMesh, timeout: float) -> None:
+    """Every collective and transfer on the mesh's groups gives up after `timeout` seconds (gloo raises;
+    NCCL's watchdog aborts), instead of the backend's default of 10 or 30 minutes."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    for m in (rm.pp_mesh, rm.dp_mesh):
+        _set_pg_timeout(timedelta(seconds=timeout), m.get_group())
 
 
 def as_replica_mesh(mesh: Any) -> ReplicaMesh:

@@ -31,6 +31,7 @@ from pipec.runtime.dataparallel import (
     check_program,
     make_mesh,
     named_full,
+    set_timeout,
     slice_replica,
     wrap,
 )
@@ -124,6 +125,7 @@ class Runner:
             if mesh is not None:
                 replicas = as_replica_mesh(mesh)
                 check_mesh(program, replicas)
+                set_timeout(replicas, timeout)  # a given mesh too: no collective waits past the run's timeout
                 if replicas.dp_size > 1:
                     check_program(program)
                 group = replicas.pp_group
