@@ -363,9 +363,9 @@ def test_trace_gantt_and_report_show_the_collectives(tmp_path):
     path = tmp_path / "t.json"
     write_trace(tl, path)
     back = read_trace(path)
-    for f in ("coll_rank", "coll_op", "coll_stage", "coll_issue", "coll_start", "coll_end", "wait_start"):
+    for f in ("coll_rank", "coll_op", "coll_stage", "coll_issue", "coll_start", "coll_end", "coll_after", "wait_start"):
         assert np.array_equal(getattr(back, f), getattr(tl, f)), f
-    assert back.makespan == tl.makespan
+    assert back.makespan == tl.makespan and (back.dp, back.dp_kind) == (2, "fsdp")
     # Longer collectives (2 s each) leave room for their labels in the text Gantt.
     text = text_gantt(simulate(prog, model(sched, F=1, B=2, unshard=2, reduce_grad=2)), width=200)
     assert text.count(" coll") == 2 and "R0" in text and "U1" in text and "~" in text
@@ -498,6 +498,12 @@ def test_collectives_keep_the_machines_rules(rs, data):
                 later = computes[k:][tl.stage[computes[k:]] == s]
                 assert not len(later) or tl.start[later[0]] >= tl.coll_end[j] - 1e-9
     assert st_.makespan >= tl.coll_end.max() - 1e-12 and st_.makespan >= tl.end.max()
+    # Memory over time peaks where the memory model's walk of the Program does (fsdp: shards + windows).
+    from pipec.passes.memory import memory_model, program_memory
+
+    over = {"params": data.draw(st.sampled_from([0.0, 1.0, 4.0]))}
+    peaks = [r.peak_memory for r in stats(tl, memory_model(sched, over)).ranks]
+    assert peaks == pytest.approx([r.peak for r in program_memory(prog, sched, over)])
     free = model(sched, **{**doc, "reduce_grad": 0, "unshard": 0, "param_bytes": 0, "dp_latency": 0})
     if sched.topology is not None:
         free = dataclasses.replace(free, replica_names=(), replica_links={})  # no ring across: all free

@@ -114,6 +114,8 @@ def simulate(prog: Program, costs: CostModel, *, _events: bool = False) -> Timel
         msg_bytes=pl.m_bytes,
         msg_post=post,
         **coll,
+        dp=prog.dp,
+        dp_kind=prog.dp_kind,
         origin="simulated",
         schedule=prog.name,
         params=prog.params,
@@ -140,6 +142,7 @@ def _collective_rows(pl: Plan, start: np.ndarray, end: np.ndarray, send: np.ndar
         "coll_start": began,
         "coll_end": arr[k],
         "coll_bytes": pl.k_bytes,
+        "coll_after": pl.k_after,
     }
     zero = np.flatnonzero(~pl.real)
     first = np.asarray(pl.first, dtype=np.int64)
@@ -210,6 +213,7 @@ class Plan:
     k_stage: np.ndarray | None = None
     k_rank: np.ndarray | None = None
     k_bytes: np.ndarray | None = None
+    k_after: np.ndarray | None = None  # per collective, the computes of its rank before it in the stream
     # Per message, whether it waits for the one before it on its channel to arrive before it leaves (the
     # collectives of a rank when some of them share a link; None: no such waits).
     hold: list[bool] | None = None
@@ -396,6 +400,7 @@ def plan(prog: Program, costs: CostModel) -> Plan:
         k_stage=None if k_pos is None else stage[k_pos],
         k_rank=None if k_pos is None else rank[k_pos],
         k_bytes=None if k_pos is None else _shard_bytes(costs, k_op, stage[k_pos]),
+        k_after=None if k_pos is None else _computes_before(cidx, real, c_rank, k_pos, rank, R),
         hold=hold,
     )
 
@@ -457,6 +462,13 @@ def _collective_needs(need, op, stage, rank, cidx, midx, wait_for, S: int) -> np
         ok = (at >= 0) & (keys[np.maximum(at, 0)] // N == want // N)
         need[plain[ok]] = np.searchsorted(midx, rg[o][at[ok]])
     return need
+
+
+def _computes_before(cidx, real, c_rank, pos, rank, R: int) -> np.ndarray:
+    """For instructions at these positions, how many computes of their rank come before them."""
+    real_pos, real_rank = cidx[real], c_rank[real]
+    first = np.searchsorted(real_rank, np.arange(R), "left")
+    return (np.searchsorted(real_pos, pos) - first[rank[pos]]).astype(np.int64)
 
 
 def _shard_bytes(costs: CostModel, op: np.ndarray, stage: np.ndarray) -> np.ndarray:
@@ -916,15 +928,29 @@ def memory_curve(
     is_f, is_b = tl.op == FWD, tl.op == BWD
     when = np.where(is_f, tl.start, tl.end)
     delta = np.where(is_f, act[s], np.where(is_b, (wact[s] if split else 0.0) - act[s], -wact[s]))
+    # fsdp (`pipec.passes.memory.program_memory`): a stage's params sharded over the N replicas, and the
+    # rest of them held from its UNSHARD (when the stream issues it) to its RESHARD.
+    n = tl.dp if tl.dp_kind == "fsdp" and len(tl.coll_rank) else 1
+    extra = params * (n - 1) / n
+    k_op, k_s = tl.coll_op, tl.coll_stage
+    k_when = np.where(k_op == UNSHARD, tl.coll_issue, tl.coll_start)
+    k_delta = np.where(k_op == UNSHARD, extra[k_s], np.where(k_op == RESHARD, -extra[k_s], 0.0))
     out = []
     for r in range(tl.num_ranks):
         sel = np.flatnonzero(tl.rank == r)
         stages = np.unique(s[sel])
-        base = float(params[stages].sum()) if len(stages) else 0.0
-        # Order by time; at equal times, the op that came first in the rank's order first.
-        o = sel[np.lexsort((sel, when[sel]))]
-        t = np.concatenate([[0.0], when[o]])
-        v = base + np.concatenate([[0.0], np.cumsum(delta[o])])
+        base = float(params[stages].sum() / n) if len(stages) else 0.0
+        # Order by time; at equal times, the op that came first in the rank's order first (a collective
+        # just before the compute it precedes).
+        pos = 2.0 * np.arange(len(sel)) + 1
+        w, d = when[sel], delta[sel]
+        if n > 1:
+            ks = np.flatnonzero(tl.coll_rank == r)
+            pos = np.concatenate([pos, 2.0 * tl.coll_after[ks]])
+            w, d = np.concatenate([w, k_when[ks]]), np.concatenate([d, k_delta[ks]])
+        o = np.lexsort((pos, w))
+        t = np.concatenate([[0.0], w[o]])
+        v = base + np.concatenate([[0.0], np.cumsum(d[o])])
         if collapse and len(t) > 1:
             last = np.r_[t[1:] != t[:-1], True]
             t, v = t[last], v[last]

@@ -46,11 +46,16 @@ class Timeline:
     coll_start: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=float))
     coll_end: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=float))
     coll_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=float))
+    coll_after: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # its rank's computes before it
     # Exposed collective time: intervals in which a rank's stream waited for a collective (at a STEP for its
     # REDUCE_GRAD, before a compute for its UNSHARD) beyond the message that compute waited for anyway.
     wait_rank: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     wait_start: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=float))
     wait_end: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=float))
+    # The replicas per rank and how they share parameters (the Program's dp, dp_kind): fsdp's memory is
+    # sharded, with the gathered windows on top.
+    dp: int = 1
+    dp_kind: str = "ddp"
     origin: str = "simulated"  # or "measured"
     schedule: str = ""
     params: tuple[tuple[str, object], ...] = ()

@@ -164,10 +164,12 @@ def trace_events(tl: Timeline, memory: dict[str, np.ndarray] | None = None) -> d
     k_rank, k_op, k_stage = tl.coll_rank.tolist(), tl.coll_op.tolist(), tl.coll_stage.tolist()
     k_issue, k_start, k_end = tl.coll_issue.tolist(), tl.coll_start.tolist(), tl.coll_end.tolist()
     k_bytes = tl.coll_bytes.tolist() if len(tl.coll_bytes) == len(k_rank) else [0.0] * len(k_rank)
+    k_after = tl.coll_after.tolist() if len(tl.coll_after) == len(k_rank) else [0] * len(k_rank)
     for i in range(len(k_rank)):
         op = OPCODES[k_op[i]]
         threads.add((k_rank[i], _COLL_TID, "collectives"))
         args = {"op": op, "stage": k_stage[i], "issue_s": k_issue[i], "start_s": k_start[i], "end_s": k_end[i]}
+        args["after"] = k_after[i]
         events.append(
             {
                 "name": f"{op} {k_stage[i]}",
@@ -223,6 +225,8 @@ def trace_events(tl: Timeline, memory: dict[str, np.ndarray] | None = None) -> d
             "params": {k: v for k, v in tl.params},
             "origin": tl.origin,
             "num_ranks": R,
+            "dp": tl.dp,
+            "dp_kind": tl.dp_kind,
             "makespan_s": tl.makespan,
         },
     }
@@ -276,6 +280,7 @@ def read_trace(path: str | Path) -> Timeline:
                         a["start_s"],
                         a["end_s"],
                         a["bytes"],
+                        a.get("after", 0),
                     )
                 )
             elif ev["cat"] == "collective wait":
@@ -297,7 +302,7 @@ def read_trace(path: str | Path) -> Timeline:
                 )
         c = list(zip(*comp)) if comp else [[]] * 6
         m = list(zip(*msgs)) if msgs else [[]] * 9
-        k = list(zip(*colls)) if colls else [[]] * 7
+        k = list(zip(*colls)) if colls else [[]] * 8
         w = list(zip(*waits)) if waits else [[]] * 3
         ints = lambda xs: np.asarray(xs, dtype=np.int64)  # noqa: E731
         floats = lambda xs: np.asarray(xs, dtype=float)  # noqa: E731
@@ -325,9 +330,12 @@ def read_trace(path: str | Path) -> Timeline:
             coll_start=floats(k[4]),
             coll_end=floats(k[5]),
             coll_bytes=floats(k[6]),
+            coll_after=ints(k[7]),
             wait_rank=ints(w[0]),
             wait_start=floats(w[1]),
             wait_end=floats(w[2]),
+            dp=int(head.get("dp", 1)),
+            dp_kind=str(head.get("dp_kind", "ddp")),
             origin=str(head.get("origin", "simulated")),
             schedule=str(head.get("schedule", "")),
             params=tuple(head.get("params", {}).items()),
