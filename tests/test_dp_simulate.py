@@ -510,3 +510,22 @@ def test_collectives_keep_the_machines_rules(rs, data):
     a, b = simulate(prog, free), simulate(dataclasses.replace(prog, dp=1), free)
     for col in ("start", "end", "msg_send", "msg_arrival"):
         assert np.array_equal(getattr(a, col), getattr(b, col)), col
+
+
+def test_the_docs_command_lines_print_what_the_docs_say():
+    from cli_helpers import run_cli
+
+    # docs/simulate.md, "Data parallelism": the first lines of the console example.
+    rc, out, _ = run_cli(
+        "simulate", "1f1b", "-D", "p=4", "-D", "m=8", "--dp", "2", "--cost", "F=1,B=2,param_bytes=1GB,dp_bandwidth=80Gbps"
+    )
+    doc = (ROOT / "docs" / "simulate.md").read_text()
+    assert rc == 0 and "\n".join(out.splitlines()[:4]) in doc
+    assert out.splitlines()[0].startswith("1f1b (p=4 m=8): makespan 33.1,")
+    # docs/cross-dc.md: the command line of the first 6.7B row, DP across (12.137 s in the table).
+    topo = 'dc "east" replicas 0 .. 1  dc "west" replicas 1 .. 2  link "east" <-> "west" latency 40ms bandwidth 10Gbps'
+    cost = "T_F=0.04887,T_B=0.04887,T_W=0.04887,act_bytes=16MiB,param_bytes=3.35GB"
+    argv = ["simulate", "1f1b", "-D", "p=4", "-D", "m=8", "--dp", "2", "--topology", topo, "--cost", cost]
+    rc, out, _ = run_cli(*argv, "--json")
+    assert rc == 0 and f"--topology '{topo}'" in (ROOT / "docs" / "cross-dc.md").read_text()
+    assert json.loads(out)["results"][0]["makespan"] == pytest.approx(12.137, abs=0.01)
