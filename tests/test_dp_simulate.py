@@ -517,7 +517,16 @@ def test_the_docs_command_lines_print_what_the_docs_say():
 
     # docs/simulate.md, "Data parallelism": the first lines of the console example.
     rc, out, _ = run_cli(
-        "simulate", "1f1b", "-D", "p=4", "-D", "m=8", "--dp", "2", "--cost", "F=1,B=2,param_bytes=1GB,dp_bandwidth=80Gbps"
+        "simulate",
+        "1f1b",
+        "-D",
+        "p=4",
+        "-D",
+        "m=8",
+        "--dp",
+        "2",
+        "--cost",
+        "F=1,B=2,param_bytes=1GB,dp_bandwidth=80Gbps",
     )
     doc = (ROOT / "docs" / "simulate.md").read_text()
     assert rc == 0 and "\n".join(out.splitlines()[:4]) in doc
