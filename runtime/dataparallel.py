@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from pipec.runtime.errors import CommError, PipelineError
+from pipec.runtime.errors import CollectiveError, PipelineError
 
 KINDS = ("ddp", "fsdp")
 UNITS = ("stage", "block")
@@ -231,20 +231,23 @@ class StageDP:
 
     `where` says which rank and instruction a failed collective belongs to (the executor's position)."""
 
-    def __init__(self, modules: dict[int, torch.nn.Module], rank: int, dp_rank: int, where: Any) -> None:
+    def __init__(
+        self, modules: dict[int, torch.nn.Module], rank: int, dp_rank: int, where: Any, peers: list[int] | None = None
+    ) -> None:
         self.modules = modules
         self.units = {s: _fsdp_modules(m) for s, m in modules.items()}
         self.rank, self.dp_rank = rank, dp_rank
         self.where = where
+        self.peers = peers or []  # the job ranks of this rank's other replicas
         self.pending: dict[int, list[Any]] = {}  # stage -> unshard handles not yet waited on
         self.reducing: set[int] = set()
 
-    def _fail(self, what: str, e: BaseException) -> PipelineError:
+    def _fail(self, what: str, e: BaseException) -> CollectiveError:
         from pipec.runtime.comm import short_error
 
         msg = "timed out" if "timed out" in str(e).lower() else short_error(e, 0.0)
         where = f"rank {self.rank} (replica {self.dp_rank})"
-        return CommError(f"{where}: {what} at {self.where()} failed: {msg}", self.rank)
+        return CollectiveError(f"{where}: {what} at {self.where()} failed: {msg}", self.peers)
 
     def unshard(self, s: int) -> None:
         """UNSHARD s: start the all-gather of every FSDP unit of stage s."""
@@ -300,6 +303,15 @@ class StageDP:
             raise self._fail(f"waiting for stage {s}'s gradient reduction", e) from e
         self.reshard(s)
         _accumulate(root)
+
+
+def replica_peers(rm: ReplicaMesh) -> list[int]:
+    """The job ranks of the other replicas of this pipeline rank (this process's "dp" group but itself)."""
+    import torch.distributed as dist
+
+    ranks = dist.get_process_group_ranks(rm.dp_group)
+    me = dist.get_rank()
+    return [r for r in ranks if r != me]
 
 
 def slice_replica(batch: Any, dp: int, d: int, what: str = "batch") -> Any:

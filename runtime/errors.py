@@ -23,6 +23,15 @@ class CommError(PipelineError):
         self.peer = peer
 
 
+class CollectiveError(CommError):
+    """A data-parallel collective failed or timed out; `peers` are the other job ranks it waited on (the
+    one to blame is found from their reported positions: pipec.runtime.launch)."""
+
+    def __init__(self, message: str, peers: list[int]) -> None:
+        super().__init__(message, peers[0] if peers else -1)
+        self.peers = peers
+
+
 def wrong_world_size(program, world: int) -> str:
     params = " ".join(f"{k}={v}" for k, v in program.params)
     return (

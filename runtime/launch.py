@@ -254,7 +254,7 @@ class Worker:
     def run(self) -> int:
         import torch.distributed as dist
 
-        from pipec.runtime.errors import CommError, PipelineError
+        from pipec.runtime.errors import CollectiveError, CommError, PipelineError
 
         try:
             self._init(dist)
@@ -269,7 +269,12 @@ class Worker:
             if self.monitor is None:
                 say(f"pipec: rank {self.rank}: error during start-up: {type(e).__name__}: {e}")
                 os._exit(1)
-            if isinstance(e, CommError) and self.runner is not None:
+            if isinstance(e, CollectiveError):
+                # The replica that never joined: one whose last reported position is not this collective's.
+                here = self.where()
+                behind = [p for p in e.peers if self.monitor.position_of(p) != here]
+                e.peer = behind[0] if behind else e.peer
+            elif isinstance(e, CommError) and self.runner is not None:
                 e.peer = self.runner.global_rank(e.peer)  # the Program's rank -> this job's rank
             culprit = e.peer if isinstance(e, CommError) else self.rank
             if isinstance(e, CommError):

@@ -31,6 +31,7 @@ from pipec.runtime.dataparallel import (
     check_program,
     make_mesh,
     named_full,
+    replica_peers,
     set_timeout,
     slice_replica,
     wrap,
@@ -197,7 +198,8 @@ class Runner:
             self.stages[s].live_params = self.replicas is not None
         self.executor = Executor(program, rank, self.stages, comm, on_reduce_grad, recv_ahead or 0)
         if self.replicas is not None:
-            self.executor.dp = StageDP(modules, rank, self.replicas.dp_rank, self.executor.where)
+            peers = replica_peers(self.replicas)
+            self.executor.dp = StageDP(modules, rank, self.replicas.dp_rank, self.executor.where, peers)
         if self.device.type == "cuda":
             self.executor.sync = lambda: torch.cuda.synchronize(self.device)
         self.first_specs: list[Specs] | None = None

@@ -278,3 +278,23 @@ def test_checkpoint_of_sharded_stages_resumes_under_another_data_parallelism(tmp
     out = results[0].stdout
     assert "resumed from" in out and "steps 3 to 3" in out, out
     assert "OK: largest relative error" in out, out
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_a_collective_whose_replica_hangs_times_out_naming_rank_and_instruction(kind):
+    """One pipeline rank x 2 replicas: job rank 1 hangs in a forward of step 2, so rank 0 has no transfer
+    to wait on, only the collective (REDUCE_GRAD's all-reduce or reduce-scatter under ddp, an fsdp
+    stage's gather). It gives up after --timeout with a message naming its rank and instruction."""
+    from runtime_harness import launch
+
+    argv = ["1f1b", "-D", "p=1", "-D", "m=2", "--model", "tests/models/dp_hang.py", "--dp", "2", "--timeout", "3"]
+    results, elapsed, _ = launch(2, "launch", [*argv, "--dp-kind", kind], env={"PIPEC_HANG_RANK": "1"}, timeout=60)
+    err = results[0].stderr
+    assert results[0].returncode != 0 and "Traceback" not in err, err
+    assert re.search(r"rank 0 \(replica 0\): .* at step 2, instruction #\d+ `(REDUCE_GRAD|STEP|FWD) 0.*`", err), err
+    assert "timed out" in err, err
+    # the replica that never joined is blamed, by its last reported position, not the rank that waited
+    blamed = r"rank 1 stopped responding or died \(its last reported position: step 2, instruction #\d+ `FWD"
+    assert re.search(blamed, err), err
+    assert all(r.returncode != 0 for r in results)
+    assert elapsed < 30
