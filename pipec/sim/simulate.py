@@ -791,6 +791,8 @@ def _run_events(pl: Plan):
         pl.txd, pl.lat, pl.prev, pl.chan, group, max(group, default=-1) + 1, lambda t, g, v: push(t, 1, g, v), delivered
     )
     arrival = links.arrival
+    if hold is None:  # nothing held: messages go straight to the links, as before collectives
+        out = links.send
     for x in pl.pre:
         if off is None:
             out(x, 0.0)
