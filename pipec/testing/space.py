@@ -326,8 +326,10 @@ class Sampler:
       it, at the same price: the edges of the `require`;
     - a ladder up the pipeline degrees: for p = 1, 2, 3, 4, 7, 8, 15, 16, 31, 32 in turn, a set with the
       smallest m; then the sets with m = p - 1, m = p, m = 2p - 1, m = p + 1, m = 2p, m = 4p at each of
-      those p, cheapest first (`_rungs`). It reaches p = 32 within seconds even where the `require`s make
-      every p = 32 set large (zb-v's m >= 2p - 1), and then covers the boundaries of m at every depth.
+      those p, cheapest first (`_rungs`). The climb (the first pass) is not charged to the ladder's share,
+      so it reaches p = 32 within its first ten or so sets even where the `require`s make every deep set
+      large (zb-v's m >= 2p - 1, zeropp's m >= p) while the other stream's sets are tiny, and then covers
+      the boundaries of m at every depth.
     """
 
     def __init__(self, space: Space, source: Source, seed: int = 0) -> None:
@@ -340,6 +342,7 @@ class Sampler:
         heapq.heapify(self._heap)
         self._count = len(members)
         self._done: set[tuple] = set()
+        self._climb = 0  # rungs of the climb still at the head of the ladder (set by _rungs)
         self._ladder = self._rungs()
         self._spent = [0.0, 0.0]  # estimated cost yielded by each stream: everything, the ladder
         self.rejected = 0  # sets that failed a top-level `require`
@@ -378,6 +381,7 @@ class Sampler:
                 if pool:
                     out.append(pool)
         rest = sorted((pool for out in passes[1:] for pool in out), key=lambda pool: self.space.cost(pool[0]))
+        self._climb = len(passes[0])
         return passes[0] + rest  # pass 0 climbs in order of p; the others go cheapest first
 
     def _ladder_turn(self) -> bool:
@@ -393,6 +397,7 @@ class Sampler:
         """Drop the next set unchecked (it would not fit in the time left)."""
         if self._ladder_turn():
             self._ladder.pop(0)
+            self._climb = max(0, self._climb - 1)
         elif self._heap:
             _, _, pt = heapq.heappop(self._heap)
             self._done.add(_key(pt))
@@ -402,6 +407,7 @@ class Sampler:
 
     def __next__(self) -> dict[str, object]:
         while self._ladder_turn():
+            climbing, self._climb = self._climb > 0, max(0, self._climb - 1)
             for member in self._ladder.pop(0):  # the rung's set: the first that passes the `require`s
                 key = _key(member)
                 if key in self._done:
@@ -411,7 +417,7 @@ class Sampler:
                 self._done.add(key)
                 full = self.fill(member)
                 if full is not None:
-                    self._spent[1] += self.space.cost(member)
+                    self._spent[1] += 0.0 if climbing else self.space.cost(member)
                     return full
                 self.rejected += 1
         while self._heap:
