@@ -19,8 +19,9 @@ REDUCE_GRAD). So, as torch.distributed.pipelining's `backward_maybe_with_nosync`
 do, gradient sync is off during the micro-batches (`set_requires_gradient_sync(False)`,
 `set_is_last_backward(False)`, `set_reshard_after_backward(False)`: gradients accumulate unsharded), and
 REDUCE_GRAD runs each parameter group's post-backward with sync on. On CUDA, FSDP2 issues the reduction on
-its own stream, so it overlaps what follows until STEP waits (`_root_post_backward_final_callback`); on
-gloo, FSDP2's reduce-scatter and all-reduce are blocking calls, so the reduction finishes at REDUCE_GRAD.
+its own stream, so it can overlap what follows until STEP waits (`_root_post_backward_final_callback`; not
+run on a GPU in this repository's tests); on gloo, FSDP2's reduce-scatter and all-reduce are blocking
+calls, so the reduction finishes at REDUCE_GRAD.
 Without UNSHARD instructions FSDP2's pre-forward hook gathers the parameters itself; STEP reshards a stage
 still gathered, so the next step's forward gathers the updated shards.
 

@@ -176,6 +176,7 @@ class Runner:
         }
         self.shape_modules: dict[int, torch.nn.Module] | None = None
         if self.replicas is not None:
+            dp_unit = dp_unit if program.dp_kind == "fsdp" else "stage"  # replicate wraps the stage whole
             check_not_shared(modules, program.dp_kind, dp_unit)
             # The first step's shape handshake runs the plain modules (a sharded one has its shards' shapes);
             # the copies go once it is done.
