@@ -411,3 +411,24 @@ def test_the_replica_link_of_the_topology_prices_the_collectives():
     slow, fast = step("latency 20ms bandwidth 10Gbps"), step("latency 1us bandwidth 1000Gbps")
     assert slow > 10 * fast
     assert slow > 0.02 * 4  # at least the latency of the exposed gathers and reductions
+
+
+def test_a_schedule_declares_the_collectives_costs_and_the_simulator_charges_them(tmp_path):
+    """`cost param_bytes` / `cost unshard` in the language reach the cost model (one key list for both)."""
+    from pipec.api import simulate
+    from pipec.dataparallel import DataParallel
+
+    path = tmp_path / "pb.pipe"
+    path.write_text("""schedule "pb" (p: int = 2, m: int = 2) {
+    stages p
+    place s -> s
+    cost unshard = 0.5
+    rank r {
+        for i in 0 .. m { F(i) }
+        for i in 0 .. m { B(i) }
+    }
+}
+""")
+    plain = simulate(path).stats.makespan
+    sharded = simulate(path, data_parallel=DataParallel(size=2, kind="fsdp")).stats.makespan
+    assert sharded == plain + 0.5  # rank 0's first forward waits for its all-gather; nothing else moves

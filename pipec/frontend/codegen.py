@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from pipec.errors import PipecError, Source, Span, error
 from pipec.frontend import ast
+from pipec.schedule import STAGE_COST_KEYS
 
 OP_KINDS = ("F", "B", "W")
 KEYWORDS = frozenset(
@@ -26,7 +27,7 @@ BUILTINS = ("min", "max", "abs", "done")
 # Data-parallel collectives a rank block may place itself (rows of pipec.opcodes; PP x DP, docs/language.md
 # section 16): statements like ops, but they take a stage only and become `Schedule.collectives`.
 COLLECTIVES = ("UNSHARD", "RESHARD", "REDUCE_GRAD")
-COST_KEYS = ("F", "B", "W", "comm", "act_bytes", "grad_bytes")
+COST_KEYS = STAGE_COST_KEYS
 MEMORY_KEYS = ("act", "wact", "params", "limit")
 NUMERIC = ("int", "float")
 # Names only an `expect` sees (pipec.passes.expect computes them): numbers, and functions of a rank.

@@ -71,7 +71,7 @@ import numpy as np
 
 from pipec.errors import brief, error
 from pipec.opcodes import ACT_MSG, KIND_OF
-from pipec.schedule import Schedule, Topology
+from pipec.schedule import STAGE_COST_KEYS, Schedule, Topology
 
 FORMAT = "pipec-costs"
 # Version 2 (what `dump_costs` writes, so every `pipec profile` file) declares what it holds, so that a
@@ -90,7 +90,7 @@ _META = ("format", "version", "comment", "unit", "measured", "schedule", "params
 # A number as --cost takes it: ASCII digits only (float() would also take `1_0` and Arabic-Indic digits).
 _NUMBER = re.compile(r"[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?|[-+]?(?:inf|nan)", re.IGNORECASE)
 
-STAGE_KEYS = ("F", "B", "W", "comm", "act_bytes", "grad_bytes", "param_bytes", "reduce_grad", "unshard")
+STAGE_KEYS = STAGE_COST_KEYS
 # Per-stage keys whose absence means "compute it" (NaN in the model), not zero: the collectives' direct times.
 _DIRECT = ("reduce_grad", "unshard")
 LINK_CLASSES = ("node", "dc", "cross")
