@@ -498,6 +498,12 @@ def cmd_show(args: argparse.Namespace) -> int:
         doc = {**s.head(), "grid": [{"rank": r, "cells": cells(s, r)} for r in shown]}
         if prog is not None:
             doc |= _dp_json(prog) | {"collectives": [c for c in _collectives(prog) if c["rank"] in shown]}
+        elif s.collectives:
+            doc["collectives"] = [
+                {"rank": r, "op": c.op, "stage": c.stage, "before": c.before}
+                for r in shown
+                for c in (s.collectives[r] if r < len(s.collectives) else ())
+            ]
         _emit(args, doc)
         return 0
     params = " ".join(f"{k}={v}" for k, v in s.params)
@@ -505,7 +511,28 @@ def cmd_show(args: argparse.Namespace) -> int:
     print(format_grid(s, ranks))
     if prog is not None:
         print(_collectives_text(prog, shown))
+    elif s.collectives:
+        print(_placed_text(s, shown))
     return 0
+
+
+def _placed_text(s, ranks: list[int]) -> str:
+    """Under the grid: the collectives the schedule places itself, at the step they are issued before
+    (lowered only with --dp or --dp-kind fsdp, which then also shows the defaults added around them)."""
+    import numpy as np
+
+    lines = ["collectives placed by the schedule (lowered under --dp): at the step they are issued before"]
+    for r in ranks:
+        ops = s.ranks[r]
+        second = np.r_[False, ops.paired[:-1]] if len(ops) else np.zeros(0, dtype=bool)
+        step_of = np.r_[np.cumsum(~second) - 1, int((~second).sum())]  # op index -> its step; len -> end
+        steps = int((~second).sum())
+        cells = []
+        for c in s.collectives[r] if r < len(s.collectives) else ():
+            at = "end" if c.before >= len(ops) else f"{int(step_of[c.before]):0{max(len(str(steps - 1)), 2)}d}"
+            cells.append(f"{c.op} {c.stage} @{at}")
+        lines.append(f"Rank {r}: " + (", ".join(cells) or "-"))
+    return "\n".join(lines)
 
 
 def _collectives_text(prog: Program, ranks: list[int]) -> str:

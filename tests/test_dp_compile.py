@@ -541,3 +541,18 @@ def test_cli_export_comms_with_fsdp_windows():
     assert rc == 0 and [c for c in out.splitlines()[0].split(",") if c.endswith("SHARD")] == want
     rc, _, err = run_cli("export", *inter, "--dp-kind", "fsdp")
     assert rc == 2 and "--comms" in err
+
+
+def test_cli_show_lists_the_schedule_s_own_collectives_without_dp():
+    """A schedule that places collectives (zeropp) shows them under the grid even before --dp lowers them,
+    at the same steps as the lowered Program shows them."""
+    args = ("show", "zeropp", "-D", "p=2", "-D", "m=4", "-D", "v=2", "-D", "b=2")
+    rc, plain, _ = run_cli(*args)
+    rc2, lowered, _ = run_cli(*args, "--dp", "2", "--dp-kind", "fsdp")
+    assert rc == rc2 == 0 and "placed by the schedule" in plain
+    ranks = [[line for line in out.splitlines() if line.startswith("Rank ")] for out in (plain, lowered)]
+    assert ranks[0] == ranks[1] and len(ranks[0]) == 2
+    rc, out, _ = run_cli(*args, "--json")
+    assert rc == 0 and {"rank": 1, "op": "UNSHARD", "stage": 1, "before": 0} in json.loads(out)["collectives"]
+    rc, out, _ = run_cli("show", "1f1b", "-D", "p=2", "-D", "m=2")
+    assert rc == 0 and "collectives" not in out
