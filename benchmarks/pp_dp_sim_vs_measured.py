@@ -10,17 +10,21 @@ rows per micro-batch of the global batch, so each replica's micro-batches have 3
 benchmarks/pp_dp_vs_torch.py). For each schedule, kind and round, in this order (so profile and run see
 about the same load):
 
-    profile(pipec.compile(NAME, p=2, [v=2,] m=8, data_parallel=DataParallel(2, KIND)), model, dp=2)
-        -> costs.toml (pipec.sim.costs.dump_costs): F, B, W per stage timed in 4 processes at once (the
-           run's p x dp processes share the CPUs), the link, and the collectives: param_bytes, the ring fit
-           dp_latency / dp_bandwidth, each stage's measured reduce_grad (and unshard)
+    profile(pipec.compile(NAME, p=2, [v=2,] m=8, data_parallel=DataParallel(2, KIND)), model, dp=2,
+            in_situ=True)
+        -> costs.toml (pipec.sim.costs.dump_costs): F, B, W per stage in situ (steps of the PP x DP Program
+           on its 4 processes; `error_ops_one_at_a_time` uses those timed op by op in 4 processes at once
+           instead), the link, and the collectives: param_bytes, the ring fit dp_latency / dp_bandwidth,
+           each stage's measured reduce_grad (and unshard)
     pipec.simulate(NAME, ..., cost=costs.toml, data_parallel=DataParallel(2, KIND))   -> its makespan
     pipec run NAME -D p=2 [-D v=2] -D m=8 --model benchmarks/blocks_model.py --nproc 4 --dp 2 --dp-kind KIND
 
 (`pipec profile --dp` is the command line for the first; its flag is the CLI's.) The measured step time is
 the median of the printed step times after the first two (shape handshake, first allocations). One JSON
 line per schedule x kind: the medians over the rounds of the simulated and measured step times and the
-relative error (simulated - measured) / measured, target within 15%, each round's error; and, to tell
+relative error (simulated - measured) / measured, target within 15%, each round's error; the median step
+of the profile's own in-situ run (`in_situ_step_s`, the same Program minutes earlier) and the simulation's
+error against it, which the load's drift between profile and run does not move; and, to tell
 where a difference comes from, the errors of two other simulations on the same profile: `ring_fit_only`
 (the per-stage reduce_grad / unshard left out, so the collectives come from the ring fit) and
 `free_collectives` (no DP costs at all: what the collectives add). The load average is in every line.
