@@ -259,6 +259,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     _schedule_args(p)
     _profile_args(p)
+    dpopts.add_dp_options(p)
     p.set_defaults(func=cmd_profile)
 
     p = sub.add_parser(
@@ -823,8 +824,9 @@ def _profile_args(p: argparse.ArgumentParser) -> None:
 def cmd_profile(args: argparse.Namespace) -> int:
     """Measure T_F, T_B, T_W per stage (and the full backward, and the optimizer step) and the message
     sizes of a model file on this machine, the way the runtime runs them, plus a gloo link's latency and
-    bandwidth; write the cost file `pipec simulate --cost` reads. See docs/runtime.md."""
-    program = compile_schedule(_build(args)).program
+    bandwidth, and with --dp the data-parallel collectives (each stage's, and the DP link's latency and
+    bandwidth); write the cost file `pipec simulate --cost` reads. See docs/runtime.md."""
+    program = compile_schedule(_build(args), None, _dp(args)).program  # with --dp: the collectives too
     if args.reps < 1 or args.warmup < 0:
         raise Misuse("--reps must be at least 1 and --warmup at least 0")
     try:
@@ -868,6 +870,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
         if not args.json:
             print("\n".join(summary_lines(prof)))
             defines = "".join(f" -D {k}={v}" for k, v in args.defines)
+            if program.dp > 1 or program.dp_kind != "ddp":
+                defines += f" --dp {program.dp} --dp-kind {program.dp_kind}"
             print(f"wrote {args.output}; simulate with: pipec simulate {args.schedule}{defines} --cost {args.output}")
     elif not args.json:
         sys.stdout.write(text)

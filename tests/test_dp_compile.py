@@ -556,3 +556,25 @@ def test_cli_show_lists_the_schedule_s_own_collectives_without_dp():
     assert rc == 0 and {"rank": 1, "op": "UNSHARD", "stage": 1, "before": 0} in json.loads(out)["collectives"]
     rc, out, _ = run_cli("show", "1f1b", "-D", "p=2", "-D", "m=2")
     assert rc == 0 and "collectives" not in out
+
+
+def test_cli_profile_takes_the_data_parallel_options(monkeypatch):
+    """`pipec profile --dp 2 --dp-kind fsdp` profiles the Program lowered with its collectives (the profile
+    itself is stubbed: what is checked is the Program it is given)."""
+    pytest.importorskip("torch")
+    from pipec.runtime.errors import PipelineError
+
+    given = []
+
+    def fake_profile(program, model, **kwargs):
+        given.append(program)
+        raise PipelineError("stopped by the test")
+
+    monkeypatch.setattr("pipec.runtime.profile.profile", fake_profile)
+    rc, _, err = run_cli(
+        "profile", "1f1b", "-D", "p=2", "-D", "m=2", "--model", "examples/mlp.py", "--dp", "2", "--dp-kind", "fsdp"
+    )
+    assert rc == 1 and "stopped by the test" in err
+    (prog,) = given
+    assert (prog.dp, prog.dp_kind) == (2, "fsdp")
+    assert "UNSHARD" in {i.op for i in prog.ranks[0].instructions()}
