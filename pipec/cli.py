@@ -718,7 +718,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         try:
             from pipec.runtime.links import links_of
 
-            args.links = links_of(sched, args.link_scale)
+            args.links = links_of(sched, args.link_scale, program.dp)
         except ValueError as e:
             raise Misuse(str(e)) from None
         except ImportError:

@@ -227,6 +227,13 @@ def _state(module: Any) -> Any:
     return replicate.state(module) if isinstance(module, ReplicateModule) else fully_shard.state(module)
 
 
+def _reduction(module: Any) -> str:
+    """The ring collective REDUCE_GRAD runs on a wrapped stage: all-reduce (ddp), reduce-scatter (fsdp)."""
+    from torch.distributed._composable.replicate_with_fsdp import ReplicateModule
+
+    return "all_reduce" if isinstance(module, ReplicateModule) else "reduce_scatter"
+
+
 class StageDP:
     """What the executor does for UNSHARD, RESHARD, REDUCE_GRAD and STEP of one rank's stages.
 
@@ -242,6 +249,11 @@ class StageDP:
         self.peers = peers or []  # the job ranks of this rank's other replicas
         self.pending: dict[int, list[Any]] = {}  # stage -> unshard handles not yet waited on
         self.reducing: set[int] = set()
+        # --emulate-links across replica datacenters (pipec.runtime.links.DPLink), and per stage the
+        # emulated end of its all-gather and of its reduction in flight
+        self.link: Any = None
+        self.gather_end: dict[int, float] = {}
+        self.reduce_end: dict[int, float] = {}
 
     def _fail(self, what: str, e: BaseException) -> CollectiveError:
         from pipec.runtime.comm import short_error
@@ -255,9 +267,12 @@ class StageDP:
         if s in self.pending:
             return  # already in flight (a prefetch placed twice is harmless)
         try:
+            issued = self.link.issued() if self.link is not None else None
             self.pending[s] = [u.unshard(async_op=True) for u in self.units[s]]
         except Exception as e:
             raise self._fail(f"starting the all-gather of stage {s}", e) from e
+        if issued is not None:
+            self.gather_end[s] = self.link.end("all_gather", issued, self.modules[s])
 
     def ready(self, s: int) -> None:
         """Before a compute of s: wait for its UNSHARD (within the process group's timeout)."""
@@ -270,6 +285,8 @@ class StageDP:
                     h.wait()
         except Exception as e:
             raise self._fail(f"the all-gather of stage {s}'s parameters", e) from e
+        if self.link is not None:
+            self.link.hold(self.gather_end.pop(s, None), f"stage {s}'s all-gather", self.where())
 
     def reshard(self, s: int) -> None:
         """RESHARD s: free the gathered parameters (after any all-gather still in flight)."""
@@ -285,11 +302,14 @@ class StageDP:
         root.set_requires_gradient_sync(True)
         root.set_is_last_backward(True)
         try:
+            issued = self.link.issued() if self.link is not None else None
             for state in _state(root)._state_ctx.all_states:
                 for group in state._fsdp_param_groups:
                     group.post_backward()
         except Exception as e:
             raise self._fail(f"stage {s}'s gradient reduction", e) from e
+        if issued is not None:
+            self.reduce_end[s] = self.link.end(_reduction(root), issued, root)
         self.reducing.add(s)
 
     def finish(self, s: int) -> None:
@@ -302,6 +322,8 @@ class StageDP:
             _state(root)._root_post_backward_final_callback()
         except Exception as e:
             raise self._fail(f"waiting for stage {s}'s gradient reduction", e) from e
+        if self.link is not None:
+            self.link.hold(self.reduce_end.pop(s, None), f"stage {s}'s gradient reduction", self.where())
         self.reshard(s)
         _accumulate(root)
 

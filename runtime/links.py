@@ -41,16 +41,25 @@ STAMP = TensorSpec((1,), torch.float64)
 @dataclass(frozen=True)
 class Links:
     """Per ordered rank pair (a, b): the emulated one-way latency (s) and bandwidth (bytes/s), or None
-    where a and b are in one datacenter (not emulated)."""
+    where a and b are in one datacenter (not emulated). `dp_ring`: the (latency, bandwidth) of each hop of
+    the ring over the data-parallel replicas, replica i to i + 1, scaled; (0, inf) for a hop inside one
+    replica datacenter; empty when no hop crosses two (nothing emulated)."""
 
     latency: tuple[tuple[float | None, ...], ...]
     bandwidth: tuple[tuple[float | None, ...], ...]
+    dp_ring: tuple[tuple[float, float], ...] = ()
 
     def emulated(self, a: int, b: int) -> bool:
         return self.latency[a][b] is not None
 
     def to_json(self) -> str:
-        return json.dumps({"latency": self.latency, "bandwidth": [[_enc(x) for x in row] for row in self.bandwidth]})
+        return json.dumps(
+            {
+                "latency": self.latency,
+                "bandwidth": [[_enc(x) for x in row] for row in self.bandwidth],
+                "dp_ring": [[lat, _enc(bw)] for lat, bw in self.dp_ring],
+            }
+        )
 
     @staticmethod
     def from_json(text: str) -> Links:
@@ -58,6 +67,7 @@ class Links:
         return Links(
             tuple(tuple(row) for row in d["latency"]),
             tuple(tuple(_dec(x) for x in row) for row in d["bandwidth"]),
+            tuple((float(lat), float(_dec(bw))) for lat, bw in d.get("dp_ring", ())),
         )
 
     def describe(self) -> str:
@@ -65,10 +75,19 @@ class Links:
         for a, row in enumerate(self.latency):
             for b, lat in enumerate(row):
                 if lat is not None:
-                    bw = self.bandwidth[a][b]
-                    text = f"{lat * 1e3:g} ms, " + ("no bandwidth cap" if math.isinf(bw) else f"{bw * 8 / 1e9:g} Gbps")
-                    seen.append(f"{a}->{b} {text}")
+                    seen.append(f"{a}->{b} {_fmt(lat, self.bandwidth[a][b])}")
+        if self.dp_ring:
+            hops = [
+                f"{i}->{(i + 1) % len(self.dp_ring)} {_fmt(lat, bw)}"
+                for i, (lat, bw) in enumerate(self.dp_ring)
+                if lat or math.isfinite(bw)
+            ]
+            seen.append("data-parallel ring " + ", ".join(hops))
         return "emulated links: " + ("; ".join(seen) if seen else "none (every rank in one datacenter)")
+
+
+def _fmt(lat: float, bw: float) -> str:
+    return f"{lat * 1e3:g} ms, " + ("no bandwidth cap" if math.isinf(bw) else f"{bw * 8 / 1e9:g} Gbps")
 
 
 def _enc(x: float | None):
@@ -79,13 +98,15 @@ def _dec(x):
     return math.inf if x == "inf" else x
 
 
-def links_of(sched: Any, scale: float = 1.0) -> Links:
-    """The links between the datacenters of a schedule's topology (pipec.schedule.Schedule), scaled."""
-    from pipec.sim.costs import cost_model
+def links_of(sched: Any, scale: float = 1.0, dp: int = 1) -> Links:
+    """The links between the datacenters of a schedule's topology (pipec.schedule.Schedule), scaled: between
+    its rank datacenters, and with `dp` replicas, the ring over them across its replica datacenters."""
+    from pipec.sim.costs import FREE, cost_model
 
     if scale <= 0 or not math.isfinite(scale):
         raise ValueError(f"--link-scale must be a positive number, got {scale}")
-    if sched.topology is None or not sched.topology.datacenters:
+    topo = sched.topology
+    if topo is None or not (topo.datacenters or topo.replica_dcs):
         raise ValueError(
             "--emulate-links needs datacenters: declare a `topology { dc ... }` in the schedule or give --topology"
         )
@@ -102,7 +123,16 @@ def links_of(sched: Any, scale: float = 1.0) -> Links:
             if dc[a] != dc[b]:
                 lat[a][b] = float(cm.latency[a, b]) * scale
                 bw[a][b] = float(cm.bandwidth[a, b]) / scale  # bytes/s
-    return Links(tuple(map(tuple, lat)), tuple(map(tuple, bw)))
+    ring: tuple[tuple[float, float], ...] = ()
+    names = cm.replica_names[:dp]
+    if dp > 1 and len({x for x in names if x is not None}) > 1:
+        # the simulator's hops (CostModel.ring_hops, which refuses replicas left out of every replica
+        # datacenter), those between two replica datacenters only, scaled
+        hops = cm.ring_hops(0, dp)
+        ring = tuple(
+            (lt * scale, b / scale) if names[i] != names[(i + 1) % dp] else FREE for i, (lt, b) in enumerate(hops)
+        )
+    return Links(tuple(map(tuple, lat)), tuple(map(tuple, bw)), ring)
 
 
 class EmulatedComm:
@@ -161,3 +191,55 @@ class EmulatedComm:
 
     def finish_sends(self) -> None:
         self.inner.finish_sends()
+
+
+class DPLink:
+    """The emulated link under one pipeline rank's data-parallel collectives (its "dp" group), for
+    `pipec.runtime.dataparallel.StageDP`: `issued` before the real collective, `hold` once it is done.
+
+    A collective's emulated end is the time its last member issued it plus `ring_time` of the collective
+    over `Links.dp_ring` (pipec.sim.costs, the simulator's formula) with the bytes it moves (the stage's
+    whole parameters, measured here). `issued` learns the last member's time by an all-reduce (MAX) of one
+    float64 over the dp group: one extra small blocking collective per REDUCE_GRAD and UNSHARD, a few
+    hundred microseconds on gloo on one machine, which also lines the replicas up as the real collective
+    would."""
+
+    def __init__(
+        self, links: Links, group: Any, n: int, timeout: float, rank: int, dp_rank: int, device: Any = "cpu"
+    ) -> None:
+        self.ring, self.group, self.n, self.timeout, self.device = links.dp_ring, group, n, timeout, device
+        self.rank, self.dp_rank = rank, dp_rank
+        self.sizes: dict[int, int] = {}
+
+    def issued(self) -> float:
+        """When the last member of the group issues the collective (every member calls it, in order)."""
+        import torch.distributed as dist
+
+        t = torch.tensor([time.monotonic()], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return float(t.item())
+
+    def end(self, algo: str, issued: float, module: torch.nn.Module) -> float:
+        """The emulated end of collective `algo` ("all_reduce", ...) of module's parameters issued then."""
+        from pipec.sim.costs import ring_time
+
+        key = id(module)
+        if key not in self.sizes:  # a DTensor's numel is the whole tensor's, shard or not
+            self.sizes[key] = sum(p.numel() * p.element_size() for p in module.parameters())
+        return issued + float(ring_time(algo, self.n, float(self.sizes[key]), self.ring))
+
+    def hold(self, end: float | None, what: str, where: str) -> None:
+        """Wait, after the real collective, until its emulated end (no longer than the run's timeout)."""
+        if end is None:
+            return
+        delay = end - time.monotonic()
+        if delay > self.timeout:
+            from pipec.runtime.errors import PipelineError
+
+            raise PipelineError(
+                f"rank {self.rank} (replica {self.dp_rank}): {what} at {where} would end {delay:.1f} s from now "
+                f"over the emulated link, past the run's timeout of {self.timeout:g} s (raise --timeout or "
+                "lower --link-scale)"
+            )
+        if delay > 0:
+            time.sleep(delay)

@@ -201,6 +201,12 @@ class Runner:
         if self.replicas is not None:
             peers = replica_peers(self.replicas)
             self.executor.dp = StageDP(modules, rank, self.replicas.dp_rank, self.executor.where, peers)
+            if links is not None and links.dp_ring:  # the emulated link under the collectives
+                from pipec.runtime.links import DPLink
+
+                rm = self.replicas
+                link = DPLink(links, rm.dp_group, rm.dp_size, timeout, rank, rm.dp_rank, self.device)
+                self.executor.dp.link = link
         if self.device.type == "cuda":
             self.executor.sync = lambda: torch.cuda.synchronize(self.device)
         self.first_specs: list[Specs] | None = None
