@@ -16,7 +16,7 @@ from pipec.errors import Source, Span
 
 # The per-stage cost keys: what a schedule's `cost` declarations, cost files and `--cost` may set per stage
 # (pipec.sim.costs says what each means).
-STAGE_COST_KEYS = ("F", "B", "W", "comm", "act_bytes", "grad_bytes", "param_bytes", "reduce_grad", "unshard")
+STAGE_COST_KEYS = ("F", "B", "W", "comm", "act_bytes", "grad_bytes", "param_bytes", "reduce_grad", "unshard", "step")
 
 
 @dataclass(frozen=True)

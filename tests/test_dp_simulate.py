@@ -538,3 +538,105 @@ def test_the_docs_command_lines_print_what_the_docs_say():
     rc, out, _ = run_cli(*argv, "--json")
     assert rc == 0 and f"--topology '{topo}'" in (ROOT / "docs" / "cross-dc.md").read_text()
     assert json.loads(out)["results"][0]["makespan"] == pytest.approx(12.137, abs=0.01)
+
+
+# ---------------------------------------------------------------- what a run adds around the ops
+
+
+def test_step_time_is_charged_at_step_after_its_reduction():
+    # The case above (makespan 12: rank 0's REDUCE_GRAD [9,12], rank 1's [7,10]) with optimizer steps of
+    # 0.5 s (stage 0) and 0.25 s (stage 1): each STEP waits for its reduction, then computes. Rank 0's
+    # STEP [12,12.5], rank 1's [10,10.25]: makespan 12.5; the computes and collectives stay where they were.
+    sched, prog = p2_program()
+    c = model(sched, F=1, B=2, param_bytes=3e9, dp_bandwidth="8Gbps", step=[0.5, 0.25])
+    tl, st = times(prog, c)
+    assert st.makespan == 12.5
+    assert tl.step_rank.tolist() == [0, 1] and tl.step_stage.tolist() == [0, 1]
+    assert tl.step_start.tolist() == [12.0, 10.0] and tl.step_end.tolist() == [12.5, 10.25]
+    assert tl.coll_start.tolist() == [9.0, 7.0] and tl.coll_end.tolist() == [12.0, 10.0]
+    assert times(prog, c, _events=True)[1].makespan == 12.5  # both passes agree
+    # Without data parallelism the STEPs follow each rank's last backward: rank 0's B1 ends at 9, its
+    # STEP [9,9.5]; rank 1's STEP [7,7.25]: makespan 9.5.
+    tl1, st1 = times(dataclasses.replace(prog, dp=1), c)
+    assert st1.makespan == 9.5 and tl1.step_start.tolist() == [9.0, 7.0] and tl1.step_end.tolist() == [9.5, 7.25]
+
+
+def test_step_overhead_moves_the_whole_step():
+    # 0.75 s outside the instructions on every rank: every time of the step 12 case is 0.75 later.
+    sched, prog = p2_program()
+    base = model(sched, F=1, B=2, param_bytes=3e9, dp_bandwidth="8Gbps")
+    tl0, st0 = times(prog, base)
+    tl, st = times(prog, model(sched, F=1, B=2, param_bytes=3e9, dp_bandwidth="8Gbps", step_overhead=0.75))
+    assert st.makespan == 12.75
+    assert (tl.start - tl0.start).tolist() == [0.75] * len(tl.start)
+    assert tl.coll_end.tolist() == [12.75, 10.75]
+
+
+def test_blocking_collectives_hold_up_the_rank():
+    # 1F1B p = 2, m = 2, F = 1, B = 2, reduce_grad = 3, with one more REDUCE_GRAD 1 on rank 1 right after
+    # its first backward's send (at 4). Overlapping: it runs [4,7] beside F1 [4,5] B1 [5,7], the last
+    # REDUCE_GRAD [7,10]; rank 0's B0 [4,6], B1 (gradient at 7) [7,9], REDUCE_GRAD 0 [9,12]: makespan 12.
+    # Blocking (dp_blocking): rank 1 waits [4,7], so F1 [7,8] B1 [8,10], REDUCE_GRAD [10,13], STEP at 13;
+    # rank 0's B1 waits for the gradient of 10: [10,12], REDUCE_GRAD 0 [12,15]: makespan 15.
+    sched, prog = p2_program()
+    r1 = prog.ranks[1].instructions()
+    at = next(j for j, i in enumerate(r1) if i.op == "SEND_GRAD") + 1
+    r1.insert(at, Instr("REDUCE_GRAD", -1, 1))
+    prog2 = with_ranks(prog, [prog.ranks[0].instructions(), r1])
+    tl, st = times(prog2, model(sched, F=1, B=2, reduce_grad=3))
+    assert st.makespan == 12.0 and tl.coll_start[tl.coll_rank == 1].tolist() == [4.0, 7.0]
+    tl_b, st_b = times(prog2, model(sched, F=1, B=2, reduce_grad=3, dp_blocking=1))
+    assert st_b.makespan == 15.0
+    one = tl_b.coll_rank == 1
+    assert tl_b.coll_start[one].tolist() == [4.0, 10.0] and tl_b.coll_end[one].tolist() == [7.0, 13.0]
+    f1 = (tl_b.rank == 1) & (tl_b.mb == 1) & (tl_b.op == CODE["FWD"])
+    assert (tl_b.start[f1], tl_b.end[f1]) == (7.0, 8.0)
+    b1 = (tl_b.rank == 0) & (tl_b.mb == 1) & (tl_b.op == CODE["BWD"])
+    assert (tl_b.start[b1], tl_b.end[b1]) == (10.0, 12.0)
+    # the rank's wait for each collective is exposed: rank 1 3 + 3 s, rank 0 3 s
+    assert [r.collective_exposed for r in st_b.ranks] == [3.0, 6.0]
+    assert times(prog2, model(sched, F=1, B=2, reduce_grad=3, dp_blocking=1), _events=True)[1].makespan == 15.0
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+@pytest.mark.parametrize("name,params", [("1f1b", {"p": 2, "m": 4}), ("interleaved-1f1b", {"p": 2, "v": 2, "m": 4})])
+def test_the_new_keys_at_their_defaults_change_nothing(name, params, kind):
+    from pipec.api import simulate as api_simulate
+    from pipec.dataparallel import DataParallel
+
+    cost = "F=1,B=2,reduce_grad=3,unshard=1"
+    a = api_simulate(name, params, cost=cost, data_parallel=DataParallel(2, kind)).timeline
+    b = api_simulate(
+        name, params, cost=cost + ",step=0,step_overhead=0,dp_blocking=0", data_parallel=DataParallel(2, kind)
+    ).timeline
+    assert a.makespan == b.makespan and a.makespan > 0
+    for f in ("start", "end", "coll_start", "coll_end", "wait_start", "wait_end"):
+        assert np.array_equal(getattr(a, f), getattr(b, f))
+    assert len(b.step_end) == 0
+    # blocking changes this schedule: interleaved's first chunk reduces while the second still computes
+    blocked = api_simulate(name, params, cost=cost + ",dp_blocking=1", data_parallel=DataParallel(2, kind))
+    assert blocked.stats.makespan >= a.makespan
+    if name == "interleaved-1f1b":
+        assert blocked.stats.makespan > a.makespan
+
+
+def test_the_cost_reader_takes_the_new_keys():
+    doc = normalize({"step": [0.5, "250ms"], "step_overhead": "10ms", "dp_blocking": True})
+    assert doc["step"] == [0.5, 0.25] and doc["step_overhead"] == 0.01 and doc["dp_blocking"] is True
+    assert parse_overrides("dp_blocking=1,step=2")["dp_blocking"] is True
+    with pytest.raises(PipecError, match="dp_blocking must be 0 or 1"):
+        normalize({"dp_blocking": 2})
+    with pytest.raises(PipecError, match="step_overhead"):
+        normalize({"step_overhead": -1})
+    text = dump_costs({"F": [1.0, 1.0], "step": [0.5, 0.25], "step_overhead": 0.01, "dp_blocking": 1})
+    back = read_cost_file_text(text)
+    assert back["step"] == [0.5, 0.25] and back["step_overhead"] == 0.01 and back["dp_blocking"] is True
+
+
+def read_cost_file_text(text: str, tmp=None) -> dict:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "c.toml"
+        path.write_text(text)
+        return read_cost_file(path)

@@ -782,7 +782,7 @@ def test_cost_and_memory_errors():
     body = "stages 1\nrank r { F(0) B(0) }\n"
     assert (
         fails(body + "cost X = 1", "E108").message
-        == "unknown cost `X`; known: F, B, W, comm, act_bytes, grad_bytes, param_bytes, reduce_grad, unshard"
+        == "unknown cost `X`; known: F, B, W, comm, act_bytes, grad_bytes, param_bytes, reduce_grad, unshard, step"
     )
     assert fails(body + "memory foo = 1", "E108").message == "unknown memory `foo`; known: act, wact, params, limit"
     fails(body + "cost F = true", "E103")

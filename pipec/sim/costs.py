@@ -30,7 +30,17 @@ a list with one per stage:
   stage s's parameters (its gradients are as large); `reduce_grad` and `unshard`, the seconds of stage
   s's gradient reduction and parameter all-gather when no bytes are known (they win over the ring
   formulas below); `dp_latency` (seconds per ring hop) and `dp_bandwidth` (bit/s), both one number: the
-  link between the replicas of a rank inside one datacenter.
+  link between the replicas of a rank inside one datacenter;
+- `step`: the seconds of stage s's optimizer step, charged to its rank's compute at its `STEP s` after
+  the stage's REDUCE_GRAD is done (with FSDP2 it includes the final post-backward callback and the
+  reshard; `pipec profile --in-situ` measures it from the schedule's own STEPs; default 0);
+- `step_overhead` (one number): the seconds of every step outside the Program's instructions, on every
+  rank alike (zeroing gradients, splitting the batch, with replicas the loss all-reduce at the end):
+  it adds to the makespan (`pipec profile --in-situ` measures it; default 0);
+- `dp_blocking` (0 or 1, or a boolean): whether a collective blocks the rank that issues it, so that
+  REDUCE_GRAD and UNSHARD run on the rank's own timeline, its next instruction waiting for them, rather
+  than on a stream of their own (gloo through FSDP2 on CPU blocks; `pipec profile` writes 1 when it
+  times its collectives on gloo; default 0, overlapping).
 
 Collectives (`REDUCE_GRAD`, `UNSHARD`) are rings over the N replicas (`collective_time`): with a link of
 latency a and bandwidth b (bytes/s) and B bytes, an all-reduce (ddp's REDUCE_GRAD) takes 2(N-1) a +
@@ -105,7 +115,7 @@ _RATE.update({"B/s": 8.0, "KB/s": 8e3, "MB/s": 8e6, "GB/s": 8e9, "TB/s": 8e12})
 _SIZE = {"B": 1.0, "KB": 1e3, "MB": 1e6, "GB": 1e9, "KiB": 2.0**10, "MiB": 2.0**20, "GiB": 2.0**30}
 _KIND_UNITS = {"time": _TIME, "bandwidth": _RATE, "bytes": _SIZE}
 _KEY_KIND = {"F": "time", "B": "time", "W": "time", "comm": "time", "act_bytes": "bytes", "grad_bytes": "bytes"}
-_KEY_KIND.update({"param_bytes": "bytes", "reduce_grad": "time", "unshard": "time"})
+_KEY_KIND.update({"param_bytes": "bytes", "reduce_grad": "time", "unshard": "time", "step": "time"})
 # The ring collectives: how many ring steps each takes per replica beyond the first (an all-reduce is a
 # reduce-scatter then an all-gather).
 RING_STEPS = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
@@ -142,6 +152,11 @@ class CostModel:
     dp_link: np.ndarray | None = None
     replica_names: tuple[str | None, ...] = ()
     replica_links: Mapping[tuple[str, str], tuple[float, float]] = field(default_factory=dict)
+    # Per stage, its optimizer step's seconds at STEP (None: nothing given, free); the fixed seconds of a
+    # step outside its instructions; whether collectives block the issuing rank (the module docstring).
+    step: np.ndarray | None = None
+    step_overhead: float = 0.0
+    dp_blocking: bool = False
 
     @property
     def num_stages(self) -> int:
@@ -447,6 +462,12 @@ def normalize(doc: Mapping, what: str = "costs") -> dict:
             out["act_bytes"] = _per_stage(value, "bytes", f"{what}: bytes")
         elif key == "overhead":
             out["overhead"] = quantity(value, "time", f"{what}: overhead")
+        elif key == "step_overhead":
+            out["step_overhead"] = quantity(value, "time", f"{what}: step_overhead")
+        elif key == "dp_blocking":
+            if value not in (0, 1) or not isinstance(value, bool | int | float):
+                raise error("E801", f"{what}: dp_blocking must be 0 or 1 (or a boolean), got `{brief(value)}`")
+            out["dp_blocking"] = bool(value)
         elif key == "dp_latency":
             out["dp_latency"] = quantity(value, "time", f"{what}: dp_latency")
         elif key == "dp_bandwidth":
@@ -478,7 +499,7 @@ def normalize(doc: Mapping, what: str = "costs") -> dict:
             known = ", ".join(
                 STAGE_KEYS
                 + ("T_F", "T_B", "T_W", "bytes", "overhead", "latency", "bandwidth", "links", "ranks_per_node")
-                + ("dp_latency", "dp_bandwidth")
+                + ("dp_latency", "dp_bandwidth", "step_overhead", "dp_blocking")
             )
             raise error("E801", f"{what}: unknown cost `{brief(key)}` (known: {known})")
     if links:
@@ -614,7 +635,7 @@ def cost_model(sched: Schedule, overrides: Sequence[Mapping] = ()) -> CostModel:
     # Five (ranks, ranks) tables of 8 bytes and their temporaries: 10,000 ranks take 8 GB.
     require_memory(10 * 8 * float(R) ** 2, f"the cost model's per-rank-pair links of {R:,} ranks")
     vals = {k: np.full(S, R / S) for k in ("F", "B", "W")}
-    vals.update({k: np.zeros(S) for k in ("comm", "act_bytes", "param_bytes")})
+    vals.update({k: np.zeros(S) for k in ("comm", "act_bytes", "param_bytes", "step")})
     vals.update({k: np.full(S, np.nan) for k in _DIRECT})
     grad: np.ndarray | None = None  # default: the activation size across the same boundary
     origin = ["defaults"]
@@ -627,11 +648,14 @@ def cost_model(sched: Schedule, overrides: Sequence[Mapping] = ()) -> CostModel:
             vals[k] = np.asarray(per, dtype=float)
     given = set(sched.costs)
     ranks_per_node = None
-    overhead = 0.0
+    overhead = step_overhead = 0.0
+    dp_blocking = False
     dp_given: dict[str, float] = {}
     for ov in overrides:
         ranks_per_node = ov.get("ranks_per_node", ranks_per_node)
         overhead = ov.get("overhead", overhead)
+        step_overhead = ov.get("step_overhead", step_overhead)
+        dp_blocking = ov.get("dp_blocking", dp_blocking)
         dp_given.update({k[3:]: ov[k] for k in ("dp_latency", "dp_bandwidth") if k in ov})
     dc = _datacenter_of(sched, R)
     cls = _link_classes(dc, ranks_per_node)
@@ -670,7 +694,7 @@ def cost_model(sched: Schedule, overrides: Sequence[Mapping] = ()) -> CostModel:
     if not sched.split_backward and "B" in given and "W" not in given:
         vals["W"] = np.zeros(S)  # B was given for a schedule without W: it is the full backward
     vals["grad_bytes"] = grad
-    for k in ("F", "B", "W", "comm", "act_bytes", "grad_bytes", "param_bytes", *_DIRECT):
+    for k in ("F", "B", "W", "comm", "act_bytes", "grad_bytes", "param_bytes", "step", *_DIRECT):
         v = vals[k][~np.isnan(vals[k])] if k in _DIRECT else vals[k]  # a direct time not given is NaN
         if not (np.isfinite(v).all() and (v >= 0).all()):
             raise error("E801", f"cost `{k}` must be a finite number >= 0 for every stage")
@@ -700,6 +724,9 @@ def cost_model(sched: Schedule, overrides: Sequence[Mapping] = ()) -> CostModel:
         dp_link=dp_link,
         replica_names=replica_names,
         replica_links=replica_links,
+        step=vals["step"],
+        step_overhead=float(step_overhead),
+        dp_blocking=bool(dp_blocking),
     )
 
 

@@ -93,9 +93,19 @@ def simulate(prog: Program, costs: CostModel, *, _events: bool = False) -> Timel
     c_rank, c_op, c_mb, c_stage = pl.c_rank, pl.c_op, pl.c_mb, pl.c_stage
     if pl.real is not None:  # data parallelism: split the stream's ops and the messages by what they are
         coll = _collective_rows(pl, start, end, send, arr)
+        costly = pl.is_step & (np.asarray(pl.cost, dtype=float) > 0)  # optimizer steps that take time
+        if costly.any():
+            coll.update(step_rank=c_rank[costly], step_stage=c_stage[costly])
+            coll.update(step_start=start[costly], step_end=end[costly])
         real = pl.real
         c_rank, c_op, c_mb, c_stage, start, end = (a[real] for a in (c_rank, c_op, c_mb, c_stage, start, end))
         send, arr, post = send[pl.p2p], arr[pl.p2p], post[pl.p2p]
+    if pl.step_overhead:  # every rank starts its instructions that much later: every time moves by it
+        o = pl.step_overhead
+        start, end, send, arr, post = start + o, end + o, send + o, arr + o, post + o
+        for k in ("coll_issue", "coll_start", "coll_end", "wait_start", "wait_end", "step_start", "step_end"):
+            if k in coll:
+                coll[k] = coll[k] + o
     return Timeline(
         num_ranks=pl.num_ranks,
         rank=c_rank,
@@ -217,6 +227,10 @@ class Plan:
     # Per message, whether it waits for the one before it on its channel to arrive before it leaves (the
     # collectives of a rank when some of them share a link; None: no such waits).
     hold: list[bool] | None = None
+    # Per stream op, whether it is a Program's STEP (None without data parallelism or step costs); the
+    # cost model's fixed seconds per step, by which every time of the step is later.
+    is_step: np.ndarray | None = None
+    step_overhead: float = 0.0
 
     def posted(self, end: list[float]) -> np.ndarray:
         """When each message's receive was posted: the end of the compute op before it (else 0); NaN: none."""
@@ -252,21 +266,28 @@ def plan(prog: Program, costs: CostModel) -> Plan:
     rank = np.repeat(np.arange(R), lengths)
     placement = np.asarray(prog.placement, dtype=np.int64)
     dp = prog.dp > 1 and bool(IS_COLLECTIVE[op].any())
+    blocking = dp and costs.dp_blocking
+    # optimizer steps with a cost: the STEPs become stream ops (as with data parallelism) that take it
+    stepping = costs.step is not None and bool((costs.step > 0).any()) and bool((op == STEP).any())
     wait_for = None
-    if dp:
-        op, mb, stage, peer, rank, wait_for = _with_waits(op, mb, stage, peer, rank, S)
+    if dp or stepping:
+        op, mb, stage, peer, rank, wait_for = _with_waits(op, mb, stage, peer, rank, S, blocking)
         lengths = np.bincount(rank, minlength=R).tolist()
 
     # Compute ops: duration and the message each one waits for (the table's `needs`, when its sender
     # is on another rank; one on the same rank hands over locally, earlier on the same stream). With
     # data parallelism the stream's ops also hold STEPs and the inserted waits (zero cost, `real` False).
-    cidx = np.flatnonzero(IS_COMPUTE[op] | (op == STEP)) if dp else np.flatnonzero(IS_COMPUTE[op])
+    streamed = dp or stepping
+    cidx = np.flatnonzero(IS_COMPUTE[op] | (op == STEP)) if streamed else np.flatnonzero(IS_COMPUTE[op])
     n = len(cidx)
     c_op, c_mb, c_s, c_rank = op[cidx], mb[cidx], stage[cidx], rank[cidx]
     cost = costs.compute_time(c_op, c_s) if n else np.zeros(0)
-    real = IS_COMPUTE[c_op] if dp else None
+    real = IS_COMPUTE[c_op] if streamed else None
+    is_step = None
     if real is not None:
-        cost = np.where(real, cost, 0.0)
+        is_step = (c_op == STEP) & (wait_for[cidx] < 0)  # a Program's STEP, not an inserted wait
+        step_cost = costs.step[c_s] if costs.step is not None else np.zeros(n)
+        cost = np.where(real, cost, np.where(is_step, step_cost, 0.0))
     msg, sender = NEEDS_MSG[c_op], c_s + NEEDS_STAGE[c_op]
     remote = (msg >= 0) & (sender >= 0) & (sender < S) & (placement[np.clip(sender, 0, S - 1)] != c_rank)
     want = np.where(remote, (msg * S + sender) * m + c_mb, -1)
@@ -299,7 +320,7 @@ def plan(prog: Program, costs: CostModel) -> Plan:
     group = shared_links(costs, s_src, s_dst, txd) if M else None
     p2p = k_pos = hold = None
     midx = sidx  # every message's instruction, in issue order (with data parallelism: collectives too)
-    if dp:
+    if streamed:
         midx = np.flatnonzero(IS_SEND[op] | IS_COLLECTIVE[op] | (op == RESHARD))
         p2p = np.searchsorted(midx, sidx)  # each p2p message's id among all messages
         k_pos = midx[~IS_SEND[op[midx]]]
@@ -402,13 +423,16 @@ def plan(prog: Program, costs: CostModel) -> Plan:
         k_bytes=None if k_pos is None else _shard_bytes(costs, k_op, stage[k_pos]),
         k_after=None if k_pos is None else _computes_before(cidx, real, c_rank, k_pos, rank, R),
         hold=hold,
+        is_step=is_step,
+        step_overhead=costs.step_overhead,
     )
 
 
-def _with_waits(op, mb, stage, peer, rank, S: int):
+def _with_waits(op, mb, stage, peer, rank, S: int, blocking: bool = False):
     """The instruction columns with a zero-cost wait (coded STEP, stage s) inserted right before the next
-    compute of stage s on its rank after each UNSHARD s; and per instruction, for an inserted wait the
-    index of the UNSHARD it waits for (-1 elsewhere)."""
+    compute of stage s on its rank after each UNSHARD s, and with `blocking` (collectives that block the
+    rank: `CostModel.dp_blocking`) right after each REDUCE_GRAD and UNSHARD; and per instruction, for an
+    inserted wait the index of the collective it waits for (-1 elsewhere)."""
     N = len(op)
     comp = np.flatnonzero(IS_COMPUTE[op])
     uns = np.flatnonzero(op == UNSHARD)
@@ -422,8 +446,13 @@ def _with_waits(op, mb, stage, peer, rank, S: int):
         ok = at < len(keys)
         ok[ok] = keys[at[ok]] // N == ukey[ok] // N
         target, src = comp[o][at[ok]], uns[ok]
+    slot = 2 * target  # before the target compute
+    if blocking:  # and right after each collective, before whatever follows it
+        coll = np.flatnonzero((op == REDUCE_GRAD) | (op == UNSHARD))
+        target, src = np.concatenate([target, coll]), np.concatenate([src, coll])
+        slot = np.concatenate([slot, 2 * coll + 2])
     K = len(target)
-    order = np.argsort(np.concatenate([2 * np.arange(N) + 1, 2 * target]), kind="stable")
+    order = np.argsort(np.concatenate([2 * np.arange(N) + 1, slot]), kind="stable")
     inv = np.empty(N + K, dtype=np.int64)
     inv[order] = np.arange(N + K)
     minus = np.full(K, -1, dtype=np.int64)

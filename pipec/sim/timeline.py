@@ -52,6 +52,12 @@ class Timeline:
     wait_rank: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     wait_start: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=float))
     wait_end: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=float))
+    # Optimizer steps with a cost (the cost model's `step`; empty when free): the rank, stage and interval
+    # of each STEP on its rank's compute stream. A step is over when they are.
+    step_rank: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    step_stage: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    step_start: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=float))
+    step_end: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=float))
     # The replicas per rank and how they share parameters (the Program's dp, dp_kind): fsdp's memory is
     # sharded, with the gathered windows on top.
     dp: int = 1
@@ -71,6 +77,8 @@ class Timeline:
         if len(self.coll_end):
             last = max(last, float(self.coll_end.max()))
             first = min(first, float(self.coll_start.min()))
+        if len(self.step_end):
+            last = max(last, float(self.step_end.max()))
         return last - first
 
     def rank_events(self, rank: int) -> list[tuple[str, int, int, float, float]]:
