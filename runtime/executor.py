@@ -120,6 +120,7 @@ class Executor:
         rec = self.record
         dp = self.dp
         n = len(self.instrs)
+        t_run = time.perf_counter() if rec is not None else 0.0
         self.posted = self.reached = 0
         self._post_upto(self.recv_ahead)
         j = 0
@@ -158,17 +159,27 @@ class Executor:
                     rec.append(("compute", WGRAD, mb, s, t0, time.perf_counter()))
             elif op == STEP:
                 comm.finish_sends()
+                t0 = time.perf_counter() if rec is not None else 0.0
                 if dp is not None:
                     dp.finish(s)  # waits for REDUCE_GRAD's reduction
                 stages[s].step()
+                if rec is not None:
+                    self.sync()
+                    rec.append(("step", s, t0, time.perf_counter()))
             elif op == REDUCE_GRAD:
+                t0 = time.perf_counter() if rec is not None else 0.0
                 if dp is not None:
                     dp.reduce_grad(s)
                 if self.on_reduce_grad is not None:
                     self.on_reduce_grad(s, stages[s].module)
+                if rec is not None:
+                    rec.append(("collective", REDUCE_GRAD, s, t0, time.perf_counter()))
             elif op == UNSHARD:
+                t0 = time.perf_counter() if rec is not None else 0.0
                 if dp is not None:
                     dp.unshard(s)
+                if rec is not None:
+                    rec.append(("collective", UNSHARD, s, t0, time.perf_counter()))
             elif op == RESHARD:
                 if dp is not None:
                     dp.reshard(s)
@@ -179,6 +190,8 @@ class Executor:
                 self._exchange([j])
             j += 1
         self.at = n
+        if rec is not None:  # the instructions' span, for the time of the step outside them
+            rec.append(("run", t_run, time.perf_counter()))
         left = [key_str(k) for k in self.values]
         undone = {s: st.check_done() for s, st in stages.items() if st.check_done()}
         if left or undone:

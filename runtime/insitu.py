@@ -33,7 +33,9 @@ def profile_in_situ(
     timeout: float = 60.0,
 ) -> dict:
     """Run the Program on its number of local gloo processes; returns {"ops": {(op, stage): median s},
-    "overhead": s or None, "step_s": median step time, "steps": recorded steps}. `timeout` is how long a
+    "overhead": s or None, "step_s": median step time, "steps": recorded steps, "step": {stage: median s
+    of its STEP}, "collectives": {(op, stage): median s the rank spent in it}, "outside_s": median over
+    steps of the largest rank's time outside its instructions (set-up, the loss all-reduce)}. `timeout` is how long a
     rank waits for a peer (as `pipec run --timeout`); the whole run is given `timeout` per step. A Program
     with `dp` > 1 runs as `pipec run --dp` runs it: ranks x dp processes on a ("pp", "dp") mesh, each
     replica on its share of the batch; the ops are replica 0's (its processes are ranks r * dp)."""
@@ -111,7 +113,32 @@ def summarize(program: Program, events: list[list[list[tuple]]], seconds: list[l
     for tl in timelines:
         for op, s, a, b in zip(tl.op.tolist(), tl.stage.tolist(), tl.start.tolist(), tl.end.tolist()):
             times[(op, s)].append(b - a)
+    # The optimizer steps (STEP s, with FSDP2's final callback and reshard), the collectives as the ranks
+    # spent them (blocking on gloo), and each rank's time in the step outside its instructions.
+    step_t: dict[int, list[float]] = defaultdict(list)
+    coll_t: dict[tuple[int, int], list[float]] = defaultdict(list)
+    outside: list[float] = []
+    for k in range(len(events[0])):
+        per_rank = []
+        for r in range(len(events)):
+            run = bounds = None
+            for e in events[r][k]:
+                if e[0] == "step":
+                    step_t[e[1]].append(e[3] - e[2])
+                elif e[0] == "collective":
+                    coll_t[(e[1], e[2])].append(e[4] - e[3])
+                elif e[0] == "run":
+                    run = e
+                elif e[0] == "bounds":
+                    bounds = e
+            if run is not None and bounds is not None:
+                per_rank.append(max(run[1] - bounds[1], 0.0) + max(bounds[2] - run[2], 0.0))
+        if per_rank:
+            outside.append(max(per_rank))
     return {
+        "step": {s: statistics.median(v) for s, v in step_t.items()},
+        "collectives": {k: statistics.median(v) for k, v in coll_t.items()},
+        "outside_s": statistics.median(outside) if outside else None,
         "ops": {k: statistics.median(v) for k, v in times.items()},
         "overhead": per_instruction(program, timelines),
         "step_s": statistics.median(max(per) for per in zip(*seconds)),

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from pipec.opcodes import REDUCE_GRAD, UNSHARD
 from pipec.program import BWD, FWD, WGRAD, Program
 from pipec.runtime.affinity import allowed_cpus, bind_local_rank
 from pipec.runtime.errors import PipelineError
@@ -99,9 +100,15 @@ class Profile:
             doc["bandwidth"] = float(f"{self.bandwidth:.6g}")
         if self.overhead is not None:
             doc["overhead"] = round(self.overhead, 9)
+        if self.in_situ is not None and self.in_situ.get("step"):  # the schedule's own STEPs
+            doc["step"] = _r([self.in_situ["step"].get(s, 0.0) for s in range(len(self.forward))])
+        if self.in_situ is not None and self.in_situ.get("outside_s") is not None:
+            doc["step_overhead"] = float(f"{self.in_situ['outside_s']:.6g}")
         if self.collectives is not None:
             doc["comment"] += f"; collectives on a data-parallel group of {self.collectives.size}"
             doc.update(self.collectives.cost_keys(self.param_bytes))
+            # timed on gloo, where FSDP2's reduce-scatter, all-reduce and all-gather are blocking calls
+            doc["dp_blocking"] = 1
         doc["measured"] = {
             "stages": {
                 "forward": _r(self.forward),
@@ -122,6 +129,11 @@ class Profile:
                 "step": float(f"{self.in_situ['step_s']:.6g}"),
                 "steps": self.in_situ["steps"],
             }
+            coll = self.in_situ.get("collectives") or {}
+            for name, code in (("reduce_grad", REDUCE_GRAD), ("unshard", UNSHARD)):
+                if any(op == code for op, _ in coll):  # as the ranks spent them in the schedule
+                    per = [coll.get((code, s), 0.0) for s in range(len(self.forward))]
+                    doc["measured"]["in_situ"][name] = _r(per)
         return doc
 
     def situ(self, op: int) -> list[float]:

@@ -297,7 +297,10 @@ class Runner:
                 loss = loss / self.replicas.dp_size
             loss = float(loss)
         self.steps_done += 1
-        return StepResult(self.steps_done - 1, loss, time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        if self.executor.record is not None:  # the step's own span (see Executor's "run" event)
+            self.executor.record.append(("bounds", t0, t1))
+        return StepResult(self.steps_done - 1, loss, t1 - t0)
 
     def events(self) -> list[tuple]:
         """The measured events of the last step run with record=True (see pipec.runtime.trace)."""

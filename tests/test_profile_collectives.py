@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +15,7 @@ torch = pytest.importorskip("torch")
 from runtime_harness import ROOT  # noqa: E402
 
 from pipec.api import load  # noqa: E402
+from pipec.opcodes import REDUCE_GRAD, UNSHARD  # noqa: E402
 from pipec.passes.compiler import compile_schedule  # noqa: E402
 from pipec.runtime import load_model  # noqa: E402
 from pipec.runtime.profile import (  # noqa: E402
@@ -99,8 +101,27 @@ def test_the_cost_file_carries_the_collectives(small_mlp_env):
     assert len(doc["reduce_grad"]) == len(doc["unshard"]) == 2
     assert doc["measured"]["collectives"]["how"] == "synthetic"
     assert "collectives on a data-parallel group of 2" in doc["comment"]
-    for key in ("param_bytes", "dp_latency", "dp_bandwidth", "reduce_grad", "unshard"):
+    for key in ("param_bytes", "dp_latency", "dp_bandwidth", "reduce_grad", "unshard", "dp_blocking"):
         assert key in doc["keys"]
+    assert doc["dp_blocking"] == 1  # timed on gloo: FSDP2's collectives block the rank there
+    assert "step" not in doc and "step_overhead" not in doc  # measured in situ only
+
+
+def test_the_cost_file_carries_the_in_situ_steps(small_mlp_env):
+    """An in-situ profile writes each stage's STEP time and the step's time outside the instructions."""
+    from pipec.program import BWD, FWD
+
+    prog = compile_schedule(load("1f1b", p=2, m=2)).program
+    prof = profile(prog, load_model(MODEL), reps=1, warmup=0, comm=False, threads=1, concurrent=False)
+    ops = {(FWD, 0): 1e-3, (FWD, 1): 1e-3, (BWD, 0): 2e-3, (BWD, 1): 2e-3}
+    coll = {(REDUCE_GRAD, 0): 4e-3, (REDUCE_GRAD, 1): 5e-3}
+    prof.in_situ = dict(ops=ops, overhead=None, step_s=0.02, steps=3, step={0: 3e-4, 1: 2e-4})
+    prof.in_situ.update(collectives=coll, outside_s=1.5e-3)
+    doc = read_cost_text(dump_costs(prof.cost_doc()))
+    assert doc["step"] == [3e-4, 2e-4] and doc["step_overhead"] == 1.5e-3
+    assert "dp_blocking" not in doc  # no collectives timed
+    raw = tomllib.loads(dump_costs(prof.cost_doc()))
+    assert raw["measured"]["in_situ"]["reduce_grad"] == [4e-3, 5e-3] and "unshard" not in raw["measured"]["in_situ"]
 
 
 def test_a_real_gloo_measurement_gives_positive_finite_numbers():
@@ -181,6 +202,22 @@ def test_in_situ_profile_of_a_pp_x_dp_program_runs_every_replica(small_mlp_env):
     situ = profile_in_situ(prog, MODEL, reps=1, warmup=0, timeout=120)
     assert situ["steps"] == 1 and situ["step_s"] > 0
     assert sorted(situ["ops"]) == [(FWD, 0), (FWD, 1), (BWD, 0), (BWD, 1)]  # both stages' F and B
+    # and what the run adds around them: each stage's STEP, its collectives, the time outside
+    assert sorted(situ["step"]) == [0, 1] and all(t > 0 for t in situ["step"].values())
+    assert sorted(situ["collectives"]) == [(REDUCE_GRAD, 0), (REDUCE_GRAD, 1), (UNSHARD, 0), (UNSHARD, 1)]
+    assert all(t > 0 for t in situ["collectives"].values())
+    assert 0 < situ["outside_s"] < situ["step_s"]
     assert all(t > 0 for t in situ["ops"].values())
     with pytest.raises(PipelineError, match="--in-situ runs the Program as compiled"):
         profile(prog, load_model(MODEL), comm=False, in_situ=True, dp=1)
+
+
+def read_cost_text(text: str) -> dict:
+    import tempfile
+
+    from pipec.sim.costs import read_cost_file
+
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "c.toml"
+        path.write_text(text)
+        return read_cost_file(path)
