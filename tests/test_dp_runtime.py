@@ -125,12 +125,10 @@ def test_1f1b_ddp_and_zbv_fsdp_2x2():
 
 @pytest.mark.dp_grid
 @pytest.mark.parametrize("p", [2, 4], ids=["2x2", "4x2"])
-def test_grid(p, request):
+def test_grid(p):
     """Every schedule x {ddp, fsdp} on p ranks x 2 replicas (one job per mesh size, so the processes start
     once); per-block FSDP and the (pp, dp) sub-mesh form of mesh= ride along. Opt-in (minutes on 2 cores):
-    it runs only when `-m` names dp_grid."""
-    if "dp_grid" not in (request.config.getoption("markexpr") or ""):
-        pytest.skip("the whole PP x DP grid is opt-in: pytest -m dp_grid tests/test_dp_runtime.py")
+    pyproject.toml deselects it unless `-m dp_grid` is given."""
     cfgs = configs_for(list(SCHEDULES), p, ["ddp", "fsdp"])
     # per-block sharding and the sub-mesh form; Belady windows (several gathers a step) without prefetch;
     # today's tail placement with windows inserted by hand (gathered and freed between F, B and W)
