@@ -89,7 +89,14 @@ def _rank(rank: int, world: int, port: int, spec: dict, out) -> None:
         gathered: list = [None] * world
         dist.all_gather_object(gathered, (steps, seconds))
         replica0 = gathered[:: program.dp]  # global rank r * dp: rank r of replica 0
-        summary = summarize(program, [g[0] for g in replica0], [g[1] for g in gathered]) if rank == 0 else None
+        summary = None
+        if rank == 0:
+            summary = summarize(program, [g[0] for g in replica0], [g[1] for g in gathered])
+            # every replica's own op medians: the replicas meet at their blocking collectives, so the
+            # slowest one's pace is the step's (on shared CPUs their identical stages run at different speeds)
+            summary["ops_by_replica"] = [
+                _op_medians(program, [g[0] for g in gathered[d :: program.dp]]) for d in range(program.dp)
+            ]
         out.put(("result", rank, summary))
     except Exception as e:  # noqa: BLE001 - reported by the parent, which names the profile
         if not isinstance(e, PipelineError):  # the model's own code: where it failed
@@ -101,6 +108,18 @@ def _rank(rank: int, world: int, port: int, spec: dict, out) -> None:
     finally:
         runner = None
         spawned.leave_gloo(dist)
+
+
+def _op_medians(program: Program, events: list[list[list[tuple]]]) -> dict:
+    """{(op, stage): median s} over the recorded steps of these ranks' events (events[rank][step])."""
+    from pipec.runtime.measure import timeline
+
+    times: dict[tuple[int, int], list[float]] = defaultdict(list)
+    for k in range(len(events[0])):
+        tl = timeline(program, [events[r][k] for r in range(len(events))])
+        for op, s, a, b in zip(tl.op.tolist(), tl.stage.tolist(), tl.start.tolist(), tl.end.tolist()):
+            times[(op, s)].append(b - a)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def summarize(program: Program, events: list[list[list[tuple]]], seconds: list[list[float]]) -> dict:

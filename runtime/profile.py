@@ -129,6 +129,12 @@ class Profile:
                 "step": float(f"{self.in_situ['step_s']:.6g}"),
                 "steps": self.in_situ["steps"],
             }
+            by_replica = self.in_situ.get("ops_by_replica") or []
+            if len(by_replica) > 1:  # each replica's own F, B (and W): replica 0's are the cost keys
+                for name, code in (("forward", FWD), ("backward", BWD), ("weight_backward", WGRAD)):
+                    if code != WGRAD or self.split_backward:
+                        per = [[ops.get((code, s), 0.0) for s in range(len(self.forward))] for ops in by_replica]
+                        doc["measured"]["in_situ"][f"{name}_by_replica"] = [_r(x) for x in per]
             coll = self.in_situ.get("collectives") or {}
             for name, code in (("reduce_grad", REDUCE_GRAD), ("unshard", UNSHARD)):
                 if any(op == code for op, _ in coll):  # as the ranks spent them in the schedule

@@ -207,6 +207,9 @@ def test_in_situ_profile_of_a_pp_x_dp_program_runs_every_replica(small_mlp_env):
     assert sorted(situ["collectives"]) == [(REDUCE_GRAD, 0), (REDUCE_GRAD, 1), (UNSHARD, 0), (UNSHARD, 1)]
     assert all(t > 0 for t in situ["collectives"].values())
     assert 0 < situ["outside_s"] < situ["step_s"]
+    # each replica's own op times, replica 0's first (they are the cost keys)
+    assert len(situ["ops_by_replica"]) == 2 and situ["ops_by_replica"][0] == situ["ops"]
+    assert sorted(situ["ops_by_replica"][1]) == sorted(situ["ops"])
     assert all(t > 0 for t in situ["ops"].values())
     with pytest.raises(PipelineError, match="--in-situ runs the Program as compiled"):
         profile(prog, load_model(MODEL), comm=False, in_situ=True, dp=1)
