@@ -687,7 +687,8 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--emulate-links",
         action="store_true",
-        help="hold back each message between datacenters by its link's latency and bandwidth (docs/cross-dc.md)",
+        help="hold back each message between datacenters, and with --dp each collective between replica "
+        "datacenters, by its link's latency and bandwidth (docs/cross-dc.md)",
     )
     p.add_argument(
         "--link-scale",

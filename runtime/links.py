@@ -16,6 +16,22 @@ underneath (a message is late if the real transfer is slower than the emulated o
 the wire is X times longer too): 40 ms at 10 Gbps with X = 0.5 is 20 ms at 20 Gbps. Use it to put a
 datacenter link in proportion to a small CPU model's compute.
 
+Data parallelism (`--dp N`): when the topology puts the replicas in datacenters (`dc "east" replicas 0 .. 1`,
+`Topology.replica_dcs`; a topology with only those is accepted), a pipeline rank's collectives over its
+"dp" group cross the link between them. Each one ends no earlier than
+
+    emulated end = when the last replica issued it + ring_time(collective, N, bytes, hops)
+
+with `ring_time` and the hops the simulator's (pipec.sim.costs: `CostModel.ring_hops`, the slowest hop a
+ring step), hops inside one replica datacenter free (not emulated), and the bytes the stage's whole
+parameters (measured once per stage from its modules; a DTensor's numel is the whole tensor's).
+REDUCE_GRAD is an all-reduce (ddp) or reduce-scatter (fsdp), held at STEP once the real reduction is
+done; UNSHARD an all-gather, held at the stage's next compute (or RESHARD). The last replica's issue
+time comes from an all-reduce (MAX) of one float64 of `time.monotonic()` over the dp group just before
+the real collective: one extra small blocking collective each (a fraction of a millisecond on gloo on
+one machine). A hold longer than the run's --timeout fails at once, naming the rank and instruction.
+Not emulated: FSDP2's own gathers where a Program has no UNSHARD, and --check's gathers after the step.
+
 Clocks: the arrival time is read on `time.monotonic()`, one clock for every process of one machine. Over
 several machines the clocks are not synchronised, so emulation is for single-machine runs. Links inside a
 datacenter are not emulated, nor is bandwidth shared between several pairs of ranks crossing one link.
