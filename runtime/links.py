@@ -99,7 +99,7 @@ class Links:
                 if lat or math.isfinite(bw)
             ]
             seen.append("data-parallel ring " + ", ".join(hops))
-        return "emulated links: " + ("; ".join(seen) if seen else "none (every rank in one datacenter)")
+        return "emulated links: " + ("; ".join(seen) if seen else "none (nothing crosses two datacenters)")
 
 
 def _fmt(lat: float, bw: float) -> str:

@@ -53,7 +53,8 @@ def test_links_of_takes_the_ring_hops_across_replica_datacenters_and_scales_them
     assert four.dp_ring[1] == pytest.approx((LAT, 10e9 / 8)) and four.dp_ring[3] == four.dp_ring[1]
     # every replica in one datacenter, or a single replica: nothing to emulate
     assert links_of(with_topology(load("1f1b", p=2, m=4), replicas_in(["east", "east"])), dp=2).dp_ring == ()
-    assert links_of(sched, dp=1).dp_ring == ()
+    one = links_of(sched, dp=1)
+    assert one.dp_ring == () and one.describe() == "emulated links: none (nothing crosses two datacenters)"
 
 
 def test_the_emulated_end_is_the_simulators_ring_time_of_the_parameters():
