@@ -49,6 +49,9 @@ CASES = {"1f1b": {}, "interleaved-1f1b": {"v": 2}, "zb-v": {}}
 P, DP, M = 2, 2, 8
 STEP = re.compile(r"^step\s+(\d+)/\d+: loss \S+, ([0-9.]+) s", re.M)
 DP_KEYS = ("param_bytes", "dp_latency", "dp_bandwidth", "reduce_grad", "unshard")
+# what the run adds around the ops (runtime/insitu.py): the optimizer steps, the step's time outside its
+# instructions, and whether the collectives block the rank
+STEP_KEYS = ("step", "step_overhead", "dp_blocking")
 
 
 def params_of(name: str) -> dict:
@@ -70,6 +73,30 @@ def one_at_a_time(doc: dict) -> dict:
     if "link_overhead" in doc["measured"]["run"]:  # the overhead measured outside the schedule
         out["overhead"] = doc["measured"]["run"]["link_overhead"]
     return out
+
+
+def replica_docs(doc: dict) -> list[dict]:
+    """The cost document with each replica's own in-situ F, B (and W) in turn (none if not recorded)."""
+    situ, out = doc["measured"]["in_situ"], []
+    for d in range(len(situ.get("forward_by_replica", []))):
+        alt = without(doc, ())
+        alt.update(F=situ["forward_by_replica"][d], B=situ["backward_by_replica"][d])
+        if "weight_backward_by_replica" in situ:
+            alt["W"] = situ["weight_backward_by_replica"][d]
+        out.append(alt)
+    return out
+
+
+def mean_doc(doc: dict) -> dict | None:
+    """The cost document with the means of the in-situ ops instead of their medians (None if not recorded)."""
+    situ = doc["measured"]["in_situ"]
+    if "forward_mean" not in situ:
+        return None
+    alt = without(doc, ())
+    alt.update(F=situ["forward_mean"], B=situ["backward_mean"])
+    if "weight_backward_mean" in situ:
+        alt["W"] = situ["weight_backward_mean"]
+    return alt
 
 
 def simulate_makespan(name: str, kind: str, doc: dict) -> float:
@@ -116,7 +143,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10, help="pipec profile --reps (default 10)")
     ap.add_argument("--schedules", default=",".join(CASES), help="comma-separated (default: all three)")
     ap.add_argument("--kinds", default="ddp,fsdp", help="comma-separated (default ddp,fsdp)")
+    ap.add_argument("--dp", type=int, default=DP, help="replicas (default 2; 1: the pipeline alone, ddp)")
     args = ap.parse_args()
+    globals()["DP"] = args.dp
     os.environ.setdefault("BLOCKS_ROWS", "64")  # global rows per micro-batch: 32 per replica
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     with tempfile.TemporaryDirectory() as tmp:
@@ -124,16 +153,23 @@ def main() -> None:
             for kind in [k for k in args.kinds.split(",") if k]:
                 load_start = load_average()
                 sims, meas, ring, free, alone, situ, extra = [], [], [], [], [], [], {}
+                bare, noblock, slowest, means = [], [], [], []
                 for r in range(args.rounds):
                     path = os.path.join(tmp, f"{name}.{kind}.{r}.toml")
                     doc = profile_costs(name, kind, args.reps, path)
                     sims.append(simulate_makespan(name, kind, doc))
                     ring.append(simulate_makespan(name, kind, without(doc, DP_KEYS[3:])))
+                    bare.append(simulate_makespan(name, kind, without(doc, STEP_KEYS)))
+                    noblock.append(simulate_makespan(name, kind, without(doc, ("dp_blocking",))))
+                    md = mean_doc(doc)
+                    means.append(simulate_makespan(name, kind, md) if md is not None else sims[-1])
+                    # the replicas meet at their blocking collectives: the slowest replica's own ops
+                    slowest.append(max([simulate_makespan(name, kind, d) for d in replica_docs(doc)], default=sims[-1]))
                     free.append(simulate_makespan(name, kind, without(doc, DP_KEYS)))
                     alone.append(simulate_makespan(name, kind, one_at_a_time(doc)))
                     meas.append(measured_step(name, kind, args.steps, env))
                     situ.append(doc["measured"]["in_situ"]["step"])
-                    extra = {k: doc.get(k) for k in DP_KEYS}
+                    extra = {k: doc.get(k) for k in DP_KEYS + STEP_KEYS}
                     extra.update(F=doc["F"], B=doc["B"], W=doc.get("W"), overhead=doc.get("overhead"))
                 sim, mea = statistics.median(sims), statistics.median(meas)
                 rel = lambda s, m: round((s - m) / m, 4)  # noqa: E731
@@ -157,6 +193,15 @@ def main() -> None:
                         # minutes apart; how far it is from measured_s is how much the load moved meanwhile
                         "in_situ_step_s": round(statistics.median(situ), 6),
                         "error_vs_in_situ_step": rel(sim, statistics.median(situ)),
+                        # the simulation without the step, step_overhead and dp_blocking keys (as before
+                        # they existed), and without dp_blocking alone, both against the in-situ step
+                        "error_vs_in_situ_without_step_keys": rel(statistics.median(bare), statistics.median(situ)),
+                        "error_vs_in_situ_overlapping": rel(statistics.median(noblock), statistics.median(situ)),
+                        # each replica's pipeline on its own in-situ ops, the slowest: what CPU sharing
+                        # between the replicas' processes accounts for
+                        "error_vs_in_situ_slowest_replica": rel(statistics.median(slowest), statistics.median(situ)),
+                        # the same with the ops' means instead of their medians
+                        "error_vs_in_situ_mean_ops": rel(statistics.median(means), statistics.median(situ)),
                         "error_ring_fit_only": rel(statistics.median(ring), mea),
                         "error_free_collectives": rel(statistics.median(free), mea),
                         "error_ops_one_at_a_time": rel(statistics.median(alone), mea),

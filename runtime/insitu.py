@@ -159,6 +159,8 @@ def summarize(program: Program, events: list[list[list[tuple]]], seconds: list[l
         "collectives": {k: statistics.median(v) for k, v in coll_t.items()},
         "outside_s": statistics.median(outside) if outside else None,
         "ops": {k: statistics.median(v) for k, v in times.items()},
+        # their means too: a step adds its ops up, and on shared CPUs their times have a long tail
+        "ops_mean": {k: statistics.fmean(v) for k, v in times.items()},
         "overhead": per_instruction(program, timelines),
         "step_s": statistics.median(max(per) for per in zip(*seconds)),
         "steps": len(timelines),

@@ -129,6 +129,12 @@ class Profile:
                 "step": float(f"{self.in_situ['step_s']:.6g}"),
                 "steps": self.in_situ["steps"],
             }
+            mean = self.in_situ.get("ops_mean") or {}
+            if mean:  # the means of replica 0's ops (the cost keys are their medians)
+                for name, code in (("forward", FWD), ("backward", BWD), ("weight_backward", WGRAD)):
+                    if code != WGRAD or self.split_backward:
+                        per = [mean.get((code, s), 0.0) for s in range(len(self.forward))]
+                        doc["measured"]["in_situ"][f"{name}_mean"] = _r(per)
             by_replica = self.in_situ.get("ops_by_replica") or []
             if len(by_replica) > 1:  # each replica's own F, B (and W): replica 0's are the cost keys
                 for name, code in (("forward", FWD), ("backward", BWD), ("weight_backward", WGRAD)):
