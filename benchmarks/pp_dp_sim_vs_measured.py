@@ -28,6 +28,15 @@ error against it, which the load's drift between profile and run does not move; 
 where a difference comes from, the errors of two other simulations on the same profile: `ring_fit_only`
 (the per-stage reduce_grad / unshard left out, so the collectives come from the ring fit) and
 `free_collectives` (no DP costs at all: what the collectives add). The load average is in every line.
+
+What the run adds around the ops is in the cost file too (runtime/insitu.py): each stage's `step` (its
+STEP: optimizer step, FSDP2's final callback and reshard), `step_overhead` (the step's time outside its
+instructions) and `dp_blocking` (gloo's collectives block the rank). Against the in-situ step, the line
+also gives the simulation without those three keys (`error_vs_in_situ_without_step_keys`: as before they
+existed), without `dp_blocking` alone (`..._overlapping`), on each replica's own in-situ ops taking the
+slowest (`..._slowest_replica`) and on the ops' means instead of their medians (`..._mean_ops`).
+`--dp 1` runs the pipeline alone (ddp, 2 processes: each rank its own core on a 2-core machine; set
+BLOCKS_ROWS=32 for the same rows per micro-batch as a replica of the 2 x 2 case).
 """
 
 from __future__ import annotations
