@@ -555,6 +555,7 @@ def test_step_time_is_charged_at_step_after_its_reduction():
     assert tl.step_start.tolist() == [12.0, 10.0] and tl.step_end.tolist() == [12.5, 10.25]
     assert tl.coll_start.tolist() == [9.0, 7.0] and tl.coll_end.tolist() == [12.0, 10.0]
     assert times(prog, c, _events=True)[1].makespan == 12.5  # both passes agree
+    assert [r.last for r in st.ranks] == [12.5, 10.25]  # each rank's step ends with its STEP
     # Without data parallelism the STEPs follow each rank's last backward: rank 0's B1 ends at 9, its
     # STEP [9,9.5]; rank 1's STEP [7,7.25]: makespan 9.5.
     tl1, st1 = times(dataclasses.replace(prog, dp=1), c)

@@ -927,6 +927,8 @@ def stats(tl: Timeline, memory: dict[str, np.ndarray] | None = None) -> Stats:
         np.minimum.at(first, tl.coll_rank, tl.coll_start)
         np.maximum.at(last, tl.coll_rank, tl.coll_end)
         coll = np.bincount(tl.coll_rank, weights=tl.coll_end - tl.coll_start, minlength=R)
+    if len(tl.step_rank):  # and when its optimizer steps are done
+        np.maximum.at(last, tl.step_rank, tl.step_end)
     if len(tl.wait_rank):
         exposed = np.bincount(tl.wait_rank, weights=tl.wait_end - tl.wait_start, minlength=R)
     has = np.isfinite(first)
