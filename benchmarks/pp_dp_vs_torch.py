@@ -38,6 +38,7 @@ import statistics
 import sys
 import time
 
+from runtime_vs_torch import WIDTH, build_stage, data, largest_rel_diff, loss_fn  # the same model and data
 from sidebyside import alternate, emit, load_average, summarize
 
 P, DP, M = 2, 2, 8
@@ -49,33 +50,12 @@ SCHEDULES = {  # pipec library name -> (torch class name, stages, placement)
 GRAD_RTOL = 1e-9  # float64: both sides sum the same micro-batch gradients, in orders that may differ
 
 
-def build_stage(stage: int, num_stages: int, blocks: int = 16, width: int = 256):
-    from torch import nn
-
-    n = blocks // num_stages
-    return nn.Sequential(*[m for _ in range(n) for m in (nn.Linear(width, width), nn.GELU())])
-
-
 def build_seeded(stage: int, num_stages: int):
     """The same weights in both systems and every replica: seeded by the stage."""
     import torch
 
     torch.manual_seed(1000 + stage)
     return build_stage(stage, num_stages)
-
-
-def loss_fn(output, target):
-    import torch
-
-    return torch.nn.functional.mse_loss(output, target)
-
-
-def data(rows: int, width: int = 256):
-    import torch
-
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(rows, width, generator=g, dtype=torch.float64)
-    return x, torch.randn(rows, width, generator=g, dtype=torch.float64)
 
 
 def dp_wrap(module, kind: str, dp_mesh):
@@ -149,22 +129,6 @@ class PipecSide:
         return self.runner.named_gradients()
 
 
-def largest_rel_diff(ours: dict, theirs: dict) -> tuple[float, int]:
-    """max over parameters of max|ours - theirs| / max|theirs| (inf when one side lacks a gradient or has
-    another shape), and how many nonzero gradient tensors were compared."""
-    worst, compared = 0.0, 0
-    for key in sorted(set(ours) | set(theirs)):
-        a, b = ours.get(key), theirs.get(key)
-        if a is None and b is None:
-            continue
-        if a is None or b is None or a.shape != b.shape:
-            return float("inf"), compared
-        scale = float(b.abs().max())
-        worst = max(worst, float((a - b).abs().max()) / scale if scale > 0 else float((a - b).abs().max()))
-        compared += scale > 0
-    return worst, compared
-
-
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     os.environ.update(TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS="1")  # the store is the parent's
@@ -180,7 +144,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> N
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (P, DP), mesh_dim_names=("pp", "dp"))
     d = mesh["dp"].get_local_rank()
-    x, y = data(DP * M * args.rows)
+    x, y = data(DP * M * args.rows, WIDTH)
     x_mine, y_mine = slice_replica(x, DP, d, "inputs"), slice_replica(y, DP, d, "targets")
     rows = []
 
