@@ -500,59 +500,41 @@ def cmd_show(args: argparse.Namespace) -> int:
         if prog is not None:
             doc |= _dp_json(prog) | {"collectives": [c for c in _collectives(prog) if c["rank"] in shown]}
         elif s.collectives:
-            doc["collectives"] = [
-                {"rank": r, "op": c.op, "stage": c.stage, "before": c.before}
-                for r in shown
-                for c in (s.collectives[r] if r < len(s.collectives) else ())
-            ]
+            doc["collectives"] = [c for c in _placed(s) if c["rank"] in shown]
         _emit(args, doc)
         return 0
     params = " ".join(f"{k}={v}" for k, v in s.params)
     print(f"{s.name} ({params}): {s.num_stages} stages on {s.num_ranks} ranks, {s.num_microbatches} micro-batches")
     print(format_grid(s, ranks))
     if prog is not None:
-        print(_collectives_text(prog, shown))
+        print(_collectives_text(s, f"data parallelism {prog.dp} x {prog.dp_kind}", _collectives(prog), shown))
     elif s.collectives:
-        print(_placed_text(s, shown))
+        print(_collectives_text(s, "collectives placed by the schedule (lowered under --dp)", _placed(s), shown))
     return 0
 
 
-def _placed_text(s, ranks: list[int]) -> str:
-    """Under the grid: the collectives the schedule places itself, at the step they are issued before
-    (lowered only with --dp or --dp-kind fsdp, which then also shows the defaults added around them)."""
+def _placed(s) -> list[dict]:
+    """The collectives a schedule places itself, in the shape `_collectives` gives a Program's."""
+    return [
+        {"rank": r, "op": c.op, "stage": c.stage, "before": c.before} for r, cs in enumerate(s.collectives) for c in cs
+    ]
+
+
+def _collectives_text(s, header: str, items: list[dict], ranks: list[int]) -> str:
+    """Under the grid: each rank's collectives at the step of the op they are issued before (`end`: after
+    its last op; the two ops of an overlapped pair share a step)."""
     import numpy as np
 
-    lines = ["collectives placed by the schedule (lowered under --dp): at the step they are issued before"]
+    lines = [f"{header}: collectives at the step they are issued before"]
     for r in ranks:
         ops = s.ranks[r]
         second = np.r_[False, ops.paired[:-1]] if len(ops) else np.zeros(0, dtype=bool)
-        step_of = np.r_[np.cumsum(~second) - 1, int((~second).sum())]  # op index -> its step; len -> end
         steps = int((~second).sum())
-        cells = []
-        for c in s.collectives[r] if r < len(s.collectives) else ():
-            at = "end" if c.before >= len(ops) else f"{int(step_of[c.before]):0{max(len(str(steps - 1)), 2)}d}"
-            cells.append(f"{c.op} {c.stage} @{at}")
-        lines.append(f"Rank {r}: " + (", ".join(cells) or "-"))
-    return "\n".join(lines)
-
-
-def _collectives_text(prog: Program, ranks: list[int]) -> str:
-    """Under the grid: each rank's collectives at the step they are issued before (`end`: after its last)."""
-    import numpy as np
-
-    from pipec.opcodes import IS_COMPUTE, OPCODES, REDUCE_GRAD, RESHARD, UNSHARD
-
-    lines = [f"data parallelism {prog.dp} x {prog.dp_kind}: collectives at the step they are issued before"]
-    for r in ranks:
-        rp = prog.ranks[r]
-        ends = IS_COMPUTE[rp.op] & ~rp.group  # the last compute of each step (a pair is one step)
-        done = np.cumsum(ends) - ends
-        steps = int(ends.sum())
-        width = len(str(max(steps - 1, 1)))
-        cells = []
-        for j in np.flatnonzero(np.isin(rp.op, [REDUCE_GRAD, UNSHARD, RESHARD])).tolist():
-            at = "end" if done[j] == steps else f"{int(done[j]):0{max(width, 2)}d}"
-            cells.append(f"{OPCODES[int(rp.op[j])]} {int(rp.stage[j])} @{at}")
+        step_of = np.r_[np.cumsum(~second) - 1, steps]  # op index -> its step; len(ops) -> the end
+        width = max(len(str(steps - 1)), 2)
+        mine = [c for c in items if c["rank"] == r]
+        at = ["end" if c["before"] >= len(ops) else f"{int(step_of[c['before']]):0{width}d}" for c in mine]
+        cells = [f"{c['op']} {c['stage']} @{a}" for c, a in zip(mine, at)]
         lines.append(f"Rank {r}: " + (", ".join(cells) or "-"))
     return "\n".join(lines)
 
