@@ -16,7 +16,7 @@ from pipec.errors import PipecError
 from pipec.frontend import library
 from pipec.passes import dryrun
 from pipec.passes.deadlock import global_order
-from pipec.passes.lower import lower
+from pipec.passes.lower import lower, op_times
 from pipec.program import RankProgram
 
 CASES = [
@@ -31,11 +31,7 @@ CASES = [
 
 def _witness(sched) -> np.ndarray:
     """The round of every compute op in the schedule's global order, by op key (what the lowering passes)."""
-    S, m = sched.num_stages, sched.num_microbatches
-    rounds = np.zeros(3 * S * m, dtype=np.int64)
-    for ops, t in zip(sched.ranks, global_order(sched)):
-        rounds[(ops.kind * S + ops.stage) * m + ops.mb] = t
-    return rounds
+    return op_times(sched, global_order(sched))
 
 
 def _compiled(name: str, params: dict):

@@ -103,10 +103,8 @@ def lower_with_proof(sched: Schedule, dp: DataParallel | None = None) -> tuple[P
     when `dp` cannot be honoured, E423 when the schedule's own collectives break a rule."""
     dp = dp or DataParallel()
     times = global_order(sched)
-    S, m, K = sched.num_stages, sched.num_microbatches, len(sched.kinds)
-    time_of = np.zeros(K * S * m, dtype=np.int64)  # op key -> completion time
-    for ops, t in zip(sched.ranks, times):
-        time_of[(ops.kind * S + ops.stage) * m + ops.mb] = t
+    S, m = sched.num_stages, sched.num_microbatches
+    time_of = op_times(sched, times)
     placement = np.asarray(sched.placement, dtype=np.int64)
     placed: list[list[tuple[int, Collective]]] = []  # per rank: (instruction index, collective) it placed
     ranks = tuple(
@@ -128,6 +126,16 @@ def lower_with_proof(sched: Schedule, dp: DataParallel | None = None) -> tuple[P
     if any(placed):
         _prove_placed(sched, prog, placed)
     return prog, dry_run(prog, witness=time_of)  # the order above, checked against every rule
+
+
+def op_times(sched: Schedule, times: list[np.ndarray]) -> np.ndarray:
+    """Each op's completion time in `global_order`'s execution, by op key (kind * S + stage) * m + mb: what
+    the lowering places messages by, and the witness the dry run checks."""
+    S, m = sched.num_stages, sched.num_microbatches
+    time_of = np.zeros(len(sched.kinds) * S * m, dtype=np.int64)
+    for ops, t in zip(sched.ranks, times):
+        time_of[(ops.kind * S + ops.stage) * m + ops.mb] = t
+    return time_of
 
 
 def _prove_placed(sched: Schedule, prog: Program, placed: list[list[tuple[int, Collective]]]) -> None:
