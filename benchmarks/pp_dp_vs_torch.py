@@ -38,7 +38,7 @@ import statistics
 import sys
 import time
 
-from runtime_vs_torch import WIDTH, build_stage, data, largest_rel_diff, loss_fn  # the same model and data
+from runtime_vs_torch import WIDTH, build_stage, data, largest_rel_diff, loss_fn, run_ranks  # the same model and data
 from sidebyside import alternate, emit, load_average, summarize
 
 P, DP, M = 2, 2, 8
@@ -207,26 +207,8 @@ def main() -> None:
     args = ap.parse_args()
     args.schedules = [s for s in args.schedules.split(",") if s]
     args.kinds = [k for k in args.kinds.split(",") if k]
-    import multiprocessing as mp
-
-    import torch.distributed as dist
-
     load_start = load_average()  # other processes on the machine, before this run adds its own
-    world = P * DP
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, world, store.port, args, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        rows = out.get(timeout=args.timeout)
-    except Exception:
-        for p in procs:
-            p.kill()
-        sys.exit(f"no result after {args.timeout} s (a rank failed: see above)")
-    for p in procs:
-        p.join(60)
+    rows, codes = run_ranks(worker, P * DP, args)
     disagree = []
     for name, kind, times, grad_diff, grad_tensors in rows:
         wall = {who: [t[0] for t in ts] for who, ts in times.items()}
@@ -253,7 +235,6 @@ def main() -> None:
         emit(rec)
         if not grad_diff <= GRAD_RTOL or grad_tensors == 0:
             disagree.append(f"{name} {kind}: {grad_diff:.3g}")
-    codes = [p.exitcode for p in procs]
     if any(codes):  # after the results were sent: reported, not fatal
         print(f"note: worker exit codes {codes}", file=sys.stderr)
     if disagree:  # the timings mean nothing if the two systems do not compute the same thing

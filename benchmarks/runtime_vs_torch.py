@@ -238,24 +238,18 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> N
     dist.destroy_process_group()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=5, help="alternating rounds per system (default 5)")
-    ap.add_argument("--steps", type=int, default=4, help="timed steps per round (default 4)")
-    ap.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated (default: all three)")
-    ap.add_argument("--timeout", type=float, default=1800, help="give up after this many seconds")
-    ap.add_argument("--no-empty", dest="empty", action="store_false", help="skip the dispatch-overhead run")
-    args = ap.parse_args()
-    args.schedules = [s for s in args.schedules.split(",") if s]
+def run_ranks(target, world: int, args: argparse.Namespace) -> tuple[list, list[int | None]]:
+    """Spawn `target(rank, world, port, args, queue)` on `world` processes around one c10d store; return
+    what rank 0 puts on the queue and the processes' exit codes (exit with a message after `args.timeout`
+    seconds without a result)."""
     import multiprocessing as mp
 
     import torch.distributed as dist
 
-    load_before = load_average()[0]  # other processes on the machine, before this run adds its own
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, P, store.port, args, out)) for r in range(P)]
+    procs = [ctx.Process(target=target, args=(r, world, store.port, args, out)) for r in range(world)]
     for p in procs:
         p.start()
     try:
@@ -265,7 +259,21 @@ def main() -> None:
             p.kill()
         sys.exit(f"no result after {args.timeout} s (a rank failed: see above)")
     for p in procs:
-        p.join()
+        p.join(60)
+    return rows, [p.exitcode for p in procs]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=5, help="alternating rounds per system (default 5)")
+    ap.add_argument("--steps", type=int, default=4, help="timed steps per round (default 4)")
+    ap.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated (default: all three)")
+    ap.add_argument("--timeout", type=float, default=1800, help="give up after this many seconds")
+    ap.add_argument("--no-empty", dest="empty", action="store_false", help="skip the dispatch-overhead run")
+    args = ap.parse_args()
+    args.schedules = [s for s in args.schedules.split(",") if s]
+    load_before = load_average()[0]  # other processes on the machine, before this run adds its own
+    rows, codes = run_ranks(worker, P, args)
     load = {"loadavg_1min_before": round(load_before, 2), "loadavg_1min_after": load_average()[0]}
     disagree = []
     for name, times, instrs, (grad_diff, grad_tensors) in rows:
@@ -311,7 +319,6 @@ def main() -> None:
                 "cpu_ratio": q_cpu / t_cpu,
             }
         emit(line)
-    codes = [p.exitcode for p in procs]
     if any(codes):  # after the results were sent: reported, not fatal
         print(f"note: worker exit codes {codes}", file=sys.stderr)
     if disagree:  # the timings mean nothing if the two systems do not compute the same thing
