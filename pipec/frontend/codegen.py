@@ -27,7 +27,6 @@ BUILTINS = ("min", "max", "abs", "done")
 # Data-parallel collectives a rank block may place itself (rows of pipec.opcodes; PP x DP, docs/language.md
 # section 16): statements like ops, but they take a stage only and become `Schedule.collectives`.
 COLLECTIVES = ("UNSHARD", "RESHARD", "REDUCE_GRAD")
-COST_KEYS = STAGE_COST_KEYS
 MEMORY_KEYS = ("act", "wact", "params", "limit")
 NUMERIC = ("int", "float")
 # Names only an `expect` sees (pipec.passes.expect computes them): numbers, and functions of a rank.
@@ -648,7 +647,7 @@ class _Compiler:
             self.want(t, ("int",), st.value.span, f"`{st.kind}`")
             self.line(indent, f"_rt.decl({st.kind!r}, None, {code}, {sid})")
             return
-        keys = COST_KEYS if st.kind == "cost" else MEMORY_KEYS
+        keys = STAGE_COST_KEYS if st.kind == "cost" else MEMORY_KEYS
         if st.key not in keys:
             raise self.err("E108", f"unknown {st.kind} `{st.key}`; known: {', '.join(keys)}", st.span)
 

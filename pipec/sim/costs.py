@@ -100,7 +100,6 @@ _META = ("format", "version", "comment", "unit", "measured", "schedule", "params
 # A number as --cost takes it: ASCII digits only (float() would also take `1_0` and Arabic-Indic digits).
 _NUMBER = re.compile(r"[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?|[-+]?(?:inf|nan)", re.IGNORECASE)
 
-STAGE_KEYS = STAGE_COST_KEYS
 # Per-stage keys whose absence means "compute it" (NaN in the model), not zero: the collectives' direct times.
 _DIRECT = ("reduce_grad", "unshard")
 LINK_CLASSES = ("node", "dc", "cross")
@@ -497,7 +496,7 @@ def normalize(doc: Mapping, what: str = "costs") -> dict:
             out["ranks_per_node"] = value
         else:
             known = ", ".join(
-                STAGE_KEYS
+                STAGE_COST_KEYS
                 + ("T_F", "T_B", "T_W", "bytes", "overhead", "latency", "bandwidth", "links", "ranks_per_node")
                 + ("dp_latency", "dp_bandwidth", "step_overhead", "dp_blocking")
             )
@@ -530,7 +529,7 @@ def _check_whole(doc: Mapping, what: str) -> None:
         return
     if isinstance(stages, bool) or not isinstance(stages, int) or not 1 <= stages <= 10_000_000:
         raise error("E801", f"{what}: `stages` must be a positive integer, got `{brief(stages)}`")
-    for k in STAGE_KEYS:
+    for k in STAGE_COST_KEYS:
         v = doc.get(k)
         if isinstance(v, list) and len(v) != stages:
             raise error("E801", f"{what}: `{k}` lists {len(v)} values but the file declares {stages} stages")
@@ -593,7 +592,7 @@ def dump_costs(doc: Mapping, toml: bool = True) -> str:
     the `end` marker, so that `read_cost_file` refuses a copy cut short."""
     skip = ("format", "version", *_SEAL)
     body = {k: v for k, v in doc.items() if not (k.startswith("_") or k in skip or v == {})}  # {}: no table
-    lengths = {len(v) for k, v in body.items() if k in STAGE_KEYS and isinstance(v, list | tuple)}
+    lengths = {len(v) for k, v in body.items() if k in STAGE_COST_KEYS and isinstance(v, list | tuple)}
     head: dict = {"format": FORMAT, "version": VERSION}
     if len(lengths) == 1:
         head["stages"] = lengths.pop()
@@ -668,7 +667,7 @@ def cost_model(sched: Schedule, overrides: Sequence[Mapping] = ()) -> CostModel:
             if f"T_{k}" in ov:
                 vals[k] = np.full(S, ov[f"T_{k}"] * R / S)
                 given.add(k)
-        for k in STAGE_KEYS:
+        for k in STAGE_COST_KEYS:
             if k not in ov:
                 continue
             given.add(k)
