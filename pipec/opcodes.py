@@ -27,6 +27,7 @@ COMPUTE_RES = "compute"
 P2P_RES = "p2p"
 LOCAL_RES = "local"
 COLL_RES = "collective"  # data-parallel collectives: a stream of their own that overlaps compute
+HOST_RES = "host"  # the rank's link to host memory (offload/reload of saved activations), overlapping compute
 
 # What a message carries: index into MESSAGES; MESSAGE_NOUNS says it in words.
 MESSAGES = ("act", "grad")
@@ -57,6 +58,8 @@ class Opcode:
     sends: for a compute, the opcode that carries its output to the next stage in its direction.
     after: for a compute, the op kind on its own stage and micro-batch that must come first.
     group: the group class it may join, or None.
+    cost: for an instruction on the compute resource that is not an op of the Schedule (RECOMPUTE), the op
+        kind whose cost it takes.
     doc: one line for docs/program.md and `pipec compile` readers.
     """
 
@@ -73,6 +76,7 @@ class Opcode:
     sends: str | None = None
     after: str | None = None
     group: str | None = None
+    cost: str | None = None
 
 
 TABLE: tuple[Opcode, ...] = (
@@ -160,15 +164,52 @@ TABLE: tuple[Opcode, ...] = (
         "waits for it",
     ),
     Opcode("RESHARD", ("stage",), LOCAL_RES, "free stage s's gathered parameters, keeping its shard (fsdp)"),
+    # Memory ops (docs/memory.md). A FWD whose (mb, stage) has a RECOMPUTE in the same stream keeps only its
+    # input; the RECOMPUTE, after that FWD and before its BWD, runs the forward again to rebuild what BWD
+    # needs. OFFLOAD moves a micro-batch's saved activations of a stage (what its FWD keeps) to host memory
+    # after the FWD; RELOAD brings them back before the BWD, which waits for it. Both run on the host link.
+    Opcode(
+        "RECOMPUTE",
+        ("mb", "stage"),
+        COMPUTE_RES,
+        "run micro-batch i's forward on stage s again, from the input its FWD kept, before its BWD",
+        cost="F",
+    ),
+    Opcode(
+        "OFFLOAD",
+        ("mb", "stage"),
+        HOST_RES,
+        "start moving micro-batch i's saved activations of stage s to host memory, asynchronously",
+    ),
+    Opcode(
+        "RELOAD",
+        ("mb", "stage"),
+        HOST_RES,
+        "start moving micro-batch i's saved activations of stage s back from host memory; its BWD waits for it",
+    ),
 )
 
 OPCODES: tuple[str, ...] = tuple(o.name for o in TABLE)
 CODE: dict[str, int] = {o.name: i for i, o in enumerate(TABLE)}
 BY_NAME: dict[str, Opcode] = {o.name: o for o in TABLE}
 
-FWD, BWD, WGRAD, RECV_ACT, SEND_ACT, RECV_GRAD, SEND_GRAD, REDUCE_GRAD, STEP, UNSHARD, RESHARD = (
-    CODE[n] for n in OPCODES
-)
+(
+    FWD,
+    BWD,
+    WGRAD,
+    RECV_ACT,
+    SEND_ACT,
+    RECV_GRAD,
+    SEND_GRAD,
+    REDUCE_GRAD,
+    STEP,
+    UNSHARD,
+    RESHARD,
+    RECOMPUTE,
+    OFFLOAD,
+    RELOAD,
+) = (CODE[n] for n in OPCODES)
+MEMOPS = ("RECOMPUTE", "OFFLOAD", "RELOAD")  # the ops a schedule may place as `Schedule.memops`
 
 
 def _column(f, dtype=np.int64) -> np.ndarray:
@@ -176,7 +217,11 @@ def _column(f, dtype=np.int64) -> np.ndarray:
 
 
 # Columns indexed by opcode, so vectorised passes ask `IS_SEND[op]` of a whole rank at once.
-IS_COMPUTE = _column(lambda o: o.resource == COMPUTE_RES, bool)
+IS_COMPUTE = _column(lambda o: o.kind is not None, bool)  # an op of the Schedule (F, B, W)
+ON_COMPUTE = _column(lambda o: o.resource == COMPUTE_RES, bool)  # occupies the compute resource (RECOMPUTE too)
+IS_HOST = _column(lambda o: o.resource == HOST_RES, bool)
+IS_MEMOP = _column(lambda o: o.name in MEMOPS, bool)
+COST_KIND = _column(lambda o: OP_KINDS.index(o.kind or o.cost) if (o.kind or o.cost) else -1)  # whose cost it takes
 IS_SEND = _column(lambda o: o.side == "send", bool)
 IS_RECV = _column(lambda o: o.side == "recv", bool)
 IS_P2P = IS_SEND | IS_RECV
@@ -191,7 +236,7 @@ NEEDS_MSG = _column(lambda o: MESSAGES.index(o.needs[0]) if o.needs else -1)
 NEEDS_STAGE = _column(lambda o: o.needs[1] if o.needs else 0)
 GROUP_CLASS = tuple(o.group for o in TABLE)
 
-COMPUTE = tuple(CODE[n] for n in OPCODES if BY_NAME[n].resource == COMPUTE_RES)
+COMPUTE = tuple(CODE[n] for n in OPCODES if BY_NAME[n].kind is not None)
 SENDS = tuple(CODE[n] for n in OPCODES if BY_NAME[n].side == "send")
 RECVS = tuple(CODE[n] for n in OPCODES if BY_NAME[n].side == "recv")
 

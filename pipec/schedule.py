@@ -16,7 +16,27 @@ from pipec.errors import Source, Span
 
 # The per-stage cost keys: what a schedule's `cost` declarations, cost files and `--cost` may set per stage
 # (pipec.sim.costs says what each means).
-STAGE_COST_KEYS = ("F", "B", "W", "comm", "act_bytes", "grad_bytes", "param_bytes", "reduce_grad", "unshard", "step")
+# Bytes (measured by `pipec profile`; docs/memory.md): saved_bytes, what a stage's F keeps for its B (the
+# `act` pool); wsaved_bytes, what its B keeps for its W (`wact`); input_bytes, what a recomputed F keeps
+# (`ckpt`: its input); state_bytes, its parameters, gradients and optimizer state (`params`). `offload` is
+# the seconds one OFFLOAD or RELOAD of the stage takes (else saved bytes over the host link's bandwidth).
+STAGE_COST_KEYS = (
+    "F",
+    "B",
+    "W",
+    "comm",
+    "act_bytes",
+    "grad_bytes",
+    "param_bytes",
+    "reduce_grad",
+    "unshard",
+    "step",
+    "saved_bytes",
+    "wsaved_bytes",
+    "input_bytes",
+    "state_bytes",
+    "offload",
+)
 
 
 @dataclass(frozen=True)
@@ -50,6 +70,21 @@ class Collective:
     (`before == len(rank's ops)`: after its last op). Ranks without any use the lowering's default placement."""
 
     op: str
+    stage: int
+    before: int
+    span: Span | None = None
+
+
+@dataclass(frozen=True)
+class MemOp:
+    """A memory op the schedule places (`op` in pipec.opcodes.MEMOPS: "RECOMPUTE", "OFFLOAD" or "RELOAD")
+    for micro-batch `mb` on `stage`, issued just before the rank's op at index `before` of its order
+    (`before == len(rank's ops)`: after its last op). A RECOMPUTE makes F(mb, stage) keep only its input;
+    the forward runs again at the RECOMPUTE, which must come after that F and before its B. An OFFLOAD moves
+    what F(mb, stage) keeps to the host after the F; its RELOAD brings it back before the B."""
+
+    op: str
+    mb: int
     stage: int
     before: int
     span: Span | None = None
@@ -115,6 +150,7 @@ class Schedule:
     decl_spans: dict[str, Span] = field(default_factory=dict)
     expects: tuple[Expectation, ...] = ()
     collectives: tuple[tuple[Collective, ...], ...] = ()  # per rank, in order; () when the schedule places none
+    memops: tuple[tuple[MemOp, ...], ...] = ()  # per rank, in order; () when the schedule places none
 
     @property
     def split_backward(self) -> bool:
