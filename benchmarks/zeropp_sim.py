@@ -87,13 +87,97 @@ def configs(p: int, m: int, vs: tuple[int, ...]):
                 yield "zeropp", "zeropp", dict(p=p, v=v, m=m, b=b, ahead=ahead), {}, label
 
 
-def run(args: argparse.Namespace) -> None:
+@dataclass(frozen=True)
+class Profiled:
+    """A model as `pipec profile --dp N --dp-kind fsdp` measured it (a cost file): the whole model's
+    forward and backward seconds, parameter bytes and saved-activation bytes (the sums over the profiled
+    stages), the message it sends between stages, and the DP group's ring latency and bandwidth. Split
+    evenly: a stage holding a fraction x of the model costs x of each sum (the profiled model's layers
+    are identical blocks, so this is the uniform split of them)."""
+
+    name: str
+    forward_s: float
+    backward_s: float
+    param_bytes: float  # weights, in the profiled dtype; gradients are as many bytes again
+    saved_bytes: float  # kept for the backward, per micro-batch
+    saved_measured: bool
+    act_bytes: float
+    dp_latency: float
+    dp_bandwidth: float
+    latency: float
+    overhead: float
+
+
+def read_profile(path: str) -> Profiled:
+    from pipec.sim.costs import read_cost_file
+
+    doc = read_cost_file(path)
+
+    def total(key: str) -> float:
+        v = doc.get(key)
+        if v is None:
+            raise SystemExit(f"{path}: the cost file has no `{key}`: profile with --dp N --dp-kind fsdp")
+        return float(sum(v)) if isinstance(v, list | tuple) else float(v)
+
+    acts = doc.get("act_bytes") or [0.0]
+    act = float(max(acts) if isinstance(acts, list | tuple) else acts)
+    measured = doc.get("saved_bytes") is not None
+    # Without measured saved bytes: 17 messages' worth per stage (a block keeps about 34 s h bytes in half
+    # precision against its s h message: Korthikanti et al. 2022), said in the output as an estimate.
+    saved = total("saved_bytes") if measured else 17.0 * act * len(doc.get("F") or [1])
+    return Profiled(
+        name=f"profiled ({path})",
+        forward_s=total("F"),
+        backward_s=total("B"),
+        param_bytes=total("param_bytes"),
+        saved_bytes=saved,
+        saved_measured=measured,
+        act_bytes=act,
+        dp_latency=float(doc["dp_latency"]),
+        dp_bandwidth=float(doc["dp_bandwidth"]),
+        latency=float(doc.get("latency", 0.0)),
+        overhead=float(doc.get("overhead", 0.0)),
+    )
+
+
+def stage_inputs(args: argparse.Namespace, fraction: float, bw: float) -> tuple[dict, dict]:
+    """The cost document and memory model of a stage holding `fraction` of the model, at DP link `bw`
+    (Gbit/s; for a profile, a multiple of the measured bandwidth)."""
+    if args.profiled:
+        pr = args.profiled
+        doc = {
+            "T_F": pr.forward_s / args.p,  # a rank's share of the model (the cost model splits it over chunks)
+            "T_B": pr.backward_s / args.p,
+            "act_bytes": pr.act_bytes,
+            "param_bytes": pr.param_bytes * fraction,
+            "dp_bandwidth": pr.dp_bandwidth * bw,
+            "dp_latency": pr.dp_latency,
+            "latency": pr.latency,
+            "overhead": pr.overhead,
+        }
+        memory = {"act": pr.saved_bytes * fraction, "params": 2.0 * pr.param_bytes * fraction}
+        return doc, memory
     model = MODELS[args.model]
+    layers = model.layers * fraction
+    t_f = model.layers / args.p * model.layer_forward_s(args.tflops)  # a rank's share of the model
+    doc = {
+        "T_F": t_f,
+        "T_B": 2.0 * t_f,
+        "act_bytes": model.act_bytes,
+        "param_bytes": layers * model.layer_params * 2.0,
+        "dp_bandwidth": bw * 1e9,
+        "dp_latency": args.latency * 1e-6,
+        "latency": 5e-6,
+        "bandwidth": args.pp_bandwidth * 1e9,
+    }
+    memory = {"act": layers * model.layer_act_memory, "params": layers * model.layer_params * 4.0}
+    return doc, memory
+
+
+def run(args: argparse.Namespace) -> None:
     p, n = args.p, args.dp
-    per_rank_layers = model.layers / p
-    t_f = per_rank_layers * model.layer_forward_s(args.tflops)  # a rank's share of the model, T_F
+    model_name = args.profiled.name if args.profiled else MODELS[args.model].name
     dp_kind = DataParallel(n, "fsdp")
-    compiled = {}
     rows = []
     for m in args.m:
         for family, name, params, extra, label in configs(p, m, tuple(args.v)):
@@ -102,12 +186,8 @@ def run(args: argparse.Namespace) -> None:
             except PipecError as e:  # a `require` of the schedule refuses these parameters
                 print(json.dumps({"skip": name, "params": params, "why": str(e).splitlines()[0]}), file=sys.stderr)
                 continue
-            stages_per_rank = sched.num_stages // p
-            layers = per_rank_layers / stages_per_rank  # per stage
-            memory = {
-                "act": layers * model.layer_act_memory,
-                "params": layers * model.layer_params * 4.0,
-            }
+            fraction = 1.0 / sched.num_stages  # of the model, per stage
+            memory = stage_inputs(args, fraction, args.bandwidth[0])[1]
             dp = DataParallel(n, "fsdp", prefetch=args.prefetch, max_gathered=extra.get("max_gathered"))
             t0 = time.perf_counter()
             c = compile_schedule(sched, memory, dp)
@@ -115,23 +195,13 @@ def run(args: argparse.Namespace) -> None:
             prog = c.program
             peak = max(r.peak for r in c.memory)
             unshards = sum(1 for r in prog.ranks for ins in r.instructions() if str(ins).startswith("UNSHARD"))
-            compiled[(m, family, label)] = (sched, prog, peak, unshards, layers)
             for bw in args.bandwidth:
-                doc = {
-                    "T_F": t_f,
-                    "T_B": 2.0 * t_f,
-                    "act_bytes": model.act_bytes,
-                    "param_bytes": layers * model.layer_params * 2.0,
-                    "dp_bandwidth": bw * 1e9,
-                    "dp_latency": args.latency * 1e-6,
-                    "latency": 5e-6,
-                    "bandwidth": args.pp_bandwidth * 1e9,
-                }
+                doc = stage_inputs(args, fraction, bw)[0]
                 costs = cost_model(sched, [doc])
                 st = stats(simulate(prog, costs))
                 row = {
                     "benchmark": "zeropp_sim",
-                    "model": model.name,
+                    "model": model_name,
                     "family": family,
                     "config": label,
                     "schedule": name,
@@ -140,13 +210,13 @@ def run(args: argparse.Namespace) -> None:
                     "dp_kind": dp_kind.kind,
                     "prefetch": args.prefetch,
                     "m": m,
-                    "dp_bandwidth_gbps": bw,
+                    ("dp_bandwidth_x_measured" if args.profiled else "dp_bandwidth_gbps"): bw,
                     "step_ms": round(st.makespan * 1e3, 4),
                     "compute_ms": round(st.ideal * 1e3, 4),
                     "bubble": round(st.bubble_rate, 4),
                     "peak_memory_gb": round(peak / 1e9, 4),
                     "unshards_per_step": unshards,
-                    "gathered_gb_per_step": round(unshards * layers * model.layer_params * 2.0 * (n - 1) / n / 1e9, 3),
+                    "gathered_gb_per_step": round(unshards * doc["param_bytes"] * (n - 1) / n / 1e9, 3),
                     "compile_s": round(compile_s, 3),
                 }
                 rows.append(row)
@@ -158,9 +228,10 @@ def run(args: argparse.Namespace) -> None:
 def summarize(rows: list[dict], args: argparse.Namespace) -> None:
     """Per condition: 1F1B + FSDP's step time and peak memory, and the fastest configuration of each family
     whose peak fits the budget (1F1B's peak, and each budget of --budgets times it)."""
-    conds = sorted({(r["m"], r["dp_bandwidth_gbps"]) for r in rows})
+    bw_key = "dp_bandwidth_x_measured" if args.profiled else "dp_bandwidth_gbps"
+    conds = sorted({(r["m"], r[bw_key]) for r in rows})
     for m, bw in conds:
-        here = [r for r in rows if r["m"] == m and r["dp_bandwidth_gbps"] == bw]
+        here = [r for r in rows if r["m"] == m and r[bw_key] == bw]
         base = next(r for r in here if r["family"] == "1f1b")
         for scale in args.budgets:
             budget = base["peak_memory_gb"] * scale
@@ -185,7 +256,7 @@ def summarize(rows: list[dict], args: argparse.Namespace) -> None:
                         "model": base["model"],
                         "m": m,
                         "dp": base["dp"],
-                        "dp_bandwidth_gbps": bw,
+                        bw_key: bw,
                         "budget_gb": round(budget, 4),
                         "budget_x_1f1b": scale,
                         "1f1b": {"step_ms": base["step_ms"], "peak_memory_gb": base["peak_memory_gb"]},
@@ -216,7 +287,17 @@ def main() -> None:
     ap.add_argument("--prefetch", type=int, default=1, help="the lowering's prefetch for default windows")
     ap.add_argument("--budgets", type=float, nargs="+", default=[1.0, 1.25], help="memory budgets x 1F1B's peak")
     ap.add_argument("--quiet", action="store_true", help="summaries only")
-    run(ap.parse_args())
+    ap.add_argument(
+        "--profiled",
+        metavar="COSTS",
+        type=read_profile,
+        help="take the model from a `pipec profile --dp N --dp-kind fsdp` cost file; --bandwidth is then a "
+        "multiple of the measured DP bandwidth (default 1), --p the pipeline ranks",
+    )
+    args = ap.parse_args()
+    if args.profiled and args.bandwidth == ap.get_default("bandwidth"):
+        args.bandwidth = [1.0]
+    run(args)
 
 
 if __name__ == "__main__":
