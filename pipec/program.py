@@ -6,7 +6,10 @@ millions of instructions); `RankProgram.instructions()` gives readable
 the instruction table's, `pipec.opcodes`; `pipec.validate` checks a Program
 against it, and both readers here call it, so nothing read from a file runs
 unproven. `group[j]` binds instruction j to j + 1: a batched send/receive
-exchange (one `batch_isend_irecv`) or an overlapped compute pair.
+exchange (one `batch_isend_irecv`) or an overlapped compute pair. Memory ops
+(RECOMPUTE, OFFLOAD, RELOAD) are instructions like the others: both forms
+write and read them by the table, with no change to either format (the JSON
+form's `opcodes` list names them).
 
 The writers stream (`write_json`, `write_text` to an open file), so a
 million-op Program is never held twice as one string.
@@ -31,11 +34,14 @@ from pipec.opcodes import (
     CODE,
     COMPUTE,
     FWD,
+    OFFLOAD,
     OPCODES,
+    RECOMPUTE,
     RECV_ACT,
     RECV_GRAD,
     RECVS,
     REDUCE_GRAD,
+    RELOAD,
     RESHARD,
     SEND_ACT,
     SEND_GRAD,
@@ -54,11 +60,14 @@ __all__ = [
     "COMPUTE",
     "FORMAT",
     "FWD",
+    "OFFLOAD",
     "OPCODES",
+    "RECOMPUTE",
     "RECV_ACT",
     "RECV_GRAD",
     "RECVS",
     "REDUCE_GRAD",
+    "RELOAD",
     "RESHARD",
     "SEND_ACT",
     "SEND_GRAD",

@@ -11,8 +11,12 @@ reduces its gradients once and then steps its optimizer once, after its last
 compute. Data parallelism: `dp` is a positive integer and `dp_kind` "ddp" or
 "fsdp"; ddp has no UNSHARD/RESHARD; under fsdp each stage's UNSHARDs and
 RESHARDs alternate, starting with UNSHARD and ending with RESHARD (at least one
-window per owned stage), every compute of the stage lies inside one of its
-windows, and its STEP comes after its last RESHARD. What it leaves to the dry
+window per owned stage), every compute of the stage (RECOMPUTE too) lies inside
+one of its windows, and its STEP comes after its last RESHARD. Memory ops
+(RECOMPUTE, OFFLOAD, RELOAD; `_memops`): at most one of each per micro-batch
+and stage, a RECOMPUTE and an OFFLOAD after the FWD of their micro-batch and
+stage, a RELOAD after its OFFLOAD, both before the BWD, every OFFLOAD reloaded.
+What it leaves to the dry
 run is order: whether the ranks can run these instructions without a deadlock.
 
 That every replica of a data-parallel group issues the same collectives in the
@@ -34,17 +38,24 @@ from pipec.dataparallel import KINDS as DP_KINDS
 from pipec.dataparallel import MAX_SIZE as DP_MAX
 from pipec.errors import PipecError, Source, Span, brief, error
 from pipec.opcodes import (
+    BWD,
+    FWD,
     HAS_MB,
     HAS_PEER,
     IS_COMPUTE,
+    IS_MEMOP,
     IS_P2P,
     IS_SEND,
     KIND_OF,
     MESSAGE_NOUNS,
+    OFFLOAD,
+    ON_COMPUTE,
     OP_KINDS,
     OPCODES,
     PEER_STAGE,
+    RECOMPUTE,
     REDUCE_GRAD,
+    RELOAD,
     RESHARD,
     STEP,
     TABLE,
@@ -201,8 +212,56 @@ def _rank(prog: Program, r: int, rp) -> list[tuple[int, int, str]]:
     windows = _IS_WINDOW[op]
     if prog.dp_kind != "fsdp":
         flag(windows, lambda j: "UNSHARD and RESHARD belong to fsdp programs; this one is ddp (replicated)")
-    else:
-        out += _windows(r, op, st_c, comps, windows, own, steps, S)
+    else:  # a RECOMPUTE computes on the stage's parameters too
+        out += _windows(r, op, st_c, np.flatnonzero(ON_COMPUTE[op]), windows, own, steps, S)
+    if not out and IS_MEMOP[op].any():
+        out += _memops(r, op, mb, st_c, S, m)
+    return out
+
+
+def _memops(r: int, op: np.ndarray, mb: np.ndarray, st: np.ndarray, S: int, m: int) -> list[tuple[int, int, str]]:
+    """The memory ops of one rank (docs/program.md, "Memory ops"), each at most once per (micro-batch,
+    stage): a RECOMPUTE after the FWD of its micro-batch and stage and before its BWD; an OFFLOAD after that
+    FWD, reloaded by a RELOAD after it and before the BWD; with both, the RECOMPUTE after the RELOAD (it
+    recomputes from what comes back). Operand ranges and the stage's owner are the rules above. One
+    position per (opcode, key) in numpy, then masks over the memory ops only."""
+    out: list[tuple[int, int, str]] = []
+    key = st * m + np.clip(mb, 0, m - 1)
+    n = len(op)
+    pos: dict[int, np.ndarray] = {}
+    for code in (FWD, BWD, RECOMPUTE, OFFLOAD, RELOAD):
+        at = np.flatnonzero(op == code)
+        p = np.full(S * m, -1, dtype=np.int64)
+        p[key[at][::-1]] = at[::-1]  # the first of each key
+        pos[code] = p
+        if code in (RECOMPUTE, OFFLOAD, RELOAD):
+            seen = np.bincount(key[at], minlength=S * m)
+            twice = at[(seen[key[at]] > 1) & (p[key[at]] != at)]
+            for j in twice[: _SHOWN + 1].tolist():
+                say = f"a second {OPCODES[code]} of micro-batch {int(mb[j])} on stage {int(st[j])} (at most one)"
+                out.append((r, j, say))
+    if out:
+        return out
+    fwd, bwd = pos[FWD], np.where(pos[BWD] >= 0, pos[BWD], n)  # a missing BWD is the exactly-once rule's
+    before_fwd = lambda a, k: (fwd[k] < 0) | (a < fwd[k])  # noqa: E731
+    rules = (
+        (RECOMPUTE, before_fwd, "comes before the FWD it recomputes (FWD {i} {s})"),
+        (RECOMPUTE, lambda a, k: a > bwd[k], "comes after BWD {i} {s}: it rebuilds what that BWD needs"),
+        (OFFLOAD, before_fwd, "comes before FWD {i} {s}, whose saved activations it moves"),
+        (OFFLOAD, lambda a, k: pos[RELOAD][k] < 0, "is never reloaded: no RELOAD {i} {s} on this rank"),
+        (RELOAD, lambda a, k: (pos[OFFLOAD][k] < 0) | (a < pos[OFFLOAD][k]), "has no OFFLOAD {i} {s} before it"),
+        (RELOAD, lambda a, k: a > bwd[k], "comes after BWD {i} {s}, which waits for it"),
+        (
+            RECOMPUTE,
+            lambda a, k: (pos[RELOAD][k] >= 0) & (a < pos[RELOAD][k]),
+            "comes before RELOAD {i} {s}: it recomputes from the input that RELOAD brings back",
+        ),
+    )
+    for code, broken, say in rules:
+        at = np.flatnonzero(op == code)
+        bad = at[np.asarray(broken(at, key[at]), dtype=bool)] if len(at) else at
+        for j in bad[: _SHOWN + 1].tolist():
+            out.append((r, j, say.format(i=int(mb[j]), s=int(st[j]))))
     return out
 
 

@@ -33,8 +33,19 @@ import numpy as np
 
 from pipec.errors import PipecError, Source, Span, error
 from pipec.interop.pipe_text import rank_block, rank_lines, schedule_head, schedule_steps
-from pipec.opcodes import BY_NAME, COMPUTE_OF_KIND, COMPUTE_RES, MESSAGE_NOUNS, MESSAGES, OP_KINDS, OPCODES, Opcode
-from pipec.schedule import Collective, RankOps, Schedule
+from pipec.opcodes import (
+    BY_NAME,
+    COMPUTE_OF_KIND,
+    COMPUTE_RES,
+    IS_MEMOP,
+    MEMOPS,
+    MESSAGE_NOUNS,
+    MESSAGES,
+    OP_KINDS,
+    OPCODES,
+    Opcode,
+)
+from pipec.schedule import Collective, MemOp, RankOps, Schedule
 
 TORCH_VERSION = "2.13"
 MAX_INDEX = 10_000_000  # largest stage or micro-batch index read from a CSV
@@ -579,10 +590,10 @@ def _letter(kind: str, split: bool) -> str:
     return torch_name(OPCODES[COMPUTE_OF_KIND[OP_KINDS.index(kind)]], split)
 
 
-def compute_rows(sched: Schedule) -> list[list[str]]:
+def compute_rows(sched: Schedule, drop_memops: bool = False) -> list[list[str]]:
     """Each rank's compute actions as torch writes them (the compute-only format). Raises E610/E611
-    for what torch cannot run as pipec means it."""
-    _check_exportable(sched)
+    for what torch cannot run as pipec means it, E614 for a memory op unless `drop_memops`."""
+    _check_exportable(sched, drop_memops)
     split = sched.split_backward
     rows = []
     for r in range(sched.num_ranks):
@@ -625,7 +636,9 @@ def _merged(sched: Schedule) -> set[tuple[int, int]]:
     return out
 
 
-def _check_exportable(sched: Schedule) -> None:
+def _check_exportable(sched: Schedule, drop_memops: bool = False, program=None) -> None:
+    if not drop_memops:
+        _check_memops(sched, program)
     for r in range(sched.num_ranks):
         ops, paired = sched.ops(r), sched.ranks[r].paired.tolist()
         for j in range(len(ops) - 1):
@@ -665,28 +678,56 @@ def _check_exportable(sched: Schedule) -> None:
             seen += 1
 
 
+def _check_memops(sched: Schedule, program=None) -> None:
+    """E614: torch.distributed.pipelining has no action for RECOMPUTE, OFFLOAD or RELOAD (its runtime
+    neither recomputes nor offloads a stage's activations), so a schedule or Program holding one has no
+    CSV that runs as pipec means it; `--drop-memops` writes the schedule without them."""
+    found = next(((r, x) for r, row in enumerate(sched.memops) for x in row), None)
+    if found is None and program is not None:
+        for r, rp in enumerate(program.ranks):
+            at = np.flatnonzero(IS_MEMOP[rp.op])
+            if len(at):
+                i = rp.instructions()[int(at[0])]
+                found = (r, MemOp(i.op, i.mb, i.stage, -1))
+                break
+    if found is None:
+        return
+    r, x = found
+    raise error(
+        "E614",
+        f"`{x.op} {x.mb} {x.stage}` on rank {r} has no torch form: torch.distributed.pipelining's actions "
+        "neither recompute a forward nor move activations to host memory",
+        x.span,
+        sched.source,
+        (
+            "export with --drop-memops to write the schedule without its memory ops (torch then keeps every "
+            "forward's activations on the device)",
+        ),
+    )
+
+
 def _at(sched: Schedule, r: int, j: int, code: str, message: str, notes: tuple[str, ...] = ()) -> PipecError:
     span = sched.span_of(r, j) if sched.spans else None
     return error(code, message, span, sched.source, notes)
 
 
-def comms_rows(sched: Schedule, program) -> list[list[str]]:
+def comms_rows(sched: Schedule, program, drop_memops: bool = False) -> list[list[str]]:
     """Each rank's compute and communication actions (torch's compute+comms format), from pipec's
     Program: its proven order of sends and receives, a batched exchange split so that the lower rank
     posts its receive first (torch issues one action at a time), REDUCE_GRAD where the Program has it;
     an fsdp Program's own UNSHARD and RESHARD where it has them, else (ddp) UNSHARD of each stage before
     its first use and RESHARD right after its REDUCE_GRAD, as torch's runtime expects of every stage;
     STEP (the optimizer) is not a torch action. The result is proven again by pipec's strict dry run
-    (E613 if it could deadlock)."""
+    (E613 if it could deadlock). A memory op is E614, or with `drop_memops` left out."""
     from pipec.passes.dryrun import dry_run
     from pipec.program import Program, RankProgram
 
-    _check_exportable(sched)
+    _check_exportable(sched, drop_memops, program)
     merged = _merged(sched)
     split = sched.split_backward
     unbatched = []
     for rp in program.ranks:
-        instrs = rp.instructions()
+        instrs = [x for x in rp.instructions() if x.op not in MEMOPS]  # E614 above unless dropped
         out = []
         j = 0
         while j < len(instrs):
@@ -768,10 +809,13 @@ def format_rows(rows: Sequence[Sequence[str]]) -> str:
     return "".join(",".join(row) + "\n" for row in rows)
 
 
-def export_csv(sched: Schedule, program=None) -> str:
+def export_csv(sched: Schedule, program=None, drop_memops: bool = False) -> str:
     """The compute-only CSV of a checked schedule, or with `program` (its lowered Program) the
-    compute+communication CSV."""
-    return format_rows(compute_rows(sched) if program is None else comms_rows(sched, program))
+    compute+communication CSV. A memory op (RECOMPUTE, OFFLOAD, RELOAD) has no torch action: E614, or
+    with `drop_memops` the CSV without them."""
+    if program is None:
+        return format_rows(compute_rows(sched, drop_memops))
+    return format_rows(comms_rows(sched, program, drop_memops))
 
 
 # ---- .pipe text ---------------------------------------------------------------

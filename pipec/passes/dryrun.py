@@ -76,7 +76,9 @@ class DryRun:
 
 # What the run does at each instruction, decided once per instruction in numpy so the loop below
 # branches on one small integer: nothing (a local or collective instruction: every replica of a rank runs
-# the same Program, so a DP group's collectives meet without waiting on any pipeline peer; or a compute
+# the same Program, so a DP group's collectives meet without waiting on any pipeline peer; a memory op,
+# RECOMPUTE, OFFLOAD or RELOAD, which waits on its own rank only, for an FWD or OFFLOAD earlier in its
+# stream, as `validate` proved; or a compute
 # whose inputs are all local and earlier on its rank), wait for a remote input's arrival, wait for it and
 # for local inputs computed elsewhere in the order, or issue a lone receive or send, or a batched exchange
 # of two (named by its first instruction, the second then reads as lone). Sends are the odd ones.

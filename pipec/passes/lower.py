@@ -55,6 +55,14 @@ overlapped pair.
   nothing to gather, as torch's UNSHARD of an unsharded stage does nothing).
   `validate` proves the result; a rule it breaks is E423 at the collective.
 
+Memory ops (`Schedule.memops`: RECOMPUTE, OFFLOAD, RELOAD; docs/program.md
+"Memory ops") go in at *before step g* points too: one before op j right before
+the first compute of op j's step, one before `len(ops)` at the end (before the
+REDUCE_GRADs without data parallelism); at one point after the collectives (a
+RECOMPUTE after the UNSHARD it computes under), in the schedule's order. A rank
+without them lowers exactly as before. `validate` proves the result; a rule it
+breaks is E424 at the memory op.
+
 `pipec.passes.dryrun` then proves the result under rendezvous sends. Built with
 numpy per rank: slot keys, one sort, masks; the collectives are merged in with
 one more sort. The fsdp windows are placed by a loop over windows (one per
@@ -68,6 +76,7 @@ import numpy as np
 from pipec.dataparallel import DataParallel
 from pipec.errors import PipecError, error
 from pipec.opcodes import (
+    CODE,
     COMPUTE_OF_KIND,
     HAS_SEND,
     IN_MSG,
@@ -75,6 +84,7 @@ from pipec.opcodes import (
     IS_COMPUTE,
     IS_P2P,
     IS_RECV,
+    MEMOPS,
     OUT_PEER_STAGE,
     PRODUCER_KIND,
     RECV_OF_KIND,
@@ -88,7 +98,7 @@ from pipec.opcodes import (
 from pipec.passes.deadlock import global_order
 from pipec.passes.dryrun import DryRun, dry_run
 from pipec.program import Program, RankProgram
-from pipec.schedule import Collective, RankOps, Schedule
+from pipec.schedule import Collective, MemOp, RankOps, Schedule
 from pipec.validate import validate
 
 
@@ -100,13 +110,14 @@ def lower(sched: Schedule, dp: DataParallel | None = None) -> Program:
 
 def lower_with_proof(sched: Schedule, dp: DataParallel | None = None) -> tuple[Program, DryRun]:
     """The Program and a strict rendezvous dry run of it; E401 when the schedule itself deadlocks, E421
-    when `dp` cannot be honoured, E423 when the schedule's own collectives break a rule."""
+    when `dp` cannot be honoured, E423 when the schedule's own collectives break a rule, E424 its memory
+    ops."""
     dp = dp or DataParallel()
     times = global_order(sched)
     S, m = sched.num_stages, sched.num_microbatches
     time_of = op_times(sched, times)
     placement = np.asarray(sched.placement, dtype=np.int64)
-    placed: list[list[tuple[int, Collective]]] = []  # per rank: (instruction index, collective) it placed
+    placed: list[list[tuple[int, Collective | MemOp]]] = []  # per rank: (instruction index, what) it placed
     ranks = tuple(
         _lower_rank(sched, r, ops, t, time_of, placement, dp, placed)
         for r, (ops, t) in enumerate(zip(sched.ranks, times))
@@ -138,25 +149,32 @@ def op_times(sched: Schedule, times: list[np.ndarray]) -> np.ndarray:
     return time_of
 
 
-def _prove_placed(sched: Schedule, prog: Program, placed: list[list[tuple[int, Collective]]]) -> None:
-    """Validate a Program holding the schedule's own collectives; a broken rule is E423 at the collective
-    it concerns (or the first the rank placed)."""
+def _prove_placed(sched: Schedule, prog: Program, placed: list[list[tuple[int, Collective | MemOp]]]) -> None:
+    """Validate a Program holding the schedule's own collectives or memory ops; a broken rule is E423 at
+    the collective it concerns, E424 at the memory op (or the first the rank placed)."""
     where = [dict(p) for p in placed]
 
-    def locate(r: int, j: int):
+    def find(r: int, j: int) -> Collective | MemOp | None:
         if not 0 <= r < len(where) or not where[r]:
             return None
-        c = where[r].get(j) or next(iter(where[r].values()))
-        return c.span
+        return where[r].get(j) or next(iter(where[r].values()))
+
+    first: list[Collective | MemOp | None] = [None]
+
+    def locate(r: int, j: int):
+        first[0] = find(r, j)  # validate locates its first problem only
+        return getattr(first[0], "span", None)
 
     try:
         validate(prog, sched.source, locate)
     except PipecError as e:
         d = e.diagnostics[0]
         message = d.message.replace("invalid program: ", "", 1)
+        memop = isinstance(first[0], MemOp) or not any(isinstance(c, Collective) for p in placed for _, c in p)
+        what = "memory ops" if memop else "data-parallel collectives"
         raise error(
-            "E423",
-            "the schedule's data-parallel collectives make an invalid program: " + message,
+            "E424" if memop else "E423",
+            f"the schedule's {what} make an invalid program: " + message,
             d.span,
             sched.source,
             d.notes,
@@ -171,7 +189,7 @@ def _lower_rank(
     time_of: np.ndarray,
     placement: np.ndarray,
     dp: DataParallel,
-    placed: list[list[tuple[int, Collective]]],
+    placed: list[list[tuple[int, Collective | MemOp]]],
 ) -> RankProgram:
     S, m = sched.num_stages, sched.num_microbatches
     n = len(ops)
@@ -214,9 +232,11 @@ def _lower_rank(
     group = _bind_exchanges(code, peer, group)
 
     own = np.asarray(sched.stages_of(rank), dtype=np.int64)[::-1]
-    if dp.is_default:  # no data parallelism, as before PP x DP: the reductions, then the steps, close the stream
+    memops = sched.memops[rank] if rank < len(sched.memops) else ()
+    if dp.is_default and not memops:  # no data parallelism, as before PP x DP: the reductions, then the steps
         tail = np.concatenate([np.full(len(own), REDUCE_GRAD), np.full(len(own), STEP)])
         z = np.full(len(tail), -1)
+        placed.append([])
         return RankProgram(
             op=np.concatenate([code, tail]).astype(np.int64),
             mb=np.concatenate([mb[src], z]).astype(np.int64),
@@ -224,21 +244,40 @@ def _lower_rank(
             peer=np.concatenate([peer, z]).astype(np.int64),
             group=np.concatenate([group, np.zeros(len(tail), dtype=bool)]),
         )
-    mine = sched.collectives[rank] if rank < len(sched.collectives) else ()
-    c_op, c_stage, c_pos, c_from = _collectives(sched, rank, ops, step, code, src, group, own, dp, mine)
+    points = _points(ops, step, code, src, group)
+    if dp.is_default:  # the memory ops go in; REDUCE_GRAD then STEP of each stage close the stream
+        mine: tuple[Collective, ...] = ()
+        c_op, c_stage, c_pos, c_from = _memop_rows(sched, rank, ops, step, points, memops)
+        c_mb = np.asarray([x.mb for x in memops], dtype=np.int64)[np.maximum(c_from, 0)] if len(c_op) else c_op
+        tail_op = np.concatenate([np.full(len(own), REDUCE_GRAD), np.full(len(own), STEP)])
+        tail_stage = np.concatenate([own, own])
+        items: list = list(memops)
+    else:
+        mine = sched.collectives[rank] if rank < len(sched.collectives) else ()
+        c_op, c_stage, c_pos, c_from = _collectives(sched, rank, ops, step, points, own, dp, mine)
+        c_mb = np.full(len(c_op), -1, dtype=np.int64)
+        if memops:  # after the collectives at one point (a RECOMPUTE after the UNSHARD it computes under)
+            m_op, m_stage, m_pos, m_from = _memop_rows(sched, rank, ops, step, points, memops)
+            m_mb = np.asarray([x.mb for x in memops], dtype=np.int64)[m_from]
+            at = np.argsort(np.concatenate([c_pos, m_pos]), kind="stable")
+            c_op, c_stage, c_pos = (np.concatenate(x)[at] for x in ((c_op, m_op), (c_stage, m_stage), (c_pos, m_pos)))
+            c_mb = np.concatenate([c_mb, m_mb])[at]
+            c_from = np.concatenate([c_from, np.where(m_from >= 0, m_from + len(mine), -1)])[at]
+        tail_op, tail_stage = np.full(len(own), STEP), own
+        items = [*mine, *memops]
     n_base = len(code)
-    # Merge: a collective at position p goes before base instruction p (after the ones before it).
+    # Merge: an inserted instruction at position p goes before base instruction p (after the ones before it).
     new_base = np.arange(n_base) + np.searchsorted(c_pos, np.arange(n_base), side="right")
     new_coll = c_pos + np.arange(len(c_pos))
-    total = n_base + len(c_pos) + len(own)
+    total = n_base + len(c_pos) + len(tail_op)
     out = {k: np.full(total, -1, dtype=np.int64) for k in ("op", "mb", "stage", "peer")}
     out_group = np.zeros(total, dtype=bool)
     out["op"][new_base], out["mb"][new_base], out["stage"][new_base] = code, mb[src], stage[src]
     out["peer"][new_base], out_group[new_base] = peer, group
-    out["op"][new_coll], out["stage"][new_coll] = c_op, c_stage
-    steps = np.arange(n_base + len(c_pos), total)
-    out["op"][steps], out["stage"][steps] = STEP, own
-    placed.append([(int(new_coll[k]), mine[int(c_from[k])]) for k in np.flatnonzero(c_from >= 0).tolist()])
+    out["op"][new_coll], out["mb"][new_coll], out["stage"][new_coll] = c_op, c_mb, c_stage
+    tail = np.arange(n_base + len(c_pos), total)
+    out["op"][tail], out["stage"][tail] = tail_op, tail_stage
+    placed.append([(int(new_coll[k]), items[int(c_from[k])]) for k in np.flatnonzero(c_from >= 0).tolist()])
     return RankProgram(out["op"], out["mb"], out["stage"], out["peer"], out_group)
 
 
@@ -247,22 +286,11 @@ def _lower_rank(
 _PHASE_PLACED, _PHASE_REDUCE, _PHASE_RESHARD, _PHASE_UNSHARD = range(4)
 
 
-def _collectives(
-    sched: Schedule,
-    rank: int,
-    ops: RankOps,
-    step: np.ndarray,
-    code: np.ndarray,
-    src: np.ndarray,
-    group: np.ndarray,
-    own: np.ndarray,
-    dp: DataParallel,
-    mine: tuple[Collective, ...],
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The rank's collectives as (opcode, stage, insertion position in the base stream, index into the
-    schedule's own or -1), sorted by position and phase."""
-    n_base, n_ops = len(code), len(ops)
-    num_steps = int(step[-1]) + 1 if n_ops else 0
+def _points(ops: RankOps, step: np.ndarray, code: np.ndarray, src: np.ndarray, group: np.ndarray):
+    """The two kinds of insertion points of the module docstring, as positions in the base stream (code,
+    src, group: the rank's sends, receives and computes, in order): per step g, right before its first
+    compute (`before[g]`; `before[number of steps]` is the end) and right after it (`after[g]`)."""
+    n_base = len(code)
     comp = np.flatnonzero(IS_COMPUTE[code])
     comp_step = step[src[comp]]
     first = np.r_[True, comp_step[1:] != comp_step[:-1]] if len(comp) else np.zeros(0, dtype=bool)
@@ -272,6 +300,56 @@ def _collectives(
     last = np.r_[body_step[1:] != body_step[:-1], True] if len(body) else np.zeros(0, dtype=bool)
     end = body[last]
     after_step = end + 1 + group[end]  # past the receive a step's last send may be batched with
+    return before_step, after_step
+
+
+def _memop_rows(
+    sched: Schedule,
+    rank: int,
+    ops: RankOps,
+    step: np.ndarray,
+    points: tuple[np.ndarray, np.ndarray],
+    memops: tuple[MemOp, ...],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The schedule's memory ops of a rank as (opcode, stage, insertion position, index into `memops`),
+    by position (stable: in the schedule's order at one point). A memory op before op j goes right
+    before the compute of op j's step; one before `len(ops)` at the end, before the reductions."""
+    n_ops = len(ops)
+    num_steps = int(step[-1]) + 1 if n_ops else 0
+    for x in memops:
+        if x.op not in MEMOPS:
+            raise error("E424", f"`{x.op}` is not a memory op ({', '.join(MEMOPS)})", x.span, sched.source)
+        if not 0 <= x.before <= n_ops:
+            raise error(
+                "E424",
+                f"`{x.op} {x.mb} {x.stage}` is placed before op {x.before} of rank {rank}, outside 0 .. {n_ops}",
+                x.span,
+                sched.source,
+            )
+    before = np.asarray([x.before for x in memops], dtype=np.int64)
+    g = np.where(before < n_ops, step[np.minimum(before, max(n_ops - 1, 0))] if n_ops else 0, num_steps)
+    pos = points[0][g]
+    order = np.argsort(pos, kind="stable")
+    code = np.asarray([CODE[x.op] for x in memops], dtype=np.int64)
+    stage = np.asarray([x.stage for x in memops], dtype=np.int64)
+    return code[order], stage[order], pos[order], order.astype(np.int64)
+
+
+def _collectives(
+    sched: Schedule,
+    rank: int,
+    ops: RankOps,
+    step: np.ndarray,
+    points: tuple[np.ndarray, np.ndarray],
+    own: np.ndarray,
+    dp: DataParallel,
+    mine: tuple[Collective, ...],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The rank's collectives as (opcode, stage, insertion position in the base stream, index into the
+    schedule's own or -1), sorted by position and phase."""
+    n_ops = len(ops)
+    num_steps = int(step[-1]) + 1 if n_ops else 0
+    before_step, after_step = points
     # Rows: (position, phase, sequence, opcode, stage, index into `mine`).
     rows: list[tuple[int, int, int, int, int, int]] = []
     keep_windows = dp.kind == "fsdp"

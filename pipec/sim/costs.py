@@ -80,7 +80,7 @@ from pathlib import Path
 import numpy as np
 
 from pipec.errors import brief, error
-from pipec.opcodes import ACT_MSG, KIND_OF
+from pipec.opcodes import ACT_MSG, COST_KIND
 from pipec.schedule import STAGE_COST_KEYS, Schedule, Topology
 
 FORMAT = "pipec-costs"
@@ -101,7 +101,7 @@ _META = ("format", "version", "comment", "unit", "measured", "schedule", "params
 _NUMBER = re.compile(r"[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?|[-+]?(?:inf|nan)", re.IGNORECASE)
 
 # Per-stage keys whose absence means "compute it" (NaN in the model), not zero: the collectives' direct times.
-_DIRECT = ("reduce_grad", "unshard")
+_DIRECT = ("reduce_grad", "unshard", "offload")
 LINK_CLASSES = ("node", "dc", "cross")
 # Built-in links when a topology is declared but a class is not: NVLink-like inside a node,
 # InfiniBand-like inside a datacenter, a long-haul link between datacenters. (latency s, bandwidth bit/s)
@@ -115,6 +115,12 @@ _SIZE = {"B": 1.0, "KB": 1e3, "MB": 1e6, "GB": 1e9, "KiB": 2.0**10, "MiB": 2.0**
 _KIND_UNITS = {"time": _TIME, "bandwidth": _RATE, "bytes": _SIZE}
 _KEY_KIND = {"F": "time", "B": "time", "W": "time", "comm": "time", "act_bytes": "bytes", "grad_bytes": "bytes"}
 _KEY_KIND.update({"param_bytes": "bytes", "reduce_grad": "time", "unshard": "time", "step": "time"})
+_KEY_KIND.update({k: "bytes" for k in ("saved_bytes", "wsaved_bytes", "input_bytes", "state_bytes")})
+_KEY_KIND["offload"] = "time"
+# An OFFLOAD or RELOAD with neither its time (`offload`) nor its bytes and the host link's bandwidth: this
+# fraction of the stage's F. Half a forward hides behind the next forward, as PipeOffload measures offload
+# to hide in most configurations, but not behind a bubble: a slow-enough default to show where it cannot.
+HOST_DEFAULT_F = 0.5
 # The ring collectives: how many ring steps each takes per replica beyond the first (an all-reduce is a
 # reduce-scatter then an all-gather).
 RING_STEPS = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
@@ -156,6 +162,18 @@ class CostModel:
     step: np.ndarray | None = None
     step_overhead: float = 0.0
     dp_blocking: bool = False
+    # Memory (docs/simulate.md, "Memory ops"): per stage, the bytes its F keeps for its B (`saved_bytes`),
+    # its B for its W (`wsaved_bytes`), a recomputed F for its RECOMPUTE (`input_bytes`: its input) and its
+    # parameters with gradients and optimizer state (`state_bytes`), 0 where not given; the seconds of one
+    # OFFLOAD or RELOAD of the stage (`offload`, NaN where not given); the host link, one per rank
+    # (`host_latency` s, `host_bandwidth` bytes/s; inf: not given).
+    saved_bytes: np.ndarray | None = None
+    wsaved_bytes: np.ndarray | None = None
+    input_bytes: np.ndarray | None = None
+    state_bytes: np.ndarray | None = None
+    offload: np.ndarray | None = None
+    host_latency: float = 0.0
+    host_bandwidth: float = math.inf
 
     @property
     def num_stages(self) -> int:
@@ -254,9 +272,28 @@ class CostModel:
         return bool(sized and np.isfinite(self.bandwidth).any())
 
     def compute_time(self, op: np.ndarray, stage: np.ndarray) -> np.ndarray:
-        """Durations of compute instructions on these stages: the cost of the op kind each executes
-        (`pipec.opcodes.KIND_OF`)."""
-        return self.kind_time(KIND_OF[op], stage)
+        """Durations of compute instructions on these stages: the cost of the op kind each executes or
+        costs as (`pipec.opcodes.COST_KIND`: a RECOMPUTE costs its stage's F)."""
+        return self.kind_time(COST_KIND[op], stage)
+
+    def host_time(self, stage: np.ndarray, recomputed: np.ndarray) -> np.ndarray:
+        """Durations of OFFLOADs and RELOADs of these stages on the rank's host link, each moving what its
+        F keeps (`input_bytes` when the F is recomputed, else `saved_bytes`): the stage's `offload` where
+        given; else, with those bytes and `host_bandwidth` known, bytes / host_bandwidth + host_latency;
+        else `HOST_DEFAULT_F` of the stage's F."""
+        n = len(stage)
+        zeros = np.zeros(self.num_stages)
+        saved = (self.saved_bytes if self.saved_bytes is not None else zeros)[stage]
+        kept = (self.input_bytes if self.input_bytes is not None else zeros)[stage]
+        held = np.where(recomputed, kept, saved) if n else np.zeros(0)
+        if math.isfinite(self.host_bandwidth):
+            t = np.where(held > 0, held / self.host_bandwidth + self.host_latency, HOST_DEFAULT_F * self.F[stage])
+        else:
+            t = HOST_DEFAULT_F * self.F[stage]
+        if self.offload is not None:
+            given = self.offload[stage]
+            t = np.where(np.isnan(given), t, given)
+        return np.asarray(t, dtype=float)
 
     def kind_time(self, kind: np.ndarray, stage: np.ndarray) -> np.ndarray:
         """Durations of ops of these kinds (0 F, 1 B, 2 W) on these stages; B is the full backward when the
@@ -467,6 +504,10 @@ def normalize(doc: Mapping, what: str = "costs") -> dict:
             if value not in (0, 1) or not isinstance(value, bool | int | float):
                 raise error("E801", f"{what}: dp_blocking must be 0 or 1 (or a boolean), got `{brief(value)}`")
             out["dp_blocking"] = bool(value)
+        elif key == "host_latency":
+            out["host_latency"] = quantity(value, "time", f"{what}: host_latency")
+        elif key == "host_bandwidth":
+            out["host_bandwidth"] = quantity(value, "bandwidth", f"{what}: host_bandwidth")
         elif key == "dp_latency":
             out["dp_latency"] = quantity(value, "time", f"{what}: dp_latency")
         elif key == "dp_bandwidth":
@@ -498,7 +539,7 @@ def normalize(doc: Mapping, what: str = "costs") -> dict:
             known = ", ".join(
                 STAGE_COST_KEYS
                 + ("T_F", "T_B", "T_W", "bytes", "overhead", "latency", "bandwidth", "links", "ranks_per_node")
-                + ("dp_latency", "dp_bandwidth", "step_overhead", "dp_blocking")
+                + ("dp_latency", "dp_bandwidth", "step_overhead", "dp_blocking", "host_latency", "host_bandwidth")
             )
             raise error("E801", f"{what}: unknown cost `{brief(key)}` (known: {known})")
     if links:
@@ -635,6 +676,7 @@ def cost_model(sched: Schedule, overrides: Sequence[Mapping] = ()) -> CostModel:
     require_memory(10 * 8 * float(R) ** 2, f"the cost model's per-rank-pair links of {R:,} ranks")
     vals = {k: np.full(S, R / S) for k in ("F", "B", "W")}
     vals.update({k: np.zeros(S) for k in ("comm", "act_bytes", "param_bytes", "step")})
+    vals.update({k: np.zeros(S) for k in ("saved_bytes", "wsaved_bytes", "input_bytes", "state_bytes")})
     vals.update({k: np.full(S, np.nan) for k in _DIRECT})
     grad: np.ndarray | None = None  # default: the activation size across the same boundary
     origin = ["defaults"]
@@ -647,13 +689,16 @@ def cost_model(sched: Schedule, overrides: Sequence[Mapping] = ()) -> CostModel:
             vals[k] = np.asarray(per, dtype=float)
     given = set(sched.costs)
     ranks_per_node = None
-    overhead = step_overhead = 0.0
+    overhead = step_overhead = host_latency = 0.0
+    host_bandwidth = math.inf  # bit/s, as cost documents give it
     dp_blocking = False
     dp_given: dict[str, float] = {}
     for ov in overrides:
         ranks_per_node = ov.get("ranks_per_node", ranks_per_node)
         overhead = ov.get("overhead", overhead)
         step_overhead = ov.get("step_overhead", step_overhead)
+        host_latency = ov.get("host_latency", host_latency)
+        host_bandwidth = ov.get("host_bandwidth", host_bandwidth)
         dp_blocking = ov.get("dp_blocking", dp_blocking)
         dp_given.update({k[3:]: ov[k] for k in ("dp_latency", "dp_bandwidth") if k in ov})
     dc = _datacenter_of(sched, R)
@@ -693,7 +738,7 @@ def cost_model(sched: Schedule, overrides: Sequence[Mapping] = ()) -> CostModel:
     if not sched.split_backward and "B" in given and "W" not in given:
         vals["W"] = np.zeros(S)  # B was given for a schedule without W: it is the full backward
     vals["grad_bytes"] = grad
-    for k in ("F", "B", "W", "comm", "act_bytes", "grad_bytes", "param_bytes", "step", *_DIRECT):
+    for k in (*STAGE_COST_KEYS, *_DIRECT):
         v = vals[k][~np.isnan(vals[k])] if k in _DIRECT else vals[k]  # a direct time not given is NaN
         if not (np.isfinite(v).all() and (v >= 0).all()):
             raise error("E801", f"cost `{k}` must be a finite number >= 0 for every stage")
@@ -726,6 +771,13 @@ def cost_model(sched: Schedule, overrides: Sequence[Mapping] = ()) -> CostModel:
         step=vals["step"],
         step_overhead=float(step_overhead),
         dp_blocking=bool(dp_blocking),
+        saved_bytes=vals["saved_bytes"],
+        wsaved_bytes=vals["wsaved_bytes"],
+        input_bytes=vals["input_bytes"],
+        state_bytes=vals["state_bytes"],
+        offload=vals["offload"],
+        host_latency=float(host_latency),
+        host_bandwidth=float(host_bandwidth) / 8.0,
     )
 
 

@@ -22,7 +22,11 @@ each rank's collectives run on a stream of their own, overlapping compute,
 one after the other in Program order, each for `CostModel.collective_time`;
 STEP waits for its stage's REDUCE_GRAD, the next compute of stage s for an
 UNSHARD s; rings of several ranks crossing a link between replica
-datacenters share it (`CostModel.collective_wire`). See `plan`.
+datacenters share it (`CostModel.collective_wire`). See `plan`. Memory ops: a
+RECOMPUTE is a compute op costing its stage's F (`CostModel.compute_time`);
+OFFLOAD and RELOAD run on a host-link stream of each rank, as the collectives
+do on theirs, each for `CostModel.host_time`, and the BWD (or the RECOMPUTE) of
+a reloaded micro-batch waits for its RELOAD (docs/simulate.md, "Memory ops").
 
 Messages between two datacenters share one link per direction (the cost
 model's `link_group`): those on it at one time divide its bandwidth equally
@@ -58,14 +62,17 @@ from pipec.opcodes import (
     BWD,
     FWD,
     IS_COLLECTIVE,
-    IS_COMPUTE,
+    IS_HOST,
     IS_P2P,
     IS_RECV,
     IS_SEND,
     MSG_OF,
     NEEDS_MSG,
     NEEDS_STAGE,
+    ON_COMPUTE,
+    RECOMPUTE,
     REDUCE_GRAD,
+    RELOAD,
     RESHARD,
     STEP,
     UNSHARD,
@@ -93,6 +100,12 @@ def simulate(prog: Program, costs: CostModel, *, _events: bool = False) -> Timel
     c_rank, c_op, c_mb, c_stage = pl.c_rank, pl.c_op, pl.c_mb, pl.c_stage
     if pl.real is not None:  # data parallelism: split the stream's ops and the messages by what they are
         coll = _collective_rows(pl, start, end, send, arr)
+        if pl.h_ids is not None and len(pl.h_ids):  # the host link: each op starts when issued and the link is free
+            h = pl.h_ids
+            prev = np.asarray(pl.prev, dtype=np.int64)[h]
+            began = np.where(prev >= 0, np.maximum(send[h], arr[np.maximum(prev, 0)]), send[h])
+            coll.update(host_rank=pl.h_rank, host_op=pl.h_op, host_mb=pl.h_mb, host_stage=pl.h_stage)
+            coll.update(host_start=began, host_end=arr[h])
         costly = pl.is_step & (np.asarray(pl.cost, dtype=float) > 0)  # optimizer steps that take time
         if costly.any():
             coll.update(step_rank=c_rank[costly], step_stage=c_stage[costly])
@@ -103,7 +116,17 @@ def simulate(prog: Program, costs: CostModel, *, _events: bool = False) -> Timel
     if pl.step_overhead:  # every rank starts its instructions that much later: every time moves by it
         o = pl.step_overhead
         start, end, send, arr, post = start + o, end + o, send + o, arr + o, post + o
-        for k in ("coll_issue", "coll_start", "coll_end", "wait_start", "wait_end", "step_start", "step_end"):
+        for k in (
+            "coll_issue",
+            "coll_start",
+            "coll_end",
+            "wait_start",
+            "wait_end",
+            "step_start",
+            "step_end",
+            "host_start",
+            "host_end",
+        ):
             if k in coll:
                 coll[k] = coll[k] + o
     return Timeline(
@@ -169,6 +192,10 @@ def _collective_rows(pl: Plan, start: np.ndarray, end: np.ndarray, send: np.ndar
     other = np.where(follows, arr[np.maximum(need[nxt], 0)], reached)
     lo = np.maximum(reached, other)
     sel = start[zero] > lo
+    if pl.h_ids is not None and len(pl.h_ids):  # a wait for a RELOAD is the host link's, not a collective's
+        on_host = np.zeros(len(arr), dtype=bool)
+        on_host[pl.h_ids] = True
+        sel &= ~on_host[np.maximum(need[zero], 0)] | (need[zero] < 0)
     rows.update(wait_rank=r[sel].astype(np.int64), wait_start=lo[sel], wait_end=start[zero][sel])
     return rows
 
@@ -231,6 +258,13 @@ class Plan:
     # cost model's fixed seconds per step, by which every time of the step is later.
     is_step: np.ndarray | None = None
     step_overhead: float = 0.0
+    # The host link (OFFLOAD, RELOAD; None without a stream of ops): their message ids, opcodes,
+    # micro-batches, stages and ranks.
+    h_ids: np.ndarray | None = None
+    h_op: np.ndarray | None = None
+    h_mb: np.ndarray | None = None
+    h_stage: np.ndarray | None = None
+    h_rank: np.ndarray | None = None
 
     def posted(self, end: list[float]) -> np.ndarray:
         """When each message's receive was posted: the end of the compute op before it (else 0); NaN: none."""
@@ -252,7 +286,10 @@ def plan(prog: Program, costs: CostModel) -> Plan:
     next compute of stage s after an UNSHARD s waits for that UNSHARD. When the rings of two ranks or more
     cross a link between replica datacenters, that link is one more shared link (`Links`): a crossing
     collective's bytes on it are its wire time, the rest of its time its latency, and it leaves only when
-    the collective before it on its rank has arrived (`hold`). With dp = 1 none of this exists.
+    the collective before it on its rank has arrived (`hold`). With dp = 1 none of this exists. OFFLOAD
+    and RELOAD are messages on a third channel per rank (R * R + 2R + rank), the host link, each
+    `CostModel.host_time`; a wait inserted before the BWD (or RECOMPUTE) of a RELOAD's micro-batch and
+    stage waits for it.
     """
     S, m, R = prog.num_stages, prog.num_microbatches, prog.num_ranks
     if costs.num_stages != S or costs.latency.shape != (R, R):
@@ -269,20 +306,22 @@ def plan(prog: Program, costs: CostModel) -> Plan:
     blocking = dp and costs.dp_blocking
     # optimizer steps with a cost: the STEPs become stream ops (as with data parallelism) that take it
     stepping = costs.step is not None and bool((costs.step > 0).any()) and bool((op == STEP).any())
+    host = bool(IS_HOST[op].any())  # OFFLOAD/RELOAD: a host-link stream per rank, as the collectives' stream
     wait_for = None
-    if dp or stepping:
-        op, mb, stage, peer, rank, wait_for = _with_waits(op, mb, stage, peer, rank, S, blocking)
+    if dp or stepping or host:
+        op, mb, stage, peer, rank, wait_for = _with_waits(op, mb, stage, peer, rank, S, m, blocking)
         lengths = np.bincount(rank, minlength=R).tolist()
 
     # Compute ops: duration and the message each one waits for (the table's `needs`, when its sender
     # is on another rank; one on the same rank hands over locally, earlier on the same stream). With
     # data parallelism the stream's ops also hold STEPs and the inserted waits (zero cost, `real` False).
-    streamed = dp or stepping
-    cidx = np.flatnonzero(IS_COMPUTE[op] | (op == STEP)) if streamed else np.flatnonzero(IS_COMPUTE[op])
+    # A RECOMPUTE is a compute op of the stream too (its stage's F; no message to wait for).
+    streamed = dp or stepping or host
+    cidx = np.flatnonzero(ON_COMPUTE[op] | (op == STEP)) if streamed else np.flatnonzero(ON_COMPUTE[op])
     n = len(cidx)
     c_op, c_mb, c_s, c_rank = op[cidx], mb[cidx], stage[cidx], rank[cidx]
     cost = costs.compute_time(c_op, c_s) if n else np.zeros(0)
-    real = IS_COMPUTE[c_op] if streamed else None
+    real = ON_COMPUTE[c_op] if streamed else None
     is_step = None
     if real is not None:
         is_step = (c_op == STEP) & (wait_for[cidx] < 0)  # a Program's STEP, not an inserted wait
@@ -318,19 +357,27 @@ def plan(prog: Program, costs: CostModel) -> Plan:
     size, txd, lat = costs.wire(s_kind, s_stage, s_src, s_dst)
     chan = s_src * R + s_dst
     group = shared_links(costs, s_src, s_dst, txd) if M else None
-    p2p = k_pos = hold = None
+    p2p = k_pos = hold = h_ids = None
     midx = sidx  # every message's instruction, in issue order (with data parallelism: collectives too)
     if streamed:
-        midx = np.flatnonzero(IS_SEND[op] | IS_COLLECTIVE[op] | (op == RESHARD))
+        midx = np.flatnonzero(IS_SEND[op] | IS_COLLECTIVE[op] | (op == RESHARD) | IS_HOST[op])
         p2p = np.searchsorted(midx, sidx)  # each p2p message's id among all messages
-        k_pos = midx[~IS_SEND[op[midx]]]
+        is_h = IS_HOST[op[midx]]
+        is_k = ~IS_SEND[op[midx]] & ~is_h
+        k_pos = midx[is_k]
         k_op = op[k_pos]
         k_txd = costs.collective_time(k_op, stage[k_pos], rank[k_pos], prog.dp, prog.dp_kind)
         all_txd, all_lat = np.zeros(len(midx)), np.zeros(len(midx))
-        all_chan = R * R + rank[midx] + np.where(op[midx] == RESHARD, R, 0)
+        # Channels past the R * R of rank pairs: each rank's collective stream, its RESHARDs, its host link.
+        all_chan = R * R + rank[midx] + np.where(op[midx] == RESHARD, R, 0) + np.where(is_h, 2 * R, 0)
         all_txd[p2p], all_lat[p2p], all_chan[p2p] = txd, lat, chan
-        is_k = ~IS_SEND[op[midx]]
         all_txd[is_k] = k_txd
+        h_ids = np.flatnonzero(is_h)
+        if len(h_ids):  # OFFLOAD/RELOAD: what the F keeps over the host link (its input when recomputed)
+            h_pos = midx[h_ids]
+            rec = np.flatnonzero(op == RECOMPUTE)
+            recomputed = np.isin(stage[h_pos] * m + mb[h_pos], stage[rec] * m + mb[rec])
+            all_txd[h_ids] = costs.host_time(stage[h_pos], recomputed)
         if group is not None:
             full = np.full(len(midx), -1, dtype=np.int64)
             full[p2p] = group
@@ -416,7 +463,7 @@ def plan(prog: Program, costs: CostModel) -> Plan:
         recv_after=recv_after,
         real=real,
         p2p=p2p,
-        k_ids=None if k_pos is None else np.flatnonzero(~IS_SEND[op[midx]]),
+        k_ids=None if k_pos is None else np.flatnonzero(is_k),
         k_op=None if k_pos is None else k_op,
         k_stage=None if k_pos is None else stage[k_pos],
         k_rank=None if k_pos is None else rank[k_pos],
@@ -425,16 +472,22 @@ def plan(prog: Program, costs: CostModel) -> Plan:
         hold=hold,
         is_step=is_step,
         step_overhead=costs.step_overhead,
+        h_ids=h_ids,
+        h_op=None if h_ids is None else op[midx[h_ids]],
+        h_mb=None if h_ids is None else mb[midx[h_ids]],
+        h_stage=None if h_ids is None else stage[midx[h_ids]],
+        h_rank=None if h_ids is None else rank[midx[h_ids]],
     )
 
 
-def _with_waits(op, mb, stage, peer, rank, S: int, blocking: bool = False):
+def _with_waits(op, mb, stage, peer, rank, S: int, m: int, blocking: bool = False):
     """The instruction columns with a zero-cost wait (coded STEP, stage s) inserted right before the next
-    compute of stage s on its rank after each UNSHARD s, and with `blocking` (collectives that block the
-    rank: `CostModel.dp_blocking`) right after each REDUCE_GRAD and UNSHARD; and per instruction, for an
-    inserted wait the index of the collective it waits for (-1 elsewhere)."""
+    compute of stage s on its rank after each UNSHARD s, right before the BWD i s after each RELOAD i s (the
+    RECOMPUTE i s when there is one: it computes from what comes back), and with `blocking` (collectives
+    that block the rank: `CostModel.dp_blocking`) right after each REDUCE_GRAD and UNSHARD; and per
+    instruction, for an inserted wait the index of the collective or host op it waits for (-1 elsewhere)."""
     N = len(op)
-    comp = np.flatnonzero(IS_COMPUTE[op])
+    comp = np.flatnonzero(ON_COMPUTE[op])
     uns = np.flatnonzero(op == UNSHARD)
     target = src = np.zeros(0, dtype=np.int64)
     if len(uns) and len(comp):
@@ -446,6 +499,17 @@ def _with_waits(op, mb, stage, peer, rank, S: int, blocking: bool = False):
         ok = at < len(keys)
         ok[ok] = keys[at[ok]] // N == ukey[ok] // N
         target, src = comp[o][at[ok]], uns[ok]
+    rel = np.flatnonzero(op == RELOAD)
+    if len(rel):  # the first RECOMPUTE or BWD of its micro-batch and stage after it (one stage: one rank)
+        cand = np.flatnonzero((op == BWD) | (op == RECOMPUTE))
+        ckey = (stage[cand] * m + mb[cand]) * N + cand
+        o = np.argsort(ckey, kind="stable")
+        keys = ckey[o]
+        rkey = (stage[rel] * m + mb[rel]) * N + rel
+        at = np.searchsorted(keys, rkey)
+        ok = at < len(keys)
+        ok[ok] = keys[at[ok]] // N == rkey[ok] // N
+        target, src = np.concatenate([target, cand[o][at[ok]]]), np.concatenate([src, rel[ok]])
     slot = 2 * target  # before the target compute
     if blocking:  # and right after each collective, before whatever follows it
         coll = np.flatnonzero((op == REDUCE_GRAD) | (op == UNSHARD))
@@ -958,9 +1022,10 @@ def memory_curve(
     split = bool((tl.op == WGRAD).any()) if split is None else split
     act, wact, params = memory["act"], memory["wact"], memory["params"]
     s = tl.stage
-    is_f, is_b = tl.op == FWD, tl.op == BWD
+    is_f, is_b, is_w = tl.op == FWD, tl.op == BWD, tl.op == WGRAD
     when = np.where(is_f, tl.start, tl.end)
-    delta = np.where(is_f, act[s], np.where(is_b, (wact[s] if split else 0.0) - act[s], -wact[s]))
+    # (a RECOMPUTE row holds nothing of its own here: the F's `act` is counted from F to B as without it)
+    delta = np.where(is_f, act[s], np.where(is_b, (wact[s] if split else 0.0) - act[s], np.where(is_w, -wact[s], 0.0)))
     # fsdp (`pipec.passes.memory.program_memory`): a stage's params sharded over the N replicas, and the
     # rest of them held from its UNSHARD (when the stream issues it) to its RESHARD.
     n = tl.dp if tl.dp_kind == "fsdp" and len(tl.coll_rank) else 1

@@ -2,8 +2,9 @@
 
 Columnar (numpy) because a simulated million-op schedule has millions of
 events. Times are seconds from the start of the step. Compute events use the
-Program's opcodes (FWD, BWD, WGRAD); messages record when the send started
-and when the data arrived.
+Program's opcodes (FWD, BWD, WGRAD, and RECOMPUTE, the forward run again);
+messages record when the send started and when the data arrived; host-link
+events (OFFLOAD, RELOAD) when the link moved a micro-batch's activations.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ class Timeline:
     num_ranks: int
     # Compute events, one row each.
     rank: np.ndarray  # int
-    op: np.ndarray  # int, an index into pipec.program.OPCODES (FWD, BWD, WGRAD)
+    op: np.ndarray  # int, an index into pipec.program.OPCODES (FWD, BWD, WGRAD, RECOMPUTE)
     mb: np.ndarray  # int
     stage: np.ndarray  # int
     start: np.ndarray  # float seconds
@@ -58,6 +59,15 @@ class Timeline:
     step_stage: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     step_start: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=float))
     step_end: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=float))
+    # The host link (pipec.opcodes: OFFLOAD, RELOAD of a micro-batch's saved activations), one row each: its
+    # rank, opcode, micro-batch and stage, and when the rank's host-link stream ran it (from its issue, or
+    # the end of the one before it on the link, to its end). A RECOMPUTE is a compute event above.
+    host_rank: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    host_op: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    host_mb: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    host_stage: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    host_start: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=float))
+    host_end: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=float))
     # The replicas per rank and how they share parameters (the Program's dp, dp_kind): fsdp's memory is
     # sharded, with the gathered windows on top.
     dp: int = 1
