@@ -13,29 +13,49 @@ from pathlib import Path
 
 import numpy as np
 
-from pipec.opcodes import REDUCE_GRAD, RESHARD, UNSHARD
+from pipec.opcodes import OFFLOAD, RECOMPUTE, REDUCE_GRAD, RELOAD, RESHARD, UNSHARD
 from pipec.program import BWD, FWD, WGRAD
 from pipec.sim.timeline import Timeline
 
 # Colour per op kind; a rank's second chunk (stage) is drawn lighter, its third darker again, and so on.
-COLORS = {FWD: "#4878d0", BWD: "#6acc64", WGRAD: "#ee854a"}
-LIGHT = {FWD: "#a9c2ef", BWD: "#b9e8b5", WGRAD: "#f7c6a6"}
-LETTER = {FWD: "F", BWD: "B", WGRAD: "W"}
+COLORS = {FWD: "#4878d0", BWD: "#6acc64", WGRAD: "#ee854a", RECOMPUTE: "#8fa8d8"}
+LIGHT = {FWD: "#a9c2ef", BWD: "#b9e8b5", WGRAD: "#f7c6a6", RECOMPUTE: "#cfdaf0"}
+LETTER = {FWD: "F", BWD: "B", WGRAD: "W", RECOMPUTE: "R"}  # R: a forward run again (memory ops)
 # Collectives (data parallelism): a thin lane under each rank's compute row; waits for them in the row.
 COLL_COLORS = {REDUCE_GRAD: "#8c61c9", UNSHARD: "#2aa198", RESHARD: "#333333"}
 COLL_LETTER = {REDUCE_GRAD: "R", UNSHARD: "U", RESHARD: "|"}
 COLL_NAMES = {REDUCE_GRAD: "reduce grad", UNSHARD: "unshard", RESHARD: "reshard"}
 WAIT_COLOR = "#e9a3a3"
+# Memory ops on the host link (the Timeline's `host_*` rows): a lane of their own at the bottom of each row.
+HOST_COLORS = {OFFLOAD: "#b07aa1", RELOAD: "#59a14f"}
+HOST_NAMES = {OFFLOAD: "offload", RELOAD: "reload"}
 
 
 @dataclass(frozen=True)
 class Panel:
-    """One Gantt chart: a Timeline, its title, and optionally its memory curves (per rank (times, values))."""
+    """One Gantt chart: a Timeline, its title, and optionally its memory curves (per rank (times, values)):
+    the device pool's (`memory`, with its `limit`) and the host pool's (`host`, `host_limit`; drawn in a
+    thin panel of its own when given), in `unit` ("bytes": axes in GiB, MiB or KiB; else abstract units).
+    `pipec.sim.report.panel` fills them from `pipec.sim.memtime`."""
 
     timeline: Timeline
     title: str = ""
     memory: list[tuple[np.ndarray, np.ndarray]] | None = None
     limit: float | None = None
+    host: list[tuple[np.ndarray, np.ndarray]] | None = None
+    host_limit: float | None = None
+    unit: str = "units"
+
+
+def _scale(curves: Sequence[tuple[np.ndarray, np.ndarray]], limit: float | None, unit: str) -> tuple[float, str]:
+    """The divisor and axis name for memory values: the largest binary unit under the curves' top in bytes."""
+    if unit != "bytes":
+        return 1.0, "memory"
+    top = max([float(v.max()) for _, v in curves if len(v)] + [limit or 0.0, 0.0])
+    for name, size in (("GiB", 2.0**30), ("MiB", 2.0**20), ("KiB", 2.0**10)):
+        if top >= size:
+            return size, name
+    return 1.0, "bytes"
 
 
 def _chunks(tl: Timeline) -> np.ndarray:
@@ -58,8 +78,8 @@ def plot_timelines(panels: Sequence[Panel], path: str | Path, *, width: float | 
 
     One row per rank (rank 0 on top), a box per compute op coloured by kind with its micro-batch number
     inside when it fits, lighter boxes for a rank's second chunk; a memory curve per rank under each
-    chart when the panel has one. The width (inches) defaults to what gives the shorter ops room for
-    their numbers, between 12 and 24.
+    chart when the panel has one (the device pool, then the host pool in a thinner panel when given).
+    The width (inches) defaults to what gives the shorter ops room for their numbers, between 12 and 24.
     """
     import matplotlib
 
@@ -79,6 +99,8 @@ def plot_timelines(panels: Sequence[Panel], path: str | Path, *, width: float | 
         heights.append(0.42 * p.timeline.num_ranks + 0.9)
         if p.memory is not None:
             heights.append(1.6)
+        if p.host is not None:
+            heights.append(1.0)
     fig, axes = plt.subplots(
         len(heights),
         1,
@@ -99,7 +121,9 @@ def plot_timelines(panels: Sequence[Panel], path: str | Path, *, width: float | 
         boxes, colors = [], []
         y0 = tl.rank.astype(float)
         has_coll = len(tl.coll_rank) > 0
-        low = -0.2 if has_coll else -0.42  # with collectives, their lane takes the bottom of each row
+        h_rank = getattr(tl, "host_rank", np.zeros(0, np.int64))
+        has_host = len(h_rank) > 0
+        low = -0.2 if has_coll or has_host else -0.42  # collectives and host transfers: lanes at the bottom
         for j in range(len(tl.rank)):
             s, e, y = float(tl.start[j]), float(tl.end[j]), R - 1 - y0[j]
             boxes.append([(s, y + low), (s, y + 0.42), (e, y + 0.42), (e, y + low)])
@@ -110,13 +134,19 @@ def plot_timelines(panels: Sequence[Panel], path: str | Path, *, width: float | 
             boxes.append([(s, y + low), (s, y + 0.42), (e, y + 0.42), (e, y + low)])
             colors.append(WAIT_COLOR)
         ax.add_collection(PolyCollection(boxes, facecolors=colors, edgecolors="white", linewidths=0.6))
-        if has_coll:
-            lane, lane_colors = [], []
-            for j in range(len(tl.coll_rank)):
-                s, e, y = float(tl.coll_start[j]), float(tl.coll_end[j]), R - 1 - float(tl.coll_rank[j])
-                e = max(e, s + horizon * 1e-3)  # an instant (RESHARD) as a tick
-                lane.append([(s, y - 0.42), (s, y - 0.26), (e, y - 0.26), (e, y - 0.42)])
-                lane_colors.append(COLL_COLORS.get(int(tl.coll_op[j]), "#999999"))
+        lane, lane_colors = [], []
+        c_top = -0.33 if has_host else -0.26  # with both, collectives below and host transfers above them
+        for j in range(len(tl.coll_rank)):
+            s, e, y = float(tl.coll_start[j]), float(tl.coll_end[j]), R - 1 - float(tl.coll_rank[j])
+            e = max(e, s + horizon * 1e-3)  # an instant (RESHARD) as a tick
+            lane.append([(s, y - 0.42), (s, y + c_top), (e, y + c_top), (e, y - 0.42)])
+            lane_colors.append(COLL_COLORS.get(int(tl.coll_op[j]), "#999999"))
+        h_bot = -0.31 if has_coll else -0.42
+        for j in range(len(h_rank)):
+            s, e, y = float(tl.host_start[j]), float(tl.host_end[j]), R - 1 - float(h_rank[j])
+            lane.append([(s, y + h_bot), (s, y - 0.22), (e, y - 0.22), (e, y + h_bot)])
+            lane_colors.append(HOST_COLORS.get(int(tl.host_op[j]), "#999999"))
+        if lane:
             ax.add_collection(PolyCollection(lane, facecolors=lane_colors, edgecolors="none"))
         # Micro-batch numbers: font size from the narrowest box, skipped when boxes are too thin.
         durs = tl.end - tl.start
@@ -147,11 +177,14 @@ def plot_timelines(panels: Sequence[Panel], path: str | Path, *, width: float | 
             ax.spines[side].set_visible(False)
         ax.set_facecolor("#f4f4f4")
         kinds = sorted(set(tl.op.tolist()))
-        handles = [Patch(color=COLORS[k], label={FWD: "F", BWD: "B", WGRAD: "W"}[k]) for k in kinds if k in COLORS]
+        names = {**LETTER, RECOMPUTE: "recompute"}
+        handles = [Patch(color=COLORS[k], label=names[k]) for k in kinds if k in COLORS]
         if (chunk > 0).any():
             handles += [Patch(color=LIGHT[k], label=f"{LETTER[k]}, chunk 2") for k in kinds if k in LIGHT]
         for k in sorted(set(tl.coll_op.tolist())):
             handles.append(Patch(color=COLL_COLORS.get(k, "#999999"), label=COLL_NAMES.get(k, str(k))))
+        for k in sorted(set(getattr(tl, "host_op", np.zeros(0, np.int64)).tolist())):
+            handles.append(Patch(color=HOST_COLORS.get(k, "#999999"), label=HOST_NAMES.get(k, str(k))))
         if len(tl.wait_rank):
             handles.append(Patch(color=WAIT_COLOR, label="wait for collective"))
         ax.legend(
@@ -162,17 +195,22 @@ def plot_timelines(panels: Sequence[Panel], path: str | Path, *, width: float | 
             frameon=False,
             handlelength=1.2,
         )
-        if p.memory is not None:
+        pools = [(p.memory, p.limit, "", 1.2), (p.host, p.host_limit, "host ", 1.0)]
+        for curves, limit, pool, lw in pools:
+            if curves is None:
+                continue
             mx = axes[ai]
             ai += 1
+            div, name = _scale(curves, limit, p.unit)
             cmap = plt.get_cmap("viridis")
-            for r, (t, v) in enumerate(p.memory):
+            for r, (t, v) in enumerate(curves):
                 tt = np.concatenate([t, [horizon]])
-                vv = np.concatenate([v, [v[-1] if len(v) else 0.0]])
-                mx.step(tt, vv, where="post", lw=1.2, color=cmap(r / max(R - 1, 1)), label=f"rank {r}")
-            if p.limit is not None:
-                mx.axhline(p.limit, color="#c03030", lw=0.8, ls="--", label="limit")
-            mx.set_ylabel("memory", fontsize=8)
+                vv = np.concatenate([v, [v[-1] if len(v) else 0.0]]) / div
+                mx.step(tt, vv, where="post", lw=lw, color=cmap(r / max(R - 1, 1)), label=f"rank {r}")
+            if limit is not None:
+                mx.axhline(limit / div, color="#c03030", lw=0.8, ls="--", label=f"{pool}limit")
+            label = f"{pool}memory" if p.unit != "bytes" else f"{pool or 'device '}({name})"
+            mx.set_ylabel(label, fontsize=8)
             mx.tick_params(labelsize=8)
             mx.set_ylim(bottom=0)
             for side in ("top", "right"):

@@ -5,12 +5,15 @@ One process per rank, with threads for its streams: `compute`, and lanes
 thread must nest its slices), and with data parallelism `collectives` (each
 REDUCE_GRAD and UNSHARD from when its collective stream ran it to its end; a
 RESHARD as an instant) and `collective wait` (where the compute stream waited
-for one). Durations are real, in microseconds. Each
+for one), and with memory ops `host link` (each OFFLOAD and RELOAD transfer;
+a RECOMPUTE is a compute slice). Durations are real, in microseconds. Each
 message is a slice on its sender (from the send until it arrives) and on its
 receiver (from when the receive was posted, or the send if later, until it
 arrives), joined by a flow arrow (flow events v2: `bind_id`, `flow_out`,
 `flow_in`), so Perfetto and chrome://tracing draw send -> receive. Memory per
-rank is a counter track when a memory model is given. The exact Timeline
+rank is a counter track when memory curves are given (`memory`, the device
+pool, and `host memory` when anything is offloaded; `otherData.memory_unit`
+says "bytes" or "units"). The exact Timeline (but its optimizer steps' rows)
 rides along in each event's `args` (seconds), so `read_trace` gives it back
 bit for bit; a measured Timeline and a simulated one use the same format.
 
@@ -28,14 +31,17 @@ import numpy as np
 
 from pipec.errors import brief, error
 from pipec.program import OPCODES
+from pipec.sim.memtime import MemoryCurves
 from pipec.sim.timeline import Timeline
 
 FORMAT = "pipec-trace"
 VERSION = 1
 _KIND = ("act", "grad")
-_SHORT = {"FWD": "F", "BWD": "B", "WGRAD": "W"}
+_SHORT = {"FWD": "F", "BWD": "B", "WGRAD": "W", "RECOMPUTE": "R"}
 _CNAME = {"FWD": "thread_state_runnable", "BWD": "thread_state_running", "WGRAD": "thread_state_iowait"}
-_COMPUTE_TID, _SEND_TID, _RECV_TID, _COLL_TID, _WAIT_TID = 0, 1000, 2000, 3000, 3500
+_CNAME["RECOMPUTE"] = "thread_state_sleeping"
+_COMPUTE_TID, _SEND_TID, _RECV_TID, _COLL_TID, _WAIT_TID, _HOST_TID = 0, 1000, 2000, 3000, 3500, 4000
+_HOST_CNAME = {"OFFLOAD": "olive", "RELOAD": "yellow"}
 _COLL_CNAME = {"REDUCE_GRAD": "rail_response", "UNSHARD": "rail_load", "RESHARD": "rail_idle"}
 
 
@@ -62,8 +68,10 @@ def _lanes(starts: list[float], ends: list[float]) -> list[int]:
     return lane
 
 
-def trace_events(tl: Timeline, memory: dict[str, np.ndarray] | None = None) -> dict:
-    """The trace as a JSON-ready dict (see the module docstring); `memory` adds a memory counter per rank."""
+def trace_events(tl: Timeline, memory: MemoryCurves | dict[str, np.ndarray] | None = None) -> dict:
+    """The trace as a JSON-ready dict (see the module docstring). `memory` adds counters per rank: the
+    device pool (`memory`) and, when anything is offloaded, the host pool (`host memory`) of
+    `pipec.sim.memtime.MemoryCurves`; a memory model alone gives the device curve of the computes."""
     events: list[dict] = []
     threads: set[tuple[int, int, str]] = set()
     R = tl.num_ranks
@@ -183,6 +191,26 @@ def trace_events(tl: Timeline, memory: dict[str, np.ndarray] | None = None) -> d
                 "args": {**args, "bytes": k_bytes[i]},
             }
         )
+    h_rank = getattr(tl, "host_rank", np.zeros(0, np.int64)).tolist()
+    if h_rank:  # the host link: OFFLOAD/RELOAD transfers
+        h_op, h_mb, h_st = tl.host_op.tolist(), tl.host_mb.tolist(), tl.host_stage.tolist()
+        h_start, h_end = tl.host_start.tolist(), tl.host_end.tolist()
+    for i in range(len(h_rank)):
+        op = OPCODES[h_op[i]]
+        threads.add((h_rank[i], _HOST_TID, "host link"))
+        events.append(
+            {
+                "name": f"{op.lower()} {h_mb[i]}.{h_st[i]}",
+                "cat": "host",
+                "ph": "X",
+                "pid": h_rank[i],
+                "tid": _HOST_TID,
+                "ts": _us(h_start[i]),
+                "dur": _us(h_end[i] - h_start[i]),
+                "cname": _HOST_CNAME.get(op, "generic_work"),
+                "args": {"op": op, "mb": h_mb[i], "stage": h_st[i], "start_s": h_start[i], "end_s": h_end[i]},
+            }
+        )
     w_rank, w_start, w_end = tl.wait_rank.tolist(), tl.wait_start.tolist(), tl.wait_end.tolist()
     for i in range(len(w_rank)):
         threads.add((w_rank[i], _WAIT_TID, "collective wait"))
@@ -200,7 +228,16 @@ def trace_events(tl: Timeline, memory: dict[str, np.ndarray] | None = None) -> d
             }
         )
 
-    if memory is not None:
+    unit = None
+    if isinstance(memory, MemoryCurves):  # the two pools, memory ops included (pipec.sim.memtime)
+        unit = memory.unit
+        pools = [("memory", memory.device)] + ([("host memory", memory.host)] if memory.offloads else [])
+        for name, curves in pools:
+            for r, (t, v) in enumerate(curves):
+                tt, vv = t.tolist(), v.tolist()
+                for k in range(len(tt)):
+                    events.append({"name": name, "ph": "C", "pid": r, "ts": _us(tt[k]), "args": {name: vv[k]}})
+    elif memory is not None:  # a memory model alone: the Timeline's computes (no memory ops)
         from pipec.sim.simulate import memory_curve
 
         for r, (t, v) in enumerate(memory_curve(tl, memory)):
@@ -228,11 +265,12 @@ def trace_events(tl: Timeline, memory: dict[str, np.ndarray] | None = None) -> d
             "dp": tl.dp,
             "dp_kind": tl.dp_kind,
             "makespan_s": tl.makespan,
+            **({"memory_unit": unit} if unit else {}),
         },
     }
 
 
-def write_trace(tl: Timeline, path: str | Path, memory: dict[str, np.ndarray] | None = None) -> None:
+def write_trace(tl: Timeline, path: str | Path, memory: MemoryCurves | dict[str, np.ndarray] | None = None) -> None:
     """Write the Chrome/Perfetto trace of a Timeline (simulated or measured) to `path`, atomically: a kill
     or a failure midway leaves the old file (or none), never a partial trace."""
     from pipec.files import atomic_write
@@ -264,12 +302,15 @@ def read_trace(path: str | Path) -> Timeline:
         msgs: list[tuple] = []
         colls: list[tuple] = []
         waits: list[tuple] = []
+        hosts: list[tuple] = []
         for ev in doc["traceEvents"]:
             if ev.get("ph") != "X":
                 continue
             a = ev["args"]
-            if ev["cat"] in ("FWD", "BWD", "WGRAD"):
+            if ev["cat"] in ("FWD", "BWD", "WGRAD", "RECOMPUTE"):
                 comp.append((int(ev["pid"]), OPCODES.index(a["op"]), a["mb"], a["stage"], a["start_s"], a["end_s"]))
+            elif ev["cat"] == "host":
+                hosts.append((int(ev["pid"]), OPCODES.index(a["op"]), a["mb"], a["stage"], a["start_s"], a["end_s"]))
             elif ev["cat"] == "collective":
                 colls.append(
                     (
@@ -306,6 +347,11 @@ def read_trace(path: str | Path) -> Timeline:
         w = list(zip(*waits)) if waits else [[]] * 3
         ints = lambda xs: np.asarray(xs, dtype=np.int64)  # noqa: E731
         floats = lambda xs: np.asarray(xs, dtype=float)  # noqa: E731
+        host = {}
+        if hosts:  # only then: a Timeline without host-link rows is built as before
+            h = list(zip(*hosts))
+            host = {f"host_{n}": ints(h[i]) for i, n in enumerate(("rank", "op", "mb", "stage"))}
+            host.update(host_start=floats(h[4]), host_end=floats(h[5]))
         return Timeline(
             num_ranks=int(head["num_ranks"]),
             rank=ints(c[0]),
@@ -339,6 +385,7 @@ def read_trace(path: str | Path) -> Timeline:
             origin=str(head.get("origin", "simulated")),
             schedule=str(head.get("schedule", "")),
             params=tuple(head.get("params", {}).items()),
+            **host,
         )
     except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError) as e:
         raise error("E802", f"malformed pipec trace `{path}`: {brief(repr(e), 200)}") from None

@@ -1,0 +1,188 @@
+"""Memory over time: the two pools' curves of a simulated (or measured) Timeline, per rank.
+
+The rule of what each instruction does to the device and host pools is
+`pipec.passes.memory.instruction_deltas`'; this module only says *when* each
+change happens, from the Timeline's times of the instruction:
+
+- FWD and RECOMPUTE at their start (memory is allocated as the forward runs),
+  BWD and WGRAD at their end (what they free is freed when they are done);
+- OFFLOAD: the host copy is allocated when the transfer starts, the device copy
+  freed when it ends; RELOAD: the device copy at its start, the host copy freed
+  at its end (both pools hold the micro-batch during a transfer). Times are the
+  Timeline's host-link rows (`host_*`); a Timeline without them (a simulator
+  that does not run the host link, a measured run) places both at the
+  instruction's issue;
+- UNSHARD when its rank's stream issued it, RESHARD at its instant (fsdp);
+- anything else, at its issue: the end of the last compute before it on the
+  rank (0 before any).
+
+Changes at one instant apply in the rank's instruction order. When every change
+happens in instruction order (no host link), the largest value of a curve is
+`pipec.passes.memory.program_memory`'s peak.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipec.opcodes import FWD, IS_HOST, OFFLOAD, ON_COMPUTE, RECOMPUTE, RESHARD, UNSHARD
+from pipec.passes.memory import instruction_deltas, resident, unit_of
+from pipec.program import Program
+from pipec.sim.timeline import Timeline
+
+Curve = tuple[np.ndarray, np.ndarray]  # (times, values): the value from each time on
+
+
+@dataclass(frozen=True, eq=False)
+class MemoryCurves:
+    """Per rank, the device and host pools over time (collapsed step functions) and their peaks (from
+    every step); the model's unit ("bytes" or "units") and per-rank limits (NaN: none)."""
+
+    device: tuple[Curve, ...]
+    host: tuple[Curve, ...]
+    device_peak: np.ndarray
+    host_peak: np.ndarray
+    unit: str
+    limit: np.ndarray
+    host_limit: np.ndarray
+
+    @property
+    def offloads(self) -> bool:
+        """Whether any rank's host pool holds anything at some time (then the host curves are drawn)."""
+        return bool((self.host_peak > 0).any())
+
+
+def _key(*cols: np.ndarray) -> np.ndarray:
+    """One int64 key per row of non-negative integer columns."""
+    out = np.zeros(len(cols[0]), dtype=np.int64)
+    for c in cols:
+        c = np.asarray(c, dtype=np.int64)
+        out = out * (int(c.max()) + 1 if len(c) else 1) + c
+    return out
+
+
+def _occurrence(key: np.ndarray) -> np.ndarray:
+    """For each row, how many earlier rows have its key (0 for the first)."""
+    o = np.argsort(key, kind="stable")
+    k = key[o]
+    starts = np.flatnonzero(np.r_[True, k[1:] != k[:-1]]) if len(k) else np.zeros(0, np.int64)
+    out = np.empty(len(k), dtype=np.int64)
+    out[o] = np.arange(len(k)) - np.repeat(starts, np.diff(np.r_[starts, len(k)]))
+    return out
+
+
+def _match(queries: list[np.ndarray], rows: list[np.ndarray], occurrence: bool = False):
+    """For each query (columns of non-negative ints), whether a row has the same columns, and that row's
+    index; with `occurrence`, the k-th query of a key matches the k-th row of it."""
+    nq = len(queries[0])
+    cols = [np.concatenate([np.asarray(q, np.int64), np.asarray(w, np.int64)]) for q, w in zip(queries, rows)]
+    keys = _key(*cols)
+    if occurrence:
+        keys = _key(keys, np.concatenate([_occurrence(keys[:nq]), _occurrence(keys[nq:])]))
+    q, w = keys[:nq], keys[nq:]
+    if not len(w) or not nq:
+        return np.zeros(nq, bool), np.zeros(nq, np.int64)
+    o = np.argsort(w, kind="stable")
+    pos = np.minimum(np.searchsorted(w[o], q), len(w) - 1)
+    return w[o][pos] == q, o[pos]
+
+
+def _times(tl: Timeline, prog: Program) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Per rank, the time of each instruction's change to the device pool and to the host pool."""
+    empty = np.zeros(0, np.int64)
+    ir = np.concatenate([np.full(len(rp), r, dtype=np.int64) for r, rp in enumerate(prog.ranks)] + [empty])
+    op = np.concatenate([rp.op for rp in prog.ranks] + [empty])
+    mb = np.maximum(np.concatenate([rp.mb for rp in prog.ranks] + [empty]), 0)
+    st = np.maximum(np.concatenate([rp.stage for rp in prog.ranks] + [empty]), 0)
+    dev_t, host_t = np.full(len(op), np.nan), np.full(len(op), np.nan)
+    comp = ON_COMPUTE[op]
+    c_end = np.full(len(op), -np.inf)  # each compute's end, for the issue times of what follows it
+    if comp.any() and len(tl.rank):
+        idx = np.flatnonzero(comp)
+        found, row = _match([ir[idx], op[idx], mb[idx], st[idx]], [tl.rank, tl.op, np.maximum(tl.mb, 0), tl.stage])
+        idx, row = idx[found], row[found]
+        t = np.where(np.isin(op[idx], [FWD, RECOMPUTE]), tl.start[row], tl.end[row])
+        dev_t[idx] = host_t[idx] = t
+        c_end[idx] = tl.end[row]
+    h_rank = getattr(tl, "host_rank", None)  # the host link's rows, where the simulator records them
+    if h_rank is not None and len(h_rank) and IS_HOST[op].any():
+        idx = np.flatnonzero(IS_HOST[op])
+        rows = [h_rank, tl.host_op, np.maximum(tl.host_mb, 0), np.maximum(tl.host_stage, 0)]
+        found, row = _match([ir[idx], op[idx], mb[idx], st[idx]], rows)
+        idx, row = idx[found], row[found]
+        a, b = tl.host_start[row], tl.host_end[row]
+        off = op[idx] == OFFLOAD
+        host_t[idx] = np.where(off, a, b)  # the host copy: allocated at an offload's start, freed at a reload's end
+        dev_t[idx] = np.where(off, b, a)  # the device copy: freed at an offload's end, allocated at a reload's start
+    win = np.isin(op, [UNSHARD, RESHARD])
+    if win.any() and len(tl.coll_rank):
+        idx = np.flatnonzero(win)
+        found, row = _match([ir[idx], op[idx], st[idx]], [tl.coll_rank, tl.coll_op, tl.coll_stage], occurrence=True)
+        idx, row = idx[found], row[found]
+        t = np.where(op[idx] == UNSHARD, tl.coll_issue[row], tl.coll_start[row])
+        dev_t[idx] = host_t[idx] = t
+    out_d, out_h, lo = [], [], 0
+    for rp in prog.ranks:  # everything else at its issue: the end of the last compute before it, 0 before any
+        hi = lo + len(rp)
+        issue = np.maximum(np.maximum.accumulate(np.r_[0.0, c_end[lo:hi]])[:-1], 0.0) if hi > lo else np.zeros(0)
+        out_d.append(np.where(np.isnan(dev_t[lo:hi]), issue, dev_t[lo:hi]))
+        out_h.append(np.where(np.isnan(host_t[lo:hi]), issue, host_t[lo:hi]))
+        lo = hi
+    return out_d, out_h
+
+
+def _curve(times: np.ndarray, delta: np.ndarray, base: float, collapse: bool) -> Curve:
+    o = np.lexsort((np.arange(len(times)), times))  # by time; at one instant, in instruction order
+    t = np.concatenate([[0.0], times[o]])
+    v = base + np.concatenate([[0.0], np.cumsum(delta[o])])
+    if collapse and len(t) > 1:
+        last = np.r_[t[1:] != t[:-1], True]
+        t, v = t[last], v[last]
+        moved = np.r_[True, v[1:] != v[:-1]]
+        t, v = t[moved], v[moved]
+    return t, v
+
+
+def memory_curves(tl: Timeline, prog: Program, model: Mapping[str, np.ndarray]) -> MemoryCurves:
+    """The device and host curves of each rank of the Program that ran as `tl`, under a
+    `pipec.passes.memory.memory_model` (the module docstring says when each instruction counts)."""
+    deltas = instruction_deltas(prog, model)
+    dev_t, host_t = _times(tl, prog)
+    n = prog.dp if prog.dp_kind == "fsdp" else 1
+    dev, host, dpk, hpk = [], [], [], []
+    for r, (d, h) in enumerate(deltas):
+        base = resident(prog.placement, model, r, n)
+        dpk.append(float(_curve(dev_t[r], d, base, False)[1].max()))
+        hpk.append(max(float(_curve(host_t[r], h, 0.0, False)[1].max()), 0.0))
+        dev.append(_curve(dev_t[r], d, base, True))
+        host.append(_curve(host_t[r], h, 0.0, True))
+    return MemoryCurves(
+        tuple(dev),
+        tuple(host),
+        np.array(dpk),
+        np.array(hpk),
+        unit_of(model),
+        np.asarray(model["limit"], dtype=float),
+        np.asarray(model["host_limit"], dtype=float),
+    )
+
+
+def timeline_curves(tl: Timeline, model: Mapping[str, np.ndarray]) -> MemoryCurves:
+    """Device curves from a Timeline alone, when the Program that ran is not at hand: its compute events
+    and collectives by `pipec.sim.simulate.memory_curve`, which knows no memory ops; the host pool empty."""
+    from pipec.sim.simulate import memory_curve
+
+    peaks = [float(v.max()) if len(v) else 0.0 for _, v in memory_curve(tl, model, collapse=False)]
+    empty = tuple((np.zeros(1), np.zeros(1)) for _ in range(tl.num_ranks))
+    return MemoryCurves(
+        tuple(memory_curve(tl, model)),
+        empty,
+        np.array(peaks),
+        np.zeros(tl.num_ranks),
+        unit_of(model),
+        np.asarray(model["limit"], dtype=float),
+        np.asarray(model.get("host_limit", np.full(tl.num_ranks, np.nan)), dtype=float),
+    )
