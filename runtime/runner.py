@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import itertools
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -80,6 +80,11 @@ class Runner:
     """One rank of a pipeline. Builds this rank's stages (weights seeded by (seed, stage), so every process
     and the single-process reference agree), an optimizer per stage, and executes the rank's instructions.
 
+    Bring your own modules: `build_stage` may instead be a mapping {stage index: nn.Module} holding (at
+    least) this rank's stages. Then the Runner owns no optimizer unless `optimizer=` is given (the Program's
+    STEP instructions do nothing), and it leaves `.grad` alone between steps: gradients accumulate until the
+    caller zeroes them, as after torch's schedules (`pipec.runtime.schedule_api` is built on this).
+
     Data parallelism (`program.dp` > 1): `mesh` is a 2-D DeviceMesh with dims ("pp", "dp"), or a (pp, dp)
     pair of 1-D meshes (built from the world when not given); the rank is this process's "pp" coordinate,
     each stage's module goes under FSDP2 (`program.dp_kind`; `dp_unit` "block" shards each child block
@@ -89,7 +94,7 @@ class Runner:
     def __init__(
         self,
         program: Program,
-        build_stage: Callable[[int, int], torch.nn.Module],
+        build_stage: Callable[[int, int], torch.nn.Module] | Mapping[int, torch.nn.Module],
         loss_fn: Callable[[Any, Any], torch.Tensor],
         *,
         rank: int | None = None,
@@ -166,14 +171,19 @@ class Runner:
         m = program.num_microbatches
         scale = 1.0 / m if loss_scale is None else loss_scale
         own = [s for s, r in enumerate(program.placement) if r == rank]
-        make_opt = optimizer or default_optimizer
+        given = isinstance(build_stage, Mapping)  # the caller's modules: its optimizer, its gradients
+        make_opt = optimizer or (None if given else default_optimizer)
+        self.owns_grads = not given
         self.replicas = replicas if replicas is not None and replicas.dp_size > 1 else None
-        modules = {
-            s: build_stage_module(
-                build_stage, s, program.num_stages, seed=seed, dtype=dtype, device=self.device, where=where
-            )
-            for s in own
-        }
+        if given:
+            modules = given_modules(build_stage, own, program, rank, dtype, self.device)
+        else:
+            modules = {
+                s: build_stage_module(
+                    build_stage, s, program.num_stages, seed=seed, dtype=dtype, device=self.device, where=where
+                )
+                for s in own
+            }
         self.shape_modules: dict[int, torch.nn.Module] | None = None
         if self.replicas is not None:
             dp_unit = dp_unit if program.dp_kind == "fsdp" else "stage"  # replicate wraps the stage whole
@@ -194,7 +204,7 @@ class Runner:
                 loss_fn if s == program.num_stages - 1 else None,
                 scale,
                 program.split_backward,
-                make_opt(params) if params else None,
+                make_opt(params) if params and make_opt is not None else None,
             )
             self.stages[s].live_params = self.replicas is not None
         self.executor = Executor(program, rank, self.stages, comm, on_reduce_grad, recv_ahead or 0)
@@ -212,6 +222,7 @@ class Runner:
         self.first_specs: list[Specs] | None = None
         self.steps_done = 0  # a restored checkpoint sets it (pipec.runtime.checkpoint)
         self.handshaken = False  # shapes are exchanged at this runner's first step, whatever its number
+        self.mb_targets: list | None = None  # the last step's micro-batch targets (last stage's rank)
 
     @property
     def has_first(self) -> bool:
@@ -263,8 +274,12 @@ class Runner:
             if targets is None:
                 raise PipelineError(f"rank {self.rank} runs the last stage and needs the targets")
             mb_tg = [to_device(x, self.device) for x in split(targets, m, "targets")]
+        self.mb_targets = mb_tg
         for st in self.stages.values():
-            st.zero_grad()
+            if self.owns_grads:
+                st.zero_grad()
+            else:  # the caller zeroes its gradients (optimizer.zero_grad()); only the step's loss restarts
+                st.loss = None
         self.executor.step, self.executor.at = self.steps_done, -1
         if not self.handshaken:
             self.executor.handshaking = True
@@ -316,6 +331,34 @@ class Runner:
         """Each parameter; whole (gathered) with data parallelism, as named_gradients."""
         named = [((s, n), p) for s, st in self.stages.items() for n, p in st.module.named_parameters()]
         return named_full(named) if self.replicas is not None else dict(named)
+
+
+def given_modules(
+    modules: Mapping[int, torch.nn.Module],
+    own: list[int],
+    program: Program,
+    rank: int,
+    dtype: torch.dtype | None,
+    device: torch.device,
+) -> dict[int, torch.nn.Module]:
+    """This rank's stages from the caller's {stage: module}, checked against the Program's placement and
+    moved to the device (and dtype, when given)."""
+    missing = [s for s in own if s not in modules]
+    if missing:
+        raise PipelineError(
+            f"rank {rank} runs stage{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} of "
+            f"`{program.name}` (placement {list(program.placement)}), but no module was given for "
+            f"{'them' if len(missing) > 1 else 'it'} (given: stages {sorted(modules)})"
+        )
+    out = {}
+    for s in own:
+        module = modules[s]
+        if not isinstance(module, torch.nn.Module):
+            raise PipelineError(f"stage {s}'s module is {type(module).__name__}, not a torch.nn.Module")
+        if dtype is not None:
+            module = module.to(dtype)
+        out[s] = module.to(device)
+    return out
 
 
 def default_device() -> torch.device:
