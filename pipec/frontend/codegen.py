@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from pipec.errors import PipecError, Source, Span, error
 from pipec.frontend import ast
+from pipec.opcodes import MEMOPS
 from pipec.schedule import STAGE_COST_KEYS
 
 OP_KINDS = ("F", "B", "W")
@@ -27,6 +28,10 @@ BUILTINS = ("min", "max", "abs", "done")
 # Data-parallel collectives a rank block may place itself (rows of pipec.opcodes; PP x DP, docs/language.md
 # section 16): statements like ops, but they take a stage only and become `Schedule.collectives`.
 COLLECTIVES = ("UNSHARD", "RESHARD", "REDUCE_GRAD")
+# Memory ops a rank block may place (rows of pipec.opcodes, docs/language.md section 17): statements like
+# ops, with a micro-batch and a stage, that become `Schedule.memops`. `F(i, recompute: true)` asks for a
+# RECOMPUTE at its default place instead.
+MEMOP_NAMES = MEMOPS
 MEMORY_KEYS = ("act", "wact", "params", "limit")
 NUMERIC = ("int", "float")
 # Names only an `expect` sees (pipec.passes.expect computes them): numbers, and functions of a rank.
@@ -89,6 +94,11 @@ class GeneratedCode:
     # Whether any rank block places a collective: without one, evaluation keeps its plain path (no
     # `_coll` helper, no per-rank list) and the Schedule's `collectives` stays empty.
     collectives: bool = False
+    # Likewise for memory ops: whether any rank block places one (`_mem`), and the statement ids of the
+    # forwards that ask for their default RECOMPUTE (`F(i, recompute: true)`): an op emitted with one of
+    # these ids is recomputed, so the op's tuple and the per-op path stay as they are without it.
+    memops: bool = False
+    recompute_sids: frozenset[int] = frozenset()
 
 
 class _Compiler:
@@ -102,6 +112,8 @@ class _Compiler:
         self.n = 0
         self.counts_ops = False
         self.collectives = False
+        self.memops = False
+        self.recompute_sids: set[int] = set()
         self.weights: list[int] = [0]  # function calls made by the code being generated, per open loop/def
         self.kinds = self._find_kinds()
 
@@ -138,7 +150,7 @@ class _Compiler:
     def bind(self, scope: _Scope, name: str, value, span: Span) -> None:
         if name in KEYWORDS:
             raise self.err("E104", f"`{name}` is a keyword and cannot name a value", span)
-        if name in OP_KINDS or name in BUILTINS or name in COLLECTIVES:
+        if name in OP_KINDS or name in BUILTINS or name in COLLECTIVES or name in MEMOP_NAMES:
             raise self.err("E104", f"`{name}` is a built-in name and cannot be redefined", span)
         if name in scope.names:
             raise self.err("E104", f"`{name}` is already defined in this block", span)
@@ -179,6 +191,8 @@ class _Compiler:
             return repr(self.kinds.index(e.name)), "kind"
         if e.name in COLLECTIVES:
             raise self.err("E103", f"`{e.name}` is a collective; place it with `{e.name}(stage: s)`", e.span)
+        if e.name in MEMOP_NAMES:
+            raise self.err("E103", f"`{e.name}` is a memory op; place it with `{e.name}(i)`", e.span)
         b = scope.lookup(e.name)
         if b is None:
             if e.name in BUILTINS:
@@ -219,7 +233,7 @@ class _Compiler:
             self.want(bt, ("bool",), e.right.span, f"`{op}`")
             return f"({a} {op} {b})", "bool"
         if op in ("==", "!="):
-            if "op" in (at, bt) or "coll" in (at, bt):
+            if "op" in (at, bt) or "coll" in (at, bt) or "memop" in (at, bt):
                 raise self.err("E103", "ops cannot be compared; compare their micro-batches or stages", e.op_span)
             if "any" not in (at, bt) and at != bt and not (at in NUMERIC and bt in NUMERIC):
                 raise self.err("E103", f"cannot compare {at} with {bt}", e.op_span)
@@ -262,6 +276,8 @@ class _Compiler:
             return self.op_call(e, scope, emit=False)
         if e.name in COLLECTIVES:
             return self.coll_call(e, scope, emit=False)
+        if e.name in MEMOP_NAMES:
+            return self.mem_call(e, scope, emit=False)
         b = scope.lookup(e.name)
         if b is None and e.name in BUILTINS:
             return self.builtin(e, scope)
@@ -334,12 +350,25 @@ class _Compiler:
             mb, t = self.expr(e.args[0], scope)
             self.want(t, ("int",), e.args[0].span, "a micro-batch")
         stage = "_ds"
+        recompute = None
         seen = set()
         for kw in e.kwargs:
-            if kw.name not in ("stage", "mb") or kw.name in seen:
-                raise self.err("E105", f"`{e.name}` has no argument `{kw.name}`; use `stage:` or `mb:`", kw.span)
+            if kw.name == "recompute" and e.name != "F":
+                raise self.err(
+                    "E105",
+                    f"`recompute:` belongs on a forward: {e.name} keeps nothing to recompute",
+                    kw.span,
+                    ("write `F(i, recompute: true)`, or place `RECOMPUTE(i)` before the B",),
+                )
+            if kw.name not in ("stage", "mb", "recompute") or kw.name in seen:
+                extra = ", `mb:` or `recompute:`" if e.name == "F" else " or `mb:`"
+                raise self.err("E105", f"`{e.name}` has no argument `{kw.name}`; use `stage:`{extra}", kw.span)
             seen.add(kw.name)
             code, t = self.expr(kw.value, scope)
+            if kw.name == "recompute":
+                self.want(t, ("bool",), kw.value.span, "`recompute:`")
+                recompute = code
+                continue
             self.want(t, ("int",), kw.value.span, f"`{kw.name}:`")
             if kw.name == "stage":
                 stage = code
@@ -349,6 +378,12 @@ class _Compiler:
                 mb = code
         if sid is None:
             sid = self.sid(e.span)
+        if recompute is not None and recompute != "False":
+            # A second statement id for the same span: the op emitted with it is recomputed (evaluate places
+            # its RECOMPUTE before its B), so neither the op's tuple nor the per-op path changes.
+            rc = self.sid(self.spans[sid])
+            self.recompute_sids.add(rc)
+            sid = rc if recompute == "True" else f"({rc} if {recompute} else {sid})"
         if mb is None:
             self.counts_ops = True
         if not emit:
@@ -380,6 +415,39 @@ class _Compiler:
         if not emit:
             return f"({k}, {stage})", "coll"
         return f"_coll({k}, {stage}, {self.sid(e.span) if sid is None else sid})", "none"
+
+    def mem_call(self, e: ast.Call, scope: _Scope, emit: bool, sid: int | None = None) -> tuple[str, str]:
+        """A memory op: as a value `(index in MEMOP_NAMES, mb, stage)`; as a statement, `_mem(...)`, which
+        records it before the rank's next op (pipec.frontend.evaluate). Its micro-batch is always given
+        (positionally or `mb:`): a memory op acts on one forward's activations, named, not the next."""
+        if len(e.args) > 1:
+            raise self.err("E102", f"`{e.name}` takes one micro-batch argument, got {len(e.args)}", e.span)
+        mb = None
+        if e.args:
+            mb, t = self.expr(e.args[0], scope)
+            self.want(t, ("int",), e.args[0].span, "a micro-batch")
+        stage = "_ds"
+        seen = set()
+        for kw in e.kwargs:
+            if kw.name not in ("stage", "mb") or kw.name in seen or (kw.name == "mb" and mb is not None):
+                what = "the micro-batch given twice" if kw.name == "mb" else f"no argument `{kw.name}`"
+                if kw.name == "stage" and kw.name in seen:
+                    what = "the stage given twice"
+                raise self.err("E105", f"`{e.name}` has {what}; it takes a micro-batch and `stage:`", kw.span)
+            seen.add(kw.name)
+            code, t = self.expr(kw.value, scope)
+            self.want(t, ("int",), kw.value.span, f"`{kw.name}:`")
+            if kw.name == "stage":
+                stage = code
+            else:
+                mb = code
+        if mb is None:
+            raise self.err("E102", f"`{e.name}` needs the micro-batch it acts on: `{e.name}(i)`", e.span)
+        self.memops = True
+        k = MEMOP_NAMES.index(e.name)
+        if not emit:
+            return f"({k}, {mb}, {stage})", "memop"
+        return f"_mem({k}, {mb}, {stage}, {self.sid(e.span) if sid is None else sid})", "none"
 
     def check_func(self, f: _Func, types: tuple[str, ...], span: Span) -> str:
         """Type-check a function body for these argument types (once per distinct types)."""
@@ -566,7 +634,7 @@ class _Compiler:
             raise self.err("E111", "an overlapped group pairs exactly two ops (`a & b`)", st.span)
         if len(st.calls) == 2:
             for call in st.calls:
-                if call.name in COLLECTIVES:
+                if call.name in COLLECTIVES or call.name in MEMOP_NAMES:
                     raise self.err("E111", f"`{call.name}` cannot be overlapped: only two ops pair with `&`", call.span)
             self.line(indent, "_pair()")
         for call in st.calls:
@@ -579,17 +647,32 @@ class _Compiler:
                 code, _ = self.coll_call(call, scope, emit=True, sid=sid)
                 self.line(indent, code)
                 continue
+            if call.name in MEMOP_NAMES:
+                code, _ = self.mem_call(call, scope, emit=True, sid=sid)
+                self.line(indent, code)
+                continue
             code, t = self.expr(call, scope)
             if t == "coll" and len(st.calls) == 1:
                 self.line(indent, f"_coll((_cv := {code})[0], _cv[1], {sid})")
-            elif t == "coll":
-                raise self.err("E111", "a collective cannot be overlapped: only two ops pair with `&`", call.span)
+            elif t == "memop" and len(st.calls) == 1:
+                self.line(indent, f"_mem((_mv := {code})[0], _mv[1], _mv[2], {sid})")
+            elif t in ("coll", "memop"):
+                what = "a collective" if t == "coll" else "a memory op"
+                raise self.err("E111", f"{what} cannot be overlapped: only two ops pair with `&`", call.span)
             elif t == "op":
                 # Inline, not a helper call per op: the value's micro-batch, or the next one when it has none.
+                at = str(sid)
+                if self.recompute_sids:
+                    # An op value may carry `recompute: true` (its own statement id is one of them): emitted
+                    # here, under this statement's id, or its recomputing twin. Only once the file has used
+                    # `recompute:`: a value defined later cannot reach this statement.
+                    rc = self.sid(self.spans[sid])
+                    self.recompute_sids.add(rc)
+                    at = f"({rc} if _ev[3] in _RC else {sid})"
                 self.line(
                     indent,
-                    f"_emit((_ev[0], _ev[1], _ev[2], {sid})) if (_ev := {code})[1] is not None "
-                    f"else _next(_ev[0], _ev[2], {sid})",
+                    f"_emit((_ev[0], _ev[1], _ev[2], {at})) if (_ev := {code})[1] is not None "
+                    f"else _next(_ev[0], _ev[2], {at})",
                 )
             elif t == "none" and len(st.calls) == 1:
                 self.line(indent, code)
@@ -776,6 +859,8 @@ class _Compiler:
             kinds=self.kinds,
             counts_ops=self.counts_ops,
             collectives=self.collectives,
+            memops=self.memops,
+            recompute_sids=frozenset(self.recompute_sids),
             name=tree.name,
             header=tree.span,
             line_spans=tuple(self.where),

@@ -17,8 +17,8 @@ import numpy as np
 
 from pipec.errors import PipecError, Source, Span, brief, error
 from pipec.files import require_ops_fit
-from pipec.frontend.codegen import COLLECTIVES, GeneratedCode
-from pipec.schedule import Collective, Datacenter, Expectation, Link, RankOps, Schedule, Topology
+from pipec.frontend.codegen import COLLECTIVES, MEMOP_NAMES, GeneratedCode
+from pipec.schedule import Collective, Datacenter, Expectation, Link, MemOp, RankOps, Schedule, Topology
 
 MAX_SIZE = 10_000_000  # stages, ranks, micro-batches
 MAX_OPS = 50_000_000  # ops a schedule may have in all
@@ -255,6 +255,8 @@ def _run(compiled: GeneratedCode, source: Source, given: dict[str, object], only
         rank_fn, rank_sid = rt.decls["rank"]
     rank_ops = []
     coll_rows: list[list[tuple]] = []
+    mem_rows: list[list[tuple]] = []
+    with_memops = compiled.memops or bool(compiled.recompute_sids)
     for r in range(num_ranks):
         if derived is not None:
             rank_ops.append(derived[r] if r in wanted else _empty_rank())
@@ -263,15 +265,25 @@ def _run(compiled: GeneratedCode, source: Source, given: dict[str, object], only
             rank_ops.append(env.run_rank(rank_fn, r, owned[r][0] if len(owned[r]) == 1 else -1, cap))
             if compiled.collectives:
                 coll_rows.append(_check_collectives(env.colls, r, owned[r], placement))
+            if with_memops:
+                mem_rows.append(_default_recomputes(env.mems, rank_ops[-1], compiled.recompute_sids, num_stages))
         else:
             rank_ops.append(_empty_rank())
             if compiled.collectives:
                 coll_rows.append([])
+            if with_memops:
+                mem_rows.append([])
     collectives: tuple[tuple[Collective, ...], ...] = ()
     if any(coll_rows):
         spans = compiled.spans
         collectives = tuple(
             tuple(Collective(COLLECTIVES[k], s, before, spans[sid]) for k, s, before, sid in row) for row in coll_rows
+        )
+    memops: tuple[tuple[MemOp, ...], ...] = ()
+    if any(mem_rows):
+        spans = compiled.spans
+        memops = tuple(
+            tuple(MemOp(MEMOP_NAMES[k], i, s, before, spans[sid]) for k, i, s, before, sid in row) for row in mem_rows
         )
     decl_spans = {k: compiled.spans[sid] for k, (_, sid) in rt.decls.items()}
     expects = tuple(
@@ -295,7 +307,42 @@ def _run(compiled: GeneratedCode, source: Source, given: dict[str, object], only
         decl_spans=decl_spans,
         expects=expects,
         collectives=collectives,
+        memops=memops,
     )
+
+
+def _default_recomputes(mems: list[tuple], ops: RankOps, recompute_sids: frozenset[int], S: int) -> list[tuple]:
+    """A rank's memory ops as `(index in MEMOP_NAMES, mb, stage, before, sid)`, in order: those its block
+    placed, and for each forward emitted with `recompute: true` (its statement id is one of
+    `recompute_sids`) whose (mb, stage) the block gave no RECOMPUTE of its own, a RECOMPUTE just before
+    that forward's B, after any memory op the block placed there (at the end of the rank when it has no such
+    B: the checks then report the missing B). Whether they are in order and paired is
+    pipec.passes.checks' business, once every op is known to occur once."""
+    if not recompute_sids:
+        return mems
+    rc = MEMOP_NAMES.index("RECOMPUTE")
+    wanted = np.flatnonzero((ops.kind == 0) & np.isin(ops.sid, np.fromiter(recompute_sids, np.int64)))
+    if not len(wanted):
+        return mems
+    placed = {(i, s) for k, i, s, _, _ in mems if k == rc}
+    bi = np.flatnonzero(ops.kind == 1)
+    bkey = ops.mb[bi] * S + ops.stage[bi]
+    order = np.argsort(bkey, kind="stable")
+    keys = ops.mb[wanted] * S + ops.stage[wanted]
+    at = np.minimum(np.searchsorted(bkey[order], keys), max(len(bi) - 1, 0))
+    found = (bkey[order][at] == keys) if len(bi) else np.zeros(len(keys), dtype=bool)
+    before = np.where(found, bi[order][at] if len(bi) else 0, len(ops))
+    extra = [
+        (rc, i, s, b, sid)
+        for i, s, b, sid in zip(
+            ops.mb[wanted].tolist(), ops.stage[wanted].tolist(), before.tolist(), ops.sid[wanted].tolist()
+        )
+        if (i, s) not in placed
+    ]
+    if not extra:
+        return mems
+    # Stable by `before`, the block's own first: sorted() keeps the block's order among equal places.
+    return sorted(mems + extra, key=lambda t: t[3])
 
 
 def _check_collectives(colls: list[tuple], rank: int, owned: list[int], placement: list[int]) -> list[tuple]:
@@ -485,6 +532,7 @@ class _Env:
         self.left = WORK_FIXED
         self.rank: int | None = None  # the rank block being run, for `expect`s written in it
         self.colls: list[tuple] = []  # the collectives the rank block being run placed (when it places any)
+        self.mems: list[tuple] = []  # likewise its memory ops, `(k, mb, stage, before, sid)`
         self.expects: list[tuple] = []
         ns.update(
             _tdiv=self.tdiv,
@@ -502,6 +550,7 @@ class _Env:
             _ds=-1,
             _ops=[],
             _emit=None,
+            _RC=compiled.recompute_sids,
         )
 
     @staticmethod
@@ -578,6 +627,10 @@ class _Env:
             colls: list[tuple] = []
             self.colls = colls
             ns["_coll"] = lambda k, s, sid: colls.append((k, s, len(ops), sid))
+        if self.compiled.memops or self.compiled.recompute_sids:
+            mems: list[tuple] = []
+            self.mems = mems
+            ns["_mem"] = lambda k, i, s, sid: mems.append((k, i, s, len(ops), sid))
         if self.compiled.counts_ops:
             counts: dict[tuple[int, int], int] = {}
             append = ops.append

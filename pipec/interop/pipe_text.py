@@ -161,7 +161,8 @@ def topology_lines(
 
 
 def op_text(kind: str, mb: str, stage: int, multi: bool) -> str:
-    """One op call; `stage:` only when the rank holds several stages."""
+    """One op call, or a memory op (`RECOMPUTE(3)`, written the same way); `stage:` only when the rank holds
+    several stages."""
     return f"{kind}({mb}, stage: {stage})" if multi else f"{kind}({mb})"
 
 
@@ -181,18 +182,26 @@ def rank_block(bodies: Sequence[Sequence[str]]) -> list[str]:
 
 
 def schedule_steps(sched, r: int) -> list[Step]:
-    """Rank r's order of a Schedule as steps, an overlapped pair as one step."""
+    """Rank r's order of a Schedule as steps, an overlapped pair as one step, with the memory ops it places
+    (`Schedule.memops`) as steps of their own where they are issued: a memory op is a statement of the
+    language placed before the rank's next op, so writing it there gives back its `before`. (One issued
+    between the two ops of an overlapped pair, which the language cannot place, is written before the pair.)"""
     ranks = sched.ranks[r]
     kinds = [sched.kinds[k] for k in ranks.kind.tolist()]
     mb, stage, paired = ranks.mb.tolist(), ranks.stage.tolist(), ranks.paired.tolist()
+    mems = list(sched.memops[r]) if sched.memops else []
     out: list[Step] = []
-    j = 0
+    j = x = 0
     while j < len(kinds):
         n = 1
         while j + n < len(kinds) and paired[j + n - 1]:
             n += 1
+        while x < len(mems) and mems[x].before < j + n:
+            out.append(((mems[x].op, mems[x].mb, mems[x].stage),))
+            x += 1
         out.append(tuple((kinds[q], mb[q], stage[q]) for q in range(j, j + n)))
         j += n
+    out += [((y.op, y.mb, y.stage),) for y in mems[x:]]
     return out
 
 

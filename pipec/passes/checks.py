@@ -1,7 +1,14 @@
-"""Checks on an evaluated Schedule: ownership, exactly-once, same-rank dependency order.
+"""Checks on an evaluated Schedule: ownership, exactly-once, same-rank dependency order, and the memory ops.
 
 Vectorised with numpy over all ops at once (schedules reach a million ops);
 each failure becomes a diagnostic at the statement that emitted the op.
+
+The memory ops (`Schedule.memops`: RECOMPUTE, OFFLOAD, RELOAD) are checked here too, after the ops, not in
+the front end as the collectives' stages are: whether a memory op is in order depends on where its F and B
+are in the rank's whole order, which is only defined once every op is known to occur exactly once on its
+owner, and a Schedule from `pipec import` or `pipec synth` must pass the same rules as one from the
+language. So all of a memory op's rules (its stage and micro-batch, its order, its pairing) live in one
+place, `_check_memops`.
 """
 
 from __future__ import annotations
@@ -9,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from pipec.errors import PipecError, error
-from pipec.schedule import Op, Schedule
+from pipec.schedule import MemOp, Op, Schedule
 
 
 def _flat(sched: Schedule):
@@ -105,6 +112,8 @@ def check_schedule(sched: Schedule) -> None:
             more,
         )
     _check_order(sched, kind, mb, stage, sid, rank, gpos, key)
+    if sched.memops:
+        _check_memops(sched, sid, key)
 
 
 def dependencies(kind: np.ndarray, mb: np.ndarray, stage: np.ndarray, S: int, split: bool):
@@ -142,3 +151,119 @@ def _check_order(sched: Schedule, kind, mb, stage, sid, rank, gpos, key) -> None
                 f"{op} on rank {rank[j]} needs {needed}, which {why}",
                 sid[j],
             )
+
+
+def _mem_at(sched: Schedule, code: str, message: str, x: MemOp, notes: tuple[str, ...] = ()) -> PipecError:
+    return error(code, message, x.span, sched.source, notes)
+
+
+def _check_memops(sched: Schedule, sid, key) -> None:
+    """The rules of pipec.schedule.MemOp, per rank in its order: each memory op on a stage of its rank
+    (E308 when the stage goes without saying on a rank of several, E208, E301) and a micro-batch that
+    exists (E209), at most once per (op, mb, stage) (E311); then an OFFLOAD with its RELOAD and vice versa
+    (E311), a RECOMPUTE or OFFLOAD after its F and at or before its B (`before` in F's index + 1 .. B's
+    index), a RELOAD after its OFFLOAD and before its B, and where the forward is both recomputed and
+    offloaded, the RELOAD before the RECOMPUTE, which runs from the input the offload moved (E310).
+
+    Vectorised per rank (a schedule recomputing every forward has half as many memory ops as ops); the
+    first memory op of the rank, in its order, that breaks the first group's rules is reported, else the
+    first that breaks the second's."""
+    S, m = sched.num_stages, sched.num_microbatches
+    where = np.empty(len(sched.kinds) * S * m, dtype=np.int64)
+    where[key] = np.arange(len(key))  # every op once (checked above): its index into the flat arrays
+    offset = np.cumsum([0] + [len(r) for r in sched.ranks])
+    for r, row in enumerate(sched.memops):
+        if row:
+            _check_rank_memops(sched, r, row, where, int(offset[r]), sid)
+
+
+_MEMOP_CODE = {"RECOMPUTE": 0, "OFFLOAD": 1, "RELOAD": 2}
+
+
+def _check_rank_memops(sched: Schedule, r: int, row: tuple[MemOp, ...], where, base: int, sid) -> None:
+    """`_check_memops` for rank r: `where[(kind * S + stage) * m + mb] - base` is the index of F (kind 0) or
+    B (kind 1) in the rank's order, `sid[base + j]` the statement id of the rank's op j."""
+    S, m = sched.num_stages, sched.num_microbatches
+    own = sched.stages_of(r)
+    RC, OFF, REL = 0, 1, 2
+
+    def fail(code: str, message: str, j: int, notes: tuple[str, ...] = ()) -> PipecError:
+        return _mem_at(sched, code, message, row[j], notes)
+
+    def at_line(op: str, index: int) -> tuple[str, ...]:
+        return (f"{op} is emitted at line {sched.spans[sid[base + index]].line}",) if sched.spans else ()
+
+    n = len(row)
+    op = np.fromiter((_MEMOP_CODE[x.op] for x in row), np.int64, n)
+    # Clipped as Python ints first: a stage or micro-batch beyond int64 is out of range, not an overflow.
+    stage = np.fromiter((x.stage if -1 <= x.stage < S else S for x in row), np.int64, n)
+    mb = np.fromiter((x.mb if 0 <= x.mb < m else m for x in row), np.int64, n)
+    before = np.fromiter((x.before for x in row), np.int64, n)
+    valid = (stage >= 0) & (stage < S) & (mb < m)
+    st, i = np.clip(stage, 0, S - 1), np.clip(mb, 0, m - 1)
+    owner = np.asarray(sched.placement, dtype=np.int64)[st]
+    k = (op * S + st) * m + i
+    order = np.argsort(k, kind="stable")
+    ks = k[order]
+    dup = np.zeros(n, dtype=bool)
+    dup[order[1:][ks[1:] == ks[:-1]]] = True
+    bad = ~valid | (owner != r) | dup
+    if bad.any():
+        j = int(np.flatnonzero(bad)[0])
+        x = row[j]
+        if x.stage == -1:
+            raise fail("E308", f"rank {r} owns stages {list(own)}: say which, e.g. `{x.op}(i, stage: s)`", j)
+        if not 0 <= x.stage < S:
+            raise fail("E208", f"stage {x.stage} is out of range 0..{S - 1}", j)
+        if not 0 <= x.mb < m:
+            raise fail("E209", f"micro-batch {x.mb} is out of range 0..{m - 1}", j)
+        if owner[j] != r:
+            raise fail(
+                "E301",
+                f"{x.op}({x.mb}, stage {x.stage}) placed on rank {r}, but stage {x.stage} is placed on rank {owner[j]}",
+                j,
+                (f"rank {r} owns stage{'s' if len(own) != 1 else ''} {', '.join(map(str, own)) or 'none'}",),
+            )
+        first = row[int(order[np.searchsorted(ks, k[j])])]
+        line = f" (first at line {first.span.line})" if first.span is not None else ""
+        raise fail("E311", f"{x.op}({x.mb}, stage {x.stage}) placed twice on rank {r}{line}", j)
+
+    def position(kind: int) -> np.ndarray:
+        """Per memory op, where (in the rank's memory ops) the `kind` one of its (mb, stage) is; -1: none."""
+        want = (kind * S + st) * m + i
+        at = np.minimum(np.searchsorted(ks, want), n - 1)
+        return np.where(ks[at] == want, order[at], -1)
+
+    f, b = where[st * m + i] - base, where[(S + st) * m + i] - base
+    off, rel, rc = position(OFF), position(REL), position(RC)
+    nth = np.arange(n)
+    unpaired = ((op == OFF) & (rel < 0)) | ((op == REL) & (off < 0))
+    early = ((op == RC) | (op == OFF)) & (before <= f)
+    reload_early = (op == REL) & (off > nth)
+    late = before > b
+    after_rc = (op == REL) & (rc >= 0) & (rc < nth)
+    bad = unpaired | early | reload_early | late | after_rc
+    if not bad.any():
+        return
+    j = int(np.flatnonzero(bad)[0])
+    x = row[j]
+    fwd, bwd = f"F({x.mb}, stage {x.stage})", f"B({x.mb}, stage {x.stage})"
+    what = f"{x.op}({x.mb}, stage {x.stage}) on rank {r}"
+    if unpaired[j] and x.op == "OFFLOAD":
+        raise fail("E311", f"{what} has no RELOAD: {bwd} would find its activations on the host", j)
+    if unpaired[j]:
+        raise fail("E311", f"{what} has no OFFLOAD before it: there is nothing to bring back", j)
+    if early[j]:
+        raise fail("E310", f"{what} comes before {fwd}: it acts on what the forward keeps", j, at_line(fwd, f[j]))
+    if reload_early[j]:
+        span = row[int(off[j])].span
+        raise fail("E310", f"{what} comes before its OFFLOAD" + (f" (line {span.line})" if span else ""), j)
+    if late[j]:
+        raise fail("E310", f"{what} comes after {bwd}, which needs it done", j, at_line(bwd, b[j]))
+    raise fail(
+        "E310",
+        f"{what} comes after RECOMPUTE({x.mb}, stage {x.stage}), which runs from the input the OFFLOAD "
+        "moved to the host",
+        j,
+        ("reload it before the recompute",),
+    )

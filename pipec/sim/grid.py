@@ -4,23 +4,36 @@ from __future__ import annotations
 
 from pipec.schedule import Schedule
 
+# How a memory op is marked in the grid: R3 recomputes micro-batch 3's forward, O3 offloads its saved
+# activations, L3 reloads them (L: load back; R is taken).
+MEMOP_MARKS = {"RECOMPUTE": "R", "OFFLOAD": "O", "RELOAD": "L"}
+
 
 def cells(sched: Schedule, rank: int) -> list[str]:
     """One cell per step of a rank: `F3`, or `F3.5` (op 3 on stage 5) when the rank has several stages.
 
-    Overlapped pairs share one cell, joined by `&`.
+    Overlapped pairs share one cell, joined by `&`. The memory ops a schedule places (`Schedule.memops`)
+    lead the cell of the op they are issued before, each ending in `+`: `R3+B3` recomputes F3 and then
+    runs B3, `O2+L0+B1` offloads micro-batch 2 and reloads 0 before B1; memory ops after the rank's last
+    op take a cell of their own. The steps stay the ops' steps, so the ranks' columns line up as before.
     """
     multi = len(sched.stages_of(rank)) > 1
     r = sched.ranks[rank]
+    mems = sched.memops[rank] if sched.memops else ()
+    lead: dict[int, str] = {}
+    for x in mems:
+        lead[x.before] = lead.get(x.before, "") + f"{MEMOP_MARKS[x.op]}{x.mb}" + (f".{x.stage}" if multi else "") + "+"
     out: list[str] = []
     join = False
-    for k, i, s, paired in zip(r.kind.tolist(), r.mb.tolist(), r.stage.tolist(), r.paired.tolist()):
-        text = f"{sched.kinds[k]}{i}" + (f".{s}" if multi else "")
+    for j, (k, i, s, paired) in enumerate(zip(r.kind.tolist(), r.mb.tolist(), r.stage.tolist(), r.paired.tolist())):
+        text = lead.get(j, "") + f"{sched.kinds[k]}{i}" + (f".{s}" if multi else "")
         if join:
             out[-1] += "&" + text
         else:
             out.append(text)
         join = paired
+    if len(r) in lead:
+        out.append(lead[len(r)].rstrip("+"))
     return out
 
 
