@@ -10,6 +10,13 @@ and optionally
 
     optimizer(params) -> torch.optim.Optimizer # default: SGD(lr=0.01)
     dtype = torch.float64                      # (or "float64") parameters and floating inputs
+    layers() -> list[tuple[str, torch.nn.Module]]  # the whole model as named layers, in order
+
+`layers()` lets `pipec partition` profile the model layer by layer and choose each stage's layers, and
+`pipec run --partition` build stage s as an nn.Sequential of the layers the partition file gives it
+(docs/partition.md): each layer takes the previous one's output, the first `batch`'s inputs, and
+`loss_fn` takes the last one's. It is called with the generator seeded the same way every time, so a
+layer's weights do not depend on the stage it lands in.
 
 Every error names the file and what is missing or wrong.
 """
@@ -34,7 +41,7 @@ REQUIRED = {
     "loss_fn": ("output", "target"),
     "batch": ("step",),
 }
-OPTIONAL = {"optimizer": ("params",)}
+OPTIONAL = {"optimizer": ("params",), "layers": ()}
 
 
 @dataclass(frozen=True)
@@ -45,6 +52,7 @@ class Model:
     batch: Callable[[int], tuple[Any, Any]]
     optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None = None
     dtype: torch.dtype | None = None
+    layers: Callable[[], list[tuple[str, torch.nn.Module]]] | None = None
 
 
 def load_model(path: str) -> Model:
@@ -82,6 +90,7 @@ def load_model(path: str) -> Model:
         batch=module.batch,
         optimizer=getattr(module, "optimizer", None),
         dtype=dtype,
+        layers=getattr(module, "layers", None),
     )
 
 

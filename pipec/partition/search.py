@@ -1,0 +1,599 @@
+"""The exact search for contiguous layer splits: the simulated step of the schedule, minimised under per-rank
+memory limits, on ranks of different speeds.
+
+A split gives stage s the layers [c_s, c_{s+1}) (0 = c_0 < c_1 < ... < c_S = L, every stage non-empty,
+stages in pipeline order, so V and interleaved placements wrap the model across the ranks as their
+placement says). Stage s's F, B and W are the sums of its layers' times divided by the speed of the rank
+that owns it; its memory is the memory model's (pipec.passes.memory): parameters, gradients and optimizer
+state held throughout, `act` bytes per micro-batch live from F to B and, with split backward, `wact` from
+B to W, counted along the rank's own order of ops. The objective is `pipec.sim.simulate`'s makespan of the
+schedule's Program under these per-stage costs (and the links of any cost documents given).
+
+Why the result is optimal (a cutting-plane method with the simulator as the objective):
+
+1. Every op of the Program has a predecessor on its rank (the op before it) and, but for a first F, a data
+   predecessor (F(i, s-1) for F(i, s); B(i, s+1), or on the last stage F(i, S-1), for B(i, s); B(i, s) for
+   W(i, s)). The simulator never starts an op before both have ended, plus the message's latency and fixed
+   `comm` time when they are on two ranks. So for any path P through this graph and any split x, the
+   simulated step T(x) >= len_P(x), the sum of the durations on P plus its message delays; and len_P(x) is
+   a sum over stages of (number of F, B, W ops of stage s on P) x (stage s's F, B, W time): additive over
+   the stages, a linear function of the split's prefix sums.
+2. The master problem, over a set K of paths, minimises z subject to z >= len_P(x) for P in K, the memory
+   limits (each rank's peak is a maximum over the positions of its order of a linear function of its
+   stages' bytes, so each position is one linear constraint), and contiguity. It is a small integer
+   program: a boundary variable per stage and table look-ups (CP-SAT element constraints) for the prefix
+   sums. Its optimum z* <= min over feasible splits of max_{P in K} len_P(x) <= min over feasible splits
+   of T(x) = OPT: a lower bound.
+3. Its solution x* is feasible; simulating it gives T(x*) >= OPT, the incumbent keeps the best. When the
+   incumbent's T equals the bound, it is optimal. Otherwise the longest path P* of the graph at x* is
+   added to K (with each rank's longest path to its last op), and the master solved again.
+4. Termination: when the simulator's step is the graph's longest path (no `overhead` and no bandwidth term
+   in the messages, the partitioner's default: these add queueing the graph does not have), T(x*) > z* means
+   len_{P*}(x*) = T(x*) > z* >= len_P(x*) for every P in K, so P* is new; there are finitely many paths.
+   With bandwidths or overheads the loop stops when no new path appears, and the bound it reached is
+   reported with the gap (`Result.optimal` False).
+
+Times are quantized to a power-of-two unit u about 2^-24 of a rank's whole step, so that the solver's
+integers and the simulator's floats are the same numbers exactly (sums of multiples of u below 2^53 are
+exact); the quantized cost of stage s is Q_s[c_{s+1}] - Q_s[c_s], Q_s the rounded prefix sums of its
+rank's layer times: a relative change of about 1e-7, far below any measurement's noise.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from pipec.errors import brief, error
+from pipec.partition.files import LayerTable
+from pipec.program import Program
+from pipec.schedule import Schedule
+
+KINDS = ("F", "B", "W")
+
+
+@dataclass(frozen=True)
+class Split:
+    """A split's boundaries (S + 1 of them) and what it costs: the simulated step (seconds), each rank's
+    memory peak (bytes), whether every rank is within its limit, and the per-stage times it was simulated
+    with."""
+
+    bounds: tuple[int, ...]
+    step: float
+    memory: tuple[float, ...]
+    fits: bool
+    stage_times: Mapping[str, tuple[float, ...]]
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(b - a for a, b in zip(self.bounds, self.bounds[1:]))
+
+
+@dataclass(frozen=True)
+class Result:
+    best: Split
+    uniform: Split
+    lower_bound: float  # seconds: no contiguous split within the limits simulates below it
+    optimal: bool  # the best's step equals the bound
+    rounds: int  # master problems solved
+    paths: int  # cuts (paths of the dependency graph) in the master at the end
+    simulations: int
+    seconds: float
+
+
+class Problem:
+    """The schedule, its Program, the layer table, the ranks' speeds and limits, and everything the search
+    precomputes from them (quantized prefix tables, the dependency graph, each rank's memory positions)."""
+
+    def __init__(
+        self,
+        sched: Schedule,
+        program: Program,
+        table: LayerTable,
+        speed: np.ndarray,
+        limit: np.ndarray,
+        cost_docs: Sequence[Mapping] = (),
+    ) -> None:
+        from pipec.sim.costs import cost_model
+
+        S, R, L = sched.num_stages, sched.num_ranks, table.num_layers
+        if S > L:
+            raise error(
+                "E805",
+                f"`{brief(sched.name)}` has {S} stages, more than the model's {L} layers (every stage needs one)",
+            )
+        self.sched, self.program, self.table = sched, program, table
+        self.S, self.R, self.L, self.m = S, R, L, sched.num_microbatches
+        self.speed = np.asarray(speed, dtype=float)
+        self.limit = np.asarray(limit, dtype=float)
+        self.placement = np.asarray(sched.placement, dtype=np.int64)
+        self.cost_docs = tuple(cost_docs)
+        split = sched.split_backward
+        times = {"F": table.F, "B": table.B if split else table.full_backward, "W": table.W if split else 0 * table.F}
+        stage_speed = self.speed[self.placement]
+        whole = max(float(sum(times[k].sum() for k in KINDS)) / float(self.speed.min()), 1e-30) * self.m
+        self.unit = 2.0 ** (math.floor(math.log2(whole)) - 24)
+        self.Q = {}  # kind -> (S, L + 1) int64: quantized prefix sums of stage s's rank's times
+        for k in KINDS:
+            pre = np.concatenate([[0.0], np.cumsum(times[k])])
+            self.Q[k] = np.rint(pre[None, :] / stage_speed[:, None] / self.unit).astype(np.int64)
+        held = 2 * table.param_bytes + table.state_bytes  # weights, gradients, optimizer state
+        self.P = {
+            "act": _prefix(table.act_bytes),
+            "wact": _prefix(table.wact_bytes if split else 0 * table.act_bytes),
+            "params": _prefix(held),
+        }
+        self.positions = _memory_positions(sched)
+        base = cost_model(sched, self.cost_docs)
+        self.graph = _Graph(sched, base, self.unit)
+        self.simulations = 0
+
+    # ---- one split --------------------------------------------------------------
+
+    def stage_units(self, bounds: Sequence[int]) -> dict[str, np.ndarray]:
+        c = np.asarray(bounds)
+        s = np.arange(self.S)
+        return {k: self.Q[k][s, c[1:]] - self.Q[k][s, c[:-1]] for k in KINDS}
+
+    def stage_bytes(self, bounds: Sequence[int]) -> dict[str, np.ndarray]:
+        c = np.asarray(bounds)
+        return {k: (v[c[1:]] - v[c[:-1]]).astype(float) for k, v in self.P.items()}
+
+    def memory(self, bounds: Sequence[int]) -> np.ndarray:
+        """Each rank's peak bytes under the memory model (equal to `pipec.passes.memory.rank_memory`'s)."""
+        b = self.stage_bytes(bounds)
+        out = np.zeros(self.R)
+        for r, (stages, A, W) in enumerate(self.positions):
+            if len(stages) == 0:
+                continue
+            live = A @ b["act"][stages] + W @ b["wact"][stages]
+            out[r] = b["params"][stages].sum() + max(float(live.max(initial=0.0)), 0.0)
+        return out
+
+    def cost_doc(self, bounds: Sequence[int]) -> dict:
+        """The per-stage cost document the simulator gets for this split."""
+        u = self.stage_units(bounds)
+        last = np.asarray(bounds[1:]) - 1
+        return {
+            "F": (u["F"] * self.unit).tolist(),
+            "B": (u["B"] * self.unit).tolist(),
+            "W": (u["W"] * self.unit).tolist(),
+            "act_bytes": self.table.out_bytes[last].tolist(),
+            "param_bytes": self._param_bytes(bounds),
+            "_from": "pipec partition: the split's layer sums",
+        }
+
+    def _param_bytes(self, bounds: Sequence[int]) -> list[float]:
+        pre = _prefix(self.table.param_bytes)
+        c = np.asarray(bounds)
+        return (pre[c[1:]] - pre[c[:-1]]).astype(float).tolist()
+
+    def simulate(self, bounds: Sequence[int]):
+        """The Timeline of the schedule's Program under this split's costs."""
+        from pipec.sim.costs import cost_model
+        from pipec.sim.simulate import simulate
+
+        self.simulations += 1
+        return simulate(self.program, cost_model(self.sched, [*self.cost_docs, self.cost_doc(bounds)]))
+
+    def evaluate(self, bounds: Sequence[int]) -> Split:
+        from pipec.sim.simulate import stats
+
+        tl = self.simulate(bounds)
+        mem = self.memory(bounds)
+        fits = bool(np.all(np.isnan(self.limit) | (mem <= self.limit + 1e-9)))
+        u = self.stage_units(bounds)
+        times = {k: tuple((u[k] * self.unit).tolist()) for k in KINDS}
+        return Split(tuple(int(x) for x in bounds), float(stats(tl).makespan), tuple(mem.tolist()), fits, times)
+
+    def uniform(self) -> tuple[int, ...]:
+        """Layers as evenly as they go, the first stages taking one fewer when L is not a multiple of S."""
+        return tuple(int(self.L * s // self.S) for s in range(self.S + 1))
+
+    def memory_schedule(self, bounds: Sequence[int]) -> Schedule:
+        """The schedule with this split's bytes as its memory declarations (for pipec.passes.memory)."""
+        b = self.stage_bytes(bounds)
+        mem = {k: tuple(v.tolist()) for k, v in b.items()}
+        mem["limit"] = tuple(self.limit.tolist())
+        return replace(self.sched, memory=mem)
+
+
+def _prefix(x: np.ndarray) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(np.rint(np.asarray(x, dtype=float)).astype(np.int64))])
+
+
+def _memory_positions(sched: Schedule) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Per rank: its stages, and at each position of its order that is not dominated by another, how many
+    micro-batches of each stage hold activations (A) and W inputs (W): the rank's live bytes there are
+    A @ act + W @ wact (the memory model's walk, pipec.passes.memory.rank_memory)."""
+    out = []
+    split = sched.split_backward
+    for r, ops in enumerate(sched.ranks):
+        stages = np.asarray(sched.stages_of(r), dtype=np.int64)
+        col = {int(s): i for i, s in enumerate(stages.tolist())}
+        n = len(stages)
+        A, W = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+        seen: set[tuple[int, ...]] = set()
+        for k, s in zip(ops.kind.tolist(), ops.stage.tolist()):
+            j = col[s]
+            if k == 0:
+                A[j] += 1
+            elif k == 1:
+                A[j] -= 1
+                if split:
+                    W[j] += 1
+            else:
+                W[j] -= 1
+            seen.add((*A.tolist(), *W.tolist()))
+        rows = np.array(sorted(seen), dtype=np.int64).reshape(-1, 2 * n)
+        keep = [
+            i
+            for i in range(len(rows))
+            if not any((rows[o] >= rows[i]).all() and (rows[o] != rows[i]).any() for o in range(len(rows)))
+        ]
+        rows = np.unique(rows[keep], axis=0)
+        out.append((stages, rows[:, :n], rows[:, n:]))
+    return out
+
+
+class _Graph:
+    """The Program's dependency graph (module docstring, point 1): each op's predecessor on its rank and its
+    data predecessor, with the message delay (latency + comm, in units, rounded down) between them."""
+
+    def __init__(self, sched: Schedule, costs, unit: float) -> None:
+        S = sched.num_stages
+        kinds = sched.kinds
+        kind_index = [KINDS.index(k) for k in kinds]
+        ident: dict[tuple[int, int, int], int] = {}
+        info = []  # (kind 0..2, stage, rank)
+        for r, ops in enumerate(sched.ranks):
+            for k, i, s in zip(ops.kind.tolist(), ops.mb.tolist(), ops.stage.tolist()):
+                ident[(kind_index[k], i, s)] = len(info)
+                info.append((kind_index[k], s, r, i))
+        n = len(info)
+        rank_pred = np.full(n, -1, dtype=np.int64)
+        data_pred = np.full(n, -1, dtype=np.int64)
+        delay = np.zeros(n, dtype=np.int64)
+        first = 0
+        for ops in sched.ranks:
+            for j in range(1, len(ops)):
+                rank_pred[first + j] = first + j - 1
+            first += len(ops)
+        for v, (k, s, r, i) in enumerate(info):
+            if k == 0:
+                u = ident.get((0, i, s - 1)) if s > 0 else None
+            elif k == 1:
+                u = ident.get((1, i, s + 1)) if s < S - 1 else ident.get((0, i, s))
+            else:
+                u = ident.get((1, i, s))
+            if u is None:
+                continue
+            data_pred[v] = u
+            ru = info[u][2]
+            if ru != r:
+                d = float(costs.latency[ru, r]) + float(costs.comm[info[u][1]])
+                delay[v] = math.floor(d / unit) if math.isfinite(d) else 0
+        # a topological order: advance each rank while its next op's data predecessor is done
+        order, done = [], np.zeros(n, dtype=bool)
+        heads = []
+        first = 0
+        for ops in sched.ranks:
+            heads.append([first, first + len(ops)])
+            first += len(ops)
+        progress = True
+        while progress:
+            progress = False
+            for h in heads:
+                while h[0] < h[1] and (data_pred[h[0]] < 0 or done[data_pred[h[0]]]):
+                    done[h[0]] = True
+                    order.append(h[0])
+                    h[0] += 1
+                    progress = True
+        self.order = order
+        self.kind = np.array([x[0] for x in info], dtype=np.int64)
+        self.stage = np.array([x[1] for x in info], dtype=np.int64)
+        self.rank = np.array([x[2] for x in info], dtype=np.int64)
+        self.rank_pred, self.data_pred, self.delay = rank_pred.tolist(), data_pred.tolist(), delay.tolist()
+        self.last_of_rank = [h[1] - 1 for h in heads if h[1] > 0]
+        self.S = S
+
+    def rank_chains(self, R: int) -> list[tuple[int, np.ndarray]]:
+        """Each rank's whole order as a path: the sum of its ops (a rank computes one op at a time)."""
+        out = []
+        for r in range(R):
+            counts = np.zeros((3, self.S), dtype=np.int64)
+            sel = self.rank == r
+            np.add.at(counts, (self.kind[sel], self.stage[sel]), 1)
+            out.append((0, counts))
+        return out
+
+    def paths(self, units: dict[str, np.ndarray]) -> tuple[int, list[tuple[int, np.ndarray]]]:
+        """The longest path's length (units) at these per-stage durations, and the paths to cut with: the
+        longest one, and the longest one ending at each rank's last op, as (constant, counts[kind, stage])."""
+        dur = np.stack([units[k] for k in KINDS])[self.kind, self.stage].tolist()
+        n = len(dur)
+        end = [0] * n
+        via = [-1] * n
+        rp, dp, dl = self.rank_pred, self.data_pred, self.delay
+        for v in self.order:
+            a = end[rp[v]] if rp[v] >= 0 else 0
+            b = end[dp[v]] + dl[v] if dp[v] >= 0 else -1
+            if b > a:
+                end[v], via[v] = b + dur[v], dp[v]
+            else:
+                end[v], via[v] = a + dur[v], rp[v]
+        tips = [int(np.argmax(end)), *self.last_of_rank]
+        out = []
+        for t in dict.fromkeys(tips):
+            counts = np.zeros((3, self.S), dtype=np.int64)
+            const, v = 0, t
+            while v >= 0:
+                counts[self.kind[v], self.stage[v]] += 1
+                u = via[v]
+                if u >= 0 and u == dp[v]:
+                    const += dl[v]
+                v = u
+            out.append((const, counts))
+        return max(end), out
+
+
+class Master:
+    """The master problem of the module docstring, point 2, as a CP-SAT model that grows by one
+    constraint per path. Boundary c_t is encoded in unary, v[t][j] = [c_t >= j] for j = 1 .. L, so that
+    a prefix sum Q[c_t] = sum_j (Q[j] - Q[j-1]) v[t][j] and every path's length and every memory position
+    are linear in the booleans (whose ordering constraints alone make an integral polytope: the LP
+    relaxation the solver bounds with is the fractional split, not the weak one of table look-ups)."""
+
+    def __init__(self, pb: Problem, memory: bool = True) -> None:
+        from ortools.sat.python import cp_model
+
+        self.cp = cp_model
+        self.pb = pb
+        M = self.model = cp_model.CpModel()
+        S, L = pb.S, pb.L
+        one = M.NewConstant(1)
+        zero = M.NewConstant(0)
+        # v[t][j], t = 0..S, j = 1..L (index j - 1): c_0 = 0, c_S = L, t <= c_t <= L - S + t
+        v = (
+            [[zero] * L]
+            + [
+                [one if j <= t else zero if j > L - S + t else M.NewBoolVar(f"v{t}_{j}") for j in range(1, L + 1)]
+                for t in range(1, S)
+            ]
+            + [[one] * L]
+        )
+        for t in range(1, S):
+            for j in range(1, L):
+                M.AddImplication(v[t][j], v[t][j - 1])  # c_t >= j + 1 implies c_t >= j
+        for t in range(1, S - 1):
+            for j in range(1, L):
+                M.AddImplication(v[t][j - 1], v[t + 1][j])  # c_{t+1} >= c_t + 1
+        self.v = v
+        self.dq = {k: np.diff(pb.Q[k], axis=1) for k in KINDS}  # (S, L): stage s's quantized time of layer j
+        self.dp = {k: np.diff(x) for k, x in pb.P.items()}  # (L,) bytes of each layer
+        if memory and not np.all(np.isnan(pb.limit)):
+            for r, (stages, A, W) in enumerate(pb.positions):
+                if math.isnan(pb.limit[r]) or not len(stages):
+                    continue
+                for const, expr in self.memory_rows(stages, A, W):
+                    M.Add(expr <= math.floor(pb.limit[r]) - const)
+        hi = int(sum(int(pb.Q[k][:, -1].max()) for k in KINDS)) * max(pb.m, 1) * 4 + sum(pb.graph.delay) + 1
+        self.z = M.NewIntVar(0, hi, "z")
+        M.Minimize(self.z)
+        self.cuts: set[tuple] = set()
+        self.upper: int | None = None
+
+    def memory_rows(self, stages: np.ndarray, A: np.ndarray, W: np.ndarray):
+        """A rank's bytes at each of its memory positions, as (constant, linear expression)."""
+        for a, w in zip(A.tolist(), W.tolist()):
+            weight = {}
+            for x, y, s in zip(a, w, stages.tolist()):
+                weight[s] = self.dp["params"] + x * self.dp["act"] + y * self.dp["wact"]
+            yield self._linear(weight)
+
+    def _linear(self, weight: Mapping[int, np.ndarray]):
+        """sum over stages s of sum over its layers of weight[s][layer], as a constant plus a linear
+        expression in the booleans: layer j - 1 is in stage s when v[s+1][j] - v[s][j] = 1."""
+        L, S = self.pb.L, self.pb.S
+        coef = np.zeros((S + 1, L), dtype=np.int64)
+        for s, w in weight.items():
+            coef[s + 1] += w
+            coef[s] -= w
+        const = int(coef[S].sum())  # v[S][j] = 1
+        terms, weights = [], []
+        for t in range(1, S):
+            for j in range(L):
+                if coef[t, j] == 0:
+                    continue
+                terms.append(self.v[t][j])
+                weights.append(int(coef[t, j]))
+        return const, self.cp.LinearExpr.WeightedSum(terms, weights)
+
+    def add(self, const: int, counts: np.ndarray) -> bool:
+        key = (int(const), counts.tobytes())
+        if key in self.cuts:
+            return False
+        self.cuts.add(key)
+        weight = {}
+        for s in range(self.pb.S):
+            w = sum(int(counts[i, s]) * self.dq[k][s] for i, k in enumerate(KINDS) if counts[i, s])
+            if not isinstance(w, int):
+                weight[s] = w
+        c, expr = self._linear(weight)
+        self.model.Add(self.z >= int(const) + c + expr)
+        return True
+
+    def solve(self, hint: Sequence[int] | None, seconds: float, best: Split | None = None):
+        """(status, bound in units, boundaries or None); with an incumbent, only splits below its step
+        (so "infeasible" then proves it optimal)."""
+        M = self.model
+        M.ClearHints()
+        if best is not None:
+            below = int(math.ceil(best.step / self.pb.unit)) - 1
+            if self.upper is None or below < self.upper:
+                M.Add(self.z <= below)
+                self.upper = below
+        if hint is not None:
+            for t in range(1, self.pb.S):
+                for j, var in enumerate(self.v[t], start=1):
+                    if var.Name().startswith("v"):
+                        M.AddHint(var, int(hint[t] >= j))
+        solver = self.cp.CpSolver()
+        solver.parameters.max_time_in_seconds = max(seconds, 0.05)
+        solver.parameters.num_workers = 2
+        st = solver.Solve(M)
+        if st not in (self.cp.OPTIMAL, self.cp.FEASIBLE):
+            return ("infeasible" if st == self.cp.INFEASIBLE else "unknown"), None, None
+        bounds = [0]
+        for t in range(1, self.pb.S):
+            bounds.append(sum(int(solver.Value(var)) for var in self.v[t]))
+        bounds.append(self.pb.L)
+        bound = int(solver.ObjectiveValue()) if st == self.cp.OPTIMAL else int(math.ceil(solver.BestObjectiveBound()))
+        return ("optimal" if st == self.cp.OPTIMAL else "feasible"), bound, tuple(bounds)
+
+
+def search(pb: Problem, time_limit: float = 10.0) -> Result:
+    """The best contiguous split (module docstring), with the uniform split for comparison; E806 when no
+    split fits the memory limits. First a local search from the uniform split (moving one boundary at a
+    time while the simulated step falls) gives a good incumbent and many paths; then the cutting-plane
+    loop proves it optimal or improves it, until `time_limit` seconds have passed (then the bound reached
+    is reported, `Result.optimal` False)."""
+    t0 = time.perf_counter()
+    master = Master(pb)
+    for const, counts in pb.graph.rank_chains(pb.R):
+        master.add(const, counts)
+
+    def cut(bounds: Sequence[int]) -> bool:
+        _, cuts = pb.graph.paths(pb.stage_units(bounds))
+        return any([master.add(const, counts) for const, counts in cuts])
+
+    uniform = pb.evaluate(pb.uniform())
+    cut(uniform.bounds)
+    best = None
+    for start in (uniform, pb.evaluate(_balanced(pb))):
+        cut(start.bounds)
+        if start.fits:
+            found = _local_search(pb, start, cut, t0 + time_limit / 3)
+            best = found if best is None or found.step < best.step else best
+    lb, rounds, status = 0, 0, "unknown"
+    while time.perf_counter() - t0 < time_limit:
+        left = time_limit - (time.perf_counter() - t0)
+        status, bound, bounds = master.solve(best.bounds if best else None, left, best)
+        rounds += 1
+        if bounds is None:
+            if status == "infeasible" and best is None:
+                raise no_fit(pb)
+            if status == "infeasible":  # nothing below the incumbent: it is optimal
+                lb = max(lb, int(math.floor(best.step / pb.unit)))
+            break
+        lb = max(lb, bound)
+        known = len(master.cuts)
+        cand = pb.evaluate(bounds)
+        if cand.fits and (best is None or cand.step < best.step):
+            best = _local_search(pb, cand, cut, time.perf_counter() + 1.0)
+        if best.step <= lb * pb.unit * (1 + 1e-12) or status != "optimal":
+            break
+        cut(bounds)
+        if len(master.cuts) == known:  # (the local search may have added the paths of x* already)
+            break
+    if best is None:
+        raise no_fit(pb)
+    return Result(
+        best=best,
+        uniform=uniform,
+        lower_bound=min(lb * pb.unit, best.step),
+        optimal=best.step <= lb * pb.unit * (1 + 1e-12),
+        rounds=rounds,
+        paths=len(master.cuts),
+        simulations=pb.simulations,
+        seconds=time.perf_counter() - t0,
+    )
+
+
+def _balanced(pb: Problem) -> tuple[int, ...]:
+    """The split whose slowest stage (F + B + W of one micro-batch on its rank) is fastest: the classic
+    bottleneck partition, by dynamic programming over (stage, boundary); a starting point only."""
+    load = sum(pb.Q[k] for k in KINDS).astype(float)  # (S, L + 1) prefix sums per stage's rank
+    L, S = pb.L, pb.S
+    inf = float("inf")
+    best = np.full(L + 1, inf)
+    best[0] = 0.0
+    choice = np.zeros((S, L + 1), dtype=np.int64)
+    idx = np.arange(L + 1)
+    for s in range(S):
+        # cost[a, c] = max(best[a], load of layers a..c on stage s), for a < c
+        seg = load[s][None, :] - load[s][:, None]
+        cost = np.maximum(best[:, None], seg)
+        cost[idx[:, None] >= idx[None, :]] = inf
+        choice[s] = np.argmin(cost, axis=0)
+        best = cost[choice[s], idx]
+    bounds = [L]
+    for s in range(S - 1, 0, -1):
+        bounds.append(int(choice[s][bounds[-1]]))
+    return tuple([0, *reversed(bounds)])
+
+
+def _local_search(pb: Problem, start: Split, cut, deadline: float) -> Split:
+    """Move one boundary by one layer at a time, to the first neighbour that fits and simulates faster,
+    until none does (or the deadline); every split simulated adds its paths to the master."""
+    best = start
+    improved = True
+    while improved and time.perf_counter() < deadline:
+        improved = False
+        for t in range(1, pb.S):
+            for d in (-1, 1):
+                b = list(best.bounds)
+                b[t] += d
+                if not b[t - 1] < b[t] < b[t + 1]:
+                    continue
+                cand = pb.evaluate(b)
+                cut(cand.bounds)
+                if cand.fits and cand.step < best.step:
+                    best, improved = cand, True
+            if time.perf_counter() > deadline:
+                break
+    return best
+
+
+def no_fit(pb: Problem):
+    """E806: no split fits; names the split that comes closest (the least excess over any rank's limit)."""
+    master = Master(pb, memory=False)
+    M = master.model
+    worst_bytes = int(sum(int(v[-1]) for v in pb.P.values())) * max(pb.m, 1) + 1
+    excess = M.NewIntVar(-worst_bytes, worst_bytes, "excess")
+    for r, (stages, A, W) in enumerate(pb.positions):
+        if math.isnan(pb.limit[r]) or not len(stages):
+            continue
+        for const, expr in master.memory_rows(stages, A, W):
+            M.Add(excess >= const + expr - math.floor(pb.limit[r]))
+    M.Minimize(excess)
+    solver = master.cp.CpSolver()
+    solver.parameters.max_time_in_seconds = 10.0
+    solver.parameters.num_workers = 2
+    solver.Solve(M)
+    bounds = [0] + [sum(int(solver.Value(x)) for x in master.v[t]) for t in range(1, pb.S)] + [pb.L]
+    mem = pb.memory(bounds)
+    worst = int(np.nanargmax(np.where(np.isnan(pb.limit), -np.inf, mem - pb.limit)))
+    sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+    return error(
+        "E806",
+        f"no split of the {pb.L} layers into {pb.S} stages fits the memory limits: the closest, layers per stage "
+        f"{', '.join(map(str, sizes))}, needs {_bytes(mem[worst])} on rank {worst} (limit {_bytes(pb.limit[worst])})",
+        notes=(
+            "per rank: " + ", ".join(f"{_bytes(x)}" for x in mem.tolist()),
+            "raise the limits, take a schedule that holds fewer micro-batches, or more ranks",
+        ),
+    )
+
+
+def _bytes(x: float) -> str:
+    if math.isnan(x):
+        return "no limit"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(x) >= size:
+            return f"{x / size:.3g} {unit}"
+    return f"{x:.0f} B"

@@ -1,0 +1,242 @@
+"""`pipec partition`: the search is optimal against brute force, respects memory limits and rank speeds;
+the layer table and partition file read back and refuse what they must; `pipec run --partition` trains
+the split model with gradients equal to the reference."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+
+from pipec.api import load
+from pipec.errors import PipecError
+from pipec.partition import partition
+from pipec.partition.files import (
+    Ranks,
+    make_table,
+    parse_ranks,
+    partition_doc,
+    read_partition,
+    read_table,
+    write_json,
+)
+from pipec.partition.search import Problem, search
+from pipec.passes.compiler import compile_schedule
+from pipec.passes.memory import rank_memory
+
+pytest.importorskip("ortools")
+
+CASES = [
+    ("1f1b", {"p": 3, "m": 4}),
+    ("zb-h1", {"p": 2, "m": 4}),
+    ("interleaved-1f1b", {"p": 2, "v": 2, "m": 4}),
+    ("zb-v", {"p": 2, "m": 4}),
+]
+
+
+def _table(rng, L: int):
+    rows = []
+    for i in range(L):
+        rows.append(
+            {
+                "name": f"l{i}",
+                "F": float(rng.uniform(0.1, 3)),
+                "B": float(rng.uniform(0.1, 3)),
+                "W": float(rng.uniform(0.1, 2)),
+                "full_backward": float(rng.uniform(0.2, 5)),
+                "act_bytes": int(rng.integers(10, 100)),
+                "out_bytes": int(rng.integers(1, 10)),
+                "param_bytes": int(rng.integers(1, 60)),
+                "params": [["weight", [i + 1, 2]]],
+            }
+        )
+    return make_table(rows)
+
+
+def _brute(pb: Problem):
+    """Every contiguous split, simulated: the best that fits, or None."""
+    best = None
+    for cuts in itertools.combinations(range(1, pb.L), pb.S - 1):
+        sp = pb.evaluate((0, *cuts, pb.L))
+        if sp.fits and (best is None or sp.step < best.step):
+            best = sp
+    return best
+
+
+@pytest.mark.parametrize("name,params", CASES)
+def test_optimal_against_brute_force(name, params):
+    rng = np.random.default_rng(sum(map(ord, name)))
+    sched = load(name, **params)
+    prog = compile_schedule(sched).program
+    R = sched.num_ranks
+    for trial in range(3):
+        table = _table(rng, int(rng.integers(sched.num_stages + 1, 9)))
+        speed = rng.choice([0.5, 1.0, 2.0], size=R)
+        limit = np.full(R, np.nan)
+        pb0 = Problem(sched, prog, table, speed, limit)
+        if trial == 2:  # a limit that cuts off some splits, but not all
+            peaks = sorted(max(pb0.memory((0, *c, pb0.L))) for c in itertools.combinations(range(1, pb0.L), pb0.S - 1))
+            limit = np.full(R, peaks[len(peaks) // 2])
+        pb = Problem(sched, prog, table, speed, limit)
+        res = search(pb, time_limit=60)
+        want = _brute(pb)
+        assert res.optimal
+        assert res.best.step == want.step, (trial, res.best.sizes, want.sizes)
+        assert res.lower_bound == res.best.step
+        assert res.best.fits and all(m <= x for m, x in zip(res.best.memory, limit) if not np.isnan(x))
+
+
+def test_memory_is_the_memory_model():
+    """The search's per-rank peaks equal pipec.passes.memory's for the split's bytes."""
+    rng = np.random.default_rng(5)
+    for name, params in CASES:
+        sched = load(name, **params)
+        pb = Problem(
+            sched,
+            compile_schedule(sched).program,
+            _table(rng, 8),
+            np.ones(sched.num_ranks),
+            np.full(sched.num_ranks, np.nan),
+        )
+        for bounds in ((0, *range(1, pb.S), pb.L), pb.uniform()):
+            want = [r.peak for r in rank_memory(pb.memory_schedule(bounds))]
+            assert np.allclose(pb.memory(bounds), want, rtol=0, atol=1e-6)
+
+
+def test_graph_is_the_simulator_with_free_communication():
+    """The premise of the termination argument: with free messages the longest dependency path is the
+    simulated step, on random splits."""
+    rng = np.random.default_rng(7)
+    for name, params in CASES:
+        sched = load(name, **params)
+        pb = Problem(
+            sched,
+            compile_schedule(sched).program,
+            _table(rng, 9),
+            rng.choice([0.5, 1.0], sched.num_ranks),
+            np.full(sched.num_ranks, np.nan),
+        )
+        for _ in range(4):
+            cuts = sorted(rng.choice(np.arange(1, pb.L), pb.S - 1, replace=False).tolist())
+            bounds = (0, *cuts, pb.L)
+            length, _ = pb.graph.paths(pb.stage_units(bounds))
+            assert length * pb.unit == pb.evaluate(bounds).step
+
+
+def test_slow_ranks_get_less_work():
+    rows = [{"name": f"l{i}", "F": 1.0, "B": 2.0, "W": 1.0, "full_backward": 3.0} for i in range(16)]
+    sched = load("1f1b", p=4, m=8)
+    prog = compile_schedule(sched).program
+    out = partition(sched, prog, make_table(rows), Ranks(speed=(1, 1, 0.5, 0.5)))
+    sizes = out.result.best.sizes
+    assert out.result.optimal
+    assert sizes[2] + sizes[3] < sizes[0] + sizes[1]
+    assert out.result.best.step < out.result.uniform.step
+
+
+def test_no_split_fits_names_the_closest():
+    rng = np.random.default_rng(3)
+    sched = load("1f1b", p=2, m=4)
+    with pytest.raises(PipecError) as e:
+        partition(sched, compile_schedule(sched).program, _table(rng, 6), limit=10.0)
+    assert e.value.code == "E806"
+    assert "the closest" in str(e.value) and "on rank" in str(e.value)
+
+
+def test_more_stages_than_layers():
+    sched = load("1f1b", p=4, m=4)
+    with pytest.raises(PipecError) as e:
+        partition(sched, compile_schedule(sched).program, _table(np.random.default_rng(0), 3))
+    assert e.value.code == "E805"
+
+
+def test_files_round_trip_and_refusals(tmp_path):
+    table = _table(np.random.default_rng(1), 5)
+    path = str(tmp_path / "t.json")
+    write_json(path, table.to_json())
+    back = read_table(path)
+    assert back.names == table.names and back.fingerprint == table.fingerprint
+    assert np.array_equal(back.F, table.F) and np.array_equal(back.act_bytes, table.act_bytes)
+
+    doc = partition_doc(table, "1f1b", {"p": 2, "m": 4}, [["l0", "l1"], ["l2", "l3", "l4"]])
+    ppath = str(tmp_path / "p.json")
+    write_json(ppath, doc)
+    part = read_partition(ppath)
+    assert part.stages == (("l0", "l1"), ("l2", "l3", "l4"))
+    part.check_model(table.fingerprint, table.names, "m.py")  # the same model: accepted
+    part.check_stages(2, "1f1b")
+    other = _table(np.random.default_rng(2), 5)  # same names, other shapes? same shapes: change a shape
+    shapes = make_table([{"name": n, "params": [["weight", [9, 9]]]} for n in table.names])
+    for fp, names in (
+        (shapes.fingerprint, shapes.names),
+        (_table(np.random.default_rng(2), 4).fingerprint, other.names[:4]),
+    ):
+        with pytest.raises(PipecError) as e:
+            part.check_model(fp, names, "m.py")
+        assert e.value.code == "E804"
+    with pytest.raises(PipecError) as e:
+        part.check_stages(4, "1f1b")
+    assert e.value.code == "E805"
+
+    bad = {
+        "notjson.json": "{",
+        "format.json": json.dumps({**doc, "format": "pipec-costs"}),
+        "order.json": json.dumps({**doc, "stages": [["l1", "l0"], ["l2", "l3", "l4"]]}),
+        "empty.json": json.dumps({**doc, "stages": [["l0", "l1", "l2", "l3", "l4"], []]}),
+    }
+    for name, text in bad.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(PipecError) as e:
+            read_partition(str(tmp_path / name))
+        assert e.value.code == "E803", name
+    tdoc = table.to_json()
+    tdoc["layers"][0]["F"] = -1
+    (tmp_path / "neg.json").write_text(json.dumps(tdoc))
+    with pytest.raises(PipecError) as e:
+        read_table(str(tmp_path / "neg.json"))
+    assert e.value.code == "E803"
+
+
+def test_ranks_description(tmp_path):
+    r = parse_ranks("speed=1,1,0.5,0.5 mem=16GiB,16GiB,8GiB,-")
+    assert r.speeds(4).tolist() == [1, 1, 0.5, 0.5]
+    assert r.limits(4)[:3].tolist() == [2.0**34, 2.0**34, 2.0**33] and np.isnan(r.limits(4)[3])
+    (tmp_path / "r.toml").write_text('speed = [1, 0.5]\nmem = ["1GiB", "2GiB"]\n')
+    assert parse_ranks(str(tmp_path / "r.toml")).limits(2).tolist() == [2.0**30, 2.0**31]
+    for text in ("speed=0", "speed=1,x", "fast=1", "mem=lots"):
+        with pytest.raises(PipecError) as e:
+            parse_ranks(text)
+        assert e.value.code == "E803", text
+    with pytest.raises(PipecError):
+        parse_ranks("speed=1,1,1").speeds(4)
+
+
+def test_profile_partition_and_run_check(tmp_path, monkeypatch, capsys):
+    """The whole path on the uneven example, small: profile its layers, partition, then train the split
+    model in one process (2 ranks) with gradients equal to the single-process reference."""
+    pytest.importorskip("torch")
+    from pipec.cli import main
+
+    monkeypatch.setenv("UNEVEN_BATCH", "16")
+    monkeypatch.setenv("UNEVEN_HEAD", "256")
+    part, layers = str(tmp_path / "part.json"), str(tmp_path / "layers.json")
+    args = ["partition", "1f1b", "-D", "p=2", "-D", "m=2", "--model", "examples/uneven.py", "--reps", "1"]
+    assert main([*args, "--save-layers", layers, "-o", part]) == 0
+    table = read_table(layers)
+    assert table.names[0] == "embed" and table.names[-1] == "head"
+    assert (table.act_bytes > 0).all() and (table.param_bytes > 0).all()
+    out = capsys.readouterr().out
+    assert "predicted step" in out and "uniform split" in out
+    doc = json.loads(open(part).read())
+    assert doc["format"] == "pipec-partition" and doc["model"]["fingerprint"] == table.fingerprint
+    run = ["run", "1f1b", "-D", "p=2", "-D", "m=2", "--model", "examples/uneven.py", "--partition", part]
+    assert main([*run, "--local", "--check", "--steps", "1"]) == 0
+    assert "OK: largest relative error" in capsys.readouterr().out
+    wrong = ["run", "1f1b", "-D", "p=3", "-D", "m=2", "--model", "examples/uneven.py", "--partition", part]
+    assert main([*wrong, "--local", "--steps", "1"]) == 1
+    assert "error[E805]" in capsys.readouterr().err
+    monkeypatch.setenv("UNEVEN_HEAD", "128")  # other shapes: another model
+    assert main([*run, "--local", "--steps", "1"]) == 1
+    assert "error[E804]" in capsys.readouterr().err
