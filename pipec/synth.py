@@ -450,7 +450,10 @@ def repair(
         index = {op: j for j, op in enumerate(ops)}
         live = [(i, s) for i, s in rep.live_act if (i, s) not in done]
         if not live:
-            return None
+            # every activation at the peak is offloaded already, some reloaded before it: issue one RELOAD later
+            if not _later_reload(mem[r], rep, index):
+                return None
+            continue
         i, s = max(live, key=lambda x: (index[(1, x[0], x[1])] - max(index[(0, x[0], x[1])], rep.peak_index), -x[0]))
         f, b = index[(0, i, s)], index[(1, i, s)]
         done.add((i, s))
@@ -470,6 +473,24 @@ def repair(
             continue
         mem[r].sort(key=lambda x: (x.before, {"OFFLOAD": 0, "RELOAD": 1, "RECOMPUTE": 2}[x.op]))
     return None
+
+
+def _later_reload(mem: list[MemOp], rep, index: dict) -> bool:
+    """Move the RELOAD of an activation live at the peak (`rep`) to just after it, before its B, when one is
+    issued before the peak: the one whose B is furthest. Whether one moved."""
+    j = rep.peak_index
+    movable = [
+        (index[(1, x.mb, x.stage)], n)
+        for n, x in enumerate(mem)
+        if x.op == "RELOAD" and (x.mb, x.stage) in set(rep.live_act) and x.before <= j < index[(1, x.mb, x.stage)]
+    ]
+    if not movable:
+        return False
+    b, n = max(movable)
+    x = mem[n]
+    mem[n] = MemOp("RELOAD", x.mb, x.stage, min(j + 1, b))
+    mem.sort(key=lambda y: (y.before, {"OFFLOAD": 0, "RELOAD": 1, "RECOMPUTE": 2}[y.op]))
+    return True
 
 
 def repair_candidates(spec: Spec, plain: Sequence[Candidate], progress: Progress | None = None) -> list[Candidate]:
