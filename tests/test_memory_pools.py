@@ -277,3 +277,13 @@ def test_trace_keeps_the_host_link_and_recomputes(tmp_path):
     for f in ("rank", "op", "mb", "stage", "start", "end", "host_rank", "host_op", "host_mb", "host_start", "host_end"):
         assert np.array_equal(getattr(back, f), getattr(tl, f)), f
     assert len(tl.host_rank) == 4 and (tl.op == pipec.program.CODE["RECOMPUTE"]).sum() == 3
+
+
+def test_errors_doc_console_example_of_E406(capsys):
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "errors.md").read_text()
+    body = text.split("### E406")[1].split("\n### ")[0]
+    command, *shown = body.split("```console\n")[1].split("```")[0].splitlines()
+    assert pipec.cli.main(command.split()[2:]) == 1
+    assert capsys.readouterr().err.splitlines() == shown
