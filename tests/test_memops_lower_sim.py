@@ -246,6 +246,8 @@ def test_host_time_from_bytes_and_the_host_link_else_half_a_forward():
     assert (tl.host_end - tl.host_start).tolist() == [0.5, 0.5]
     tl = _sim(s2, saved_bytes=4e9, host_bandwidth="2GB/s", offload=0.75)  # a given time wins
     assert (tl.host_end - tl.host_start).tolist() == [0.75, 0.75]
+    host = cost_model(s2, [normalize({"saved_bytes": 4e9, "host_bandwidth": "2GB/s"})]).describe()["host"]
+    assert host["saved_bytes"] == 4e9 and host["host_bandwidth_bps"] == 16e9 and host["offload"] is None
     rec = _with(s, [*_offload_pair(s, 0, 0, 0), MemOp("RECOMPUTE", 0, 0, _at(s, 0, "B", 0, 0))], [])
     tl = _sim(rec, saved_bytes=4e9, input_bytes=1e9, host_bandwidth="1GB/s")  # a recomputed F keeps its input
     # OFFLOAD [1, 2], RELOAD (issued after F1) [2, 3]; the RECOMPUTE recomputes from what came back: [3, 4]

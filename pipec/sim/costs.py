@@ -344,6 +344,20 @@ class CostModel:
             "free": self.free_collectives,
         }
 
+    def _describe_host(self, col) -> dict:
+        """The memory-op part of `describe`: the per-stage bytes given (None: not given), the stages'
+        `offload` times (-1: from the bytes or the default on that stage) and the host link."""
+        sizes = ("saved_bytes", "wsaved_bytes", "input_bytes", "state_bytes")
+        given = {k: getattr(self, k) for k in sizes}
+        off = self.offload
+        return {
+            **{k: col(v) if v is not None and (v > 0).any() else None for k, v in given.items()},
+            "offload": None if off is None or np.isnan(off).all() else col(np.where(np.isnan(off), -1.0, off)),
+            "host_latency_s": self.host_latency,
+            "host_bandwidth_bps": _json_num(self.host_bandwidth * 8),
+            "default_offload_of_F": HOST_DEFAULT_F,
+        }
+
     def per_microbatch(self) -> float:
         """Compute time of one micro-batch through the whole model (every stage's F + B + W)."""
         return float(self.F.sum() + self.B.sum() + self.W.sum())
@@ -379,6 +393,7 @@ class CostModel:
             "overhead": self.overhead,
             "links": links,
             "collectives": self._describe_collectives(col),
+            "host": self._describe_host(col),
             "free_comm": self.free_comm,
             "from": list(self.origin),
         }
