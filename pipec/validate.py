@@ -215,18 +215,21 @@ def _rank(prog: Program, r: int, rp) -> list[tuple[int, int, str]]:
     else:  # a RECOMPUTE computes on the stage's parameters too
         out += _windows(r, op, st_c, np.flatnonzero(ON_COMPUTE[op]), windows, own, steps, S)
     if not out and IS_MEMOP[op].any():
-        out += _memops(r, op, mb, st_c, S, m)
+        out += _memops(r, op, mb, st_c, own, m)
     return out
 
 
-def _memops(r: int, op: np.ndarray, mb: np.ndarray, st: np.ndarray, S: int, m: int) -> list[tuple[int, int, str]]:
+def _memops(
+    r: int, op: np.ndarray, mb: np.ndarray, st: np.ndarray, own: np.ndarray, m: int
+) -> list[tuple[int, int, str]]:
     """The memory ops of one rank (docs/program.md, "Memory ops"), each at most once per (micro-batch,
     stage): a RECOMPUTE after the FWD of its micro-batch and stage and before its BWD; an OFFLOAD after that
     FWD, reloaded by a RELOAD after it and before the BWD; with both, the RECOMPUTE after the RELOAD (it
     recomputes from what comes back). Operand ranges and the stage's owner are the rules above. One
     position per (opcode, key) in numpy, then masks over the memory ops only."""
     out: list[tuple[int, int, str]] = []
-    key = st * m + np.clip(mb, 0, m - 1)
+    S = len(own)  # every stage in the stream is the rank's own by now: keys over those only
+    key = np.searchsorted(own, st) * m + np.clip(mb, 0, m - 1)
     n = len(op)
     pos: dict[int, np.ndarray] = {}
     for code in (FWD, BWD, RECOMPUTE, OFFLOAD, RELOAD):
