@@ -15,6 +15,12 @@ is posted after the send is only written when the sender's background thread han
 (milliseconds). Posted ahead, the receive is known to the sender when it sends and the data goes out
 at once. NCCL must not post ahead: a pending receive holds up later transfers with the same peer on
 its stream, which the Program's channel order (`pipec.passes.lower`) accounts for and an early post does not.
+
+Memory ops: a FWD whose (micro-batch, stage) has a RECOMPUTE in this rank's stream keeps only its input
+(`Stage.forward(keep_input_only=True)`), and the RECOMPUTE reruns it (`Stage.recompute`). OFFLOAD and
+RELOAD move the saved tensors of a (micro-batch, stage) through the rank's `Pool` of saved-tensor holders
+(pipec.runtime.saved), which exists when the Program offloads or when `measure_memory` asked for the
+peak saved bytes of each step (`peaks`, per pool).
 """
 
 from __future__ import annotations
@@ -33,8 +39,11 @@ from pipec.opcodes import (
     MSG_OF,
     NEEDS_MSG,
     NEEDS_STAGE,
+    OFFLOAD,
     OPCODES,
+    RECOMPUTE,
     REDUCE_GRAD,
+    RELOAD,
     RESHARD,
     STEP,
     UNSHARD,
@@ -43,6 +52,7 @@ from pipec.opcodes import (
 from pipec.program import Instr, Program
 from pipec.runtime.comm import ACT, GRAD, Key, Recv, key_str
 from pipec.runtime.errors import PipelineError, ShapeError
+from pipec.runtime.saved import Peaks, Pool
 from pipec.runtime.shapes import Specs, TensorSpec, fmt
 from pipec.runtime.stage import Stage
 from pipec.validate import validate
@@ -85,6 +95,30 @@ class Executor:
         self.recv_ord = {j: k for k, j in enumerate(self.recvs)}
         self.posted = 0  # receives of this step posted so far (a prefix of self.recvs)
         self.reached = 0  # receive instructions of this step the loop has reached
+        # memory ops: the (mb, stage) pairs whose FWD keeps only its input, and the saved-tensor pool
+        self.recomputed = {(mb, s) for op, mb, s, _, _ in self.instrs if op == RECOMPUTE}
+        offloaded = {(mb, s) for op, mb, s, _, _ in self.instrs if op in (OFFLOAD, RELOAD)}
+        both = sorted(self.recomputed & offloaded)
+        if both:
+            raise PipelineError(
+                f"rank {rank}: micro-batch {both[0][0]} of stage {both[0][1]} is both recomputed and offloaded; "
+                "the runtime offloads what a FWD saves, and a recomputed FWD saves nothing"
+            )
+        self.pool: Pool | None = None
+        self.peaks: Peaks | None = None  # the last step's peak saved bytes, when a pool exists
+        if offloaded:
+            self._use_pool()
+
+    def measure_memory(self) -> None:
+        """Count every saved activation from the next step on: `peaks` is then each step's (saved-tensor
+        hooks on every forward; without this and without OFFLOAD, the forwards run without hooks)."""
+        self._use_pool()
+
+    def _use_pool(self) -> None:
+        if self.pool is None:
+            self.pool = Pool()
+            for st in self.stages.values():
+                st.pool = self.pool
 
     # ---- where we are, for error messages -----------------------------------------------------
     def instr(self, j: int) -> Instr:
@@ -122,6 +156,9 @@ class Executor:
         n = len(self.instrs)
         t_run = time.perf_counter() if rec is not None else 0.0
         self.posted = self.reached = 0
+        pool, recomputed = self.pool, self.recomputed
+        if pool is not None:
+            pool.reset_peaks()
         self._post_upto(self.recv_ahead)
         j = 0
         while j < n:
@@ -132,7 +169,11 @@ class Executor:
                 if dp is not None:
                     dp.ready(s)
                 t0 = time.perf_counter() if rec is not None else 0.0
-                out = stages[s].forward(mb, args, targets[mb] if s == S - 1 else None)
+                target = targets[mb] if s == S - 1 else None
+                if (mb, s) in recomputed:
+                    out = stages[s].forward(mb, args, target, keep_input_only=True)
+                else:
+                    out = stages[s].forward(mb, args, target)
                 if out is not None:
                     values[(ACT, mb, s)] = out
                 if rec is not None:
@@ -183,6 +224,17 @@ class Executor:
             elif op == RESHARD:
                 if dp is not None:
                     dp.reshard(s)
+            elif op == RECOMPUTE:
+                t0 = time.perf_counter() if rec is not None else 0.0
+                stages[s].recompute(mb)
+                if rec is not None:
+                    self.sync()
+                    rec.append(("memop", RECOMPUTE, mb, s, t0, time.perf_counter()))
+            elif op == OFFLOAD or op == RELOAD:
+                t0 = time.perf_counter() if rec is not None else 0.0
+                (pool.offload if op == OFFLOAD else pool.reload)(mb, s)
+                if rec is not None:
+                    rec.append(("memop", op, mb, s, t0, time.perf_counter()))
             elif grp:  # a batched exchange: validate allows exactly two transfers with one peer
                 self._exchange([j, j + 1])
                 j += 1
@@ -190,6 +242,8 @@ class Executor:
                 self._exchange([j])
             j += 1
         self.at = n
+        if pool is not None:
+            self.peaks = pool.peaks()
         if rec is not None:  # the instructions' span, for the time of the step outside them
             rec.append(("run", t_run, time.perf_counter()))
         left = [key_str(k) for k in self.values]

@@ -45,6 +45,7 @@ from pipec.runtime.affinity import allowed_cpus, bind_local_rank
 from pipec.runtime.errors import PipelineError
 from pipec.runtime.microbatch import as_args, split, to_device
 from pipec.runtime.model import Model, build_stage_module, default_optimizer
+from pipec.runtime.saved import Pool, state_bytes, tensor_bytes
 from pipec.runtime.stage import Stage
 
 
@@ -70,6 +71,8 @@ class Profile:
     # bytes of each stage's parameters (what its data-parallel collectives move, unsharded)
     param_bytes: list[int] = field(default_factory=list)
     collectives: Collectives | None = None  # the data-parallel group's collectives (`dp` > 1)
+    # per stage, from `stage_bytes`: saved_bytes, wsaved_bytes, input_bytes, state_bytes, offload (seconds)
+    memory: dict[str, list] = field(default_factory=dict)
 
     def cost_doc(self) -> dict:
         """The cost file's document (for `pipec.sim.costs.dump_costs`)."""
@@ -94,6 +97,11 @@ class Profile:
             doc["W"] = _r(W)
         doc["act_bytes"] = list(self.act_bytes)
         doc["grad_bytes"] = list(self.grad_bytes)
+        for key in ("saved_bytes", "wsaved_bytes", "input_bytes", "state_bytes"):
+            if key in self.memory and (key != "wsaved_bytes" or self.split_backward):
+                doc[key] = list(self.memory[key])
+        if "offload" in self.memory:
+            doc["offload"] = _r(self.memory["offload"])
         if self.latency is not None:
             doc["latency"] = round(self.latency, 9)
         if self.bandwidth is not None:
@@ -239,6 +247,8 @@ def profile(
         when=time.strftime("%Y-%m-%d %H:%M:%S"),
         loadavg_1min=round(os.getloadavg()[0], 2),
     )
+    say("counting each stage's saved activations, parameters, gradients and optimizer state (saved-tensor hooks)")
+    prof.memory = stage_bytes(program, model, device=device, seed=seed, loss_scale=loss_scale, dp=dp)
     if comm and program.num_ranks > 1:
         sizes = sorted({b for b in prof.act_bytes + prof.grad_bytes if b > 0})
         if device.type == "cpu" and backend == "gloo":
@@ -278,6 +288,82 @@ def profile(
             )
             prof.info["collectives"] = prof.collectives.how
     return prof
+
+
+def stage_bytes(
+    program: Program,
+    model: Model,
+    *,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    loss_scale: float | None = None,
+    dp: int = 1,
+    reps: int = 5,
+) -> dict[str, list]:
+    """Per stage, in bytes, through the runtime's own `Stage` and saved-tensor holders (pipec.runtime.saved)
+    on micro-batch 0 of `batch(0)`: `saved_bytes`, what its FWD keeps for its BWD; `wsaved_bytes`, what its
+    BWD keeps for its WGRAD (split backward: the graph stays whole until WGRAD, so about all of it);
+    `input_bytes`, what a recomputed FWD keeps (its input; the first stage's is the step's data, held
+    anyway: 0); `state_bytes`, its parameters, their gradients and the optimizer's state after a step of
+    the model file's optimizer. And `offload`: the seconds of one OFFLOAD or RELOAD of its saved tensors as
+    the runtime runs them (median of `reps`; on a CPU device nothing is copied, so microseconds)."""
+    device = torch.device(device)
+    S, m = program.num_stages, program.num_microbatches
+    scale = 1.0 / m if loss_scale is None else loss_scale
+    modules = [
+        build_stage_module(model.build_stage, s, S, seed=seed, dtype=model.dtype, device=device, where="build_stage")
+        for s in range(S)
+    ]
+    make_opt = model.optimizer or default_optimizer
+    inputs, targets = model.batch(0)
+    if dp > 1:
+        from pipec.runtime.dataparallel import slice_replica
+
+        inputs, targets = slice_replica(inputs, dp, 0, "inputs"), slice_replica(targets, dp, 0, "targets")
+    x = as_args(to_device(split(inputs, m, "inputs")[0], device, model.dtype))
+    y = to_device(split(targets, m, "targets")[0], device)
+    out: dict[str, list] = {k: [0] * S for k in ("saved_bytes", "wsaved_bytes", "input_bytes", "state_bytes")}
+    out["offload"] = [0.0] * S
+    for split_backward in (False, True) if program.split_backward else (False,):
+        pool = Pool()
+        stages = []
+        for s, mod in enumerate(modules):
+            st = Stage(s, S, mod, model.loss_fn if s == S - 1 else None, scale, split_backward, None)
+            st.pool = pool
+            stages.append(st)
+        args = x
+        for s, st in enumerate(stages):
+            if s > 0:
+                out["input_bytes"][s] = tensor_bytes(args)
+            args = st.forward(0, args, y if s == S - 1 else None)
+            out["saved_bytes"][s] = pool.held(0, s)
+        grads = None
+        for s in reversed(range(S)):
+            if not split_backward:
+                seconds = []
+                for _ in range(reps):  # as the runtime runs them: on CPU, the accounting only
+                    t0 = time.perf_counter()
+                    pool.offload(0, s)
+                    pool.reload(0, s)
+                    pool.ready(0, s)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                    seconds.append((time.perf_counter() - t0) / 2)
+                out["offload"][s] = statistics.median(seconds)
+            grads = stages[s].backward(0, grads)
+            if split_backward:
+                out["wsaved_bytes"][s] = pool.held(0, s)
+        for s in reversed(range(S)) if split_backward else ():
+            stages[s].wgrad(0)
+        if not split_backward:
+            for s, (st, mod) in enumerate(zip(stages, modules)):
+                params = [p for p in mod.parameters() if p.requires_grad]
+                opt = make_opt(params) if params else None
+                if opt is not None:
+                    opt.step()
+                out["state_bytes"][s] = state_bytes(mod, opt)
+                st.zero_grad()
+    return out
 
 
 def default_threads(ranks: int) -> int:
@@ -722,6 +808,14 @@ def summary_lines(prof: Profile) -> list[str]:
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     fmt = lambda r: "  ".join(x.rjust(w) for x, w in zip(r, widths))  # noqa: E731
     lines = [fmt(head), *map(fmt, rows)]
+    if prof.memory:
+        keys = (
+            ("saved_bytes", "wsaved_bytes", "input_bytes", "state_bytes")
+            if prof.split_backward
+            else ("saved_bytes", "input_bytes", "state_bytes")
+        )
+        per = "; ".join(f"{k} {prof.memory[k]}" for k in keys)
+        lines.append(f"bytes per stage (saved-tensor hooks, micro-batch 0): {per}")
     if prof.latency is not None:
         bw = f"{prof.bandwidth / 1e9:.3g} Gbit/s" if prof.bandwidth else "not measurable"
         lines.append(f"link ({prof.info.get('link')}): latency {prof.latency * 1e6:.1f} us, bandwidth {bw}")

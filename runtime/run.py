@@ -97,6 +97,8 @@ def worker_args(args: argparse.Namespace, program_path: str) -> list[str]:
             out += ["--checkpoint-every", str(args.checkpoint_every)]
         if args.resume:
             out.append("--resume")
+    if getattr(args, "memory", False):
+        out += ["--memory-out", os.path.join(os.path.dirname(program_path), "memory.json")]
     if getattr(args, "links", None) is not None:
         links_path = os.path.join(os.path.dirname(program_path), "links.json")
         with open(links_path, "w") as f:
@@ -132,7 +134,53 @@ def run_torchrun(args: argparse.Namespace, program: Program, nproc: int) -> int:
         except SignalException as e:  # Ctrl-C or a kill of `pipec run`: torchrun has stopped the workers
             print(f"pipec run: stopped by {e.sigval.name}", file=sys.stderr)
             return 128 + int(e.sigval)
+        if getattr(args, "memory", False):
+            import json
+
+            from pipec.runtime.saved import Peaks
+
+            with open(os.path.join(tmp, "memory.json")) as f:
+                per_rank = json.load(f)
+            # the pipeline of replica 0: global ranks 0, dp, 2 dp, ... (pipec.runtime.dataparallel)
+            measured = [Peaks(**per_rank[r * program.dp]) for r in range(program.num_ranks)]
+            print("\n".join(memory_lines(args, program, measured)), flush=True)
     return 0
+
+
+def memory_lines(args: argparse.Namespace, program: Program, measured: list) -> list[str]:
+    """`pipec run --memory`: each rank's measured peak saved bytes (pipec.runtime.saved) in the last step,
+    against pipec's memory model (`program_memory`, device and host pools) fed with the bytes `pipec
+    profile` counts for this model (`stage_bytes`), when the run knows its Schedule."""
+    from pipec.passes.memory import fmt_memory, memory_bytes, program_memory
+    from pipec.runtime.model import load_model
+    from pipec.runtime.profile import stage_bytes
+
+    sched = getattr(args, "memory_schedule", None)
+    predicted = None
+    if sched is not None:
+        dev = args.device or ("cuda" if args.backend == "nccl" else "cpu")
+        counted = stage_bytes(program, load_model(args.model), device=dev, seed=args.seed, loss_scale=args.loss_scale)
+        predicted = program_memory(program, sched, memory_bytes([counted]))
+    b = lambda x: fmt_memory(float(x), "bytes")  # noqa: E731
+    err = lambda p, m: "-" if not p else f"{(m - p) / p:+.1%}"  # noqa: E731
+    head = ["rank", "device predicted", "measured", "error", "host predicted", "measured", "error"]
+    rows = []
+    for r, got in enumerate(measured):
+        if predicted is None:
+            rows.append([str(r), "-", b(got.device), "-", "-", b(got.host), "-"])
+            continue
+        rep = predicted[r]
+        dev_p, host_p = rep.peak - rep.params, rep.host_peak
+        rows.append([str(r), b(dev_p), b(got.device), err(dev_p, got.device), b(host_p), b(got.host)])
+        rows[-1].append(err(host_p, got.host))
+    if any(got.cuda is not None for got in measured):
+        head.append("cuda max allocated")
+        for row, got in zip(rows, measured):
+            row.append("-" if got.cuda is None else b(got.cuda))
+    widths = [max(len(row[i]) for row in [head, *rows]) for i in range(len(head))]
+    fmt = lambda row: "  ".join(x.rjust(w) for x, w in zip(row, widths))  # noqa: E731
+    how = "pipec's memory model on the bytes pipec profile counts" if predicted else "no Schedule to predict from"
+    return [f"peak saved activations per rank, last step (predicted: {how}):", fmt(head), *map(fmt, rows)]
 
 
 class _stop_within_shutdown_timeout:
@@ -216,6 +264,9 @@ def run_local(args: argparse.Namespace, program: Program, model) -> int:
     show(header(program, f"--local on {device.type}, one process", model.path))
     if links is not None:
         show(links.describe() + " (--local: ranks interleaved, so step times are not parallel)")
+    if getattr(args, "memory", False):
+        for runner in pipe.runners:
+            runner.executor.measure_memory()
     for step in range(args.steps):
         x, y = model.batch(step)
         res = pipe.step(x, y, record=bool(args.trace) and step == args.steps - 1)
@@ -232,6 +283,8 @@ def run_local(args: argparse.Namespace, program: Program, model) -> int:
         tol = args.tol if args.tol is not None else default_tol(pipe.runners[0])
         show("\n".join(checks.lines(tol, args.steps)))
         code = 0 if checks.worst() <= tol else 1
+    if getattr(args, "memory", False):
+        show("\n".join(memory_lines(args, program, [r.executor.peaks for r in pipe.runners])))
     if args.trace:
         from pipec.sim.trace import write_trace
 

@@ -3,6 +3,14 @@
 Per micro-batch it keeps what the backward needs: the inputs (leaves that require grad, so the input
 gradient can be handed back) and the outputs with their graph; after an input-only BWD, what WGRAD needs.
 The last stage computes the loss, scaled by `loss_scale`, and accumulates it for the step's report.
+
+Recomputation (a RECOMPUTE in the Program): the FWD runs under `torch.no_grad()` and keeps only its
+input (and the RNG state, so dropout draws the same masks again); `recompute` runs the forward again
+with grad from that input, and the BWD then finds its graph as after a plain FWD. This is what
+non-reentrant `torch.utils.checkpoint` does, with the Program saying when (torch's checkpoint reruns
+the forward inside the backward, at the first use of a saved tensor, with no way to trigger it earlier).
+With a `pool` (pipec.runtime.saved) what autograd saves goes to the pool's holders, counted, and
+offloadable.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ from typing import Any
 import torch
 
 from pipec.runtime import split
+from pipec.runtime.saved import Pool, module_storages, storages
 from pipec.runtime.shapes import outputs_of
 
 
@@ -41,29 +50,85 @@ class Stage:
         self.live_params = False
         self.saved: dict[int, tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = {}
         self.deferred: dict[int, Any] = {}
+        self.stashed: dict[int, tuple] = {}  # recomputed micro-batches: (input, target, RNG states) until RECOMPUTE
         self.loss = None  # sum of this step's scaled micro-batch losses (last stage)
+        self.pool: Pool | None = None  # saved-tensor holders (pipec.runtime.saved), when measuring or offloading
+        self._state_storages: set[int] | None = None
 
-    def forward(self, mb: int, args: tuple, target: Any = None) -> tuple[torch.Tensor, ...] | None:
-        """Run the stage; returns the (detached) outputs to pass on, or None on the last stage."""
+    def forward(
+        self, mb: int, args: tuple, target: Any = None, *, keep_input_only: bool = False
+    ) -> tuple[torch.Tensor, ...] | None:
+        """Run the stage; returns the (detached) outputs to pass on, or None on the last stage. With
+        `keep_input_only` (its micro-batch is recomputed) nothing is saved for the backward but the input;
+        `recompute` must run before `backward`."""
+        if not keep_input_only:
+            return self._run(mb, args, target, accumulate=True)
+        devices = [args[0].device] if args and isinstance(args[0], torch.Tensor) and args[0].is_cuda else []
+        rng = (torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices])
+        with torch.no_grad():
+            out = self.module(*args)
+            if self.last:
+                self._add_loss(self.loss_fn(out, target))
+        self.stashed[mb] = (args, target, rng, devices)
+        if self.pool is not None:
+            self.pool.keep(mb, self.index, args, self._exclude(args, target))
+        return None if self.last else tuple(o.detach() for o in outputs_of(out, self.index))
+
+    def recompute(self, mb: int) -> None:
+        """RECOMPUTE: the forward of micro-batch mb again, with grad, from the input its FWD kept."""
+        try:
+            args, target, (cpu_rng, dev_rng), devices = self.stashed.pop(mb)
+        except KeyError:
+            raise RuntimeError(f"RECOMPUTE {mb} {self.index}: its FWD did not keep its input") from None
+        with torch.random.fork_rng(devices=devices, device_type=devices[0].type if devices else "cuda"):
+            torch.set_rng_state(cpu_rng)
+            for d, state in zip(devices, dev_rng):
+                torch.cuda.set_rng_state(state, d)
+            self._run(mb, args, target, accumulate=False)
+
+    def _run(self, mb: int, args: tuple, target: Any, accumulate: bool) -> tuple[torch.Tensor, ...] | None:
         if not self.first:
             args = tuple(x.requires_grad_() for x in args)
-        out = self.module(*args)
+        if self.pool is None:
+            out = self.module(*args)
+            loss = self.loss_fn(out, target) if self.last else None
+        else:
+            with self.pool.saving(mb, self.index, self._exclude(args, target)):
+                out = self.module(*args)
+                loss = self.loss_fn(out, target) if self.last else None
         if self.last:
-            loss = self.loss_fn(out, target)
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise ValueError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
-            loss = loss.reshape(()) * self.loss_scale
-            self.loss = loss.detach() if self.loss is None else self.loss + loss.detach()
+            loss = self._add_loss(loss) if accumulate else self._scaled(loss)
             self.saved[mb] = (args, (loss,))
             return None
         outs = outputs_of(out, self.index)
         self.saved[mb] = (args, outs)
         return tuple(o.detach() for o in outs)
 
+    def _scaled(self, loss: Any) -> torch.Tensor:
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
+        return loss.reshape(()) * self.loss_scale
+
+    def _add_loss(self, loss: Any) -> torch.Tensor:
+        loss = self._scaled(loss)
+        self.loss = loss.detach() if self.loss is None else self.loss + loss.detach()
+        return loss
+
+    def _exclude(self, args: tuple, target: Any) -> set[int]:
+        """Storages autograd may save that are not activations: parameters, buffers, the step's data."""
+        if self._state_storages is None or self.live_params:
+            self._state_storages = module_storages(self.module)
+        data: list[Any] = [target] if isinstance(target, torch.Tensor) else []
+        if self.first:
+            data += list(args)
+        return self._state_storages | storages(data) if data else self._state_storages
+
     def backward(self, mb: int, grads: tuple[torch.Tensor, ...] | None) -> tuple[torch.Tensor, ...] | None:
         """BWD: the gradient of the stage's inputs (None on the first stage). With split backward the weight
         gradients wait for `wgrad`; otherwise they are accumulated now."""
         args, outs = self.saved.pop(mb)
+        if self.pool is not None:
+            self.pool.ready(mb, self.index)  # a RELOAD's copy has landed
         if self.split_backward:
             if self.first:  # no input gradient to compute: WGRAD does the whole backward
                 self.deferred[mb] = (outs, grads)
@@ -74,6 +139,8 @@ class Stage:
             pairs = [(o, None if grads is None else grads[k]) for k, o in enumerate(outs) if o.requires_grad]
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], None if grads is None else [g for _, g in pairs])
+            if self.pool is not None:
+                self.pool.release(mb, self.index)
             if self.first:
                 return None
             dargs = tuple(x.grad for x in args)
@@ -89,6 +156,8 @@ class Stage:
                 torch.autograd.backward([o for o, _ in pairs], None if grads is None else [g for _, g in pairs])
         else:
             split.backward_weight(state)
+        if self.pool is not None:
+            self.pool.release(mb, self.index)
 
     def trainable(self) -> list[torch.nn.Parameter]:
         if self.live_params:
@@ -109,4 +178,4 @@ class Stage:
 
     def check_done(self) -> list[int]:
         """Micro-batches whose backward never ran (a Program bug): empty when the step is complete."""
-        return sorted(set(self.saved) | set(self.deferred))
+        return sorted(set(self.saved) | set(self.deferred) | set(self.stashed))

@@ -1,0 +1,223 @@
+"""Peak saved activation bytes predicted against measured, and recompute/offload against the simulator:
+JSON lines, or docs/memory.md's "Predicted against measured" tables with --markdown.
+
+    .venv/bin/python benchmarks/memory_measured.py peaks [--markdown]      # every library schedule, p=4
+    .venv/bin/python benchmarks/memory_measured.py time [--steps 6] [--markdown]
+
+`peaks`: every library schedule (`pipec list`) at p=4 (m=8; the default parameters otherwise) on
+examples/mlp.py, run in this process (`LocalPipeline`, the runtime's executor and saved-tensor holders,
+pipec.runtime.saved) for two steps; the measured figure is each rank's peak saved bytes in the last step
+(device and host pools), the predicted one pipec's memory model (`program_memory`) on the bytes `pipec
+profile` counts (`stage_bytes`). A schedule that does not build at p=4 (a topology it needs) is reported
+as skipped with its reason.
+
+`time`: 1f1b, 1f1b-recompute, zb-v, zb-v-recompute and 1f1b-offload at p=4 m=8 on 4 gloo processes: each
+is profiled (`pipec profile -o COST.toml`, ops timed one at a time), simulated (`pipec simulate --cost
+COST.toml --json`: makespan, and per rank the device and host peaks less the rank's parameter state), and
+run (the launch entry point `pipec run` starts, with `--memory-out`: per-step seconds, and the last step's
+measured peaks). The measured step is the median of the steps after the first. Every line carries the
+load average (the machine is shared: the times are fidelity figures, not speeds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL = os.path.join(ROOT, "examples", "mlp.py")
+TIMED = ("1f1b", "1f1b-recompute", "zb-v", "zb-v-recompute", "1f1b-offload")
+
+
+def _load() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+def _compile(name: str, p: int, m: int):
+    from pipec.api import build
+    from pipec.frontend import library
+    from pipec.passes.compiler import compile_schedule
+
+    sched = build(library.read(name), [("p", str(p)), ("m", str(m))])
+    return sched, compile_schedule(sched).program
+
+
+def peaks_row(name: str, p: int = 4, m: int = 8, steps: int = 2) -> dict:
+    """One schedule's predicted and measured peaks per rank (see the module docstring)."""
+    from pipec.passes.memory import memory_bytes, program_memory
+    from pipec.runtime.local import LocalPipeline
+    from pipec.runtime.model import load_model
+    from pipec.runtime.profile import stage_bytes
+
+    try:
+        sched, program = _compile(name, p, m)
+    except Exception as e:  # noqa: BLE001 - reported in the row
+        return {"schedule": name, "skipped": str(e).splitlines()[0], "loadavg": _load()}
+    model = load_model(MODEL)
+    pipe = LocalPipeline(program, model.build_stage, model.loss_fn, optimizer=model.optimizer, dtype=model.dtype)
+    for runner in pipe.runners:
+        runner.executor.measure_memory()
+    for step in range(steps):
+        pipe.step(*model.batch(step))
+    predicted = program_memory(program, sched, memory_bytes([stage_bytes(program, model)]))
+    ranks = []
+    for r, (rep, runner) in enumerate(zip(predicted, pipe.runners)):
+        got = runner.executor.peaks
+        ranks.append(
+            {
+                "rank": r,
+                "device_predicted": int(round(rep.peak - rep.params)),
+                "device_measured": got.device,
+                "host_predicted": int(round(rep.host_peak)),
+                "host_measured": got.host,
+            }
+        )
+    return {
+        "schedule": name,
+        "params": dict(program.params),
+        "ranks": ranks,
+        "worst_error": _worst(ranks),
+        "loadavg": _load(),
+    }
+
+
+def _worst(ranks: list[dict]) -> float:
+    errs = [
+        abs(r[f"{pool}_measured"] - r[f"{pool}_predicted"]) / r[f"{pool}_predicted"]
+        for r in ranks
+        for pool in ("device", "host")
+        if r[f"{pool}_predicted"]
+    ]
+    return round(max(errs, default=0.0), 6)
+
+
+def _pipec(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipec", *argv], capture_output=True, text=True, cwd=ROOT)
+
+
+def time_row(name: str, tmp: str, p: int = 4, m: int = 8, steps: int = 6) -> dict:
+    """Profile, simulate and run one schedule (see the module docstring)."""
+    from pipec.cli import run_json
+
+    cost = os.path.join(tmp, f"{name}.toml")
+    defs = ["-D", f"p={p}", "-D", f"m={m}"]
+    prof = _pipec("profile", name, *defs, "--model", MODEL, "-o", cost, "--reps", "10")
+    if prof.returncode:
+        return {"schedule": name, "error": prof.stderr.strip().splitlines()[-1:], "loadavg": _load()}
+    sim = json.loads(_pipec("simulate", name, *defs, "--cost", cost, "--json").stdout)["results"][0]
+    with open(cost) as f:
+        import tomllib
+
+        state = tomllib.loads(f.read())["state_bytes"]
+    _, program = _compile(name, p, m)
+    rank_state = [sum(state[s] for s, r in enumerate(program.placement) if r == k) for k in range(program.num_ranks)]
+    out_path = os.path.join(tmp, f"{name}.memory.json")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(p)]
+    cmd += ["-m", "pipec.runtime.launch", name, *defs, "--model", MODEL, "--steps", str(steps)]
+    cmd += ["--memory-out", out_path]
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // p))))
+    run = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
+    if run.returncode:
+        return {"schedule": name, "error": (run.stdout + run.stderr).strip().splitlines()[-3:], "loadavg": _load()}
+    seconds = [s["seconds"] for s in run_json(run.stdout)["steps"]][1:]
+    with open(out_path) as f:
+        measured = json.load(f)
+    step = statistics.median(seconds)
+    ranks = []
+    for r, per in enumerate(sim["per_rank"]):
+        ranks.append(
+            {
+                "rank": r,
+                "device_simulated": int(per["peak_memory"] - rank_state[r]),
+                "device_measured": measured[r]["device"],
+                "host_simulated": int(per.get("host_peak_memory", 0)),
+                "host_measured": measured[r]["host"],
+            }
+        )
+    return {
+        "schedule": name,
+        "p": p,
+        "m": m,
+        "step_measured_s": round(step, 6),
+        "makespan_simulated_s": round(sim["makespan"], 6),
+        "time_ratio": round(step / sim["makespan"], 3),
+        "ranks": ranks,
+        "loadavg": _load(),
+    }
+
+
+def _kib(x: int) -> str:
+    return f"{x / 1024:.1f}"
+
+
+def peaks_markdown(rows: list[dict]) -> str:
+    lines = [
+        "| schedule | rank: device KiB predicted / measured (host) | worst error |",
+        "|---|---|---|",
+    ]
+    for row in rows:
+        if "skipped" in row:
+            lines.append(f"| {row['schedule']} | skipped: {row['skipped']} | - |")
+            continue
+        cells = []
+        for r in row["ranks"]:
+            cell = f"{r['rank']}: {_kib(r['device_predicted'])} / {_kib(r['device_measured'])}"
+            if r["host_predicted"] or r["host_measured"]:
+                cell += f" (host {_kib(r['host_predicted'])} / {_kib(r['host_measured'])})"
+            cells.append(cell)
+        lines.append(f"| {row['schedule']} | {'; '.join(cells)} | {100 * row['worst_error']:.1f}% |")
+    return "\n".join(lines)
+
+
+def time_markdown(rows: list[dict]) -> str:
+    lines = [
+        "| schedule | step measured ms | simulated ms | ratio | device KiB per rank: simulated / measured | host KiB |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        if "error" in row:
+            lines.append(f"| {row['schedule']} | failed: {' '.join(row['error'])} | | | | |")
+            continue
+        dev = "; ".join(f"{_kib(r['device_simulated'])} / {_kib(r['device_measured'])}" for r in row["ranks"])
+        host = "; ".join(f"{_kib(r['host_simulated'])} / {_kib(r['host_measured'])}" for r in row["ranks"])
+        lines.append(
+            f"| {row['schedule']} | {1e3 * row['step_measured_s']:.1f} | {1e3 * row['makespan_simulated_s']:.1f} "
+            f"| {row['time_ratio']:.2f} | {dev} | {host} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("part", choices=("peaks", "time"))
+    ap.add_argument("--steps", type=int, default=6, help="time: training steps per run (the first is dropped)")
+    ap.add_argument("--markdown", action="store_true", help="print docs/memory.md's table instead of JSON lines")
+    args = ap.parse_args(argv)
+    rows = []
+    if args.part == "peaks":
+        from pipec.frontend import library
+
+        for name in library.names():
+            rows.append(peaks_row(name))
+            if not args.markdown:
+                print(json.dumps(rows[-1]), flush=True)
+        if args.markdown:
+            print(peaks_markdown(rows))
+        return 0 if all(r.get("worst_error", 0.0) <= 0.05 for r in rows) else 1
+    with tempfile.TemporaryDirectory(prefix="pipec-memory-") as tmp:
+        for name in TIMED:
+            rows.append(time_row(name, tmp, steps=args.steps))
+            if not args.markdown:
+                print(json.dumps(rows[-1]), flush=True)
+    if args.markdown:
+        print(time_markdown(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
