@@ -643,9 +643,8 @@ class SolveResult:
 Times = Mapping[tuple, float]  # start times: (kind index, mb, stage) for F, B, W; (memop name, mb, stage) for memops
 
 
-def start_times(d: Derived, memops: MemOps = ()) -> tuple[float, dict]:
-    """The makespan and start times of a list-scheduled candidate, for the solver's warm start. A RECOMPUTE
-    placed just before its B (`recompute_candidates`) starts where the merged op did; its B starts after it."""
+def start_times(d: Derived) -> tuple[float, dict]:
+    """The makespan and start times of a list-scheduled candidate, for the solver's warm start."""
     times: dict[tuple, float] = {}
     for ops, starts in zip(d.orders, d.start):
         for op, t in zip(ops, starts):
@@ -669,6 +668,8 @@ def sim_times(sim) -> tuple[float, dict]:
 
 
 def _recompute_shifted(mc: Machine, times: dict, memops: MemOps) -> dict:
+    """A list-scheduled recomputation seed's times (`recompute_candidates`: B ran as B + F): each RECOMPUTE
+    starts where its merged B did, and the B after it."""
     out = dict(times)
     for x in (x for rank in memops for x in rank if x.op == "RECOMPUTE"):
         b = (1, x.mb, x.stage)
