@@ -221,9 +221,13 @@ def test_profile_partition_and_run_check(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setenv("UNEVEN_BATCH", "16")
     monkeypatch.setenv("UNEVEN_HEAD", "256")
+    from pipec.runtime.layer_profile import profile_layers
+    from pipec.runtime.model import load_model
+
     part, layers = str(tmp_path / "part.json"), str(tmp_path / "layers.json")
-    args = ["partition", "1f1b", "-D", "p=2", "-D", "m=2", "--model", "examples/uneven.py", "--reps", "1"]
-    assert main([*args, "--save-layers", layers, "-o", part]) == 0
+    write_json(layers, profile_layers(load_model("examples/uneven.py"), 2, reps=1, warmup=0, threads=1).to_json())
+    args = ["partition", "1f1b", "-D", "p=2", "-D", "m=2", "--layers-cost", layers]
+    assert main([*args, "-o", part]) == 0
     table = read_table(layers)
     assert table.names[0] == "embed" and table.names[-1] == "head"
     assert (table.act_bytes > 0).all() and (table.param_bytes > 0).all()

@@ -14,6 +14,7 @@ split and written as a partition file that `pipec run --partition` builds its st
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -57,16 +58,19 @@ def partition(
     cost_docs: Sequence[Mapping] = (),
     time_limit: float = 10.0,
 ) -> Outcome:
-    """Search the best split of `table`'s layers over the schedule's stages (see pipec.partition.search).
-    `limit` (bytes) applies to every rank without one of its own in `ranks`."""
+    """Search the best split of `table`'s layers over the schedule's stages (see pipec.partition.search),
+    within about `time_limit` seconds. `limit` (bytes) applies to every rank without one of its own in
+    `ranks`."""
     R = sched.num_ranks
     ranks = ranks or Ranks()
     speed = ranks.speeds(R)
     lim = ranks.limits(R)
     if limit is not None:
         lim = np.where(np.isnan(lim), limit, np.fmin(lim, limit))
+    t0 = time.perf_counter()
     pb = Problem(sched, program, table, speed, lim, cost_docs)
-    return Outcome(pb, search(pb, time_limit), tuple(speed.tolist()), tuple(lim.tolist()))
+    left = time_limit - (time.perf_counter() - t0)  # the limit covers the set-up too
+    return Outcome(pb, search(pb, left), tuple(speed.tolist()), tuple(lim.tolist()))
 
 
 def _s(x: float) -> str:

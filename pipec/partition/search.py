@@ -385,7 +385,27 @@ class Master:
         self.z = M.NewIntVar(0, hi, "z")
         M.Minimize(self.z)
         self.cuts: set[tuple] = set()
+        self.paths: list[tuple[int, np.ndarray]] = []
         self.upper: int | None = None
+
+    def path_bound(self) -> int:
+        """max over the paths P so far of min over all contiguous splits of len_P (units): a lower bound
+        on the master's optimum (min max >= max min) that needs no solver, each minimum an exact dynamic
+        program over (stage, boundary) in O(S L) with prefix minima, since len_P is additive over stages."""
+        best = 0
+        S, L = self.pb.S, self.pb.L
+        for const, counts in self.paths:
+            cost = np.zeros(L + 1)
+            cost[1:] = np.inf  # before stage 0: only boundary 0
+            for s in range(S):
+                w = sum(float(counts[i, s]) * self.pb.Q[k][s].astype(float) for i, k in enumerate(KINDS))
+                w = w if isinstance(w, np.ndarray) else np.zeros(L + 1)
+                run = np.minimum.accumulate(cost - w)  # min over a <= c of cost[a] - W[a]
+                nxt = np.full(L + 1, np.inf)
+                nxt[1:] = w[1:] + run[:-1]  # a < c: a non-empty stage
+                cost = nxt
+            best = max(best, int(math.floor(cost[L])) + const)
+        return best
 
     def memory_rows(self, stages: np.ndarray, A: np.ndarray, W: np.ndarray):
         """A rank's bytes at each of its memory positions, as (constant, linear expression)."""
@@ -418,6 +438,7 @@ class Master:
         if key in self.cuts:
             return False
         self.cuts.add(key)
+        self.paths.append((int(const), counts))
         weight = {}
         for s in range(self.pb.S):
             w = sum(int(counts[i, s]) * self.dq[k][s] for i, k in enumerate(KINDS) if counts[i, s])
@@ -446,8 +467,11 @@ class Master:
         solver.parameters.max_time_in_seconds = max(seconds, 0.05)
         solver.parameters.num_workers = 2
         st = solver.Solve(M)
-        if st not in (self.cp.OPTIMAL, self.cp.FEASIBLE):
-            return ("infeasible" if st == self.cp.INFEASIBLE else "unknown"), None, None
+        if st == self.cp.INFEASIBLE:
+            return "infeasible", None, None
+        if st not in (self.cp.OPTIMAL, self.cp.FEASIBLE):  # out of time: the bound the solver proved so far
+            bound = solver.BestObjectiveBound()
+            return "unknown", int(math.ceil(bound)) if math.isfinite(bound) else None, None
         bounds = [0]
         for t in range(1, self.pb.S):
             bounds.append(sum(int(solver.Value(var)) for var in self.v[t]))
@@ -481,10 +505,12 @@ def search(pb: Problem, time_limit: float = 10.0) -> Result:
             best = found if best is None or found.step < best.step else best
     lb, rounds, status = 0, 0, "unknown"
     while time.perf_counter() - t0 < time_limit:
-        left = time_limit - (time.perf_counter() - t0)
+        left = time_limit - (time.perf_counter() - t0) - 0.5  # the solver overruns its limit a little
         status, bound, bounds = master.solve(best.bounds if best else None, left, best)
         rounds += 1
         if bounds is None:
+            if status == "unknown" and bound is not None:
+                lb = max(lb, bound)
             if status == "infeasible" and best is None:
                 raise no_fit(pb)
             if status == "infeasible":  # nothing below the incumbent: it is optimal
@@ -502,6 +528,7 @@ def search(pb: Problem, time_limit: float = 10.0) -> Result:
             break
     if best is None:
         raise no_fit(pb)
+    lb = max(lb, master.path_bound(), _work_bound(pb))
     return Result(
         best=best,
         uniform=uniform,
@@ -512,6 +539,17 @@ def search(pb: Problem, time_limit: float = 10.0) -> Result:
         simulations=pb.simulations,
         seconds=time.perf_counter() - t0,
     )
+
+
+def _work_bound(pb: Problem) -> int:
+    """Some rank computes at least its share of the whole work: sum_r speed_r C_r = m W (each layer's
+    work counted once, on its rank's speed), so max_r C_r >= m W / sum_r speed_r; less 3 m S units for the
+    rounding of the quantized stage sums. In units."""
+    split = pb.sched.split_backward
+    t = pb.table
+    work = float((t.F + (t.B + t.W if split else t.full_backward)).sum())
+    used = sorted(set(pb.placement.tolist()))
+    return max(0, int(math.floor(pb.m * work / float(pb.speed[used].sum()) / pb.unit)) - 3 * pb.m * pb.S)
 
 
 def _balanced(pb: Problem) -> tuple[int, ...]:

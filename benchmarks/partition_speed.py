@@ -1,0 +1,79 @@
+"""How long `pipec partition`'s search takes at 96 layers x 8 ranks x v=2 (the issue's target: 10 s).
+
+    python benchmarks/partition_speed.py [--time-limit 10] [--layers 96] [--seed 0]
+
+One JSON line per case: interleaved 1F1B (p=8, v=2) and ZB-V (p=8), m=16, on a random layer table of
+`--layers` layers (times uniform in 0.5..3 per pass, so no split is trivially best), with all ranks at
+speed 1 and with half of them at 0.5; then 1F1B p=8 for reference. Each line has the search's seconds, whether
+it proved the split optimal, the lower bound's gap, the step beside the uniform split's, the number
+of simulations and the load average (the development machine is shared: times are this machine's then).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import numpy as np
+
+from pipec.api import load
+from pipec.partition import partition
+from pipec.partition.files import Ranks, make_table
+from pipec.passes.compiler import compile_schedule
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--time-limit", type=float, default=10.0)
+    ap.add_argument("--layers", type=int, default=96)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    rng = np.random.default_rng(args.seed)
+    rows = [
+        {
+            "name": f"layer{i}",
+            "F": float(rng.uniform(0.5, 3)),
+            "B": float(rng.uniform(0.5, 3)),
+            "W": float(rng.uniform(0.2, 2)),
+            "full_backward": float(rng.uniform(1, 5)),
+            "act_bytes": int(rng.integers(1 << 20, 1 << 24)),
+            "param_bytes": int(rng.integers(1 << 20, 1 << 26)),
+        }
+        for i in range(args.layers)
+    ]
+    table = make_table(rows)
+    cases = [("interleaved-1f1b", {"p": 8, "v": 2, "m": 16}), ("zb-v", {"p": 8, "m": 16}), ("1f1b", {"p": 8, "m": 16})]
+    for name, params in cases:
+        sched = load(name, **params)
+        prog = compile_schedule(sched).program
+        for speeds in ((1.0,), (1.0,) * 4 + (0.5,) * 4):
+            t0 = time.perf_counter()
+            out = partition(sched, prog, table, Ranks(speed=speeds), time_limit=args.time_limit)
+            wall = time.perf_counter() - t0
+            res = out.result
+            doc = {
+                "schedule": name,
+                "params": params,
+                "layers": args.layers,
+                "speed": list(out.speed),
+                "seconds": round(wall, 3),
+                "search_seconds": round(res.seconds, 3),
+                "optimal": res.optimal,
+                "gap": round(1 - res.lower_bound / res.best.step, 6),
+                "step": res.best.step,
+                "uniform_step": res.uniform.step,
+                "gain": round(res.uniform.step / res.best.step, 4),
+                "layers_per_stage": list(res.best.sizes),
+                "simulations": res.simulations,
+                "paths": res.paths,
+                "rounds": res.rounds,
+                "time_limit": args.time_limit,
+                "loadavg": [round(x, 2) for x in os.getloadavg()],
+            }
+            print(json.dumps(doc), flush=True)
+
+
+if __name__ == "__main__":
+    main()
