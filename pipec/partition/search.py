@@ -27,8 +27,9 @@ Why the result is optimal (a cutting-plane method with the simulator as the obje
 3. Its solution x* is feasible; simulating it gives T(x*) >= OPT, the incumbent keeps the best. When the
    incumbent's T equals the bound, it is optimal. Otherwise the longest path P* of the graph at x* is
    added to K (with each rank's longest path to its last op), and the master solved again.
-4. Termination: when the simulator's step is the graph's longest path (no `overhead` and no bandwidth term
-   in the messages, the partitioner's default: these add queueing the graph does not have), T(x*) > z* means
+4. Termination: when the simulator's step is the graph's longest path (free messages, the partitioner's
+   default: a bandwidth term or an `overhead` adds queueing the graph does not have, and a latency that is
+   no multiple of the time unit below is rounded down in the graph), T(x*) > z* means
    len_{P*}(x*) = T(x*) > z* >= len_P(x*) for every P in K, so P* is new; there are finitely many paths.
    With bandwidths or overheads the loop stops when no new path appears, and the bound it reached is
    reported with the gap (`Result.optimal` False).
