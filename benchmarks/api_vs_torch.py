@@ -19,8 +19,11 @@ Before timing, one step of each from the same weights on the same batch, and the
 parameter name (float64; `grad_max_rel_diff` in every line; the script exits with an error above 1e-9).
 Then rounds alternate between the systems (`sidebyside.alternate`), `--steps` timed steps per round, each
 step's time the slowest rank's between two barriers, and the median is reported: one JSON line per schedule
-with `ratio` = pipec / torch (target <= 1.0), `ratio_csv` = pipec / torch_csv, and the load average before
-and after. The process spawning is runtime_vs_torch.py's `run_ranks`.
+with `ratio` = pipec / torch (target <= 1.0; `ratio_per_round`, each round's, shows how much the load moved
+it), `ratio_csv` = pipec / torch_csv, `cpu_ratio` = the same for the CPU seconds of all ranks' processes per
+step (what each system computes and dispatches, which other load disturbs less than wall time), and the
+load average before and after. The process spawning is
+runtime_vs_torch.py's `run_ranks`.
 """
 
 from __future__ import annotations
@@ -121,15 +124,18 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> N
     x = torch.randint(0, 256, (M * ROWS, CONTEXT), generator=g)
     y = torch.randint(0, 256, (M * ROWS, CONTEXT), generator=g)
 
-    def timed(side: System, n: int) -> list[float]:
+    def timed(side: System, n: int) -> list[tuple[float, float]]:
+        """(wall s of the slowest rank, CPU s of all ranks' processes) per step."""
         times = []
         for _ in range(n):
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             side.step(x, y)
             wall = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            cpu = torch.tensor([time.process_time() - c0], dtype=torch.float64)
             dist.all_reduce(wall, op=dist.ReduceOp.MAX)
-            times.append(float(wall))
+            dist.all_reduce(cpu)
+            times.append((float(wall), float(cpu)))
         return times
 
     rows = []
@@ -152,18 +158,18 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> N
                 diffs[who] = float(t[0])
         for side in sides.values():
             timed(side, 1)  # warm-up
-        times: dict[str, list[float]] = {who: [] for who in sides}
+        times: dict[str, list[tuple[float, float]]] = {who: [] for who in sides}
 
         def run(who: str, sides: dict = sides, times: dict = times):
             def one_round() -> float:
                 steps = timed(sides[who], args.steps)
                 times[who] += steps
-                return sum(steps)
+                return sum(t[0] for t in steps)
 
             return one_round
 
-        alternate({who: run(who) for who in sides}, args.rounds)
-        rows.append((name, times, diffs, csv_note))
+        rounds = alternate({who: run(who) for who in sides}, args.rounds)
+        rows.append((name, times, diffs, csv_note, rounds))
         del sides
     if rank == 0:
         out.put(rows)
@@ -199,8 +205,9 @@ def main() -> None:
     load_before = load_average()[0]
     rows, codes = run_ranks(worker, args.nproc, args)
     bad = []
-    for name, times, diffs, csv_note in rows:
-        med = {who: statistics.median(ts) for who, ts in times.items()}
+    for name, times, diffs, csv_note, rounds in rows:
+        med = {who: statistics.median(t[0] for t in ts) for who, ts in times.items()}
+        cpu = {who: statistics.median(t[1] for t in ts) for who, ts in times.items()}
         line = {
             "benchmark": "api_vs_torch",
             "schedule": name,
@@ -213,6 +220,9 @@ def main() -> None:
             "steps": len(times["pipec"]),
             "median_step_s": {who: round(v, 6) for who, v in med.items()},
             "ratio": round(med["pipec"] / med["torch"], 4),
+            "median_cpu_s": {who: round(v, 6) for who, v in cpu.items()},
+            "cpu_ratio": round(cpu["pipec"] / cpu["torch"], 4),
+            "ratio_per_round": [round(a / b, 4) for a, b in zip(rounds["pipec"], rounds["torch"])],
             "grad_max_rel_diff": diffs,
             "grad_rtol": GRAD_RTOL,
             "loadavg_1min_before": round(load_before, 2),

@@ -186,12 +186,13 @@ class StageModule(nn.Module):
         self.tied: dict[str, str] = {}
         for fqn in self.fqns:
             _graft(self, fqn, model.get_submodule(fqn))
-        self.rotary = None
+        self.rotary: str | None = None  # the path of Llama's rotary embedding, when this stage needs it
         if kind == "llama" and any(_role(kind, f)[0] == "block" for f in self.fqns):
             rot = dict(model.named_modules()).get("model.rotary_emb")
-            if rot is not None and "model.rotary_emb" not in self.fqns:
-                _graft(self, "model.rotary_emb", rot)
-            self.rotary = rot
+            if rot is not None:
+                if "model.rotary_emb" not in self.fqns:
+                    _graft(self, "model.rotary_emb", rot)  # registered once: buffers only, no parameters
+                self.rotary = "model.rotary_emb"
 
     def extra_repr(self) -> str:
         return f"stage {self.stage_index} of {self.num_stages}: {', '.join(self.fqns)}"
@@ -215,7 +216,7 @@ class StageModule(nn.Module):
                     pos = torch.arange(t, device=h.device).unsqueeze(0)
                     mask = causal_mask(t, h.dtype, h.device)
                     if self.rotary is not None:
-                        pe = self.rotary(h, pos)
+                        pe = self.get_submodule(self.rotary)(h, pos)
                 kw: dict[str, Any] = {"attention_mask": mask, "position_ids": pos}
                 if pe is not None:
                     kw["position_embeddings"] = pe

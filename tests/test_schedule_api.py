@@ -192,6 +192,29 @@ def test_split_gradients_equal_unsplit_model_float64():
         assert err <= 1e-10, (n, err)
 
 
+def test_llama_split_gradients_equal_unsplit_model_float64():
+    """A Llama from transformers' config (rotary embedding, grouped-query attention, tied head): proposed
+    split, zb-v in one process, gradients equal to the unsplit model's."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=16, tie_word_embeddings=True,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(cfg).double()
+    x, y = torch.randint(0, 32, (4, 6)), torch.randint(0, 32, (4, 6))
+    loss_fn(model(x).logits, y).backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    fqns = propose_split(model, 4)
+    assert fqns[0] == ["model.embed_tokens", "model.layers.0"] and fqns[3][-1] == "lm_head"
+    stages = split_model(model, fqns)
+    LocalPipeline(pipec.compile("zb-v", p=2, m=4), dict(enumerate(stages)), loss_fn).step(x, y)
+    for n, p in model.named_parameters():
+        err = float((p.grad - ref[n]).abs().max() / ref[n].abs().max())
+        assert err <= 1e-10, (n, err)
+
+
 # ---- two gloo processes: the example's loop ----------------------------------------------------------
 def _rank(rank: int, port: int, out: str) -> None:
     """One rank: examples/train_loop.py's `train`, then the same loop on the unsplit model, compared."""
