@@ -2,7 +2,7 @@
 JSON lines, or docs/memory.md's "Predicted against measured" tables with --markdown.
 
     .venv/bin/python benchmarks/memory_measured.py peaks [--markdown]      # every library schedule, p=4
-    .venv/bin/python benchmarks/memory_measured.py time [--steps 6] [--markdown]
+    .venv/bin/python benchmarks/memory_measured.py time [--rounds 3] [--steps 6] [--markdown]
 
 `peaks`: every library schedule (`pipec list`) at p=4 (m=8; the default parameters otherwise) on
 examples/mlp.py, run in this process (`LocalPipeline`, the runtime's executor and saved-tensor holders,
@@ -12,11 +12,13 @@ profile` counts (`stage_bytes`). A schedule that does not build at p=4 (a topolo
 as skipped with its reason.
 
 `time`: 1f1b, 1f1b-recompute, zb-v, zb-v-recompute and 1f1b-offload at p=4 m=8 on 4 gloo processes: each
-is profiled (`pipec profile -o COST.toml`, ops timed one at a time), simulated (`pipec simulate --cost
-COST.toml --json`: makespan, and per rank the device and host peaks less the rank's parameter state), and
-run (the launch entry point `pipec run` starts, with `--memory-out`: per-step seconds, and the last step's
-measured peaks). The measured step is the median of the steps after the first. Every line carries the
-load average (the machine is shared: the times are fidelity figures, not speeds).
+is profiled once (`pipec profile -o COST.toml`, ops timed one at a time) and simulated (`pipec simulate
+--cost COST.toml --json`: makespan, and per rank the device and host peaks less the rank's parameter
+state), then run in `--rounds` alternating rounds (the launch entry point `pipec run` starts, with
+`--memory-out`: per-step seconds, and the last step's measured peaks). A run's step is the median of its
+steps after the first; a schedule's, the median over the rounds; `vs_1f1b_measured` is the median over
+rounds of its step over 1f1b's in the same round (side by side), against the simulated ratio. Every line
+carries the load averages (the machine is shared: the times are fidelity figures, not speeds).
 """
 
 from __future__ import annotations
@@ -100,55 +102,88 @@ def _pipec(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pipec", *argv], capture_output=True, text=True, cwd=ROOT)
 
 
-def time_row(name: str, tmp: str, p: int = 4, m: int = 8, steps: int = 6) -> dict:
-    """Profile, simulate and run one schedule (see the module docstring)."""
-    from pipec.cli import run_json
+def profile_and_simulate(name: str, tmp: str, p: int = 4, m: int = 8) -> dict:
+    """`pipec profile -o COST.toml`, then `pipec simulate --cost COST.toml --json` (see the module docstring)."""
+    import tomllib
 
     cost = os.path.join(tmp, f"{name}.toml")
     defs = ["-D", f"p={p}", "-D", f"m={m}"]
     prof = _pipec("profile", name, *defs, "--model", MODEL, "-o", cost, "--reps", "10")
     if prof.returncode:
-        return {"schedule": name, "error": prof.stderr.strip().splitlines()[-1:], "loadavg": _load()}
+        return {"error": prof.stderr.strip().splitlines()[-1:]}
     sim = json.loads(_pipec("simulate", name, *defs, "--cost", cost, "--json").stdout)["results"][0]
-    with open(cost) as f:
-        import tomllib
-
-        state = tomllib.loads(f.read())["state_bytes"]
+    with open(cost, "rb") as f:
+        state = tomllib.load(f)["state_bytes"]
     _, program = _compile(name, p, m)
     rank_state = [sum(state[s] for s, r in enumerate(program.placement) if r == k) for k in range(program.num_ranks)]
+    return {"sim": sim, "rank_state": rank_state}
+
+
+def run_once(name: str, tmp: str, p: int = 4, m: int = 8, steps: int = 6) -> dict:
+    """One `pipec run`-style job (the launch entry point, with `--memory-out`): the median step after the
+    first, and each rank's measured peaks."""
+    from pipec.cli import run_json
+
     out_path = os.path.join(tmp, f"{name}.memory.json")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(p)]
-    cmd += ["-m", "pipec.runtime.launch", name, *defs, "--model", MODEL, "--steps", str(steps)]
-    cmd += ["--memory-out", out_path]
+    cmd += ["-m", "pipec.runtime.launch", name, "-D", f"p={p}", "-D", f"m={m}", "--model", MODEL]
+    cmd += ["--steps", str(steps), "--memory-out", out_path]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // p))))
     run = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
     if run.returncode:
-        return {"schedule": name, "error": (run.stdout + run.stderr).strip().splitlines()[-3:], "loadavg": _load()}
+        return {"error": (run.stdout + run.stderr).strip().splitlines()[-3:]}
     seconds = [s["seconds"] for s in run_json(run.stdout)["steps"]][1:]
     with open(out_path) as f:
-        measured = json.load(f)
-    step = statistics.median(seconds)
-    ranks = []
-    for r, per in enumerate(sim["per_rank"]):
-        ranks.append(
+        return {"step": statistics.median(seconds), "peaks": json.load(f), "loadavg": _load()}
+
+
+def time_rows(tmp: str, rounds: int, steps: int, names: tuple[str, ...] = TIMED) -> list[dict]:
+    """Every schedule profiled and simulated once, then run in `rounds` alternating rounds; per schedule the
+    median measured step over the rounds against the simulated makespan, and, side by side, its measured
+    step over 1f1b's in the same round against the simulated ratio."""
+    sims = {name: profile_and_simulate(name, tmp) for name in names}
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    for _ in range(rounds):
+        for name in names:
+            if "error" not in sims[name]:
+                runs[name].append(run_once(name, tmp, steps=steps))
+    rows = []
+    base = "1f1b"
+    for name in names:
+        bad = sims[name].get("error") or next((r["error"] for r in runs[name] if "error" in r), None)
+        if bad:
+            rows.append({"schedule": name, "error": bad, "loadavg": _load()})
+            continue
+        sim, state = sims[name]["sim"], sims[name]["rank_state"]
+        step = statistics.median(r["step"] for r in runs[name])
+        peaks = runs[name][-1]["peaks"]
+        ranks = [
             {
                 "rank": r,
-                "device_simulated": int(per["peak_memory"] - rank_state[r]),
-                "device_measured": measured[r]["device"],
+                "device_simulated": int(per["peak_memory"] - state[r]),
+                "device_measured": peaks[r]["device"],
                 "host_simulated": int(per.get("host_peak_memory", 0)),
-                "host_measured": measured[r]["host"],
+                "host_measured": peaks[r]["host"],
             }
-        )
-    return {
-        "schedule": name,
-        "p": p,
-        "m": m,
-        "step_measured_s": round(step, 6),
-        "makespan_simulated_s": round(sim["makespan"], 6),
-        "time_ratio": round(step / sim["makespan"], 3),
-        "ranks": ranks,
-        "loadavg": _load(),
-    }
+            for r, per in enumerate(sim["per_rank"])
+        ]
+        row = {
+            "schedule": name,
+            "p": 4,
+            "m": 8,
+            "rounds": rounds,
+            "step_measured_s": round(step, 6),
+            "makespan_simulated_s": round(sim["makespan"], 6),
+            "time_ratio": round(step / sim["makespan"], 3),
+            "ranks": ranks,
+            "loadavg": [r["loadavg"] for r in runs[name]],
+        }
+        if base in runs and runs[base] and "error" not in sims[base] and all("step" in r for r in runs[base]):
+            per_round = [a["step"] / b["step"] for a, b in zip(runs[name], runs[base])]
+            row["vs_1f1b_measured"] = round(statistics.median(per_round), 3)
+            row["vs_1f1b_simulated"] = round(sim["makespan"] / sims[base]["sim"]["makespan"], 3)
+        rows.append(row)
+    return rows
 
 
 def _kib(x: int) -> str:
@@ -176,18 +211,20 @@ def peaks_markdown(rows: list[dict]) -> str:
 
 def time_markdown(rows: list[dict]) -> str:
     lines = [
-        "| schedule | step measured ms | simulated ms | ratio | device KiB per rank: simulated / measured | host KiB |",
-        "|---|---|---|---|---|---|",
+        "| schedule | step measured ms | simulated ms | measured / simulated | vs 1F1B measured / simulated "
+        "| device KiB per rank: simulated / measured | host KiB |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         if "error" in row:
-            lines.append(f"| {row['schedule']} | failed: {' '.join(row['error'])} | | | | |")
+            lines.append(f"| {row['schedule']} | failed: {' '.join(row['error'])} | | | | | |")
             continue
         dev = "; ".join(f"{_kib(r['device_simulated'])} / {_kib(r['device_measured'])}" for r in row["ranks"])
         host = "; ".join(f"{_kib(r['host_simulated'])} / {_kib(r['host_measured'])}" for r in row["ranks"])
+        vs = f"{row['vs_1f1b_measured']:.2f} / {row['vs_1f1b_simulated']:.2f}" if "vs_1f1b_measured" in row else "-"
         lines.append(
             f"| {row['schedule']} | {1e3 * row['step_measured_s']:.1f} | {1e3 * row['makespan_simulated_s']:.1f} "
-            f"| {row['time_ratio']:.2f} | {dev} | {host} |"
+            f"| {row['time_ratio']:.2f} | {vs} | {dev} | {host} |"
         )
     return "\n".join(lines)
 
@@ -196,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("part", choices=("peaks", "time"))
     ap.add_argument("--steps", type=int, default=6, help="time: training steps per run (the first is dropped)")
+    ap.add_argument("--rounds", type=int, default=3, help="time: alternating rounds of runs (default 3)")
     ap.add_argument("--markdown", action="store_true", help="print docs/memory.md's table instead of JSON lines")
     args = ap.parse_args(argv)
     rows = []
@@ -210,10 +248,10 @@ def main(argv: list[str] | None = None) -> int:
             print(peaks_markdown(rows))
         return 0 if all(r.get("worst_error", 0.0) <= 0.05 for r in rows) else 1
     with tempfile.TemporaryDirectory(prefix="pipec-memory-") as tmp:
-        for name in TIMED:
-            rows.append(time_row(name, tmp, steps=args.steps))
-            if not args.markdown:
-                print(json.dumps(rows[-1]), flush=True)
+        rows = time_rows(tmp, args.rounds, args.steps)
+    if not args.markdown:
+        for row in rows:
+            print(json.dumps(row), flush=True)
     if args.markdown:
         print(time_markdown(rows))
     return 0

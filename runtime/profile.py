@@ -247,7 +247,6 @@ def profile(
         when=time.strftime("%Y-%m-%d %H:%M:%S"),
         loadavg_1min=round(os.getloadavg()[0], 2),
     )
-    say("counting each stage's saved activations, parameters, gradients and optimizer state (saved-tensor hooks)")
     prof.memory = stage_bytes(program, model, device=device, seed=seed, loss_scale=loss_scale, dp=dp)
     if comm and program.num_ranks > 1:
         sizes = sorted({b for b in prof.act_bytes + prof.grad_bytes if b > 0})
