@@ -384,15 +384,17 @@ def simulation(
     """Simulate a Schedule (checked and lowered first, with `data_parallel`'s collectives) or a Program
     (checked, then run as it stands) under these cost documents (see `cost_docs`) and memory overrides,
     on `topology` if given."""
-    from pipec.passes.memory import memory_model
+    from pipec.passes.memory import memory_bytes, memory_model
     from pipec.sim import report
     from pipec.sim.costs import cost_model
+    from pipec.sim.memtime import memory_curves
     from pipec.sim.simulate import simulate as run
     from pipec.sim.simulate import stats
     from pipec.sim.topology import read_topology, with_topology
 
     if isinstance(obj, Schedule) and (data_parallel is None or data_parallel.is_default):
         return report.run(with_topology(obj, read_topology(topology, obj)) if topology else obj, docs, memory)
+    memory = {**memory_bytes(docs), **(memory or {})}  # the cost documents' measured bytes, as report.run
     if isinstance(obj, Schedule):
         from pipec.passes.compiler import compile_schedule
 
@@ -406,4 +408,6 @@ def simulation(
     costs = cost_model(sched, docs)
     mem = memory_model(sched, memory)
     tl = run(obj, costs)
-    return report.Simulation(replace(compiled, schedule=sched), costs, mem, tl, stats(tl, mem))
+    curves = memory_curves(tl, obj, mem)
+    st = report.with_peaks(stats(tl), curves)
+    return report.Simulation(replace(compiled, schedule=sched), costs, mem, tl, st, curves)

@@ -38,6 +38,11 @@ STAGE_COST_KEYS = (
     "offload",
 )
 
+# The memory keys a schedule's `memory` declarations, `--mem` and the API may set (pipec.passes.memory says
+# what each means): per stage, and per rank.
+MEMORY_STAGE_KEYS = ("act", "wact", "ckpt", "params")
+MEMORY_RANK_KEYS = ("limit", "host_limit")
+
 
 @dataclass(frozen=True)
 class Op:

@@ -77,19 +77,32 @@ def test_library_compiles_and_dry_run_completes_over_grid(name):
 
 
 def _reference_peaks(sched):
-    """Independent walk of each rank's ops (the memory model of DESIGN.md, default sizes)."""
+    """Independent walk of each rank's ops and memory ops (the memory model of docs/memory.md, default
+    sizes: a recomputed F keeps ckpt = act / 8, its RECOMPUTE restores act; OFFLOAD/RELOAD move what F kept)."""
     act = sched.num_ranks / sched.num_stages
-    wact = act / 2
+    wact, ckpt = act / 2, act / 8
     peaks = []
     for r in range(sched.num_ranks):
+        mem = sched.memops[r] if r < len(sched.memops) else ()
+        redo = {(m.mb, m.stage) for m in mem if m.op == "RECOMPUTE"}
+        steps = sorted(
+            [(2 * j + 1, op.kind, op.mb, op.stage) for j, op in enumerate(sched.ops(r))]
+            + [(2 * m.before, m.op, m.mb, m.stage) for m in mem],
+            key=lambda x: x[0],
+        )
         live, peak = 0.0, 0.0
-        for op in sched.ops(r):
-            if op.kind == "F":
-                live += act
-            elif op.kind == "B":
+        for _, kind, i, s in steps:
+            kept = ckpt if (i, s) in redo else act
+            if kind == "F":
+                live += kept
+            elif kind == "B":
                 live += (wact if sched.split_backward else 0.0) - act
-            else:
+            elif kind == "W":
                 live -= wact
+            elif kind == "RECOMPUTE":
+                live += act - ckpt
+            else:
+                live += kept if kind == "RELOAD" else -kept
             peak = max(peak, live)
         peaks.append(peak)
     return peaks

@@ -100,6 +100,8 @@ CASES: list[tuple[str, str, dict[str, object], int, int]] = [
     ("E306", _rank("for i in 0 .. m { F(i) }\nfor i in 0 .. m { B(i)  W(i) }"), {}, 7, 33),
     ("E307", _with("    ops F, B\n", "    ops F, B, W\n"), {}, 5, 5),
     ("E308", _with("    stages p\n    place s -> s\n", "    stages 2 * p\n    place s -> s % p\n"), {}, 6, 27),
+    ("E310", _rank("RECOMPUTE(0)\nfor i in 0 .. m { F(i) }\nfor i in 0 .. m { B(i) }"), {}, 6, 9),
+    ("E311", _rank("for i in 0 .. m { F(i)  OFFLOAD(i) }\nfor i in 0 .. m { B(i) }"), {}, 6, 33),
 ]
 
 # The same codes raised on other paths (kept so those paths stay diagnostics too).

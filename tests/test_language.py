@@ -782,9 +782,12 @@ def test_cost_and_memory_errors():
     body = "stages 1\nrank r { F(0) B(0) }\n"
     assert (
         fails(body + "cost X = 1", "E108").message
-        == "unknown cost `X`; known: F, B, W, comm, act_bytes, grad_bytes, param_bytes, reduce_grad, unshard, step"
+        == "unknown cost `X`; known: F, B, W, comm, act_bytes, grad_bytes, param_bytes, reduce_grad, unshard, step, "
+        "saved_bytes, wsaved_bytes, input_bytes, state_bytes, offload"
     )
-    assert fails(body + "memory foo = 1", "E108").message == "unknown memory `foo`; known: act, wact, params, limit"
+    known = "act, wact, ckpt, params, limit, host_limit"
+    assert fails(body + "memory foo = 1", "E108").message == f"unknown memory `foo`; known: {known}"
+    fails(body + "memory host_limit = s", "E101")  # per rank too
     fails(body + "cost F = true", "E103")
     fails(body + "cost F = 1\ncost F = 2", "E106")
     fails(body + "memory limit = s", "E101")  # the limit is per rank: its variable is r

@@ -42,6 +42,10 @@ MAIN_CONFIGS: dict[str, list[dict[str, int]]] = {
     "crossdc-zb": [dict(p=4, m=8), dict(p=8, m=16), dict(p=8, m=32)],
     # Blocks of b = p micro-batches per chunk (the paper's scheduling unit), and one of 2p.
     "zeropp": [dict(p=4, v=2, m=8), dict(p=4, v=4, m=16), dict(p=8, v=2, m=32), dict(p=4, v=2, m=16, b=8)],
+    # Memory ops (issue 19): Megatron's full recomputation on 1F1B and ZB-V, PipeOffload's offload on 1F1B.
+    "1f1b-recompute": [dict(p=4, m=8), dict(p=8, m=32)],
+    "zb-v-recompute": [dict(p=4, m=8), dict(p=8, m=32)],
+    "1f1b-offload": [dict(p=4, m=8), dict(p=8, m=32), dict(p=4, m=8, k=2, ahead=2)],
 }
 
 

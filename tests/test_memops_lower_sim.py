@@ -255,23 +255,24 @@ def test_host_time_from_bytes_and_the_host_link_else_half_a_forward():
     assert _event(tl, 0, RECOMPUTE, 0, 0) == (3.0, 4.0) and _event(tl, 0, BWD, 0, 0) == (4.0, 6.0)
 
 
-def test_memory_curve_is_unchanged_by_a_recompute_row():
-    from pipec.sim.simulate import memory_curve
+def test_a_recompute_keeps_only_the_input_until_it_runs_on_the_timeline_curves_too():
+    from pipec.sim.memtime import memory_curves, timeline_curves
 
     s = _sched()
-    memory = {k: np.ones(2) for k in ("act", "wact", "params")}
-    plain = memory_curve(_sim(s), memory)
-    tl = _sim(_with(s, [MemOp("RECOMPUTE", 1, 0, _at(s, 0, "B", 1, 0))], []))  # [6, 7]: B1 still [7, 9]
+    memory = {k: np.ones(2) for k in ("act", "wact", "params")} | {"ckpt": np.full(2, 0.25)}
+    memory |= {"limit": np.full(2, np.nan), "host_limit": np.full(2, np.nan)}
+    changed = _with(s, [MemOp("RECOMPUTE", 1, 0, _at(s, 0, "B", 1, 0))], [])
+    tl = _sim(changed)  # the RECOMPUTE of micro-batch 1 runs [6, 7]; B1 [7, 9]
     assert _event(tl, 0, RECOMPUTE, 1, 0) == (6.0, 7.0)
-    curve = memory_curve(tl, memory)
-    for (t, v), (t0, v0) in zip(curve, plain):
-        assert np.array_equal(t, t0) and np.array_equal(v, v0)
-    assert [v.max() for _, v in curve] == [3.0, 2.0]
-
-
-# ---- torch export ----------------------------------------------------------------
-
-
+    prog = lower(changed)
+    curve = memory_curves(tl, prog, memory).device[0]
+    # rank 0 holds params 1, F0 +1 at 0, F1 +0.25 at 1 (recomputed: its input only), B0 frees 1 at 6,
+    # the RECOMPUTE adds the other 0.75 at 6, B1 frees 1 at 9
+    assert curve[0].tolist() == [0, 1, 6, 9] and curve[1].tolist() == [2, 2.25, 2, 1]
+    # A Timeline alone (a measured run's) gives the same curves: its streams are what ran.
+    alone = timeline_curves(tl, memory)
+    for (t, v), (t0, v0) in zip(alone.device, memory_curves(tl, prog, memory).device):
+        assert t.tolist() == t0.tolist() and v.tolist() == pytest.approx(v0.tolist())
 def test_torch_export_refuses_memops_unless_dropped():
     s = _sched()
     s2 = _with(s, [], [MemOp("RECOMPUTE", 0, 1, _at(s, 1, "B", 0, 1))])

@@ -240,18 +240,21 @@ def test_plot_draws_the_host_pool(tmp_path):
     assert "host memory" in svg and "offload" in svg
 
 
-def test_memory_curves_without_memops_match_the_timeline_walk():
+@pytest.mark.parametrize("name", ["zb-v", "1f1b-offload", "1f1b-recompute"])
+def test_curves_of_a_timeline_alone_match_the_programs(name):
     from pipec.sim.costs import cost_model
-    from pipec.sim.simulate import memory_curve, simulate
+    from pipec.sim.memtime import timeline_curves
+    from pipec.sim.simulate import simulate
 
-    s = load("zb-v", p=2, m=4)
+    s = load(name, p=2, m=4)
     c = compile_schedule(s)
     tl = simulate(c.program, cost_model(s))
     new = memory_curves(tl, c.program, memory_model(s))
-    for (t0, v0), (t1, v1) in zip(memory_curve(tl, memory_model(s)), new.device):
+    alone = timeline_curves(tl, memory_model(s))
+    assert alone.device_peak.tolist() == pytest.approx(new.device_peak.tolist())
+    assert alone.host_peak.tolist() == pytest.approx(new.host_peak.tolist())
+    for (t0, v0), (t1, v1) in zip(alone.device + alone.host, new.device + new.host):
         assert t0.tolist() == t1.tolist() and v0.tolist() == pytest.approx(v1.tolist())
-
-
 def test_errors_doc_example_of_E406_prints_what_it_shows(capsys):
     from pathlib import Path
 

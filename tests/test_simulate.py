@@ -28,10 +28,11 @@ from pipec.errors import PipecError, Source
 from pipec.frontend import library
 from pipec.passes.compiler import compile_schedule
 from pipec.passes.memory import memory_model, rank_memory
-from pipec.program import BWD, FWD, RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, WGRAD
+from pipec.program import BWD, FWD, OFFLOAD, RECOMPUTE, RECV_ACT, RECV_GRAD, RELOAD, SEND_ACT, SEND_GRAD, WGRAD
 from pipec.sim.costs import cost_model, cost_spec, dump_costs, normalize, parse_overrides, read_cost_file
+from pipec.sim.memtime import memory_curves, timeline_curves
 from pipec.sim.render import Panel, plot_timelines, text_gantt
-from pipec.sim.simulate import memory_curve, simulate, stats
+from pipec.sim.simulate import simulate, stats
 from pipec.sim.timeline import Timeline
 from pipec.sim.trace import read_trace, trace_events, write_trace
 
@@ -336,14 +337,26 @@ def reference(prog, costs) -> tuple[dict, dict]:
     o = costs.overhead
     pc, clock = [0] * prog.num_ranks, [0.0] * prog.num_ranks
     times, arrival, wire, last = {}, {}, {}, {}
+    host, reloaded = [0.0] * prog.num_ranks, {}  # memory ops: each rank's host link, when a RELOAD ends
     moved = True
     while moved:
         moved = False
         for r, rp in enumerate(prog.ranks):
             while pc[r] < len(rp):
                 op, mb, s, peer = (int(x[pc[r]]) for x in (rp.op, rp.mb, rp.stage, rp.peer))
-                if op in (FWD, BWD, WGRAD):
+                if op in (OFFLOAD, RELOAD):  # on the host link, one after the other: offload, else half an F
+                    given = costs.offload[s] if costs.offload is not None else math.nan
+                    host[r] = max(clock[r], host[r]) + (0.5 * costs.F[s] if math.isnan(given) else given)
+                    if op == RELOAD:
+                        reloaded[(mb, s)] = host[r]
+                elif op == RECOMPUTE:  # a forward again, after what its RELOAD brings back
+                    start = max(clock[r], reloaded.get((mb, s), 0.0))
+                    clock[r] = start + costs.F[s]
+                    times[("R", mb, s)] = (start, clock[r])
+                elif op in (FWD, BWD, WGRAD):
                     need = None
+                    if op == BWD:
+                        clock[r] = max(clock[r], reloaded.get((mb, s), 0.0))
                     if op == FWD and s > 0 and prog.placement[s - 1] != r:
                         need = ("act", mb, s - 1)
                     if op == BWD and s < S - 1 and prog.placement[s + 1] != r:
@@ -470,24 +483,24 @@ def test_library_matches_reference_and_memory_model(name, overhead):
     tl = simulate(prog, costs)
     times, _ = reference(prog, costs)  # binary fractions: sums in any order agree exactly
     got = {
-        ("FBW"[o], int(i), int(st_)): (float(a), float(b))
+        ("R" if o == RECOMPUTE else "FBW"[o], int(i), int(st_)): (float(a), float(b))
         for o, i, st_, a, b in zip(tl.op, tl.mb, tl.stage, tl.start, tl.end)
     }
     assert got == times
-    peaks = [r.peak_memory for r in stats(tl, memory_model(s)).ranks]
+    peaks = memory_curves(tl, prog, memory_model(s)).device_peak.tolist()  # memory ops included
     assert peaks == [r.peak for r in rank_memory(s)]
 
 
 def test_memory_curve_steps():
     st_, tl = sim("1f1b", p=2, m=2)
-    (t0, v0), (t1, v1) = memory_curve(tl, memory_model(load("1f1b", p=2, m=2)))
+    curves = timeline_curves(tl, memory_model(load("1f1b", p=2, m=2)))
+    (t0, v0), (t1, v1) = curves.device
     # rank 0: F0 at 0 (+1), F1 at 1 (+1), B0 ends 6 (-1), B1 ends 9 (-1)
     assert t0.tolist() == [0, 1, 6, 9] and v0.tolist() == [1, 2, 1, 0]
     # rank 1: F0 at 1 (+1); at 4, B0 ends (-1) and F1 starts (+1): no change; B1 ends 7 (-1)
     assert t1.tolist() == [0, 1, 7] and v1.tolist() == [0, 1, 0]
-    raw = memory_curve(tl, memory_model(load("1f1b", p=2, m=2)), collapse=False)[1]
-    assert raw[0].tolist() == [0, 1, 4, 4, 7] and raw[1].tolist() == [0, 1, 0, 1, 0]
-    assert [r.peak_memory for r in st_.ranks] == [2, 1]
+    # at 4 on rank 1, B0's free comes before F1's allocation (the rank's order): the peak stays 1
+    assert curves.device_peak.tolist() == [2, 1] and [r.peak_memory for r in st_.ranks] == [2, 1]
 
 
 def test_a_program_that_cannot_finish_is_e403():
@@ -586,7 +599,7 @@ def test_plot_png_and_svg(tmp_path):
     s = load("1f1b", p=8, m=16)
     prog = compile_schedule(s).program
     tl = simulate(prog, cost_model(s))
-    mem = memory_curve(tl, memory_model(s))
+    mem = list(timeline_curves(tl, memory_model(s)).device)
     plot_timelines([Panel(tl, "1f1b", mem, 8.0)], tmp_path / "g.png")
     png = (tmp_path / "g.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) < 200_000

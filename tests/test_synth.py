@@ -523,7 +523,7 @@ def test_cli_synth_misuse_exits_2(argv):
 
 
 def test_cli_synth_no_policy_fits_is_E701():
-    rc, _, err = cli("synth", "-p", "2", "-m", "2", "--memory-limit", "0.5", "--no-solver", "-q")
+    rc, _, err = cli("synth", "-p", "2", "-m", "2", "--memory-limit", "0.5", "--memops", "none", "--no-solver", "-q")
     assert rc == 1 and "error[E701]" in err and "no policy fits" in err
 
 

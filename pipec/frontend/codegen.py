@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pipec.errors import PipecError, Source, Span, error
 from pipec.frontend import ast
 from pipec.opcodes import MEMOPS
-from pipec.schedule import STAGE_COST_KEYS
+from pipec.schedule import MEMORY_RANK_KEYS, MEMORY_STAGE_KEYS, STAGE_COST_KEYS
 
 OP_KINDS = ("F", "B", "W")
 KEYWORDS = frozenset(
@@ -32,7 +32,7 @@ COLLECTIVES = ("UNSHARD", "RESHARD", "REDUCE_GRAD")
 # ops, with a micro-batch and a stage, that become `Schedule.memops`. `F(i, recompute: true)` asks for a
 # RECOMPUTE at its default place instead.
 MEMOP_NAMES = MEMOPS
-MEMORY_KEYS = ("act", "wact", "params", "limit")
+MEMORY_KEYS = MEMORY_STAGE_KEYS + MEMORY_RANK_KEYS
 NUMERIC = ("int", "float")
 # Names only an `expect` sees (pipec.passes.expect computes them): numbers, and functions of a rank.
 METRICS = {"bubble": "float", "bubble_time": "float", "makespan": "float", "ideal": "float"}
@@ -734,7 +734,7 @@ class _Compiler:
         if st.key not in keys:
             raise self.err("E108", f"unknown {st.kind} `{st.key}`; known: {', '.join(keys)}", st.span)
 
-        var = "r" if st.key == "limit" else "s"
+        var = "r" if st.key in MEMORY_RANK_KEYS else "s"
         inner = _Scope(scope)
         py = self.fresh(var)
         inner.names[var] = _Value(py, "int")  # the stage (or rank) shadows any outer name

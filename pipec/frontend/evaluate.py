@@ -18,7 +18,17 @@ import numpy as np
 from pipec.errors import PipecError, Source, Span, brief, error
 from pipec.files import require_ops_fit
 from pipec.frontend.codegen import COLLECTIVES, MEMOP_NAMES, GeneratedCode
-from pipec.schedule import Collective, Datacenter, Expectation, Link, MemOp, RankOps, Schedule, Topology
+from pipec.schedule import (
+    MEMORY_RANK_KEYS,
+    Collective,
+    Datacenter,
+    Expectation,
+    Link,
+    MemOp,
+    RankOps,
+    Schedule,
+    Topology,
+)
 
 MAX_SIZE = 10_000_000  # stages, ranks, micro-batches
 MAX_OPS = 50_000_000  # ops a schedule may have in all
@@ -225,7 +235,7 @@ def _run(compiled: GeneratedCode, source: Source, given: dict[str, object], only
     costs = {k: tuple(_float(fn(s), sid) for s in range(num_stages)) for k, (fn, sid) in rt.costs.items()}
     memory = {}
     for key, (fn, sid) in rt.memory.items():
-        n = num_ranks if key == "limit" else num_stages
+        n = num_ranks if key in MEMORY_RANK_KEYS else num_stages
         memory[key] = tuple(_float(fn(i), sid) for i in range(n))
     topology = _topology(rt.decls.get("topology"), num_ranks)
 

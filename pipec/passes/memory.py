@@ -74,15 +74,15 @@ from pipec.opcodes import (
     UNSHARD,
     WGRAD,
 )
-from pipec.schedule import Op, Schedule
+from pipec.schedule import MEMORY_RANK_KEYS, MEMORY_STAGE_KEYS, Op, Schedule
 
 if TYPE_CHECKING:
     from pipec.program import Program
 
 DEFAULTS = {"act": 1.0, "wact": 0.5, "params": 0.0}  # per rank share; scaled by p / S per stage
 CKPT_OF_ACT = 1.0 / 8  # ckpt's default, a fraction of act (the module docstring says why)
-STAGE_KEYS = ("act", "wact", "ckpt", "params")  # per stage
-RANK_KEYS = ("limit", "host_limit")  # per rank
+STAGE_KEYS = MEMORY_STAGE_KEYS  # per stage
+RANK_KEYS = MEMORY_RANK_KEYS  # per rank
 # The measured byte cost keys (pipec.schedule.STAGE_COST_KEYS) and the pool each sets.
 BYTE_KEYS = {"saved_bytes": "act", "wsaved_bytes": "wact", "input_bytes": "ckpt", "state_bytes": "params"}
 

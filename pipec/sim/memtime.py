@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipec.opcodes import FWD, IS_HOST, OFFLOAD, ON_COMPUTE, RECOMPUTE, RESHARD, UNSHARD
+from pipec.opcodes import FWD, IS_HOST, OFFLOAD, ON_COMPUTE, RECOMPUTE, RESHARD, UNSHARD, WGRAD
 from pipec.passes.memory import instruction_deltas, resident, unit_of
-from pipec.program import Program
+from pipec.program import Program, RankProgram
 from pipec.sim.timeline import Timeline
 
 Curve = tuple[np.ndarray, np.ndarray]  # (times, values): the value from each time on
@@ -170,19 +170,51 @@ def memory_curves(tl: Timeline, prog: Program, model: Mapping[str, np.ndarray]) 
     )
 
 
-def timeline_curves(tl: Timeline, model: Mapping[str, np.ndarray]) -> MemoryCurves:
-    """Device curves from a Timeline alone, when the Program that ran is not at hand: its compute events
-    and collectives by `pipec.sim.simulate.memory_curve`, which knows no memory ops; the host pool empty."""
-    from pipec.sim.simulate import memory_curve
-
-    peaks = [float(v.max()) if len(v) else 0.0 for _, v in memory_curve(tl, model, collapse=False)]
-    empty = tuple((np.zeros(1), np.zeros(1)) for _ in range(tl.num_ranks))
-    return MemoryCurves(
-        tuple(memory_curve(tl, model)),
-        empty,
-        np.array(peaks),
-        np.zeros(tl.num_ranks),
-        unit_of(model),
-        np.asarray(model["limit"], dtype=float),
-        np.asarray(model.get("host_limit", np.full(tl.num_ranks, np.nan)), dtype=float),
+def timeline_program(tl: Timeline, split_backward: bool | None = None) -> Program:
+    """The instruction streams a Timeline shows (a measured run's, or a simulated one whose Program is not
+    at hand): per rank its computes, host-link transfers and fsdp windows in the order they started (a
+    collective just before the compute it preceded). Enough for `memory_curves`, which needs only what
+    each instruction is and when it ran; the messages are left out (they hold no memory)."""
+    split = bool((tl.op == WGRAD).any()) if split_backward is None else split_backward
+    h_rank = getattr(tl, "host_rank", np.zeros(0, np.int64))
+    parts = [  # (rank, op, mb, stage, time, order at one time)
+        (tl.rank, tl.op, tl.mb, tl.stage, tl.start, np.ones(len(tl.rank))),
+        (h_rank, tl.host_op, tl.host_mb, tl.host_stage, tl.host_start, np.full(len(h_rank), 2.0))
+        if len(h_rank)
+        else None,
+        (tl.coll_rank, tl.coll_op, -np.ones_like(tl.coll_rank), tl.coll_stage, tl.coll_issue, 0.0 * tl.coll_issue)
+        if len(tl.coll_rank)
+        else None,
+    ]
+    cols = [np.concatenate([np.asarray(p[k]) for p in parts if p is not None]) for k in range(6)]
+    rank, op, mb, stage, when, tie = cols
+    ranks = []
+    for r in range(tl.num_ranks):
+        sel = np.flatnonzero(rank == r)
+        sel = sel[np.lexsort((tie[sel], when[sel]))]
+        z = np.full(len(sel), -1, dtype=np.int64)
+        i64 = [c[sel].astype(np.int64) for c in (op, mb, stage)]
+        ranks.append(RankProgram(*i64, z, np.zeros(len(sel), bool)))
+    stages = int(max(tl.stage.max(initial=-1), tl.coll_stage.max(initial=-1))) + 1
+    placement = np.zeros(stages, dtype=np.int64)
+    placement[tl.stage] = tl.rank
+    placement[tl.coll_stage] = tl.coll_rank
+    fsdp = tl.dp_kind == "fsdp" and len(tl.coll_rank)
+    return Program(
+        "timeline",
+        (),
+        stages,
+        tl.num_ranks,
+        int(tl.mb.max(initial=-1)) + 1,
+        split,
+        tuple(int(x) for x in placement),
+        tuple(ranks),
+        dp=tl.dp if fsdp else 1,
+        dp_kind=tl.dp_kind if fsdp else "ddp",
     )
+
+
+def timeline_curves(tl: Timeline, model: Mapping[str, np.ndarray], split_backward: bool | None = None) -> MemoryCurves:
+    """The curves of a Timeline alone, when the Program that ran is not at hand: `memory_curves` over the
+    streams it shows (`timeline_program`)."""
+    return memory_curves(tl, timeline_program(tl, split_backward), model)

@@ -60,7 +60,6 @@ import numpy as np
 from pipec.errors import error
 from pipec.opcodes import (
     BWD,
-    FWD,
     IS_COLLECTIVE,
     IS_HOST,
     IS_P2P,
@@ -76,7 +75,6 @@ from pipec.opcodes import (
     RESHARD,
     STEP,
     UNSHARD,
-    WGRAD,
     message_key,
 )
 from pipec.program import Program
@@ -998,61 +996,13 @@ def stats(tl: Timeline, memory: dict[str, np.ndarray] | None = None) -> Stats:
     has = np.isfinite(first)
     first, last = np.where(has, first, 0.0), np.where(has, last, 0.0)
     peaks = [None] * R
-    if memory is not None:
-        peaks = [float(v.max()) if len(v) else 0.0 for _, v in memory_curve(tl, memory, collapse=False)]
+    if memory is not None:  # the two pools' rule is pipec.passes.memory's, timed by pipec.sim.memtime
+        from pipec.sim.memtime import timeline_curves
+
+        peaks = timeline_curves(tl, memory).device_peak.tolist()
     ranks = tuple(
         RankStats(r, float(first[r]), float(last[r]), float(busy[r]), peaks[r], float(coll[r]), float(exposed[r]))
         for r in range(R)
     )
     cost = max((r.span for r in ranks), default=0.0)
     return Stats(tl.makespan, cost, float(busy.max()) if R else 0.0, ranks)
-
-
-def memory_curve(
-    tl: Timeline, memory: dict[str, np.ndarray], split: bool | None = None, *, collapse: bool = True
-) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Per rank, memory over time as a step function (times, values): the value from each time on.
-
-    The memory model of `pipec.passes.memory`: params of the rank's stages throughout; `act` from the start of
-    F until the end of B; with split backward `wact` from the end of B until the end of W. Changes at one
-    instant apply in the rank's order. `collapse` keeps only the last value at each time, and only
-    where the value changes (for drawing and reports); otherwise every step is kept, and the maximum
-    equals `pipec.passes.memory.rank_memory`'s peak.
-    """
-    split = bool((tl.op == WGRAD).any()) if split is None else split
-    act, wact, params = memory["act"], memory["wact"], memory["params"]
-    s = tl.stage
-    is_f, is_b, is_w = tl.op == FWD, tl.op == BWD, tl.op == WGRAD
-    when = np.where(is_f, tl.start, tl.end)
-    # (a RECOMPUTE row holds nothing of its own here: the F's `act` is counted from F to B as without it)
-    delta = np.where(is_f, act[s], np.where(is_b, (wact[s] if split else 0.0) - act[s], np.where(is_w, -wact[s], 0.0)))
-    # fsdp (`pipec.passes.memory.program_memory`): a stage's params sharded over the N replicas, and the
-    # rest of them held from its UNSHARD (when the stream issues it) to its RESHARD.
-    n = tl.dp if tl.dp_kind == "fsdp" and len(tl.coll_rank) else 1
-    extra = params * (n - 1) / n
-    k_op, k_s = tl.coll_op, tl.coll_stage
-    k_when = np.where(k_op == UNSHARD, tl.coll_issue, tl.coll_start)
-    k_delta = np.where(k_op == UNSHARD, extra[k_s], np.where(k_op == RESHARD, -extra[k_s], 0.0))
-    out = []
-    for r in range(tl.num_ranks):
-        sel = np.flatnonzero(tl.rank == r)
-        stages = np.unique(s[sel])
-        base = float(params[stages].sum() / n) if len(stages) else 0.0
-        # Order by time; at equal times, the op that came first in the rank's order first (a collective
-        # just before the compute it precedes).
-        pos = 2.0 * np.arange(len(sel)) + 1
-        w, d = when[sel], delta[sel]
-        if n > 1:
-            ks = np.flatnonzero(tl.coll_rank == r)
-            pos = np.concatenate([pos, 2.0 * tl.coll_after[ks]])
-            w, d = np.concatenate([w, k_when[ks]]), np.concatenate([d, k_delta[ks]])
-        o = np.lexsort((pos, w))
-        t = np.concatenate([[0.0], w[o]])
-        v = base + np.concatenate([[0.0], np.cumsum(d[o])])
-        if collapse and len(t) > 1:
-            last = np.r_[t[1:] != t[:-1], True]
-            t, v = t[last], v[last]
-            moved = np.r_[True, v[1:] != v[:-1]]
-            t, v = t[moved], v[moved]
-        out.append((t, v))
-    return out

@@ -229,7 +229,11 @@ def trace_events(tl: Timeline, memory: MemoryCurves | dict[str, np.ndarray] | No
         )
 
     unit = None
-    if isinstance(memory, MemoryCurves):  # the two pools, memory ops included (pipec.sim.memtime)
+    if memory is not None and not isinstance(memory, MemoryCurves):  # a memory model: timed from the Timeline
+        from pipec.sim.memtime import timeline_curves
+
+        memory = timeline_curves(tl, memory)
+    if memory is not None:  # the two pools, memory ops included (pipec.sim.memtime)
         unit = memory.unit
         pools = [("memory", memory.device)] + ([("host memory", memory.host)] if memory.offloads else [])
         for name, curves in pools:
@@ -237,13 +241,6 @@ def trace_events(tl: Timeline, memory: MemoryCurves | dict[str, np.ndarray] | No
                 tt, vv = t.tolist(), v.tolist()
                 for k in range(len(tt)):
                     events.append({"name": name, "ph": "C", "pid": r, "ts": _us(tt[k]), "args": {name: vv[k]}})
-    elif memory is not None:  # a memory model alone: the Timeline's computes (no memory ops)
-        from pipec.sim.simulate import memory_curve
-
-        for r, (t, v) in enumerate(memory_curve(tl, memory)):
-            tt, vv = t.tolist(), v.tolist()
-            for k in range(len(tt)):
-                events.append({"name": "memory", "ph": "C", "pid": r, "ts": _us(tt[k]), "args": {"memory": vv[k]}})
 
     meta: list[dict] = []
     for r in range(R):
