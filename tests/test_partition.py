@@ -244,3 +244,27 @@ def test_profile_partition_and_run_check(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("UNEVEN_HEAD", "128")  # other shapes: another model
     assert main([*run, "--local", "--steps", "1"]) == 1
     assert "error[E804]" in capsys.readouterr().err
+
+
+def test_optimal_with_message_latency():
+    """With a fixed latency on every message the bound closes too (within the rounding of the unit)."""
+    from pipec.sim.costs import parse_overrides
+
+    rng = np.random.default_rng(11)
+    for name, params in CASES[1:3]:
+        sched = load(name, **params)
+        R = sched.num_ranks
+        pb = Problem(
+            sched,
+            compile_schedule(sched).program,
+            _table(rng, 7),
+            np.ones(R),
+            np.full(R, np.nan),
+            [parse_overrides("latency=0.37")],
+        )
+        res = search(pb, time_limit=60)
+        assert res.optimal and res.best.step == _brute(pb).step
+        assert (
+            res.best.step
+            > Problem(sched, pb.program, pb.table, np.ones(R), np.full(R, np.nan)).evaluate(res.best.bounds).step
+        )

@@ -28,11 +28,13 @@ Why the result is optimal (a cutting-plane method with the simulator as the obje
    incumbent's T equals the bound, it is optimal. Otherwise the longest path P* of the graph at x* is
    added to K (with each rank's longest path to its last op), and the master solved again.
 4. Termination: when the simulator's step is the graph's longest path (free messages, the partitioner's
-   default: a bandwidth term or an `overhead` adds queueing the graph does not have, and a latency that is
-   no multiple of the time unit below is rounded down in the graph), T(x*) > z* means
+   default, or fixed latencies; a bandwidth term or an `overhead` adds queueing the graph does not have),
+   T(x*) > z* means
    len_{P*}(x*) = T(x*) > z* >= len_P(x*) for every P in K, so P* is new; there are finitely many paths.
    With bandwidths or overheads the loop stops when no new path appears, and the bound it reached is
-   reported with the gap (`Result.optimal` False).
+   reported with the gap (`Result.optimal` False). A latency that is no multiple of the time unit below
+   is rounded down in the graph, so with latencies "optimal" means within one unit (about 6e-8 of the
+   step) per message of the schedule.
 
 Times are quantized to a power-of-two unit u about 2^-24 of a rank's whole step, so that the solver's
 integers and the simulator's floats are the same numbers exactly (sums of multiples of u below 2^53 are
@@ -505,6 +507,9 @@ def search(pb: Problem, time_limit: float = 10.0) -> Result:
             found = _local_search(pb, start, cut, t0 + time_limit / 3)
             best = found if best is None or found.step < best.step else best
     lb, rounds, status = 0, 0, "unknown"
+    # The graph rounds each message delay down to the unit: a path's length falls short of the simulator's
+    # by less than one unit per message on it, so a bound within that many units is proof (0 when free).
+    slack = sum(1 for d in pb.graph.delay if d > 0) + 1 if any(pb.graph.delay) else 1e-9
     while time.perf_counter() - t0 < time_limit:
         left = time_limit - (time.perf_counter() - t0) - 0.5  # the solver overruns its limit a little
         status, bound, bounds = master.solve(best.bounds if best else None, left, best)
@@ -514,15 +519,15 @@ def search(pb: Problem, time_limit: float = 10.0) -> Result:
                 lb = max(lb, bound)
             if status == "infeasible" and best is None:
                 raise no_fit(pb)
-            if status == "infeasible":  # nothing below the incumbent: it is optimal
-                lb = max(lb, int(math.floor(best.step / pb.unit)))
+            if status == "infeasible":  # no split's paths all stay below the incumbent (integers): optimal
+                lb = max(lb, int(math.ceil(best.step / pb.unit)))
             break
         lb = max(lb, bound)
         known = len(master.cuts)
         cand = pb.evaluate(bounds)
         if cand.fits and (best is None or cand.step < best.step):
-            best = _local_search(pb, cand, cut, time.perf_counter() + 1.0)
-        if best.step <= lb * pb.unit * (1 + 1e-12) or status != "optimal":
+            best = _local_search(pb, cand, cut, min(time.perf_counter() + 1.0, t0 + time_limit))
+        if best.step <= (lb + slack) * pb.unit or status != "optimal":
             break
         cut(bounds)
         if len(master.cuts) == known:  # (the local search may have added the paths of x* already)
@@ -534,7 +539,7 @@ def search(pb: Problem, time_limit: float = 10.0) -> Result:
         best=best,
         uniform=uniform,
         lower_bound=min(lb * pb.unit, best.step),
-        optimal=best.step <= lb * pb.unit * (1 + 1e-12),
+        optimal=best.step <= (lb + slack) * pb.unit,
         rounds=rounds,
         paths=len(master.cuts),
         simulations=pb.simulations,
