@@ -88,6 +88,9 @@ def schedule_problem(sched: Schedule) -> str | None:
             dr, dpos = where[d]
             if dr == r and dpos >= pos:
                 return f"{_fmt_op(key)} comes no later than {_fmt_op(d)}, which it needs, on rank {r}"
+    problem = _memop_problem(sched)
+    if problem:
+        return problem
     # Deadlock: ranks run in order; an op (or overlapped pair) runs once everything it needs has run.
     done: set[Op3] = set()
     pc = [0] * sched.num_ranks
@@ -108,6 +111,35 @@ def schedule_problem(sched: Schedule) -> str | None:
     stuck = [r for r in range(sched.num_ranks) if pc[r] < len(orders[r])]
     if stuck:
         return "deadlock: ranks " + ", ".join(f"{r} at {_fmt_op(orders[r][pc[r]])}" for r in stuck) + " wait forever"
+    return None
+
+
+def _memop_problem(sched: Schedule) -> str | None:
+    """The memory ops' rules (MemOp's docstring), by direct enumeration: each at most once, on the rank
+    that runs its F and B; RECOMPUTE and OFFLOAD after the F, RELOAD after its OFFLOAD, all before the B;
+    OFFLOAD and RELOAD in pairs; a recomputed forward that is offloaded comes back before it is recomputed."""
+    for r, mems in enumerate(sched.memops):
+        ops = sched.ops(r)
+        at = {(o.kind, o.mb, o.stage): j for j, o in enumerate(ops)}
+        seen: dict[tuple[str, int, int], int] = {}
+        for x in mems:
+            name = f"{x.op}({x.mb}, stage {x.stage}) on rank {r}"
+            if (x.op, x.mb, x.stage) in seen:
+                return f"{name} occurs twice"
+            seen[(x.op, x.mb, x.stage)] = x.before
+            f, b = at.get(("F", x.mb, x.stage)), at.get(("B", x.mb, x.stage))
+            if f is None or b is None:
+                return f"{name}: its F and B are not on that rank"
+            if not f < x.before <= b:
+                return f"{name} is not between F({x.mb}) and B({x.mb}) of stage {x.stage}"
+        for (op, i, st), before in seen.items():
+            off, rel = seen.get(("OFFLOAD", i, st)), seen.get(("RELOAD", i, st))
+            if (off is None) != (rel is None):
+                return f"rank {r}: micro-batch {i} of stage {st} is offloaded or reloaded, not both"
+            if op == "RELOAD" and before < off:
+                return f"rank {r}: RELOAD({i}, stage {st}) comes before its OFFLOAD"
+            if op == "RECOMPUTE" and rel is not None and before < rel:
+                return f"rank {r}: RECOMPUTE({i}, stage {st}) comes before the RELOAD it recomputes from"
     return None
 
 
@@ -296,30 +328,47 @@ def _dp_problem(prog: Program, r: int, ins, owned: list[int], last_compute: dict
     return None
 
 
+def _walk_peak(instrs, model: dict[str, np.ndarray], split: bool, n: int = 1) -> float:
+    """The largest device memory along one rank's (name, micro-batch, stage) stream, less what it holds
+    throughout: each F keeps `act` (a recomputed one `ckpt`, the rest from its RECOMPUTE) until its B, a
+    split B keeps `wact` until W, an OFFLOAD takes what the F kept off the device and its RELOAD brings it
+    back; under fsdp over n replicas a stage's other (n - 1) / n of params from UNSHARD to RESHARD."""
+    act, wact, ckpt, par = model["act"], model["wact"], model["ckpt"], model["params"]
+    instrs = list(instrs)
+    recomputed = {(i, st) for name, i, st in instrs if name == "RECOMPUTE"}
+    kept: dict[tuple[int, int], float] = {}
+    live = peak = 0.0
+    for name, i, st in instrs:
+        if name == "FWD":
+            kept[(i, st)] = ckpt[st] if (i, st) in recomputed else act[st]
+            live += kept[(i, st)]
+        elif name == "RECOMPUTE":
+            live += act[st] - ckpt[st]
+        elif name == "OFFLOAD":
+            live -= kept[(i, st)]
+        elif name == "RELOAD":
+            live += kept[(i, st)]
+        elif name == "BWD":
+            live += (wact[st] if split else 0.0) - act[st]
+        elif name == "WGRAD":
+            live -= wact[st]
+        elif name == "UNSHARD":
+            live += par[st] * (n - 1) / n
+        elif name == "RESHARD":
+            live -= par[st] * (n - 1) / n
+        peak = max(peak, live)
+    return peak
+
+
 def _fsdp_peaks(prog: Program, sched: Schedule, model: dict[str, np.ndarray]) -> list[float]:
-    """Per-rank peak memory of an fsdp Program: params / N of each owned stage throughout, plus
-    params * (N - 1) / N of each gathered stage, plus the live activations, after every instruction."""
-    act, wact, par = model["act"], model["wact"], model["params"]
-    n = prog.dp
-    out = []
-    for r, rp in enumerate(prog.ranks):
-        base = float(sum(par[s] for s in sched.stages_of(r))) / n
-        live = gathered = 0.0
-        peak = 0.0
-        for x in rp.instructions():
-            if x.op == "FWD":
-                live += act[x.stage]
-            elif x.op == "BWD":
-                live += (wact[x.stage] if prog.split_backward else 0.0) - act[x.stage]
-            elif x.op == "WGRAD":
-                live -= wact[x.stage]
-            elif x.op == "UNSHARD":
-                gathered += par[x.stage] * (n - 1) / n
-            elif x.op == "RESHARD":
-                gathered -= par[x.stage] * (n - 1) / n
-            peak = max(peak, live + gathered)
-        out.append(base + peak)
-    return out
+    """Per-rank peak memory of an fsdp Program: params / N of each owned stage throughout, plus the walk of
+    its instructions (`_walk_peak`)."""
+    par, n = model["params"], prog.dp
+    return [
+        float(sum(par[s] for s in sched.stages_of(r))) / n
+        + _walk_peak(((x.op, x.mb, x.stage) for x in rp.instructions()), model, prog.split_backward, n)
+        for r, rp in enumerate(prog.ranks)
+    ]
 
 
 def _fsdp_over(sched: Schedule, memory, dp: DataParallel) -> tuple[str | None, str | None]:
@@ -399,20 +448,20 @@ def _rendezvous(prog: Program, instrs) -> str | None:
 
 
 def _memory_peaks(sched: Schedule, model: dict[str, np.ndarray]) -> list[float]:
-    act, wact, par = model["act"], model["wact"], model["params"]
+    """Per-rank peak memory of a schedule: its stages' params plus the walk of its ops with its memory ops
+    just before the op they precede."""
+    names = {"F": "FWD", "B": "BWD", "W": "WGRAD"}
     out = []
     for r in range(sched.num_ranks):
-        base = float(sum(par[s] for s in sched.stages_of(r)))
-        live = peak = 0.0
-        for o in sched.ops(r):
-            if o.kind == "F":
-                live += act[o.stage]
-            elif o.kind == "B":
-                live += (wact[o.stage] if sched.split_backward else 0.0) - act[o.stage]
-            else:
-                live -= wact[o.stage]
-            peak = max(peak, live)
-        out.append(float(base + peak))
+        mems = sched.memops[r] if r < len(sched.memops) else ()
+        ops = sched.ops(r)
+        stream = []
+        for j in range(len(ops) + 1):
+            stream += [(x.op, x.mb, x.stage) for x in mems if x.before == j]
+            if j < len(ops):
+                stream.append((names[ops[j].kind], ops[j].mb, ops[j].stage))
+        base = float(sum(model["params"][s] for s in sched.stages_of(r)))
+        out.append(base + _walk_peak(stream, model, sched.split_backward))
     return out
 
 
@@ -427,11 +476,13 @@ def _timeline_check(prog: Program, costs, tl) -> float:
         if (o, i, s) in events:
             _fail(f"the simulation runs {OPCODES[o]} {i} {s} twice")
         events[(o, i, s)] = (r, a, b)
-    want = {(OPCODES.index(x.op), x.mb, x.stage) for rp in prog.ranks for x in rp.instructions() if x.op in COMPUTE}
+    on_compute = (*COMPUTE, "RECOMPUTE")  # a RECOMPUTE runs on the compute resource too, at its F's cost
+    want = {(OPCODES.index(x.op), x.mb, x.stage) for rp in prog.ranks for x in rp.instructions() if x.op in on_compute}
     if set(events) != want:
         _fail("the simulation does not run exactly the program's compute instructions")
     full_b = costs.B if prog.split_backward else costs.B + costs.W
-    dur = {FWD: costs.F, BWD: full_b, WGRAD: costs.W}
+    recompute = OPCODES.index("RECOMPUTE")
+    dur = {FWD: costs.F, BWD: full_b, WGRAD: costs.W, recompute: costs.F}
 
     def wire(src_stage: int, a: int, b: int, kind: str) -> float:
         if a == b:
@@ -444,6 +495,10 @@ def _timeline_check(prog: Program, costs, tl) -> float:
         if abs((b - a) - dur[o][s]) > eps:
             _fail(f"simulated {OPCODES[o]} {i} {s} takes {b - a:g}, its cost is {dur[o][s]:g}")
         local, msg = _needs(o, i, s, S, placement, r)
+        if o == recompute:
+            local, msg = [(FWD, i, s)], None
+        elif o == BWD and (recompute, i, s) in events:
+            local = [*local, (recompute, i, s)]
         for d in local:
             if a < events[d][2] - eps:
                 _fail(f"simulated {OPCODES[o]} {i} {s} starts before {OPCODES[d[0]]} {d[1]} {d[2]} ends")
@@ -456,7 +511,7 @@ def _timeline_check(prog: Program, costs, tl) -> float:
     for rp_index, rp in enumerate(prog.ranks):
         prev_end = 0.0
         for x in rp.instructions():
-            if x.op in COMPUTE:
+            if x.op in on_compute:
                 _, a, b = events[(OPCODES.index(x.op), x.mb, x.stage)]
                 if a < prev_end - eps:
                     _fail(f"rank {rp_index}: simulated `{x}` overlaps the compute before it")
@@ -499,7 +554,22 @@ def _schedule_of(prog: Program) -> Schedule:
     )
 
 
-_PIPEC_CODES = ("E301", "E302", "E303", "E304", "E305", "E306", "E307", "E308", "E401", "E402", "E403", "E404")
+_PIPEC_CODES = (
+    "E301",
+    "E302",
+    "E303",
+    "E304",
+    "E305",
+    "E306",
+    "E307",
+    "E308",
+    "E310",
+    "E311",
+    "E401",
+    "E402",
+    "E403",
+    "E404",
+)
 
 
 def check_invariants(
@@ -553,7 +623,7 @@ def check_invariants(
         # What pipec must say: E3xx for a broken schedule (checked first), then E402 (memory is checked
         # before deadlock), then E401.
         if problem is not None and not problem.startswith("deadlock"):
-            expected, why = "E30", problem
+            expected, why = "E3", problem
         elif over:
             expected, why = "E402", f"rank {over[0]} is over its memory limit"
         elif problem is not None:
