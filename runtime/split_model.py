@@ -35,8 +35,6 @@ for another model, stages whose shapes do not fit) are `ModelError`/`ShapeError`
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -45,8 +43,6 @@ import torch
 from torch import nn
 
 from pipec.runtime.errors import ModelError, ShapeError
-
-PARTITION_FORMAT, PARTITION_VERSION = "pipec-partition", 1
 
 
 # ---- the model's shape ------------------------------------------------------------------------------
@@ -117,52 +113,38 @@ def _around(model: nn.Module, path: str) -> tuple[list[str], list[str]]:
 
 
 def model_fingerprint(model: nn.Module, layer_names: Sequence[str]) -> str:
-    """sha256 of the layer names and each layer's parameter names and shapes: what a partition file is
-    for (`pipec partition` writes it, `split_model(partition=)` checks it)."""
-    h = hashlib.sha256()
+    """The partition format's fingerprint (pipec.partition.files.fingerprint: the layers' names and their
+    parameters' names and shapes) of the named modules of `model`; a name that names no module counts as
+    a layer without parameters, so the fingerprint differs from the file's and the refusal names it."""
+    from pipec.partition.files import fingerprint
+
     modules = dict(model.named_modules())
-    for name in layer_names:
-        h.update(f"{name}\n".encode())
-        mod = modules.get(name)
-        if mod is None:
-            h.update(b"  <missing>\n")
-            continue
-        for pn, p in mod.named_parameters():
-            h.update(f"  {pn} {tuple(p.shape)}\n".encode())
-    return h.hexdigest()
+    shapes = {n: [(pn, tuple(p.shape)) for pn, p in modules[n].named_parameters()] for n in layer_names if n in modules}
+    return fingerprint([(n, shapes.get(n, [])) for n in layer_names])
 
 
 def read_partition(partition: str | os.PathLike | Mapping, model: nn.Module) -> list[list[str]]:
-    """The FQN lists of a `pipec partition` file (a path or the parsed dict), refused when it was made for
-    another model (its fingerprint does not match this one's)."""
-    where = "the partition"
-    if not isinstance(partition, Mapping):
-        where = os.fspath(partition)
-        try:
-            with open(where) as f:
-                partition = json.load(f)
-        except (OSError, ValueError) as e:
-            raise ModelError(f"{where}: cannot read the partition file: {e}") from None
-    if partition.get("format") != PARTITION_FORMAT or partition.get("version") != PARTITION_VERSION:
-        raise ModelError(
-            f"{where}: not a {PARTITION_FORMAT} version {PARTITION_VERSION} file (format "
-            f"{partition.get('format')!r}, version {partition.get('version')!r})"
-        )
-    layers = list(partition.get("model", {}).get("layers", []))
-    want = partition.get("model", {}).get("fingerprint")
-    got = model_fingerprint(model, layers)
-    if want != got:
+    """The FQN lists of a partition file (`pipec partition` writes them; a path or the loaded dict), for
+    this model: ModelError when the file is malformed or made for another model (its fingerprint does not
+    match this one's)."""
+    from pipec.errors import PipecError
+    from pipec.partition.files import parse_partition
+    from pipec.partition.files import read_partition as read_file
+
+    where = "the partition" if isinstance(partition, Mapping) else os.fspath(partition)
+    try:
+        part = parse_partition(partition) if isinstance(partition, Mapping) else read_file(where)
         modules = dict(model.named_modules())
-        missing = [n for n in layers if n not in modules]
-        why = f"layer `{missing[0]}` is not in this model" if missing else "the parameter shapes differ"
-        raise ModelError(
-            f"{where}: the partition was made for another model (fingerprint {str(want)[:12]}..., this model's "
-            f"is {got[:12]}...: {why}); run `pipec partition` again for this model"
-        )
-    stages = partition.get("stages")
-    if not isinstance(stages, list) or not all(isinstance(s, list) for s in stages):
-        raise ModelError(f"{where}: `stages` must be a list of FQN lists, one per stage")
-    return [[str(n) for n in s] for s in stages]
+        missing = [n for n in part.layers if n not in modules]
+        if missing:
+            raise ModelError(
+                f"{where}: the partition was made for another model: layer `{missing[0]}` is not in this one; "
+                "run `pipec partition` again for this model"
+            )
+        part.check_model(model_fingerprint(model, part.layers), part.layers, type(model).__name__)
+    except PipecError as e:
+        raise ModelError(f"{where}: {e.diagnostics[0].message}") from None
+    return [list(s) for s in part.stages]
 
 
 # ---- the stage --------------------------------------------------------------------------------------

@@ -351,8 +351,12 @@ def partition_doc(
 
 def read_partition(path: str) -> PartitionFile:
     """A partition file (E803 when it is not one, or its stages do not cover its layers once, in order)."""
-    what = f"partition file `{brief(path, 80)}`"
-    doc = _head(_load_json(path, "partition file"), PARTITION_FORMAT, what)
+    return parse_partition(_load_json(path, "partition file"), f"partition file `{brief(path, 80)}`")
+
+
+def parse_partition(doc: object, what: str = "the partition") -> PartitionFile:
+    """A partition document already loaded (a dict), checked as `read_partition` checks a file."""
+    doc = _head(doc, PARTITION_FORMAT, what)
     model, sched, stages = doc.get("model"), doc.get("schedule"), doc.get("stages")
     _require(isinstance(model, Mapping), what, "no `model` object")
     fp, layers = model.get("fingerprint"), model.get("layers")
