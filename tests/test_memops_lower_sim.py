@@ -273,6 +273,8 @@ def test_a_recompute_keeps_only_the_input_until_it_runs_on_the_timeline_curves_t
     alone = timeline_curves(tl, memory)
     for (t, v), (t0, v0) in zip(alone.device, memory_curves(tl, prog, memory).device):
         assert t.tolist() == t0.tolist() and v.tolist() == pytest.approx(v0.tolist())
+
+
 def test_torch_export_refuses_memops_unless_dropped():
     s = _sched()
     s2 = _with(s, [], [MemOp("RECOMPUTE", 0, 1, _at(s, 1, "B", 0, 1))])

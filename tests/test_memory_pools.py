@@ -255,6 +255,8 @@ def test_curves_of_a_timeline_alone_match_the_programs(name):
     assert alone.host_peak.tolist() == pytest.approx(new.host_peak.tolist())
     for (t0, v0), (t1, v1) in zip(alone.device + alone.host, new.device + new.host):
         assert t0.tolist() == t1.tolist() and v0.tolist() == pytest.approx(v1.tolist())
+
+
 def test_errors_doc_example_of_E406_prints_what_it_shows(capsys):
     from pathlib import Path
 
