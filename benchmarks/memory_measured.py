@@ -12,10 +12,11 @@ profile` counts (`stage_bytes`). A schedule that does not build at p=4 (a topolo
 as skipped with its reason.
 
 `time`: 1f1b, 1f1b-recompute, zb-v, zb-v-recompute and 1f1b-offload at p=4 m=8 on 4 gloo processes: each
-is profiled once (`pipec profile -o COST.toml`, ops timed one at a time) and simulated (`pipec simulate
---cost COST.toml --json`: makespan, and per rank the device and host peaks less the rank's parameter
-state), then run in `--rounds` alternating rounds (the launch entry point `pipec run` starts, with
-`--memory-out`: per-step seconds, and the last step's measured peaks). A run's step is the median of its
+family is profiled once (`pipec profile 1f1b|zb-v -o COST.toml`, ops timed one at a time), each schedule
+simulated on its family's file (`pipec simulate NAME --cost COST.toml --json`: makespan, and per rank
+the device and host peaks less the rank's parameter state), then run in `--rounds` alternating rounds
+(the launch entry point `pipec run` starts, with `--memory-out`: per-step seconds, and the last step's
+measured peaks). A run's step is the median of its
 steps after the first; a schedule's, the median over the rounds; `vs_1f1b_measured` is the median over
 rounds of its step over 1f1b's in the same round (side by side), against the simulated ratio. Every line
 carries the load averages (the machine is shared: the times are fidelity figures, not speeds).
@@ -102,15 +103,23 @@ def _pipec(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pipec", *argv], capture_output=True, text=True, cwd=ROOT)
 
 
+def base_of(name: str) -> str:
+    """The schedule whose profile `name` is simulated with: its family's plain one (same ops, same B)."""
+    return "zb-v" if name.startswith("zb-v") else "1f1b"
+
+
 def profile_and_simulate(name: str, tmp: str, p: int = 4, m: int = 8) -> dict:
-    """`pipec profile -o COST.toml`, then `pipec simulate --cost COST.toml --json` (see the module docstring)."""
+    """`pipec profile BASE -o COST.toml` once per family (`base_of`: on a shared machine two profiles of the
+    same ops differ with the load, which would show as a difference between the schedules), then `pipec
+    simulate NAME --cost COST.toml --json` (see the module docstring)."""
     import tomllib
 
-    cost = os.path.join(tmp, f"{name}.toml")
+    cost = os.path.join(tmp, f"{base_of(name)}.toml")
     defs = ["-D", f"p={p}", "-D", f"m={m}"]
-    prof = _pipec("profile", name, *defs, "--model", MODEL, "-o", cost, "--reps", "10")
-    if prof.returncode:
-        return {"error": prof.stderr.strip().splitlines()[-1:]}
+    if not os.path.exists(cost):
+        prof = _pipec("profile", base_of(name), *defs, "--model", MODEL, "-o", cost, "--reps", "10")
+        if prof.returncode:
+            return {"error": prof.stderr.strip().splitlines()[-1:]}
     sim = json.loads(_pipec("simulate", name, *defs, "--cost", cost, "--json").stdout)["results"][0]
     with open(cost, "rb") as f:
         state = tomllib.load(f)["state_bytes"]
