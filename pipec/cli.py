@@ -21,6 +21,7 @@ from pipec import __version__
 from pipec import dataparallel as dpopts
 from pipec.errors import Diagnostic, PipecError, Source, brief, error
 from pipec.frontend import library
+from pipec.partition import command as partition_command
 from pipec.passes.compiler import CompiledSchedule, compile_schedule
 from pipec.passes.memory import format_table
 from pipec.program import Program
@@ -165,9 +166,19 @@ def _count(lo: int, hi: int):
 
 def _mem(text: str) -> tuple[str, float]:
     name, sep, value = text.partition("=")
-    if not sep or name not in ("act", "wact", "params"):
-        raise argparse.ArgumentTypeError(f"expected act=X, wact=X or params=X, got `{brief(text)}`")
-    return name, _finite(value)
+    if not sep or name not in ("act", "wact", "ckpt", "params"):
+        raise argparse.ArgumentTypeError(f"expected act=X, wact=X, ckpt=X or params=X, got `{brief(text)}`")
+    return name, _amount(value)
+
+
+def _amount(text: str) -> float:
+    """A memory amount: a number, or bytes with a unit (`80GiB`; pipec.sim.costs.quantity)."""
+    from pipec.sim.costs import quantity
+
+    try:
+        return quantity(text, "bytes", "memory")
+    except PipecError as e:
+        raise argparse.ArgumentTypeError(e.diagnostics[0].message) from None
 
 
 def _memory_args(p: argparse.ArgumentParser) -> None:
@@ -177,9 +188,10 @@ def _memory_args(p: argparse.ArgumentParser) -> None:
         type=_mem,
         action="append",
         default=[],
-        help="override the memory model for every stage: act=, wact= or params= (repeatable)",
+        help="override the memory model for every stage: act=, wact=, ckpt= or params= (repeatable)",
     )
-    p.add_argument("--memory-limit", type=_finite, default=None, metavar="X", help="per-rank memory limit")
+    p.add_argument("--memory-limit", type=_amount, default=None, metavar="X", help="per-rank memory limit (80GiB)")
+    p.add_argument("--host-memory-limit", type=_amount, default=None, metavar="X", help="per-rank host memory limit")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -196,6 +208,7 @@ def _parser() -> argparse.ArgumentParser:
     _memory_args(p)
     dpopts.add_dp_options(p)
     p.add_argument("--memory", action="store_true", help="print the per-rank memory table")
+    _cost_args(p)  # measured bytes (saved_bytes, ...) put the memory model in bytes
     _json_arg(p, "the summary")
     p.set_defaults(func=cmd_check)
 
@@ -267,8 +280,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     _schedule_args(p)
     _memory_args(p)
-    p.add_argument("--to", choices=("torch-csv",), default="torch-csv", help="the format (default torch-csv)")
+    p.add_argument(
+        "--to",
+        choices=("torch-csv", "torchtitan"),
+        default="torch-csv",
+        help="the format (default torch-csv); torchtitan: the compute-only CSV and torchtitan's settings (TOML)",
+    )
     p.add_argument("--comms", action="store_true", help="the compute+communication format (default: compute only)")
+    p.add_argument(
+        "--microbatch-size", type=int, default=1, metavar="B", help="--to torchtitan: samples per micro-batch"
+    )
+    p.add_argument(
+        "--drop-memops", action="store_true", help="leave out RECOMPUTE/OFFLOAD/RELOAD, which torch has no action for"
+    )
     p.add_argument("-o", "--output", metavar="OUT.csv", help="write here instead of standard output")
     dpopts.add_dp_options(p)
     _json_arg(p, "a summary (and, without -o, the CSV)")
@@ -289,6 +313,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     _synth_args(p)
     p.set_defaults(func=cmd_synth)
+
+    p = sub.add_parser(
+        "partition", help="choose each stage's layers for the shortest simulated step", description=_doc(cmd_partition)
+    )
+    _schedule_args(p)
+    _cost_args(p)
+    partition_command.add_arguments(p)
+    p.set_defaults(func=cmd_partition)
 
     p = sub.add_parser("test", help="property-test schedules over their parameter space", description=_doc(cmd_test))
     _test_args(p)
@@ -330,9 +362,14 @@ def _build(args: argparse.Namespace) -> Schedule:
 
 
 def _memory(args: argparse.Namespace) -> dict[str, float]:
-    overrides = dict(args.mem)
+    from pipec.passes.memory import memory_bytes
+    from pipec.sim.costs import cost_spec
+
+    overrides = {**memory_bytes(cost_spec(t) for t in getattr(args, "cost", [])), **dict(args.mem)}
     if args.memory_limit is not None:
         overrides["limit"] = args.memory_limit
+    if getattr(args, "host_memory_limit", None) is not None:
+        overrides["host_limit"] = args.host_memory_limit
     return overrides
 
 
@@ -372,6 +409,8 @@ def _summary(c: CompiledSchedule, program_file: bool = False) -> dict:
         "memory": [
             {"rank": m.rank, "peak": m.peak, "limit": m.limit, "at": str(m.peak_op) if m.peak_op else None}
             | ({"params": m.params, "gathered": list(m.gathered)} if c.program.dp_kind == "fsdp" else {})
+            | ({"unit": m.unit} if m.unit == "bytes" else {})  # peaks and limits in bytes (docs/memory.md)
+            | ({"host_peak": m.host_peak, "host_limit": m.host_limit} if m.host_op else {})
             for m in c.memory
         ],
     }
@@ -634,7 +673,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         if args.trace:
             from pipec.sim.trace import write_trace
 
-            write_trace(sims[0].timeline, args.trace, sims[0].memory)
+            write_trace(sims[0].timeline, args.trace, report.curves_of(sims[0]))
             wrote.append(f"wrote trace to {args.trace} (open it at https://ui.perfetto.dev)")
         if args.plot:
             from pipec.sim.render import plot_timelines
@@ -664,7 +703,15 @@ def _run_args(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="processes (default: the schedule's ranks)",
     )
+    p.add_argument(
+        "--partition", metavar="PART.json", help="stages from the model's layers(), as `pipec partition` split them"
+    )
     p.add_argument("--local", action="store_true", help="run every rank in this process (in-memory messages)")
+    p.add_argument(
+        "--memory",
+        action="store_true",
+        help="measure each rank's peak saved activation bytes and print them against the memory model's",
+    )
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="--local: where to run (default cpu)")
     p.add_argument(
         "--emulate-links",
@@ -706,6 +753,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise Misuse(str(e)) from None
         except ImportError:
             pass  # reported just below
+    args.memory_schedule = sched  # --memory: what the prediction is made for
     try:
         from pipec.runtime.run import run
     except ImportError as e:
@@ -879,15 +927,18 @@ def cmd_export(args: argparse.Namespace) -> int:
     """Check a schedule (every check of `pipec check`) and write it as torch.distributed.pipelining's
     action CSV (torch 2.13), one row per rank: compute-only, which torch's `_load_csv` lowers itself, or
     with --comms the compute+communication format, with pipec's proven placement of sends and receives
-    (and, with --dp-kind fsdp, the lowering's UNSHARD/RESHARD windows). What does not translate is an
-    error, never dropped silently (see docs/interop.md)."""
+    (and, with --dp-kind fsdp, the lowering's UNSHARD/RESHARD windows); with --to torchtitan -o OUT, the
+    compute-only OUT.csv and torchtitan's settings OUT.toml. What does not translate is an error, never
+    dropped silently (see docs/interop.md)."""
     from pipec.interop.torch_csv import export_csv
 
+    if args.to == "torchtitan":
+        return _export_torchtitan(args)
     if dpopts.given(args) and not args.comms:
         raise Misuse("the data-parallel options place collectives in the compute+comms CSV: add --comms")
     c = _compile(args)[0]
     s = c.schedule
-    text = export_csv(s, c.program if args.comms else None)
+    text = export_csv(s, c.program if args.comms else None, drop_memops=args.drop_memops)
     if args.output or not args.json:
         _write(args.output, text)
     declared = (("cost", s.costs), ("memory", s.memory), ("topology", s.topology), ("expect", s.expects))
@@ -904,6 +955,32 @@ def cmd_export(args: argparse.Namespace) -> int:
             print(note)
     elif dropped:
         print(note, file=sys.stderr)
+    return 0
+
+
+def _export_torchtitan(args: argparse.Namespace) -> int:
+    """`pipec export --to torchtitan -o OUT`: OUT.csv and OUT.toml (pipec.interop.torchtitan)."""
+    from pipec.interop.torchtitan import export_torchtitan, output_paths
+
+    if dpopts.given(args):
+        raise Misuse("--to torchtitan: torchtitan sets data parallelism itself (its data_parallel_* settings)")
+    if not args.output:
+        raise Misuse("--to torchtitan writes two files: give -o OUT (OUT.csv and OUT.toml)")
+    if args.microbatch_size < 1:
+        raise Misuse(f"--microbatch-size must be at least 1, not {args.microbatch_size}")
+    s = _compile(args)[0].schedule
+    csv_path, toml_path = output_paths(args.output)
+    out = export_torchtitan(
+        s, csv_path, comms=args.comms, microbatch_size=args.microbatch_size, drop_memops=args.drop_memops
+    )
+    _write(csv_path, out.csv)
+    _write(toml_path, out.toml)
+    if args.json:
+        doc = {"schedule": s.name, "params": dict(s.params), "ranks": s.num_ranks, "format": "torchtitan"}
+        _emit(args, {**doc, "schedule_class": out.schedule_class, "csv": csv_path, "toml": toml_path})
+    else:
+        print(f"wrote {s.num_ranks} ranks of {s.name} to {csv_path} and torchtitan's settings to {toml_path}")
+        print(f"  pipeline_parallel_schedule = {out.schedule_class!r} (the placement style of the schedule)")
     return 0
 
 
@@ -933,6 +1010,15 @@ def cmd_import(args: argparse.Namespace) -> int:
     return 0
 
 
+def _memops(text: str) -> tuple[str, ...]:
+    from pipec.synth import memops_of
+
+    try:
+        return memops_of(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _synth_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-p", type=_count(1, SYNTH_MAX), required=True, help="ranks")
     p.add_argument("-m", type=_count(1, SYNTH_MAX), required=True, help="micro-batches")
@@ -942,6 +1028,13 @@ def _synth_args(p: argparse.ArgumentParser) -> None:
     _cost_args(p)
     _memory_args(p)
     p.add_argument("--memory-limit-of", metavar="NAME", help="the limit: this library schedule's peak memory")
+    p.add_argument(
+        "--memops",
+        type=_memops,
+        default=("recompute", "offload"),
+        metavar="LIST",
+        help="memory ops the search may place below 1F1B's memory: recompute, offload, both (default) or none",
+    )
     p.add_argument("--dc", metavar="NAME=LO..HI", action="append", default=[], help="a datacenter of ranks LO..HI-1")
     p.add_argument("--time-limit", type=_finite, default=30.0, metavar="S", help="solver seconds (default 30)")
     solver = p.add_mutually_exclusive_group()
@@ -996,6 +1089,8 @@ def cmd_synth(args: argparse.Namespace) -> int:
         cost_docs=tuple(cost_spec(t) for t in args.cost),
         memory=memory,
         topology=synth.topology_of(dcs),
+        host_limit=None if args.host_memory_limit is None else (args.host_memory_limit,) * args.p,
+        memops=args.memops,
     )
     if args.memory_limit is not None and args.memory_limit_of:
         raise Misuse("give --memory-limit or --memory-limit-of, not both")
@@ -1215,6 +1310,17 @@ def cmd_test(args: argparse.Namespace) -> int:
     else:
         print(f"{len(files)} file{'s' if len(files) != 1 else ''}: {ok} ok, {failed} failed")
     return 1 if failed else 0
+
+
+def cmd_partition(args: argparse.Namespace) -> int:
+    """Profile a model file's layers (or read a layer table) and choose the contiguous layers of each stage
+    that minimise the schedule's simulated step under per-rank memory limits and speeds; print it beside
+    the uniform split and write the partition file `pipec run --partition` reads. See docs/partition.md."""
+    from pipec.sim.costs import cost_spec
+
+    sched = _build(args)
+    program = compile_schedule(sched).program
+    return partition_command.run(args, sched, program, [cost_spec(t) for t in args.cost])
 
 
 def cmd_list(args: argparse.Namespace) -> int:

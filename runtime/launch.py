@@ -26,6 +26,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("schedule", metavar="FILE|NAME", help="a .pipe file, a library schedule, or a compiled program")
     ap.add_argument("-D", dest="defines", metavar="NAME=VALUE", action="append", default=[])
     add_run_options(ap)
+    ap.add_argument("--memory-out", default=None, help=argparse.SUPPRESS)  # `pipec run --memory`: peaks here
     return ap
 
 
@@ -397,6 +398,8 @@ class Worker:
             )
             checks = CheckStats()
         needs_batch = runner.has_first or runner.has_last or reference is not None
+        if args.memory_out:
+            runner.executor.measure_memory()
         start = self._resume(dist, reference)
         if self.rank == 0:
             how = f"{args.backend}, {self.world} processes"
@@ -432,6 +435,10 @@ class Worker:
             if self.rank == 0:
                 show(step_line(step, args.steps, s[1], s[0], tuple(s[2:]) if reference else None))
             self._maybe_save(dist, step + 1)
+        if args.memory_out:
+            from pipec.runtime.saved import publish_peaks
+
+            publish_peaks(self.store, self.rank, self.world, runner.executor.peaks, args.memory_out, args.timeout)
         code = 0
         if reference is not None:
             self.store.set(f"pipec/check/{self.rank}", checks.to_json())

@@ -55,6 +55,15 @@ def run(args: argparse.Namespace, program: Program) -> int:
 
     try:
         model = load_model(args.model)  # a bad model file is reported once, before any process starts
+        if getattr(args, "partition", None):  # stages from the model's layers() as the file splits them
+            from pipec.errors import PipecError
+            from pipec.runtime.partitioned import use_partition
+
+            try:
+                model = use_partition(args, model, program.num_stages, program.name)
+            except PipecError as e:
+                print("\n".join(d.format() for d in e.diagnostics), file=sys.stderr)
+                return 1
     except PipelineError as e:
         print(f"pipec run: error: {e}", file=sys.stderr)
         return 1
