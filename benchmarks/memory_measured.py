@@ -2,6 +2,7 @@
 JSON lines, or docs/memory.md's "Predicted against measured" tables with --markdown.
 
     .venv/bin/python benchmarks/memory_measured.py peaks [--markdown]      # every library schedule, p=4
+    .venv/bin/python benchmarks/memory_measured.py peaks --model examples/hf_gpt2.py --markdown
     .venv/bin/python benchmarks/memory_measured.py time [--rounds 3] [--steps 6] [--markdown]
 
 `peaks`: every library schedule (`pipec list`) at p=4 (m=8; the default parameters otherwise) on
@@ -50,7 +51,7 @@ def _compile(name: str, p: int, m: int):
     return sched, compile_schedule(sched).program
 
 
-def peaks_row(name: str, p: int = 4, m: int = 8, steps: int = 2) -> dict:
+def peaks_row(name: str, p: int = 4, m: int = 8, steps: int = 2, model_path: str = MODEL) -> dict:
     """One schedule's predicted and measured peaks per rank (see the module docstring)."""
     from pipec.passes.memory import memory_bytes, program_memory
     from pipec.runtime.local import LocalPipeline
@@ -61,7 +62,7 @@ def peaks_row(name: str, p: int = 4, m: int = 8, steps: int = 2) -> dict:
         sched, program = _compile(name, p, m)
     except Exception as e:  # noqa: BLE001 - reported in the row
         return {"schedule": name, "skipped": str(e).splitlines()[0], "loadavg": _load()}
-    model = load_model(MODEL)
+    model = load_model(model_path)
     pipe = LocalPipeline(program, model.build_stage, model.loss_fn, optimizer=model.optimizer, dtype=model.dtype)
     for runner in pipe.runners:
         runner.executor.measure_memory()
@@ -82,6 +83,7 @@ def peaks_row(name: str, p: int = 4, m: int = 8, steps: int = 2) -> dict:
         )
     return {
         "schedule": name,
+        "model": os.path.relpath(model_path, ROOT),
         "params": dict(program.params),
         "ranks": ranks,
         "worst_error": _worst(ranks),
@@ -244,13 +246,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=6, help="time: training steps per run (the first is dropped)")
     ap.add_argument("--rounds", type=int, default=3, help="time: alternating rounds of runs (default 3)")
     ap.add_argument("--markdown", action="store_true", help="print docs/memory.md's table instead of JSON lines")
+    ap.add_argument("--model", default=MODEL, help="peaks: the model file (default examples/mlp.py)")
+    ap.add_argument("--schedules", default=None, help="peaks: comma-separated library names (default: all)")
     args = ap.parse_args(argv)
     rows = []
     if args.part == "peaks":
         from pipec.frontend import library
 
-        for name in library.names():
-            rows.append(peaks_row(name))
+        for name in args.schedules.split(",") if args.schedules else library.names():
+            rows.append(peaks_row(name, model_path=os.path.abspath(args.model)))
             if not args.markdown:
                 print(json.dumps(rows[-1]), flush=True)
         if args.markdown:
