@@ -98,12 +98,6 @@ class Executor:
         # memory ops: the (mb, stage) pairs whose FWD keeps only its input, and the saved-tensor pool
         self.recomputed = {(mb, s) for op, mb, s, _, _ in self.instrs if op == RECOMPUTE}
         offloaded = {(mb, s) for op, mb, s, _, _ in self.instrs if op in (OFFLOAD, RELOAD)}
-        both = sorted(self.recomputed & offloaded)
-        if both:
-            raise PipelineError(
-                f"rank {rank}: micro-batch {both[0][0]} of stage {both[0][1]} is both recomputed and offloaded; "
-                "the runtime offloads what a FWD saves, and a recomputed FWD saves nothing"
-            )
         self.pool: Pool | None = None
         self.peaks: Peaks | None = None  # the last step's peak saved bytes, when a pool exists
         if offloaded:

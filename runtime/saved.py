@@ -156,13 +156,23 @@ class Pool:
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             yield h
 
-    def keep(self, mb: int, stage: int, tensors: Iterable[torch.Tensor], exclude: set[int]) -> None:
-        """Count `tensors` in (mb, stage)'s holder without autograd saving them (a recomputed FWD's input)."""
+    def keep(self, mb: int, stage: int, tensors: Iterable[torch.Tensor], exclude: set[int]) -> list[int]:
+        """Hold `tensors` in (mb, stage)'s holder without autograd saving them (a recomputed FWD's input), so
+        that OFFLOAD and RELOAD move them too; the positions among `tensors` it holds (`kept` gives their
+        current copies, the device ones after a RELOAD)."""
         h = self.holder(mb, stage)
-        for t in tensors:
+        held = []
+        for i, t in enumerate(tensors):
             if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in exclude:
                 h.extra.append(t)
                 self._add(DEVICE, t, +1)
+                held.append(i)
+        return held
+
+    def kept(self, mb: int, stage: int) -> list[torch.Tensor]:
+        """What `keep` holds for (mb, stage), where it is now; a RELOAD's copy is waited for (`ready`)."""
+        self.ready(mb, stage)
+        return list(self.holders[(mb, stage)].extra)
 
     def release(self, mb: int, stage: int) -> None:
         """The backward of (mb, stage) is done: its saved tensors go (the graph holds only indices)."""
@@ -173,7 +183,7 @@ class Pool:
             if t is not None:
                 self._add(h.where, t, -1)
         for t in h.extra:
-            self._add(DEVICE, t, -1)
+            self._add(h.where, t, -1)
         h.tensors.clear()
         h.extra.clear()
 
@@ -187,16 +197,17 @@ class Pool:
             stream = self._side()
             stream.wait_stream(torch.cuda.current_stream(self.cuda_device))
             with torch.cuda.stream(stream):
-                for i, t in enumerate(h.tensors):
-                    if t is not None and t.is_cuda:
-                        host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=True)
-                        host.copy_(t, non_blocking=True)
-                        t.record_stream(stream)  # its memory is reused only once the copy is done
-                        self._add(DEVICE, t, -1)
-                        self._add(HOST, host, +1)
-                        h.tensors[i] = host
+                for held in (h.tensors, h.extra):
+                    for i, t in enumerate(held):
+                        if t is not None and t.is_cuda:
+                            host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=True)
+                            host.copy_(t, non_blocking=True)
+                            t.record_stream(stream)  # its memory is reused only once the copy is done
+                            self._add(DEVICE, t, -1)
+                            self._add(HOST, host, +1)
+                            held[i] = host
         else:  # a CPU device: the host is the same memory, so the bytes change pools and nothing moves
-            for t in h.tensors:
+            for t in (*h.tensors, *h.extra):
                 if t is not None:
                     self._add(DEVICE, t, -1)
                     self._add(HOST, t, +1)
@@ -210,16 +221,17 @@ class Pool:
         if self.cuda_device is not None:
             stream = self._side()
             with torch.cuda.stream(stream):
-                for i, t in enumerate(h.tensors):
-                    if t is not None and not t.is_cuda:
-                        dev = t.to(self.cuda_device, non_blocking=True)
-                        self._add(HOST, t, -1)
-                        self._add(DEVICE, dev, +1)
-                        h.tensors[i] = dev
+                for held in (h.tensors, h.extra):
+                    for i, t in enumerate(held):
+                        if t is not None and not t.is_cuda:
+                            dev = t.to(self.cuda_device, non_blocking=True)
+                            self._add(HOST, t, -1)
+                            self._add(DEVICE, dev, +1)
+                            held[i] = dev
                 h.event = torch.cuda.Event()
                 h.event.record(stream)
         else:
-            for t in h.tensors:
+            for t in (*h.tensors, *h.extra):
                 if t is not None:
                     self._add(HOST, t, -1)
                     self._add(DEVICE, t, +1)
@@ -235,7 +247,7 @@ class Pool:
         if h.event is not None:
             current = torch.cuda.current_stream(self.cuda_device)
             current.wait_event(h.event)
-            for t in h.tensors:
+            for t in (*h.tensors, *h.extra):
                 if t is not None and t.is_cuda:
                     t.record_stream(current)
             h.event = None

@@ -69,17 +69,23 @@ class Stage:
             out = self.module(*args)
             if self.last:
                 self._add_loss(self.loss_fn(out, target))
-        self.stashed[mb] = (args, target, rng, devices)
-        if self.pool is not None:
-            self.pool.keep(mb, self.index, args, self._exclude(args, target))
+        held = self.pool.keep(mb, self.index, args, self._exclude(args, target)) if self.pool is not None else []
+        # What the pool holds (and an OFFLOAD may move) the stage does not hold as well: RECOMPUTE takes it back
+        stash = tuple(None if i in held else a for i, a in enumerate(args))
+        self.stashed[mb] = (stash, held, target, rng, devices)
         return None if self.last else tuple(o.detach() for o in outputs_of(out, self.index))
 
     def recompute(self, mb: int) -> None:
         """RECOMPUTE: the forward of micro-batch mb again, with grad, from the input its FWD kept."""
         try:
-            args, target, (cpu_rng, dev_rng), devices = self.stashed.pop(mb)
+            args, held, target, (cpu_rng, dev_rng), devices = self.stashed.pop(mb)
         except KeyError:
             raise RuntimeError(f"RECOMPUTE {mb} {self.index}: its FWD did not keep its input") from None
+        if held:  # the input the pool holds, back on the device (after its RELOAD when it was offloaded)
+            kept, args = self.pool.kept(mb, self.index), list(args)
+            for k, i in enumerate(held):
+                args[i] = kept[k]
+            args = tuple(args)
         with torch.random.fork_rng(devices=devices, device_type=devices[0].type if devices else "cuda"):
             torch.set_rng_state(cpu_rng)
             for d, state in zip(devices, dev_rng):

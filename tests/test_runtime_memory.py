@@ -239,3 +239,24 @@ def test_a_two_process_run_with_recompute_and_offload_equals_the_reference(tmp_p
         errs = [float(c.rstrip("%")) for c in row if c.endswith("%")]
         assert errs and all(abs(e) <= 5 for e in errs), row
     assert rows[1][-1].endswith("%") and rows[0][-1] == "-"  # rank 1 (stages 1, 2) offloads, rank 0 does not
+
+
+def test_a_recomputed_forward_that_is_offloaded_moves_its_input_and_recomputes_from_the_reload(small):
+    model = small
+    kw = dict(optimizer=model.optimizer, dtype=model.dtype)
+    sched = with_memops(load("1f1b", p=2, m=4), recompute={0, 1}, offload={0, 1})  # both, on every (mb, stage)
+    prog = compile_schedule(sched).program
+    pipe = LocalPipeline(prog, model.build_stage, model.loss_fn, **kw)
+    for r in pipe.runners:
+        r.executor.measure_memory()
+    ref = Reference(model.build_stage, model.loss_fn, 2, 4, **kw)
+    x, y = model.batch(0)
+    pipe.step(x, y)
+    ref.step(x, y)
+    assert max(compare(pipe.named_gradients(), ref.named_gradients()).values()) <= 1e-10
+    predicted = program_memory(prog, sched, memory_bytes([stage_bytes(prog, model)]))
+    host = [r.executor.peaks.host for r in pipe.runners]
+    assert host[1] > 0  # stage 1's kept input went to the host (stage 0's is the step's data: not counted)
+    for rep, runner in zip(predicted, pipe.runners):
+        assert runner.executor.peaks.device == rep.peak - rep.params
+        assert runner.executor.peaks.host == rep.host_peak
