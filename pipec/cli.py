@@ -172,9 +172,12 @@ def _mem(text: str) -> tuple[str, float]:
 
 
 def _amount(text: str) -> float:
-    """A memory amount: a number, or bytes with a unit (`80GiB`; pipec.sim.costs.quantity)."""
+    """A memory amount: a number (as `_finite` reads it), or bytes with a unit (`80GiB`;
+    pipec.sim.costs.quantity)."""
     from pipec.sim.costs import quantity
 
+    if not text.strip()[-1:].isalpha() or text.strip().lower() in ("nan", "inf", "infinity"):
+        return _finite(text)  # no unit: a plain number, with its messages
     try:
         return quantity(text, "bytes", "memory")
     except PipecError as e:

@@ -309,10 +309,7 @@ def stage_bytes(
     device = torch.device(device)
     S, m = program.num_stages, program.num_microbatches
     scale = 1.0 / m if loss_scale is None else loss_scale
-    modules = [
-        build_stage_module(model.build_stage, s, S, seed=seed, dtype=model.dtype, device=device, where="build_stage")
-        for s in range(S)
-    ]
+    modules = _stage_modules(model, S, seed, device)
     make_opt = model.optimizer or default_optimizer
     inputs, targets = model.batch(0)
     if dp > 1:
@@ -373,6 +370,14 @@ def default_threads(ranks: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, ranks))
 
 
+def _stage_modules(model: Model, S: int, seed: int, device: torch.device) -> list[torch.nn.Module]:
+    """Every stage's module as a run builds it (seeded by (seed, stage))."""
+    return [
+        build_stage_module(model.build_stage, s, S, seed=seed, dtype=model.dtype, device=device, where="build_stage")
+        for s in range(S)
+    ]
+
+
 def _measure(
     program: Program, model: Model, reps: int, warmup: int, device: torch.device, seed: int, loss_scale, dp: int = 1
 ) -> Profile:
@@ -380,10 +385,7 @@ def _measure(
     of it, as a run's replicas split the global batch: pipec.runtime.dataparallel.slice_replica)."""
     S, m = program.num_stages, program.num_microbatches
     scale = 1.0 / m if loss_scale is None else loss_scale
-    modules = [
-        build_stage_module(model.build_stage, s, S, seed=seed, dtype=model.dtype, device=device, where="build_stage")
-        for s in range(S)
-    ]
+    modules = _stage_modules(model, S, seed, device)
     make_opt = model.optimizer or default_optimizer
     opts = []
     for mod in modules:
