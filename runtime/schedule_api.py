@@ -1,6 +1,7 @@
 """A torch-native schedule API: pipec's compiled Programs behind the shape of torch's `PipelineSchedule*`.
 
-    from pipec.runtime import PipelineSchedule, clip_grad_norm_, split_model
+    from pipec.runtime import PipelineSchedule, clip_grad_norm_
+    from pipec.runtime.split_model import split_model   # (`pipec.runtime.split_model` is the module)
 
     stages = split_model(model, [["transformer.wte", "transformer.wpe", "transformer.h.0"], [...], ...])
     schedule = PipelineSchedule("interleaved-1f1b", stages, loss_fn, n_microbatches=8, mesh=pp_mesh)
