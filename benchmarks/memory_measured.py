@@ -33,13 +33,15 @@ import subprocess
 import sys
 import tempfile
 
+from sidebyside import load_average
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = os.path.join(ROOT, "examples", "mlp.py")
 TIMED = ("1f1b", "1f1b-recompute", "zb-v", "zb-v-recompute", "1f1b-offload")
 
 
 def _load() -> float:
-    return round(os.getloadavg()[0], 2)
+    return load_average()[0]
 
 
 def _compile(name: str, p: int, m: int):

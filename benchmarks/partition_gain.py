@@ -21,6 +21,8 @@ import subprocess
 import sys
 import tempfile
 
+from sidebyside import load_average
+
 PIPEC = [sys.executable, "-m", "pipec"]
 PARAMS = {"1f1b": ["-D", "p=4", "-D", "m=8"], "zb-v": ["-D", "p=4", "-D", "m=8"]}
 
@@ -48,7 +50,7 @@ def main() -> None:
         subprocess.run([*PIPEC, "partition", name, *PARAMS[name], *src, "-o", parts[name]], check=True)
     for name, path in parts.items():
         doc = json.load(open(path))
-        load0 = os.getloadavg()
+        load0 = load_average()
         uniform, split = [], []
         for _ in range(args.rounds):
             uniform.append(run_steps(name, [], args.steps))
@@ -71,8 +73,8 @@ def main() -> None:
                     "measured_gain": statistics.median(uniform) / statistics.median(split),
                     "rounds": args.rounds,
                     "steps": args.steps,
-                    "loadavg_before": [round(x, 2) for x in load0],
-                    "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+                    "loadavg_before": load0,
+                    "loadavg_after": load_average(),
                     "files": out,
                 }
             ),

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 
 import numpy as np
+from sidebyside import load_average
 
 from pipec.api import load
 from pipec.partition import partition
@@ -70,7 +70,7 @@ def main() -> None:
                 "paths": res.paths,
                 "rounds": res.rounds,
                 "time_limit": args.time_limit,
-                "loadavg": [round(x, 2) for x in os.getloadavg()],
+                "loadavg": load_average(),
             }
             print(json.dumps(doc), flush=True)
 
