@@ -471,8 +471,14 @@ def repair(
             mem[r].append(MemOp("RECOMPUTE", i, s, b))
         else:
             continue
-        mem[r].sort(key=lambda x: (x.before, {"OFFLOAD": 0, "RELOAD": 1, "RECOMPUTE": 2}[x.op]))
+        mem[r].sort(key=_memop_order)
     return None
+
+
+def _memop_order(x: MemOp) -> tuple[int, int]:
+    """Memops in issue order: by the op they precede, then an OFFLOAD, a RELOAD, a RECOMPUTE (which runs
+    from what the RELOAD brought back)."""
+    return x.before, ("OFFLOAD", "RELOAD", "RECOMPUTE").index(x.op)
 
 
 def _later_reload(mem: list[MemOp], rep, index: dict) -> bool:
@@ -489,7 +495,7 @@ def _later_reload(mem: list[MemOp], rep, index: dict) -> bool:
     b, n = max(movable)
     x = mem[n]
     mem[n] = MemOp("RELOAD", x.mb, x.stage, min(j + 1, b))
-    mem.sort(key=lambda y: (y.before, {"OFFLOAD": 0, "RELOAD": 1, "RECOMPUTE": 2}[y.op]))
+    mem.sort(key=_memop_order)
     return True
 
 
