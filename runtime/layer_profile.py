@@ -34,6 +34,7 @@ from pipec.runtime.microbatch import as_args, split, to_device
 from pipec.runtime.model import Model, default_optimizer
 from pipec.runtime.partitioned import layer_list, param_shapes
 from pipec.runtime.profile import _measure, default_threads
+from pipec.runtime.saved import Pool, storages
 
 
 def profile_layers(
@@ -98,37 +99,23 @@ def profile_layers(
 
 
 def _saved_bytes(model: Model, modules: list[torch.nn.Module], m: int) -> list[int]:
-    """Bytes autograd saves in each layer's forward of micro-batch 0 (the last layer's loss included)."""
+    """Bytes autograd saves in each layer's forward of micro-batch 0 (the last layer's loss included),
+    counted by the runtime's saved-tensor holders (pipec.runtime.saved; parameters left out)."""
     inputs, targets = model.batch(0)
     args = as_args(to_device(split(inputs, m, "inputs")[0], "cpu", model.dtype))
     target = split(targets, m, "targets")[0]
     out: list[int] = []
     for i, mod in enumerate(modules):
-        params = {p.untyped_storage().data_ptr() for p in mod.parameters()}
-        seen: dict[int, int] = {}
-        pack = _counter(params, seen)
-
+        pool = Pool()
         if i > 0:  # a stage's input requires grad (its gradient goes back)
             args = tuple(a.detach().requires_grad_(a.is_floating_point()) for a in args)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with pool.saving(0, i, storages(mod.parameters())):
             y = mod(*args)
             if i == len(modules) - 1:
                 model.loss_fn(y, target)
-        out.append(int(sum(seen.values())))
+        out.append(pool.held(0, i))
         args = tuple(t.detach() for t in (y if isinstance(y, tuple) else (y,)))
     return out
-
-
-def _counter(params: set[int], seen: dict[int, int]):
-    """A saved-tensor pack hook recording each saved storage's bytes (parameters left out)."""
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        st = t.untyped_storage()
-        if st.data_ptr() not in params:
-            seen[st.data_ptr()] = st.nbytes()
-        return t
-
-    return pack
 
 
 def _state_bytes(model: Model, mod: torch.nn.Module) -> int:
