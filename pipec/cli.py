@@ -364,11 +364,15 @@ def _build(args: argparse.Namespace) -> Schedule:
     return schedule_of(obj, Source(where, "")) if isinstance(obj, Program) else obj
 
 
-def _memory(args: argparse.Namespace) -> dict[str, float]:
+def _memory(args: argparse.Namespace, docs: list[dict] | None = None) -> dict[str, float]:
+    """The memory overrides of the command line, over the measured bytes of its cost documents (`docs`,
+    when the caller has read them already; else read from `--cost`)."""
     from pipec.passes.memory import memory_bytes
     from pipec.sim.costs import cost_spec
 
-    overrides = {**memory_bytes(cost_spec(t) for t in getattr(args, "cost", [])), **dict(args.mem)}
+    if docs is None:
+        docs = [cost_spec(t) for t in getattr(args, "cost", [])]
+    overrides = {**memory_bytes(docs), **dict(args.mem)}
     if args.memory_limit is not None:
         overrides["limit"] = args.memory_limit
     if getattr(args, "host_memory_limit", None) is not None:
@@ -653,6 +657,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.plot and not args.plot.lower().endswith((".png", ".svg", ".pdf")):
         raise Misuse(f"--plot writes .png, .svg or .pdf, not `{args.plot}`")
     docs = [cost_spec(t) for t in args.cost]
+    memory = _memory(args, docs)
     sims, used = [], set()
     for name in args.schedule:
         defines = args.defines
@@ -661,7 +666,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             defines = [(k, v) for k, v in args.defines if k in known]
             used |= known
         obj, where = target_of(name, defines)
-        sims.append(simulation(obj, docs, _memory(args), args.topology, where, _dp(args, isinstance(obj, Program))))
+        sims.append(simulation(obj, docs, memory, args.topology, where, _dp(args, isinstance(obj, Program))))
     unused = [k for k, _ in args.defines if len(args.schedule) > 1 and k not in used]
     if unused:
         takes = "; ".join(f"{n}: {', '.join(param_names(_read_source(n))) or 'none'}" for n in args.schedule)
