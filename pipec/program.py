@@ -26,8 +26,6 @@ import numpy as np
 
 from pipec import rowtext
 from pipec.errors import PipecError, Source, Span, brief, error
-
-# The vocabulary lives in pipec.opcodes; these names stay importable from here for readers of a Program.
 from pipec.opcodes import (
     BWD,
     BY_NAME,
@@ -50,6 +48,9 @@ from pipec.opcodes import (
     UNSHARD,
     WGRAD,
 )
+
+# The vocabulary lives in pipec.opcodes; these names stay importable from here for readers of a Program.
+from pipec.schedule import Slicing
 from pipec.validate import validate
 
 FORMAT = "pipec-program"
@@ -154,6 +155,13 @@ class Program:
     # UNSHARD/RESHARD gather and free, REDUCE_GRAD reduce-scatters).
     dp: int = 1
     dp_kind: str = "ddp"
+    # Token slices and sequence lengths (pipec.schedule.Slicing; None: neither): with slices, every
+    # instruction's `mb` is a unit (micro-batch * slices + slice) and `num_microbatches` counts units.
+    slicing: Slicing | None = None
+
+    @property
+    def num_sequences(self) -> int:
+        return self.slicing.sequences if self.slicing else self.num_microbatches
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Program):
@@ -168,6 +176,7 @@ class Program:
             "placement",
             "dp",
             "dp_kind",
+            "slicing",
         )
         return all(getattr(self, f) == getattr(other, f) for f in head) and self.ranks == other.ranks
 
@@ -203,14 +212,45 @@ def _json_chunks(prog: Program) -> Iterator[str]:
 
 
 def _dp_head(prog: Program) -> dict[str, object]:
-    """`dp` and `dp_kind` where they are not the defaults (1, "ddp"), so a Program without data
-    parallelism is written byte for byte as before PP x DP; readers take their absence as the defaults."""
+    """`dp` and `dp_kind` where they are not the defaults (1, "ddp"), and `slicing` where there is one, so a
+    Program without data parallelism or slices is written byte for byte as before them; readers take their
+    absence as the defaults."""
     out: dict[str, object] = {}
     if prog.dp != 1:
         out["dp"] = prog.dp
     if prog.dp_kind != "ddp":
         out["dp_kind"] = prog.dp_kind
+    if prog.slicing is not None:
+        out["slicing"] = prog.slicing.describe()
     return out
+
+
+def _head_value(v: object) -> str:
+    """A header line's value in the text form: a word, or the slicing's JSON object on one line."""
+    return json.dumps(v, separators=(",", ":")) if isinstance(v, dict) else str(v)
+
+
+def _slicing(doc: object, units: int) -> Slicing | None:
+    """The `slicing` header (JSON object, or the text form's `slicing {...}` line) back as a Slicing;
+    ValueError (E501) when its fields are not integers of the right counts. Whether the slices cover their
+    sequence is validate's (E502)."""
+    if doc is None:
+        return None
+    if not isinstance(doc, dict) or set(doc) != {"slices", "seqlen", "tokens", "lengths"}:
+        raise ValueError("`slicing` must hold slices, seqlen, tokens and lengths")
+    n, seqlen = _size(doc["slices"], "slicing.slices"), _size(doc["seqlen"], "slicing.seqlen")
+    tokens, lengths = doc["tokens"], doc["lengths"]
+    if not isinstance(tokens, list) or not isinstance(lengths, list) or len(tokens) != n or units % n:
+        raise ValueError(f"`slicing` needs {n} slice lengths and micro-batches in whole sequences")
+    if len(lengths) != units // n:
+        raise ValueError(f"`slicing.lengths` needs one length per sequence ({units // n})")
+    return Slicing(
+        units // n,
+        n,
+        seqlen,
+        tuple(_size(t, "slicing.tokens") for t in tokens),
+        tuple(_size(t, "slicing.lengths") for t in lengths),
+    )
 
 
 def write_json(prog: Program, fh: IO[str]) -> None:
@@ -265,6 +305,7 @@ def from_json(text: str, path: str = "<program>") -> Program:
             ranks=tuple(ranks),
             dp=doc.get("dp", 1),
             dp_kind=doc.get("dp_kind", "ddp"),
+            slicing=_slicing(doc.get("slicing"), _size(doc["num_microbatches"], "num_microbatches")),
         )
     except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError, RecursionError) as e:
         raise error("E501", f"malformed program JSON: {e}", source=Source(path, "")) from None
@@ -281,7 +322,10 @@ def _text_chunks(prog: Program) -> Iterator[str]:
         f"schedule {json.dumps(prog.name)} {json.dumps(dict(prog.params))}\n"
         f"stages {prog.num_stages} ranks {prog.num_ranks} microbatches {prog.num_microbatches}"
         f" split {str(prog.split_backward).lower()}\n"
-        "place " + " ".join(map(str, prog.placement)) + "\n" + "".join(f"{k} {v}\n" for k, v in _dp_head(prog).items())
+        "place "
+        + " ".join(map(str, prog.placement))
+        + "\n"
+        + "".join(f"{k} {_head_value(v)}\n" for k, v in _dp_head(prog).items())
     )
     for r, rp in enumerate(prog.ranks):
         yield f"rank {r}\n" + _text_rows(rp)
@@ -388,14 +432,18 @@ def from_text(text: str, path: str = "<program>") -> Program:
         if words[0] != "place":
             raise ValueError("expected `place` and the rank of each stage")
         placement = tuple(int(x) for x in words[1:])
-        dp: dict[str, object] = {"dp": 1, "dp_kind": "ddp"}  # optional header lines `dp N`, `dp_kind K`
+        # optional header lines `dp N`, `dp_kind K`, `slicing {...}` (JSON)
+        dp: dict[str, object] = {"dp": 1, "dp_kind": "ddp", "slicing": None}
         body = 4
         while body < len(lines) and lines[body][1].split()[0] in dp:
             at = body
-            words = lines[body][1].split()
+            words = lines[body][1].split(maxsplit=1)
             if len(words) != 2:
                 raise ValueError(f"expected `{words[0]} VALUE`")
-            dp[words[0]] = int(words[1]) if words[0] == "dp" else words[1]
+            if words[0] == "slicing":
+                dp["slicing"] = _slicing(json.loads(words[1]), mbs)
+            else:
+                dp[words[0]] = int(words[1]) if words[0] == "dp" else words[1]
             body += 1
         progs: list[list[Instr]] = []
         for at in range(body, len(lines)):
@@ -436,6 +484,7 @@ def from_text(text: str, path: str = "<program>") -> Program:
             tuple(RankProgram.from_instructions(p) for p in progs),
             dp=dp["dp"],  # type: ignore[arg-type]  # checked by validate (E502)
             dp_kind=dp["dp_kind"],  # type: ignore[arg-type]
+            slicing=dp["slicing"],  # type: ignore[arg-type]
         )
     except (IndexError, ValueError, json.JSONDecodeError, AttributeError, OverflowError) as e:
         raise fail(f"malformed program text: {e}") from None

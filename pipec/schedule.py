@@ -96,6 +96,82 @@ class MemOp:
 
 
 @dataclass(frozen=True)
+class Slicing:
+    """Token slices (TeraPipe) and sequence lengths: what the ops' micro-batch index means when either is
+    declared (docs/terapipe.md).
+
+    With `slices` n > 1 each micro-batch (sequence) i is cut along its tokens into n slices, and the ops'
+    micro-batch index is the *unit* u = i * n + j of slice j (`unit`, `split`): every pass that counts,
+    orders or sends per micro-batch does so per unit, unchanged, and `Schedule.num_microbatches` counts
+    units. What slices add are two same-stage rules (`pipec.passes.checks.dependencies`, the one place they
+    live): F(i, j, s) needs F(i, j - 1, s), whose keys and values it attends to, and B(i, j, s) needs
+    B(i, j + 1, s), which returns the gradients of those keys and values. W(i, j, s) needs B(i, j, s) only:
+    the key/value gradients of the later slices reach slice j through its B.
+
+    `tokens[j]` is slice j's length, `lengths[i]` micro-batch i's (variable-length micro-batches; all equal
+    to `seqlen` when sliced), and `seqlen` the tokens of the sequence the stage costs and bytes are given
+    for. `weight` is the one rule of what a unit costs relative to that sequence."""
+
+    sequences: int  # micro-batches (the schedule's m)
+    slices: int  # per micro-batch
+    seqlen: int
+    tokens: tuple[int, ...]  # per slice
+    lengths: tuple[int, ...]  # per micro-batch
+
+    @property
+    def num_units(self) -> int:
+        return self.sequences * self.slices
+
+    def unit(self, mb: int, j: int) -> int:
+        return mb * self.slices + j
+
+    def split(self, unit: int) -> tuple[int, int]:
+        """(micro-batch, slice) of a unit."""
+        return divmod(int(unit), self.slices)
+
+    def unit_tokens(self) -> np.ndarray:
+        """Per unit, its tokens."""
+        if self.slices == 1:
+            return np.asarray(self.lengths, dtype=np.int64)
+        return np.tile(np.asarray(self.tokens, dtype=np.int64), self.sequences)
+
+    def unit_context(self) -> np.ndarray:
+        """Per unit, the tokens of its sequence before it (what its attention also reads)."""
+        before = np.concatenate([[0], np.cumsum(self.tokens)[:-1]]).astype(np.int64)
+        return np.tile(before, self.sequences) if self.slices > 1 else np.zeros(self.sequences, dtype=np.int64)
+
+    def weight(self, attn: np.ndarray | float) -> np.ndarray:
+        """Per unit, its compute relative to one whole sequence of `seqlen` tokens, when a share `attn`
+        (0..1) of that whole sequence's time is causal attention: (1 - attn) l / L for the per-token work
+        and attn l (2c + l + 1) / (L (L + 1)) for attention (token t attends to t + 1 tokens), for a unit
+        of l tokens after c of context. The units of one sequence of L tokens sum to 1 whatever the cut."""
+        tok = self.unit_tokens().astype(float)
+        ctx = self.unit_context().astype(float)
+        L = float(self.seqlen)
+        return (1.0 - np.asarray(attn)) * tok / L + np.asarray(attn) * tok * (2 * ctx + tok + 1) / (L * (L + 1))
+
+    def share(self) -> np.ndarray:
+        """Per unit, its share of a whole sequence's tokens: what its activations and messages weigh."""
+        return self.unit_tokens().astype(float) / float(self.seqlen)
+
+    def describe(self) -> dict:
+        """The JSON form (Program headers, `--json` documents)."""
+        return {
+            "slices": self.slices,
+            "seqlen": self.seqlen,
+            "tokens": list(self.tokens),
+            "lengths": list(self.lengths),
+        }
+
+    def op_text(self, kind: str, unit: int, stage: int) -> str:
+        """An op as people read it: `F(1, slice 2, stage 0)`; `F(1, stage 0)` when unsliced."""
+        if self.slices == 1:
+            return f"{kind}({unit}, stage {stage})"
+        i, j = self.split(unit)
+        return f"{kind}({i}, slice {j}, stage {stage})"
+
+
+@dataclass(frozen=True)
 class Datacenter:
     name: str
     lo: int  # first rank
@@ -156,6 +232,8 @@ class Schedule:
     expects: tuple[Expectation, ...] = ()
     collectives: tuple[tuple[Collective, ...], ...] = ()  # per rank, in order; () when the schedule places none
     memops: tuple[tuple[MemOp, ...], ...] = ()  # per rank, in order; () when the schedule places none
+    # Token slices and sequence lengths (None: neither declared); with slices, ops' `mb` is a unit.
+    slicing: Slicing | None = None
 
     @property
     def split_backward(self) -> bool:
@@ -176,8 +254,20 @@ class Schedule:
             "params": dict(self.params),
             "stages": self.num_stages,
             "ranks": self.num_ranks,
-            "microbatches": self.num_microbatches,
+            "microbatches": self.num_sequences,
+            **({"slicing": self.slicing.describe()} if self.slicing else {}),
         }
+
+    @property
+    def num_sequences(self) -> int:
+        """Micro-batches as sequences of tokens: `num_microbatches` over the slices of each."""
+        return self.slicing.sequences if self.slicing else self.num_microbatches
+
+    def op_text(self, kind: str, mb: int, stage: int) -> str:
+        """An op as diagnostics name it (`Slicing.op_text`)."""
+        if self.slicing is None:
+            return f"{kind}({mb}, stage {stage})"
+        return self.slicing.op_text(kind, mb, stage)
 
     def ops(self, rank: int) -> list[Op]:
         r = self.ranks[rank]

@@ -135,6 +135,14 @@ def _header(prog: Program) -> list[tuple[int, int, str]]:
         out.append((-1, -1, f"the data-parallel size must be a positive integer up to {DP_MAX:,}, not {brief(dp)}"))
     if getattr(prog, "dp_kind", "ddp") not in DP_KINDS:
         out.append((-1, -1, f"the data-parallel kind must be one of {', '.join(DP_KINDS)}, not {brief(prog.dp_kind)}"))
+    sl = getattr(prog, "slicing", None)
+    if sl is not None:
+        if sl.sequences * sl.slices != m or len(sl.lengths) != sl.sequences or len(sl.tokens) != sl.slices:
+            out.append((-1, -1, f"the slicing holds {sl.sequences} x {sl.slices} units, the program {m}"))
+        elif sl.slices > 1 and (sum(sl.tokens) != sl.seqlen or min(sl.tokens) < 1):
+            out.append(
+                (-1, -1, f"the slices hold {sum(sl.tokens)} tokens; they must cover the {sl.seqlen} of a sequence")
+            )
     return out
 
 
@@ -214,8 +222,34 @@ def _rank(prog: Program, r: int, rp) -> list[tuple[int, int, str]]:
         flag(windows, lambda j: "UNSHARD and RESHARD belong to fsdp programs; this one is ddp (replicated)")
     else:  # a RECOMPUTE computes on the stage's parameters too
         out += _windows(r, op, st_c, np.flatnonzero(ON_COMPUTE[op]), windows, own, steps, S)
+    sliced = prog.slicing is not None and prog.slicing.slices > 1
+    if sliced:
+        flag(IS_MEMOP[op], lambda j: "memory ops of token slices are not supported (docs/terapipe.md)")
     if not out and IS_MEMOP[op].any():
         out += _memops(r, op, mb, st_c, own, m)
+    if not out and sliced:
+        out += _slice_order(r, op, mb, st_c, S, m, prog.slicing.slices)
+    return out
+
+
+def _slice_order(r: int, op: np.ndarray, mb: np.ndarray, st: np.ndarray, S: int, m: int, n: int):
+    """Token slices (pipec.schedule.Slicing; the rules are pipec.passes.checks.dependencies'): on each
+    stage, the FWD of slice j after the FWD of slice j - 1 of its sequence, the BWD of slice j after the BWD
+    of slice j + 1. A missing one is the exactly-once rule's."""
+    out: list[tuple[int, int, str]] = []
+    for code, step, say in (
+        (FWD, -1, "comes before FWD {u} {s}, the slice before it, whose keys and values it attends to"),
+        (BWD, 1, "comes before BWD {u} {s}, the slice after it, which returns its key/value gradients"),
+    ):
+        at = np.flatnonzero(op == code)
+        pos = np.full(S * m, np.iinfo(np.int64).max, dtype=np.int64)
+        pos[st[at] * m + np.clip(mb[at], 0, m - 1)] = at
+        j = mb[at] % n
+        has = (j > 0) if step < 0 else (j < n - 1)
+        want = st[at] * m + np.clip(mb[at] + step, 0, m - 1)
+        bad = at[has & (pos[want] > at) & (pos[want] != np.iinfo(np.int64).max)]
+        for x in bad[: _SHOWN + 1].tolist():
+            out.append((r, x, say.format(u=int(mb[x]) + step, s=int(st[x]))))
     return out
 
 

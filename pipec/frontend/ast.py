@@ -169,7 +169,7 @@ class Emit(Node):
 
 @dataclass(frozen=True)
 class Decl(Node):
-    """`stages e`, `ranks e`, `microbatches e`, `cost K = e`, `memory K = e`."""
+    """`stages e`, `ranks e`, `microbatches e`, `slices e`, `seqlen e`, `cost K = e`, `memory K = e`."""
 
     kind: str
     key: str | None
@@ -178,8 +178,12 @@ class Decl(Node):
 
 @dataclass(frozen=True)
 class Place(Node):
+    """`place s -> e`, and the other per-index maps: `tokens j -> e` (slice j's tokens), `length i -> e`
+    (micro-batch i's tokens)."""
+
     var: str
     value: Expr
+    kind: str = "place"
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ OP_KINDS = ("F", "B", "W")
 KEYWORDS = frozenset(
     "schedule require let def for in by repeat while if elif else then and or not true false rank stages ranks"
     " microbatches place ops cost memory topology dc link default latency bandwidth int float bool str"
-    " expect when".split()
+    " expect when slices seqlen tokens length".split()
 )
 BUILTINS = ("min", "max", "abs", "done")
 # Data-parallel collectives a rank block may place itself (rows of pipec.opcodes; PP x DP, docs/language.md
@@ -116,6 +116,9 @@ class _Compiler:
         self.recompute_sids: set[int] = set()
         self.weights: list[int] = [0]  # function calls made by the code being generated, per open loop/def
         self.kinds = self._find_kinds()
+        # Token slices (docs/terapipe.md): declared at the top or not at all, so whether an op must say its
+        # slice (`F(i, slice: j)`) is known here, and an unsliced schedule's ops pay nothing for slices.
+        self.sliced = any(isinstance(s, ast.Decl) and s.kind == "slices" for s in tree.body)
 
     # ---- helpers
     def err(self, code: str, message: str, span: Span, notes: tuple[str, ...] = ()) -> PipecError:
@@ -351,8 +354,23 @@ class _Compiler:
             self.want(t, ("int",), e.args[0].span, "a micro-batch")
         stage = "_ds"
         recompute = None
+        piece = None
         seen = set()
         for kw in e.kwargs:
+            if kw.name == "slice":
+                if not self.sliced:
+                    raise self.err(
+                        "E105",
+                        "`slice:` names a token slice, but the schedule declares no `slices`",
+                        kw.span,
+                        ("declare `slices n` at the top of the schedule (docs/terapipe.md)",),
+                    )
+                if kw.name in seen:
+                    raise self.err("E105", "slice given twice", kw.span)
+                seen.add(kw.name)
+                piece, t = self.expr(kw.value, scope)
+                self.want(t, ("int",), kw.value.span, "`slice:`")
+                continue
             if kw.name == "recompute" and e.name != "F":
                 raise self.err(
                     "E105",
@@ -366,6 +384,13 @@ class _Compiler:
             seen.add(kw.name)
             code, t = self.expr(kw.value, scope)
             if kw.name == "recompute":
+                if self.sliced:
+                    raise self.err(
+                        "E105",
+                        "`recompute:` of a token slice is not supported",
+                        kw.span,
+                        ('docs/terapipe.md, "What is left"',),
+                    )
                 self.want(t, ("bool",), kw.value.span, "`recompute:`")
                 recompute = code
                 continue
@@ -378,6 +403,16 @@ class _Compiler:
                 mb = code
         if sid is None:
             sid = self.sid(e.span)
+        if self.sliced and mb is not None:
+            if piece is None:
+                raise self.err(
+                    "E105",
+                    f"the schedule cuts micro-batches into slices: say which, `{e.name}(i, slice: j)`",
+                    e.span,
+                )
+            mb = f"_unit({mb}, {piece}, {sid})"
+        elif piece is not None:
+            raise self.err("E105", f"`slice:` needs the micro-batch too: `{e.name}(i, slice: j)`", e.span)
         if recompute is not None and recompute != "False":
             # A second statement id for the same span: the op emitted with it is recomputed (evaluate places
             # its RECOMPUTE before its B), so neither the op's tuple nor the per-op path changes.
@@ -420,6 +455,13 @@ class _Compiler:
         """A memory op: as a value `(index in MEMOP_NAMES, mb, stage)`; as a statement, `_mem(...)`, which
         records it before the rank's next op (pipec.frontend.evaluate). Its micro-batch is always given
         (positionally or `mb:`): a memory op acts on one forward's activations, named, not the next."""
+        if self.sliced:
+            raise self.err(
+                "E105",
+                f"`{e.name}` of a token slice is not supported: slices keep their keys and values for the later slices",
+                e.span,
+                ('docs/terapipe.md, "What is left"',),
+            )
         if len(e.args) > 1:
             raise self.err("E102", f"`{e.name}` takes one micro-batch argument, got {len(e.args)}", e.span)
         mb = None
@@ -712,12 +754,14 @@ class _Compiler:
         if isinstance(st, ast.OpsDecl):
             self.line(indent, f"_rt.decl('ops', None, {self.kinds!r}, {self.sid(st.span)})")
         elif isinstance(st, ast.Place):
+            if st.kind == "tokens" and not self.sliced:
+                raise self.err("E106", "`tokens j -> ...` gives slice lengths: declare `slices n` too", st.span)
             inner = _Scope(scope)
             py = self.fresh(st.var)
             self.bind(inner, st.var, _Value(py, "int"), st.span)
             code, t = self.expr(st.value, inner)
-            self.want(t, ("int",), st.value.span, "`place`")
-            self.line(indent, f"_rt.decl('place', None, lambda {py}: {code}, {self.sid(st.span)})")
+            self.want(t, ("int",), st.value.span, f"`{st.kind}`")
+            self.line(indent, f"_rt.decl({st.kind!r}, None, lambda {py}: {code}, {self.sid(st.span)})")
         elif isinstance(st, ast.Decl):
             self.value_decl(st, scope, indent)
         elif isinstance(st, ast.Topology):
@@ -725,7 +769,7 @@ class _Compiler:
 
     def value_decl(self, st: ast.Decl, scope: _Scope, indent: int) -> None:
         sid = self.sid(st.span)
-        if st.kind in ("stages", "ranks", "microbatches"):
+        if st.kind in ("stages", "ranks", "microbatches", "slices", "seqlen"):
             code, t = self.expr(st.value, scope)
             self.want(t, ("int",), st.value.span, f"`{st.kind}`")
             self.line(indent, f"_rt.decl({st.kind!r}, None, {code}, {sid})")

@@ -27,6 +27,7 @@ from pipec.schedule import (
     MemOp,
     RankOps,
     Schedule,
+    Slicing,
     Topology,
 )
 
@@ -201,6 +202,20 @@ def _run(compiled: GeneratedCode, source: Source, given: dict[str, object], only
     num_stages, _ = size("stages", "")
     num_ranks, _ = size("ranks", "p")
     m, _ = size("microbatches", "m")
+    slicing = _slicing(rt, m)
+    if slicing is not None:
+        m = slicing.num_units  # the ops' micro-batch index is a unit: (micro-batch, slice)
+        n = slicing.slices
+        seqs = slicing.sequences
+
+        def unit(i, j, sid):
+            if not 0 <= j < n:
+                raise _Fail("E209", f"slice {brief(j)} is out of range 0..{n - 1}", sid)
+            if not 0 <= i < seqs:
+                raise _Fail("E209", f"micro-batch {brief(i)} is out of range 0..{seqs - 1}", sid)
+            return i * n + j
+
+        ns["_unit"] = unit
     if num_stages * m * len(compiled.kinds) > MAX_OPS:
         raise _Fail("E210", f"the schedule would have more than {MAX_OPS:,} ops", rt.decls["stages"][1])
     # Before the arrays are allocated (E902): the ops a schedule would have if its rank blocks emit them all,
@@ -318,7 +333,70 @@ def _run(compiled: GeneratedCode, source: Source, given: dict[str, object], only
         expects=expects,
         collectives=collectives,
         memops=memops,
+        slicing=slicing,
     )
+
+
+def _slicing(rt: _Runtime, m: int) -> Slicing | None:
+    """The schedule's `slices`, `seqlen`, `tokens j -> ...` and `length i -> ...` as a Slicing (None when it
+    declares none of them). Slices cover the sequence: each has at least one token and, with `seqlen`
+    given, they sum to it (E214); without `tokens`, `seqlen` is cut as evenly as it goes (1 token each when
+    no `seqlen` either: the units then weigh the same). Micro-batch lengths are at least one token; with
+    slices every micro-batch has the sequence's length (E215)."""
+    d = rt.decls
+    if not any(k in d for k in ("slices", "seqlen", "tokens", "length")):
+        return None
+
+    def count(kind: str) -> int | None:
+        if kind not in d:
+            return None
+        v, sid = d[kind]
+        if not 1 <= v <= MAX_SIZE:
+            raise _Fail("E210", f"`{kind}` must be between 1 and {MAX_SIZE:,}, got {brief(v)}", sid)
+        return v
+
+    n, seqlen = count("slices") or 1, count("seqlen")
+    if "tokens" in d:
+        fn, sid = d["tokens"]
+        tokens = tuple(fn(j) for j in range(n))
+        bad = [j for j, t in enumerate(tokens) if t < 1]
+        if bad:
+            raise _Fail("E214", f"slice {bad[0]} has {tokens[bad[0]]} tokens: every slice needs at least one", sid)
+        if seqlen is not None and sum(tokens) != seqlen:
+            raise _Fail(
+                "E214",
+                f"the {n} slices hold {sum(tokens):,} tokens, but the sequence has {seqlen:,} (`seqlen`): "
+                "slices must cover it exactly",
+                sid,
+                (f"tokens: {', '.join(map(str, tokens[:12]))}{', ...' if n > 12 else ''}",),
+            )
+        seqlen = sum(tokens)
+    elif seqlen is not None:
+        if seqlen < n:
+            raise _Fail("E214", f"{n} slices of a sequence of {seqlen} tokens: a slice would be empty", d["seqlen"][1])
+        q, r = divmod(seqlen, n)
+        tokens = tuple(q + (j < r) for j in range(n))
+    else:
+        tokens = (1,) * n
+        seqlen = n
+    if "length" in d:
+        fn, sid = d["length"]
+        lengths = tuple(fn(i) for i in range(m))
+        bad = [i for i, t in enumerate(lengths) if t < 1]
+        if bad:
+            raise _Fail("E215", f"micro-batch {bad[0]} has length {lengths[bad[0]]}: at least one token", sid)
+        if n > 1 and any(x != seqlen for x in lengths):
+            raise _Fail(
+                "E215",
+                "sliced micro-batches have the length of the sequence their slices cover: variable lengths and "
+                "slices do not go together",
+                sid,
+            )
+        if "seqlen" not in d and "tokens" not in d:
+            seqlen = max(lengths)
+    else:
+        lengths = (seqlen,) * m
+    return Slicing(m, n, seqlen, tokens, lengths)
 
 
 def _default_recomputes(mems: list[tuple], ops: RankOps, recompute_sids: frozenset[int], S: int) -> list[tuple]:

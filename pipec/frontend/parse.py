@@ -261,6 +261,18 @@ class _ToAst(Transformer):
     def place_decl(self, meta, c):
         return ast.Place(_meta_span(meta), str(c[0]), c[1])
 
+    def slices_decl(self, meta, c):
+        return self._decl("slices")(meta, c)
+
+    def seqlen_decl(self, meta, c):
+        return self._decl("seqlen")(meta, c)
+
+    def tokens_decl(self, meta, c):
+        return ast.Place(_meta_span(meta), str(c[0]), c[1], "tokens")
+
+    def length_decl(self, meta, c):
+        return ast.Place(_meta_span(meta), str(c[0]), c[1], "length")
+
     def ops_decl(self, meta, c):
         return ast.OpsDecl(_meta_span(meta), tuple(str(t) for t in c), tuple(_tok_span(t) for t in c))
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from pipec.errors import PipecError, error
-from pipec.schedule import MemOp, Op, Schedule
+from pipec.schedule import MemOp, Schedule
 
 
 def _flat(sched: Schedule):
@@ -38,8 +38,9 @@ def _at(sched: Schedule, code: str, message: str, sid: int, notes: tuple[str, ..
     return error(code, message, sched.spans[sid] if sched.spans else None, sched.source, notes)
 
 
-def _op(sched: Schedule, k: int, i: int, s: int) -> Op:
-    return Op(sched.kinds[k], int(i), int(s))
+def _op(sched: Schedule, k: int, i: int, s: int) -> str:
+    """The op as a diagnostic names it: `F(3, stage 1)`, or `F(1, slice 0, stage 1)` when sliced."""
+    return sched.op_text(sched.kinds[k], int(i), int(s))
 
 
 def check_schedule(sched: Schedule) -> None:
@@ -116,10 +117,13 @@ def check_schedule(sched: Schedule) -> None:
         _check_memops(sched, sid, key)
 
 
-def dependencies(kind: np.ndarray, mb: np.ndarray, stage: np.ndarray, S: int, split: bool):
+def dependencies(kind: np.ndarray, mb: np.ndarray, stage: np.ndarray, S: int, split: bool, slices: int = 1):
     """For each op, the keys (as (kind, mb, stage) arrays) of ops it needs, with a validity mask.
 
-    F(i,s) needs F(i,s-1); B(i,s) needs F(i,s) and B(i,s+1); W(i,s) needs B(i,s).
+    F(i,s) needs F(i,s-1); B(i,s) needs F(i,s) and B(i,s+1); W(i,s) needs B(i,s). With token slices
+    (`slices` per micro-batch, `mb` a unit i * slices + j: pipec.schedule.Slicing) also, on the same stage,
+    F(i,j,s) needs F(i,j-1,s) (it attends to that slice's keys and values) and B(i,j,s) needs B(i,j+1,s)
+    (which returns their gradients). The last two are the slice rules; `SLICE_RULES` says which entries.
     """
     deps = []
     is_f, is_b, is_w = kind == 0, kind == 1, kind == 2
@@ -128,14 +132,26 @@ def dependencies(kind: np.ndarray, mb: np.ndarray, stage: np.ndarray, S: int, sp
     deps.append((np.ones_like(kind), mb, stage + 1, is_b & (stage < S - 1)))
     if split:
         deps.append((np.ones_like(kind), mb, stage, is_w))
+    if slices > 1:
+        j = mb % slices
+        deps.append((np.zeros_like(kind), mb - 1, stage, is_f & (j > 0)))
+        deps.append((np.ones_like(kind), mb + 1, stage, is_b & (j < slices - 1)))
     return deps
+
+
+SLICE_RULES = (
+    "slice {j} attends to the keys and values of slice {p} of its sequence on the same stage",
+    "slice {j}'s backward needs the gradients of its keys and values from slice {p}'s backward",
+)
 
 
 def _check_order(sched: Schedule, kind, mb, stage, sid, rank, gpos, key) -> None:
     S, m = sched.num_stages, sched.num_microbatches
     where = np.empty(len(sched.kinds) * S * m, dtype=np.int64)
     where[key] = np.arange(len(key))
-    for dk, dmb, dst, valid in dependencies(kind, mb, stage, S, sched.split_backward):
+    n = sched.slicing.slices if sched.slicing else 1
+    deps = dependencies(kind, mb, stage, S, sched.split_backward, n)
+    for x, (dk, dmb, dst, valid) in enumerate(deps):
         idx = np.flatnonzero(valid)
         dep = where[(dk[idx] * S + dst[idx]) * m + dmb[idx]]
         bad = idx[(rank[dep] == rank[idx]) & (gpos[dep] >= gpos[idx])]
@@ -145,11 +161,14 @@ def _check_order(sched: Schedule, kind, mb, stage, sid, rank, gpos, key) -> None
             op, needed = _op(sched, kind[j], mb[j], stage[j]), _op(sched, kind[d], mb[d], stage[d])
             together = gpos[d] == gpos[j]
             why = "is overlapped with it" if together else f"comes later (line {sched.spans[sid[d]].line})"
+            rule = x - (len(deps) - len(SLICE_RULES))
+            notes = (SLICE_RULES[rule].format(j=int(mb[j] % n), p=int(mb[d] % n)),) if n > 1 and rule >= 0 else ()
             raise _at(
                 sched,
                 "E304",
                 f"{op} on rank {rank[j]} needs {needed}, which {why}",
                 sid[j],
+                notes,
             )
 
 

@@ -133,6 +133,7 @@ def lower_with_proof(sched: Schedule, dp: DataParallel | None = None) -> tuple[P
         ranks=ranks,
         dp=dp.size,
         dp_kind=dp.kind,
+        slicing=sched.slicing,
     )
     if any(placed):
         _prove_placed(sched, prog, placed)
