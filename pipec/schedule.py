@@ -20,6 +20,9 @@ from pipec.errors import Source, Span
 # `act` pool); wsaved_bytes, what its B keeps for its W (`wact`); input_bytes, what a recomputed F keeps
 # (`ckpt`: its input); state_bytes, its parameters, gradients and optimizer state (`params`). `offload` is
 # the seconds one OFFLOAD or RELOAD of the stage takes (else saved bytes over the host link's bandwidth).
+# Token slices and sequence lengths (Slicing.weight, docs/terapipe.md): `attn`, the share (0..1) of a whole
+# sequence's F, B and W time that is causal attention; `op_fixed`, the seconds of every op that do not
+# shrink with its tokens (launches, the runtime's own work per op).
 STAGE_COST_KEYS = (
     "F",
     "B",
@@ -36,6 +39,8 @@ STAGE_COST_KEYS = (
     "input_bytes",
     "state_bytes",
     "offload",
+    "attn",
+    "op_fixed",
 )
 
 # The memory keys a schedule's `memory` declarations, `--mem` and the API may set (pipec.passes.memory says

@@ -54,6 +54,20 @@ def _order(body: str) -> str:
     return OK[:start] + "    order r {\n" + "".join(f"        {line}\n" for line in body.splitlines()) + "    }\n}\n"
 
 
+# A correct schedule with token slices (docs/terapipe.md).
+SLICED = """\
+schedule "t" (p: int = 2, m: int = 2) {
+    stages p
+    slices 2
+    seqlen 100
+    ops F, B
+    rank r {
+        for i in 0 .. m { F(i, slice: 0)  F(i, slice: 1) }
+        for i in 0 .. m { B(i, slice: 1)  B(i, slice: 0) }
+    }
+}
+"""
+
 # (code, schedule text, parameters, line, col of the diagnostic's span)
 CASES: list[tuple[str, str, dict[str, object], int, int]] = [
     ("E001", _with("    stages p\n", "    stages p)\n"), {}, 2, 13),
@@ -92,6 +106,8 @@ CASES: list[tuple[str, str, dict[str, object], int, int]] = [
     ("E211", _rank("for i in 0 .. m by 0 { F(i) }"), {}, 6, 28),
     ("E212", _with("    stages p\n", "    stages p\n" + BIG + "    let x = big * big * big / 3\n"), {}, 5, 5),
     ("E213", _order("inflight <= 0"), {}, 5, 5),
+    ("E214", SLICED.replace("    seqlen 100\n", "    seqlen 100\n    tokens j -> 40\n"), {}, 5, 5),
+    ("E215", _with("    place s -> s\n", "    place s -> s\n    length i -> i - 1\n"), {}, 4, 5),
     ("E301", _rank("for i in 0 .. m { F(i, stage: 0) }"), {}, 6, 27),
     ("E302", _rank("for i in 0 .. m { F(i) }\nF(0)\nfor i in 0 .. m { B(i) }"), {}, 7, 9),
     ("E303", _rank("for i in 0 .. m { F(i) }"), {}, 5, 5),

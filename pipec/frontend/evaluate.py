@@ -228,6 +228,12 @@ def _run(compiled: GeneratedCode, source: Source, given: dict[str, object], only
             raise _Fail(d.code, d.message, rt.decls["stages"][1], d.notes) from None
     if "rank" in rt.decls and "order" in rt.decls:
         raise _Fail("E106", "a schedule has a `rank` block or an `order` block, not both", rt.decls["order"][1])
+    if slicing is not None and slicing.slices > 1 and "order" in rt.decls:
+        raise _Fail(
+            "E106",
+            "an `order` block cannot derive the order of token slices yet: write a `rank` block",
+            rt.decls["order"][1],
+        )
     if "rank" not in rt.decls and "order" not in rt.decls:
         raise _Fail("E106", "the schedule needs a `rank r { ... }` block", None)
 

@@ -48,6 +48,12 @@ more while the stage is gathered, between an `UNSHARD` and its `RESHARD`. The
 windows are the Program's, so the fsdp model walks the lowered instruction
 stream; a peak is named by the compute at or before it (the first compute
 when the peak comes before any).
+
+Token slices and sequence lengths (pipec.schedule.Slicing). `act` and `wact`
+are a whole sequence's; a unit (a slice, or a micro-batch of its own length)
+holds its share of the tokens (`Slicing.share`). A slice's keys and values,
+which the later slices of its sequence read, are part of what its F keeps and
+live exactly as long: its B, after every later slice's B, frees them.
 """
 
 from __future__ import annotations
@@ -170,6 +176,8 @@ def memory_model(sched: Schedule, overrides: Mapping[str, object] | None = None)
         else:
             out[key] = np.full(R, np.nan)
     out["in_bytes"] = np.array(in_bytes)
+    if sched.slicing is not None:  # act and wact are per whole sequence: a unit holds its tokens' share
+        out["unit_share"] = sched.slicing.share()
     return out
 
 
@@ -209,6 +217,8 @@ def _deltas(
         [kept, act[s] - ckpt[s], after_b - act[s], -wact[s], -kept, kept],
         0.0,
     )
+    if "unit_share" in model:  # token slices or sequence lengths: a unit holds its share of a sequence's
+        dev = dev * np.asarray(model["unit_share"])[np.where(mb >= 0, mb, 0)]  # (its keys and values too)
     if dp > 1:
         extra = params[s] * (dp - 1) / dp
         dev = dev + np.where(op == UNSHARD, extra, np.where(op == RESHARD, -extra, 0.0))

@@ -112,11 +112,12 @@ _TIME = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
 _RATE = {"bps": 1.0, "Kbps": 1e3, "Mbps": 1e6, "Gbps": 1e9, "Tbps": 1e12}
 _RATE.update({"B/s": 8.0, "KB/s": 8e3, "MB/s": 8e6, "GB/s": 8e9, "TB/s": 8e12})
 _SIZE = {"B": 1.0, "KB": 1e3, "MB": 1e6, "GB": 1e9, "KiB": 2.0**10, "MiB": 2.0**20, "GiB": 2.0**30}
-_KIND_UNITS = {"time": _TIME, "bandwidth": _RATE, "bytes": _SIZE}
+_KIND_UNITS = {"time": _TIME, "bandwidth": _RATE, "bytes": _SIZE, "number": {}}
 _KEY_KIND = {"F": "time", "B": "time", "W": "time", "comm": "time", "act_bytes": "bytes", "grad_bytes": "bytes"}
 _KEY_KIND.update({"param_bytes": "bytes", "reduce_grad": "time", "unshard": "time", "step": "time"})
 _KEY_KIND.update({k: "bytes" for k in ("saved_bytes", "wsaved_bytes", "input_bytes", "state_bytes")})
 _KEY_KIND["offload"] = "time"
+_KEY_KIND.update({"attn": "number", "op_fixed": "time"})
 # An OFFLOAD or RELOAD with neither its time (`offload`) nor its bytes and the host link's bandwidth: this
 # fraction of the stage's F. Half a forward hides behind the next forward, as PipeOffload measures offload
 # to hide in most configurations, but not behind a bubble: a slow-enough default to show where it cannot.
@@ -174,6 +175,13 @@ class CostModel:
     offload: np.ndarray | None = None
     host_latency: float = 0.0
     host_bandwidth: float = math.inf
+    # Token slices and sequence lengths (pipec.schedule.Slicing; None: every micro-batch weighs the same):
+    # per (stage, unit), what the unit's F, B and W cost relative to a whole sequence (`Slicing.weight`
+    # with the stage's `attn`), beyond `op_fixed` seconds per op that every op pays; per unit, its share of
+    # a sequence's tokens, which scales its messages' bytes and its activations.
+    unit_weight: np.ndarray | None = None
+    unit_share: np.ndarray | None = None
+    op_fixed: np.ndarray | None = None
 
     @property
     def num_stages(self) -> int:
@@ -271,10 +279,10 @@ class CostModel:
         sized = (self.act_bytes > 0).any() or (self.grad_bytes > 0).any()
         return bool(sized and np.isfinite(self.bandwidth).any())
 
-    def compute_time(self, op: np.ndarray, stage: np.ndarray) -> np.ndarray:
-        """Durations of compute instructions on these stages: the cost of the op kind each executes or
-        costs as (`pipec.opcodes.COST_KIND`: a RECOMPUTE costs its stage's F)."""
-        return self.kind_time(COST_KIND[op], stage)
+    def compute_time(self, op: np.ndarray, stage: np.ndarray, mb: np.ndarray | None = None) -> np.ndarray:
+        """Durations of compute instructions on these stages (of these micro-batches, or units): the cost of
+        the op kind each executes or costs as (`pipec.opcodes.COST_KIND`: a RECOMPUTE costs its stage's F)."""
+        return self.kind_time(COST_KIND[op], stage, mb)
 
     def host_time(self, stage: np.ndarray, recomputed: np.ndarray) -> np.ndarray:
         """Durations of OFFLOADs and RELOADs of these stages on the rank's host link, each moving what its
@@ -295,19 +303,27 @@ class CostModel:
             t = np.where(np.isnan(given), t, given)
         return np.asarray(t, dtype=float)
 
-    def kind_time(self, kind: np.ndarray, stage: np.ndarray) -> np.ndarray:
+    def kind_time(self, kind: np.ndarray, stage: np.ndarray, mb: np.ndarray | None = None) -> np.ndarray:
         """Durations of ops of these kinds (0 F, 1 B, 2 W) on these stages; B is the full backward when the
-        schedule does not split it."""
+        schedule does not split it. With token slices or sequence lengths and the ops' units given, each
+        costs `op_fixed` plus the rest of its kind's time scaled by the unit's weight."""
         full_b = self.B if self.split_backward else self.B + self.W
-        return np.where(kind == 0, self.F[stage], np.where(kind == 1, full_b[stage], self.W[stage]))
+        t = np.where(kind == 0, self.F[stage], np.where(kind == 1, full_b[stage], self.W[stage]))
+        if self.unit_weight is None or mb is None:
+            return t
+        fixed = np.minimum(self.op_fixed[stage], t)
+        return fixed + (t - fixed) * self.unit_weight[stage, mb]
 
     def wire(
-        self, msg: np.ndarray, stage: np.ndarray, src: np.ndarray, dst: np.ndarray
+        self, msg: np.ndarray, stage: np.ndarray, src: np.ndarray, dst: np.ndarray, mb: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per message (what travels, sending stage, from rank, to rank): its bytes, its time on the wire
-        when alone there (`bytes / bandwidth`, 0 on a free link) and the delay after it left the wire
-        (`latency + comm`). The simulator and the list scheduler time every message with these."""
+        """Per message (what travels, sending stage, from rank, to rank, and of which unit): its bytes, its
+        time on the wire when alone there (`bytes / bandwidth`, 0 on a free link) and the delay after it left
+        the wire (`latency + comm`). The simulator and the list scheduler time every message with these; a
+        unit's message carries its share of a sequence's bytes (`unit_share`)."""
         size = np.where(msg == ACT_MSG, self.act_bytes[stage], self.grad_bytes[stage])
+        if self.unit_share is not None and mb is not None:
+            size = size * self.unit_share[mb]
         bw = self.bandwidth[src, dst]
         finite = np.isfinite(bw)
         txd = np.where(finite & (size > 0), size / np.where(finite, bw, 1.0), 0.0)
@@ -693,6 +709,7 @@ def cost_model(sched: Schedule, overrides: Sequence[Mapping] = ()) -> CostModel:
     vals.update({k: np.zeros(S) for k in ("comm", "act_bytes", "param_bytes", "step")})
     vals.update({k: np.zeros(S) for k in ("saved_bytes", "wsaved_bytes", "input_bytes", "state_bytes")})
     vals.update({k: np.full(S, np.nan) for k in _DIRECT})
+    vals.update({k: np.zeros(S) for k in ("attn", "op_fixed")})
     grad: np.ndarray | None = None  # default: the activation size across the same boundary
     origin = ["defaults"]
     if sched.costs:
@@ -793,7 +810,21 @@ def cost_model(sched: Schedule, overrides: Sequence[Mapping] = ()) -> CostModel:
         offload=vals["offload"],
         host_latency=float(host_latency),
         host_bandwidth=float(host_bandwidth) / 8.0,
+        **_unit_costs(sched, vals),
     )
+
+
+def _unit_costs(sched: Schedule, vals: Mapping[str, np.ndarray]) -> dict:
+    """CostModel's per-unit fields for a schedule with token slices or sequence lengths (`Slicing.weight`
+    of each stage's `attn`, its `op_fixed`, `Slicing.share`); none without. E801 for an `attn` above 1."""
+    sl = sched.slicing
+    if sl is None:
+        return {}
+    attn = vals["attn"]
+    if (attn > 1).any():
+        raise error("E801", "cost `attn` is a share of a stage's time: at most 1")
+    weight = np.stack([sl.weight(a) for a in attn.tolist()])
+    return {"unit_weight": weight, "unit_share": sl.share(), "op_fixed": vals["op_fixed"]}
 
 
 def _dc_link(topo: Topology | None, a: str | None, b: str | None, class_specs) -> tuple[float, float]:

@@ -318,7 +318,7 @@ def plan(prog: Program, costs: CostModel) -> Plan:
     cidx = np.flatnonzero(ON_COMPUTE[op] | (op == STEP)) if streamed else np.flatnonzero(ON_COMPUTE[op])
     n = len(cidx)
     c_op, c_mb, c_s, c_rank = op[cidx], mb[cidx], stage[cidx], rank[cidx]
-    cost = costs.compute_time(c_op, c_s) if n else np.zeros(0)
+    cost = costs.compute_time(c_op, c_s, c_mb) if n else np.zeros(0)
     real = ON_COMPUTE[c_op] if streamed else None
     is_step = None
     if real is not None:
@@ -352,7 +352,7 @@ def plan(prog: Program, costs: CostModel) -> Plan:
             raise error("E403", f"the program never sends {_describe_key(k, S, m)}, which a compute op needs")
         need[remote] = order[at]
 
-    size, txd, lat = costs.wire(s_kind, s_stage, s_src, s_dst)
+    size, txd, lat = costs.wire(s_kind, s_stage, s_src, s_dst, s_mb)
     chan = s_src * R + s_dst
     group = shared_links(costs, s_src, s_dst, txd) if M else None
     p2p = k_pos = hold = h_ids = None
