@@ -215,6 +215,7 @@ def schedule_of(prog: Program, source: Source | None = None) -> Schedule:
         placement=tuple(prog.placement),
         ranks=tuple(ranks),
         source=source,
+        slicing=prog.slicing,
     )
 
 
