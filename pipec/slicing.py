@@ -526,9 +526,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pipec slice", description=__doc__.split("\n\n")[0])
     add_arguments(ap)
     args = ap.parse_args(argv)
-    args.command = "slice"
+
+    def cmd_slice(a: argparse.Namespace) -> int:  # the name pipec.cli's JSON envelope takes the command's from
+        return run(a)
+
+    args.command, args.func = "slice", cmd_slice
     try:
-        return run(args)
+        return args.func(args)
     except PipecError as e:
         for d in e.diagnostics:
             print(d.format(), file=sys.stderr)

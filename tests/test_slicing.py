@@ -1,0 +1,221 @@
+"""pipec slice (pipec.slicing): TeraPipe's dynamic program against every slicing of short sequences, the
+schedule it writes, the uniform baselines, and the diagnostics of what cannot be sliced."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+
+from pipec.api import build, simulate
+from pipec.errors import PipecError, Source
+from pipec.schedule import Slicing
+from pipec.slicing import (
+    best_uniform,
+    choose,
+    main,
+    slice_costs,
+    slice_schedule,
+    tokens_expr,
+    uniform,
+    write_schedule,
+)
+
+# A sliced schedule in GPipe order over (sequence, slice), and one with a split backward (every W last);
+# the costs come from the tests' cost documents.
+TEXT = """schedule "tp" (p: int = 2, m: int = 1, n: int = 2, L: int = 8) {
+    stages p
+    slices n
+    seqlen L
+    ops F, B
+    rank r {
+        for i in 0 .. m { for j in 0 .. n { F(i, slice: j) } }
+        for i in 0 .. m { for j in 0 .. n { B(i, slice: n - 1 - j) } }
+    }
+}
+"""
+SPLIT = (
+    TEXT.replace("ops F, B", "ops F, B, W")
+    .replace('"tp"', '"tp-split"')
+    .replace(
+        "B(i, slice: n - 1 - j) } }",
+        "B(i, slice: n - 1 - j) } }\n        for i in 0 .. m { for j in 0 .. n { W(i, slice: j) } }",
+    )
+)
+
+
+def _src(text: str = TEXT, path: str = "tp.pipe") -> Source:
+    return Source(path, text)
+
+
+def _compositions(cells: int):
+    """Every cut of `cells` grid cells into slices, as cell counts."""
+    for bars in itertools.product((0, 1), repeat=cells - 1):
+        out, run = [], 1
+        for b in bars:
+            if b:
+                out.append(run)
+                run = 1
+            else:
+                run += 1
+        yield (*out, run)
+
+
+CASES = [
+    # (params, cost document)
+    ({"p": 2, "L": 8}, {"F": 1.0, "B": 2.0, "attn": 0.6}),
+    ({"p": 4, "L": 8}, {"F": 1.0, "B": 2.0, "W": 1.0, "attn": 0.3, "op_fixed": 0.05}),
+    ({"p": 3, "m": 2, "L": 9}, {"F": [1.0, 1.5, 0.5], "B": 2.0, "attn": [0.9, 0.2, 0.5], "op_fixed": 0.02}),
+    ({"p": 4, "L": 8, "split": True}, {"F": 1.0, "B": 1.0, "W": 1.0, "attn": 0.8, "op_fixed": 0.2}),
+    ({"p": 2, "m": 2, "L": 7, "split": True}, {"F": 1.0, "B": 1.0, "W": 0.5, "attn": 0.4, "op_fixed": 0.1}),
+    ({"p": 1, "L": 6}, {"F": 1.0, "B": 2.0, "attn": 0.5, "op_fixed": 0.1}),
+]
+
+
+@pytest.mark.parametrize("params,doc", CASES)
+def test_the_dynamic_program_finds_the_best_of_every_slicing(params, doc):
+    params = dict(params)
+    sched = build(_src(SPLIT if params.pop("split", False) else TEXT), params)
+    assert sched.split_backward == (sched.name == "tp-split")
+    costs = slice_costs(sched, [dict(doc, _from="test")], granularity=1)
+    every = {toks: costs.estimate(toks) for toks in _compositions(costs.seqlen)}
+    best = min(every.values())
+    got = choose(costs)
+    assert got.estimate == pytest.approx(best, rel=1e-9)
+    assert costs.estimate(got.tokens) == pytest.approx(got.estimate, rel=1e-9)
+    assert sum(got.tokens) == costs.seqlen
+    # the fewest slices among the optimal cuts
+    assert len(got.tokens) == min(len(t) for t, v in every.items() if v <= best * (1 + 1e-9))
+    for k in (1, 2, 3):  # and with at most k slices
+        limited = min(v for t, v in every.items() if len(t) <= k)
+        assert choose(costs, max_slices=k).estimate == pytest.approx(limited, rel=1e-9)
+
+
+def test_a_coarser_grid_searches_its_own_steps_exactly():
+    sched = build(_src(), {"p": 4, "L": 12})
+    costs = slice_costs(sched, [{"F": 1.0, "B": 2.0, "attn": 0.7, "op_fixed": 0.03}], granularity=2)
+    best = min(costs.estimate(tuple(2 * c for c in cut)) for cut in _compositions(6))
+    got = choose(costs)
+    assert got.estimate == pytest.approx(best, rel=1e-9) and all(t % 2 == 0 for t in got.tokens)
+
+
+def test_grid_prices_equal_the_cost_models_slice_times():
+    """The grid prices a slice by prefix sums of its cells' weights: the same as the cost model pricing
+    that slice itself (Slicing.weight on the cut [c, l, rest])."""
+    sched = build(_src(), {"p": 3, "L": 10})
+    docs = [{"F": [1.0, 2.0, 0.5], "B": 2.0, "attn": [0.4, 0.9, 0.1], "op_fixed": 0.07}]
+    costs = slice_costs(sched, docs, granularity=1)
+    for c, n in [(0, 10), (0, 3), (3, 4), (9, 1), (5, 5), (2, 7)]:
+        cut = tuple(x for x in (c, n, 10 - c - n) if x)
+        direct = costs.stage_times(cut).max(axis=0)[1 if c else 0]
+        assert costs.grid[c, c + n] == pytest.approx(direct, rel=1e-12)
+    weights = Slicing(1, 3, 10, (2, 5, 3), (10,)).weight(0.4)
+    assert weights.sum() == pytest.approx(1.0)
+
+
+def test_longer_slices_first_when_attention_dominates():
+    """TeraPipe's shape: with attention's cost growing along the sequence, later slices are shorter."""
+    sched = build(_src(), {"p": 4, "L": 256})
+    costs = slice_costs(sched, [{"F": 1.0, "B": 2.0, "attn": 0.8, "op_fixed": 0.01}], granularity=8)
+    got = choose(costs)
+    assert len(got.tokens) > 2 and list(got.tokens) == sorted(got.tokens, reverse=True)
+    assert got.tokens[0] > got.tokens[-1]
+    assert got.estimate < costs.estimate(uniform(256, len(got.tokens)))
+    assert got.tried <= got.bounds
+
+
+def test_the_written_schedule_parses_checks_and_simulates_to_the_printed_step(tmp_path, capsys):
+    doc = {"F": 1.0, "B": 2.0, "attn": 0.5, "op_fixed": 0.02}
+    path = tmp_path / "tp.pipe"
+    path.write_text(TEXT)
+    out = tmp_path / "sliced.pipe"
+    rc = main([str(path), "-D", "p=4", "-D", "L=64", "--cost", "F=1,B=2,attn=0.5,op_fixed=0.02", "-o", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 0
+    res = slice_schedule(_src(TEXT, str(path)), {"p": 4, "L": 64}, [doc])
+    written = build(Source(str(out), out.read_text()), ())  # parses, evaluates and checks alone
+    assert out.read_text() == res.text
+    assert written.slicing.tokens == res.choice.tokens
+    assert dict(written.params)["n"] == len(res.choice.tokens) and dict(written.params)["p"] == 4
+    step = simulate(str(out), cost=doc).stats.makespan
+    assert step == pytest.approx(res.rows[0]["step"], rel=1e-12)
+    assert f"{step:.6g}" in printed and ", ".join(map(str, res.choice.tokens)) in printed
+    # the uniform rows are the language's own even cut at that count
+    even = build(_src(), {"p": 4, "L": 64, "n": res.rows[1]["slices"]})
+    assert tuple(res.rows[1]["tokens"]) == even.slicing.tokens
+    assert res.rows[1]["step"] == pytest.approx(simulate(even, cost=doc).stats.makespan)
+    assert res.rows[0]["step"] <= res.rows[1]["step"] and res.rows[0]["step"] <= res.rows[3]["step"]
+
+
+def test_json_output(tmp_path, capsys):
+    path = tmp_path / "tp.pipe"
+    path.write_text(TEXT)
+    assert main([str(path), "-D", "L=16", "--cost", "attn=0.5", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert sum(doc["tokens"]) == 16 and doc["slices"] == len(doc["tokens"])
+    assert [r["slicing"] for r in doc["compare"]][0] == "TeraPipe DP"
+
+
+def test_uniform_baselines():
+    assert uniform(10, 3) == (4, 3, 3) and uniform(8, 8) == (1,) * 8 and uniform(7, 1) == (7,)
+    sched = build(_src(), {"p": 4, "L": 24})
+    costs = slice_costs(sched, [{"F": 1.0, "B": 2.0, "attn": 0.5, "op_fixed": 0.05}], granularity=1)
+    best = best_uniform(costs, 10)
+    assert costs.estimate(best) == min(costs.estimate(uniform(24, n)) for n in range(1, 11))
+    assert choose(costs, 10).estimate <= costs.estimate(best)
+
+
+def test_many_distinct_lengths_write_a_parseable_expression():
+    tokens = tuple(range(1, 121))  # 120 runs: nested as a chain, deeper than the parser allows
+    text = write_schedule(_src(), {"L": sum(tokens)}, tokens)
+    sched = build(Source("many.pipe", text), ())
+    assert sched.slicing.tokens == tokens
+    assert tokens_expr((5, 5, 3)) == "if j < 2 then 5 else 3"
+
+
+def _code(fn) -> tuple[str, str]:
+    with pytest.raises(PipecError) as e:
+        fn()
+    d = e.value.diagnostics[0]
+    return d.code, d.format()
+
+
+def test_a_schedule_without_slices():
+    code, text = _code(lambda: slice_schedule(Source("1f1b.pipe", build_text_1f1b()), {}, [{"attn": 0.5}]))
+    assert code == "E807" and "has no token slices" in text
+
+
+def build_text_1f1b() -> str:
+    from pipec.frontend.library import read
+
+    return read("1f1b").text
+
+
+def test_slices_not_set_by_a_parameter_is_located():
+    text = TEXT.replace("slices n", "slices 2")
+    code, out = _code(lambda: slice_schedule(_src(text), {}, [{"attn": 0.5}]))
+    assert code == "E807" and out.startswith("tp.pipe:3:5: error[E807]") and "slices n" in out
+
+
+def test_costs_without_attn():
+    code, out = _code(lambda: slice_schedule(_src(), {}, [{"F": 1.0, "B": 2.0}]))
+    assert code == "E808" and "pipec profile" in out
+    # a schedule's own `cost attn` is enough
+    res = slice_schedule(_src(TEXT.replace("ops F, B", "ops F, B\n    cost attn = 0.4")), {"p": 2}, [])
+    assert sum(res.choice.tokens) == 8
+
+
+def test_a_granularity_that_does_not_divide_the_sequence():
+    code, out = _code(lambda: slice_schedule(_src(), {"L": 10}, [{"attn": 0.5}], granularity=4))
+    assert code == "E809" and "does not divide" in out and "e.g. 1" in out
+    code, out = _code(lambda: slice_schedule(_src(), {}, [{"attn": 0.5}], max_slices=0))
+    assert code == "E809" and "at least one slice" in out
+
+
+def test_progress_is_reported_on_long_work():
+    said: list[str] = []
+    slice_schedule(_src(), {"p": 2, "L": 16}, [{"attn": 0.5}], progress=said.append)
+    assert said and "positions" in said[0]
+    assert np.isfinite(slice_costs(build(_src(), {}), [{"attn": 0.5}]).grid[0, 8])
