@@ -15,6 +15,14 @@ blocks are split evenly over the stages (each stage gets at least one). The head
 embedding: tying them would share one weight between the first and the last stage, whose gradients a
 pipeline would have to add up across ranks. The loss is the cross-entropy of the next character.
 
+Token slices (TeraPipe, docs/terapipe.md): every stage has the key/value cache interface of
+pipec.runtime.slices, `stage(x, past_kv=past) -> (y, kv)` with kv each block's keys and values
+(batch, heads, tokens, head dim), so a sliced schedule runs it; its `seqlen` must be GPT_CONTEXT:
+
+    pipec run terapipe -D p=2 -D m=2 -D n=4 -D L=32 --model examples/gpt.py --nproc 2 --check
+
+Called without `past_kv` a stage computes exactly what it did before slices existed.
+
 The text is generated (no download, no data file): sentences about pipelines from a small grammar,
 deterministic, about 60 KB; GPT_TEXT=path trains on any UTF-8 text file instead. Each step samples
 GPT_BATCH windows of GPT_CONTEXT + 1 characters (seeded by the step, so every process draws the same
@@ -86,8 +94,9 @@ class Embed(nn.Module):
         self.tok = nn.Embedding(len(VOCAB), WIDTH)
         self.pos = nn.Parameter(torch.randn(CONTEXT, WIDTH) * 0.02)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.tok(idx) + self.pos[: idx.shape[1]]
+    def forward(self, idx: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """`offset`: the position of idx's first token (a token slice after `offset` earlier tokens)."""
+        return self.tok(idx) + self.pos[offset : offset + idx.shape[1]]
 
 
 class SelfAttention(nn.Module):
@@ -98,13 +107,22 @@ class SelfAttention(nn.Module):
         self.qkv = nn.Linear(WIDTH, 3 * WIDTH)
         self.proj = nn.Linear(WIDTH, WIDTH)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, past: tuple[torch.Tensor, ...] | None = None):
+        """Causal attention over x's tokens; with `past` (the earlier tokens' keys and values, or `()` for
+        none), over those too, and returns (output, (k, v)) with x's own keys and values."""
         b, t, d = x.shape
         q, k, v = (z.reshape(b, t, HEADS, d // HEADS).transpose(1, 2) for z in self.qkv(x).split(d, dim=-1))
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(d // HEADS)
-        future = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
+        if past is None:
+            att = (q @ k.transpose(-2, -1)) / math.sqrt(d // HEADS)
+            future = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
+            att = att.masked_fill(future, float("-inf")).softmax(dim=-1)
+            return self.proj((att @ v).transpose(1, 2).reshape(b, t, d))
+        keys, values = (torch.cat([past[0], k], dim=-2), torch.cat([past[1], v], dim=-2)) if past else (k, v)
+        c = keys.shape[-2] - t  # earlier tokens: query a (position c + a) sees keys 0 .. c + a
+        att = (q @ keys.transpose(-2, -1)) / math.sqrt(d // HEADS)
+        future = torch.ones(t, c + t, dtype=torch.bool, device=x.device).triu(c + 1)
         att = att.masked_fill(future, float("-inf")).softmax(dim=-1)
-        return self.proj((att @ v).transpose(1, 2).reshape(b, t, d))
+        return self.proj((att @ values).transpose(1, 2).reshape(b, t, d)), (k, v)
 
 
 class Block(nn.Module):
@@ -115,9 +133,14 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(WIDTH)
         self.mlp = nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+    def forward(self, x: torch.Tensor, past: tuple[torch.Tensor, ...] | None = None):
+        """The block; with `past` (see SelfAttention), returns (output, (k, v)) too."""
+        if past is None:
+            x = x + self.attn(self.ln1(x))
+            return x + self.mlp(self.ln2(x))
+        a, kv = self.attn(self.ln1(x), past)
+        x = x + a
+        return x + self.mlp(self.ln2(x)), kv
 
 
 class Head(nn.Module):
@@ -136,12 +159,38 @@ def blocks_of(stage: int, num_stages: int) -> range:
     return range(stage * layers // num_stages, (stage + 1) * layers // num_stages)
 
 
+class Stage(nn.Sequential):
+    """A stage's layers in order (an nn.Sequential: the same parameter names as always), with the
+    key/value cache interface of pipec.runtime.slices."""
+
+    def forward(self, x: torch.Tensor, past_kv: tuple[torch.Tensor, ...] | None = None):
+        """Unsliced: the layers in turn. With `past_kv` (a token slice; `()` for the first one): per block,
+        its earlier slices' keys and values (two tensors, tokens on dim -2); returns (output, kv), kv this
+        slice's keys and values, two per block in block order."""
+        if past_kv is None:
+            return super().forward(x)
+        blocks = [part for part in self if isinstance(part, Block)]
+        if past_kv and len(past_kv) != 2 * len(blocks):
+            raise ValueError(f"past_kv holds {len(past_kv)} tensors; this stage's {len(blocks)} blocks take two each")
+        kv: list[torch.Tensor] = []
+        for part in self:
+            if isinstance(part, Embed):
+                x = part(x, offset=past_kv[0].shape[-2] if past_kv else 0)
+            elif isinstance(part, Block):
+                k = len(kv)
+                x, own = part(x, tuple(past_kv[k : k + 2]))
+                kv += own
+            else:
+                x = part(x)
+        return x, tuple(kv)
+
+
 def build_stage(stage: int, num_stages: int) -> nn.Module:
     parts: list[nn.Module] = [Embed()] if stage == 0 else []
     parts += [Block() for _ in blocks_of(stage, num_stages)]
     if stage == num_stages - 1:
         parts.append(Head())
-    return nn.Sequential(*parts)
+    return Stage(*parts)
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

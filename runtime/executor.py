@@ -21,6 +21,10 @@ Memory ops: a FWD whose (micro-batch, stage) has a RECOMPUTE in this rank's stre
 RELOAD move the saved tensors of a (micro-batch, stage) through the rank's `Pool` of saved-tensor holders
 (pipec.runtime.saved), which exists when the Program offloads or when `measure_memory` asked for the
 peak saved bytes of each step (`peaks`, per pool).
+
+Token slices: the instructions' micro-batch is a unit (slice j of sequence i; the inputs and targets lists
+are per unit), and everything above holds per unit; the cache of keys and values across the slices of a
+sequence lives in each Stage (pipec.runtime.slices). Messages name their unit as `where` does.
 """
 
 from __future__ import annotations
@@ -127,7 +131,12 @@ class Executor:
             return f"step {self.step + 1}, {what}"
         if self.at >= len(self.instrs):
             return f"step {self.step + 1}, after the last instruction"
-        return f"step {self.step + 1}, instruction #{self.at} `{self.instr(self.at)}`"
+        text = f"step {self.step + 1}, instruction #{self.at} `{self.instr(self.at)}`"
+        sl = self.program.slicing
+        if sl is not None and sl.slices > 1:
+            i, j = sl.split(self.instrs[self.at][1])
+            text += f" (micro-batch {i}, slice {j})"
+        return text
 
     # ---- shapes ---------------------------------------------------------------------------------
     def set_specs(self, ins: dict[int, list[Specs]], outs: dict[int, list[Specs]]) -> None:
@@ -305,8 +314,9 @@ class Executor:
                 got = tuple(TensorSpec.of(t) for t in tensors)
                 if expected is not None and got != expected:
                     raise ShapeError(
-                        f"stage {s} produced {fmt(got)} as {key_str(key)} at step {self.step + 1}, but the first "
-                        f"step established {fmt(expected)} (shapes between stages must not change)"
+                        f"stage {s} produced {fmt(got)} as {key_str(key)} at step {self.step + 1}, but the shape "
+                        f"exchange established {fmt(expected)} (a stage's output shape must follow from its input "
+                        "shape alone)"
                     )
                 items.append(("send", key, peer, tensors))
                 if self.record is not None:

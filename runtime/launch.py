@@ -378,6 +378,7 @@ class Worker:
 
     def _train(self, dist) -> int:
         from pipec.runtime.affinity import describe
+        from pipec.runtime.microbatch import batch_of
         from pipec.runtime.reference import Reference, compare, rel_err
         from pipec.runtime.report import CheckStats, header, show, step_line
 
@@ -388,7 +389,7 @@ class Worker:
                 m.build_stage,
                 m.loss_fn,
                 self.program.num_stages,
-                self.program.num_microbatches,
+                self.program.num_sequences,
                 optimizer=m.optimizer,
                 dtype=m.dtype,
                 device=self.device,
@@ -418,7 +419,7 @@ class Worker:
             else:
                 show(f"resumed from {self.restored.path}: steps {start + 1} to {args.steps}")
         for step in range(start, args.steps):
-            x, y = m.batch(step) if needs_batch else (None, None)
+            x, y = batch_of(m.batch(step), f"{m.path}: batch({step})") if needs_batch else (None, None)
             res = runner.step(x, y, record=bool(args.trace) and step == args.steps - 1)
             errs = [0.0, 0.0, 0.0]
             if reference is not None:
@@ -471,13 +472,14 @@ class Worker:
         if not (args.checkpoint and args.resume):
             return 0
         from pipec.runtime.checkpoint import restore
+        from pipec.runtime.microbatch import batch_of
 
         self.restored = restore(args.checkpoint, self.runner)
         if self.restored is None:
             return 0
         if reference is not None:
             for step in range(self.restored.step):
-                reference.step(*self.model.batch(step))
+                reference.step(*batch_of(self.model.batch(step)))
         return self.restored.step
 
     def _maybe_save(self, dist, steps_done: int) -> None:

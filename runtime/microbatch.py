@@ -1,4 +1,7 @@
-"""Splitting a whole batch into micro-batches along dimension 0, and moving it to the stage's device."""
+"""Splitting a whole batch into micro-batches along dimension 0, and moving it to the stage's device.
+
+A batch already given as its micro-batches (`MicroBatches`, what `batch_of` makes of a model file's list of
+(inputs, targets) pairs) is taken as it is: its micro-batches may differ in shape (variable lengths)."""
 
 from __future__ import annotations
 
@@ -9,11 +12,35 @@ import torch
 from pipec.runtime.errors import PipelineError
 
 
+class MicroBatches(tuple):
+    """A batch given as its m micro-batches, each a tensor or a tuple/list/dict of tensors, in order."""
+
+
+def batch_of(value: Any, where: str = "batch(step)") -> tuple[Any, Any]:
+    """(inputs, targets) from what a model file's `batch(step)` returned: an (inputs, targets) pair, the
+    whole batch; or a list of (inputs, targets) pairs, one per micro-batch, as two `MicroBatches`."""
+    if isinstance(value, list):
+        if not value or not all(isinstance(p, (tuple, list)) and len(p) == 2 for p in value):
+            raise PipelineError(
+                f"{where} returned a list: it must hold one (inputs, targets) pair per micro-batch "
+                "(or return one (inputs, targets) tuple for the whole batch)"
+            )
+        return MicroBatches(p[0] for p in value), MicroBatches(p[1] for p in value)
+    if isinstance(value, tuple) and len(value) == 2:
+        return value
+    raise PipelineError(f"{where} must return (inputs, targets) or a list of such pairs, not {type(value).__name__}")
+
+
 def split(batch: Any, m: int, what: str = "batch") -> list[Any]:
     """m micro-batches of a tensor, or of a tuple/list/dict of tensors, along dimension 0.
 
-    Uneven sizes are allowed (torch.tensor_split), empty micro-batches are not.
+    Uneven sizes are allowed (torch.tensor_split), empty micro-batches are not. `MicroBatches` are taken as
+    they are (there must be m).
     """
+    if isinstance(batch, MicroBatches):
+        if len(batch) != m:
+            raise PipelineError(f"the {what} come as {len(batch)} micro-batches, but the Program has m={m}")
+        return list(batch)
     if isinstance(batch, torch.Tensor):
         if batch.dim() == 0 or batch.shape[0] < m:
             rows = batch.shape[0] if batch.dim() else "a 0-d tensor"

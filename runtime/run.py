@@ -255,6 +255,7 @@ def run_local(args: argparse.Namespace, program: Program, model) -> int:
     from pipec.runtime.launch import default_tol
     from pipec.runtime.local import LocalPipeline
     from pipec.runtime.measure import timeline
+    from pipec.runtime.microbatch import batch_of
     from pipec.runtime.reference import Reference, compare, rel_err
     from pipec.runtime.report import CheckStats, header, show, step_line
 
@@ -268,7 +269,7 @@ def run_local(args: argparse.Namespace, program: Program, model) -> int:
     )
     reference = None
     if args.check:
-        reference = Reference(model.build_stage, model.loss_fn, program.num_stages, program.num_microbatches, **kw)
+        reference = Reference(model.build_stage, model.loss_fn, program.num_stages, program.num_sequences, **kw)
         checks = CheckStats()
     show(header(program, f"--local on {device.type}, one process", model.path))
     if links is not None:
@@ -277,7 +278,7 @@ def run_local(args: argparse.Namespace, program: Program, model) -> int:
         for runner in pipe.runners:
             runner.executor.measure_memory()
     for step in range(args.steps):
-        x, y = model.batch(step)
+        x, y = batch_of(model.batch(step), f"{model.path}: batch({step})")
         res = pipe.step(x, y, record=bool(args.trace) and step == args.steps - 1)
         errs = None
         if reference is not None:

@@ -6,6 +6,17 @@
         if result.loss is not None: print(result.loss)     # on the rank that owns the last stage
 
 `LocalPipeline` (pipec.runtime.local) runs every rank of a Program in this one process, same interface.
+
+Token slices (`program.slicing`, pipec.runtime.slices): the batch splits into the Program's sequences, and
+each of those into its token slices along dim 1; every stage module must have the key/value cache interface.
+
+Variable shapes: `inputs` and `targets` may be given as their micro-batches (pipec.runtime.microbatch.
+MicroBatches, what a model file's list of (inputs, targets) pairs becomes), which may differ in shape from
+each other and from step to step. The shapes are then exchanged again at a step whose micro-batch input
+shapes differ from the last exchange's, and only then. Every rank learns it cheaply: at the first exchange
+the rank of stage 0 publishes whether its batches come as micro-batches (one store read per other rank);
+if they do, it publishes each step's exchange number under `epoch/<step>` (one small store read per step
+on every other rank), and a new number means a new exchange, under that number's keys.
 """
 
 from __future__ import annotations
@@ -21,6 +32,7 @@ from typing import Any
 import torch
 
 from pipec.program import Program
+from pipec.runtime import slices
 from pipec.runtime.comm import DistComm
 from pipec.runtime.dataparallel import (
     UNITS,
@@ -38,7 +50,7 @@ from pipec.runtime.dataparallel import (
 )
 from pipec.runtime.errors import CommError, PipelineError, ShapeError, wrong_world_size
 from pipec.runtime.executor import Executor
-from pipec.runtime.microbatch import as_args, split, to_device
+from pipec.runtime.microbatch import MicroBatches, as_args, split, to_device
 from pipec.runtime.model import build_stage_module, default_optimizer
 from pipec.runtime.shapes import KV, Specs, TensorSpec, fmt, handshake
 from pipec.runtime.stage import Stage
@@ -74,6 +86,9 @@ class StoreKV(KV):
             raise CommError(f"waiting for {waiting_for} from rank {peer}: {str(e).splitlines()[0]}", peer) from e
         return value.decode() if isinstance(value, bytes) else value
         yield  # never yields
+
+    def delete(self, key: str) -> None:
+        self.store.delete_key(key)
 
 
 class Runner:
@@ -168,8 +183,9 @@ class Runner:
         self.dtype = dtype
         self.loss_fn = loss_fn
         self.kv = kv
-        m = program.num_microbatches
+        m = program.num_sequences  # micro-batches of the batch (each cut into token slices when sliced)
         scale = 1.0 / m if loss_scale is None else loss_scale
+        slicing = program.slicing if program.slicing is not None and program.slicing.slices > 1 else None
         own = [s for s, r in enumerate(program.placement) if r == rank]
         given = isinstance(build_stage, Mapping)  # the caller's modules: its optimizer, its gradients
         make_opt = optimizer or (None if given else default_optimizer)
@@ -184,6 +200,9 @@ class Runner:
                 )
                 for s in own
             }
+        if slicing is not None:  # before anything runs: a module without the key/value cache interface
+            for s, module in modules.items():
+                slices.check_interface(module, s, slicing, where)
         self.shape_modules: dict[int, torch.nn.Module] | None = None
         if self.replicas is not None:
             dp_unit = dp_unit if program.dp_kind == "fsdp" else "stage"  # replicate wraps the stage whole
@@ -205,6 +224,8 @@ class Runner:
                 scale,
                 program.split_backward,
                 make_opt(params) if params and make_opt is not None else None,
+                slicing=slicing,
+                loss_scales=slices.loss_scales(slicing, scale) if slicing is not None else None,
             )
             self.stages[s].live_params = self.replicas is not None
         self.executor = Executor(program, rank, self.stages, comm, on_reduce_grad, recv_ahead or 0)
@@ -219,9 +240,13 @@ class Runner:
                 self.executor.dp.link = link
         if self.device.type == "cuda":
             self.executor.sync = lambda: torch.cuda.synchronize(self.device)
-        self.first_specs: list[Specs] | None = None
+        self.slicing = slicing
+        self.last_specs: list[Specs] | None = None  # stage 0's inputs per micro-batch at the last exchange
         self.steps_done = 0  # a restored checkpoint sets it (pipec.runtime.checkpoint)
         self.handshaken = False  # shapes are exchanged at this runner's first step, whatever its number
+        self.varying = False  # the batches come as micro-batches, whose shapes may change (learned at the first step)
+        self.epoch = 0  # the number of the last shape exchange (0: the first step's)
+        self.exchanges = 0  # shape exchanges this runner has run
         self.mb_targets: list | None = None  # the last step's micro-batch targets (last stage's rank)
 
     @property
@@ -260,8 +285,9 @@ class Runner:
 
     def step_gen(self, inputs: Any, targets: Any, *, record: bool = False) -> Generator[object, None, StepResult]:
         t0 = time.perf_counter()
-        m = self.program.num_microbatches
+        m = self.program.num_sequences
         mb_in = mb_tg = None
+        given_mbs = isinstance(inputs, MicroBatches)
         if self.replicas is not None:  # this replica's share of the global batch
             n, d = self.replicas.dp_size, self.replicas.dp_rank
             inputs = None if inputs is None else slice_replica(inputs, n, d, "inputs")
@@ -270,10 +296,14 @@ class Runner:
             if inputs is None:
                 raise PipelineError(f"rank {self.rank} runs stage 0 and needs the inputs")
             mb_in = [as_args(to_device(x, self.device, self.dtype)) for x in split(inputs, m, "inputs")]
+            if self.slicing is not None:
+                mb_in = slices.units(mb_in, self.slicing, "inputs")
         if self.has_last:
             if targets is None:
                 raise PipelineError(f"rank {self.rank} runs the last stage and needs the targets")
             mb_tg = [to_device(x, self.device) for x in split(targets, m, "targets")]
+            if self.slicing is not None:
+                mb_tg = slices.units(mb_tg, self.slicing, "targets")
         self.mb_targets = mb_tg
         for st in self.stages.values():
             if self.owns_grads:
@@ -281,24 +311,24 @@ class Runner:
             else:  # the caller zeroes its gradients (optimizer.zero_grad()); only the step's loss restarts
                 st.loss = None
         self.executor.step, self.executor.at = self.steps_done, -1
+        specs = [tuple(TensorSpec.of(a) for a in args) for args in mb_in] if mb_in is not None else None
         if not self.handshaken:
             self.executor.handshaking = True
-            specs = [tuple(TensorSpec.of(a) for a in args) for args in mb_in] if mb_in is not None else None
-            self.first_specs = specs
-            shapes = self.shape_modules if self.shape_modules is not None else self.modules()
-            ins, outs = yield from handshake(shapes, self.program.placement, self.rank, specs, self.kv, self.device)
-            self.shape_modules = None
-            self.executor.set_specs(ins, outs)
-            self.executor.handshaking = False
+            yield from self._learn_varying(given_mbs)
+            yield from self._exchange(specs, 0)
             self.handshaken = True
-        elif mb_in is not None:
-            specs = [tuple(TensorSpec.of(a) for a in args) for args in mb_in]
-            if specs != self.first_specs:
-                i = next(i for i, (a, b) in enumerate(zip(specs, self.first_specs)) if a != b)
-                raise ShapeError(
-                    f"micro-batch {i}'s input is {fmt(specs[i])} at step {self.steps_done + 1}, but was "
-                    f"{fmt(self.first_specs[i])} at the first step (shapes are fixed at the first step)"
-                )
+        elif self.varying:
+            epoch = yield from self._epoch_of_step(specs)
+            if epoch != self.epoch:
+                yield from self._exchange(specs, epoch)
+        elif specs is not None and specs != self.last_specs:
+            i = next(i for i, (a, b) in enumerate(zip(specs, self.last_specs)) if a != b)
+            raise ShapeError(
+                f"micro-batch {i}'s input is {fmt(specs[i])} at step {self.steps_done + 1}, but was "
+                f"{fmt(self.last_specs[i])} at the first step (shapes are fixed at the first step unless the batch "
+                "comes as micro-batches: a model file's batch(step) returning a list of (inputs, targets) pairs, "
+                "see pipec.runtime.model)"
+            )
         self.executor.record = [] if record else None
         yield from self.executor.run(self.steps_done, mb_in, mb_tg)
         loss = None
@@ -316,6 +346,47 @@ class Runner:
         if self.executor.record is not None:  # the step's own span (see Executor's "run" event)
             self.executor.record.append(("bounds", t0, t1))
         return StepResult(self.steps_done - 1, loss, t1 - t0)
+
+    def _learn_varying(self, given_mbs: bool) -> Generator[object, None, None]:
+        """At the first step: whether the batches come as micro-batches (stage 0's rank knows, and tells)."""
+        placement = self.program.placement
+        others = any(r != placement[0] for r in placement)
+        if self.has_first:
+            self.varying = given_mbs
+            if others:
+                self.kv.set("vary", "1" if given_mbs else "0")
+        else:
+            text = yield from self.kv.get("vary", "whether stage 0's batches vary in shape", placement[0])
+            self.varying = text == "1"
+
+    def _epoch_of_step(self, specs: list[Specs] | None) -> Generator[object, None, int]:
+        """A varying run's exchange number for this step: stage 0's rank raises it when its inputs' shapes
+        changed and publishes it; every other rank reads it (one small store read per step)."""
+        step, first = self.steps_done, self.program.placement[0]
+        if self.has_first:
+            epoch = self.epoch + 1 if specs != self.last_specs else self.epoch
+            if any(r != first for r in self.program.placement):
+                self.kv.set(f"epoch/{step}", str(epoch))
+                # every rank read the last step's number before that step's work, which stage 0's finished
+                # step needed (its backward waits for every stage's)
+                self.kv.delete(f"epoch/{step - 1}")
+            return epoch
+        text = yield from self.kv.get(f"epoch/{step}", f"step {step + 1}'s shape exchange number", first)
+        return int(text)
+
+    def _exchange(self, specs: list[Specs] | None, epoch: int) -> Generator[object, None, None]:
+        """The shape exchange (pipec.runtime.shapes.handshake) under exchange number `epoch`."""
+        self.executor.handshaking = True
+        shapes = self.shape_modules if self.shape_modules is not None else self.modules()
+        ins, outs = yield from handshake(
+            shapes, self.program.placement, self.rank, specs, self.kv, self.device, self.slicing, epoch
+        )
+        if not self.varying:  # the plain modules were kept for the exchange only (data parallelism)
+            self.shape_modules = None
+        self.executor.set_specs(ins, outs)
+        self.executor.handshaking = False
+        self.last_specs, self.epoch = specs, epoch
+        self.exchanges += 1
 
     def events(self) -> list[tuple]:
         """The measured events of the last step run with record=True (see pipec.runtime.trace)."""

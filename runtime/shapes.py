@@ -8,6 +8,12 @@ own outputs for each micro-batch without computing (meta tensors; a real
 no-grad forward on zeros in eval mode if the module cannot run on meta), and
 publishes them. A stage that cannot take its predecessor's output fails here,
 at the first step, with both stages and shapes named.
+
+Token slices: the specs are per unit (each slice has its own length), and a stage's
+unit is inferred as it runs, with the specs of the earlier slices' keys and values
+as its `past_kv` (pipec.runtime.slices). Variable-length micro-batches: the Runner
+runs the exchange again, under a new `epoch`, when a step's input specs differ
+from the last exchange's (pipec.runtime.runner says how every rank learns it).
 """
 
 from __future__ import annotations
@@ -20,8 +26,10 @@ from typing import Any
 import torch
 from torch.func import functional_call
 
-from pipec.runtime.errors import ShapeError
+from pipec.runtime import slices
+from pipec.runtime.errors import ModelError, ShapeError
 from pipec.runtime.model import to_dtype
+from pipec.schedule import Slicing
 
 
 @dataclass(frozen=True)
@@ -77,16 +85,28 @@ def outputs_of(value: Any, stage: int) -> tuple[torch.Tensor, ...]:
 
 def infer(module: torch.nn.Module, stage: int, args: Specs, device: torch.device) -> Specs:
     """The output specs of `module(*args)`, computed on meta tensors when possible."""
+    return tuple(TensorSpec.of(t) for t in outputs_of(_evaluate(module, args, None, device), stage))
+
+
+def infer_slice(
+    module: torch.nn.Module, stage: int, args: Specs, past: Specs, device: torch.device, unit_text: str
+) -> tuple[Specs, Specs]:
+    """The output and kv specs of `module(*args, past_kv=past)` (a token slice, pipec.runtime.slices)."""
+    out, kv = slices.kv_of(_evaluate(module, args, past, device), stage, unit_text)
+    return tuple(TensorSpec.of(t) for t in outputs_of(out, stage)), tuple(TensorSpec.of(t) for t in kv)
+
+
+def _evaluate(module: torch.nn.Module, args: Specs, past: Specs | None, device: torch.device) -> Any:
+    """`module(*args)` (with `past_kv=past` when given) on meta tensors when possible."""
     try:
         with torch.no_grad():
             state = {
                 k: torch.empty_like(v, device="meta") for k, v in [*module.named_parameters(), *module.named_buffers()]
             }
-            meta_args = tuple(torch.empty(s.shape, dtype=s.dtype, device="meta") for s in args)
-            out = functional_call(module, state, meta_args, strict=False)
-        return tuple(TensorSpec.of(t) for t in outputs_of(out, stage))
-    except ShapeError:
-        raise
+            meta = lambda specs: tuple(torch.empty(s.shape, dtype=s.dtype, device="meta") for s in specs)  # noqa: E731
+            kwargs = None if past is None else {"past_kv": meta(past)}
+            out = functional_call(module, state, meta(args), kwargs, strict=False)
+        return out
     except Exception:
         pass
     # The module does something meta tensors cannot: run it for real, once, on zeros, without side effects
@@ -95,10 +115,11 @@ def infer(module: torch.nn.Module, stage: int, args: Specs, device: torch.device
     module.eval()
     try:
         with torch.no_grad():
-            out = module(*(torch.zeros(s.shape, dtype=s.dtype, device=device) for s in args))
+            zeros = lambda specs: tuple(torch.zeros(s.shape, dtype=s.dtype, device=device) for s in specs)  # noqa: E731
+            out = module(*zeros(args)) if past is None else module(*zeros(args), past_kv=zeros(past))
     finally:
         module.train(was_training)
-    return tuple(TensorSpec.of(t) for t in outputs_of(out, stage))
+    return out
 
 
 class KV:
@@ -110,6 +131,9 @@ class KV:
     def get(self, key: str, waiting_for: str, peer: int) -> Generator[object, None, str]:
         raise NotImplementedError
 
+    def delete(self, key: str) -> None:
+        """Drop a key nobody will read again (a no-op where keys cost nothing to keep)."""
+
 
 def handshake(
     modules: dict[int, torch.nn.Module],
@@ -118,9 +142,14 @@ def handshake(
     first_inputs: list[Specs] | None,
     kv: KV,
     device: torch.device,
+    slicing: Slicing | None = None,
+    epoch: int = 0,
 ) -> Generator[object, None, tuple[dict[int, list[Specs]], dict[int, list[Specs]]]]:
-    """Input and output specs per micro-batch of each stage this rank owns (a generator: it yields while
-    waiting for another rank's specs in --local mode)."""
+    """Input and output specs per micro-batch (per unit, when sliced) of each stage this rank owns (a
+    generator: it yields while waiting for another rank's specs in --local mode). Exchange `epoch` e > 0
+    publishes under its own keys, so a rank still reading an earlier exchange's never sees a later one's."""
+    prefix = "spec/" if epoch == 0 else f"spec{epoch}/"
+    sliced = slicing is not None and slicing.slices > 1
     num_stages = len(placement)
     ins: dict[int, list[Specs]] = {}
     outs: dict[int, list[Specs]] = {}
@@ -131,22 +160,35 @@ def handshake(
         elif placement[s - 1] == rank:
             ins[s] = outs[s - 1]
         else:
-            text = yield from kv.get(f"spec/{s - 1}", f"stage {s - 1}'s output shapes", placement[s - 1])
+            text = yield from kv.get(f"{prefix}{s - 1}", f"stage {s - 1}'s output shapes", placement[s - 1])
             ins[s] = decode(text)
-        memo: dict[Specs, Specs] = {}
+        memo: dict[tuple[Specs, Specs | None], Specs | tuple[Specs, Specs]] = {}
         result = []
+        earlier: dict[int, list[Specs]] = {}  # sliced: per sequence, the kv specs of its slices so far
         for i, specs in enumerate(ins[s]):
-            if specs not in memo:
+            past = slices.past_specs(earlier.setdefault(slicing.split(i)[0], [])) if sliced else None
+            if (specs, past) not in memo:
                 try:
-                    memo[specs] = infer(modules[s], s, specs, device)
-                except ShapeError:
+                    if sliced:
+                        text = slicing.op_text("F", i, s)
+                        memo[(specs, past)] = infer_slice(modules[s], s, specs, past, device, text)
+                    else:
+                        memo[(specs, past)] = infer(modules[s], s, specs, device)
+                except (ShapeError, ModelError):
                     raise
                 except Exception as e:
                     raise mismatch(s, placement, i, specs, e) from None
-            result.append(memo[specs])
+            if sliced:
+                out_specs, kv_specs = memo[(specs, past)]
+                earlier[slicing.split(i)[0]].append(kv_specs)
+                result.append(out_specs)
+            else:
+                result.append(memo[(specs, past)])
         outs[s] = result  # the last stage's too: a mismatch there is found now, not mid-step
         if s < num_stages - 1 and placement[s + 1] != rank:
-            kv.set(f"spec/{s}", encode(result))
+            kv.set(f"{prefix}{s}", encode(result))
+            if epoch > 1:  # the last exchange's, read by stage s + 1 before its last step (which this one's awaited)
+                kv.delete(f"spec{epoch - 1}/{s}")
     return ins, outs
 
 

@@ -11,6 +11,11 @@ non-reentrant `torch.utils.checkpoint` does, with the Program saying when (torch
 the forward inside the backward, at the first use of a saved tensor, with no way to trigger it earlier).
 With a `pool` (pipec.runtime.saved) what autograd saves goes to the pool's holders, counted, and
 offloadable.
+
+Token slices (a Program with `slicing`): micro-batch indices are units (slice j of sequence i), each
+forward takes the earlier slices' keys and values from the stage's `KVCache` and leaves its own there, and
+each backward also runs from the gradient of its own keys and values (pipec.runtime.slices says how);
+the loss of unit u is scaled by `loss_scales[u]` instead of `loss_scale`.
 """
 
 from __future__ import annotations
@@ -20,9 +25,10 @@ from typing import Any
 
 import torch
 
-from pipec.runtime import split
+from pipec.runtime import slices, split
 from pipec.runtime.saved import Pool, module_storages, storages
 from pipec.runtime.shapes import outputs_of
+from pipec.schedule import Slicing
 
 
 class Stage:
@@ -35,6 +41,8 @@ class Stage:
         loss_scale: float,
         split_backward: bool,
         optimizer: torch.optim.Optimizer | None,
+        slicing: Slicing | None = None,
+        loss_scales: list[float] | None = None,
     ) -> None:
         self.index = index
         self.first = index == 0
@@ -54,6 +62,8 @@ class Stage:
         self.loss = None  # sum of this step's scaled micro-batch losses (last stage)
         self.pool: Pool | None = None  # saved-tensor holders (pipec.runtime.saved), when measuring or offloading
         self._state_storages: set[int] | None = None
+        self.kv = slices.KVCache(slicing, index) if slicing is not None and slicing.slices > 1 else None
+        self.loss_scales = loss_scales  # per unit, when given (token slices: pipec.runtime.slices.loss_scales)
 
     def forward(
         self, mb: int, args: tuple, target: Any = None, *, keep_input_only: bool = False
@@ -66,9 +76,9 @@ class Stage:
         devices = [args[0].device] if args and isinstance(args[0], torch.Tensor) and args[0].is_cuda else []
         rng = (torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices])
         with torch.no_grad():
-            out = self.module(*args)
+            out, _, _ = self._call(mb, args, keep=True)
             if self.last:
-                self._add_loss(self.loss_fn(out, target))
+                self._add_loss(self.loss_fn(out, target), mb)
         held = self.pool.keep(mb, self.index, args, self._exclude(args, target)) if self.pool is not None else []
         # What the pool holds (and an OFFLOAD may move) the stage does not hold as well: RECOMPUTE takes it back
         stash = tuple(None if i in held else a for i, a in enumerate(args))
@@ -96,27 +106,40 @@ class Stage:
         if not self.first:
             args = tuple(x.requires_grad_() for x in args)
         if self.pool is None:
-            out = self.module(*args)
+            out, read, own = self._call(mb, args, keep=accumulate)
             loss = self.loss_fn(out, target) if self.last else None
         else:
             with self.pool.saving(mb, self.index, self._exclude(args, target)):
-                out = self.module(*args)
+                out, read, own = self._call(mb, args, keep=accumulate)
                 loss = self.loss_fn(out, target) if self.last else None
+        if self.kv is not None:
+            self.kv.record(mb, read, own)
         if self.last:
-            loss = self._add_loss(loss) if accumulate else self._scaled(loss)
+            loss = self._add_loss(loss, mb) if accumulate else self._scaled(loss, mb)
             self.saved[mb] = (args, (loss,))
             return None
         outs = outputs_of(out, self.index)
         self.saved[mb] = (args, outs)
         return tuple(o.detach() for o in outs)
 
-    def _scaled(self, loss: Any) -> torch.Tensor:
+    def _call(self, mb: int, args: tuple, keep: bool) -> tuple[Any, tuple, tuple]:
+        """The module on one micro-batch: (output, cache leaves read, own kv). Sliced, it reads the earlier
+        slices' kv from the cache and, when `keep` (a FWD, not a RECOMPUTE), leaves its own there."""
+        if self.kv is None:
+            return self.module(*args), (), ()
+        past, read = self.kv.past(mb)
+        out, own = slices.kv_of(self.module(*args, past_kv=past), self.index, self.kv.text(mb))
+        if keep:
+            self.kv.keep(mb, own)
+        return out, read, own
+
+    def _scaled(self, loss: Any, mb: int) -> torch.Tensor:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
-        return loss.reshape(()) * self.loss_scale
+        return loss.reshape(()) * (self.loss_scale if self.loss_scales is None else self.loss_scales[mb])
 
-    def _add_loss(self, loss: Any) -> torch.Tensor:
-        loss = self._scaled(loss)
+    def _add_loss(self, loss: Any, mb: int) -> torch.Tensor:
+        loss = self._scaled(loss, mb)
         self.loss = loss.detach() if self.loss is None else self.loss + loss.detach()
         return loss
 
@@ -135,12 +158,23 @@ class Stage:
         args, outs = self.saved.pop(mb)
         if self.pool is not None:
             self.pool.ready(mb, self.index)  # a RELOAD's copy has landed
+        read: tuple[torch.Tensor, ...] = ()
+        if self.kv is not None:  # the slice's own kv are outputs too, with the later slices' gradients
+            read, own = self.kv.backward_of(mb)
+            if own:
+                grads = [None] * len(outs) if grads is None else list(grads)
+                outs, grads = (*outs, *(t for t, _ in own)), (*grads, *(g for _, g in own))
         if self.split_backward:
-            if self.first:  # no input gradient to compute: WGRAD does the whole backward
+            if self.first:  # no input gradient to compute: WGRAD does the whole weight backward
+                if read:  # but the earlier slices' kv gradients are due now
+                    self.kv.add_grads(read, slices.leaf_grads(outs, grads, read))
                 self.deferred[mb] = (outs, grads)
                 return None
-            dargs, groups = split.backward_input(outs, grads, args, self.trainable())
+            dall, groups = split.backward_input(outs, grads, (*args, *read), self.trainable())
             self.deferred[mb] = groups
+            dargs = dall[: len(args)]
+            if read:  # the earlier slices' kv gradients, for their own BWD
+                self.kv.add_grads(read, dall[len(args) :])
         else:
             pairs = [(o, None if grads is None else grads[k]) for k, o in enumerate(outs) if o.requires_grad]
             if pairs:
@@ -155,11 +189,13 @@ class Stage:
     def wgrad(self, mb: int) -> None:
         """WGRAD: accumulate the weight gradients of micro-batch mb from what BWD kept."""
         state = self.deferred.pop(mb)
-        if self.first:
+        if isinstance(state, tuple):  # the first stage's whole backward, deferred by its BWD
             outs, grads = state
             pairs = [(o, None if grads is None else grads[k]) for k, o in enumerate(outs) if o.requires_grad]
+            # sliced, the graph reaches the cache's leaves too, whose gradients BWD has given already
+            only = {"inputs": self.trainable()} if self.kv is not None else {}
             if pairs:
-                torch.autograd.backward([o for o, _ in pairs], None if grads is None else [g for _, g in pairs])
+                torch.autograd.backward([o for o, _ in pairs], None if grads is None else [g for _, g in pairs], **only)
         else:
             split.backward_weight(state)
         if self.pool is not None:
@@ -184,4 +220,5 @@ class Stage:
 
     def check_done(self) -> list[int]:
         """Micro-batches whose backward never ran (a Program bug): empty when the step is complete."""
-        return sorted(set(self.saved) | set(self.deferred) | set(self.stashed))
+        left = set(self.saved) | set(self.deferred) | set(self.stashed)
+        return sorted(left | set(self.kv.left()) if self.kv is not None else left)
