@@ -636,7 +636,40 @@ def _merged(sched: Schedule) -> set[tuple[int, int]]:
     return out
 
 
+def check_unsliced(sched: Schedule, program=None) -> None:
+    """E615 for token slices, E616 for micro-batches of different lengths (pipec.schedule.Slicing): torch's
+    actions name a stage and a micro-batch, nothing smaller, and its runtime fixes every micro-batch's
+    shapes at the first step, so neither has a CSV (nor a torchtitan config) that runs as pipec means it."""
+    sl = sched.slicing or getattr(program, "slicing", None)
+    if sl is None:
+        return
+    if sl.slices > 1:
+        raise error(
+            "E615",
+            f"token slices have no torch form: torch.distributed.pipelining's actions run whole micro-batches, "
+            f"and this schedule cuts each of its {sl.sequences} micro-batches into {sl.slices} slices",
+            sched.decl_spans.get("slices"),
+            sched.source,
+            (
+                "a slice's forward attends to the keys and values of the earlier slices on its stage; torch's "
+                "stages keep no such cache between actions (docs/terapipe.md)",
+                "export the schedule without `slices` (one unit per micro-batch), or run it with pipec's runtime",
+            ),
+        )
+    if len(set(sl.lengths)) > 1:
+        shown = ", ".join(map(str, sl.lengths[:8])) + (", ..." if len(sl.lengths) > 8 else "")
+        raise error(
+            "E616",
+            "micro-batches of different lengths have no torch form: torch.distributed.pipelining fixes every "
+            "micro-batch's shapes at the first step",
+            sched.decl_spans.get("length"),
+            sched.source,
+            (f"lengths: {shown}", "pad the micro-batches to one length, or run the schedule with pipec's runtime"),
+        )
+
+
 def _check_exportable(sched: Schedule, drop_memops: bool = False, program=None) -> None:
+    check_unsliced(sched, program)
     if not drop_memops:
         _check_memops(sched, program)
     for r in range(sched.num_ranks):

@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass
 
 from pipec.errors import PipecError, error
-from pipec.interop.torch_csv import export_csv
+from pipec.interop.torch_csv import check_unsliced, export_csv
 from pipec.schedule import Schedule
 
 TORCHTITAN_VERSION = "0.2.2"
@@ -127,8 +127,9 @@ def export_torchtitan(
     sched: Schedule, csv_path: str, *, comms: bool = False, microbatch_size: int = 1, drop_memops: bool = False
 ) -> TorchtitanExport:
     """The compute-only CSV and torchtitan's settings for a checked schedule. Raises E621 for the
-    compute+comms format, E620 for a placement torchtitan cannot build, and the torch CSV writer's errors
-    (E610 to E612, E614 for memory ops unless `drop_memops`) for what torch's runtime cannot run."""
+    compute+comms format, E615 and E616 for token slices and variable lengths, E620 for a placement
+    torchtitan cannot build, and the torch CSV writer's errors (E610 to E612, E614 for memory ops unless
+    `drop_memops`) for what torch's runtime cannot run."""
     if comms:
         raise error(
             "E621",
@@ -140,6 +141,7 @@ def export_torchtitan(
         )
     if microbatch_size < 1:
         raise ValueError(f"microbatch_size must be at least 1, not {microbatch_size}")
+    check_unsliced(sched)  # E615, E616 before the placement: no torchtitan setting makes a slice
     style = placement_style(sched)
     csv = export_csv(sched, drop_memops=drop_memops)
     return TorchtitanExport(csv, settings(sched, style, csv_path, microbatch_size), style, schedule_class(sched, style))

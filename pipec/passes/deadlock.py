@@ -185,13 +185,18 @@ def _line(line: int | None) -> str:
 def deadlock_error(sched: Schedule, cycle: tuple[WaitStep, ...]) -> PipecError:
     ranks = " -> ".join(str(w.rank) for w in cycle) + f" -> {cycle[0].rank}"
     notes = []
+
+    def name(op: Op) -> str:  # `F(1, stage 0)`, or `F(0, slice 1, stage 2)` with token slices
+        return sched.op_text(op.kind, op.mb, op.stage)
+
     for w in cycle:
         what = "activation" if w.needs.kind == "F" else "gradient"
-        text = f"rank {w.rank} waits at `{w.op}`{_line(w.line)} for the {what} of `{w.needs}` from rank {w.peer}"
+        needs = name(w.needs)
+        text = f"rank {w.rank} waits at `{name(w.op)}`{_line(w.line)} for the {what} of `{needs}` from rank {w.peer}"
         if w.peer_op == w.needs:
-            text += f"; rank {w.peer} is stuck at `{w.needs}` itself"
+            text += f"; rank {w.peer} is stuck at `{needs}` itself"
         else:
-            text += f"; rank {w.peer} only reaches `{w.needs}` after `{w.peer_op}`{_line(w.peer_line)}"
+            text += f"; rank {w.peer} only reaches `{needs}` after `{name(w.peer_op)}`{_line(w.peer_line)}"
         notes.append(text)
     first = cycle[0]
     ops = sched.ranks[first.rank]

@@ -44,6 +44,7 @@ from pipec.opcodes import (
     message_key,
 )
 from pipec.program import Instr, Program
+from pipec.schedule import Slicing
 from pipec.validate import validate
 
 
@@ -57,10 +58,13 @@ class Wait:
     event: str
     peer: int
     what: str  # human description of what it waits for
+    # With token slices, the instruction's unit as people read it (` (micro-batch 1, slice 2)`), else "".
+    unit: str = ""
 
     def describe(self, at: str | None = None) -> str:
-        """One line of a deadlock's chain of waits; `at` names the instruction (default: its text)."""
-        at = at or f"`{self.instr}`"
+        """One line of a deadlock's chain of waits; `at` names the instruction (default: its text, and with
+        token slices the micro-batch and slice of its unit)."""
+        at = at or f"`{self.instr}`{self.unit}"
         if self.event == "match":
             return f"rank {self.rank} blocks at {at} until rank {self.peer} posts the matching receive"
         if self.event == "arrival":
@@ -281,7 +285,8 @@ def _mismatch(prog: Program, a: int, b: int, k: int, where_a, where_b) -> PipecE
     def say(r: int, q: int, where) -> str:
         if k >= len(where):
             return f"rank {r} issues no message {k} to rank {q}"
-        return f"rank {r}'s message {k} with rank {q} is `{_instr_at(prog, r, int(where[k]))}`"
+        instr = _instr_at(prog, r, int(where[k]))
+        return f"rank {r}'s message {k} with rank {q} is `{instr}`{_unit_text(_sliced(prog), instr.mb)}"
 
     return error(
         "E404",
@@ -390,6 +395,7 @@ def _replay(prog: Program, cols: _Columns) -> DryRun:
     if pc == ends:
         return DryRun(True, ())
     waits = []
+    sl = _sliced(prog)
     for r in range(R):
         if pc[r] == ends[r]:
             continue
@@ -397,14 +403,35 @@ def _replay(prog: Program, cols: _Columns) -> DryRun:
         if event == "compute":
             rest, mb = divmod(at, m)
             kind, stage = divmod(rest, S)
-            what, peer = f"{OPCODES[COMPUTE_OF_KIND[kind]]} {mb} {stage}", r
+            what, peer = f"{OPCODES[COMPUTE_OF_KIND[kind]]} {mb} {stage}{_unit_text(sl, mb)}", r
         else:
             rest, mb = divmod(int(cols.msg[at]), m)
             kind, stage = divmod(rest, S)
-            what, peer = f"the {MESSAGE_NOUNS[kind]} of micro-batch {mb} from stage {stage}", int(cols.peer[at])
+            what, peer = f"the {MESSAGE_NOUNS[kind]} of {_mb_text(sl, mb)} from stage {stage}", int(cols.peer[at])
         j = pc[r] - offsets[r]
-        waits.append(Wait(r, j, _instr_at(prog, r, j), event, peer, what))
+        instr = _instr_at(prog, r, j)
+        unit = _unit_text(sl, instr.mb) if instr.mb >= 0 else ""
+        waits.append(Wait(r, j, instr, event, peer, what, unit))
     return DryRun(False, tuple(waits))
+
+
+def _sliced(prog: Program) -> Slicing | None:
+    """The Program's token slices when it has more than one per micro-batch (what the messages name)."""
+    sl = getattr(prog, "slicing", None)
+    return sl if sl is not None and sl.slices > 1 else None
+
+
+def _mb_text(sl: Slicing | None, mb: int) -> str:
+    """`micro-batch 3`; with token slices (pipec.schedule.Slicing) `micro-batch 1, slice 2` of unit mb."""
+    if sl is None:
+        return f"micro-batch {mb}"
+    i, j = sl.split(mb)
+    return f"micro-batch {i}, slice {j}"
+
+
+def _unit_text(sl: Slicing | None, mb: int) -> str:
+    """After an instruction's text, with token slices, what its unit is: ` (micro-batch 1, slice 2)`."""
+    return "" if sl is None else f" ({_mb_text(sl, mb)})"
 
 
 def _instr_at(prog: Program, r: int, j: int) -> Instr:

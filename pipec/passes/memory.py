@@ -80,7 +80,7 @@ from pipec.opcodes import (
     UNSHARD,
     WGRAD,
 )
-from pipec.schedule import MEMORY_RANK_KEYS, MEMORY_STAGE_KEYS, Op, Schedule
+from pipec.schedule import MEMORY_RANK_KEYS, MEMORY_STAGE_KEYS, Op, Schedule, Slicing
 
 if TYPE_CHECKING:
     from pipec.program import Program
@@ -113,6 +113,23 @@ class RankMemory:
     host_op: str | None = None
     host_memop: int = -1
     live_host: tuple[tuple[int, int], ...] = ()
+    # The schedule's token slices (None: none): then every micro-batch above is a unit, which the texts
+    # below name as people read it (`F(1, slice 2, stage 0)`, `1s2`).
+    slicing: Slicing | None = None
+
+    @property
+    def at_text(self) -> str | None:
+        """The op at the peak as reports name it: `F(3, stage 1)`, `F(1, slice 2, stage 1)` with slices."""
+        if self.peak_op is None:
+            return None
+        o = self.peak_op
+        return self.slicing.op_text(o.kind, o.mb, o.stage) if self.slicing else str(o)
+
+    def unit_text(self, mb: int) -> str:
+        """A micro-batch of the live lists: `3`, or `1s2` (slice 2 of micro-batch 1; pipec.sim.grid)."""
+        from pipec.sim.grid import unit_label
+
+        return unit_label(self.slicing, mb)
 
 
 # ---- the model -----------------------------------------------------------------
@@ -283,7 +300,7 @@ def _walk(
     unit = unit_of(model)
     comp = IS_COMPUTE[op]
     if len(op) == 0 or not comp.any():
-        return RankMemory(r, base, -1, None, (), (), base, limit, host_limit=hlimit, unit=unit)
+        return RankMemory(r, base, -1, None, (), (), base, limit, host_limit=hlimit, unit=unit, slicing=sched.slicing)
     live = np.cumsum(dev)
     j = int(np.argmax(live))
     peak = base + max(float(live[j]), 0.0)
@@ -318,6 +335,7 @@ def _walk(
         host_op=host_op,
         host_memop=host_memop,
         live_host=live_h,
+        slicing=sched.slicing,
     )
 
 
@@ -405,9 +423,9 @@ def _span(sched: Schedule, rank: int, memop: int, index: int):
     return sched.span_of(rank, index) if sched.spans and index >= 0 else None
 
 
-def _pairs(keys: tuple[tuple[int, int], ...]) -> str:
+def _pairs(keys: tuple[tuple[int, int], ...], rep: RankMemory) -> str:
     more = "" if len(keys) <= 16 else f" and {len(keys) - 16} more"
-    return ", ".join(f"{i}@{s}" for i, s in keys[:16]) + more
+    return ", ".join(f"{rep.unit_text(i)}@{s}" for i, s in keys[:16]) + more
 
 
 def check_memory(sched: Schedule, reports: list[RankMemory]) -> None:
@@ -416,14 +434,14 @@ def check_memory(sched: Schedule, reports: list[RankMemory]) -> None:
     for rep in reports:
         if rep.limit is not None and rep.peak > rep.limit + 1e-9:
             span = _span(sched, rep.rank, rep.peak_memop, rep.peak_index)
-            notes = [f"live activations (micro-batch@stage): {_pairs(rep.live_act)}"]
+            notes = [f"live activations (micro-batch@stage): {_pairs(rep.live_act, rep)}"]
             if rep.live_wact:
-                notes.append("waiting for W: " + ", ".join(f"{i}@{s}" for i, s in rep.live_wact[:16]))
+                notes.append("waiting for W: " + ", ".join(f"{rep.unit_text(i)}@{s}" for i, s in rep.live_wact[:16]))
             if rep.gathered:
                 stages = ", ".join(map(str, rep.gathered))
                 shards = fmt_memory(rep.params, rep.unit)
                 notes.append(f"fsdp: parameter shards {shards}, and stages {stages} gathered at the peak")
-            where = rep.peak_op if rep.peak_memop < 0 or rep.peak_op is None else _memop_text(sched, rep)
+            where = rep.at_text if rep.peak_memop < 0 or rep.peak_op is None else _memop_text(sched, rep)
             raise error(
                 "E402",
                 f"rank {rep.rank} needs {fmt_memory(rep.peak, rep.unit)} memory at `{where}`, above its limit "
@@ -440,7 +458,7 @@ def check_memory(sched: Schedule, reports: list[RankMemory]) -> None:
                 f"above its host limit {fmt_memory(rep.host_limit, rep.unit)}",
                 _span(sched, rep.rank, rep.host_memop, -1),
                 sched.source,
-                (f"offloaded there (micro-batch@stage): {_pairs(rep.live_host)}",),
+                (f"offloaded there (micro-batch@stage): {_pairs(rep.live_host, rep)}",),
             )
 
 
@@ -458,7 +476,7 @@ def format_table(reports: list[RankMemory]) -> str:
     for rep in reports:
         u = rep.unit
         several = len({st for _, st in rep.live_act}) > 1  # name the stage too when the rank holds several
-        shown = [f"{i}@{st}" if several else str(i) for i, st in rep.live_act[:12]]
+        shown = [f"{rep.unit_text(i)}@{st}" if several else rep.unit_text(i) for i, st in rep.live_act[:12]]
         live = ",".join(shown) + ("..." if len(rep.live_act) > 12 else "")
         if rep.live_wact:
             live += f" (+{len(rep.live_wact)} awaiting W)"
@@ -468,7 +486,7 @@ def format_table(reports: list[RankMemory]) -> str:
                 fmt_memory(rep.peak, u),
                 fmt_memory(rep.params, u),
                 "-" if rep.limit is None else fmt_memory(rep.limit, u),
-                str(rep.peak_op) if rep.peak_op else "-",
+                rep.at_text or "-",
                 live or "-",
             )
         )

@@ -2,15 +2,55 @@
 
 from __future__ import annotations
 
-from pipec.schedule import Schedule
+from pipec.schedule import Schedule, Slicing
 
 # How a memory op is marked in the grid: R3 recomputes micro-batch 3's forward, O3 offloads its saved
 # activations, L3 reloads them (L: load back; R is taken).
 MEMOP_MARKS = {"RECOMPUTE": "R", "OFFLOAD": "O", "RELOAD": "L"}
 
 
+def unit_label(slicing: Slicing | None, unit: int) -> str:
+    """A micro-batch, or with token slices a unit, in the compact form every picture uses (the grid, the text
+    gantt, the trace's event names, the plots): `3` for micro-batch 3; `1s2` for slice 2 of micro-batch 1
+    (unit 1 * n + 2, `Slicing.split`). `s` and not `.`: `.` already marks the stage (`F1s2.5`)."""
+    if slicing is None or slicing.slices == 1:
+        return str(unit)
+    i, j = slicing.split(unit)
+    return f"{i}s{j}"
+
+
+def unit_json(slicing: Slicing | None, unit: int) -> dict[str, int]:
+    """A micro-batch, or a unit, as JSON documents and trace arguments carry it: `{"mb": 3}`; with token
+    slices `{"mb": 1, "slice": 2, "unit": 6}` (the micro-batch is the sequence; `unit` is the index the
+    Program and the Timeline use)."""
+    if slicing is None or slicing.slices == 1:
+        return {"mb": int(unit)}
+    i, j = slicing.split(unit)
+    return {"mb": i, "slice": j, "unit": int(unit)}
+
+
+def grid_title(sched: Schedule) -> str:
+    """`pipec show`'s first line: the schedule, its parameters and shape; with token slices the micro-batches
+    as sequences and their slices (`2 micro-batches x 4 slices of 512 tokens`)."""
+    params = " ".join(f"{k}={v}" for k, v in sched.params)
+    head = f"{sched.name} ({params}): {sched.num_stages} stages on {sched.num_ranks} ranks, "
+    sl = sched.slicing
+    if sl is None or sl.slices == 1:
+        return head + f"{sched.num_microbatches} micro-batches"
+    return head + f"{sl.sequences} micro-batches x {sl.slices} slices of {tokens_text(sl)} (cells: F<mb>s<slice>)"
+
+
+def tokens_text(sl: Slicing) -> str:
+    """`512 tokens`, or `5, 5, 4 tokens` when the slices differ (the first 8, then `...`)."""
+    if len(set(sl.tokens)) == 1:
+        return f"{sl.tokens[0]} tokens"
+    shown = ", ".join(map(str, sl.tokens[:8])) + (", ..." if len(sl.tokens) > 8 else "")
+    return f"{shown} tokens"
+
+
 def cells(sched: Schedule, rank: int) -> list[str]:
-    """One cell per step of a rank: `F3`, or `F3.5` (op 3 on stage 5) when the rank has several stages.
+    """One cell per step of a rank: `F3`, or `F3.5` (op 3 on stage 5) when the rank has several stages;
+    with token slices `F1s2` (`unit_label`: slice 2 of micro-batch 1), `F1s2.5` on stage 5.
 
     Overlapped pairs share one cell, joined by `&`. The memory ops a schedule places (`Schedule.memops`)
     lead the cell of the op they are issued before, each ending in `+`: `R3+B3` recomputes F3 and then
@@ -20,13 +60,15 @@ def cells(sched: Schedule, rank: int) -> list[str]:
     multi = len(sched.stages_of(rank)) > 1
     r = sched.ranks[rank]
     mems = sched.memops[rank] if sched.memops else ()
+    sl = sched.slicing
     lead: dict[int, str] = {}
     for x in mems:
-        lead[x.before] = lead.get(x.before, "") + f"{MEMOP_MARKS[x.op]}{x.mb}" + (f".{x.stage}" if multi else "") + "+"
+        mark = f"{MEMOP_MARKS[x.op]}{unit_label(sl, x.mb)}" + (f".{x.stage}" if multi else "")
+        lead[x.before] = lead.get(x.before, "") + mark + "+"
     out: list[str] = []
     join = False
     for j, (k, i, s, paired) in enumerate(zip(r.kind.tolist(), r.mb.tolist(), r.stage.tolist(), r.paired.tolist())):
-        text = lead.get(j, "") + f"{sched.kinds[k]}{i}" + (f".{s}" if multi else "")
+        text = lead.get(j, "") + f"{sched.kinds[k]}{unit_label(sl, i)}" + (f".{s}" if multi else "")
         if join:
             out[-1] += "&" + text
         else:

@@ -15,6 +15,7 @@ import numpy as np
 
 from pipec.opcodes import OFFLOAD, RECOMPUTE, REDUCE_GRAD, RELOAD, RESHARD, UNSHARD
 from pipec.program import BWD, FWD, WGRAD
+from pipec.sim.grid import unit_label
 from pipec.sim.timeline import Timeline
 
 # Colour per op kind; a rank's second chunk (stage) is drawn lighter, its third darker again, and so on.
@@ -73,12 +74,28 @@ def _chunks(tl: Timeline) -> np.ndarray:
     return out
 
 
+def _slice_shade(color: str, j: int, n: int) -> str:
+    """With token slices, a kind's colour lightened by the slice's place in its sequence: slice 0 the kind's
+    own colour, the last slice mixed half with white, so a sequence reads dark to light."""
+    f = 0.5 * j / max(n - 1, 1)
+    rgb = [int(color[k : k + 2], 16) for k in (1, 3, 5)]
+    return "#" + "".join(f"{round(c + (255 - c) * f):02x}" for c in rgb)
+
+
+def _labels(tl: Timeline) -> list[str]:
+    """Each compute event's micro-batch as the boxes and the text gantt name it (`3`, or `1s2` for slice 2
+    of micro-batch 1: `pipec.sim.grid.unit_label`)."""
+    return [unit_label(tl.slicing, u) for u in tl.mb.tolist()]
+
+
 def plot_timelines(panels: Sequence[Panel], path: str | Path, *, width: float | None = None, dpi: int = 110) -> None:
     """Draw Gantt charts, one per panel, stacked with a shared time axis, to PNG, SVG or PDF (by suffix).
 
     One row per rank (rank 0 on top), a box per compute op coloured by kind with its micro-batch number
-    inside when it fits, lighter boxes for a rank's second chunk; a memory curve per rank under each
-    chart when the panel has one (the device pool, then the host pool in a thinner panel when given).
+    inside when it fits, lighter boxes for a rank's second chunk; with token slices the number is
+    `1s2` (slice 2 of micro-batch 1) and a sequence's slices go from the kind's colour to a lighter one;
+    a memory curve per rank under each chart when the panel has one (the device pool, then the host pool
+    in a thinner panel when given).
     The width (inches) defaults to what gives the shorter ops room for their numbers, between 12 and 24.
     """
     import matplotlib
@@ -118,6 +135,8 @@ def plot_timelines(panels: Sequence[Panel], path: str | Path, *, width: float | 
         ai += 1
         R = tl.num_ranks
         chunk = _chunks(tl)
+        sl = tl.slicing if tl.slicing is not None and tl.slicing.slices > 1 else None
+        labels = _labels(tl)
         boxes, colors = [], []
         y0 = tl.rank.astype(float)
         has_coll = len(tl.coll_rank) > 0
@@ -128,7 +147,10 @@ def plot_timelines(panels: Sequence[Panel], path: str | Path, *, width: float | 
             s, e, y = float(tl.start[j]), float(tl.end[j]), R - 1 - y0[j]
             boxes.append([(s, y + low), (s, y + 0.42), (e, y + 0.42), (e, y + low)])
             op = int(tl.op[j])
-            colors.append((LIGHT if chunk[j] % 2 else COLORS).get(op, "#999999"))
+            color = (LIGHT if chunk[j] % 2 else COLORS).get(op, "#999999")
+            if sl is not None:
+                color = _slice_shade(color, int(tl.mb[j]) % sl.slices, sl.slices)
+            colors.append(color)
         for j in range(len(tl.wait_rank)):
             s, e, y = float(tl.wait_start[j]), float(tl.wait_end[j]), R - 1 - float(tl.wait_rank[j])
             boxes.append([(s, y + low), (s, y + 0.42), (e, y + 0.42), (e, y + low)])
@@ -153,7 +175,7 @@ def plot_timelines(panels: Sequence[Panel], path: str | Path, *, width: float | 
         if len(durs):
             pts_per_s = plot_w_in * 72 / horizon
             small = float(np.percentile(durs[durs > 0], 10)) if (durs > 0).any() else 0.0
-            digits = len(str(int(tl.mb.max()))) if len(tl.mb) else 1
+            digits = max(map(len, labels)) if labels else 1
             size = min(9.0, 0.82 * small * pts_per_s / (0.62 * digits + 0.2), 0.42 * 72 * 0.9)
             if size >= 4.5:
                 for j in range(len(tl.rank)):
@@ -161,7 +183,7 @@ def plot_timelines(panels: Sequence[Panel], path: str | Path, *, width: float | 
                         ax.text(
                             (tl.start[j] + tl.end[j]) / 2,
                             R - 1 - y0[j],
-                            str(int(tl.mb[j])),
+                            labels[j],
                             ha="center",
                             va="center",
                             fontsize=size,
@@ -181,6 +203,13 @@ def plot_timelines(panels: Sequence[Panel], path: str | Path, *, width: float | 
         handles = [Patch(color=COLORS[k], label=names[k]) for k in kinds if k in COLORS]
         if (chunk > 0).any():
             handles += [Patch(color=LIGHT[k], label=f"{LETTER[k]}, chunk 2") for k in kinds if k in LIGHT]
+        if sl is not None:
+            last = sl.slices - 1
+            handles += [
+                Patch(color=_slice_shade(COLORS[k], last, sl.slices), label=f"{LETTER[k]}, slice {last}")
+                for k in kinds
+                if k in COLORS
+            ]
         for k in sorted(set(tl.coll_op.tolist())):
             handles.append(Patch(color=COLL_COLORS.get(k, "#999999"), label=COLL_NAMES.get(k, str(k))))
         for k in sorted(set(getattr(tl, "host_op", np.zeros(0, np.int64)).tolist())):
@@ -245,8 +274,9 @@ def _save_small_png(fig, out, dpi: int) -> None:
 
 
 def text_gantt(tl: Timeline, width: int = 120, ranks: Sequence[int] | None = None) -> str:
-    """A compact text Gantt: one row per rank, each op its kind letter and micro-batch (`F3`, `B12`) from its
-    start column, `.` where the rank is idle; lower-case letters mark a rank's second (odd) chunk. The time
+    """A compact text Gantt: one row per rank, each op its kind letter and micro-batch (`F3`, `B12`; with
+    token slices `F1s2`, slice 2 of micro-batch 1) from its start column, `.` where the rank is idle;
+    lower-case letters mark a rank's second (odd) chunk. The time
     scale gives the shortest op room for its label; a long schedule wraps into bands of `width` columns.
     With data parallelism each rank's row has a `coll` row under it: `R1` where stage 1's gradient
     reduction runs, `U1` its all-gather, `|` a reshard; `~` in the rank's row where it waits for one."""
@@ -258,7 +288,8 @@ def text_gantt(tl: Timeline, width: int = 120, ranks: Sequence[int] | None = Non
     if horizon <= 0 or len(tl.rank) == 0:
         return "\n".join(f"rank {r}" for r in shown)
     durs = tl.end - tl.start
-    digits = len(str(int(tl.mb.max())))
+    labels = _labels(tl)
+    digits = max(map(len, labels))
     small = float(durs[durs > 0].min()) if (durs > 0).any() else horizon
     scale = (digits + 2) / small  # columns per second
     total = int(math.ceil(horizon * scale - 1e-9))
@@ -271,7 +302,7 @@ def text_gantt(tl: Timeline, width: int = 120, ranks: Sequence[int] | None = Non
         letter = LETTER.get(int(tl.op[j]), "?")
         if chunk[j] % 2:
             letter = letter.lower()
-        label = f"{letter}{int(tl.mb[j])}"
+        label = f"{letter}{labels[j]}"
         if len(label) > b - a:
             label = letter
         lines[int(tl.rank[j])][a:b] = list(label.ljust(b - a))

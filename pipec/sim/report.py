@@ -30,6 +30,13 @@ class Simulation:
     stats: Stats
     curves: MemoryCurves | None = None  # None: computed on demand (`curves_of`)
 
+    def __post_init__(self) -> None:
+        # The Timeline carries the Program's token slices, so every picture of it (trace, plot, text gantt)
+        # names units as slices of micro-batches; a Simulation is where a Timeline meets its Program.
+        sl = getattr(getattr(self.compiled, "program", None), "slicing", None) or self.compiled.schedule.slicing
+        if sl is not None and self.timeline.slicing is None:
+            object.__setattr__(self, "timeline", replace(self.timeline, slicing=sl))
+
     @property
     def schedule(self) -> Schedule:
         return self.compiled.schedule
@@ -185,6 +192,9 @@ def summary_text(sim: Simulation) -> str:
         return _g(v) if not isinstance(v, list) else "per stage"
 
     costs = f"costs: F={short(desc['F'])} B={short(desc['B'])} W={short(desc['W'])}{full}, {link}"
+    sliced = slices_text(s)
+    if sliced:
+        costs += "\n" + sliced
     rows = [("rank", "first", "last", "busy", "idle", "peak memory")]
     mc = curves_of(sim)
     if mc.offloads:
@@ -199,6 +209,20 @@ def summary_text(sim: Simulation) -> str:
         if coll:
             rows[-1] += (_g(r.collective_busy), _g(r.collective_exposed))
     return "\n".join([head, costs, _table(rows, right={1, 2, 3, 4, 5, 6, 7, 8})])
+
+
+def slices_text(s: Schedule) -> str | None:
+    """With token slices, the line that says what the ops are: `slices: 2 micro-batches x 4 slices of 512
+    tokens (8 units, each costed by its tokens and context)`; None without (the report reads as before)."""
+    sl = s.slicing
+    if sl is None or sl.slices == 1:
+        return None
+    from pipec.sim.grid import tokens_text
+
+    return (
+        f"slices: {sl.sequences} micro-batches x {sl.slices} slices of {tokens_text(sl)} ({sl.num_units} units, "
+        "each costed by its tokens and context)"
+    )
 
 
 def compare_text(sims: Sequence[Simulation]) -> str:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pipec.program import OPCODES
+from pipec.schedule import Slicing
 
 
 @dataclass(frozen=True, eq=False)
@@ -72,6 +73,9 @@ class Timeline:
     # sharded, with the gathered windows on top.
     dp: int = 1
     dp_kind: str = "ddp"
+    # Token slices (pipec.schedule.Slicing; None: none): then every `mb` above is a unit (micro-batch * slices
+    # + slice), which the pictures name `1s2` (pipec.sim.grid.unit_label) and the trace's args split.
+    slicing: Slicing | None = None
     origin: str = "simulated"  # or "measured"
     schedule: str = ""
     params: tuple[tuple[str, object], ...] = ()

@@ -13,7 +13,10 @@ arrives), joined by a flow arrow (flow events v2: `bind_id`, `flow_out`,
 `flow_in`), so Perfetto and chrome://tracing draw send -> receive. Memory per
 rank is a counter track when memory curves are given (`memory`, the device
 pool, and `host memory` when anything is offloaded; `otherData.memory_unit`
-says "bytes" or "units"). The exact Timeline (but its optimizer steps' rows)
+says "bytes" or "units"). With token slices (`Timeline.slicing`) an op is named
+`F1s2` (slice 2 of micro-batch 1, `pipec.sim.grid.unit_label`), a message
+`act 1s2.0`, and their args carry `mb` (the micro-batch), `slice` and `unit`
+(the Timeline's index); `otherData.slicing` holds the slicing. The exact Timeline (but its optimizer steps' rows)
 rides along in each event's `args` (seconds), so `read_trace` gives it back
 bit for bit; a measured Timeline and a simulated one use the same format.
 
@@ -31,6 +34,8 @@ import numpy as np
 
 from pipec.errors import brief, error
 from pipec.program import OPCODES
+from pipec.schedule import Slicing
+from pipec.sim.grid import unit_json, unit_label
 from pipec.sim.memtime import MemoryCurves
 from pipec.sim.timeline import Timeline
 
@@ -76,6 +81,13 @@ def trace_events(tl: Timeline, memory: MemoryCurves | dict[str, np.ndarray] | No
     threads: set[tuple[int, int, str]] = set()
     R = tl.num_ranks
     multi = {r: len(set(tl.stage[tl.rank == r].tolist())) > 1 for r in range(R)}
+    sl = tl.slicing
+
+    def label(u: int) -> str:
+        return unit_label(sl, u)
+
+    def which(u: int) -> dict[str, int]:
+        return unit_json(sl, u)
 
     c_rank, c_op, c_mb, c_s = tl.rank.tolist(), tl.op.tolist(), tl.mb.tolist(), tl.stage.tolist()
     c_start, c_end = tl.start.tolist(), tl.end.tolist()
@@ -86,7 +98,7 @@ def trace_events(tl: Timeline, memory: MemoryCurves | dict[str, np.ndarray] | No
             lanes[j] = k
     for j in range(len(c_rank)):
         op = OPCODES[c_op[j]]
-        name = f"{_SHORT.get(op, op)}{c_mb[j]}" + (f".{c_s[j]}" if multi[c_rank[j]] else "")
+        name = f"{_SHORT.get(op, op)}{label(c_mb[j])}" + (f".{c_s[j]}" if multi[c_rank[j]] else "")
         tid = _COMPUTE_TID + lanes[j]
         threads.add((c_rank[j], tid, "compute" if lanes[j] == 0 else f"compute {lanes[j] + 1}"))
         events.append(
@@ -99,7 +111,7 @@ def trace_events(tl: Timeline, memory: MemoryCurves | dict[str, np.ndarray] | No
                 "ts": _us(c_start[j]),
                 "dur": _us(c_end[j] - c_start[j]),
                 "cname": _CNAME.get(op, "generic_work"),
-                "args": {"op": op, "mb": c_mb[j], "stage": c_s[j], "start_s": c_start[j], "end_s": c_end[j]},
+                "args": {"op": op, **which(c_mb[j]), "stage": c_s[j], "start_s": c_start[j], "end_s": c_end[j]},
             }
         )
 
@@ -121,10 +133,10 @@ def trace_events(tl: Timeline, memory: MemoryCurves | dict[str, np.ndarray] | No
             r_lane[i] = k
     recvs = []
     for i in range(n):
-        what = f"{_KIND[kind[i]]} {mb[i]}.{st[i]}"
+        what = f"{_KIND[kind[i]]} {label(mb[i])}.{st[i]}"
         args = {
             "kind": _KIND[kind[i]],
-            "mb": mb[i],
+            **which(mb[i]),
             "stage": st[i],
             "src": src[i],
             "dst": dst[i],
@@ -164,7 +176,7 @@ def trace_events(tl: Timeline, memory: MemoryCurves | dict[str, np.ndarray] | No
                 "cname": "grey",
                 "bind_id": i + 1,
                 "flow_in": True,
-                "args": {"mb": mb[i], "kind": _KIND[kind[i]], "stage": st[i], "from": src[i]},
+                "args": {**which(mb[i]), "kind": _KIND[kind[i]], "stage": st[i], "from": src[i]},
             }
         )
     events.extend(recvs)  # after every send: a flow's start must come first at equal times
@@ -200,7 +212,7 @@ def trace_events(tl: Timeline, memory: MemoryCurves | dict[str, np.ndarray] | No
         threads.add((h_rank[i], _HOST_TID, "host link"))
         events.append(
             {
-                "name": f"{op.lower()} {h_mb[i]}.{h_st[i]}",
+                "name": f"{op.lower()} {label(h_mb[i])}.{h_st[i]}",
                 "cat": "host",
                 "ph": "X",
                 "pid": h_rank[i],
@@ -208,7 +220,7 @@ def trace_events(tl: Timeline, memory: MemoryCurves | dict[str, np.ndarray] | No
                 "ts": _us(h_start[i]),
                 "dur": _us(h_end[i] - h_start[i]),
                 "cname": _HOST_CNAME.get(op, "generic_work"),
-                "args": {"op": op, "mb": h_mb[i], "stage": h_st[i], "start_s": h_start[i], "end_s": h_end[i]},
+                "args": {"op": op, **which(h_mb[i]), "stage": h_st[i], "start_s": h_start[i], "end_s": h_end[i]},
             }
         )
     w_rank, w_start, w_end = tl.wait_rank.tolist(), tl.wait_start.tolist(), tl.wait_end.tolist()
@@ -263,6 +275,7 @@ def trace_events(tl: Timeline, memory: MemoryCurves | dict[str, np.ndarray] | No
             "dp_kind": tl.dp_kind,
             "makespan_s": tl.makespan,
             **({"memory_unit": unit} if unit else {}),
+            **({"slicing": {"sequences": sl.sequences, **sl.describe()}} if sl is not None else {}),
         },
     }
 
@@ -275,6 +288,19 @@ def write_trace(tl: Timeline, path: str | Path, memory: MemoryCurves | dict[str,
     with atomic_write(path) as f:
         json.dump(trace_events(tl, memory), f, separators=(",", ":"))
         f.write("\n")
+
+
+def _slicing(doc: dict | None) -> Slicing | None:
+    """`otherData.slicing` back as the Slicing it was written from (None when the trace has none)."""
+    if doc is None:
+        return None
+    return Slicing(
+        int(doc["sequences"]),
+        int(doc["slices"]),
+        int(doc["seqlen"]),
+        tuple(int(t) for t in doc["tokens"]),
+        tuple(int(t) for t in doc["lengths"]),
+    )
 
 
 def read_trace(path: str | Path) -> Timeline:
@@ -304,6 +330,8 @@ def read_trace(path: str | Path) -> Timeline:
             if ev.get("ph") != "X":
                 continue
             a = ev["args"]
+            if "unit" in a:  # token slices: the Timeline's index, beside the micro-batch and slice people read
+                a = {**a, "mb": a["unit"]}
             if ev["cat"] in ("FWD", "BWD", "WGRAD", "RECOMPUTE"):
                 comp.append((int(ev["pid"]), OPCODES.index(a["op"]), a["mb"], a["stage"], a["start_s"], a["end_s"]))
             elif ev["cat"] == "host":
@@ -382,6 +410,7 @@ def read_trace(path: str | Path) -> Timeline:
             origin=str(head.get("origin", "simulated")),
             schedule=str(head.get("schedule", "")),
             params=tuple(head.get("params", {}).items()),
+            slicing=_slicing(head.get("slicing")),
             **host,
         )
     except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError) as e:

@@ -64,6 +64,7 @@ def _keys(sched: Schedule) -> list[Op3]:
 def schedule_problem(sched: Schedule) -> str | None:
     """Why the schedule is invalid or deadlocks, by direct enumeration (None when it is fine)."""
     S, placement = sched.num_stages, sched.placement
+    n = sched.slicing.slices if sched.slicing else 1  # token slices: the slice rules too (`deps`)
     where: dict[Op3, tuple[int, int]] = {}
     for r in range(sched.num_ranks):
         ops = sched.ops(r)
@@ -84,7 +85,7 @@ def schedule_problem(sched: Schedule) -> str | None:
     if missing:
         return f"{_fmt_op(missing[0])} never occurs"
     for key, (r, pos) in where.items():
-        for d in deps(*key, S, sched.split_backward):
+        for d in deps(*key, S, sched.split_backward, n):
             dr, dpos = where[d]
             if dr == r and dpos >= pos:
                 return f"{_fmt_op(key)} comes no later than {_fmt_op(d)}, which it needs, on rank {r}"
@@ -103,7 +104,7 @@ def schedule_problem(sched: Schedule) -> str | None:
             while pc[r] < len(order):
                 j = pc[r]
                 group = order[j : j + 2] if pairs[r][j] and j + 1 < len(order) else order[j : j + 1]
-                if not all(d in done for op in group for d in deps(*op, S, sched.split_backward) if d not in group):
+                if not all(d in done for op in group for d in deps(*op, S, sched.split_backward, n) if d not in group):
                     break
                 done.update(group)
                 pc[r] += len(group)
@@ -143,8 +144,10 @@ def _memop_problem(sched: Schedule) -> str | None:
     return None
 
 
-def _needs(op: int, i: int, s: int, S: int, placement: Sequence[int], r: int):
-    """Local op keys a compute instruction needs, and the message (kind, mb, sending stage) it awaits."""
+def _needs(op: int, i: int, s: int, S: int, placement: Sequence[int], r: int, slices: int = 1):
+    """Local op keys a compute instruction needs, and the message (kind, mb, sending stage) it awaits. With
+    token slices (`slices` n > 1, `i` a unit) also the slice rules, on the same stage: FWD i after FWD i - 1
+    of its sequence, BWD i after BWD i + 1."""
     local, msg = [], None
     if op == FWD and s > 0:
         if placement[s - 1] == r:
@@ -160,6 +163,10 @@ def _needs(op: int, i: int, s: int, S: int, placement: Sequence[int], r: int):
                 msg = ("grad", i, s + 1)
     elif op == WGRAD:
         local.append((BWD, i, s))
+    if slices > 1 and op == FWD and i % slices > 0:
+        local.append((FWD, i - 1, s))
+    if slices > 1 and op == BWD and i % slices < slices - 1:
+        local.append((BWD, i + 1, s))
     return local, msg
 
 
@@ -167,6 +174,7 @@ def program_problem(prog: Program, sched: Schedule | None = None) -> str | None:
     """What is wrong with a Program, by direct enumeration (None when nothing is)."""
     S, m, placement = prog.num_stages, prog.num_microbatches, prog.placement
     split = prog.split_backward
+    n = prog.slicing.slices if prog.slicing else 1
     instrs = [rp.instructions() for rp in prog.ranks]
     kinds = (FWD, BWD, WGRAD) if split else (FWD, BWD)
     seen: dict[tuple[int, int, int], tuple[int, int]] = {}
@@ -213,7 +221,7 @@ def program_problem(prog: Program, sched: Schedule | None = None) -> str | None:
     # that is sent is needed and received, and the reverse.
     needed = set()
     for (code, i, s), (r, j) in seen.items():
-        local, msg = _needs(code, i, s, S, placement, r)
+        local, msg = _needs(code, i, s, S, placement, r, n)
         for d in local:
             if d not in seen or seen[d][1] >= j:
                 return f"rank {r}: {OPCODES[code]} {i} {s} runs before {OPCODES[d[0]]} {d[1]} {d[2]}, which it needs"
@@ -332,26 +340,30 @@ def _walk_peak(instrs, model: dict[str, np.ndarray], split: bool, n: int = 1) ->
     """The largest device memory along one rank's (name, micro-batch, stage) stream, less what it holds
     throughout: each F keeps `act` (a recomputed one `ckpt`, the rest from its RECOMPUTE) until its B, a
     split B keeps `wact` until W, an OFFLOAD takes what the F kept off the device and its RELOAD brings it
-    back; under fsdp over n replicas a stage's other (n - 1) / n of params from UNSHARD to RESHARD."""
+    back; under fsdp over n replicas a stage's other (n - 1) / n of params from UNSHARD to RESHARD. With
+    token slices or sequence lengths (`unit_share` in the model) a unit holds its share of what a whole
+    sequence's F and B keep."""
     act, wact, ckpt, par = model["act"], model["wact"], model["ckpt"], model["params"]
+    share = model.get("unit_share")
     instrs = list(instrs)
     recomputed = {(i, st) for name, i, st in instrs if name == "RECOMPUTE"}
     kept: dict[tuple[int, int], float] = {}
     live = peak = 0.0
     for name, i, st in instrs:
+        w = float(share[i]) if share is not None and name in COMPUTE + ("RECOMPUTE",) else 1.0
         if name == "FWD":
-            kept[(i, st)] = ckpt[st] if (i, st) in recomputed else act[st]
+            kept[(i, st)] = (ckpt[st] if (i, st) in recomputed else act[st]) * w
             live += kept[(i, st)]
         elif name == "RECOMPUTE":
-            live += act[st] - ckpt[st]
+            live += (act[st] - ckpt[st]) * w
         elif name == "OFFLOAD":
             live -= kept[(i, st)]
         elif name == "RELOAD":
             live += kept[(i, st)]
         elif name == "BWD":
-            live += (wact[st] if split else 0.0) - act[st]
+            live += ((wact[st] if split else 0.0) - act[st]) * w
         elif name == "WGRAD":
-            live -= wact[st]
+            live -= wact[st] * w
         elif name == "UNSHARD":
             live += par[st] * (n - 1) / n
         elif name == "RESHARD":
@@ -483,18 +495,29 @@ def _timeline_check(prog: Program, costs, tl) -> float:
     full_b = costs.B if prog.split_backward else costs.B + costs.W
     recompute = OPCODES.index("RECOMPUTE")
     dur = {FWD: costs.F, BWD: full_b, WGRAD: costs.W, recompute: costs.F}
+    n = prog.slicing.slices if prog.slicing else 1
+    kind_of = {FWD: 0, BWD: 1, WGRAD: 2, recompute: 0}
 
-    def wire(src_stage: int, a: int, b: int, kind: str) -> float:
+    def took(o: int, i: int, s: int) -> float:
+        """An op's cost: its kind's on its stage, with token slices or lengths its unit's (the cost model's
+        `kind_time`, the one rule of what a unit costs)."""
+        if costs.unit_weight is None:
+            return float(dur[o][s])
+        return float(costs.kind_time(np.array([kind_of[o]]), np.array([s]), np.array([i]))[0])
+
+    def wire(src_stage: int, a: int, b: int, kind: str, i: int = 0) -> float:
         if a == b:
             return 0.0
         size = (costs.act_bytes if kind == "act" else costs.grad_bytes)[src_stage]
+        if costs.unit_share is not None:  # a unit's message carries its share of a sequence's bytes
+            size = size * float(costs.unit_share[i])
         bw = costs.bandwidth[a, b]
         return float(costs.comm[src_stage] + costs.latency[a, b] + (size / bw if np.isfinite(bw) and size else 0.0))
 
     for (o, i, s), (r, a, b) in events.items():
-        if abs((b - a) - dur[o][s]) > eps:
-            _fail(f"simulated {OPCODES[o]} {i} {s} takes {b - a:g}, its cost is {dur[o][s]:g}")
-        local, msg = _needs(o, i, s, S, placement, r)
+        if abs((b - a) - took(o, i, s)) > eps:
+            _fail(f"simulated {OPCODES[o]} {i} {s} takes {b - a:g}, its cost is {took(o, i, s):g}")
+        local, msg = _needs(o, i, s, S, placement, r, n)
         if o == recompute:
             local, msg = [(FWD, i, s)], None
         elif o == BWD and (recompute, i, s) in events:
@@ -506,7 +529,7 @@ def _timeline_check(prog: Program, costs, tl) -> float:
             kind, _, src = msg
             d = (FWD if kind == "act" else BWD, i, src)
             dr, _, dend = events[d]
-            if a < dend + wire(src, dr, r, kind) - eps:
+            if a < dend + wire(src, dr, r, kind, i) - eps:
                 _fail(f"simulated {OPCODES[o]} {i} {s} starts before its input can arrive")
     for rp_index, rp in enumerate(prog.ranks):
         prev_end = 0.0
@@ -517,20 +540,29 @@ def _timeline_check(prog: Program, costs, tl) -> float:
                     _fail(f"rank {rp_index}: simulated `{x}` overlaps the compute before it")
                 prev_end = b
     # Critical path: the longest chain of dependencies, with the least time each message can take.
+    # With token slices a sequence's slices chain on each stage too: forwards first to last, backwards
+    # last to first (`_needs`), so each sequence's forwards are timed before its backwards.
     finish: dict[tuple[int, int, int], float] = {}
-    for i in range(m):
-        for s in range(S):
-            t = 0.0
-            if s > 0:
-                t = finish[(FWD, i, s - 1)] + wire(s - 1, placement[s - 1], placement[s], "act")
-            finish[(FWD, i, s)] = t + dur[FWD][s]
-        for s in reversed(range(S)):
-            t = finish[(FWD, i, s)]
-            if s < S - 1:
-                t = max(t, finish[(BWD, i, s + 1)] + wire(s + 1, placement[s + 1], placement[s], "grad"))
-            finish[(BWD, i, s)] = t + dur[BWD][s]
-            if prog.split_backward:
-                finish[(WGRAD, i, s)] = finish[(BWD, i, s)] + dur[WGRAD][s]
+    for seq in range(m // n):
+        units = range(seq * n, seq * n + n)
+        for i in units:
+            for s in range(S):
+                t = 0.0
+                if s > 0:
+                    t = finish[(FWD, i, s - 1)] + wire(s - 1, placement[s - 1], placement[s], "act", i)
+                if i % n > 0:
+                    t = max(t, finish[(FWD, i - 1, s)])
+                finish[(FWD, i, s)] = t + took(FWD, i, s)
+        for i in reversed(units):
+            for s in reversed(range(S)):
+                t = finish[(FWD, i, s)]
+                if s < S - 1:
+                    t = max(t, finish[(BWD, i, s + 1)] + wire(s + 1, placement[s + 1], placement[s], "grad", i))
+                if i % n < n - 1:
+                    t = max(t, finish[(BWD, i + 1, s)])
+                finish[(BWD, i, s)] = t + took(BWD, i, s)
+                if prog.split_backward:
+                    finish[(WGRAD, i, s)] = finish[(BWD, i, s)] + took(WGRAD, i, s)
     critical = max(finish.values(), default=0.0)
     busy = np.bincount(tl.rank, weights=tl.end - tl.start, minlength=prog.num_ranks)
     if tl.makespan < critical - eps:
@@ -551,6 +583,7 @@ def _schedule_of(prog: Program) -> Schedule:
         kinds=("F", "B", "W") if prog.split_backward else ("F", "B"),
         placement=prog.placement,
         ranks=(),
+        slicing=prog.slicing,
     )
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipec.errors import Source
-from pipec.schedule import Schedule
+from pipec.schedule import Schedule, Slicing
 
 Op3 = tuple[str, int, int]  # (kind, micro-batch, stage)
 COMPUTE = ("FWD", "BWD", "WGRAD")
@@ -27,12 +27,18 @@ def _hypothesis():
 # ---- dependencies ------------------------------------------------------------------------------
 
 
-def deps(kind: str, i: int, s: int, num_stages: int, split: bool) -> list[Op3]:
-    """The ops `kind(i, s)` needs (DESIGN.md): F(i,s) <- F(i,s-1); B(i,s) <- F(i,s), B(i,s+1); W(i,s) <- B(i,s)."""
+def deps(kind: str, i: int, s: int, num_stages: int, split: bool, slices: int = 1) -> list[Op3]:
+    """The ops `kind(i, s)` needs (DESIGN.md): F(i,s) <- F(i,s-1); B(i,s) <- F(i,s), B(i,s+1); W(i,s) <- B(i,s).
+
+    With token slices (`slices` n > 1, `i` a unit: slice i % n of micro-batch i // n) also the slice rules
+    on the same stage: F(i,s) <- F(i-1,s) unless i is its sequence's first slice (it attends to the earlier
+    slice's keys and values), B(i,s) <- B(i+1,s) unless it is the last (which returns their gradients)."""
     if kind == "F":
-        return [("F", i, s - 1)] if s > 0 else []
+        out = [("F", i, s - 1)] if s > 0 else []
+        return out + ([("F", i - 1, s)] if slices > 1 and i % slices > 0 else [])
     if kind == "B":
-        return [("F", i, s)] + ([("B", i, s + 1)] if s < num_stages - 1 else [])
+        out = [("F", i, s)] + ([("B", i, s + 1)] if s < num_stages - 1 else [])
+        return out + ([("B", i + 1, s)] if slices > 1 and i % slices < slices - 1 else [])
     return [("B", i, s)]
 
 
@@ -45,6 +51,8 @@ class Listing:
 
     `pairs[r]` holds the indices j where op j of rank r is overlapped (`&`) with op j + 1.
     `text()` prints it as a .pipe file; `build()` evaluates and checks it like any schedule.
+    With `slicing` (token slices, or sequence lengths: pipec.schedule.Slicing) the micro-batches are units
+    (`m` counts them), written `F(i, slice: j, stage: s)` under the slicing's declarations.
     """
 
     p: int
@@ -55,10 +63,30 @@ class Listing:
     pairs: tuple[frozenset[int], ...] = ()
     memory_limit: float | None = None
     name: str = "random"
+    slicing: Slicing | None = None
 
     @property
     def num_stages(self) -> int:
         return len(self.placement)
+
+    @property
+    def slices(self) -> int:
+        return self.slicing.slices if self.slicing else 1
+
+    def _slicing_lines(self) -> list[str]:
+        """The declarations that give back `slicing`: `slices`, `seqlen` and `tokens` (`length` when unsliced)."""
+        sl = self.slicing
+        if sl is None:
+            return []
+        if sl.slices > 1:
+            return [f"    slices {sl.slices}", f"    seqlen {sl.seqlen}", f"    tokens j -> {_table('j', sl.tokens)}"]
+        return [f"    seqlen {sl.seqlen}", f"    length i -> {_table('i', sl.lengths)}"]
+
+    def _op(self, k: str, u: int, s: int) -> str:
+        if self.slices == 1:
+            return f"{k}({u}, stage: {s})"
+        i, j = divmod(u, self.slices)
+        return f"{k}({i}, slice: {j}, stage: {s})"
 
     def paired(self, r: int) -> frozenset[int]:
         return self.pairs[r] if r < len(self.pairs) else frozenset()
@@ -68,10 +96,11 @@ class Listing:
         place = " else ".join(f"if s == {s} then {r}" for s, r in enumerate(self.placement[:-1]))
         place = f"{place} else {self.placement[-1]}" if place else str(self.placement[-1])
         lines = [
-            f'schedule "{self.name}" (p: int = {self.p}, m: int = {self.m}) {{',
+            f'schedule "{self.name}" (p: int = {self.p}, m: int = {self.m // self.slices}) {{',
             f"    stages {len(self.placement)}",
             f"    place s -> {place}",
             f"    ops {ops}",
+            *self._slicing_lines(),
         ]
         if self.memory_limit is not None:
             lines.append(f"    memory limit = {float(self.memory_limit)!r}")
@@ -80,14 +109,14 @@ class Listing:
             pairs = self.paired(r)
             body = ""
             for j, (k, i, s) in enumerate(order):
-                body += f"{k}({i}, stage: {s})" + (" & " if j in pairs else " " if j < len(order) - 1 else "")
+                body += self._op(k, i, s) + (" & " if j in pairs else " " if j < len(order) - 1 else "")
             lines.append(f"        {'if' if r == 0 else 'elif'} r == {r} {{ {body} }}")
         lines += ["    }", "}"]
         return "\n".join(lines) + "\n"
 
     def rank_line(self, r: int) -> int:
         """The line of `text()` that lists rank r's ops."""
-        return 5 + (self.memory_limit is not None) + 1 + r
+        return 5 + len(self._slicing_lines()) + (self.memory_limit is not None) + 1 + r
 
     def source(self, path: str = "listing.pipe") -> Source:
         return Source(path, self.text())
@@ -112,6 +141,7 @@ class Listing:
             pairs,
             None,
             sched.name,
+            sched.slicing,
         )
 
     # Slots: an op alone, or an overlapped pair; mutations move ops between slots.
@@ -146,6 +176,7 @@ class Listing:
             pairs=tuple(pairs),
             memory_limit=self.memory_limit,
             name=self.name,
+            slicing=self.slicing,
         )
         fields.update(changes)
         return Listing(**fields)
@@ -211,6 +242,15 @@ def schedules(
         return empty._with_slots(slots)
 
     return build()
+
+
+def _table(var: str, values) -> str:
+    """An expression of `var` with these values at 0, 1, ...: `5`, or `if j == 0 then 4 else 3`."""
+    values = list(values)
+    if len(set(values)) == 1:
+        return str(values[0])
+    head = " else ".join(f"if {var} == {x} then {v}" for x, v in enumerate(values[:-1]))
+    return f"{head} else {values[-1]}"
 
 
 def _fmt_op(op: Op3) -> str:

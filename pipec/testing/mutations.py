@@ -69,7 +69,7 @@ def _dependency_pairs(base: Listing) -> list[tuple[int, Op3, Op3]]:
     for r, order in enumerate(base.orders):
         mine = set(order)
         for op in order:
-            out.extend((r, d, op) for d in deps(*op, S, base.split) if d in mine)
+            out.extend((r, d, op) for d in deps(*op, S, base.split, base.slices) if d in mine)
     return out
 
 
@@ -92,8 +92,11 @@ def _cycle_candidates(base: Listing) -> list[tuple[int, Op3, Op3]]:
                 if j == i:
                     continue
                 u = ("F", j, s)
+                # Every other op w needs on X (F(i,s); with token slices B(i+1,s) too) stays before u.
+                local = [d for d in deps(*w, S, base.split, base.slices) if base.placement[d[2]] == X]
                 if (
-                    slot_of[("F", i, s)] < slot_of[u] < slot_of[w]
+                    all(slot_of[d] < slot_of[u] for d in local)
+                    and slot_of[u] < slot_of[w]
                     and slot_of[("F", j, s + 1)] < slot_of[("B", i, s + 1)]
                 ):
                     out.append((X, w, u))
