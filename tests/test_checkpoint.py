@@ -2,7 +2,13 @@
 
 A resumed run equals an uninterrupted one bitwise (float64 parameters and Adam's state), also after a
 SIGKILL of the job; a partial save is ignored; another schedule with the same stages resumes; other
-stages are refused."""
+stages are refused.
+
+Two jobs go through `pipec run` and torchrun, end to end: the job that is killed (--checkpoint,
+--checkpoint-every, and the SIGKILL of the launcher) and a resume with --check (--resume). The others start
+their two ranks from tests/runtime_harness.py's fork server (pipec.runtime.launch, the code every
+torchrun worker runs, with the same options): the checkpoint logic is all in the ranks, and a job
+started there costs about a second instead of three imports of torch."""
 
 from __future__ import annotations
 
@@ -17,9 +23,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from runtime_harness import RankResult, launch  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 MLP = {"MLP_DEPTH": "4", "MLP_WIDTH": "16", "MLP_BATCH": "8"}
-JOB = ["-D", "p=2", "-D", "m=2", "--model", "examples/mlp.py", "--nproc", "2"]
+MODEL = ["-D", "p=2", "-D", "m=2", "--model", "examples/mlp.py"]
+JOB = [*MODEL, "--nproc", "2"]
 
 
 def pipec(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
@@ -27,6 +36,13 @@ def pipec(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "pipec", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
     )
+
+
+def ranks(schedule: str, *args: str, model: list[str] = MODEL) -> list[RankResult]:
+    """The job `pipec run SCHEDULE MODEL --nproc 2 ARGS` would start, its two ranks forked from the
+    harness's fork server: each rank's exit status and output (rank 0 prints the job's lines)."""
+    results, _, _ = launch(2, "launch", [schedule, *model, *args], env=MLP, timeout=120.0)
+    return results
 
 
 def tensors(ckpt: Path, tmp: Path) -> dict:
@@ -56,9 +72,10 @@ def losses(stdout: str) -> dict[int, str]:
 def straight(tmp_path_factory):
     """An uninterrupted 5-step run, checkpointed after every step."""
     folder = tmp_path_factory.mktemp("straight")
-    r = pipec("run", "1f1b", *JOB, "--steps", "5", "--checkpoint", str(folder), "--checkpoint-every", "1")
-    assert r.returncode == 0, r.stderr
-    return folder, losses(r.stdout)
+    r = ranks("1f1b", "--steps", "5", "--checkpoint", str(folder), "--checkpoint-every", "1")
+    assert all(x.returncode == 0 for x in r), [x.stderr for x in r]
+    assert sorted(losses(r[0].stdout)) == [1, 2, 3, 4, 5], r[0].stdout
+    return folder, losses(r[0].stdout)
 
 
 def assert_same(a: dict, b: dict) -> None:
@@ -70,8 +87,11 @@ def assert_same(a: dict, b: dict) -> None:
 def test_a_resumed_run_equals_an_uninterrupted_one_bitwise(straight, tmp_path):
     folder, straight_losses = straight
     ck = tmp_path / "ck"
-    first = pipec("run", "1f1b", *JOB, "--steps", "2", "--checkpoint", str(ck))
-    assert first.returncode == 0, first.stderr
+    # --resume with no checkpoint folder yet: from the start
+    first = ranks("1f1b", "--steps", "2", "--checkpoint", str(ck), "--resume")
+    assert all(r.returncode == 0 for r in first), [r.stderr for r in first]
+    assert "step 1/2: loss" in first[0].stdout and "resumed from" not in first[0].stdout, first[0].stdout
+    assert (ck / "latest").read_text() == "step-000002\n"
     again = pipec("run", "1f1b", *JOB, "--steps", "4", "--checkpoint", str(ck), "--resume", "--check")
     assert again.returncode == 0, again.stderr
     assert f"resumed from {ck}/step-000002: steps 3 to 4" in again.stdout
@@ -96,34 +116,33 @@ def test_a_killed_run_resumes_from_its_last_complete_checkpoint(straight, tmp_pa
     done = int((ck / "latest").read_text().strip().split("-")[1])
     assert done >= 2
     (ck / f"step-{done + 1:06d}.partial").mkdir(exist_ok=True)  # as a kill during a save leaves it
-    r = pipec("run", "1f1b", *JOB, "--steps", "5", "--checkpoint", str(ck), "--resume")
-    assert r.returncode == 0, r.stderr
-    assert f"resumed from {ck}/step-{done:06d}" in r.stdout
+    r = ranks("1f1b", "--steps", "5", "--checkpoint", str(ck), "--resume")
+    assert all(x.returncode == 0 for x in r), [x.stderr for x in r]
+    assert f"resumed from {ck}/step-{done:06d}" in r[0].stdout
     assert not list(ck.glob("*.partial"))
     assert_same(tensors(ck / "step-000005", tmp_path), tensors(folder / "step-000005", tmp_path))
 
 
 def test_another_schedule_with_the_same_stages_resumes_and_other_stages_are_refused(straight, tmp_path):
     folder, _ = straight
-    r = pipec("run", "gpipe", *JOB, "--steps", "5", "--checkpoint", str(folder), "--resume")
-    assert r.returncode == 0, r.stderr
-    assert f"{folder}/step-000005 is after step 5: nothing left to run for --steps 5" in r.stdout
-    more = pipec("run", "gpipe", *JOB, "--steps", "6", "--checkpoint", str(tmp_path / "g"), "--resume")
-    assert more.returncode == 0 and "resumed from" not in more.stdout  # an empty folder: from the start
+    r = ranks("gpipe", "--steps", "5", "--checkpoint", str(folder), "--resume")
+    assert all(x.returncode == 0 for x in r), [x.stderr for x in r]
+    assert f"{folder}/step-000005 is after step 5: nothing left to run for --steps 5" in r[0].stdout
+    # (an empty folder resumes from the start: the first run of the bitwise test above)
     (tmp_path / "g2").mkdir()
     import shutil
 
     shutil.copytree(folder / "step-000005", tmp_path / "g2" / "step-000005")
     (tmp_path / "g2" / "latest").write_text("step-000005\n")
-    again = pipec("run", "gpipe", *JOB, "--steps", "6", "--checkpoint", str(tmp_path / "g2"), "--resume")
-    assert again.returncode == 0, again.stderr
-    assert f"resumed from {tmp_path / 'g2'}/step-000005: steps 6 to 6" in again.stdout
-    other = pipec(
-        "run", "interleaved-1f1b", "-D", "p=2", "-D", "v=2", "-D", "m=2", "--model", "examples/mlp.py",
-        "--nproc", "2", "--steps", "6", "--checkpoint", str(folder), "--resume",
-    )  # fmt: skip
-    assert other.returncode == 1
-    assert "holds 2 stages (schedule `1f1b`), but this program has 4" in other.stderr, other.stderr
+    again = ranks("gpipe", "--steps", "6", "--checkpoint", str(tmp_path / "g2"), "--resume")
+    assert all(x.returncode == 0 for x in again), [x.stderr for x in again]
+    assert f"resumed from {tmp_path / 'g2'}/step-000005: steps 6 to 6" in again[0].stdout
+    assert "step 6/6: loss" in again[0].stdout
+    interleaved = ["-D", "p=2", "-D", "v=2", "-D", "m=2", "--model", "examples/mlp.py"]
+    other = ranks("interleaved-1f1b", "--steps", "6", "--checkpoint", str(folder), "--resume", model=interleaved)
+    assert all(x.returncode != 0 for x in other)
+    want = "holds 2 stages (schedule `1f1b`), but this program has 4"
+    assert all(want in x.stderr for x in other), [x.stderr for x in other]
 
 
 def test_resume_without_a_checkpoint_folder_is_misuse():
