@@ -385,6 +385,9 @@ class Result:
     granularity: int
     rows: tuple[dict, ...]
     text: str
+    # the written schedule's own `expect` lines it does not meet (E405, as `pipec check` reports them): an
+    # expectation written for equal slices, say; the file is written all the same
+    unmet: tuple[PipecError, ...] = ()
 
     def to_json(self) -> dict:
         c = self.choice
@@ -398,6 +401,7 @@ class Result:
             "bounds": c.bounds,
             "seconds": round(c.seconds, 3),
             "compare": list(self.rows),
+            "unmet_expectations": [e.diagnostics[0].message for e in self.unmet],
         }
 
 
@@ -408,9 +412,11 @@ def slice_schedule(
     granularity: int | None = None,
     max_slices: int | None = None,
     progress: Callable[[str], None] | None = None,
+    out_path: str | None = None,
 ) -> Result:
     """Evaluate the schedule with these parameters, choose its slices (`choose`), write it with them and
-    simulate it, beside the uniform cut of as many slices, the best uniform count and the unsliced run."""
+    simulate it, beside the uniform cut of as many slices, the best uniform count and the unsliced run.
+    `out_path` names the written schedule in diagnostics of it."""
     from pipec.api import build
 
     items = list(params.items()) if isinstance(params, Mapping) else list(params)
@@ -430,7 +436,7 @@ def slice_schedule(
         f"estimate {choice.estimate:.6g} s"
     )
     text = write_schedule(source, values, choice.tokens, note)
-    out_source = Source(source.path, text)
+    out_source = Source(out_path or f"{source.path} (sliced)", text)
     even = uniform(costs.seqlen, len(choice.tokens))
     best_even = best_uniform(costs, max_slices)
     rows = []
@@ -450,7 +456,16 @@ def slice_schedule(
                 "step": _simulated(src, docs),
             }
         )
-    return Result(choice, costs.granularity, tuple(rows), text)
+    return Result(choice, costs.granularity, tuple(rows), text, _unmet(out_source))
+
+
+def _unmet(source: Source) -> tuple[PipecError, ...]:
+    """The E405 diagnostics of the written schedule's `expect` lines that do not hold (`pipec check`'s)."""
+    from pipec.api import build
+    from pipec.passes.expect import Metrics, failed
+
+    sched = build(source, ())
+    return tuple(err for _, err in failed(sched, Metrics(sched, None, None)))
 
 
 def _simulated(source: Source, docs: Sequence[Mapping]) -> float:
@@ -508,12 +523,15 @@ def run(args: argparse.Namespace) -> int:
     source = cli._read_source(args.schedule)
     docs = [cost_spec(t) for t in args.cost]
     say = None if args.json else (lambda msg: print(f"pipec slice: {msg} ...", file=sys.stderr, flush=True))
-    res = slice_schedule(source, args.defines, docs, args.granularity, args.max_slices, say)
+    res = slice_schedule(source, args.defines, docs, args.granularity, args.max_slices, say, args.output)
     if args.output:
         cli._write(args.output, res.text)
     if args.json:
         cli._emit(args, {**res.to_json(), "output": args.output})
         return 0
+    for e in res.unmet:  # the file is written: what `pipec check` will say of it
+        for d in e.diagnostics:
+            print(dataclasses.replace(d, severity="warning").format(), file=sys.stderr)
     print("\n".join(report_lines(res)))
     if args.output:
         costs = "".join(f" --cost {c}" for c in args.cost)

@@ -22,6 +22,12 @@ its W is its whole backward); without, `B` is the full backward and `W` is left 
 takes B as the full backward). Every measurement, including the optimizer step (which the simulator
 does not model), is also kept in the `[measured.*]` tables.
 
+With `slices` N (`pipec profile --slices N`, docs/terapipe.md), each stage is also timed on token slices
+(`measure_slices`): slices of whole N-ths of the sequence at every context that leaves room for them, through
+the stage module's key/value cache interface (pipec.runtime.slices; without one, prefixes of the sequence
+at context 0), and the cost keys `attn` and `op_fixed` of `Slicing.weight` are fitted to them by least
+squares; the fit's residual goes into `[measured.slices]`.
+
 Threads: by default torch uses the number `pipec run` gives each of its processes (OMP_NUM_THREADS, or
 the CPUs divided by the ranks), so the times are those of a rank in a run on this machine.
 """
@@ -73,6 +79,7 @@ class Profile:
     collectives: Collectives | None = None  # the data-parallel group's collectives (`dp` > 1)
     # per stage, from `stage_bytes`: saved_bytes, wsaved_bytes, input_bytes, state_bytes, offload (seconds)
     memory: dict[str, list] = field(default_factory=dict)
+    slices: SliceFit | None = None  # `measure_slices`: the (length, context) grid and the fit of attn, op_fixed
 
     def cost_doc(self) -> dict:
         """The cost file's document (for `pipec.sim.costs.dump_costs`)."""
@@ -112,6 +119,11 @@ class Profile:
             doc["step"] = _r([self.in_situ["step"].get(s, 0.0) for s in range(len(self.forward))])
         if self.in_situ is not None and self.in_situ.get("outside_s") is not None:
             doc["step_overhead"] = float(f"{self.in_situ['outside_s']:.6g}")
+        if self.slices is not None:
+            fitted = f"{len(self.slices.points)} token slices ({self.slices.how})"
+            doc["comment"] += f"; attn and op_fixed fitted to {fitted}"
+            doc["attn"] = _r(self.slices.attn)
+            doc["op_fixed"] = _r(self.slices.op_fixed)
         if self.collectives is not None:
             doc["comment"] += f"; collectives on a data-parallel group of {self.collectives.size}"
             doc.update(self.collectives.cost_keys(self.param_bytes))
@@ -129,6 +141,8 @@ class Profile:
         }
         if self.collectives is not None:
             doc["measured"]["collectives"] = self.collectives.measured()
+        if self.slices is not None:
+            doc["measured"]["slices"] = self.slices.measured()
         if self.in_situ is not None:
             doc["measured"]["in_situ"] = {
                 "forward": _r(self.situ(FWD)),
@@ -187,6 +201,7 @@ def profile(
     concurrent: bool | None = None,
     dp: int | None = None,
     dp_kind: str | None = None,
+    slices: int | None = None,
 ) -> Profile:
     """Measure every stage of `program` on `model` (see the module's docstring); with `in_situ`, also run
     the schedule on its ranks' processes and take F, B, W and the overhead from that (pipec.runtime.insitu).
@@ -198,8 +213,11 @@ def profile(
     the Program's own, `program.dp` and `program.dp_kind`): with `dp` > 1 and `comm`, the collectives of a
     data-parallel group of `dp` processes are timed too (`measure_collectives`), and the file gets the
     ring model's `dp_latency` and `dp_bandwidth`, each stage's `param_bytes`, and its measured
-    `reduce_grad` (and, for fsdp, `unshard`) times."""
+    `reduce_grad` (and, for fsdp, `unshard`) times. With `slices` N, the stages are also timed on token
+    slices of N-ths of the sequence (`measure_slices`) and the file gets the fitted `attn` and `op_fixed`."""
     say = progress or (lambda _: None)
+    if slices is not None and slices < 2:
+        raise PipelineError(f"--slices {slices}: time slices of at least halves of the sequence (2 or more)")
     dp = program.dp if dp is None else dp
     dp_kind = program.dp_kind if dp_kind is None else dp_kind
     if dp < 1 or dp_kind not in DP_KINDS:
@@ -248,6 +266,14 @@ def profile(
         loadavg_1min=round(os.getloadavg()[0], 2),
     )
     prof.memory = stage_bytes(program, model, device=device, seed=seed, loss_scale=loss_scale, dp=dp)
+    if slices is not None:
+        torch.set_num_threads(threads)
+        try:
+            prof.slices = measure_slices(
+                program, model, slices, reps=reps, warmup=warmup, device=device, seed=seed, progress=say
+            )
+        finally:
+            torch.set_num_threads(old_threads)
     if comm and program.num_ranks > 1:
         sizes = sorted({b for b in prof.act_bytes + prof.grad_bytes if b > 0})
         if device.type == "cpu" and backend == "gloo":
@@ -307,7 +333,7 @@ def stage_bytes(
     the model file's optimizer. And `offload`: the seconds of one OFFLOAD or RELOAD of its saved tensors as
     the runtime runs them (median of `reps`; on a CPU device nothing is copied, so microseconds)."""
     device = torch.device(device)
-    S, m = program.num_stages, program.num_microbatches
+    S, m = program.num_stages, program.num_sequences  # with token slices, each a whole sequence
     scale = 1.0 / m if loss_scale is None else loss_scale
     modules = _stage_modules(model, S, seed, device)
     make_opt = model.optimizer or default_optimizer
@@ -382,8 +408,9 @@ def _measure(
     program: Program, model: Model, reps: int, warmup: int, device: torch.device, seed: int, loss_scale, dp: int = 1
 ) -> Profile:
     """Time every stage's ops on the micro-batches of `batch(0)` (with `dp` replicas, of replica 0's share
-    of it, as a run's replicas split the global batch: pipec.runtime.dataparallel.slice_replica)."""
-    S, m = program.num_stages, program.num_microbatches
+    of it, as a run's replicas split the global batch: pipec.runtime.dataparallel.slice_replica); with
+    token slices, on whole sequences (what the cost model's F, B and W are given for)."""
+    S, m = program.num_stages, program.num_sequences
     scale = 1.0 / m if loss_scale is None else loss_scale
     modules = _stage_modules(model, S, seed, device)
     make_opt = model.optimizer or default_optimizer
@@ -539,6 +566,167 @@ def _timing_rank(rank: int, world: int, spec: dict, barrier, out) -> None:
 
             traceback.print_exc()
         spawned.failed(out, rank, rank, f"rank {rank}: {type(e).__name__}: {e}")
+
+
+# ---- token slices: F and backward per (length, context), and the fit of attn and op_fixed ----------------
+
+
+@dataclass
+class SliceFit:
+    """Per stage, the medians of F plus the full backward of token slices (`points`: (length, context)
+    pairs of a sequence of `seqlen` tokens), and the least-squares fit of the cost model's slice time
+    (`Slicing.weight`): t(l, c) = f + u l / L + v l (2c + l + 1) / (L (L + 1)), so attn = v / (u + v) and
+    op_fixed = f / 2 (a slice runs two ops, F and its backward). `residual` is the fit's root-mean-square
+    relative error per stage, `worst` its largest; `how` says whether the contexts were real
+    (the key/value cache interface) or prefixes at context 0."""
+
+    seqlen: int
+    points: list[tuple[int, int]]
+    forward: list[list[float]]
+    backward: list[list[float]]
+    attn: list[float]
+    op_fixed: list[float]
+    residual: list[float]
+    worst: list[float]
+    how: str
+
+    def measured(self) -> dict[str, Any]:
+        return {
+            "how": self.how,
+            "seqlen": self.seqlen,
+            "lengths": [n for n, _ in self.points],
+            "contexts": [c for _, c in self.points],
+            "forward": [_r(x) for x in self.forward],
+            "backward": [_r(x) for x in self.backward],
+            "fit_residual": _r(self.residual),
+            "fit_worst": _r(self.worst),
+        }
+
+
+def slice_points(seqlen: int, n: int, contexts: bool = True) -> list[tuple[int, int]]:
+    """(length, context) of every slice between boundaries at whole n-ths of the sequence (rounded down);
+    without `contexts`, the prefixes only (context 0)."""
+    edges = sorted({seqlen * k // n for k in range(n + 1)})
+    return [(b - a, a) for ia, a in enumerate(edges) for b in edges[ia + 1 :] if contexts or a == 0]
+
+
+def fit_slices(seqlen: int, points: list[tuple[int, int]], times: list[float]) -> tuple[float, float, float, float]:
+    """(attn, op_fixed, rms relative residual, worst relative residual) of the least-squares fit of one
+    stage's slice times (F plus backward: two ops) to the cost model's form (see SliceFit)."""
+    import numpy as np
+
+    L = float(seqlen)
+    l = np.array([p[0] for p in points], dtype=float)  # noqa: E741
+    c = np.array([p[1] for p in points], dtype=float)
+    X = np.stack([np.ones_like(l), l / L, l * (2 * c + l + 1) / (L * (L + 1))], axis=1)
+    y = np.asarray(times, dtype=float)
+    (f, u, v), *_ = np.linalg.lstsq(X, y, rcond=None)
+    rel = (X @ np.array([f, u, v]) - y) / np.where(y > 0, y, 1.0)
+    u, v = max(u, 0.0), max(v, 0.0)
+    attn = v / (u + v) if u + v > 0 else 0.0
+    return float(attn), max(float(f), 0.0) / 2, float(np.sqrt(np.mean(rel**2))), float(np.abs(rel).max())
+
+
+def measure_slices(
+    program: Program,
+    model: Model,
+    n: int,
+    *,
+    reps: int = 20,
+    warmup: int = 3,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+) -> SliceFit:
+    """Time F and the full backward of every stage on token slices of micro-batch 0 of `batch(0)` (its
+    dim 1, the tokens, cut at whole n-ths: `slice_points`), and fit `attn` and `op_fixed` per stage.
+
+    With the key/value cache interface (pipec.runtime.slices: `module(*inputs, past_kv=past) -> (output,
+    kv)`), a slice of l tokens after c runs as the runtime runs it: the keys and values of the c earlier
+    tokens (computed untimed) enter as leaves that require grad, and its backward runs from its output's
+    gradient and, unless it is the sequence's last slice, its own keys' and values' (as the later slices
+    return them). Without the interface only prefixes are timed (context 0: the attention over the slice
+    itself), which the fit extends to other contexts by the cost model's form. Each stage's input is the
+    earlier stages' output on the whole sequence, computed once, untimed. Each point is timed once per
+    round, `warmup` + `reps` rounds, and its fastest run kept (the fit needs the points' relative times,
+    which other work on the machine blurs; a minimum is the least blurred)."""
+    from pipec.runtime.slices import takes_past
+
+    say = progress or (lambda _: None)
+    device = torch.device(device)
+    S, m = program.num_stages, program.num_sequences
+    modules = _stage_modules(model, S, seed, device)
+    cached = all(takes_past(mod) for mod in modules)
+    inputs, targets = model.batch(0)
+    x0 = as_args(to_device(split(inputs, m, "inputs")[0], device, model.dtype))
+    y0 = to_device(split(targets, m, "targets")[0], device)
+    if not isinstance(x0[0], torch.Tensor) or x0[0].dim() < 2 or not isinstance(y0, torch.Tensor):
+        raise PipelineError("--slices cuts the inputs and targets along dim 1 (the tokens): give tensors of 2+ dims")
+    L = int(x0[0].shape[1])
+    points = slice_points(L, n, cached)
+    if len({a for a, _ in points} if not cached else points) < 3:
+        raise PipelineError(f"--slices {n}: fitting attn and op_fixed takes 3 or more slice lengths")
+    how = "key/value cache, every context" if cached else "prefixes at context 0 (no key/value cache interface)"
+    say(f"timing F and backward of {len(points)} token slices per stage ({how}), {warmup} + {reps} rounds each")
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+    def part(args: tuple, a: int, b: int) -> tuple:
+        return tuple(t[:, a:b] if isinstance(t, torch.Tensor) and t.dim() >= 2 else t for t in args)
+
+    def leaf(t):
+        return t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t
+
+    fwd: list[list[float]] = []
+    bwd: list[list[float]] = []
+    args = x0
+    for s, mod in enumerate(modules):
+        last = s == S - 1
+        tf: list[list[float]] = [[] for _ in points]
+        tb: list[list[float]] = [[] for _ in points]
+        for rep in range(warmup + reps):  # rounds over every point: a busy spell slows them all alike
+            for k, (l, c) in enumerate(points):  # noqa: E741
+                with torch.no_grad():
+                    past = mod(*part(args, 0, c), past_kv=())[1] if cached and c else ()
+                past = tuple(leaf(t) for t in past)
+                xs = tuple(leaf(t) for t in part(args, c, c + l))
+                sync()
+                t0 = time.perf_counter()
+                out = mod(*xs, past_kv=past) if cached else mod(*xs)
+                y, kv = out if cached else (out, ())
+                if last:
+                    y = model.loss_fn(y, y0[:, c : c + l]) * (l / L)
+                sync()
+                t1 = time.perf_counter()
+                outs = [y] + ([t for t in kv if t.requires_grad] if c + l < L else [])
+                grads = [None if last and j == 0 else torch.ones_like(t) for j, t in enumerate(outs)]
+                torch.autograd.backward(outs, grads)
+                sync()
+                t2 = time.perf_counter()
+                if rep >= warmup:
+                    tf[k].append(t1 - t0)
+                    tb[k].append(t2 - t1)
+        # the fastest of each point's runs: on a machine shared with other work, a median measures it too
+        per_f = [min(x) for x in tf]
+        per_b = [min(x) for x in tb]
+        fwd.append(per_f)
+        bwd.append(per_b)
+        mod.zero_grad(set_to_none=True)
+        if not last:
+            with torch.no_grad():
+                args = as_args(mod(*args))
+        say(f"stage {s}: {len(points)} slices timed")
+    fits = [fit_slices(L, points, [f + b for f, b in zip(fs, bs)]) for fs, bs in zip(fwd, bwd)]
+    return SliceFit(
+        L,
+        points,
+        fwd,
+        bwd,
+        [a for a, _, _, _ in fits],
+        [o for _, o, _, _ in fits],
+        [r for _, _, r, _ in fits],
+        [w for _, _, _, w in fits],
+        how,
+    )
 
 
 # ---- the link: a gloo ping-pong between two local processes --------------------------------------------
@@ -839,6 +1027,13 @@ def summary_lines(prof: Profile) -> list[str]:
             f"in situ, {situ['steps']} steps of {prof.schedule} (median step {ms(situ['step_s'])} ms), ms per stage:"
         )
         lines.append("  " + "; ".join(per) + " (the cost file's F, B, W)")
+    if prof.slices is not None:
+        fit = prof.slices
+        per = "; ".join(
+            f"{s}: attn {a:.3g}, op_fixed {o * 1e3:.3g} ms, residual {r:.1%} (worst {w:.1%})"
+            for s, (a, o, r, w) in enumerate(zip(fit.attn, fit.op_fixed, fit.residual, fit.worst))
+        )
+        lines.append(f"token slices ({len(fit.points)} per stage, {fit.how}), fitted per stage: {per}")
     if prof.overhead is not None:
         where = "in situ" if prof.in_situ is not None and prof.in_situ["overhead"] is not None else "GPipe, 2 ranks"
         lines.append(f"overhead: {prof.overhead * 1e6:.1f} us of a rank's time per send or receive ({where})")
