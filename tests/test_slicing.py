@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -219,3 +220,91 @@ def test_progress_is_reported_on_long_work():
     slice_schedule(_src(), {"p": 2, "L": 16}, [{"attn": 0.5}], progress=said.append)
     assert said and "positions" in said[0]
     assert np.isfinite(slice_costs(build(_src(), {}), [{"attn": 0.5}]).grid[0, 8])
+
+
+def test_an_unmet_expectation_of_the_written_file_is_a_warning(tmp_path, capsys):
+    text = TEXT.replace("    stages p", '    expect bubble <= 0.01, "a bubble this small"\n    stages p')
+    path, out = tmp_path / "tp.pipe", tmp_path / "sliced.pipe"
+    path.write_text(text)
+    assert main([str(path), "-D", "L=16", "--cost", "attn=0.5", "-o", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert f"{out}:2:5: warning[E405]: expectation not met: a bubble this small" in err
+    assert out.exists()
+
+
+# ---- pipec profile --slices (runtime/profile.py): the grid, the fit, the measurement -----------------------
+
+
+def test_the_fit_recovers_the_cost_models_attn_and_op_fixed():
+    from pipec.runtime.profile import fit_slices, slice_points
+
+    L = 64
+    points = slice_points(L, 8)
+    assert len(points) == 36 and len(slice_points(L, 8, contexts=False)) == 8
+    assert all(c + n <= L and n > 0 for n, c in points)
+    attn, fixed, T = 0.35, 0.004, 0.2  # one slice: F and its backward, two ops of `fixed` each
+    # the cost model's time of the middle slice of the cut (c, n, rest), F and backward
+    weights = [Slicing(1, 3, L, (c, n, L - c - n), (L,)).weight(attn)[1] for n, c in points]
+    times = [2 * fixed + (T - 2 * fixed) * w for w in weights]
+    got_attn, got_fixed, rms, worst = fit_slices(L, points, times)
+    assert got_attn == pytest.approx(attn, rel=1e-9) and got_fixed == pytest.approx(fixed, rel=1e-9)
+    assert rms < 1e-9 and worst < 1e-9
+    noisy = [t * (1.1 if k % 2 else 0.9) for k, t in enumerate(times)]
+    assert fit_slices(L, points, noisy)[2] > 0.05  # the residual says when the form does not fit
+
+
+MODEL_WITHOUT_CACHE = """
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+dtype = torch.float64
+
+def build_stage(stage, num_stages):
+    torch.manual_seed(stage)
+    if stage == 0:
+        return nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8))
+    return nn.Sequential(nn.Linear(8, 10) if stage == num_stages - 1 else nn.Linear(8, 8))
+
+def loss_fn(out, target):
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+
+def batch(step):
+    g = torch.Generator().manual_seed(step)
+    x = torch.randint(0, 10, (2, 12), generator=g)
+    return x, torch.roll(x, -1, dims=1)
+"""
+
+
+def test_profile_times_slices_through_the_cache_interface_and_writes_the_keys(monkeypatch):
+    from pipec.api import compile as compile_
+    from pipec.runtime.model import load_model
+    from pipec.runtime.profile import measure_slices
+
+    monkeypatch.setenv("GPT_CONTEXT", "12")
+    monkeypatch.setenv("GPT_LAYERS", "2")
+    monkeypatch.setenv("GPT_WIDTH", "16")
+    monkeypatch.setenv("GPT_BATCH", "2")
+    model = load_model(str(Path(__file__).resolve().parent.parent / "examples" / "gpt.py"))
+    prog = compile_("gpipe", {"p": 2, "m": 1})
+    fit = measure_slices(prog, model, 3, reps=1, warmup=0)
+    assert fit.how.startswith("key/value cache") and fit.seqlen == 12
+    assert fit.points == [(4, 0), (8, 0), (12, 0), (4, 4), (8, 4), (4, 8)]
+    assert all(len(x) == 6 and min(x) > 0 for x in fit.forward + fit.backward)
+    assert all(0 <= a <= 1 for a in fit.attn) and all(o >= 0 for o in fit.op_fixed)
+    assert set(fit.measured()) >= {"lengths", "contexts", "forward", "backward", "fit_residual"}
+
+
+def test_profile_without_the_cache_interface_times_prefixes(tmp_path):
+    from pipec.api import compile as compile_
+    from pipec.runtime.model import load_model
+    from pipec.runtime.profile import measure_slices
+
+    path = tmp_path / "nocache.py"
+    path.write_text(MODEL_WITHOUT_CACHE)
+    fit = measure_slices(compile_("gpipe", {"p": 2, "m": 1}), load_model(str(path)), 4, reps=1, warmup=0)
+    assert fit.how.startswith("prefixes") and [c for _, c in fit.points] == [0, 0, 0, 0]
+    from pipec.runtime.errors import PipelineError
+
+    with pytest.raises(PipelineError, match="3 or more slice lengths"):
+        measure_slices(compile_("gpipe", {"p": 2, "m": 1}), load_model(str(path)), 2, reps=1, warmup=0)
