@@ -50,6 +50,35 @@ ROOT = Path(__file__).resolve().parent.parent
 SEEDED = ROOT / "tests" / "seeded"
 KIT = settings(deadline=None, suppress_health_check=list(HealthCheck), database=None)
 
+_PIPEC_TEST_RUNS: dict[tuple, tuple[int, str, str]] = {}
+
+
+def pipec_test(argv: list[str], cwd: Path, capsys) -> tuple[int, str, str]:
+    """`pipec ARGV` (a `pipec test` command) run in `cwd`: exit status, stdout, stderr.
+
+    Several tests here run the same command on the same files (the library with --budget 1s, the seeded
+    files with the defaults, also in docs/testing.md's walkthrough): it runs once per session and each
+    test asserts what it asserts on that one output. The key is the command, CI's value (the default
+    budget) and the bytes of every .pipe file its arguments name, so an edited file runs again."""
+    import hashlib
+    import os
+
+    digest = hashlib.sha256()
+    for arg in argv:
+        path = cwd / arg
+        files = sorted(path.rglob("*.pipe")) if path.is_dir() else [path] if path.is_file() else []
+        for f in files:
+            digest.update(str(f.relative_to(cwd)).encode() + b"\0" + f.read_bytes() + b"\0")
+    key = (tuple(argv), os.environ.get("CI"), digest.hexdigest())
+    if key not in _PIPEC_TEST_RUNS:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.chdir(cwd)
+            capsys.readouterr()
+            rc = cli.main(argv)
+            out = capsys.readouterr()
+        _PIPEC_TEST_RUNS[key] = (rc, out.out, out.err)
+    return _PIPEC_TEST_RUNS[key]
+
 
 # ---- imports -------------------------------------------------------------------------------------
 
@@ -234,8 +263,8 @@ def test_seeded_bug_is_found_with_the_defaults_and_shrunk(name, code, smallest, 
     rel = str(path.relative_to(ROOT))
     monkeypatch.delenv("CI", raising=False)  # the defaults a user has; the search stops at the first failure
     monkeypatch.chdir(ROOT)
-    assert cli.main(["test", rel]) == 1
-    out = capsys.readouterr().err  # a failure's report is a diagnostic: stderr
+    rc, _, out = pipec_test(["test", rel], ROOT, capsys)  # a failure's report is a diagnostic: stderr
+    assert rc == 1
     shown = " ".join(f"{k}={v}" for k, v in smallest.items())
     assert f"{rel}: FAILED at {shown} (" in out
     assert f"error[{code}]" in out
@@ -256,8 +285,8 @@ def test_the_seeded_deadlock_is_found_for_other_seeds_too():
 
 def test_the_library_passes(capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
-    assert cli.main(["test", "schedules/", "--budget", "1s"]) == 0
-    out = capsys.readouterr().out
+    rc, out, _ = pipec_test(["test", "schedules/", "--budget", "1s"], ROOT, capsys)
+    assert rc == 0
     assert f"{len(library.names())} files: {len(library.names())} ok, 0 failed" in out
     assert out.count("  tried: p ") == len(library.names())
 
@@ -546,13 +575,17 @@ def _expected_pattern(text: str) -> re.Pattern:
 def _run_doc_command(cmd: str, cwd: Path, capsys) -> tuple[int, str]:
     argv = cmd.split()
     if argv[0] == "pipec":
-        with pytest.MonkeyPatch.context() as mp:
-            mp.chdir(cwd)
-            capsys.readouterr()
-            rc = cli.main(argv[1:])
-            out = capsys.readouterr()
-        err = re.sub(r"^  \.\.\. .*\n", "", out.err, flags=re.M)  # progress lines of long runs: not shown
-        return rc, err + out.out  # pipec test: failures (stderr) come before the summary line (stdout)
+        if argv[1] == "test":  # perhaps run already, by a test above, on the same files
+            rc, out, err = pipec_test(argv[1:], cwd, capsys)
+        else:
+            with pytest.MonkeyPatch.context() as mp:
+                mp.chdir(cwd)
+                capsys.readouterr()
+                rc = cli.main(argv[1:])
+                captured = capsys.readouterr()
+            out, err = captured.out, captured.err
+        err = re.sub(r"^  \.\.\. .*\n", "", err, flags=re.M)  # progress lines of long runs: not shown
+        return rc, err + out  # pipec test: failures (stderr) come before the summary line (stdout)
     assert argv[0] == "pytest", cmd
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *argv[1:]], capture_output=True, text=True, cwd=cwd
