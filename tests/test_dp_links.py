@@ -16,7 +16,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from runtime_harness import ROOT  # noqa: E402
+from runtime_harness import ROOT, launch  # noqa: E402
 
 from pipec.api import load  # noqa: E402
 from pipec.runtime.errors import PipelineError  # noqa: E402
@@ -78,10 +78,14 @@ def test_an_emulated_collective_past_the_timeout_fails_naming_rank_and_instructi
     link.hold(None, "nothing", where)  # no emulated end: returns at once
 
 
+MLP = {"MLP_WIDTH": "8", "MLP_DEPTH": "4", "MLP_BATCH": "32"}
+JOB = ["1f1b", "-D", "p=2", "-D", "m=4", "--model", "examples/mlp.py", "--dp", "2", "--steps", "3"]
+
+
 def run_dp(*extra: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", MLP_WIDTH="8", MLP_DEPTH="4", MLP_BATCH="32")
-    cmd = [sys.executable, "-m", "pipec", "run", "1f1b", "-D", "p=2", "-D", "m=4", "--model", "examples/mlp.py"]
-    cmd += ["--dp", "2", "--nproc", "4", "--steps", "3", "--topology", TOPO.format(lat=f"{LAT * 1e3:g}ms"), *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1", **MLP)
+    cmd = [sys.executable, "-m", "pipec", "run", *JOB, "--nproc", "4"]
+    cmd += ["--topology", TOPO.format(lat=f"{LAT * 1e3:g}ms"), *extra]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
 
 
@@ -92,7 +96,9 @@ def step_times(out: str) -> list[float]:
 def test_pipec_run_emulates_the_all_reduce_across_datacenters_and_stays_exact():
     """2 ranks x 2 ddp replicas (4 gloo processes), replica 0 east and 1 west: every step holds a
     REDUCE_GRAD per rank over the 250 ms link, at least ring_time's 2 (N - 1) latencies (the bytes add
-    to it); without --emulate-links the same run steps in less than that."""
+    to it); without emulated links the same job steps in less than that. That job's four ranks are
+    forked from tests/runtime_harness.py's fork server (pipec.runtime.launch, what torchrun starts
+    `pipec run`'s ranks with, given no links file): one torchrun job, not two."""
     bound = float(ring_time("all_reduce", 2, 0.0, [(LAT, 10e9 / 8)] * 2))
     assert math.isclose(bound, 2 * LAT)
     r = run_dp("--emulate-links", "--check")
@@ -101,8 +107,8 @@ def test_pipec_run_emulates_the_all_reduce_across_datacenters_and_stays_exact():
     assert any(line.startswith("OK: largest relative error") for line in r.stdout.splitlines()), r.stdout
     times = step_times(r.stdout)
     assert len(times) == 3 and all(t >= bound for t in times), (times, bound)
-    plain = run_dp()
-    assert plain.returncode == 0, plain.stdout + plain.stderr
-    assert "emulated links" not in plain.stdout
-    base = step_times(plain.stdout)
+    plain, _, _ = launch(4, "launch", JOB, env=MLP, timeout=120.0)
+    assert all(x.returncode == 0 for x in plain), [x.stderr for x in plain]
+    assert all("emulated links" not in x.stdout for x in plain), plain[0].stdout
+    base = step_times(plain[0].stdout)
     assert len(base) == 3 and min(base[1:]) < bound, (base, bound)  # after the first step's start-up
