@@ -142,6 +142,12 @@ class Problem:
         s = np.arange(self.S)
         return {k: self.Q[k][s, c[1:]] - self.Q[k][s, c[:-1]] for k in KINDS}
 
+    def batch_units(self, bounds: np.ndarray) -> dict[str, np.ndarray]:
+        """`stage_units` of many splits at once: bounds (n, S + 1), each kind's units (n, S)."""
+        c = np.asarray(bounds, dtype=np.int64)
+        s = np.arange(self.S)
+        return {k: self.Q[k][s, c[:, 1:]] - self.Q[k][s, c[:, :-1]] for k in KINDS}
+
     def stage_bytes(self, bounds: Sequence[int]) -> dict[str, np.ndarray]:
         c = np.asarray(bounds)
         return {k: (v[c[1:]] - v[c[:-1]]).astype(float) for k, v in self.P.items()}
@@ -314,6 +320,19 @@ class _Graph:
             out.append((0, counts))
         return out
 
+    def lengths(self, units: Mapping[str, np.ndarray]) -> np.ndarray:
+        """The longest path's length (units) for each of a batch of splits, units[k] of shape (n, S):
+        `paths`' first value for each, in one pass over the graph with numpy."""
+        dur = np.stack([units[k] for k in KINDS])[self.kind, :, self.stage]  # (ops, n)
+        end = np.empty_like(dur)
+        rp, dp, dl = self.rank_pred, self.data_pred, self.delay
+        for v in self.order:
+            a = end[rp[v]] if rp[v] >= 0 else 0
+            if dp[v] >= 0:
+                a = np.maximum(a, end[dp[v]] + dl[v])
+            end[v] = a + dur[v]
+        return end.max(axis=0) if len(end) else np.zeros(dur.shape[1], dtype=np.int64)
+
     def paths(self, units: dict[str, np.ndarray]) -> tuple[int, list[tuple[int, np.ndarray]]]:
         """The longest path's length (units) at these per-stage durations, and the paths to cut with: the
         longest one, and the longest one ending at each rank's last op, as (constant, counts[kind, stage])."""
@@ -485,10 +504,11 @@ class Master:
 
 def search(pb: Problem, time_limit: float = 10.0) -> Result:
     """The best contiguous split (module docstring), with the uniform split for comparison; E806 when no
-    split fits the memory limits. First a local search from the uniform split (moving one boundary at a
-    time while the simulated step falls) gives a good incumbent and many paths; then the cutting-plane
-    loop proves it optimal or improves it, until `time_limit` seconds have passed (then the bound reached
-    is reported, `Result.optimal` False)."""
+    split fits the memory limits. First the fluid bound (`fluid_bound`) and local searches (moving one
+    boundary at a time while the simulated step falls) from its rounded split, the uniform split and the
+    bottleneck split give a bound, a good incumbent and many paths; then the cutting-plane loop proves it
+    optimal or improves it, until `time_limit` seconds have passed (then the bound reached is reported,
+    `Result.optimal` False)."""
     t0 = time.perf_counter()
     master = Master(pb)
     for const, counts in pb.graph.rank_chains(pb.R):
@@ -498,19 +518,26 @@ def search(pb: Problem, time_limit: float = 10.0) -> Result:
         _, cuts = pb.graph.paths(pb.stage_units(bounds))
         return any([master.add(const, counts) for const, counts in cuts])
 
+    fluid = fluid_bound(pb)
+    for const, counts in fluid.paths:
+        master.add(const, counts)
     uniform = pb.evaluate(pb.uniform())
     cut(uniform.bounds)
     best = None
-    for start in (uniform, pb.evaluate(_balanced(pb))):
+    starts = [pb.evaluate(b) for b in (fluid.rounded,) if b is not None] + [uniform, pb.evaluate(_balanced(pb))]
+    # half the time left to the local searches, shared out as they go, the rest to the master
+    phase_end = t0 + (time_limit + time.perf_counter() - t0) / 2
+    for n, start in enumerate(starts):
         cut(start.bounds)
         if start.fits:
-            found = _local_search(pb, start, cut, t0 + time_limit / 3)
+            now = time.perf_counter()
+            found = _local_search(pb, start, cut, now + (phase_end - now) / (len(starts) - n))
             best = found if best is None or found.step < best.step else best
-    lb, rounds, status = 0, 0, "unknown"
+    lb, rounds, status = fluid.bound, 0, "unknown"
     # The graph rounds each message delay down to the unit: a path's length falls short of the simulator's
     # by less than one unit per message on it, so a bound within that many units is proof (0 when free).
     slack = sum(1 for d in pb.graph.delay if d > 0) + 1 if any(pb.graph.delay) else 1e-9
-    while time.perf_counter() - t0 < time_limit:
+    while time.perf_counter() - t0 < time_limit and not (best and best.step <= (lb + slack) * pb.unit):
         left = time_limit - (time.perf_counter() - t0) - 0.5  # the solver overruns its limit a little
         status, bound, bounds = master.solve(best.bounds if best else None, left, best)
         rounds += 1
@@ -545,6 +572,182 @@ def search(pb: Problem, time_limit: float = 10.0) -> Result:
         simulations=pb.simulations,
         seconds=time.perf_counter() - t0,
     )
+
+
+@dataclass(frozen=True)
+class Fluid:
+    """The fluid relaxation's outcome (`fluid_bound`): a proven lower bound in units, the paths it is made
+    of (as master cuts), and the fractional optimum's boundaries rounded to a split (a starting point)."""
+
+    bound: int
+    paths: tuple[tuple[int, np.ndarray], ...]
+    rounded: tuple[int, ...] | None
+
+
+def fluid_bound(pb: Problem) -> Fluid:
+    """The bound of the split's linear relaxation, made exact. Why: the master's cuts only bound the
+    splits near the paths found so far, and CP-SAT needs many rounds to reach the relaxation's bound at
+    this size; one linear program over the whole dependency graph reaches it at once.
+
+    The program (GLOP) lets layers split fractionally between neighbouring stages (the unary boundaries of
+    `Master` in [0, 1]), with a start time per op, every edge of the graph as `start_v >= end_u + delay`
+    and the step above every rank's last op. Its duals are a flow of one unit through the graph, which is
+    taken apart into paths P with weights w_P >= 0. Whatever the floats' accuracy, these are real paths
+    and T(x) >= len_P(x) for each, so T(x) >= sum_P w_P len_P(x) / sum_P w_P for every split x; the
+    minimum of that weighted sum over the integral splits is one dynamic program in integers (weights
+    scaled to integers), which gives the bound. With exact duals it equals the relaxation's optimum."""
+    from ortools.linear_solver import pywraplp
+
+    S, L, g = pb.S, pb.L, pb.graph
+    lp = pywraplp.Solver.CreateSolver("GLOP")
+    inf = lp.infinity()
+    v: dict[tuple[int, int], object] = {}  # [c_t >= j], a float where fixed
+    for t in range(S + 1):
+        for j in range(1, L + 1):
+            if t == 0 or j > L - S + t:
+                v[t, j] = 0.0
+            elif t == S or j <= t:
+                v[t, j] = 1.0
+            else:
+                v[t, j] = lp.NumVar(0, 1, "")
+
+    def at_most(a, b) -> None:  # a <= b
+        if isinstance(a, float) and isinstance(b, float):
+            return
+        c = lp.Constraint(-inf, (b if isinstance(b, float) else 0.0) - (a if isinstance(a, float) else 0.0))
+        if not isinstance(a, float):
+            c.SetCoefficient(a, 1)
+        if not isinstance(b, float):
+            c.SetCoefficient(b, -1)
+
+    for t in range(1, S):
+        for j in range(2, L + 1):
+            at_most(v[t, j], v[t, j - 1])
+            if t < S - 1:
+                at_most(v[t, j - 1], v[t + 1, j])
+    dur = {}  # (kind, stage) -> its duration variable, the stage's share of each layer's time
+    for ki, k in enumerate(KINDS):
+        dq = np.diff(pb.Q[k], axis=1).astype(float)
+        for s in range(S):
+            if not dq[s].any():
+                continue
+            x = dur[ki, s] = lp.NumVar(0, inf, "")
+            coef: dict[object, float] = {x: 1.0}
+            rhs = 0.0
+            for j in np.flatnonzero(dq[s]).tolist():
+                for t, sign in ((s + 1, 1.0), (s, -1.0)):
+                    y = v[t, j + 1]
+                    if isinstance(y, float):
+                        rhs += sign * dq[s, j] * y
+                    else:
+                        coef[y] = coef.get(y, 0.0) - sign * dq[s, j]
+            c = lp.Constraint(rhs, rhs)
+            for y, a in coef.items():
+                c.SetCoefficient(y, a)
+    n = len(g.order)
+    start = [lp.NumVar(0, inf, "") for _ in range(n)]
+    step = lp.NumVar(0, inf, "")
+    into: list[list[tuple[object, int, int]]] = [[] for _ in range(n)]  # (constraint, from, delay)
+    for i in range(n):
+        for u, delay in ((g.rank_pred[i], 0), (g.data_pred[i], g.delay[i])):
+            if u < 0:
+                continue
+            c = lp.Constraint(float(delay), inf)
+            c.SetCoefficient(start[i], 1)
+            c.SetCoefficient(start[u], -1)
+            if (int(g.kind[u]), int(g.stage[u])) in dur:
+                c.SetCoefficient(dur[int(g.kind[u]), int(g.stage[u])], -1)
+            into[i].append((c, u, delay))
+    tips = []
+    for i in g.last_of_rank:
+        c = lp.Constraint(0, inf)
+        c.SetCoefficient(step, 1)
+        c.SetCoefficient(start[i], -1)
+        if (int(g.kind[i]), int(g.stage[i])) in dur:
+            c.SetCoefficient(dur[int(g.kind[i]), int(g.stage[i])], -1)
+        tips.append((c, i))
+    lp.Minimize(step)
+    if lp.Solve() not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+        return Fluid(0, (), None)
+    rounded = _round_split(
+        [
+            sum(float(y if isinstance(y, float) else y.solution_value()) for y in (v[t, j] for j in range(1, L + 1)))
+            for t in range(S + 1)
+        ],
+        L,
+    )
+    paths = _flow_paths(pb, into, tips)
+    return Fluid(_weighted_bound(pb, paths), tuple((c, k) for _, c, k in paths), rounded)
+
+
+def _round_split(c: Sequence[float], L: int) -> tuple[int, ...]:
+    """Fractional boundaries rounded to a split: each stage non-empty, 0 first and L last."""
+    S = len(c) - 1
+    b = [int(round(x)) for x in c]
+    b[0], b[S] = 0, L
+    for t in range(1, S):
+        b[t] = max(b[t], b[t - 1] + 1)
+    for t in range(S - 1, 0, -1):
+        b[t] = min(b[t], b[t + 1] - 1)
+    return tuple(b)
+
+
+def _flow_paths(pb: Problem, into, tips) -> list[tuple[float, int, np.ndarray]]:
+    """The LP's duals taken apart into paths, heaviest first: from the rank end with the most flow left,
+    back along the incoming edge with the most, the path's weight its least edge's flow. The weights need
+    not add up to the LP's: any non-negative weights on real paths give a valid bound."""
+    g = pb.graph
+    left = {id(c): max(c.dual_value(), 0.0) for ins in into for c, _, _ in ins}
+    tip_left = [max(c.dual_value(), 0.0) for c, _ in tips]
+    total = sum(tip_left)
+    out = []
+    for _ in range(4 * len(g.order)):
+        t = int(np.argmax(tip_left)) if tip_left else 0
+        if not tip_left or tip_left[t] <= 1e-9 * total:
+            break
+        v, w, used, const = tips[t][1], tip_left[t], [], 0
+        counts = np.zeros((3, pb.S), dtype=np.int64)
+        counts[g.kind[v], g.stage[v]] += 1
+        while into[v]:
+            c, u, delay = max(into[v], key=lambda e: left[id(e[0])])
+            if left[id(c)] <= 1e-9 * total:
+                break
+            used.append(id(c))
+            w = min(w, left[id(c)])
+            const += delay
+            v = u
+            counts[g.kind[v], g.stage[v]] += 1
+        tip_left[t] -= w
+        for e in used:
+            left[e] -= w
+        out.append((w, const, counts))
+    return out
+
+
+def _weighted_bound(pb: Problem, paths: Sequence[tuple[float, int, np.ndarray]]) -> int:
+    """min over all contiguous splits x of sum_P w_P len_P(x) / sum_P w_P (units, rounded down), a lower
+    bound on every split's step: in integers, the weights scaled by 2^20 and rounded down, by a dynamic
+    program over (stage, boundary) with prefix minima (len_P is additive over the stages)."""
+    ws = [(int(w * 2**20), c, k) for w, c, k in paths]
+    ws = [x for x in ws if x[0] > 0]
+    total = sum(w for w, _, _ in ws)
+    if not total:
+        return 0
+    weight = [[sum(w * int(k[i, s]) for w, _, k in ws) for i in range(3)] for s in range(pb.S)]
+    const = sum(w * c for w, c, _ in ws)
+    big = 1 << 62
+    cost = np.full(pb.L + 1, big, dtype=np.int64)
+    cost[0] = 0
+    for s in range(pb.S):
+        wq = np.zeros(pb.L + 1, dtype=np.int64)
+        for i, k in enumerate(KINDS):
+            if weight[s][i]:
+                wq += weight[s][i] * pb.Q[k][s]
+        run = np.minimum.accumulate(np.where(cost >= big, big, cost - wq))
+        nxt = np.full(pb.L + 1, big, dtype=np.int64)
+        nxt[1:] = np.where(run[:-1] < big, wq[1:] + run[:-1], big)
+        cost = nxt
+    return (int(cost[pb.L]) + const) // total
 
 
 def _work_bound(pb: Problem) -> int:
@@ -582,25 +785,46 @@ def _balanced(pb: Problem) -> tuple[int, ...]:
 
 
 def _local_search(pb: Problem, start: Split, cut, deadline: float) -> Split:
-    """Move one boundary by one layer at a time, to the first neighbour that fits and simulates faster,
-    until none does (or the deadline); every split simulated adds its paths to the master."""
+    """Steepest descent over the neighbours of the split (one boundary moved by one or two layers, or two
+    boundaries by one each), until none fits and simulates faster (or the deadline). Why the batch: the
+    dependency graph's longest path, a lower bound on the simulated step (equal with free messages), is
+    computed for every neighbour at once; only those it puts below the incumbent are simulated, the
+    shortest first, and every split simulated adds its paths to the master."""
     best = start
-    improved = True
-    while improved and time.perf_counter() < deadline:
+    while time.perf_counter() < deadline:
+        cands = _neighbours(best.bounds)
+        if not len(cands):
+            break
+        lengths = pb.graph.lengths(pb.batch_units(cands))
         improved = False
-        for t in range(1, pb.S):
-            for d in (-1, 1):
-                b = list(best.bounds)
-                b[t] += d
-                if not b[t - 1] < b[t] < b[t + 1]:
-                    continue
-                cand = pb.evaluate(b)
-                cut(cand.bounds)
-                if cand.fits and cand.step < best.step:
-                    best, improved = cand, True
-            if time.perf_counter() > deadline:
+        for i in np.argsort(lengths, kind="stable").tolist():
+            if lengths[i] * pb.unit >= best.step or time.perf_counter() > deadline:
                 break
+            b = tuple(int(x) for x in cands[i])
+            if not bool(np.all(np.isnan(pb.limit) | (pb.memory(b) <= pb.limit + 1e-9))):
+                continue
+            cand = pb.evaluate(b)
+            cut(cand.bounds)
+            if cand.fits and cand.step < best.step:
+                best, improved = cand, True
+                break
+        if not improved:
+            break
     return best
+
+
+def _neighbours(bounds: Sequence[int]) -> np.ndarray:
+    """The splits one move away (`_local_search`), as an (n, S + 1) array of boundaries."""
+    c = np.asarray(bounds, dtype=np.int64)
+    S = len(c) - 1
+    single = [(t, d) for t in range(1, S) for d in (-1, 1)]
+    moves = [[m] for m in single] + [[(t, 2 * d)] for t, d in single]
+    moves += [[a, b] for n, a in enumerate(single) for b in single[n + 1 :] if a[0] != b[0]]
+    out = np.repeat(c[None, :], len(moves), axis=0)
+    for row, ms in zip(out, moves):
+        for t, d in ms:
+            row[t] += d
+    return out[np.all(np.diff(out, axis=1) > 0, axis=1)]
 
 
 def no_fit(pb: Problem):
