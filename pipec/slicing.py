@@ -45,6 +45,8 @@ from pipec.schedule import Schedule, Slicing
 # The grid's default: at most this many positions along the sequence (granularity = the smallest divisor of
 # L that keeps the grid within it). 128 positions take about a second.
 DEFAULT_POSITIONS = 128
+# The most positions a search takes (its work grows as about positions^3.5: 512 take minutes).
+MAX_POSITIONS = 512
 _CLI = Source("<command line>", "")
 
 
@@ -127,6 +129,15 @@ def slice_costs(sched: Schedule, docs: Sequence[Mapping] = (), granularity: int 
             source=_CLI,
             notes=(f"take a divisor of {L}, e.g. {default_granularity(L)}",),
         )
+    if L // g > MAX_POSITIONS:
+        coarse = next(d for d in range(g, L + 1) if L % d == 0 and L // d <= MAX_POSITIONS)
+        raise error(
+            "E809",
+            f"granularity {g} cuts the sequence of {L:,} tokens into {L // g:,} positions: the search takes "
+            f"at most {MAX_POSITIONS}",
+            source=_CLI,
+            notes=(f"take a coarser granularity, e.g. {coarse} ({L // coarse} positions)",),
+        )
     if not _gives_attn(sched, docs):
         raise error(
             "E808",
@@ -196,7 +207,7 @@ def choose(costs: SliceCosts, max_slices: int | None = None, progress: Callable[
     m, K1 = costs.sequences, costs.depth - 1
     least_sum = grid[0, G]  # the unsliced sequence: no cut sums to less (module docstring)
     best, best_bound, tried = np.inf, np.inf, 0
-    chunk, last_say = 64, t0
+    chunk, last_say = max(1, min(64, 2_000_000 // (G + 1) ** 2)), t0  # bounds a round: about 16 MB of arrays
     at = 0
     while at < len(bounds):
         if K1 and best < np.inf:  # bounds this large cannot beat the best found

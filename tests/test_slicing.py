@@ -211,6 +211,8 @@ def test_costs_without_attn():
 def test_a_granularity_that_does_not_divide_the_sequence():
     code, out = _code(lambda: slice_schedule(_src(), {"L": 10}, [{"attn": 0.5}], granularity=4))
     assert code == "E809" and "does not divide" in out and "e.g. 1" in out
+    code, out = _code(lambda: slice_schedule(_src(), {"L": 2048}, [{"attn": 0.5}], granularity=2))
+    assert code == "E809" and "1,024 positions" in out and "e.g. 4 (512 positions)" in out
     code, out = _code(lambda: slice_schedule(_src(), {}, [{"attn": 0.5}], max_slices=0))
     assert code == "E809" and "at least one slice" in out
 
