@@ -5,6 +5,7 @@ A model file defines
     build_stage(stage: int, num_stages: int) -> torch.nn.Module
     loss_fn(output, target) -> Tensor          # on the last stage's output
     batch(step: int) -> (inputs, targets)      # the whole batch; split into m micro-batches on dim 0
+                   or [(inputs, targets), ...]   # or its m micro-batches, each of its own shape
 
 and optionally
 
@@ -17,6 +18,18 @@ and optionally
 (docs/partition.md): each layer takes the previous one's output, the first `batch`'s inputs, and
 `loss_fn` takes the last one's. It is called with the generator seeded the same way every time, so a
 layer's weights do not depend on the stage it lands in.
+
+`batch` returning a list gives the micro-batches themselves (pipec.runtime.microbatch.batch_of), one
+(inputs, targets) pair each, as many as the schedule's m: they may differ in shape (packed batches of
+different sequence lengths), and from step to step. The runtime exchanges the shapes between stages
+again at a step whose micro-batch input shapes differ from the last exchange's, and only then (a
+whole batch, instead, keeps the shapes of the first step: a later change is an error). examples/varlen.py
+does it.
+
+Token slices (a schedule with `slices n`): every micro-batch is cut along dim 1 of its inputs and
+targets into the schedule's slices, so dim 1 must be the schedule's `seqlen`; every stage module has the
+key/value cache interface (`module(*inputs, past_kv=past) -> (output, kv)`, pipec.runtime.slices), and
+`loss_fn` is a mean over the tokens (each slice's loss counts its share of the tokens).
 
 Every error names the file and what is missing or wrong.
 """

@@ -1,6 +1,10 @@
 """The single-process reference: the same stages (same seeds, so the same weights), chained, on the same
 micro-batches, with the same loss scaling and optimizers; and the relative errors against it. With
-`replicas=N` it runs the whole global batch of N data-parallel replicas: N x m micro-batches."""
+`replicas=N` it runs the whole global batch of N data-parallel replicas: N x m micro-batches.
+
+A sliced run (token slices) is checked against this unsliced reference with m = the Program's
+`num_sequences`: the slices of a sequence together compute its loss and gradients (pipec.runtime.slices).
+Micro-batches given as such (pipec.runtime.microbatch.MicroBatches, variable shapes) run as given."""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from typing import Any
 
 import torch
 
-from pipec.runtime.microbatch import as_args, split, to_device
+from pipec.runtime.microbatch import MicroBatches, as_args, split, to_device
 from pipec.runtime.model import build_stage_module, default_optimizer
 
 
@@ -53,6 +57,8 @@ class Reference:
                 p.grad = None
         # With data parallelism: replica d's micro-batches are part d of the global batch, split in m (as
         # pipec.runtime.dataparallel.slice_replica and the Runner do); each replica's loss counts 1/replicas.
+        if self.replicas > 1 and isinstance(inputs, MicroBatches):
+            raise ValueError("a batch given as its micro-batches runs one pipeline: replicas must be 1")
         xs, ts = [], []
         for x, t in zip(_parts(inputs, self.replicas, "inputs"), _parts(targets, self.replicas, "targets")):
             xs += split(x, self.m, "inputs")

@@ -250,6 +250,12 @@ class Runner:
         self.mb_targets: list | None = None  # the last step's micro-batch targets (last stage's rank)
 
     @property
+    def first_specs(self) -> list[Specs] | None:
+        """Stage 0's input specs per micro-batch at the last shape exchange: the first step's, unless the
+        batches come as micro-batches of varying shapes."""
+        return self.last_specs
+
+    @property
     def has_first(self) -> bool:
         return 0 in self.stages
 
@@ -288,6 +294,11 @@ class Runner:
         m = self.program.num_sequences
         mb_in = mb_tg = None
         given_mbs = isinstance(inputs, MicroBatches)
+        if self.replicas is not None and (given_mbs or isinstance(targets, MicroBatches)):
+            raise PipelineError(
+                "a batch given as its micro-batches (variable shapes) runs one pipeline; with data parallelism "
+                "give the global batch whole"
+            )
         if self.replicas is not None:  # this replica's share of the global batch
             n, d = self.replicas.dp_size, self.replicas.dp_rank
             inputs = None if inputs is None else slice_replica(inputs, n, d, "inputs")
