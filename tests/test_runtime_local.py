@@ -21,11 +21,26 @@ TOL = 1e-10
 
 
 def schedule_params(name: str, p: int) -> dict[str, int]:
-    """p ranks, m = 2p micro-batches (meets every library schedule's requirements), v = 2 where declared."""
+    """p ranks, m = 2p micro-batches (meets every library schedule's requirements), v = 2 where declared;
+    a sliced schedule's sequences of L = 8 tokens in 2 slices (the small GPT's context: `sliced_gpt`)."""
     params = {"p": p, "m": 2 * p}
-    if "v" in dict(load(name).params):
+    declared = dict(load(name).params)
+    if "v" in declared:
         params["v"] = 2
+    if "L" in declared and "n" in declared:
+        params.update(n=2, L=8)
     return params
+
+
+@pytest.fixture(scope="module")
+def sliced_gpt():
+    """Token slices need the key/value cache interface (pipec.runtime.slices): examples/gpt.py, small."""
+    mp = pytest.MonkeyPatch()
+    for k, v in {"GPT_LAYERS": "4", "GPT_WIDTH": "16", "GPT_HEADS": "2", "GPT_CONTEXT": "8", "GPT_BATCH": "8"}.items():
+        mp.setenv(k, v)
+    model = load_model(str(ROOT / "examples" / "gpt.py"))
+    mp.undo()
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -40,12 +55,14 @@ def mlp(tmp_path_factory):
 
 @pytest.mark.parametrize("p", [2, 4])
 @pytest.mark.parametrize("name", library.names())
-def test_local_equals_reference(name, p, mlp):
+def test_local_equals_reference(name, p, mlp, sliced_gpt):
     torch.set_num_threads(1)
     prog = compile_schedule(load(name, **schedule_params(name, p))).program
+    if prog.slicing is not None and prog.slicing.slices > 1:
+        mlp = sliced_gpt  # checked against the unsliced reference of its sequences
     kw = dict(optimizer=mlp.optimizer, dtype=mlp.dtype)
     pipe = LocalPipeline(prog, mlp.build_stage, mlp.loss_fn, **kw)
-    ref = Reference(mlp.build_stage, mlp.loss_fn, prog.num_stages, prog.num_microbatches, **kw)
+    ref = Reference(mlp.build_stage, mlp.loss_fn, prog.num_stages, prog.num_sequences, **kw)
     for step in range(3):
         x, y = mlp.batch(step)
         out = pipe.step(x, y)
