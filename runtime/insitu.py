@@ -79,7 +79,9 @@ def _rank(rank: int, world: int, port: int, spec: dict, out) -> None:
             loss_scale=spec["loss_scale"],
             timeout=spec["timeout"],
         )
-        x, y = model.batch(0)
+        from pipec.runtime.microbatch import batch_of
+
+        x, y = batch_of(model.batch(0), f"{model.path}: batch(0)")
         steps, seconds = [], []
         for k in range(spec["warmup"] + spec["reps"]):
             res = runner.step(x, y, record=k >= spec["warmup"])

@@ -23,8 +23,14 @@ def header(program, how: str, model_path: str) -> str:
     params = " ".join(f"{k}={v}" for k, v in program.params)
     return (
         f"{program.name} ({params}): {program.num_stages} stages on {program.num_ranks} ranks, "
-        f"{program.num_microbatches} micro-batches, {how}, model {model_path}"
+        f"{program.num_sequences} micro-batches{_slices(program)}, {how}, model {model_path}"
     )
+
+
+def _slices(program) -> str:
+    """`, 4 token slices each` for a sliced Program (its micro-batches are then its sequences)."""
+    sl = getattr(program, "slicing", None)
+    return f" of {sl.slices} token slices each" if sl is not None and sl.slices > 1 else ""
 
 
 def step_line(step: int, steps: int, loss: float | None, seconds: float, errors: tuple | None = None) -> str:
