@@ -144,7 +144,17 @@ small_int = st.one_of(st.integers(0, 9).map(str), st.sampled_from(["-1", "16", "
 
 
 def int_exprs(names: list[str], calls: bool = True) -> st.SearchStrategy[str]:
-    """Integer expressions over these names (with a little float, bool and op-counter noise)."""
+    """Integer expressions over these names (with a little float, bool and op-counter noise).
+
+    One strategy object per (names, calls), made once: `schedules` asks for these inside its draws, and
+    a recursive strategy made anew for every example is validated anew, which cost most of this file's
+    time (the examples drawn are the same)."""
+    return _int_exprs(tuple(names), calls)
+
+
+@functools.cache
+def _int_exprs(names: tuple[str, ...], calls: bool) -> st.SearchStrategy[str]:
+    names = list(names)
     noise = ["true", "1ms", "2GiB", "0.5", "(p / 2)", "done(F, 0)"] + (
         ["done(B, r)", "done(F, r + 1)"] if "r" in names else []
     )
@@ -166,6 +176,7 @@ def int_exprs(names: list[str], calls: bool = True) -> st.SearchStrategy[str]:
     return st.recursive(leaf, extend, max_leaves=6)
 
 
+@functools.cache  # one strategy per integer strategy, as int_exprs
 def bool_exprs(ints: st.SearchStrategy[str]) -> st.SearchStrategy[str]:
     cmp = st.tuples(ints, st.sampled_from(CMP), ints).map(" ".join)
     return st.one_of(
@@ -245,6 +256,10 @@ expects = st.tuples(METRIC, st.sampled_from(CMP), TOP, st.sampled_from(["", " wh
 )
 
 
+PLACE = st.sampled_from(["s", "s % p", "if s < p then s else 2 * p - 1 - s"]) | int_exprs(["s", "p"])
+STAGES = st.sampled_from(["p"] * 6 + ["2 * p", "p * v", "p + 1"]) | TOP
+
+
 @st.composite
 def schedules(draw) -> tuple[str, dict[str, object]]:
     """A schedule with every part present most of the time; a third of rank blocks start from a correct one."""
@@ -258,11 +273,10 @@ def schedules(draw) -> tuple[str, dict[str, object]]:
     maybe(95, f"def f(a) = {draw(int_exprs(['a', 'p'], calls=False))}")
     maybe(30, f"require {draw(bool_exprs(TOP))}")
     maybe(60, "def g(a) { F(a)  B(a) }")
-    maybe(95, f"stages {draw(st.sampled_from(['p'] * 6 + ['2 * p', 'p * v', 'p + 1']) | TOP)}")
+    maybe(95, f"stages {draw(STAGES)}")
     maybe(10, f"ranks {draw(TOP)}")
     maybe(10, f"microbatches {draw(TOP)}")
-    place = st.sampled_from(["s", "s % p", "if s < p then s else 2 * p - 1 - s"]) | int_exprs(["s", "p"])
-    maybe(80, f"place s -> {draw(place)}")
+    maybe(80, f"place s -> {draw(PLACE)}")
     kinds = draw(st.sampled_from(["F, B"] * 5 + ["F, B, W"] * 5 + ["F", "F, B, W, W"]))
     maybe(90, f"ops {kinds}")
     maybe(30, f"cost {draw(st.sampled_from(['F', 'B', 'W', 'comm']))} = {draw(int_exprs(['s', 'p']))}")
