@@ -4,8 +4,9 @@
 
 One JSON line per case: interleaved 1F1B (p=8, v=2) and ZB-V (p=8), m=16, on a random layer table of
 `--layers` layers (times uniform in 0.5..3 per pass, so no split is trivially best), with all ranks at
-speed 1 and with half of them at 0.5; then 1F1B p=8 for reference. Each line has the search's seconds, whether
-it proved the split optimal, the lower bound's gap, the step beside the uniform split's, the number
+speed 1 and with half of them at 0.5; then 1F1B p=8 for reference. Each line has the search's seconds (wall and the
+process's CPU time, the solver's threads included), whether it proved the split optimal, the lower bound's
+gap (and the fluid bound's alone), the step beside the uniform split's, the number
 of simulations and the load average (the development machine is shared: times are this machine's then).
 """
 
@@ -49,9 +50,9 @@ def main() -> None:
         sched = load(name, **params)
         prog = compile_schedule(sched).program
         for speeds in ((1.0,), (1.0,) * 4 + (0.5,) * 4):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             out = partition(sched, prog, table, Ranks(speed=speeds), time_limit=args.time_limit)
-            wall = time.perf_counter() - t0
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
             res = out.result
             doc = {
                 "schedule": name,
@@ -60,8 +61,11 @@ def main() -> None:
                 "speed": list(out.speed),
                 "seconds": round(wall, 3),
                 "search_seconds": round(res.seconds, 3),
+                "cpu_seconds": round(cpu, 3),
+                "search_cpu_seconds": round(res.cpu_seconds, 3),
                 "optimal": res.optimal,
                 "gap": round(1 - res.lower_bound / res.best.step, 6),
+                "fluid_gap": round(1 - res.fluid_bound / res.best.step, 6),
                 "step": res.best.step,
                 "uniform_step": res.uniform.step,
                 "gain": round(res.uniform.step / res.best.step, 4),

@@ -22,7 +22,7 @@ from pipec.partition.files import (
     read_table,
     write_json,
 )
-from pipec.partition.search import Problem, search
+from pipec.partition.search import Problem, _work_bound, fluid_bound, search
 from pipec.passes.compiler import compile_schedule
 from pipec.passes.memory import rank_memory
 
@@ -268,3 +268,76 @@ def test_optimal_with_message_latency():
             res.best.step
             > Problem(sched, pb.program, pb.table, np.ones(R), np.full(R, np.nan)).evaluate(res.best.bounds).step
         )
+
+
+def test_batched_lengths_are_the_graph_paths():
+    """The local search's batched longest paths equal the graph's one-split `paths` (with latencies too)."""
+    from pipec.sim.costs import parse_overrides
+
+    rng = np.random.default_rng(13)
+    for (name, params), docs in itertools.product(CASES, ((), (parse_overrides("latency=0.37"),))):
+        sched = load(name, **params)
+        R = sched.num_ranks
+        pb = Problem(
+            sched, compile_schedule(sched).program, _table(rng, 9), rng.choice([0.5, 1.0], R), np.full(R, np.nan), docs
+        )
+        splits = np.array(
+            [(0, *sorted(rng.choice(np.arange(1, pb.L), pb.S - 1, replace=False)), pb.L) for _ in range(6)]
+        )
+        want = [pb.graph.paths(pb.stage_units(b))[0] for b in splits]
+        assert pb.graph.lengths(pb.batch_units(splits)).tolist() == want
+
+
+def test_fluid_bound_is_below_every_split():
+    """The fluid bound is a lower bound on the simulated step of every split (memory aside), above the
+    work bound, and its rounded split is a split."""
+    from pipec.sim.costs import parse_overrides
+
+    rng = np.random.default_rng(17)
+    for (name, params), docs in itertools.product(CASES, ((), (parse_overrides("latency=0.37"),))):
+        sched = load(name, **params)
+        prog = compile_schedule(sched).program
+        R = sched.num_ranks
+        for _ in range(2):
+            pb = Problem(
+                sched,
+                prog,
+                _table(rng, int(rng.integers(sched.num_stages + 1, 9))),
+                rng.choice([0.5, 1.0, 2.0], R),
+                np.full(R, np.nan),
+                docs,
+            )
+            fb = fluid_bound(pb)
+            steps = [pb.evaluate((0, *c, pb.L)).step for c in itertools.combinations(range(1, pb.L), pb.S - 1)]
+            assert _work_bound(pb) <= fb.bound and fb.bound * pb.unit <= min(steps), (
+                name,
+                fb.bound * pb.unit,
+                min(steps),
+            )
+            b = fb.rounded
+            assert b[0] == 0 and b[-1] == pb.L and len(b) == pb.S + 1 and all(x < y for x, y in zip(b, b[1:]))
+
+
+@pytest.mark.parametrize("time_limit", [0.0, 0.5])
+def test_optimal_only_when_it_is(time_limit):
+    """Whatever the time limit: "optimal" only when the split is brute force's best, and the bound always
+    below brute force's best (a time limit of 0 leaves the starts and the fluid bound only)."""
+    rng = np.random.default_rng(int(time_limit * 10) + 19)
+    for name, params in CASES:
+        sched = load(name, **params)
+        prog = compile_schedule(sched).program
+        R = sched.num_ranks
+        for _ in range(2):
+            pb = Problem(
+                sched,
+                prog,
+                _table(rng, int(rng.integers(sched.num_stages + 2, 10))),
+                rng.choice([0.5, 1.0, 2.0], R),
+                np.full(R, np.nan),
+            )
+            res = search(pb, time_limit=time_limit)
+            want = _brute(pb)
+            assert res.lower_bound <= want.step <= res.best.step
+            assert res.optimal == (res.lower_bound == res.best.step)
+            if res.optimal:
+                assert res.best.step == want.step

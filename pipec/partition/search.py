@@ -86,6 +86,8 @@ class Result:
     paths: int  # cuts (paths of the dependency graph) in the master at the end
     simulations: int
     seconds: float
+    cpu_seconds: float = 0.0  # the process's CPU time in the search, the solvers' threads included
+    fluid_bound: float = 0.0  # seconds: the fluid bound alone (`fluid_bound`), part of lower_bound
 
 
 class Problem:
@@ -509,7 +511,7 @@ def search(pb: Problem, time_limit: float = 10.0) -> Result:
     bottleneck split give a bound, a good incumbent and many paths; then the cutting-plane loop proves it
     optimal or improves it, until `time_limit` seconds have passed (then the bound reached is reported,
     `Result.optimal` False)."""
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     master = Master(pb)
     for const, counts in pb.graph.rank_chains(pb.R):
         master.add(const, counts)
@@ -533,6 +535,15 @@ def search(pb: Problem, time_limit: float = 10.0) -> Result:
             now = time.perf_counter()
             found = _local_search(pb, start, cut, now + (phase_end - now) / (len(starts) - n))
             best = found if best is None or found.step < best.step else best
+    # What the starts left: kicks, until 30 in a row find nothing better (small problems are the master's
+    # to prove) or the fluid bound proves the incumbent.
+    rng, stall = np.random.default_rng(0), 0  # the same answer on every run of the same problem
+    while best is not None and stall < 30 and time.perf_counter() < phase_end and best.step > fluid.bound * pb.unit:
+        kicked = _kick(best.bounds, rng)
+        if kicked is not None:
+            found = _local_search(pb, pb.evaluate(kicked), cut, phase_end)
+            stall = 0 if found.fits and found.step < best.step else stall + 1
+            best = found if found.fits and found.step < best.step else best
     lb, rounds, status = fluid.bound, 0, "unknown"
     # The graph rounds each message delay down to the unit: a path's length falls short of the simulator's
     # by less than one unit per message on it, so a bound within that many units is proof (0 when free).
@@ -571,6 +582,8 @@ def search(pb: Problem, time_limit: float = 10.0) -> Result:
         paths=len(master.cuts),
         simulations=pb.simulations,
         seconds=time.perf_counter() - t0,
+        cpu_seconds=time.process_time() - c0,
+        fluid_bound=min(fluid.bound * pb.unit, best.step),
     )
 
 
@@ -811,6 +824,18 @@ def _local_search(pb: Problem, start: Split, cut, deadline: float) -> Split:
         if not improved:
             break
     return best
+
+
+def _kick(bounds: Sequence[int], rng: np.random.Generator) -> tuple[int, ...] | None:
+    """A random split near this one (three boundaries moved by one to three layers), for the local search
+    to start from again: an iterated local search, out of the minima one move cannot leave."""
+    b = list(bounds)
+    S = len(b) - 1
+    if S < 2:
+        return None
+    for t in rng.choice(np.arange(1, S), size=min(3, S - 1), replace=False).tolist():
+        b[t] += int(rng.choice([-3, -2, -1, 1, 2, 3]))
+    return tuple(b) if all(x < y for x, y in zip(b, b[1:])) and b[0] == 0 and b[-1] == bounds[-1] else None
 
 
 def _neighbours(bounds: Sequence[int]) -> np.ndarray:
