@@ -332,23 +332,9 @@ def write_schedule(
     defaults, and `tokens j -> ...` giving these lengths (replacing the schedule's own, or after its
     `slices` declaration). E807 when the schedule has no `slices` naming one of its parameters."""
     from pipec.frontend import ast
-    from pipec.frontend.parse import parse
 
-    tree = parse(source)
-    decl = next((s for s in tree.body if isinstance(s, ast.Decl) and s.kind == "slices"), None)
-    names = {p.name for p in tree.params}
-    if decl is None:
-        raise error("E807", f"`{tree.name}` declares no `slices`: there are no slice lengths to choose", None, source)
-    if not isinstance(decl.value, ast.Var) or decl.value.name not in names:
-        raise error(
-            "E807",
-            "`pipec slice` sets the number of slices through a parameter: write `slices n` with `n` a parameter",
-            decl.span,
-            source,
-            notes=("the rank blocks' loops over the slices then follow it",),
-        )
-    count = decl.value.name
-    values = {**params, count: len(tokens)}
+    tree, decl = _slice_parameter(source)
+    values = {**params, decl.value.name: len(tokens)}
     toks = next((s for s in tree.body if isinstance(s, ast.Place) and s.kind == "tokens"), None)
     edits: list[tuple[int, int, str]] = []  # (start, end, new text) on the source
     text = source.text
@@ -371,6 +357,27 @@ def write_schedule(
     for a, b, new in sorted(edits, reverse=True):
         text = text[:a] + new + text[b:]
     return text
+
+
+def _slice_parameter(source: Source):
+    """The schedule's syntax tree and its `slices` declaration, which names the parameter the written file
+    sets; E807 when it has no `slices` or its `slices` is not a parameter."""
+    from pipec.frontend import ast
+    from pipec.frontend.parse import parse
+
+    tree = parse(source)
+    decl = next((s for s in tree.body if isinstance(s, ast.Decl) and s.kind == "slices"), None)
+    if decl is None:
+        raise error("E807", f"`{tree.name}` declares no `slices`: there are no slice lengths to choose", None, source)
+    if not isinstance(decl.value, ast.Var) or decl.value.name not in {p.name for p in tree.params}:
+        raise error(
+            "E807",
+            "`pipec slice` sets the number of slices through a parameter: write `slices n` with `n` a parameter",
+            decl.span,
+            source,
+            notes=("the rank blocks' loops over the slices then follow it",),
+        )
+    return tree, decl
 
 
 def _no_slices(sched: Schedule) -> PipecError:
@@ -434,6 +441,7 @@ def slice_schedule(
     sched = build(source, items)
     if sched.slicing is None or "slices" not in sched.decl_spans:
         raise _no_slices(sched)
+    _slice_parameter(source)  # before the search: the file could not be written
     costs = slice_costs(sched, docs, granularity)
     if progress:
         progress(
