@@ -112,11 +112,13 @@ def report_lines(out: Outcome) -> list[str]:
         rows.append((str(r), _b(best.memory[r]), _b(uni.memory[r]), "-" if math.isnan(lim) else _b(lim)))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    # the fluid bound: what no split beats even with layers cut between stages (pipec.partition.search)
+    fluid = ", the fluid bound" if res.lower_bound == res.fluid_bound else ""
     how = (
         "optimal (the lower bound equals it)"
         if res.optimal
         else f"not proven optimal: lower bound {_s(res.lower_bound)} s "
-        f"({100 * (1 - res.lower_bound / best.step):.2f}% below) when the time limit ran out"
+        f"({100 * (1 - res.lower_bound / best.step):.2f}% below{fluid}) when the time limit ran out"
     )
     lines.append(
         f"search: {how}; {res.simulations} simulations, {res.paths} paths, {res.rounds} solver rounds, "
