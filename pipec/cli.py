@@ -407,14 +407,15 @@ def _summary(c: CompiledSchedule, program_file: bool = False) -> dict:
         "params": dict(s.params),
         "stages": s.num_stages,
         "ranks": s.num_ranks,
-        "microbatches": s.num_microbatches,
+        "microbatches": s.num_sequences,
+        **({"slicing": s.slicing.describe()} if s.slicing else {}),
         "ops": s.num_ops,
         "kinds": list(s.kinds),
         "placement": list(s.placement),
         "instructions": c.program.num_instructions,
         **_dp_json(c.program),
         "memory": [
-            {"rank": m.rank, "peak": m.peak, "limit": m.limit, "at": str(m.peak_op) if m.peak_op else None}
+            {"rank": m.rank, "peak": m.peak, "limit": m.limit, "at": m.at_text}
             | ({"params": m.params, "gathered": list(m.gathered)} if c.program.dp_kind == "fsdp" else {})
             | ({"unit": m.unit} if m.unit == "bytes" else {})  # peaks and limits in bytes (docs/memory.md)
             | ({"host_peak": m.host_peak, "host_limit": m.host_limit} if m.host_op else {})
@@ -518,7 +519,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     """Print the schedule as a grid: one row per step, one column per rank; `F3&B1` marks an overlapped pair.
     A Program file shows the schedule it executes."""
     from pipec.api import check_program, schedule_of
-    from pipec.sim.grid import cells, format_grid
+    from pipec.sim.grid import cells, format_grid, grid_title
 
     obj, where = _target(args)
     s = schedule_of(obj, Source(where, "")) if isinstance(obj, Program) else obj
@@ -549,8 +550,7 @@ def cmd_show(args: argparse.Namespace) -> int:
             doc["collectives"] = [c for c in _placed(s) if c["rank"] in shown]
         _emit(args, doc)
         return 0
-    params = " ".join(f"{k}={v}" for k, v in s.params)
-    print(f"{s.name} ({params}): {s.num_stages} stages on {s.num_ranks} ranks, {s.num_microbatches} micro-batches")
+    print(grid_title(s))
     print(format_grid(s, ranks))
     if prog is not None:
         print(_collectives_text(s, f"data parallelism {prog.dp} x {prog.dp_kind}", _collectives(prog), shown))
@@ -620,6 +620,7 @@ def _show_timeline(args: argparse.Namespace, s: Schedule, ranks: list[int] | Non
     from pipec.api import simulation
     from pipec.sim import report
     from pipec.sim.costs import cost_spec
+    from pipec.sim.grid import unit_json
     from pipec.sim.render import text_gantt
 
     docs = [cost_spec(t) for t in args.cost]
@@ -630,7 +631,7 @@ def _show_timeline(args: argparse.Namespace, s: Schedule, ranks: list[int] | Non
     if args.json:
         shown = list(range(s.num_ranks)) if ranks is None else ranks
         spans = [
-            {"rank": r, "op": op, "mb": mb, "stage": st, "start": a, "end": b}
+            {"rank": r, "op": op, **unit_json(s.slicing, mb), "stage": st, "start": a, "end": b}
             for r in shown
             for op, mb, st, a, b in sim.timeline.rank_events(r)
         ]

@@ -81,6 +81,8 @@ def _reference_peaks(sched):
     sizes: a recomputed F keeps ckpt = act / 8, its RECOMPUTE restores act; OFFLOAD/RELOAD move what F kept)."""
     act = sched.num_ranks / sched.num_stages
     wact, ckpt = act / 2, act / 8
+    sl = sched.slicing  # token slices or lengths: a unit holds its tokens' share of a sequence's
+    share = [t / sl.seqlen for t in sl.unit_tokens().tolist()] if sl else None
     peaks = []
     for r in range(sched.num_ranks):
         mem = sched.memops[r] if r < len(sched.memops) else ()
@@ -92,13 +94,14 @@ def _reference_peaks(sched):
         )
         live, peak = 0.0, 0.0
         for _, kind, i, s in steps:
-            kept = ckpt if (i, s) in redo else act
+            w = share[i] if share else 1.0
+            kept = (ckpt if (i, s) in redo else act) * w
             if kind == "F":
                 live += kept
             elif kind == "B":
-                live += (wact if sched.split_backward else 0.0) - act
+                live += ((wact if sched.split_backward else 0.0) - act) * w
             elif kind == "W":
-                live -= wact
+                live -= wact * w
             elif kind == "RECOMPUTE":
                 live += act - ckpt
             else:

@@ -46,6 +46,8 @@ MAIN_CONFIGS: dict[str, list[dict[str, int]]] = {
     "1f1b-recompute": [dict(p=4, m=8), dict(p=8, m=32)],
     "zb-v-recompute": [dict(p=4, m=8), dict(p=8, m=32)],
     "1f1b-offload": [dict(p=4, m=8), dict(p=8, m=32), dict(p=4, m=8, k=2, ahead=2)],
+    # TeraPipe (ICML 2021): one or two long sequences per step, cut into slices; both orders.
+    "terapipe": [dict(p=4, m=1, n=4), dict(p=8, m=2, n=8), dict(p=4, m=1, n=16, f1b1=True)],
 }
 
 
@@ -222,7 +224,7 @@ def test_grid(name: str):
                 if s is None:
                     continue
                 accepted += 1
-                assert s.num_ranks == p and s.num_microbatches == m
+                assert s.num_ranks == p and s.num_sequences == m  # with token slices, m * n units
                 simulate(s, UNIT if s.split_backward else FULL)  # the ranks never wait on each other in a cycle
                 compile_schedule(s)  # lowers; no deadlock even when sends block until received; memory fits
     assert accepted > 0

@@ -368,6 +368,9 @@ def reference(prog, costs) -> tuple[dict, dict]:
                     dur = costs.F[s] if op == FWD else costs.W[s] if op == WGRAD else costs.B[s]
                     if op == BWD and not prog.split_backward:
                         dur = costs.B[s] + costs.W[s]
+                    if costs.unit_weight is not None:  # token slices: `op_fixed`, then the unit's weight
+                        fixed = min(costs.op_fixed[s], dur)
+                        dur = fixed + (dur - fixed) * costs.unit_weight[s, mb]
                     start = clock[r]
                     clock[r] += dur
                     times[("FBW"[op], mb, s)] = (start, clock[r])
@@ -377,6 +380,8 @@ def reference(prog, costs) -> tuple[dict, dict]:
                     clock[r] += o
                     kind = "act" if op == SEND_ACT else "grad"
                     size = (costs.act_bytes if kind == "act" else costs.grad_bytes)[s]
+                    if costs.unit_share is not None:  # a unit's message: its share of a sequence's bytes
+                        size = size * costs.unit_share[mb]
                     bw = costs.bandwidth[r, peer]
                     t0 = max(clock[r], wire.get((r, peer), 0.0))
                     wire[(r, peer)] = t0 + (size / bw if size > 0 and math.isfinite(bw) else 0.0)

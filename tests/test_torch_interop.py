@@ -30,7 +30,7 @@ from torch.distributed.pipelining import schedules as ts
 from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 from torch.distributed.pipelining.stage import PipelineStage
 
-from pipec.api import build
+from pipec.api import build, load
 from pipec.errors import PipecError, Source
 from pipec.frontend import library
 from pipec.interop.torch_csv import TORCH_VERSION, comms_rows, export_csv, read_csv, to_pipe
@@ -112,8 +112,11 @@ def torch_csv_text(rows) -> str:
 
 # ---------------------------------------------------------------- (1) round trip
 
+# Token slices have no torch form: the writer refuses them (E615, tests/test_terapipe_schedule.py).
+TORCH_FORM = [n for n in library.names() if load(n).slicing is None]
 
-@pytest.mark.parametrize("name", library.names())
+
+@pytest.mark.parametrize("name", TORCH_FORM)
 def test_round_trip(name):
     """export -> import gives the same schedule, compute-only and compute+comms; the imported CSV as
     a generated .pipe evaluates to the same schedule again."""
@@ -209,7 +212,7 @@ def test_placements_without_a_formula():
 # ---------------------------------------------------------------- (2) torch reads what pipec writes
 
 
-@pytest.mark.parametrize("name", library.names())
+@pytest.mark.parametrize("name", TORCH_FORM)
 def test_torch_loads_export(name, tmp_path):
     """torch's `_load_csv` (its `_validate_schedule` inside) accepts both formats; from the compute-only
     file torch's own lowering (`_add_send_recv`) succeeds, and torch's dry run of both completes."""
