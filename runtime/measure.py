@@ -46,6 +46,7 @@ def timeline(program: Program, events: list[list[tuple]]) -> Timeline:
         msg_arrival=np.array([max(recvs[k][1], sends[k][2]) for k in keys], dtype=float) - t0,
         msg_bytes=np.array([sends[k][3] for k in keys], dtype=float),
         origin="measured",
+        slicing=program.slicing,
         schedule=program.name,
         params=program.params,
     )

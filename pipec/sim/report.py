@@ -30,13 +30,6 @@ class Simulation:
     stats: Stats
     curves: MemoryCurves | None = None  # None: computed on demand (`curves_of`)
 
-    def __post_init__(self) -> None:
-        # The Timeline carries the Program's token slices, so every picture of it (trace, plot, text gantt)
-        # names units as slices of micro-batches; a Simulation is where a Timeline meets its Program.
-        sl = getattr(getattr(self.compiled, "program", None), "slicing", None) or self.compiled.schedule.slicing
-        if sl is not None and self.timeline.slicing is None:
-            object.__setattr__(self, "timeline", replace(self.timeline, slicing=sl))
-
     @property
     def schedule(self) -> Schedule:
         return self.compiled.schedule

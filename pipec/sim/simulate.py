@@ -147,6 +147,7 @@ def simulate(prog: Program, costs: CostModel, *, _events: bool = False) -> Timel
         **coll,
         dp=prog.dp,
         dp_kind=prog.dp_kind,
+        slicing=prog.slicing,
         origin="simulated",
         schedule=prog.name,
         params=prog.params,
