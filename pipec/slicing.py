@@ -254,16 +254,23 @@ def _least_sums(grid: np.ndarray, bounds: np.ndarray, kmax: int) -> tuple[np.nda
 
 def _cut_at(grid: np.ndarray, bound: float, kmax: int) -> np.ndarray:
     """The grid cut of least sum under `bound` with the fewest slices among the least: exactly-k-slice
-    rounds with the argmins kept, then back from the end."""
+    rounds with the argmins kept, then back from the end. Among cuts of equal sum (with identical stages and
+    free messages the sum depends on the count alone: Slicing.weight sums to 1), the one of least sum of
+    squared slice times: the slices' times as even as the grid allows, TeraPipe's shape."""
     G = grid.shape[0] - 1
     allowed = np.where(grid <= bound, grid, np.inf)
-    h = np.full(G + 1, np.inf)
-    h[0] = 0.0
+    squared = allowed**2
+    h, h2 = np.full(G + 1, np.inf), np.full(G + 1, np.inf)
+    h[0] = h2[0] = 0.0
     parents, ends = [], []
     for _ in range(kmax):
         cand = h[:, None] + allowed
-        parents.append(np.argmin(cand, axis=0))
-        h = cand.min(axis=0)
+        least = cand.min(axis=0)
+        tie = cand <= least + 1e-12 * np.maximum(1.0, np.abs(least))  # equal sums, to rounding
+        second = np.where(tie, h2[:, None] + squared, np.inf)
+        parent = np.argmin(second, axis=0)
+        parents.append(parent)
+        h, h2 = least, second[parent, np.arange(G + 1)]
         ends.append(h[G])
     ends_a = np.asarray(ends)
     least = ends_a.min()

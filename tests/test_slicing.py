@@ -87,8 +87,11 @@ def test_the_dynamic_program_finds_the_best_of_every_slicing(params, doc):
     assert got.estimate == pytest.approx(best, rel=1e-9)
     assert costs.estimate(got.tokens) == pytest.approx(got.estimate, rel=1e-9)
     assert sum(got.tokens) == costs.seqlen
-    # the fewest slices among the optimal cuts
-    assert len(got.tokens) == min(len(t) for t, v in every.items() if v <= best * (1 + 1e-9))
+    # the fewest slices among the optimal cuts, and of those the most even slice times
+    optimal = [t for t, v in every.items() if v <= best * (1 + 1e-9)]
+    assert len(got.tokens) == min(map(len, optimal))
+    squares = {t: float((costs.stage_times(t).max(axis=0) ** 2).sum()) for t in optimal if len(t) == len(got.tokens)}
+    assert squares[got.tokens] == pytest.approx(min(squares.values()), rel=1e-9)
     for k in (1, 2, 3):  # and with at most k slices
         limited = min(v for t, v in every.items() if len(t) <= k)
         assert choose(costs, max_slices=k).estimate == pytest.approx(limited, rel=1e-9)
