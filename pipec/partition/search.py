@@ -745,9 +745,10 @@ def _flow_paths(pb: Problem, into, tips) -> list[tuple[float, int, np.ndarray]]:
 
 def _weighted_bound(pb: Problem, paths: Sequence[tuple[float, int, np.ndarray]]) -> int:
     """min over all contiguous splits x of sum_P w_P len_P(x) / sum_P w_P (units, rounded down), a lower
-    bound on every split's step: in integers, the weights scaled by 2^20 and rounded down, by a dynamic
-    program over (stage, boundary) with prefix minima (len_P is additive over the stages)."""
-    ws = [(int(w * 2**20), c, k) for w, c, k in paths]
+    bound on every split's step: in integers, the weights scaled by 2^30 and rounded down (all the ops'
+    durations together stay below 2^25 units, so the int64 sums below 2^55), by a dynamic program over
+    (stage, boundary) with prefix minima (len_P is additive over the stages; delays are Python ints)."""
+    ws = [(int(w * 2**30), c, k) for w, c, k in paths]
     ws = [x for x in ws if x[0] > 0]
     total = sum(w for w, _, _ in ws)
     if not total:
