@@ -512,9 +512,9 @@ class Master:
 
 def search(pb: Problem, time_limit: float = 10.0) -> Result:
     """The best contiguous split (module docstring), with the uniform split for comparison; E806 when no
-    split fits the memory limits. First the fluid bound (`fluid_bound`) and local searches (moving one
-    boundary at a time while the simulated step falls) from its rounded split, the uniform split and the
-    bottleneck split give a bound, a good incumbent and many paths; then the cutting-plane loop proves it
+    split fits the memory limits. First the fluid bound (`fluid_bound`) and local searches (`_local_search`,
+    then kicks) from its rounded split, the uniform split and the bottleneck split give a bound, a good
+    incumbent and many paths; then the cutting-plane loop proves it
     optimal or improves it, until `time_limit` seconds have passed (then the bound reached is reported,
     `Result.optimal` False)."""
     t0, c0 = time.perf_counter(), time.process_time()
