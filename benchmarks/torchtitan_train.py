@@ -15,7 +15,8 @@ packages it imports). Nothing in torchtitan's files is edited; the worker (this 
 - the device: torchtitan picks ``torch._utils._get_available_device_type() or "cuda"`` at
   import time, so on a CPU machine it would ask for CUDA; the worker makes it ``"cpu"`` and
   gives torchtitan a device module with the few calls ``torch.cpu`` lacks (memory stats,
-  device name and properties), so its metrics and process group (gloo) work;
+  device name and properties) and ``current_device() == 0`` (its gloo barrier takes it as a
+  device id), so its metrics and process group (gloo) work;
 - its MoE triton kernels module (imports ``triton``, which a CPU machine lacks; llama3 has no
   MoE) and ``datasets`` (imported by its HF text dataloader, replaced here) by empty stand-ins;
 - the tokenizer and data: the wheel has no ``tests/assets`` (tokenizer, c4_test), so the
@@ -24,6 +25,7 @@ packages it imports). Nothing in torchtitan's files is edited; the worker (this 
 
     python3 benchmarks/torchtitan_train.py --setup            # once: /tmp/tt-venv
     python3 benchmarks/torchtitan_train.py --steps 5          # the three pairs
+    python3 benchmarks/torchtitan_train.py --steps 5 --more   # and five pipec-only schedules
 """
 
 from __future__ import annotations
