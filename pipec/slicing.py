@@ -53,7 +53,7 @@ _CLI = Source("<command line>", "")
 # ---- what a slice costs ------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class SliceCosts:
     """A sliced schedule's slice times under a cost model: what the dynamic program minimises.
 
