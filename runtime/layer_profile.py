@@ -61,7 +61,12 @@ def profile_layers(
         modules = [mod for _, mod in layers]
         stage_model = dataclasses.replace(model, build_stage=lambda s, n: modules[s])
         shape = types.SimpleNamespace(
-            num_stages=L, num_microbatches=microbatches, name="layers", params=(), split_backward=True
+            num_stages=L,
+            num_microbatches=microbatches,
+            num_sequences=microbatches,
+            name="layers",
+            params=(),
+            split_backward=True,
         )
         prof = _measure(shape, stage_model, reps, warmup, torch.device("cpu"), 0, None)
         say("sizing saved activations and optimizer state")
