@@ -19,6 +19,7 @@ from typing import IO, NoReturn
 
 from pipec import __version__
 from pipec import dataparallel as dpopts
+from pipec import slicing as slice_command
 from pipec.errors import Diagnostic, PipecError, Source, brief, error
 from pipec.frontend import library
 from pipec.partition import command as partition_command
@@ -324,6 +325,12 @@ def _parser() -> argparse.ArgumentParser:
     _cost_args(p)
     partition_command.add_arguments(p)
     p.set_defaults(func=cmd_partition)
+
+    p = sub.add_parser(
+        "slice", help="choose token slice lengths by TeraPipe's dynamic program", description=_doc(cmd_slice)
+    )
+    slice_command.add_arguments(p)
+    p.set_defaults(func=cmd_slice)
 
     p = sub.add_parser("test", help="property-test schedules over their parameter space", description=_doc(cmd_test))
     _test_args(p)
@@ -858,6 +865,14 @@ def _profile_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="take F, B, W and the overhead from --reps steps of the schedule run on its gloo processes",
     )
+    p.add_argument(
+        "--slices",
+        type=int,
+        default=None,
+        metavar="N",
+        help="also time token slices at whole N-ths of the sequence and fit the cost keys attn and op_fixed "
+        "(docs/terapipe.md)",
+    )
     p.add_argument("--json", action="store_true", help="print the measurements as JSON")
 
 
@@ -890,6 +905,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
             comm=args.comm,
             in_situ=args.in_situ,
             concurrent=args.concurrent,
+            slices=args.slices,
             progress=lambda msg: print(f"pipec profile: {msg} ...", file=sys.stderr, flush=True),
         )
     except PipelineError as e:
@@ -1330,6 +1346,14 @@ def cmd_partition(args: argparse.Namespace) -> int:
     sched = _build(args)
     program = compile_schedule(sched).program
     return partition_command.run(args, sched, program, [cost_spec(t) for t in args.cost])
+
+
+def cmd_slice(args: argparse.Namespace) -> int:
+    """Choose the token slice lengths of a sliced schedule (default: the library's terapipe) by TeraPipe's
+    dynamic program under the cost model (`attn`, `op_fixed`: `pipec profile --slices`), print them with
+    the simulated step beside uniform slicing and the unsliced run, and write the schedule with them (-o).
+    See docs/terapipe.md, "Choosing the slices"."""
+    return slice_command.run(args)
 
 
 def cmd_list(args: argparse.Namespace) -> int:
