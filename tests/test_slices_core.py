@@ -200,7 +200,10 @@ def test_validate_refuses_a_program_that_breaks_the_slice_order_or_the_cover():
     bad = dataclasses.replace(prog, ranks=(prog.ranks[0], dataclasses.replace(rp, mb=mb)))
     with pytest.raises(PipecError) as info:
         from_text(to_text(bad))
-    assert "the slice after it, which returns its key/value gradients" in info.value.diagnostics[0].format()
+    assert (
+        "the slice after it: slice 1's backward needs the gradients of its keys and values"
+        in info.value.diagnostics[0].format()
+    )
     short = dataclasses.replace(prog, slicing=dataclasses.replace(prog.slicing, seqlen=13))
     with pytest.raises(PipecError) as info:
         from_json(to_json(short))
