@@ -62,7 +62,7 @@ def main() -> None:
                 "layers_per_stage": list(res.best.sizes),
                 "simulations": res.simulations,
                 "paths": res.paths,
-                "rounds": res.rounds,
+                "nodes": res.nodes,
                 "time_limit": args.time_limit,
                 "loadavg": load_average(),
             }

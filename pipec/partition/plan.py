@@ -121,7 +121,7 @@ def report_lines(out: Outcome) -> list[str]:
         f"({100 * (1 - res.lower_bound / best.step):.2f}% below{fluid}) when the time limit ran out"
     )
     lines.append(
-        f"search: {how}; {res.simulations} simulations, {res.paths} paths, {res.rounds} solver rounds, "
+        f"search: {how}; {res.simulations} simulations, {res.paths} paths, {res.nodes} branch-and-bound nodes, "
         f"{res.seconds:.2f} s"
     )
     return lines
