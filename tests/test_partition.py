@@ -22,7 +22,7 @@ from pipec.partition.files import (
     read_table,
     write_json,
 )
-from pipec.partition.search import Problem, _work_bound, fluid_bound, search
+from pipec.partition.search import Problem, _propagate, _Rows, _work_bound, fluid_bound, search
 from pipec.passes.compiler import compile_schedule
 from pipec.passes.memory import rank_memory
 
@@ -341,3 +341,73 @@ def test_optimal_only_when_it_is(time_limit):
             assert res.optimal == (res.lower_bound == res.best.step)
             if res.optimal:
                 assert res.best.step == want.step
+
+
+def test_optimal_with_message_overheads():
+    """With a per-message overhead the simulator queues what the dependency graph does not (its paths
+    fall short of the step), yet the branch and bound's exhausted tree is proof: brute force agrees."""
+    from pipec.sim.costs import parse_overrides
+
+    rng = np.random.default_rng(23)
+    longer = 0
+    for name, params in CASES:
+        sched = load(name, **params)
+        R = sched.num_ranks
+        docs = [parse_overrides("overhead=0.3")]
+        pb = Problem(sched, compile_schedule(sched).program, _table(rng, 7), np.ones(R), np.full(R, np.nan), docs)
+        res = search(pb, time_limit=60)
+        want = _brute(pb)
+        assert res.optimal and res.best.step == want.step and res.lower_bound == want.step, name
+        length = pb.graph.paths(pb.stage_units(want.bounds))[0] * pb.unit
+        longer += want.step > length
+    assert longer == len(CASES)  # in every case the graph alone could not have proven it
+
+
+def test_propagation_keeps_every_split_within_the_budget():
+    """`_propagate` removes a boundary value only when no split with it satisfies every row (paths of
+    random splits, the rank chains, the fluid bound's weighted row, memory positions), says None exactly
+    when no split satisfies them all, and its bound is at most every such split's longest path row."""
+    rng = np.random.default_rng(29)
+    removed = 0
+    for name, params in CASES:
+        sched = load(name, **params)
+        prog = compile_schedule(sched).program
+        R = sched.num_ranks
+        table = _table(rng, int(rng.integers(sched.num_stages + 2, 9)))
+        pb0 = Problem(sched, prog, table, rng.choice([0.5, 1.0, 2.0], R), np.full(R, np.nan))
+        splits = [(0, *c, pb0.L) for c in itertools.combinations(range(1, pb0.L), pb0.S - 1)]
+        peaks = sorted(max(pb0.memory(b)) for b in splits)
+        pb = Problem(sched, prog, table, pb0.speed, np.full(R, peaks[len(peaks) // 2]))
+        rows = _Rows(pb)
+        fl = fluid_bound(pb)
+        rows.add([(w, c, k) for w, (c, k) in zip(fl.weights, fl.paths)])
+        for const, counts in pb.graph.rank_chains(R):
+            rows.add([(1, const, counts)])
+        for i in rng.choice(len(splits), min(3, len(splits)), replace=False).tolist():
+            for const, counts in pb.graph.paths(pb.stage_units(splits[i]))[1]:
+                rows.add([(1, const, counts)])
+        rows.add_memory()
+        s = np.arange(pb.S)
+        paths = rows.weight > 0
+        for budget in sorted(
+            set(int(x) for x in np.quantile([pb.graph.paths(pb.stage_units(b))[0] for b in splits], [0, 0.3, 0.7]))
+        ):
+            lim = rows.limits(budget)
+            allowed = np.zeros((pb.S + 1, pb.L + 1), dtype=bool)
+            allowed[0, 0] = allowed[pb.S, pb.L] = True
+            for t in range(1, pb.S):
+                allowed[t, t : pb.L - pb.S + t + 1] = True
+            before = allowed.copy()
+            bound = _propagate(rows, allowed, budget)
+            ok = []
+            for b in splits:
+                c = np.asarray(b)
+                value = (rows.wq[:, s, c[1:]] - rows.wq[:, s, c[:-1]]).sum(axis=1)
+                if np.all(value <= lim):
+                    ok.append(b)
+                    assert bound is not None and all(allowed[t, x] for t, x in enumerate(b)), (name, budget, b)
+                    mean = -((-(value[paths] + rows.const[paths])) // rows.weight[paths])
+                    assert bound <= mean.max()
+            assert (bound is None) == (not ok), (name, budget)
+            removed += int((before & ~allowed).sum()) if bound is not None else 1
+    assert removed > 0  # the propagation did remove values: the check above is not vacuous
