@@ -18,29 +18,23 @@ Why the result is optimal (a cutting-plane method with the simulator as the obje
    simulated step T(x) >= len_P(x), the sum of the durations on P plus its message delays; and len_P(x) is
    a sum over stages of (number of F, B, W ops of stage s on P) x (stage s's F, B, W time): additive over
    the stages, a linear function of the split's prefix sums.
-2. The master problem, over a set K of paths, minimises z subject to z >= len_P(x) for P in K, the memory
-   limits (each rank's peak is a maximum over the positions of its order of a linear function of its
-   stages' bytes, so each position is one linear constraint), and contiguity. It is a small integer
-   program: a boundary variable per stage and table look-ups (CP-SAT element constraints) for the prefix
-   sums. Its optimum z* <= min over feasible splits of max_{P in K} len_P(x) <= min over feasible splits
-   of T(x) = OPT: a lower bound.
-3. Its solution x* is feasible; simulating it gives T(x*) >= OPT, the incumbent keeps the best. When the
-   incumbent's T equals the bound, it is optimal. Otherwise the longest path P* of the graph at x* is
-   added to K (with each rank's longest path to its last op), and the master solved again.
-4. Termination: when the simulator's step is the graph's longest path (free messages, the partitioner's
-   default, or fixed latencies; a bandwidth term or an `overhead` adds queueing the graph does not have),
-   T(x*) > z* means
-   len_{P*}(x*) = T(x*) > z* >= len_P(x*) for every P in K, so P* is new; there are finitely many paths.
-   With bandwidths or overheads the loop stops when no new path appears, and the bound it reached is
-   reported with the gap (`Result.optimal` False). A latency that is no multiple of the time unit below
-   is rounded down in the graph, so with latencies "optimal" means within one unit (about 6e-8 of the
-   step) per message of the schedule.
-5. The fluid bound (`fluid_bound`): one linear program over the whole graph, layers allowed to split
-   between neighbouring stages, gives the relaxation's bound in one solve (the master reaches it only
-   after many rounds); its dual flow, taken apart into real paths, makes it exact (an integer dynamic
-   program), and its paths join the master. What separates it from the best split is the layers'
-   granularity: at 96 layers over 16 stages about 4% (docs/partition.md, figures), which only
-   branching closes, and CP-SAT does not in seconds there.
+2. The fluid bound (`fluid_bound`): one linear program over the whole graph, layers allowed to split
+   between neighbouring stages, gives the relaxation's bound in one solve; its dual flow, taken apart into
+   real paths, makes it exact (an integer dynamic program). Its rounded split, the uniform and the
+   bottleneck splits start local searches and kicks (`_local_search`, `_kick`), the incumbent.
+3. The branch and bound (`_branch`): depth-first over the boundaries' domains, each node narrowed by
+   `_propagate` with every path of K (the rank chains, the fluid bound's weighted paths as one row, the
+   paths near the incumbent, every leaf's paths) held to one unit below the incumbent's step, and every
+   memory position to its limit; each row is additive over the stages, so a forward and a backward
+   dynamic program per row say which values of each boundary some split within the domains can take.
+   A node with an empty domain holds no split faster than the incumbent (some path of each is at least
+   the incumbent's step). A leaf whose graph longest path is below the budget is simulated. So every
+   split is pruned or simulated: an exhausted tree proves the incumbent optimal, for any cost model
+   (with bandwidths or overheads the simulator's step is only at least the graph's, which is all that is
+   used). When the time limit ends it first, the bound is the best of the fluid bound, the open nodes'
+   bounds and the work bound (`Result.optimal` False). What separates the fluid bound from the best
+   split at 96 layers over 16 stages (about 4%, docs/partition.md) is the layers' granularity; the
+   tree does not close it in seconds there.
 
 Times are quantized to a power-of-two unit u about 2^-24 of a rank's whole step, so that the solver's
 integers and the simulator's floats are the same numbers exactly (sums of multiples of u below 2^53 are
@@ -89,7 +83,7 @@ class Result:
     lower_bound: float  # seconds: no contiguous split within the limits simulates below it
     optimal: bool  # the best's step equals the bound
     nodes: int  # branch-and-bound nodes (`_branch`)
-    paths: int  # cuts (paths of the dependency graph) in the master at the end
+    paths: int  # distinct paths of the dependency graph in the branch and bound's rows at the end
     simulations: int
     seconds: float
     cpu_seconds: float = 0.0  # the process's CPU time in the search, the solvers' threads included
@@ -372,7 +366,7 @@ class _Graph:
 
 
 class Master:
-    """The master problem of the module docstring, point 2, as a CP-SAT model that grows by one
+    """A CP-SAT model of the splits (now used by `no_fit` for the closest split) that grows by one
     constraint per path. Boundary c_t is encoded in unary, v[t][j] = [c_t >= j] for j = 1 .. L, so that
     a prefix sum Q[c_t] = sum_j (Q[j] - Q[j-1]) v[t][j] and every path's length and every memory position
     are linear in the booleans (whose ordering constraints alone make an integral polytope: the LP
@@ -514,7 +508,7 @@ def search(pb: Problem, time_limit: float = 10.0) -> Result:
     """The best contiguous split (module docstring), with the uniform split for comparison; E806 when no
     split fits the memory limits. First the fluid bound (`fluid_bound`) and local searches (`_local_search`,
     then kicks) from its rounded split, the uniform split and the bottleneck split give a bound, a good
-    incumbent and many paths; then the cutting-plane loop proves it
+    incumbent and many paths; then the branch and bound (`_branch`) proves it
     optimal or improves it, until `time_limit` seconds have passed (then the bound reached is reported,
     `Result.optimal` False)."""
     t0, c0 = time.perf_counter(), time.process_time()
@@ -529,7 +523,7 @@ def search(pb: Problem, time_limit: float = 10.0) -> Result:
     cut(uniform.bounds)
     best = None
     starts = [pb.evaluate(b) for b in (fluid.rounded,) if b is not None] + [uniform, pb.evaluate(_balanced(pb))]
-    # half the time left to the local searches, shared out as they go, the rest to the master
+    # half the time left to the local searches, shared out as they go, the rest to the branch and bound
     phase_end = t0 + (time_limit + time.perf_counter() - t0) / 2
     for n, start in enumerate(starts):
         cut(start.bounds)
@@ -537,7 +531,7 @@ def search(pb: Problem, time_limit: float = 10.0) -> Result:
             now = time.perf_counter()
             found = _local_search(pb, start, cut, now + (phase_end - now) / (len(starts) - n))
             best = found if best is None or found.step < best.step else best
-    # What the starts left: kicks, until 30 in a row find nothing better (small problems are the master's
+    # What the starts left: kicks, until 30 in a row find nothing better (small problems are the branch and bound's
     # to prove) or the fluid bound proves the incumbent.
     rng, stall = np.random.default_rng(0), 0  # the same answer on every run of the same problem
     while best is not None and stall < 30 and time.perf_counter() < phase_end and best.step > fluid.bound * pb.unit:
@@ -744,7 +738,7 @@ def _branch(pb: Problem, best: Split | None, rows: _Rows, deadline: float) -> tu
 @dataclass(frozen=True)
 class Fluid:
     """The fluid relaxation's outcome (`fluid_bound`): a proven lower bound in units, the paths it is made
-    of (as master cuts), and the fractional optimum's boundaries rounded to a split (a starting point)."""
+    of (as rows of `_branch`), and the fractional optimum's boundaries rounded to a split (a starting point)."""
 
     bound: int
     paths: tuple[tuple[int, np.ndarray], ...]
@@ -753,7 +747,7 @@ class Fluid:
 
 
 def fluid_bound(pb: Problem) -> Fluid:
-    """The bound of the split's linear relaxation, made exact. Why: the master's cuts only bound the
+    """The bound of the split's linear relaxation, made exact. Why: paths found one at a time only bound the
     splits near the paths found so far, and CP-SAT needs many rounds to reach the relaxation's bound at
     this size; one linear program over the whole dependency graph reaches it at once.
 
@@ -959,7 +953,7 @@ def _local_search(pb: Problem, start: Split, cut, deadline: float) -> Split:
     boundaries by one each), until none fits and simulates faster (or the deadline). Why the batch: the
     dependency graph's longest path, a lower bound on the simulated step (equal with free messages), is
     computed for every neighbour at once; only those it puts below the incumbent are simulated, the
-    shortest first, and every split simulated adds its paths to the master."""
+    shortest first, and every split simulated adds its paths to the branch and bound's rows."""
     best = start
     while time.perf_counter() < deadline:
         cands = _neighbours(best.bounds)
