@@ -49,7 +49,7 @@ from pipec.opcodes import REDUCE_GRAD, UNSHARD
 from pipec.program import BWD, FWD, WGRAD, Program
 from pipec.runtime.affinity import allowed_cpus, bind_local_rank
 from pipec.runtime.errors import PipelineError
-from pipec.runtime.microbatch import as_args, split, to_device
+from pipec.runtime.microbatch import as_args, batch_of, split, to_device
 from pipec.runtime.model import Model, build_stage_module, default_optimizer
 from pipec.runtime.saved import Pool, state_bytes, tensor_bytes
 from pipec.runtime.stage import Stage
@@ -337,7 +337,7 @@ def stage_bytes(
     scale = 1.0 / m if loss_scale is None else loss_scale
     modules = _stage_modules(model, S, seed, device)
     make_opt = model.optimizer or default_optimizer
-    inputs, targets = model.batch(0)
+    inputs, targets = batch_of(model.batch(0), f"{model.path}: batch(0)")
     if dp > 1:
         from pipec.runtime.dataparallel import slice_replica
 
@@ -426,7 +426,7 @@ def _measure(
         ]
 
     full, split_ = stages(False), stages(True)
-    inputs, targets = model.batch(0)
+    inputs, targets = batch_of(model.batch(0), f"{model.path}: batch(0)")
     if dp > 1:
         from pipec.runtime.dataparallel import slice_replica
 
@@ -657,7 +657,7 @@ def measure_slices(
     S, m = program.num_stages, program.num_sequences
     modules = _stage_modules(model, S, seed, device)
     cached = all(takes_past(mod) for mod in modules)
-    inputs, targets = model.batch(0)
+    inputs, targets = batch_of(model.batch(0), f"{model.path}: batch(0)")
     x0 = as_args(to_device(split(inputs, m, "inputs")[0], device, model.dtype))
     y0 = to_device(split(targets, m, "targets")[0], device)
     if not isinstance(x0[0], torch.Tensor) or x0[0].dim() < 2 or not isinstance(y0, torch.Tensor):

@@ -225,7 +225,6 @@ class Runner:
                 program.split_backward,
                 make_opt(params) if params and make_opt is not None else None,
                 slicing=slicing,
-                loss_scales=slices.loss_scales(slicing, scale) if slicing is not None else None,
             )
             self.stages[s].live_params = self.replicas is not None
         self.executor = Executor(program, rank, self.stages, comm, on_reduce_grad, recv_ahead or 0)
@@ -248,12 +247,6 @@ class Runner:
         self.epoch = 0  # the number of the last shape exchange (0: the first step's)
         self.exchanges = 0  # shape exchanges this runner has run
         self.mb_targets: list | None = None  # the last step's micro-batch targets (last stage's rank)
-
-    @property
-    def first_specs(self) -> list[Specs] | None:
-        """Stage 0's input specs per micro-batch at the last shape exchange: the first step's, unless the
-        batches come as micro-batches of varying shapes."""
-        return self.last_specs
 
     @property
     def has_first(self) -> bool:

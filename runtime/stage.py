@@ -15,7 +15,7 @@ offloadable.
 Token slices (a Program with `slicing`): micro-batch indices are units (slice j of sequence i), each
 forward takes the earlier slices' keys and values from the stage's `KVCache` and leaves its own there, and
 each backward also runs from the gradient of its own keys and values (pipec.runtime.slices says how);
-the loss of unit u is scaled by `loss_scales[u]` instead of `loss_scale`.
+the loss of unit u is scaled by `loss_scale` times its slice's share of the tokens (`loss_scales[u]`).
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ class Stage:
         split_backward: bool,
         optimizer: torch.optim.Optimizer | None,
         slicing: Slicing | None = None,
-        loss_scales: list[float] | None = None,
     ) -> None:
         self.index = index
         self.first = index == 0
@@ -63,7 +62,8 @@ class Stage:
         self.pool: Pool | None = None  # saved-tensor holders (pipec.runtime.saved), when measuring or offloading
         self._state_storages: set[int] | None = None
         self.kv = slices.KVCache(slicing, index) if slicing is not None and slicing.slices > 1 else None
-        self.loss_scales = loss_scales  # per unit, when given (token slices: pipec.runtime.slices.loss_scales)
+        # per unit with token slices: loss_scale times the slice's share of the tokens (slices.loss_scales)
+        self.loss_scales = slices.loss_scales(slicing, loss_scale) if self.kv is not None else None
 
     def forward(
         self, mb: int, args: tuple, target: Any = None, *, keep_input_only: bool = False

@@ -107,8 +107,8 @@ def main(argv: list[str] | None = None) -> None:
         )
         for step in range(steps):
             x, y = model.batch(step)
-            if step == 1 and runner.first_specs is not None:  # the rows of this replica's micro-batches
-                res["mb_rows"] = [spec[0].shape[0] for spec in runner.first_specs]
+            if step == 1 and runner.last_specs is not None:  # the rows of this replica's micro-batches
+                res["mb_rows"] = [spec[0].shape[0] for spec in runner.last_specs]
             out = runner.step(x, y)
             ref_loss = ref.step(x, y)
             res["loss_err"].append(rel_err(out.loss, ref_loss) if out.loss is not None else None)
