@@ -97,7 +97,9 @@ def test_rank_that_raises_stops_every_rank():
     assert re.search(where, results[1].stderr), results[1].stderr
     for r in (results[0], results[2]):
         assert r.returncode == STOPPED, r.stderr
-        assert re.search(rf"pipec: rank {r.rank}: stopping at step 2, instruction #\d+ `.*`, because {where}", r.stderr)
+        # a rank that sees the stop before it starts step 2's first instruction says so; both are honest
+        at = r"(instruction #\d+ `.*`|before the first instruction)"
+        assert re.search(rf"pipec: rank {r.rank}: stopping at step 2, {at}, because {where}", r.stderr), r.stderr
     assert elapsed < 20
 
 
