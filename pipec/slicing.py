@@ -19,8 +19,9 @@ best (the sum of slice times is at least the unsliced sequence's: Slicing.weight
 The search is exact on the grid: `tests/test_slicing.py` checks it against every slicing of small L.
 
 A slice's time is the cost model's (`pipec.sim.costs.CostModel.kind_time` of the unit, with the stage's
-`attn` and `op_fixed` through `Slicing.weight`): its F and backward (B and W when split) summed, the
-slowest stage's. So the program and the simulator agree on what a slice costs; what the estimate leaves
+`attn` and `op_fixed` through `Slicing.weight`): its F and backward (B and W when split) summed, plus the
+`overhead` of the messages it sends and receives (each costs the rank its time whatever the slice's
+length), the slowest stage's. So the program and the simulator agree on what a slice costs; what the estimate leaves
 out (messages, the order of F and B, stages of different speeds) the simulated step printed beside it
 has. The written file is the schedule's own text with its slice-count parameter's default and the
 `tokens j -> ...` declaration replaced (the language has no list literal: a balanced `if j < k then ...`
@@ -93,7 +94,10 @@ def _kinds(sched: Schedule) -> np.ndarray:
 
 
 def _unit_times(costs, sched: Schedule, units: int) -> np.ndarray:
-    """Per (stage, unit) of `costs` (a CostModel whose `unit_weight` holds the units), F plus backward."""
+    """Per (stage, unit) of `costs` (a CostModel whose `unit_weight` holds the units), F plus backward, plus
+    the rank's own time for the slice's messages (`overhead` per send and per receive: F receives from the
+    stage before and sends to the next when they are on other ranks, the backward the other way). Why:
+    every slice pays them whatever its length, as it pays `op_fixed`, so they decide how short a slice pays."""
     from pipec.sim.costs import CostModel
 
     assert isinstance(costs, CostModel)
@@ -103,7 +107,11 @@ def _unit_times(costs, sched: Schedule, units: int) -> np.ndarray:
     out = np.zeros(S * units)
     for kind in _kinds(sched):
         out += costs.kind_time(np.full(S * units, kind), stage, unit)
-    return out.reshape(S, units)
+    place = np.asarray(sched.placement)
+    crossing = np.zeros(S)  # neighbouring stages on another rank: one message each way per slice
+    crossing[1:] += place[1:] != place[:-1]
+    crossing[:-1] += place[1:] != place[:-1]
+    return out.reshape(S, units) + (2 * costs.overhead * crossing)[:, None]
 
 
 def _stage_times(sched: Schedule, docs: Sequence[Mapping], cut: Slicing) -> np.ndarray:

@@ -603,16 +603,29 @@ class SliceFit:
         }
 
 
+SHORTEST = 4  # tokens: the shortest slice `slice_points` adds below the n-ths
+
+
 def slice_points(seqlen: int, n: int, contexts: bool = True) -> list[tuple[int, int]]:
     """(length, context) of every slice between boundaries at whole n-ths of the sequence (rounded down);
-    without `contexts`, the prefixes only (context 0)."""
+    without `contexts`, the prefixes only (context 0). Then slices shorter than an n-th, halving down to
+    `SHORTEST` tokens, at context 0 and (with `contexts`) at the end of the sequence. Why: what an op costs
+    whatever its length (`op_fixed`) is the fit's intercept, which slices of n-ths alone leave to an
+    extrapolation from long slices; the dynamic program of `pipec slice` picks among short slices exactly
+    where that intercept decides (a measured 114-slice cut ran 2.9x slower than unsliced while fitted
+    without them, docs/terapipe.md)."""
     edges = sorted({seqlen * k // n for k in range(n + 1)})
-    return [(b - a, a) for ia, a in enumerate(edges) for b in edges[ia + 1 :] if contexts or a == 0]
+    points = [(b - a, a) for ia, a in enumerate(edges) for b in edges[ia + 1 :] if contexts or a == 0]
+    length = (seqlen // n) // 2
+    while length >= SHORTEST:
+        points += [(length, 0)] + ([(length, seqlen - length)] if contexts else [])
+        length //= 2
+    return points
 
 
 def fit_slices(seqlen: int, points: list[tuple[int, int]], times: list[float]) -> tuple[float, float, float, float]:
-    """(attn, op_fixed, rms relative residual, worst relative residual) of the least-squares fit of one
-    stage's slice times (F plus backward: two ops) to the cost model's form (see SliceFit)."""
+    """(attn, op_fixed, rms relative residual, worst relative residual) of the least-squares fit, on
+    relative errors, of one stage's slice times (F plus backward: two ops) to the cost model's form (see SliceFit)."""
     import numpy as np
 
     L = float(seqlen)
@@ -620,8 +633,10 @@ def fit_slices(seqlen: int, points: list[tuple[int, int]], times: list[float]) -
     c = np.array([p[1] for p in points], dtype=float)
     X = np.stack([np.ones_like(l), l / L, l * (2 * c + l + 1) / (L * (L + 1))], axis=1)
     y = np.asarray(times, dtype=float)
-    (f, u, v), *_ = np.linalg.lstsq(X, y, rcond=None)
-    rel = (X @ np.array([f, u, v]) - y) / np.where(y > 0, y, 1.0)
+    # relative errors, so that the short slices, which fix the intercept, weigh as much as the long ones
+    scale = 1.0 / np.where(y > 0, y, 1.0)
+    (f, u, v), *_ = np.linalg.lstsq(X * scale[:, None], y * scale, rcond=None)
+    rel = (X @ np.array([f, u, v]) - y) * scale
     u, v = max(u, 0.0), max(v, 0.0)
     attn = v / (u + v) if u + v > 0 else 0.0
     return float(attn), max(float(f), 0.0) / 2, float(np.sqrt(np.mean(rel**2))), float(np.abs(rel).max())

@@ -11,7 +11,7 @@ The key/value cache interface a stage module provides (all of them, on a sliced 
     module(*inputs, past_kv=past) -> (output, kv)
 
 - `past` is a tuple of tensors: what the earlier slices of the same sequence left at this stage, each
-  tensor the concatenation of their tensors along dim -2 (the sequence dim of the usual layouts
+  tensor theirs laid end to end along dim -2 (the sequence dim of the usual layouts
   (batch, heads, seq, head_dim) and (batch, seq, dim)); `()` for slice 0.
 - `kv` is this call's own tuple of tensors, in the same order and layout, with this slice's tokens
   along dim -2 (not past and present together, as Hugging Face's `past_key_values` are: the runtime keeps
@@ -22,15 +22,15 @@ The key/value cache interface a stage module provides (all of them, on a sliced 
 
 A module that does not take `past_kv` is refused before training (`check_interface`).
 
-The autograd across slices (`KVCache`, used by pipec.runtime.stage.Stage): at the FWD of slice j, the
-kv tensors of each earlier slice k < j at this stage enter as detached leaves that require grad (one leaf
-set per earlier slice, made once when slice k's FWD ran), so each slice's graph is its own. The slice's
-own `kv` stays with its graph for its own backward. The BWD of slice j (which every Program orders after
-the BWD of slice j + 1 on the stage: pipec.passes.checks) runs from the output gradient and from the
-gradient accumulated on slice j's leaves by the later slices' backwards, and accumulates into the leaves
-of the earlier slices. With split backward, BWD computes the input and leaf gradients and WGRAD the
-weight gradients (pipec.runtime.split). A slice's leaves go with its BWD; the sequence's entry when its
-slice 0's BWD is done.
+The autograd across slices (`KVCache`, used by pipec.runtime.stage.Stage): per sequence and stage, one
+buffer per kv tensor spans the whole sequence along dim -2, a leaf that requires grad; each slice's FWD
+writes its kv into its tokens' part, and slice j reads the first c_j tokens as one view, so each slice's
+graph is its own and ends at the buffer. The slice's own `kv` stays with its graph for its own backward.
+The BWD of slice j (which every Program orders after the BWD of slice j + 1 on the stage:
+pipec.passes.checks) runs from the output gradient and from its tokens' part of the buffer's gradient,
+which the later slices' backwards have accumulated, and accumulates into the buffer at the earlier tokens.
+With split backward, BWD computes the input and buffer gradients and WGRAD the weight gradients
+(pipec.runtime.split). The sequence's buffers go when its slice 0's BWD is done.
 
 Loss: the last stage's loss of slice j is weighted by l_j / L (`Slicing.share`), so the slices of a
 sequence sum to its unsliced loss when `loss_fn` is a mean over the tokens (cross-entropy's default):
@@ -69,7 +69,7 @@ def check_interface(module: torch.nn.Module, stage: int, slicing: Slicing, where
         f"stage {stage}'s module ({type(module).__name__}, from {where}) has no key/value cache interface: "
         f"the Program cuts each sequence into {slicing.slices} token slices, and a slice attends to the keys "
         f"and values of the earlier ones at its stage. Give its forward a keyword argument `past_kv` "
-        f"({INTERFACE}: `past` the earlier slices' tensors, concatenated along dim -2, `()` for the first "
+        f"({INTERFACE}: `past` the earlier slices' tensors, laid end to end along dim -2, `()` for the first "
         "slice; `kv` this slice's own, e.g. each attention layer's keys and values; see pipec.runtime.slices "
         "and examples/gpt.py)"
     )
@@ -156,24 +156,37 @@ def leaf_grads(
 
 
 class KVCache:
-    """One stage's cache: per sequence, the leaf sets of its slices whose FWD ran and whose BWD has not.
+    """One stage's cache: per sequence, one buffer per kv tensor holding the whole sequence along dim -2, a
+    leaf that requires grad, filled slice by slice as their FWDs run.
+
+    Why one buffer and not a leaf set per slice: slice j reads the first c_j tokens of it as one view
+    (`narrow`), where concatenating the j earlier slices' leaves at every forward, and handing gradients
+    back into each of them at every backward, cost O(n^2) small tensor operations per stage and sequence
+    (measured: a 9-token slice's backward grew 2.7x from the first quarter of 114 slices to the last,
+    docs/terapipe.md). A slice's kv are written through `.data`, which autograd's version counter does not
+    see: the views the earlier slices' forwards saved cover only tokens before them, which no later write
+    touches. The later slices' backwards accumulate into the buffer's gradient; slice j's BWD takes its own
+    tokens' part of it, which every later slice has added to by then (the Program orders the BWDs of one
+    sequence's slices last to first on a stage: pipec.passes.checks).
 
     Per unit between its FWD and its BWD it also holds what the BWD needs besides the stage's own record:
-    the leaves it read (of every earlier slice) and its own kv with their graph."""
+    the buffers it read and its own kv with their graph."""
 
     def __init__(self, slicing: Slicing, stage: int) -> None:
         self.slicing = slicing
         self.stage = stage
-        self.leaves: dict[int, dict[int, tuple[torch.Tensor, ...]]] = {}  # sequence -> slice -> leaf set
+        self.starts = [sum(slicing.tokens[:j]) for j in range(slicing.slices)]
+        self.buffers: dict[int, tuple[torch.Tensor, ...]] = {}  # sequence -> one buffer per kv tensor
+        self.kept: dict[int, set[int]] = {}  # sequence -> the slices written into its buffers, BWD not yet run
         self.units: dict[int, tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = {}  # unit -> (read, own)
 
     def text(self, unit: int) -> str:
         return self.slicing.op_text("F", unit, self.stage)
 
     def past(self, unit: int) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-        """(past, leaves read): the earlier slices' leaves, concatenated per tensor along dim -2, and flat."""
+        """(past, buffers read): the earlier slices' tokens of each buffer (a view), and the buffers."""
         i, j = self.slicing.split(unit)
-        have = self.leaves.get(i, {})
+        have = self.kept.get(i, set())
         missing = [k for k in range(j) if k not in have]
         if missing:
             raise PipelineError(
@@ -181,35 +194,52 @@ class KVCache:
                 f"{self.stage} (or after its backward), whose keys and values it attends to: the Program breaks "
                 "the causal order"
             )
-        sets = [have[k] for k in range(j)]
-        if not sets:
+        if j == 0:
             return (), ()
-        if any(len(x) != len(sets[0]) for x in sets):
-            raise ModelError(f"stage {self.stage}'s module returned kv of different lengths for one sequence's slices")
-        width = range(len(sets[0]))
-        past = tuple(sets[0][t] if j == 1 else torch.cat([x[t] for x in sets], dim=KV_DIM) for t in width)
-        return past, tuple(t for x in sets for t in x)
+        bufs = self.buffers[i]
+        return tuple(b.narrow(KV_DIM, 0, self.starts[j]) for b in bufs), bufs
 
     def keep(self, unit: int, kv: tuple[torch.Tensor, ...]) -> None:
-        """After a FWD: the slice's kv as leaves for the later slices (the last slice has none)."""
+        """After a FWD: the slice's kv written into the sequence's buffers for the later slices (the last
+        slice's are read by none)."""
         i, j = self.slicing.split(unit)
         want = self.slicing.tokens[j]
         for t in kv:
             if t.dim() < 2 or t.shape[KV_DIM] != want:
                 raise ShapeError(
                     f"stage {self.stage}'s kv for {self.text(unit)} has shape {list(t.shape)}: its dim -2 must be "
-                    f"the slice's {want} tokens (the cache concatenates the slices along dim -2)"
+                    f"the slice's {want} tokens (the cache lays the slices out along dim -2)"
                 )
-        if j < self.slicing.slices - 1:
-            self.leaves.setdefault(i, {})[j] = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in kv)
+        if j == self.slicing.slices - 1:
+            return
+        if j == 0:
+            self.buffers[i] = tuple(self._buffer(t) for t in kv)
+        bufs = self.buffers[i]
+        if len(kv) != len(bufs) or any(
+            t.shape[:KV_DIM] != b.shape[:KV_DIM] or t.shape[KV_DIM + 1 :] != b.shape[KV_DIM + 1 :] or t.dtype != b.dtype
+            for t, b in zip(kv, bufs)
+        ):
+            raise ModelError(
+                f"stage {self.stage}'s module returned kv for {self.text(unit)} that differ from slice 0's in "
+                "number, dtype or a dim other than -2: every slice of a sequence must return the same layout"
+            )
+        with torch.no_grad():
+            for t, b in zip(kv, bufs):
+                b.data.narrow(KV_DIM, self.starts[j], want).copy_(t)
+        self.kept.setdefault(i, set()).add(j)
+
+    def _buffer(self, t: torch.Tensor) -> torch.Tensor:
+        shape = list(t.shape)
+        shape[KV_DIM] = self.slicing.seqlen
+        return torch.zeros(shape, dtype=t.dtype, device=t.device).requires_grad_(t.is_floating_point())
 
     def record(self, unit: int, read: tuple[torch.Tensor, ...], own: tuple[torch.Tensor, ...]) -> None:
-        """What the unit's BWD needs: the leaves its forward read and its own kv, with their graph."""
+        """What the unit's BWD needs: the buffers its forward read and its own kv, with their graph."""
         self.units[unit] = (read, own)
 
     def backward_of(self, unit: int) -> tuple[tuple[torch.Tensor, ...], list[tuple[torch.Tensor, torch.Tensor]]]:
-        """At BWD: (the leaves the unit read, [(own kv tensor, its gradient)] for those the later slices
-        gave a gradient). Drops the slice's leaves, and the sequence's entry after slice 0."""
+        """At BWD: (the buffers the unit read, [(own kv tensor, its gradient)] for those the later slices
+        gave a gradient). Frees the sequence's buffers after slice 0."""
         i, j = self.slicing.split(unit)
         later = [k for k in range(j + 1, self.slicing.slices) if self.slicing.unit(i, k) in self.units]
         if later:
@@ -219,18 +249,27 @@ class KVCache:
                 "the causal order"
             )
         read, own = self.units.pop(unit)
-        mine = self.leaves.get(i, {}).pop(j, ())
-        pairs = [(t, leaf.grad) for t, leaf in zip(own, mine) if leaf.grad is not None and t.requires_grad]
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if j in self.kept.get(i, ()):
+            self.kept[i].discard(j)
+            a, n = self.starts[j], self.slicing.tokens[j]
+            # a copy: this backward accumulates into the same gradient, at the earlier tokens
+            pairs = [
+                (t, b.grad.narrow(KV_DIM, a, n).clone())
+                for t, b in zip(own, self.buffers[i])
+                if b.grad is not None and t.requires_grad
+            ]
         if j == 0:
-            self.leaves.pop(i, None)
+            self.buffers.pop(i, None)
+            self.kept.pop(i, None)
         return read, pairs
 
     def add_grads(self, leaves: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor | None, ...]) -> None:
-        """Accumulate gradients computed for leaves (split backward computes them with autograd.grad)."""
+        """Accumulate gradients computed for buffers (split backward computes them with autograd.grad)."""
         for leaf, g in zip(leaves, grads):
             if g is not None:
                 leaf.grad = g if leaf.grad is None else leaf.grad + g
 
     def left(self) -> list[int]:
         """Units whose cache state outlived the step (a Program bug): empty when the step is complete."""
-        return sorted(set(self.units) | {self.slicing.unit(i, j) for i, d in self.leaves.items() for j in d})
+        return sorted(set(self.units) | {self.slicing.unit(i, j) for i, d in self.kept.items() for j in d})

@@ -115,7 +115,7 @@ def test_sliced_equals_unsliced_reference(order, split, p, n, gpt, tmp_path):
     assert max(params.values()) <= TOL, params
     for runner in pipe.runners:  # every slice's cache entry went with its backward
         for st in runner.stages.values():
-            assert st.kv is not None and not st.kv.leaves and not st.kv.units
+            assert st.kv is not None and not st.kv.buffers and not st.kv.kept and not st.kv.units
 
 
 def test_slices_change_the_computation(gpt, tmp_path):

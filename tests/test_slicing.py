@@ -119,6 +119,21 @@ def test_grid_prices_equal_the_cost_models_slice_times():
     assert weights.sum() == pytest.approx(1.0)
 
 
+def test_a_slice_pays_its_messages_overhead_and_the_search_takes_fewer_slices():
+    """`overhead` (per send and per receive) is a slice's cost whatever its length: a middle stage of three
+    receives and sends in F and in B (4 messages), an end stage 2; with it the search cuts fewer slices."""
+    sched = build(_src(), {"p": 3, "L": 64})
+    doc = {"F": 1.0, "B": 2.0, "attn": 0.6, "op_fixed": 0.002}
+    plain = slice_costs(sched, [doc], granularity=4)
+    paid = slice_costs(sched, [{**doc, "overhead": 0.01}], granularity=4)
+    cut = (16, 16, 32)
+    assert (paid.stage_times(cut) - plain.stage_times(cut))[:, 0] == pytest.approx([0.02, 0.04, 0.02])
+    dear = slice_costs(sched, [{**doc, "overhead": 0.05}], granularity=4)
+    finite = np.isfinite(plain.grid)
+    assert np.allclose(paid.grid[finite] - plain.grid[finite], 0.04)
+    assert len(choose(dear).tokens) < len(choose(plain).tokens)
+
+
 def test_longer_slices_first_when_attention_dominates():
     """TeraPipe's shape: with attention's cost growing along the sequence, later slices are shorter."""
     sched = build(_src(), {"p": 4, "L": 256})
@@ -245,7 +260,9 @@ def test_the_fit_recovers_the_cost_models_attn_and_op_fixed():
 
     L = 64
     points = slice_points(L, 8)
-    assert len(points) == 36 and len(slice_points(L, 8, contexts=False)) == 8
+    # 36 slices between eighths, then 4 tokens (half an eighth) at the start and at the end
+    assert len(points) == 38 and points[-2:] == [(4, 0), (4, 60)]
+    assert slice_points(L, 8, contexts=False) == [(8 * k, 0) for k in range(1, 9)] + [(4, 0)]
     assert all(c + n <= L and n > 0 for n, c in points)
     attn, fixed, T = 0.35, 0.004, 0.2  # one slice: F and its backward, two ops of `fixed` each
     # the cost model's time of the middle slice of the cut (c, n, rest), F and backward

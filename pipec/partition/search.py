@@ -746,22 +746,16 @@ class Fluid:
     weights: tuple[int, ...] = ()  # each path's weight, scaled to an integer (`_weighted_bound`)
 
 
-def fluid_bound(pb: Problem) -> Fluid:
-    """The bound of the split's linear relaxation, made exact. Why: paths found one at a time only bound the
-    splits near the paths found so far, and CP-SAT needs many rounds to reach the relaxation's bound at
-    this size; one linear program over the whole dependency graph reaches it at once.
-
-    The program (GLOP) lets layers split fractionally between neighbouring stages (the unary boundaries of
-    `Master` in [0, 1]), with a start time per op, every edge of the graph as `start_v >= end_u + delay`
-    and the step above every rank's last op. Its duals are a flow of one unit through the graph, which is
-    taken apart into paths P with weights w_P >= 0. Whatever the floats' accuracy, these are real paths
-    and T(x) >= len_P(x) for each, so T(x) >= sum_P w_P len_P(x) / sum_P w_P for every split x; the
-    minimum of that weighted sum over the integral splits is one dynamic program in integers (weights
-    scaled to integers), which gives the bound. With exact duals it equals the relaxation's optimum."""
-    from ortools.linear_solver import pywraplp
-
+def step_lp(pb: Problem, lp, integral: bool = False):
+    """The splits and the schedule's dependency graph as one linear model in `lp` (an OR-Tools
+    pywraplp solver), minimising the step: the unary boundaries v[t, j] = [c_t >= j] (fractional unless
+    `integral`), each stage's F, B, W durations as sums of its share of every layer, a start time per op
+    with every edge `start_v >= end_u + delay`, and the step above every rank's last op. Returns (v, the
+    edge constraints into each op as (constraint, from, delay), the rank ends as (constraint, op)).
+    Relaxed (GLOP) it is `fluid_bound`'s program; with `integral` it is the exact problem as a mixed integer
+    program, which `benchmarks/partition_mip.py` hands to SCIP and CP-SAT to show why they do not prove it
+    at 96 layers x 16 stages (docs/partition.md)."""
     S, L, g = pb.S, pb.L, pb.graph
-    lp = pywraplp.Solver.CreateSolver("GLOP")
     inf = lp.infinity()
     v: dict[tuple[int, int], object] = {}  # [c_t >= j], a float where fixed
     for t in range(S + 1):
@@ -771,7 +765,7 @@ def fluid_bound(pb: Problem) -> Fluid:
             elif t == S or j <= t:
                 v[t, j] = 1.0
             else:
-                v[t, j] = lp.NumVar(0, 1, "")
+                v[t, j] = lp.IntVar(0, 1, "") if integral else lp.NumVar(0, 1, "")
 
     def at_most(a, b) -> None:  # a <= b
         if isinstance(a, float) and isinstance(b, float):
@@ -829,6 +823,26 @@ def fluid_bound(pb: Problem) -> Fluid:
             c.SetCoefficient(dur[int(g.kind[i]), int(g.stage[i])], -1)
         tips.append((c, i))
     lp.Minimize(step)
+    return v, into, tips
+
+
+def fluid_bound(pb: Problem) -> Fluid:
+    """The bound of the split's linear relaxation, made exact. Why: paths found one at a time only bound the
+    splits near the paths found so far, and CP-SAT needs many rounds to reach the relaxation's bound at
+    this size; one linear program over the whole dependency graph reaches it at once.
+
+    The program (GLOP) lets layers split fractionally between neighbouring stages (the unary boundaries of
+    `Master` in [0, 1]), with a start time per op, every edge of the graph as `start_v >= end_u + delay`
+    and the step above every rank's last op. Its duals are a flow of one unit through the graph, which is
+    taken apart into paths P with weights w_P >= 0. Whatever the floats' accuracy, these are real paths
+    and T(x) >= len_P(x) for each, so T(x) >= sum_P w_P len_P(x) / sum_P w_P for every split x; the
+    minimum of that weighted sum over the integral splits is one dynamic program in integers (weights
+    scaled to integers), which gives the bound. With exact duals it equals the relaxation's optimum."""
+    from ortools.linear_solver import pywraplp
+
+    lp = pywraplp.Solver.CreateSolver("GLOP")
+    v, into, tips = step_lp(pb, lp)
+    S, L = pb.S, pb.L
     if lp.Solve() not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
         return Fluid(0, (), None)
     rounded = _round_split(

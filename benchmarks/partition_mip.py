@@ -1,0 +1,94 @@
+"""Why `pipec partition` does not hand the whole problem to a MIP solver: the exact split problem at 96 layers
+x 8 ranks x v=2, as one mixed integer program (`pipec.partition.search.step_lp` with integral
+boundaries), given to SCIP and to CP-SAT for a fixed time, with the best step each found and its bound.
+
+    python benchmarks/partition_mip.py [--seconds 60] [--solvers SCIP,CP_SAT] [--schedule interleaved-1f1b]
+
+The layer table is `partition_speed.py`'s random one (seed 0, m = 16, all ranks at speed 1), the one its
+first line searches; one JSON line per solver, in the table's time units, with `pipec partition`'s own
+result under the same table beside them (its default 10 s) and the load average. Times are the solvers'
+wall clock on this machine (2 cores, shared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+from partition_speed import _rows
+from sidebyside import load_average
+
+from pipec.api import load
+from pipec.partition import partition
+from pipec.partition.files import Ranks, make_table
+from pipec.partition.search import Problem, step_lp
+from pipec.passes.compiler import compile_schedule
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seconds", type=float, default=60.0)
+    ap.add_argument("--solvers", default="SCIP,CP_SAT")
+    ap.add_argument("--schedule", default="interleaved-1f1b", choices=("interleaved-1f1b", "zb-v"))
+    args = ap.parse_args()
+    from ortools.linear_solver import pywraplp
+
+    params = {"p": 8, "v": 2, "m": 16} if args.schedule == "interleaved-1f1b" else {"p": 8, "m": 16}
+    sched = load(args.schedule, **params)
+    prog = compile_schedule(sched).program
+    table = make_table(_rows("random", 96, 0))
+    ours = partition(sched, prog, table, Ranks(speed=(1.0,)), time_limit=10.0).result
+    base = {"schedule": args.schedule, "params": params, "layers": 96}
+    print(
+        json.dumps(
+            {
+                **base,
+                "solver": "pipec partition",
+                "seconds": round(ours.seconds, 2),
+                "step": ours.best.step,
+                "bound": ours.lower_bound,
+                "optimal": ours.optimal,
+                "loadavg": load_average(),
+            }
+        ),
+        flush=True,
+    )
+    pb = Problem(sched, prog, table, np.ones(8), np.full(8, np.nan))
+    for name in args.solvers.split(","):
+        mip = pywraplp.Solver.CreateSolver(name)
+        if mip is None:
+            print(json.dumps({**base, "solver": name, "error": "not in this OR-Tools build"}), flush=True)
+            continue
+        t0 = time.perf_counter()
+        step_lp(pb, mip, integral=True)
+        built = time.perf_counter() - t0
+        mip.SetTimeLimit(int(args.seconds * 1000))
+        if name == "CP_SAT":
+            mip.SetSolverSpecificParametersAsString("num_workers:2")
+        status = mip.Solve()
+        found = status in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE)
+        step = mip.Objective().Value() * pb.unit if found else None
+        bound = mip.Objective().BestBound() * pb.unit
+        print(
+            json.dumps(
+                {
+                    **base,
+                    "solver": name,
+                    "seconds": round(time.perf_counter() - t0, 2),
+                    "build_seconds": round(built, 2),
+                    "time_limit": args.seconds,
+                    "optimal": status == pywraplp.Solver.OPTIMAL,
+                    "step": step,
+                    "bound": bound,
+                    "gap": None if step is None else round(1 - bound / step, 4),
+                    "loadavg": load_average(),
+                }
+            ),
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
