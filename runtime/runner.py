@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import itertools
 import time
+import warnings
 from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -300,6 +301,8 @@ class Runner:
             if inputs is None:
                 raise PipelineError(f"rank {self.rank} runs stage 0 and needs the inputs")
             mb_in = [as_args(to_device(x, self.device, self.dtype)) for x in split(inputs, m, "inputs")]
+            if (differs := slices.length_mismatch(self.program.slicing, mb_in)) is not None:
+                warnings.warn(f"rank {self.rank}, step {self.steps_done + 1}: {differs}", slices.LengthWarning, 2)
             if self.slicing is not None:
                 mb_in = slices.units(mb_in, self.slicing, "inputs")
         if self.has_last:

@@ -104,6 +104,31 @@ def units(per_sequence: list[Any], slicing: Slicing, what: str) -> list[Any]:
     return out
 
 
+class LengthWarning(UserWarning):
+    """The data's micro-batches are not the lengths the schedule's `length i -> ...` declares."""
+
+
+def length_mismatch(slicing: Slicing | None, first_inputs: list[tuple]) -> str | None:
+    """What differs between the schedule's declared sequence lengths and the micro-batches' (dim 1 of the
+    first input tensor of each, on the rank of stage 0); None when they agree or nothing is declared.
+    Why a warning and not an error: gradients do not depend on it, but the simulated step and the memory
+    check priced the declared lengths, so a longer sequence may not fit where the check said it would."""
+    if slicing is None or slicing.slices > 1 or len(first_inputs) != len(slicing.lengths):
+        return None
+    for i, (args, want) in enumerate(zip(first_inputs, slicing.lengths)):
+        t = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if t is None or t.dim() < 2 or t.shape[1] == want:
+            continue
+        more = "more" if t.shape[1] > want else "fewer"
+        return (
+            f"micro-batch {i} holds {t.shape[1]} tokens along dim 1, where the schedule's `length` declares "
+            f"{want}: the simulated step and the memory check priced the declared lengths ({', '.join(map(str, slicing.lengths))}), "
+            f"and this batch has {more} tokens there; declare the data's lengths, or drop `length` to price "
+            "every micro-batch at `seqlen`"
+        )
+    return None
+
+
 def loss_scales(slicing: Slicing, scale: float) -> list[float]:
     """Per unit, the weight of its loss: the sequence's `scale` times the slice's share of the tokens."""
     return [scale * float(w) for w in slicing.share()]

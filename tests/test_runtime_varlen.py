@@ -81,3 +81,44 @@ def test_batch_list_must_hold_pairs():
         from pipec.runtime.microbatch import split
 
         split(MicroBatches([torch.zeros(1)] * 3), 2, "inputs")
+
+
+DECLARED = """schedule "v" (p: int = 2, m: int = 4) {
+    stages p
+    length i -> 2 * i + 2
+    ops F, B
+    rank r {
+        for i in 0 .. m { F(i) }
+        for i in 0 .. m { B(i) }
+    }
+}
+"""
+
+
+def test_lengths_the_schedule_declares_are_checked_against_the_data(varlen):
+    """The schedule's `length i -> ...` is what the simulator and the memory check priced: micro-batches of
+    those lengths run quietly, others run (the gradients do not depend on it) with a warning naming the
+    first micro-batch that differs."""
+    import warnings
+
+    from pipec.api import build
+    from pipec.errors import Source
+    from pipec.runtime.slices import LengthWarning
+
+    model, _ = varlen
+    prog = compile_schedule(build(Source("v.pipe", DECLARED))).program
+    assert prog.slicing is not None and prog.slicing.lengths == (2, 4, 6, 8)
+    pipe = LocalPipeline(prog, model.build_stage, model.loss_fn, dtype=model.dtype)
+    text = torch.arange(64) % 7
+
+    def pairs(lengths):
+        rows = [text[: n + 1].repeat(2, 1) for n in lengths]
+        return batch_of([(r[:, :-1], r[:, 1:]) for r in rows])
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LengthWarning)
+        pipe.step(*pairs([2, 4, 6, 8]))
+    with pytest.warns(
+        LengthWarning, match=r"micro-batch 2 holds 7 tokens along dim 1, where the schedule's `length` declares 6"
+    ):
+        pipe.step(*pairs([2, 4, 7, 8]))
