@@ -120,9 +120,10 @@ def length_mismatch(slicing: Slicing | None, first_inputs: list[tuple]) -> str |
         if t is None or t.dim() < 2 or t.shape[1] == want:
             continue
         more = "more" if t.shape[1] > want else "fewer"
+        declared = ", ".join(map(str, slicing.lengths))
         return (
             f"micro-batch {i} holds {t.shape[1]} tokens along dim 1, where the schedule's `length` declares "
-            f"{want}: the simulated step and the memory check priced the declared lengths ({', '.join(map(str, slicing.lengths))}), "
+            f"{want}: the simulated step and the memory check priced the declared lengths ({declared}), "
             f"and this batch has {more} tokens there; declare the data's lengths, or drop `length` to price "
             "every micro-batch at `seqlen`"
         )
