@@ -18,14 +18,14 @@ bounds. Bounds are tried in increasing order, and stop once (K - 1) t_max + m t(
 best (the sum of slice times is at least the unsliced sequence's: Slicing.weight sums to 1 over any cut).
 The search is exact on the grid: `tests/test_slicing.py` checks it against every slicing of small L.
 
-A slice's time is the cost model's (`pipec.sim.costs.CostModel.kind_time` of the unit, with the stage's
-`attn` and `op_fixed` through `Slicing.weight`): its F and backward (B and W when split) summed, plus the
-`overhead` of the messages it sends and receives (each costs the rank its time whatever the slice's
-length), the slowest stage's. So the program and the simulator agree on what a slice costs; what the
-estimate leaves out (the messages' latency, the order of F and B, stages of different speeds) the
-simulated step printed beside it has. The written file is the schedule's own text with its slice-count parameter's default and the
-`tokens j -> ...` declaration replaced (the language has no list literal: a balanced `if j < k then ...`
-over the runs of equal lengths), and the `-D` values as defaults, so it simulates alone.
+A slice's time is the cost model's (`pipec.sim.costs.CostModel.kind_time` of the unit, with the stage's `attn`
+and `op_fixed` through `Slicing.weight`): its F and backward (B and W when split) summed, plus the `overhead`
+of the messages it sends and receives (each costs the rank its time whatever the slice's length), the slowest
+stage's. So the program and the simulator agree on what a slice costs; what the estimate leaves out (the
+messages' latency, the order of F and B, stages of different speeds) the simulated step printed beside it has.
+The written file is the schedule's own text with its slice-count parameter's default and the `tokens j -> ...`
+declaration replaced (the language has no list literal: a balanced `if j < k then ...` over the runs of equal
+lengths), and the `-D` values as defaults, so it simulates alone.
 """
 
 from __future__ import annotations

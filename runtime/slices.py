@@ -186,13 +186,13 @@ class KVCache:
     leaf that requires grad, filled slice by slice as their FWDs run.
 
     Why one buffer and not a leaf set per slice: slice j reads the first c_j tokens of it as one view
-    (`narrow`), where concatenating the j earlier slices' leaves at every forward, and handing gradients
-    back into each of them at every backward, cost O(n^2) small tensor operations per stage and sequence
-    (measured: a 9-token slice's backward grew 2.7x from the first quarter of 114 slices to the last,
-    docs/terapipe.md). A slice's kv are written through `.data`, which autograd's version counter does not
-    see: the views the earlier slices' forwards saved cover only tokens before them, which no later write
-    touches. The later slices' backwards accumulate into the buffer's gradient; slice j's BWD takes its own
-    tokens' part of it, which every later slice has added to by then (the Program orders the BWDs of one
+    (`narrow`), where concatenating the j earlier slices' leaves at every forward, and handing gradients back
+    into each of them at every backward, cost O(n^2) small tensor operations per stage and sequence (a 9-token
+    slice's backward grew 2.7x from the first quarter of 114 slices to the last; the buffer makes such a step
+    6% faster, docs/terapipe.md). A slice's kv are written through `.data`, which autograd's version counter
+    does not see: the views the earlier slices' forwards saved cover only tokens before them, which no later
+    write touches. The later slices' backwards accumulate into the buffer's gradient; slice j's BWD takes its
+    own tokens' part of it, which every later slice has added to by then (the Program orders the BWDs of one
     sequence's slices last to first on a stage: pipec.passes.checks).
 
     Per unit between its FWD and its BWD it also holds what the BWD needs besides the stage's own record:
