@@ -20,6 +20,10 @@ from collections.abc import Sequence
 from pipec.runtime.affinity import MODES, bind_local_rank
 from pipec.runtime.monitor import BEAT_EVERY, block_sigterm, die_with_parent, say
 
+# A collective that timed out waits this long at most (or the timeout, if shorter) for another rank's report
+# before blaming the replica that never joined: that replica is usually waiting on its own pipeline.
+COLLECTIVE_GRACE_S = 10.0
+
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m pipec.runtime.launch", description=__doc__.split("\n\n")[0])
@@ -271,6 +275,10 @@ class Worker:
                 say(f"pipec: rank {self.rank}: error during start-up: {type(e).__name__}: {e}")
                 os._exit(1)
             if isinstance(e, CollectiveError):
+                if "timed out" in str(e):
+                    # A replica peer that never joined is alive and waiting on something of its own (its
+                    # pipeline, most often): its own report names the cause, so it gets the time to make it.
+                    self.monitor.await_record(min(float(self.args.timeout), COLLECTIVE_GRACE_S))
                 # The replica that never joined: one whose last reported position is not this collective's.
                 here = self.where()
                 behind = [p for p in e.peers if self.monitor.position_of(p) != here]

@@ -180,6 +180,15 @@ class Monitor:
         except Exception:
             return False
 
+    def await_record(self, seconds: float) -> bool:
+        """Wait up to `seconds` for some rank to record a failure; whether one did."""
+        deadline = time.monotonic() + seconds
+        while not self.recorded():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
     def silent_ranks(self, window: float = 4 * BEAT_EVERY) -> list[int]:
         """The other ranks whose heartbeat did not move for `window` seconds: stopped (SIGSTOP), dead, or
         cut off. A rank that waits for a peer still beats, so this names the rank that stopped answering,

@@ -201,10 +201,10 @@ def test_a_replica_that_hangs_is_given_up_on_after_the_timeout():
         assert r.returncode != 0, r.stderr
         assert "Traceback" not in r.stderr, r.stderr
         assert re.search(r"step 2, instruction #\d+ `", r.stderr), r.stderr
-    # the hung rank is named: by its replica peer (rank 2) as a rule; on a loaded machine rank 2 may hear
-    # first of its pipeline peer (rank 1) going silent while it times out on rank 3, and rank 1 names it
-    said = [r.stderr for r in results[:3]]
-    assert "rank 3" in said[2] or ("rank 1 stopped responding" in said[2] and "rank 3" in said[1]), said
+    # every rank names the hung rank 3: rank 0's reduction with rank 1 (waiting on rank 3 in its pipeline)
+    # times out too, and waits for rank 1's own report rather than blaming it
+    for r in results[:3]:
+        assert "rank 3 stopped responding" in r.stderr, (r.rank, r.stderr)
     print(f"a hung replica: every rank out in {elapsed:.1f} s; rank 2 said: {results[2].stderr.strip()[-400:]}")
     assert elapsed < 30
 
