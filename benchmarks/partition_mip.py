@@ -16,14 +16,13 @@ import argparse
 import json
 import time
 
-import numpy as np
 from partition_speed import _rows
 from sidebyside import load_average
 
 from pipec.api import load
 from pipec.partition import partition
 from pipec.partition.files import Ranks, make_table
-from pipec.partition.search import Problem, step_lp
+from pipec.partition.search import step_lp
 from pipec.passes.compiler import compile_schedule
 
 
@@ -39,7 +38,8 @@ def main() -> None:
     sched = load(args.schedule, **params)
     prog = compile_schedule(sched).program
     table = make_table(_rows("random", 96, 0))
-    ours = partition(sched, prog, table, Ranks(speed=(1.0,)), time_limit=10.0).result
+    outcome = partition(sched, prog, table, Ranks(speed=(1.0,)), time_limit=10.0)
+    ours, pb = outcome.result, outcome.problem  # the MIPs are built on the same Problem
     base = {"schedule": args.schedule, "params": params, "layers": 96}
     print(
         json.dumps(
@@ -55,7 +55,6 @@ def main() -> None:
         ),
         flush=True,
     )
-    pb = Problem(sched, prog, table, np.ones(8), np.full(8, np.nan))
     for name in args.solvers.split(","):
         mip = pywraplp.Solver.CreateSolver(name)
         if mip is None:

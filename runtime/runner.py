@@ -248,6 +248,7 @@ class Runner:
         self.epoch = 0  # the number of the last shape exchange (0: the first step's)
         self.exchanges = 0  # shape exchanges this runner has run
         self.mb_targets: list | None = None  # the last step's micro-batch targets (last stage's rank)
+        self.lengths_warned = False  # a LengthWarning was given (slices.length_mismatch)
 
     @property
     def has_first(self) -> bool:
@@ -301,7 +302,8 @@ class Runner:
             if inputs is None:
                 raise PipelineError(f"rank {self.rank} runs stage 0 and needs the inputs")
             mb_in = [as_args(to_device(x, self.device, self.dtype)) for x in split(inputs, m, "inputs")]
-            if (differs := slices.length_mismatch(self.program.slicing, mb_in)) is not None:
+            if not self.lengths_warned and (differs := slices.length_mismatch(self.program.slicing, mb_in)):
+                self.lengths_warned = True  # once a run: the same data would say it every step
                 warnings.warn(f"rank {self.rank}, step {self.steps_done + 1}: {differs}", slices.LengthWarning, 2)
             if self.slicing is not None:
                 mb_in = slices.units(mb_in, self.slicing, "inputs")

@@ -201,7 +201,7 @@ class KVCache:
     def __init__(self, slicing: Slicing, stage: int) -> None:
         self.slicing = slicing
         self.stage = stage
-        self.starts = [sum(slicing.tokens[:j]) for j in range(slicing.slices)]
+        self.starts = slicing.unit_context()[: slicing.slices].tolist()  # slice j's first token
         self.buffers: dict[int, tuple[torch.Tensor, ...]] = {}  # sequence -> one buffer per kv tensor
         self.kept: dict[int, set[int]] = {}  # sequence -> the slices written into its buffers, BWD not yet run
         self.units: dict[int, tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = {}  # unit -> (read, own)
