@@ -52,7 +52,7 @@ def model_costs(name: str, num_stages: int) -> dict:
 
 
 def topology(placement: str):
-    from pipec.schedule import Datacenter, Link, Topology
+    from pipec.ir.schedule import Datacenter, Link, Topology
 
     link = Link("east", "west", LINK["latency"], LINK["bandwidth_bps"])
     if placement == "pp-across":
@@ -62,7 +62,7 @@ def topology(placement: str):
 
 def measure(model: str, schedule: str, params: dict, m: int, placement: str) -> dict:
     from pipec.api import load
-    from pipec.dataparallel import DataParallel
+    from pipec.ir.dataparallel import DataParallel
     from pipec.passes.lower import lower
     from pipec.sim.costs import cost_model, normalize
     from pipec.sim.simulate import simulate, stats

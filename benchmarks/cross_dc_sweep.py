@@ -36,9 +36,9 @@ SCHEDULES = (
 
 def measure(latency_ms: float, bandwidth_gbps: float, p: int, m: int, extra: dict | None = None) -> list[dict]:
     from pipec.api import load
+    from pipec.frontend.topology import read_topology, with_topology
     from pipec.sim.costs import parse_overrides, read_cost_file
-    from pipec.sim.report import run
-    from pipec.sim.topology import read_topology, with_topology
+    from pipec.view.report import run
 
     link = parse_overrides(f"latency.cross={latency_ms}ms,bandwidth.cross={bandwidth_gbps}Gbps")
     docs = [read_cost_file(COSTS), link]

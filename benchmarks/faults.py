@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sidebyside import emit, load_average  # noqa: E402
 
-from pipec.runtime.spawned import alive, children  # noqa: E402
+from pipec.runtime.job.spawned import alive, children  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ["1f1b", "-D", "p=3", "-D", "m=3", "--model", "tests/models/faulty.py", "--nproc", "3"]
@@ -76,7 +76,9 @@ def signal_fault(kind: str) -> dict:
     sig = {"sigterm": signal.SIGTERM, "sigint": signal.SIGINT, "sigkill": signal.SIGKILL}[kind]
     with tempfile.TemporaryDirectory() as tmp:
         proc = _start_training(tmp)
-        workers = [p for p in children(proc.pid) if "pipec.runtime.launch" in Path(f"/proc/{p}/cmdline").read_text()]
+        workers = [
+            p for p in children(proc.pid) if "pipec.runtime.job.launch" in Path(f"/proc/{p}/cmdline").read_text()
+        ]
         t0 = time.time()
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=120)
@@ -100,7 +102,7 @@ def mismatched(timeout: float) -> dict:
     for node, name in enumerate(("1f1b", "gpipe")):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node)]
         cmd += ["--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"]
-        cmd += ["-m", "pipec.runtime.launch", name, *common]
+        cmd += ["-m", "pipec.runtime.job.launch", name, *common]
         procs.append(
             subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         )

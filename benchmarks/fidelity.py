@@ -23,7 +23,7 @@ each measured and simulated.
 `overhead_us` is the per-instruction overhead `pipec profile` measured, and `error_without_overhead`
 the error of a simulation that leaves it out (`--cost overhead=0`). The `in_situ_*` fields are the same
 for the costs of `pipec profile --in-situ` (F, B, W and the overhead measured in steps of the schedule
-run on two processes: pipec.runtime.insitu), whose runs are separate from the measured ones. With
+run on two processes: pipec.runtime.profile.insitu), whose runs are separate from the measured ones. With
 `--transfer`, `partner_*` are those of a simulation with the in-situ costs of another schedule with the same
 stages and kind of backward (GPipe for 1F1B, looped BFS for interleaved 1F1B, ZB-H2 for ZB-H1): whether
 costs measured in one schedule predict another.
@@ -44,10 +44,10 @@ from pathlib import Path
 
 import numpy as np
 
-from pipec.sim.trace import read_trace
+from pipec.formats.trace import read_trace
 
 ROOT = Path(__file__).resolve().parents[1]
-PIPEC = [sys.executable, "-m", "pipec.cli"]
+PIPEC = [sys.executable, "-m", "pipec.cli.app"]
 MODEL = "benchmarks/blocks_model.py"
 CASES = {"1f1b": {}, "interleaved-1f1b": {"v": 2}, "zb-h1": {}}
 # --transfer: a schedule with the same stages and kind of backward, whose in-situ costs predict the case's

@@ -6,7 +6,7 @@ machine (this project's `device` tool), where a session has minutes of GPU time,
 1. Every library schedule with p=2 (m=4, v=2 where declared) in `--local` mode on the device, float64
    MLP, 3 steps: the largest relative error of the loss, the gradients and the parameters against the
    single-process reference on the same device (target: at most 1e-10), and the median step time.
-2. A one-rank NCCL job through torchrun and `pipec.runtime.launch` (GPipe, p=1, --check): NCCL's
+2. A one-rank NCCL job through torchrun and `pipec.runtime.job.launch` (GPipe, p=1, --check): NCCL's
    initialisation with `device_id`, the runner on `cuda:LOCAL_RANK`, a clean teardown. One GPU cannot
    hold two NCCL ranks, so point-to-point over NCCL needs a machine with two.
 3. `pipec profile --device cuda` of 1F1B (p=2) on the GPT example: the cost file reads back.
@@ -91,7 +91,7 @@ def one_rank_job(device: str, out) -> bool:
     backend = "nccl" if device == "cuda" else "gloo"
     env = dict(os.environ, **MLP)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
-    cmd += ["-m", "pipec.runtime.launch", "gpipe", "-D", "p=1", "-D", "m=2", "--model", "examples/mlp.py"]
+    cmd += ["-m", "pipec.runtime.job.launch", "gpipe", "-D", "p=1", "-D", "m=2", "--model", "examples/mlp.py"]
     code, text, secs = run_cmd([*cmd, "--backend", backend, "--steps", "3", "--check", "--timeout", "60"], env)
     ok = code == 0 and "OK: largest relative error" in text
     return emit(out, check="one_rank_job", backend=backend, seconds=round(secs, 2), ok=ok, output=text[-1500:])
@@ -100,7 +100,7 @@ def one_rank_job(device: str, out) -> bool:
 def profile_gpt(device: str, tmp: str, out) -> bool:
     cost = os.path.join(tmp, "gpt.toml")
     env = dict(os.environ, GPT_DTYPE="float32")
-    cmd = [sys.executable, "-m", "pipec.cli", "profile", "1f1b", "-D", "p=2", "-D", "m=4"]
+    cmd = [sys.executable, "-m", "pipec.cli.app", "profile", "1f1b", "-D", "p=2", "-D", "m=4"]
     cmd += ["--model", "examples/gpt.py", "--device", device, "--reps", "5", "-o", cost]
     code, text, secs = run_cmd(cmd, env)
     ok = code == 0 and os.path.isfile(cost)

@@ -7,7 +7,7 @@ JSON lines, or docs/memory.md's "Predicted against measured" tables with --markd
 
 `peaks`: every library schedule (`pipec list`) at p=4 (m=8; the default parameters otherwise) on
 examples/mlp.py, run in this process (`LocalPipeline`, the runtime's executor and saved-tensor holders,
-pipec.runtime.saved) for two steps; the measured figure is each rank's peak saved bytes in the last step
+pipec.runtime.exec.saved) for two steps; the measured figure is each rank's peak saved bytes in the last step
 (device and host pools), the predicted one pipec's memory model (`program_memory`) on the bytes `pipec
 profile` counts (`stage_bytes`). A schedule that does not build at p=4 (a topology it needs) is reported
 as skipped with its reason.
@@ -55,10 +55,10 @@ def _compile(name: str, p: int, m: int):
 
 def peaks_row(name: str, p: int = 4, m: int = 8, steps: int = 2, model_path: str = MODEL) -> dict:
     """One schedule's predicted and measured peaks per rank (see the module docstring)."""
-    from pipec.passes.memory import memory_bytes, program_memory
     from pipec.runtime.local import LocalPipeline
-    from pipec.runtime.model import load_model
-    from pipec.runtime.profile import stage_bytes
+    from pipec.runtime.model.contract import load_model
+    from pipec.runtime.profile.stages import stage_bytes
+    from pipec.sim.memory import memory_bytes, program_memory
 
     try:
         sched, program = _compile(name, p, m)
@@ -135,11 +135,11 @@ def profile_and_simulate(name: str, tmp: str, p: int = 4, m: int = 8) -> dict:
 def run_once(name: str, tmp: str, p: int = 4, m: int = 8, steps: int = 6) -> dict:
     """One `pipec run`-style job (the launch entry point, with `--memory-out`): the median step after the
     first, and each rank's measured peaks."""
-    from pipec.cli import run_json
+    from pipec.cli.app import run_json
 
     out_path = os.path.join(tmp, f"{name}.memory.json")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(p)]
-    cmd += ["-m", "pipec.runtime.launch", name, "-D", f"p={p}", "-D", f"m={m}", "--model", MODEL]
+    cmd += ["-m", "pipec.runtime.job.launch", name, "-D", f"p={p}", "-D", f"m={m}", "--model", MODEL]
     cmd += ["--steps", str(steps), "--memory-out", out_path]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // p))))
     run = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)

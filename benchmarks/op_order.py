@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipec.sim.trace import read_trace
+from pipec.formats.trace import read_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 OPS = ("F", "B", "W")
@@ -42,7 +42,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             for k in range(args.runs):
                 trace = os.path.join(tmp, f"{k}.json")
-                cmd = [sys.executable, "-m", "pipec.cli", "run", name, "-D", "p=2", "-D", "v=2", "-D", "m=8"]
+                cmd = [sys.executable, "-m", "pipec.cli.app", "run", name, "-D", "p=2", "-D", "v=2", "-D", "m=8"]
                 cmd += ["--model", "benchmarks/blocks_model.py", "--nproc", "2", "--steps", "6", "--trace", trace]
                 res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
                 if res.returncode != 0:

@@ -20,8 +20,8 @@ from partition_speed import _rows
 from sidebyside import load_average
 
 from pipec.api import load
+from pipec.formats.partition_files import Ranks, make_table
 from pipec.partition import partition
-from pipec.partition.files import Ranks, make_table
 from pipec.partition.search import step_lp
 from pipec.passes.compiler import compile_schedule
 

@@ -21,8 +21,8 @@ import numpy as np
 from sidebyside import load_average
 
 from pipec.api import load
+from pipec.formats.partition_files import Ranks, make_table
 from pipec.partition import partition
-from pipec.partition.files import Ranks, make_table
 from pipec.passes.compiler import compile_schedule
 
 

@@ -29,7 +29,7 @@ where a difference comes from, the errors of two other simulations on the same p
 (the per-stage reduce_grad / unshard left out, so the collectives come from the ring fit) and
 `free_collectives` (no DP costs at all: what the collectives add). The load average is in every line.
 
-What the run adds around the ops is in the cost file too (runtime/insitu.py): each stage's `step` (its
+What the run adds around the ops is in the cost file too (runtime/profile/insitu.py): each stage's `step` (its
 STEP: optimizer step, FSDP2's final callback and reshard), `step_overhead` (the step's time outside its
 instructions) and `dp_blocking` (gloo's collectives block the rank). Against the in-situ step, the line
 also gives the simulation without those three keys (`error_vs_in_situ_without_step_keys`: as before they
@@ -58,7 +58,7 @@ CASES = {"1f1b": {}, "interleaved-1f1b": {"v": 2}, "zb-v": {}}
 P, DP, M = 2, 2, 8
 STEP = re.compile(r"^step\s+(\d+)/\d+: loss \S+, ([0-9.]+) s", re.M)
 DP_KEYS = ("param_bytes", "dp_latency", "dp_bandwidth", "reduce_grad", "unshard")
-# what the run adds around the ops (runtime/insitu.py): the optimizer steps, the step's time outside its
+# what the run adds around the ops (runtime/profile/insitu.py): the optimizer steps, the step's time outside its
 # instructions, and whether the collectives block the rank
 STEP_KEYS = ("step", "step_overhead", "dp_blocking")
 
@@ -110,7 +110,7 @@ def mean_doc(doc: dict) -> dict | None:
 
 def simulate_makespan(name: str, kind: str, doc: dict) -> float:
     from pipec.api import simulate
-    from pipec.dataparallel import DataParallel
+    from pipec.ir.dataparallel import DataParallel
 
     sim = simulate(name, params_of(name), cost=doc, data_parallel=DataParallel(DP, kind))
     return float(sim.stats.makespan)
@@ -121,9 +121,9 @@ def profile_costs(name: str, kind: str, reps: int, path: str) -> dict:
     import tomllib
 
     from pipec.api import compile as compile_program
-    from pipec.dataparallel import DataParallel
+    from pipec.ir.dataparallel import DataParallel
     from pipec.runtime import load_model
-    from pipec.runtime.profile import profile
+    from pipec.runtime.profile.stages import profile
     from pipec.sim.costs import dump_costs
 
     program = compile_program(name, params_of(name), data_parallel=DataParallel(DP, kind))
@@ -135,7 +135,7 @@ def profile_costs(name: str, kind: str, reps: int, path: str) -> dict:
 
 def measured_step(name: str, kind: str, steps: int, env: dict) -> float:
     d = [x for k, v in params_of(name).items() for x in ("-D", f"{k}={v}")]
-    cmd = [sys.executable, "-m", "pipec.cli", "run", name, *d, "--model", MODEL, "--nproc", str(P * DP)]
+    cmd = [sys.executable, "-m", "pipec.cli.app", "run", name, *d, "--model", MODEL, "--nproc", str(P * DP)]
     cmd += ["--dp", str(DP), "--dp-kind", kind, "--steps", str(steps)]
     for _ in range(2):  # a rare gloo start-up failure on a busy machine: once more
         res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)

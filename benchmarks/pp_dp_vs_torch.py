@@ -4,11 +4,11 @@
                                                   [--kinds ddp,fsdp] [--rows 32]
 
 A 2 x 2 mesh on gloo: 4 processes, `init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))`, global
-rank g at (pp, dp) = divmod(g, 2) (pipec.runtime.dataparallel's layout). The model: 16 blocks of
+rank g at (pp, dp) = divmod(g, 2) (pipec.runtime.exec.replicas's layout). The model: 16 blocks of
 Linear(256, 256) + GELU in float64 (benchmarks/runtime_vs_torch.py's), split evenly over the stages (2
 stages of 8 blocks for 1F1B; 4 stages of 4 blocks for interleaved 1F1B with v=2 and for ZB-V), the MSE
 loss against a fixed target, SGD. Each replica trains on its half of the global batch (rows split as
-`pipec.runtime.dataparallel.slice_replica` splits them), m=8 micro-batches of `--rows` rows each.
+`pipec.runtime.exec.replicas.slice_replica` splits them), m=8 micro-batches of `--rows` rows each.
 
 Both sides use the same FSDP2 machinery on the "dp" sub-mesh, wrapped the same way:
 - ddp: `replicate` (torch.distributed._composable.replicate_with_fsdp), gradients all-reduced once per step;
@@ -59,7 +59,7 @@ def build_seeded(stage: int, num_stages: int):
 
 
 def dp_wrap(module, kind: str, dp_mesh):
-    """FSDP2 on the "dp" mesh, as pipec.runtime.dataparallel.wrap does it (so the comparison is of the
+    """FSDP2 on the "dp" mesh, as pipec.runtime.exec.replicas.wrap does it (so the comparison is of the
     pipelines, not of two data-parallel libraries)."""
     from torch.distributed.fsdp import fully_shard
 
@@ -97,7 +97,7 @@ class TorchSide:
         self.opt.step()
 
     def gradients(self) -> dict:
-        from pipec.runtime.dataparallel import named_full
+        from pipec.runtime.exec.replicas import named_full
 
         return named_full([((s, n), p.grad) for s, mod in self.modules.items() for n, p in mod.named_parameters()])
 
@@ -107,7 +107,7 @@ class PipecSide:
         import torch
 
         from pipec.api import compile as compile_program
-        from pipec.dataparallel import DataParallel
+        from pipec.ir.dataparallel import DataParallel
         from pipec.runtime import Runner
 
         params = {"p": P, "m": M, **({"v": 2} if name == "interleaved-1f1b" else {})}
@@ -136,10 +136,10 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> N
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    import torch.distributed.nn.functional  # noqa: F401 - before the group (see runtime/launch.py, Worker._teardown)
+    import torch.distributed.nn.functional  # noqa: F401 - before the group (see runtime/job/launch.py, Worker._teardown)
     from torch.distributed.device_mesh import init_device_mesh
 
-    from pipec.runtime.dataparallel import slice_replica
+    from pipec.runtime.exec.replicas import slice_replica
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (P, DP), mesh_dim_names=("pp", "dp"))

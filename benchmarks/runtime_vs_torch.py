@@ -180,7 +180,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> N
 
     torch.set_num_threads(1)
     # Before the group exists, or its default arguments keep the group and gloo's threads alive past
-    # destroy_process_group, and one may abort the exit (see runtime/launch.py, Worker._teardown).
+    # destroy_process_group, and one may abort the exit (see runtime/job/launch.py, Worker._teardown).
     import torch.distributed.nn.functional  # noqa: F401
 
     dist.init_process_group("gloo")

@@ -44,7 +44,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="small points only")
     args = ap.parse_args()
     from pipec.api import load
-    from pipec.dataparallel import DataParallel
+    from pipec.ir.dataparallel import DataParallel
     from pipec.passes.lower import lower
     from pipec.sim.costs import cost_model, parse_overrides
     from pipec.sim.simulate import simulate

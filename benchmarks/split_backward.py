@@ -19,7 +19,7 @@ import torch
 from sidebyside import alternate, emit, load_average, summarize
 from torch import nn
 
-from pipec.runtime.stage import Stage
+from pipec.runtime.exec.stage import Stage
 
 
 def block_stack(width: int, blocks: int) -> nn.Module:

@@ -9,7 +9,7 @@ the runtime's `Runner`, with the executor's and the transport's methods wrapped 
 writes the data in the call), `post` (a receive: its buffer, `_recv_ops`, and gloo's call, which sends
 the peer a "ready" notice), `_wait` (each work waited on), and the executor's `_exchange` and
 `_post_upto` around them. One JSON line per rank and call: calls per step, median and mean in us,
-after 3 untimed steps. The cost file's `overhead` (pipec.runtime.overhead) is what these add up to
+after 3 untimed steps. The cost file's `overhead` (pipec.runtime.profile.overhead) is what these add up to
 between two compute ops.
 """
 
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from sidebyside import emit, load_average
 
-from pipec.runtime import spawned
+from pipec.runtime.job import spawned
 
 ROOT = Path(__file__).resolve().parents[1]
 WRAPPED = {
@@ -37,9 +37,9 @@ WRAPPED = {
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> None:
     os.environ["BLOCKS_M"] = "8"
     dist = spawned.join_gloo(rank, world, port)
-    from pipec.runtime import comm, executor
-    from pipec.runtime.launch import load_program
-    from pipec.runtime.model import load_model
+    from pipec.runtime.exec import comm, executor
+    from pipec.runtime.job.launch import load_program
+    from pipec.runtime.model.contract import load_model
     from pipec.runtime.runner import Runner
 
     times: dict[str, list[float]] = collections.defaultdict(list)

@@ -17,7 +17,7 @@ The costs are *modelled*, not profiled (docs/zeropp.md says why): a GPT-2-medium
 2.7b`, a GPT-3-2.7B-like) decoder, sequence 1024, one sequence per micro-batch, bf16, on GPUs sustaining
 `--tflops` (default 400) per second; per layer F = 24 s h^2 (1 + s / 6h) flop / tflops, B = 2 F; the
 gathered parameters 2 bytes per parameter (12 h^2 per layer); activations sent between stages s h * 2
-bytes. Memory (bytes, the memory model of pipec.passes.memory): activations kept per layer and
+bytes. Memory (bytes, the memory model of pipec.sim.memory): activations kept per layer and
 micro-batch 34 s h bytes (Korthikanti et al. 2022 with flash attention, no s^2 term); `params` 4 bytes
 per parameter (bf16 weights and gradients, whole while gathered, a 1/N shard otherwise); the optimizer's
 sharded fp32 state (12 bytes per parameter / N) is the same for every schedule and left out.
@@ -36,8 +36,8 @@ import time
 from dataclasses import dataclass
 
 from pipec.api import load
-from pipec.dataparallel import DataParallel
 from pipec.errors import PipecError
+from pipec.ir.dataparallel import DataParallel
 from pipec.passes.compiler import compile_schedule
 from pipec.sim.costs import cost_model
 from pipec.sim.simulate import simulate, stats

@@ -16,7 +16,7 @@ embedding: tying them would share one weight between the first and the last stag
 pipeline would have to add up across ranks. The loss is the cross-entropy of the next character.
 
 Token slices (TeraPipe, docs/terapipe.md): every stage has the key/value cache interface of
-pipec.runtime.slices, `stage(x, past_kv=past) -> (y, kv)` with kv each block's keys and values
+pipec.runtime.exec.slices, `stage(x, past_kv=past) -> (y, kv)` with kv each block's keys and values
 (batch, heads, tokens, head dim), so a sliced schedule runs it; its `seqlen` must be GPT_CONTEXT:
 
     pipec run terapipe -D p=2 -D m=2 -D n=4 -D L=32 --model examples/gpt.py --nproc 2 --check
@@ -161,7 +161,7 @@ def blocks_of(stage: int, num_stages: int) -> range:
 
 class Stage(nn.Sequential):
     """A stage's layers in order (an nn.Sequential: the same parameter names as always), with the
-    key/value cache interface of pipec.runtime.slices."""
+    key/value cache interface of pipec.runtime.exec.slices."""
 
     def forward(self, x: torch.Tensor, past_kv: tuple[torch.Tensor, ...] | None = None):
         """Unsliced: the layers in turn. With `past_kv` (a token slice; `()` for the first one): per block,

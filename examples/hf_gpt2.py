@@ -14,7 +14,7 @@ every process (and the reference) builds the same weights; nothing is downloaded
 set before transformers is imported, and no tokenizer or checkpoint is asked for). Dropout is off (a
 pipeline and its reference must compute the same function), and sdpa attention is transformers' default.
 
-Split by module names, as torchtitan splits a model, with pipec's splitter (`pipec.runtime.split_model`):
+Split by module names, as torchtitan splits a model, with pipec's splitter (`pipec.runtime.model.split`):
 `propose_split` puts `transformer.wte`, `transformer.wpe` (and the dropout) on the first stage with its
 blocks, `transformer.ln_f` and `lm_head` on the last, and spreads the blocks `transformer.h.N` evenly;
 `split_model` keeps each stage's modules under their names in the whole model (`transformer.h.3.attn...`)
@@ -43,7 +43,7 @@ from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
-from pipec.runtime.split_model import propose_split, split_model  # noqa: E402
+from pipec.runtime.model.split import propose_split, split_model  # noqa: E402
 
 LAYERS = int(os.environ.get("HF_LAYERS", "8"))
 WIDTH = int(os.environ.get("HF_WIDTH", "64"))

@@ -20,7 +20,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 import pipec
 from pipec.runtime import PipelineSchedule, clip_grad_norm_, propose_split, stage_indices
-from pipec.runtime.split_model import split_model
+from pipec.runtime.model.split import split_model
 
 CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "stdlib_docstrings.txt")
 

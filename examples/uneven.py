@@ -4,7 +4,7 @@ blocks of growing width, and a heavy last layer, like an embedding, a transforme
     pipec partition 1f1b -D p=4 -D m=8 --model examples/uneven.py -o part.json
     pipec run 1f1b -D p=4 -D m=8 --model examples/uneven.py --partition part.json --check
 
-`layers()` gives the named layers in order (pipec.runtime.model); without --partition, `build_stage`
+`layers()` gives the named layers in order (pipec.runtime.model.contract); without --partition, `build_stage`
 splits them evenly (stage s takes layers L*s//S to L*(s+1)//S - 1, the uniform split `pipec partition`
 compares with), with the same weights. The task: regress a fixed random teacher from fresh inputs.
 Environment knobs: UNEVEN_WIDTH (64), UNEVEN_BATCH rows per step (256), UNEVEN_HEAD hidden width of the

@@ -4,7 +4,7 @@ differs from one micro-batch to the next and from step to step.
     pipec run 1f1b -D p=2 -D m=4 --model examples/varlen.py --nproc 2 --steps 3 --check
 
 `batch(step)` returns a list of (inputs, targets) pairs, one per micro-batch (the model contract of
-pipec.runtime.model): VARLEN_MICROBATCHES of them (4, the schedule's m), each VARLEN_ROWS windows of the
+pipec.runtime.model.contract): VARLEN_MICROBATCHES of them (4, the schedule's m), each VARLEN_ROWS windows of the
 text (8) of one length. The lengths follow the step pair by pair (steps 0 and 1 share theirs, steps 2 and 3
 theirs, ...), so a run shows the shapes exchanged again only at a step whose lengths changed: the
 runtime redoes the exchange at such a step and only there. Lengths are between 2 and GPT_CONTEXT (32).

@@ -33,10 +33,10 @@ __all__ = [
 
 if TYPE_CHECKING:
     from pipec.api import check, compile, load, read_program, simulate
-    from pipec.dataparallel import DataParallel
     from pipec.errors import PipecError
-    from pipec.program import Program
-    from pipec.schedule import Schedule
+    from pipec.ir.dataparallel import DataParallel
+    from pipec.ir.program import Program
+    from pipec.ir.schedule import Schedule
 
 _HOME = {
     "check": "pipec.api",
@@ -44,10 +44,10 @@ _HOME = {
     "load": "pipec.api",
     "read_program": "pipec.api",
     "simulate": "pipec.api",
-    "DataParallel": "pipec.dataparallel",
+    "DataParallel": "pipec.ir.dataparallel",
     "PipecError": "pipec.errors",
-    "Program": "pipec.program",
-    "Schedule": "pipec.schedule",
+    "Program": "pipec.ir.program",
+    "Schedule": "pipec.ir.schedule",
 }
 
 

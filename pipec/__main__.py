@@ -10,7 +10,7 @@ import sys
 
 
 def entry() -> None:
-    from pipec.cli import main
+    from pipec.cli.app import main
 
     code = main()
     if "torch" in sys.modules:  # every file is closed and every folder removed by now

@@ -25,19 +25,19 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from pipec import cachedir
-from pipec.dataparallel import DataParallel
 from pipec.errors import Source, brief, error
+from pipec.formats.torch_csv import is_torch_csv, read_csv
 from pipec.frontend.codegen import GeneratedCode, compile_ast
 from pipec.frontend.evaluate import evaluate
 from pipec.frontend.library import package_files, read
-from pipec.interop.torch_csv import is_torch_csv, read_csv
+from pipec.ir.dataparallel import DataParallel
+from pipec.ir.program import Program, is_program_text
+from pipec.ir.schedule import RankOps, Schedule
 from pipec.passes.checks import check_schedule
-from pipec.program import Program, is_program_text
-from pipec.schedule import RankOps, Schedule
 
 if TYPE_CHECKING:
     from pipec.passes.compiler import CompiledSchedule
-    from pipec.sim.report import Simulation
+    from pipec.view.report import Simulation
 
 __all__ = [
     "build",
@@ -176,13 +176,13 @@ def read_program(path: str | os.PathLike[str]) -> Program:
     malformed, E502 when it breaks a rule of docs/program.md; E000 when it cannot be read).
 
     >>> import os, tempfile
-    >>> from pipec.program import to_text
+    >>> from pipec.ir.program import to_text
     >>> path = os.path.join(tempfile.mkdtemp(), "p.txt")
     >>> _ = open(path, "w").write(to_text(compile("gpipe", p=2, m=2)))
     >>> read_program(path) == compile("gpipe", p=2, m=2)
     True
     """
-    from pipec.program import read_program as _read
+    from pipec.ir.program import read_program as _read
 
     return _read(os.fspath(path))
 
@@ -191,7 +191,7 @@ def schedule_of(prog: Program, source: Source | None = None) -> Schedule:
     """The Schedule a Program executes: each rank's computes in their order (an overlapped pair stays a
     pair), with the Program's sizes, parameters and placement. A Program holds no cost, memory,
     topology or `expect` declarations, so the defaults apply to it (give costs with `cost=`)."""
-    from pipec.opcodes import IS_COMPUTE, KIND_OF
+    from pipec.ir.opcodes import IS_COMPUTE, KIND_OF
 
     ranks = []
     for rp in prog.ranks:
@@ -232,7 +232,7 @@ def target_of(
         source = _read(target)
         if not is_program_text(source.text):
             return build(source, items), None
-        from pipec.program import parse_program  # the file is read already: parse its text
+        from pipec.ir.program import parse_program  # the file is read already: parse its text
 
         obj, where = parse_program(source.text, source.path), source.path
     if items:
@@ -262,7 +262,7 @@ def check_program(
     was lowered for its data parallelism and is run as it stands."""
     from pipec.passes.compiler import CompiledSchedule, program_deadlock_error
     from pipec.passes.dryrun import dry_run
-    from pipec.passes.memory import check_memory, program_memory
+    from pipec.sim.memory import check_memory, program_memory
 
     run = dry_run(prog)  # validates first
     if data_parallel is not None:
@@ -332,7 +332,7 @@ def compile(  # noqa: A001 - pipec.compile is the name users look for
 ) -> Program:
     """Check a schedule (as `pipec compile` does: all but its `expect` lines) and lower it to one
     instruction stream per rank (docs/program.md), with the collectives `data_parallel` calls for
-    (`prog.dp`, `prog.dp_kind` record it). Write it with `pipec.program.write_json` or `write_text`.
+    (`prog.dp`, `prog.dp_kind` record it). Write it with `pipec.ir.program.write_json` or `write_text`.
 
     >>> prog = compile("1f1b", p=2, m=2)
     >>> [str(i) for i in prog.ranks[1].instructions()][:3]
@@ -355,7 +355,7 @@ def simulate(
     `--cost` takes (a cost file's path, overrides like "F=1,B=2,W=1", a cost document, or a list of
     these, later ones winning) on top of the schedule's own declarations; `topology` what
     `--topology` takes; `data_parallel` as for `compile`. Returns the simulation: `.stats` (makespan,
-    bubble, per rank), `.timeline`, `.costs`; `pipec.sim.report.to_json(sim)` is `pipec simulate --json`'s
+    bubble, per rank), `.timeline`, `.costs`; `pipec.view.report.to_json(sim)` is `pipec simulate --json`'s
     record for it.
 
     >>> sim = simulate("1f1b", p=4, m=8, cost="F=1,B=2")
@@ -385,13 +385,13 @@ def simulation(
     """Simulate a Schedule (checked and lowered first, with `data_parallel`'s collectives) or a Program
     (checked, then run as it stands) under these cost documents (see `cost_docs`) and memory overrides,
     on `topology` if given."""
-    from pipec.passes.memory import memory_bytes, memory_model
-    from pipec.sim import report
+    from pipec.frontend.topology import read_topology, with_topology
     from pipec.sim.costs import cost_model
+    from pipec.sim.memory import memory_bytes, memory_model
     from pipec.sim.memtime import memory_curves
     from pipec.sim.simulate import simulate as run
     from pipec.sim.simulate import stats
-    from pipec.sim.topology import read_topology, with_topology
+    from pipec.view import report
 
     if isinstance(obj, Schedule) and (data_parallel is None or data_parallel.is_default):
         return report.run(with_topology(obj, read_topology(topology, obj)) if topology else obj, docs, memory)

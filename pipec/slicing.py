@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipec.errors import PipecError, Source, error
-from pipec.schedule import Schedule, Slicing
+from pipec.ir.schedule import Schedule, Slicing
 
 # The grid's default: at most this many positions along the sequence (granularity = the smallest divisor of
 # L that keeps the grid within it). 128 positions take about a second.
@@ -529,8 +529,8 @@ def report_lines(res: Result) -> list[str]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """`pipec slice`'s arguments (pipec.cli adds the subcommand with this and `run`)."""
-    from pipec import cli
+    """`pipec slice`'s arguments (pipec.cli.app adds the subcommand with this and `run`)."""
+    from pipec.cli import app as cli
 
     p.add_argument(
         "schedule", metavar="FILE|NAME", nargs="?", default="terapipe", help="a sliced schedule (default terapipe)"
@@ -551,7 +551,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Choose the slices, print them beside uniform slicing, write `-o`."""
-    from pipec import cli
+    from pipec.cli import app as cli
     from pipec.sim.costs import cost_spec
 
     source = cli._read_source(args.schedule)
@@ -579,7 +579,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_arguments(ap)
     args = ap.parse_args(argv)
 
-    def cmd_slice(a: argparse.Namespace) -> int:  # the name pipec.cli's JSON envelope takes the command's from
+    def cmd_slice(a: argparse.Namespace) -> int:  # the name pipec.cli.app's JSON envelope takes the command's from
         return run(a)
 
     args.command, args.func = "slice", cmd_slice

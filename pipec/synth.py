@@ -28,7 +28,7 @@ The objective is the simulated makespan, then Zero Bubble's cost (the longest
 rank's span): among schedules with the same step time, and so the same bubble
 (`Stats.bubble_rate` is on the makespan), the one whose ranks are busy over the
 shortest span wins. `write_pipe` turns the per-rank orders into a readable
-schedule file (`pipec.interop.pipe_text`, the writer `pipec import` uses too)
+schedule file (`pipec.formats.pipe_text`, the writer `pipec import` uses too)
 whose header records the inputs and figures; the file declares its whole cost
 model (topology included), memory model and limit, and `expect`s its figures,
 so `pipec check` re-proves them and `pipec simulate` reproduces them.
@@ -47,8 +47,7 @@ from fractions import Fraction
 import numpy as np
 
 from pipec.errors import error
-from pipec.frontend.codegen import MEMORY_KEYS
-from pipec.interop.pipe_text import (
+from pipec.formats.pipe_text import (
     Step,
     per_stage_expr,
     rank_block,
@@ -57,10 +56,11 @@ from pipec.interop.pipe_text import (
     schedule_steps,
     topology_lines,
 )
-from pipec.passes.memory import memory_model, rank_memory
+from pipec.frontend.codegen import MEMORY_KEYS
+from pipec.ir.schedule import Datacenter, MemOp, RankOps, Schedule, Topology
 from pipec.passes.policy import Derived, Machine, Policy, PolicyStuck, derive, machine
-from pipec.schedule import Datacenter, MemOp, RankOps, Schedule, Topology
 from pipec.sim.costs import cost_model
+from pipec.sim.memory import memory_model, rank_memory
 
 Progress = Callable[[str], None]
 MEMOP_KINDS = ("recompute", "offload")
@@ -100,7 +100,7 @@ def shape(spec: Spec, ranks: Sequence[RankOps] | None = None, name: str = "synth
     S, R = spec.num_stages, spec.p
     z = np.zeros(0, dtype=np.int64)
     empty = RankOps(z, z, z, z, np.zeros(0, dtype=bool))
-    # act, wact and params are given for a rank's share of the model, as pipec.passes.memory's defaults are
+    # act, wact and params are given for a rank's share of the model, as pipec.sim.memory's defaults are
     mem = {k: (float(v) * R / S,) * S for k, v in spec.memory.items() if k != "limit"}
     if spec.limit is not None:
         mem["limit"] = tuple(float(x) for x in spec.limit)
@@ -149,7 +149,7 @@ class Candidate:
     policy: Policy | None  # None: a library schedule's order (`origin` names it)
     derived: Derived
     origin: str = "policy"
-    memops: MemOps = ()  # the memory ops placed in `derived.orders` (pipec.schedule.MemOp)
+    memops: MemOps = ()  # the memory ops placed in `derived.orders` (pipec.ir.schedule.MemOp)
     label: str | None = None  # how it was made, when neither a plain policy nor a library order
 
     def describe(self) -> str:
@@ -250,7 +250,7 @@ def library_seeds(spec: Spec) -> list[Candidate]:
     from pipec.api import build, param_names
     from pipec.errors import PipecError
     from pipec.frontend import library
-    from pipec.sim.report import run
+    from pipec.view.report import run
 
     out = []
     want = shape(spec)
@@ -659,9 +659,9 @@ def start_times(d: Derived) -> tuple[float, dict]:
 
 
 def sim_times(sim) -> tuple[float, dict]:
-    """The makespan and start times of a simulated schedule (`pipec.sim.report.run`), its memory ops'
+    """The makespan and start times of a simulated schedule (`pipec.view.report.run`), its memory ops'
     included, for the solver's warm start."""
-    from pipec.opcodes import KIND_OF, OPCODES
+    from pipec.ir.opcodes import KIND_OF, OPCODES
 
     tl = sim.timeline
     times: dict[tuple, float] = {}
@@ -962,10 +962,10 @@ class Figures:
 
 
 def evaluate_orders(spec: Spec, orders, name: str = "synth", memops: MemOps = ()):
-    """Check, lower and simulate these orders (and memory ops) under the spec (pipec.sim.report.run): every
+    """Check, lower and simulate these orders (and memory ops) under the spec (pipec.view.report.run): every
     check runs."""
     from pipec.passes.checks import check_schedule
-    from pipec.sim.report import curves_of, run
+    from pipec.view.report import curves_of, run
 
     sched = to_schedule(spec, orders, name, memops)
     check_schedule(sched)
@@ -989,7 +989,7 @@ class Result:
     bound: float | None
     seconds_heuristic: float
     seconds_solver: float
-    memops: MemOps = ()  # per rank, the memory ops the schedule places (pipec.schedule.MemOp)
+    memops: MemOps = ()  # per rank, the memory ops the schedule places (pipec.ir.schedule.MemOp)
     floor: tuple[float, ...] | None = None  # per rank, the least memory the search can reach (`memory_floor`)
 
 
@@ -1266,7 +1266,7 @@ def library_comparison(spec: Spec, names: Sequence[str] | None = None):
     from pipec.api import build, param_names
     from pipec.errors import PipecError
     from pipec.frontend import library
-    from pipec.sim.report import run
+    from pipec.view.report import run
 
     if names is None:
         names = ["1f1b", "zb-h1", "zb-h2", "zb-v", "interleaved-1f1b"]

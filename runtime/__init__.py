@@ -2,15 +2,11 @@
 
     from pipec.runtime import Runner, LocalPipeline, load_model
 
-Modules: `model` (the model-file contract), `microbatch` (splitting a batch), `shapes` (tensor specs and
-the first-step handshake), `comm` (torch.distributed point-to-point), `stage` (forward, backward, weight
-gradient of one stage), `split` (split backward), `executor` (one rank's instruction loop), `runner` (the
-Python API), `local` (all ranks in one process), `reference` (the single-process reference), `monitor`
-(fault handling), `measure` (events to a Timeline), `report` (printed lines), `affinity` (CPU binding of
-gloo ranks), `launch` (the torchrun entry point), `run` (`pipec run`), `links` (emulated links between
-datacenters), `schedule_api` (a torch-native schedule over the user's own modules), `split_model` (one
-nn.Module into stages by module names), `profile` (`pipec profile`), `overhead` and `insitu` (what it
-measures in the executor and in steps of the schedule), `spawned` (its local worker processes). Names are
+Rooms: `exec/` runs one rank's instruction stream (executor, stage, comm, shapes, saved tensors, slices,
+split backward, replicas, emulated links); `model/` is the user's model (the model-file contract, `split`
+of one nn.Module into stages by module names, partition files); `job/` is `pipec run` and torchrun's entry
+point (launch, monitor, checkpoint, measure, report); `profile/` is `pipec profile`. At this level: the
+Python API (`runner`, `local`, `reference`, `pipeline_schedule`) and `errors`. Names are
 imported lazily, so `import pipec.runtime` alone imports no torch.
 """
 
@@ -20,16 +16,17 @@ _EXPORTS = {
     "Runner": "pipec.runtime.runner",
     "StepResult": "pipec.runtime.runner",
     "LocalPipeline": "pipec.runtime.local",
-    "load_model": "pipec.runtime.model",
-    "Model": "pipec.runtime.model",
+    "load_model": "pipec.runtime.model.contract",
+    "Model": "pipec.runtime.model.contract",
     "Reference": "pipec.runtime.reference",
     "PipelineError": "pipec.runtime.errors",
-    "PipelineSchedule": "pipec.runtime.schedule_api",
-    "clip_grad_norm_": "pipec.runtime.schedule_api",
-    "stage_indices": "pipec.runtime.schedule_api",
-    "propose_split": "pipec.runtime.split_model",
-    "model_fingerprint": "pipec.runtime.split_model",
-    "split_with_pipeline": "pipec.runtime.split_model",
+    "PipelineSchedule": "pipec.runtime.pipeline_schedule",
+    "clip_grad_norm_": "pipec.runtime.pipeline_schedule",
+    "stage_indices": "pipec.runtime.pipeline_schedule",
+    "propose_split": "pipec.runtime.model.split",
+    "model_fingerprint": "pipec.runtime.model.split",
+    "split_with_pipeline": "pipec.runtime.model.split",
+    "split_model": "pipec.runtime.model.split",
 }
 
 __all__ = sorted(_EXPORTS)

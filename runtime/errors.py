@@ -25,7 +25,7 @@ class CommError(PipelineError):
 
 class CollectiveError(CommError):
     """A data-parallel collective failed or timed out; `peers` are the other job ranks it waited on (the
-    one to blame is found from their reported positions: pipec.runtime.launch)."""
+    one to blame is found from their reported positions: pipec.runtime.job.launch)."""
 
     def __init__(self, message: str, peers: list[int]) -> None:
         super().__init__(message, peers[0] if peers else -1)

@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
-from pipec.program import Program
-from pipec.runtime.comm import Key, Recv, key_str
+from pipec.ir.program import Program
 from pipec.runtime.errors import PipelineError
+from pipec.runtime.exec.comm import Key, Recv, key_str
+from pipec.runtime.exec.shapes import KV, Specs
 from pipec.runtime.runner import Runner, StepResult
-from pipec.runtime.shapes import KV, Specs
 
 
 class LocalHub:

@@ -3,8 +3,8 @@ micro-batches, with the same loss scaling and optimizers; and the relative error
 `replicas=N` it runs the whole global batch of N data-parallel replicas: N x m micro-batches.
 
 A sliced run (token slices) is checked against this unsliced reference with m = the Program's
-`num_sequences`: the slices of a sequence together compute its loss and gradients (pipec.runtime.slices).
-Micro-batches given as such (pipec.runtime.microbatch.MicroBatches, variable shapes) run as given."""
+`num_sequences`: the slices of a sequence together compute its loss and gradients (pipec.runtime.exec.slices).
+Micro-batches given as such (pipec.runtime.exec.microbatch.MicroBatches, variable shapes) run as given."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from pipec.runtime.microbatch import MicroBatches, as_args, split, to_device
-from pipec.runtime.model import build_stage_module, default_optimizer
+from pipec.runtime.exec.microbatch import MicroBatches, as_args, split, to_device
+from pipec.runtime.model.contract import build_stage_module, default_optimizer
 
 
 class Reference:
@@ -56,7 +56,7 @@ class Reference:
             for p in st.parameters():
                 p.grad = None
         # With data parallelism: replica d's micro-batches are part d of the global batch, split in m (as
-        # pipec.runtime.dataparallel.slice_replica and the Runner do); each replica's loss counts 1/replicas.
+        # pipec.runtime.exec.replicas.slice_replica and the Runner do); each replica's loss counts 1/replicas.
         if self.replicas > 1 and isinstance(inputs, MicroBatches):
             raise ValueError("a batch given as its micro-batches runs one pipeline: replicas must be 1")
         xs, ts = [], []

@@ -7,10 +7,10 @@
 
 `LocalPipeline` (pipec.runtime.local) runs every rank of a Program in this one process, same interface.
 
-Token slices (`program.slicing`, pipec.runtime.slices): the batch splits into the Program's sequences, and
+Token slices (`program.slicing`, pipec.runtime.exec.slices): the batch splits into the Program's sequences, and
 each of those into its token slices along dim 1; every stage module must have the key/value cache interface.
 
-Variable shapes: `inputs` and `targets` may be given as their micro-batches (pipec.runtime.microbatch.
+Variable shapes: `inputs` and `targets` may be given as their micro-batches (pipec.runtime.exec.microbatch.
 MicroBatches, what a model file's list of (inputs, targets) pairs becomes), which may differ in shape from
 each other and from step to step. The shapes are then exchanged again at a step whose micro-batch input
 shapes differ from the last exchange's, and only then. Every rank learns it cheaply: at the first exchange
@@ -32,10 +32,13 @@ from typing import Any
 
 import torch
 
-from pipec.program import Program
-from pipec.runtime import slices
-from pipec.runtime.comm import DistComm
-from pipec.runtime.dataparallel import (
+from pipec.ir.program import Program
+from pipec.runtime.errors import CommError, PipelineError, ShapeError, wrong_world_size
+from pipec.runtime.exec import slices
+from pipec.runtime.exec.comm import DistComm
+from pipec.runtime.exec.executor import Executor
+from pipec.runtime.exec.microbatch import MicroBatches, as_args, split, to_device
+from pipec.runtime.exec.replicas import (
     UNITS,
     StageDP,
     as_replica_mesh,
@@ -49,15 +52,12 @@ from pipec.runtime.dataparallel import (
     slice_replica,
     wrap,
 )
-from pipec.runtime.errors import CommError, PipelineError, ShapeError, wrong_world_size
-from pipec.runtime.executor import Executor
-from pipec.runtime.microbatch import MicroBatches, as_args, split, to_device
-from pipec.runtime.model import build_stage_module, default_optimizer
-from pipec.runtime.shapes import KV, Specs, TensorSpec, fmt, handshake
-from pipec.runtime.stage import Stage
+from pipec.runtime.exec.shapes import KV, Specs, TensorSpec, fmt, handshake
+from pipec.runtime.exec.stage import Stage
+from pipec.runtime.model.contract import build_stage_module, default_optimizer
 
 _IDS = itertools.count()
-# gloo: how many receives ahead of the Program's placement a rank posts (pipec.runtime.executor says why).
+# gloo: how many receives ahead of the Program's placement a rank posts (pipec.runtime.exec.executor says why).
 # Each costs one posted buffer of a message's size.
 GLOO_RECV_AHEAD = 4
 
@@ -99,13 +99,13 @@ class Runner:
     Bring your own modules: `build_stage` may instead be a mapping {stage index: nn.Module} holding (at
     least) this rank's stages. Then the Runner owns no optimizer unless `optimizer=` is given (the Program's
     STEP instructions do nothing), and it leaves `.grad` alone between steps: gradients accumulate until the
-    caller zeroes them, as after torch's schedules (`pipec.runtime.schedule_api` is built on this).
+    caller zeroes them, as after torch's schedules (`pipec.runtime.pipeline_schedule` is built on this).
 
     Data parallelism (`program.dp` > 1): `mesh` is a 2-D DeviceMesh with dims ("pp", "dp"), or a (pp, dp)
     pair of 1-D meshes (built from the world when not given); the rank is this process's "pp" coordinate,
     each stage's module goes under FSDP2 (`program.dp_kind`; `dp_unit` "block" shards each child block
     too) before its optimizer is built, and `step` takes the global batch and runs this replica's slice
-    (pipec.runtime.dataparallel)."""
+    (pipec.runtime.exec.replicas)."""
 
     def __init__(
         self,
@@ -130,7 +130,7 @@ class Runner:
         mesh: Any = None,
         dp_unit: str = "stage",
     ) -> None:
-        replicas = None  # this process's place in the ("pp", "dp") mesh (pipec.runtime.dataparallel)
+        replicas = None  # this process's place in the ("pp", "dp") mesh (pipec.runtime.exec.replicas)
         if dp_unit not in UNITS:
             raise PipelineError(f"dp_unit must be one of {', '.join(UNITS)}, got {dp_unit!r}")
         if comm is None:
@@ -174,8 +174,8 @@ class Runner:
             )
         if rank is None or not 0 <= rank < program.num_ranks:
             raise PipelineError(f"rank {rank} is not in 0..{program.num_ranks - 1}")
-        if links is not None:  # emulated links between datacenters (pipec.runtime.links)
-            from pipec.runtime.links import EmulatedComm
+        if links is not None:  # emulated links between datacenters (pipec.runtime.exec.links)
+            from pipec.runtime.exec.links import EmulatedComm
 
             comm = EmulatedComm(comm, rank, links, blocking=isinstance(comm, DistComm))
         self.program = program
@@ -233,7 +233,7 @@ class Runner:
             peers = replica_peers(self.replicas)
             self.executor.dp = StageDP(modules, rank, self.replicas.dp_rank, self.executor.where, peers)
             if links is not None and links.dp_ring:  # the emulated link under the collectives
-                from pipec.runtime.links import DPLink
+                from pipec.runtime.exec.links import DPLink
 
                 rm = self.replicas
                 link = DPLink(links, rm.dp_group, rm.dp_size, timeout, rank, rm.dp_rank, self.device)
@@ -242,7 +242,7 @@ class Runner:
             self.executor.sync = lambda: torch.cuda.synchronize(self.device)
         self.slicing = slicing
         self.last_specs: list[Specs] | None = None  # stage 0's inputs per micro-batch at the last exchange
-        self.steps_done = 0  # a restored checkpoint sets it (pipec.runtime.checkpoint)
+        self.steps_done = 0  # a restored checkpoint sets it (pipec.runtime.job.checkpoint)
         self.handshaken = False  # shapes are exchanged at this runner's first step, whatever its number
         self.varying = False  # the batches come as micro-batches, whose shapes may change (learned at the first step)
         self.epoch = 0  # the number of the last shape exchange (0: the first step's)
@@ -336,7 +336,7 @@ class Runner:
                 f"micro-batch {i}'s input is {fmt(specs[i])} at step {self.steps_done + 1}, but was "
                 f"{fmt(self.last_specs[i])} at the first step (shapes are fixed at the first step unless the batch "
                 "comes as micro-batches: a model file's batch(step) returning a list of (inputs, targets) pairs, "
-                "see pipec.runtime.model)"
+                "see pipec.runtime.model.contract)"
             )
         self.executor.record = [] if record else None
         yield from self.executor.run(self.steps_done, mb_in, mb_tg)
@@ -384,7 +384,7 @@ class Runner:
         return int(text)
 
     def _exchange(self, specs: list[Specs] | None, epoch: int) -> Generator[object, None, None]:
-        """The shape exchange (pipec.runtime.shapes.handshake) under exchange number `epoch`."""
+        """The shape exchange (pipec.runtime.exec.shapes.handshake) under exchange number `epoch`."""
         self.executor.handshaking = True
         shapes = self.shape_modules if self.shape_modules is not None else self.modules()
         ins, outs = yield from handshake(

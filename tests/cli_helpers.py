@@ -5,7 +5,7 @@ from __future__ import annotations
 from contextlib import redirect_stderr, redirect_stdout
 from io import StringIO
 
-from pipec.cli import main
+from pipec.cli.app import main
 
 
 def run_cli(*argv: str) -> tuple[int, str, str]:

@@ -1,7 +1,7 @@
 """A multi-process worker for tests/test_dp_runtime.py: pipelines x data-parallel replicas on gloo.
 
 Each config is NAME:k=v,...:KIND[:OPT,OPT...]: the schedule compiled with the lowering's data parallelism
-(pipec.dataparallel.DataParallel: REDUCE_GRAD after each stage's last compute, fsdp windows), options
+(pipec.ir.dataparallel.DataParallel: REDUCE_GRAD after each stage's last compute, fsdp windows), options
 `g1` (max_gathered=1: Belady windows, stages gathered and freed several times a step) and `p0` (no
 prefetch); or with `hand`, today's lowering (REDUCE_GRAD and STEP at the tail) with `dp` and `dp_kind`
 set and, for fsdp, UNSHARD/RESHARD windows inserted by `with_windows` (around each run of a stage's
@@ -30,8 +30,8 @@ def with_windows(prog):
     """UNSHARD s / RESHARD s around every maximal run of stage s's computes on each rank (transfers may sit
     inside a run); each UNSHARD is placed right after the previous run's last compute (a prefetch of one
     window), each RESHARD right after its run's last compute."""
-    from pipec.opcodes import IS_COMPUTE
-    from pipec.program import Instr, RankProgram
+    from pipec.ir.opcodes import IS_COMPUTE
+    from pipec.ir.program import Instr, RankProgram
 
     ranks = []
     for rp in prog.ranks:
@@ -87,8 +87,8 @@ def main(argv: list[str] | None = None) -> None:
             prog = dataclasses.replace(prog, dp=dp, dp_kind=kind)
             if kind == "fsdp":
                 prog = with_windows(prog)
-        else:  # the lowering's placement (pipec.dataparallel): g1 = at most one stage gathered, p0 = no prefetch
-            from pipec.dataparallel import DataParallel
+        else:  # the lowering's placement (pipec.ir.dataparallel): g1 = at most one stage gathered, p0 = no prefetch
+            from pipec.ir.dataparallel import DataParallel
 
             opt = DataParallel(dp, kind, 0 if "p0" in opts else 1, 1 if "g1" in opts else None)
             prog = compile_schedule(load(name, **params), None, opt).program
@@ -132,8 +132,8 @@ def bad_inputs(model, dp: int) -> dict[str, str]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from pipec.api import load
+    from pipec.ir.program import Instr, RankProgram
     from pipec.passes.compiler import compile_schedule
-    from pipec.program import Instr, RankProgram
     from pipec.runtime import PipelineError, Runner
 
     mesh = init_device_mesh("cpu", (1, dp), mesh_dim_names=("pp", "dp"))

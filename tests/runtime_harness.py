@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "pipec.runtime.runner", "pipec.runtime.launch"]
+PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "pipec.runtime.runner", "pipec.runtime.job.launch"]
 _ctx = None
 
 
@@ -52,7 +52,7 @@ def _rank_main(entry: str, argv: list[str], env: dict[str, str], out: str, err: 
     os.dup2(fe, 2)
     sys.argv = [entry, *argv]
     if entry == "launch":
-        from pipec.runtime.launch import main
+        from pipec.runtime.job.launch import main
     else:
         sys.path.insert(0, str(ROOT / "tests"))
         from runtime_worker import main
@@ -74,7 +74,7 @@ def launch(
     timeout: float = 120.0,
     stopped: tuple[int, ...] = (),
 ) -> tuple[list[RankResult], float, int]:
-    """Run ranks 0..nproc-1 of one job: entry "launch" (pipec.runtime.launch) or "worker"
+    """Run ranks 0..nproc-1 of one job: entry "launch" (pipec.runtime.job.launch) or "worker"
     (tests/runtime_worker.py) with ARGV (one list for all, or one list per rank, as separately launched
     nodes would be). Returns the results, the wall time and the number of keys the ranks left in the
     store. Fails the test (never hangs) past `timeout`. Ranks in `stopped` are expected to stop

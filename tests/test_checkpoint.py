@@ -6,7 +6,7 @@ stages are refused.
 
 Two jobs go through `pipec run` and torchrun, end to end: the job that is killed (--checkpoint,
 --checkpoint-every, and the SIGKILL of the launcher) and a resume with --check (--resume). The others start
-their two ranks from tests/runtime_harness.py's fork server (pipec.runtime.launch, the code every
+their two ranks from tests/runtime_harness.py's fork server (pipec.runtime.job.launch, the code every
 torchrun worker runs, with the same options): the checkpoint logic is all in the ranks, and a job
 started there costs about a second instead of three imports of torch."""
 

@@ -1,6 +1,6 @@
 """The `pipec` command: list, check, show, help, exit statuses, `python -m pipec`, and the documented runs.
 
-Most tests call `pipec.cli.main` in-process (fast); a few run the real
+Most tests call `pipec.cli.app.main` in-process (fast); a few run the real
 executable in a subprocess to prove the entry points work.
 """
 

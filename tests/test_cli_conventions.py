@@ -14,7 +14,7 @@ import pytest
 from cli_helpers import run_cli as run
 
 import pipec
-from pipec.cli import run_json
+from pipec.cli.app import run_json
 from pipec.frontend import library
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -217,7 +217,7 @@ def test_exit_2_for_misuse_with_the_subcommands_own_usage(command):
     extra = ["--model", "m.py"] if command in ("run", "profile") else []
     for argv in (["1f1b", "--bogus"], ["1f1b", "-D", "p"]):
         with pytest.raises(SystemExit) as e:
-            pipec.cli.main([command, *argv, *extra])
+            pipec.cli.app.main([command, *argv, *extra])
         assert e.value.code == 2
     rc, out, err = run(command, "1f1b", "--bogus", *extra)
     assert (rc, out) == (2, "")
@@ -294,7 +294,7 @@ def _complete(line: str) -> list[str]:
     r, w = os.pipe()
     env = dict(os.environ, _ARGCOMPLETE="1", COMP_LINE=line, COMP_POINT=str(len(line)), _ARGCOMPLETE_IFS="\n")
     code = "import os, sys; os.dup2(int(sys.argv[1]), 8); os.dup2(os.open(os.devnull, os.O_WRONLY), 9); "
-    code += "from pipec.cli import main; main()"
+    code += "from pipec.cli.app import main; main()"
     done = subprocess.run(
         [sys.executable, "-c", code, str(w)], env=env, pass_fds=(w,), capture_output=True, timeout=120, cwd=ROOT
     )

@@ -15,11 +15,11 @@ from strategies import RandomSchedule, deps, random_schedules
 from pipec.api import build, load
 from pipec.errors import PipecError, Source
 from pipec.frontend import library
+from pipec.ir.program import COMPUTE, OPCODES, RECVS, SENDS, from_json, from_text, to_json, to_text
 from pipec.passes.compiler import compile_schedule
 from pipec.passes.dryrun import dry_run
 from pipec.passes.lower import lower
-from pipec.passes.memory import rank_memory
-from pipec.program import COMPUTE, OPCODES, RECVS, SENDS, from_json, from_text, to_json, to_text
+from pipec.sim.memory import rank_memory
 
 DEADLOCK_1F1B = """\
 # 1F1B, p = 2, where rank 0 runs B(0) before F(1): rank 1 needs F(1) before it sends B(0)'s gradient.

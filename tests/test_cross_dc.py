@@ -24,11 +24,11 @@ from strategies import random_schedules
 
 from pipec.api import build, load
 from pipec.errors import PipecError, Source
+from pipec.frontend.topology import read_topology, with_topology
+from pipec.ir.schedule import Datacenter, Link, Topology
 from pipec.passes.compiler import compile_schedule
-from pipec.schedule import Datacenter, Link, Topology
 from pipec.sim.costs import cost_model, normalize
 from pipec.sim.simulate import simulate, stats
-from pipec.sim.topology import read_topology, with_topology
 
 ROOT = Path(__file__).resolve().parent.parent
 SOME = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

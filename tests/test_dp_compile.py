@@ -17,17 +17,17 @@ from hypothesis import strategies as st
 
 import pipec
 from pipec.api import param_names
-from pipec.dataparallel import DataParallel
 from pipec.errors import PipecError, Source, Span
+from pipec.formats.torch_csv import export_csv, read_csv
 from pipec.frontend import library
-from pipec.interop.torch_csv import export_csv, read_csv
+from pipec.ir.dataparallel import DataParallel
+from pipec.ir.program import Instr, Program, RankProgram, from_json, from_text, to_json, to_text
+from pipec.ir.schedule import Collective
+from pipec.ir.validate import validate
 from pipec.passes.compiler import compile_schedule
 from pipec.passes.dryrun import dry_run
 from pipec.passes.lower import lower
-from pipec.program import Instr, Program, RankProgram, from_json, from_text, to_json, to_text
-from pipec.schedule import Collective
 from pipec.testing import check_invariants, program_problem, schedules
-from pipec.validate import validate
 from tests.cli_helpers import run_cli
 
 COMPUTES = ("FWD", "BWD", "WGRAD")
@@ -570,7 +570,7 @@ def test_cli_profile_takes_the_data_parallel_options(monkeypatch):
         given.append(program)
         raise PipelineError("stopped by the test")
 
-    monkeypatch.setattr("pipec.runtime.profile.profile", fake_profile)
+    monkeypatch.setattr("pipec.runtime.profile.stages.profile", fake_profile)
     rc, _, err = run_cli(
         "profile", "1f1b", "-D", "p=2", "-D", "m=2", "--model", "examples/mlp.py", "--dp", "2", "--dp-kind", "fsdp"
     )

@@ -1,4 +1,4 @@
-"""Data parallelism across datacenters, emulated (`pipec run --dp N --emulate-links`, pipec.runtime.links):
+"""Data parallelism across datacenters, emulated (`pipec run --dp N --emulate-links`, pipec.runtime.exec.links):
 when a pipeline rank's replicas sit in two replica datacenters, its collectives end no earlier than the
 simulator's ring time over the link between them after the last replica issued them, training stays
 exact, and the same run without emulation is faster than that."""
@@ -19,11 +19,11 @@ torch = pytest.importorskip("torch")
 from runtime_harness import ROOT, launch  # noqa: E402
 
 from pipec.api import load  # noqa: E402
+from pipec.frontend.topology import with_topology  # noqa: E402
+from pipec.ir.schedule import Datacenter, Link, Topology  # noqa: E402
 from pipec.runtime.errors import PipelineError  # noqa: E402
-from pipec.runtime.links import DPLink, Links, links_of  # noqa: E402
-from pipec.schedule import Datacenter, Link, Topology  # noqa: E402
+from pipec.runtime.exec.links import DPLink, Links, links_of  # noqa: E402
 from pipec.sim.costs import FREE, ring_time  # noqa: E402
-from pipec.sim.topology import with_topology  # noqa: E402
 
 LAT = 0.25  # s, the declared latency between the replica datacenters
 TOPO = 'dc "east" replicas 0 .. 1  dc "west" replicas 1 .. 2  link "east" <-> "west" latency {lat} bandwidth 10Gbps'
@@ -97,7 +97,7 @@ def test_pipec_run_emulates_the_all_reduce_across_datacenters_and_stays_exact():
     """2 ranks x 2 ddp replicas (4 gloo processes), replica 0 east and 1 west: every step holds a
     REDUCE_GRAD per rank over the 250 ms link, at least ring_time's 2 (N - 1) latencies (the bytes add
     to it); without emulated links the same job steps in less than that. That job's four ranks are
-    forked from tests/runtime_harness.py's fork server (pipec.runtime.launch, what torchrun starts
+    forked from tests/runtime_harness.py's fork server (pipec.runtime.job.launch, what torchrun starts
     `pipec run`'s ranks with, given no links file): one torchrun job, not two."""
     bound = float(ring_time("all_reduce", 2, 0.0, [(LAT, 10e9 / 8)] * 2))
     assert math.isclose(bound, 2 * LAT)

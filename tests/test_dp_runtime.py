@@ -215,8 +215,8 @@ def test_world_and_flags_are_checked_in_words():
 
     from pipec.api import load
     from pipec.passes.compiler import compile_schedule
-    from pipec.runtime.dataparallel import check_world
-    from pipec.runtime.launch import with_dp
+    from pipec.runtime.exec.replicas import check_world
+    from pipec.runtime.job.launch import with_dp
 
     assert check_world(2, 2, 4) is None
     assert "--dp 3 does not divide the 4 processes" in check_world(2, 3, 4)
@@ -250,7 +250,7 @@ def test_reference_over_replicas_is_the_global_batch_in_replica_order():
     """Reference(replicas=N) runs replica d's rows (part d of N, then m micro-batches), each loss scaled
     1/(N m): with rows that split evenly that is exactly one pipeline of N m micro-batches."""
     from pipec.runtime import Reference, load_model
-    from pipec.runtime.dataparallel import slice_replica
+    from pipec.runtime.exec.replicas import slice_replica
 
     model = load_model(str(ROOT / "examples" / "mlp.py"))
     x, y = model.batch(0)

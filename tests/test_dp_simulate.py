@@ -22,15 +22,15 @@ from strategies import random_schedules
 
 from pipec.api import build, load
 from pipec.errors import PipecError, Source
-from pipec.opcodes import CODE, OPCODES, REDUCE_GRAD, RESHARD, UNSHARD
+from pipec.formats.trace import read_trace, trace_events, write_trace
+from pipec.ir.opcodes import CODE, OPCODES, REDUCE_GRAD, RESHARD, UNSHARD
+from pipec.ir.program import Instr, Program, RankProgram
+from pipec.ir.schedule import Datacenter, Link, Topology
 from pipec.passes.lower import lower
-from pipec.program import Instr, Program, RankProgram
-from pipec.schedule import Datacenter, Link, Topology
-from pipec.sim import report
 from pipec.sim.costs import cost_model, dump_costs, normalize, parse_overrides, read_cost_file, ring_time
-from pipec.sim.render import Panel, plot_timelines, text_gantt
 from pipec.sim.simulate import simulate, stats
-from pipec.sim.trace import read_trace, trace_events, write_trace
+from pipec.view import report
+from pipec.view.render import Panel, plot_timelines, text_gantt
 
 ROOT = Path(__file__).resolve().parent.parent
 BEFORE = "e05ca0c"  # the commit before the simulator knew collectives
@@ -379,7 +379,7 @@ def test_trace_gantt_and_report_show_the_collectives(tmp_path):
 
 def report_json(sched, prog, c) -> dict:
     """`pipec simulate --json`'s record for a Program under these costs."""
-    from pipec.passes.memory import memory_model
+    from pipec.sim.memory import memory_model
 
     tl = simulate(prog, c)
     mem = memory_model(sched, None)
@@ -412,7 +412,7 @@ def test_the_lowerings_collectives_simulate():
     # reduction of a rank's first-finished chunk overlaps its other chunk's backwards, so the exposed
     # time is less than the two reductions back to back; fsdp's all-gather before the first forward is
     # exposed on rank 0 in full.
-    from pipec.dataparallel import DataParallel
+    from pipec.ir.dataparallel import DataParallel
 
     sched = load("interleaved-1f1b", p=4, v=2, m=8)
     c = model(sched, T_F=1, T_B=2, reduce_grad=1.5, unshard=0.5)
@@ -447,7 +447,7 @@ def test_collectives_keep_the_machines_rules(rs, data):
     issued; a REDUCE_GRAD starts after the last compute of its stage on its rank; a compute starts after
     the UNSHARDs of its stage issued before it; STEP-bound reductions end within the step; and with the
     collectives free, every compute and message time is dp = 1's, bit for bit."""
-    from pipec.dataparallel import DataParallel
+    from pipec.ir.dataparallel import DataParallel
 
     sched = build(Source("random.pipe", rs.text()), {})
     kind = data.draw(st.sampled_from(["ddp", "fsdp"]))
@@ -499,7 +499,7 @@ def test_collectives_keep_the_machines_rules(rs, data):
                 assert not len(later) or tl.start[later[0]] >= tl.coll_end[j] - 1e-9
     assert st_.makespan >= tl.coll_end.max() - 1e-12 and st_.makespan >= tl.end.max()
     # Memory over time peaks where the memory model's walk of the Program does (fsdp: shards + windows).
-    from pipec.passes.memory import memory_model, program_memory
+    from pipec.sim.memory import memory_model, program_memory
 
     over = {"params": data.draw(st.sampled_from([0.0, 1.0, 4.0]))}
     peaks = [r.peak_memory for r in stats(tl, memory_model(sched, over)).ranks]
@@ -603,7 +603,7 @@ def test_blocking_collectives_hold_up_the_rank():
 @pytest.mark.parametrize("name,params", [("1f1b", {"p": 2, "m": 4}), ("interleaved-1f1b", {"p": 2, "v": 2, "m": 4})])
 def test_the_new_keys_at_their_defaults_change_nothing(name, params, kind):
     from pipec.api import simulate as api_simulate
-    from pipec.dataparallel import DataParallel
+    from pipec.ir.dataparallel import DataParallel
 
     cost = "F=1,B=2,reduce_grad=3,unshard=1"
     a = api_simulate(name, params, cost=cost, data_parallel=DataParallel(2, kind)).timeline

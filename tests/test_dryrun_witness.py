@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 from pipec.api import build
 from pipec.errors import PipecError
 from pipec.frontend import library
+from pipec.ir.program import RankProgram
 from pipec.passes import dryrun
 from pipec.passes.deadlock import global_order
 from pipec.passes.lower import lower, op_times
-from pipec.program import RankProgram
 
 CASES = [
     ("1f1b", {"p": 4, "m": 8}),

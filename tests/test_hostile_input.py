@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from pipec import cli, files
+from pipec import files
 from pipec.api import compile as compile_program
+from pipec.cli import app as cli
 from pipec.errors import Diagnostic, PipecError, Source, Span
-from pipec.program import to_json, to_text
+from pipec.ir.program import to_json, to_text
 from pipec.sim.costs import dump_costs, read_cost_file
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -83,7 +84,7 @@ def test_an_input_above_64_mib_is_refused_unread(tmp_path):
 
 
 def _profile_doc() -> dict:
-    """A cost document shaped as `pipec profile` makes one (runtime/profile.py's cost_doc)."""
+    """A cost document shaped as `pipec profile` makes one (runtime/profile/stages.py's cost_doc)."""
     return {
         "comment": "measured by pipec profile: 1f1b (p=4 m=8), model examples/mlp.py",
         "unit": "s",

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from pipec.api import build
 from pipec.errors import PipecError, Source
-from pipec.schedule import Schedule
+from pipec.ir.schedule import Schedule
 
 ROOT = Path(__file__).resolve().parent.parent
 

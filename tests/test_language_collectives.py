@@ -14,7 +14,7 @@ import pytest
 from pipec.api import build, compile_source, load
 from pipec.errors import PipecError, Source
 from pipec.frontend import library
-from pipec.schedule import Collective, Datacenter, Link
+from pipec.ir.schedule import Collective, Datacenter, Link
 
 # Two ranks, two chunks each (stage c * p + r), one block of m forwards per chunk.
 TWO_CHUNKS = """\
@@ -371,7 +371,7 @@ def test_zeropp_requires():
 
 def test_zeropp_checks_and_compiles_with_fsdp():
     import pipec
-    from pipec.dataparallel import DataParallel
+    from pipec.ir.dataparallel import DataParallel
 
     for params in [dict(p=4, v=2, m=8), dict(p=4, v=4, m=16), dict(p=8, v=2, m=32, b=16)]:
         for dp in (DataParallel(2, "fsdp"), DataParallel(4, "fsdp", prefetch=0), DataParallel(2, "ddp")):
@@ -393,7 +393,7 @@ def test_the_replica_link_of_the_topology_prices_the_collectives():
     """`dc ... replicas` puts the two replicas in two datacenters: their link is the DP ring's (the simulator
     reads `replica_dcs`), so a slow link there slows the step and a fast one does not."""
     import pipec
-    from pipec.dataparallel import DataParallel
+    from pipec.ir.dataparallel import DataParallel
 
     def step(link: str) -> float:
         text = TWO_CHUNKS.replace("BODY", DEFAULT_BODY).replace(
@@ -416,7 +416,7 @@ def test_the_replica_link_of_the_topology_prices_the_collectives():
 def test_a_schedule_declares_the_collectives_costs_and_the_simulator_charges_them(tmp_path):
     """`cost param_bytes` / `cost unshard` in the language reach the cost model (one key list for both)."""
     from pipec.api import simulate
-    from pipec.dataparallel import DataParallel
+    from pipec.ir.dataparallel import DataParallel
 
     path = tmp_path / "pb.pipe"
     path.write_text("""schedule "pb" (p: int = 2, m: int = 2) {

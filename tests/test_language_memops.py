@@ -15,10 +15,10 @@ import pytest
 
 from pipec.api import build, compile_source, load
 from pipec.errors import PipecError, Source
-from pipec.interop.torch_csv import to_pipe
+from pipec.formats.torch_csv import to_pipe
+from pipec.ir.schedule import MemOp
 from pipec.passes.checks import check_schedule
-from pipec.schedule import MemOp
-from pipec.sim.grid import cells, format_grid
+from pipec.view.grid import cells, format_grid
 
 ONE_STAGE = """\
 schedule "t" (p: int = 2, m: int = 3) {

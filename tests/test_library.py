@@ -18,8 +18,8 @@ from torch.distributed.pipelining.stage import PipelineStage
 from pipec.api import compile_source, load
 from pipec.errors import PipecError
 from pipec.frontend import library
+from pipec.ir.schedule import Schedule
 from pipec.passes.compiler import compile_schedule
-from pipec.schedule import Schedule
 
 # An op as compared here: (kind, micro-batch, stage, overlapped with the next op).
 Op = tuple[str, int, int, bool]

@@ -12,13 +12,17 @@ import json
 import numpy as np
 import pytest
 
-import pipec.cli
-import pipec.program
+import pipec.cli.app
+import pipec.ir.program
 from pipec.api import load, schedule_of
 from pipec.errors import PipecError
+from pipec.formats.trace import trace_events
+from pipec.ir.program import Instr, Program, RankProgram
+from pipec.ir.schedule import MemOp
 from pipec.passes.compiler import compile_schedule
 from pipec.passes.lower import lower
-from pipec.passes.memory import (
+from pipec.sim.costs import read_cost_file
+from pipec.sim.memory import (
     check_memory,
     fmt_memory,
     format_table,
@@ -28,12 +32,8 @@ from pipec.passes.memory import (
     rank_memory,
     resident,
 )
-from pipec.program import Instr, Program, RankProgram
-from pipec.schedule import MemOp
-from pipec.sim import report
-from pipec.sim.costs import read_cost_file
 from pipec.sim.memtime import memory_curves
-from pipec.sim.trace import trace_events
+from pipec.view import report
 
 GiB, MiB = 2.0**30, 2.0**20
 BYTES = "examples/mlp-bytes.toml"
@@ -154,10 +154,10 @@ def test_fmt_memory():
 
 
 def test_check_memory_table_in_bytes(capsys):
-    assert pipec.cli.main(["check", "1f1b", "--cost", BYTES, "--memory", "--memory-limit", "5GiB"]) == 0
+    assert pipec.cli.app.main(["check", "1f1b", "--cost", BYTES, "--memory", "--memory-limit", "5GiB"]) == 0
     out = capsys.readouterr().out
     assert "5 GiB" in out and "4.25 GiB" in out and "limit" in out
-    assert pipec.cli.main(["check", "1f1b", "--cost", BYTES, "--memory-limit", "4.9GiB"]) != 0
+    assert pipec.cli.app.main(["check", "1f1b", "--cost", BYTES, "--memory-limit", "4.9GiB"]) != 0
     assert "error[E402]: rank 0 needs 5 GiB memory" in capsys.readouterr().err
 
 
@@ -229,7 +229,7 @@ def test_curves_over_time_with_the_host_link():
 
 
 def test_plot_draws_the_host_pool(tmp_path):
-    from pipec.sim.render import plot_timelines
+    from pipec.view.render import plot_timelines
 
     sim = report.run(offload_gpipe_rank0())
     assert report.panel(report.run(load("gpipe", p=2, m=3))).host is None
@@ -271,7 +271,7 @@ def test_errors_doc_example_of_E406_prints_what_it_shows(capsys):
 
 
 def test_trace_keeps_the_host_link_and_recomputes(tmp_path):
-    from pipec.sim.trace import read_trace, write_trace
+    from pipec.formats.trace import read_trace, write_trace
 
     s = offload_gpipe_rank0()
     s = dataclasses.replace(s, memops=(s.memops[0], tuple(MemOp(*m) for m in recompute_all(s, 1))))
@@ -281,7 +281,7 @@ def test_trace_keeps_the_host_link_and_recomputes(tmp_path):
     back = read_trace(tmp_path / "t.json")
     for f in ("rank", "op", "mb", "stage", "start", "end", "host_rank", "host_op", "host_mb", "host_start", "host_end"):
         assert np.array_equal(getattr(back, f), getattr(tl, f)), f
-    assert len(tl.host_rank) == 4 and (tl.op == pipec.program.CODE["RECOMPUTE"]).sum() == 3
+    assert len(tl.host_rank) == 4 and (tl.op == pipec.ir.program.CODE["RECOMPUTE"]).sum() == 3
 
 
 def test_errors_doc_console_example_of_E406(capsys):
@@ -290,5 +290,5 @@ def test_errors_doc_console_example_of_E406(capsys):
     text = (Path(__file__).resolve().parent.parent / "docs" / "errors.md").read_text()
     body = text.split("### E406")[1].split("\n### ")[0]
     command, *shown = body.split("```console\n")[1].split("```")[0].splitlines()
-    assert pipec.cli.main(command.split()[2:]) == 1
+    assert pipec.cli.app.main(command.split()[2:]) == 1
     assert capsys.readouterr().err.splitlines() == shown

@@ -12,8 +12,7 @@ import pytest
 
 from pipec.api import load
 from pipec.errors import PipecError
-from pipec.partition import partition
-from pipec.partition.files import (
+from pipec.formats.partition_files import (
     Ranks,
     make_table,
     parse_ranks,
@@ -22,9 +21,10 @@ from pipec.partition.files import (
     read_table,
     write_json,
 )
+from pipec.partition import partition
 from pipec.partition.search import Problem, _propagate, _Rows, _work_bound, fluid_bound, search
 from pipec.passes.compiler import compile_schedule
-from pipec.passes.memory import rank_memory
+from pipec.sim.memory import rank_memory
 
 pytest.importorskip("ortools")
 
@@ -89,7 +89,7 @@ def test_optimal_against_brute_force(name, params):
 
 
 def test_memory_is_the_memory_model():
-    """The search's per-rank peaks equal pipec.passes.memory's for the split's bytes."""
+    """The search's per-rank peaks equal pipec.sim.memory's for the split's bytes."""
     rng = np.random.default_rng(5)
     for name, params in CASES:
         sched = load(name, **params)
@@ -217,12 +217,12 @@ def test_profile_partition_and_run_check(tmp_path, monkeypatch, capsys):
     """The whole path on the uneven example, small: profile its layers, partition, then train the split
     model in one process (2 ranks) with gradients equal to the single-process reference."""
     pytest.importorskip("torch")
-    from pipec.cli import main
+    from pipec.cli.app import main
 
     monkeypatch.setenv("UNEVEN_BATCH", "16")
     monkeypatch.setenv("UNEVEN_HEAD", "256")
-    from pipec.runtime.layer_profile import profile_layers
-    from pipec.runtime.model import load_model
+    from pipec.runtime.model.contract import load_model
+    from pipec.runtime.profile.layers import profile_layers
 
     part, layers = str(tmp_path / "part.json"), str(tmp_path / "layers.json")
     write_json(layers, profile_layers(load_model("examples/uneven.py"), 2, reps=1, warmup=0, threads=1).to_json())

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from pipec import synth
+from pipec.ir.schedule import Datacenter, Link, Topology
 from pipec.passes import policy as policy_module
 from pipec.passes.policy import Policy, derive
-from pipec.schedule import Datacenter, Link, Topology
 from pipec.sim.costs import normalize
 from pipec.sim.simulate import plan
 

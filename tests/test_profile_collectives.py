@@ -15,10 +15,10 @@ torch = pytest.importorskip("torch")
 from runtime_harness import ROOT  # noqa: E402
 
 from pipec.api import load  # noqa: E402
-from pipec.opcodes import REDUCE_GRAD, UNSHARD  # noqa: E402
+from pipec.ir.opcodes import REDUCE_GRAD, UNSHARD  # noqa: E402
 from pipec.passes.compiler import compile_schedule  # noqa: E402
 from pipec.runtime import load_model  # noqa: E402
-from pipec.runtime.profile import (  # noqa: E402
+from pipec.runtime.profile.stages import (  # noqa: E402
     COLLECTIVES,
     Collectives,
     fit_ring,
@@ -109,7 +109,7 @@ def test_the_cost_file_carries_the_collectives(small_mlp_env):
 
 def test_the_cost_file_carries_the_in_situ_steps(small_mlp_env):
     """An in-situ profile writes each stage's STEP time and the step's time outside the instructions."""
-    from pipec.program import BWD, FWD
+    from pipec.ir.program import BWD, FWD
 
     prog = compile_schedule(load("1f1b", p=2, m=2)).program
     prof = profile(prog, load_model(MODEL), reps=1, warmup=0, comm=False, threads=1, concurrent=False)
@@ -155,7 +155,7 @@ def test_dp_must_be_a_size_and_a_kind():
 @pytest.fixture
 def no_link(monkeypatch):
     """The point-to-point link's measurement (tested in tests/test_runtime_profile.py) left out."""
-    monkeypatch.setattr("pipec.runtime.profile.measure_link", lambda *a, **k: (None, None, None))
+    monkeypatch.setattr("pipec.runtime.profile.stages.measure_link", lambda *a, **k: (None, None, None))
 
 
 @pytest.fixture
@@ -165,7 +165,9 @@ def small_mlp_env(monkeypatch):
 
 
 def test_profile_with_dp_times_the_collectives_of_each_stage(small_mlp_env, no_link, monkeypatch):
-    monkeypatch.setattr("pipec.runtime.profile.COLLECTIVE_SIZES", (4096, 65536))  # the stages' sizes are timed too
+    monkeypatch.setattr(
+        "pipec.runtime.profile.stages.COLLECTIVE_SIZES", (4096, 65536)
+    )  # the stages' sizes are timed too
     prog = compile_schedule(load("1f1b", p=2, m=2)).program
     said: list[str] = []
     prof = profile(
@@ -193,10 +195,10 @@ def test_in_situ_profile_of_a_pp_x_dp_program_runs_every_replica(small_mlp_env):
     """--in-situ with data parallelism runs the p x dp processes on a ("pp", "dp") mesh, as pipec run --dp
     does, and takes the ops from replica 0."""
     from pipec.api import compile as compile_program
-    from pipec.dataparallel import DataParallel
-    from pipec.program import BWD, FWD
+    from pipec.ir.dataparallel import DataParallel
+    from pipec.ir.program import BWD, FWD
     from pipec.runtime.errors import PipelineError
-    from pipec.runtime.insitu import profile_in_situ
+    from pipec.runtime.profile.insitu import profile_in_situ
 
     prog = compile_program("1f1b", {"p": 2, "m": 2}, data_parallel=DataParallel(2, "fsdp"))
     situ = profile_in_situ(prog, MODEL, reps=1, warmup=0, timeout=120)

@@ -20,7 +20,7 @@ from test_runtime_local import schedule_params  # noqa: E402
 
 from pipec.api import load  # noqa: E402
 from pipec.frontend import library  # noqa: E402
-from pipec.runtime.spawned import alive, children  # noqa: E402
+from pipec.runtime.job.spawned import alive, children  # noqa: E402
 
 TOL = 1e-10
 # The MLP has no key/value cache: schedules with token slices run on examples/gpt.py (test_runtime_local).
@@ -179,7 +179,7 @@ def pipec(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -
 
 
 def test_pipec_run_check_and_trace(tmp_path):
-    from pipec.sim.trace import read_trace
+    from pipec.formats.trace import read_trace
 
     trace = tmp_path / "run.json"
     r = pipec(
@@ -228,7 +228,7 @@ def test_pipec_run_refuses_a_wrong_number_of_processes():
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="CPU binding needs Linux")
 @pytest.mark.parametrize("mode", ["auto", "none"])
 def test_pipec_run_binds_each_gloo_rank_to_its_own_cpus(tmp_path, mode):
-    from pipec.runtime.affinity import cpu_share
+    from pipec.runtime.job.affinity import cpu_share
 
     r = pipec(
         "run", "1f1b", "-D", "p=2", "-D", "m=2", "--model", "tests/models/affinity_probe.py", "--nproc", "2",
@@ -287,7 +287,7 @@ def _gone(pids: list[int], within: float) -> bool:
 def test_sigkill_of_pipec_run_ends_its_ranks_and_removes_its_files(tmp_path):
     """Issue 16: after `kill -9` of `pipec run`, its workers trained on and /tmp/pipec-run-* stayed."""
     proc = _start_long_run(tmp_path)
-    workers = [p for p in children(proc.pid) if "pipec.runtime.launch" in open(f"/proc/{p}/cmdline").read()]
+    workers = [p for p in children(proc.pid) if "pipec.runtime.job.launch" in open(f"/proc/{p}/cmdline").read()]
     assert len(workers) == 2
     assert [p.name for p in tmp_path.glob("pipec-run-*")]  # the run's program file is there while it runs
     proc.kill()
@@ -315,8 +315,8 @@ def test_sigterm_of_pipec_run_stops_the_job_and_says_so(tmp_path):
 
 def _mutated_program(tmp_path, edit) -> str:
     from pipec.api import load
+    from pipec.ir.program import to_text
     from pipec.passes.lower import lower
-    from pipec.program import to_text
 
     text = to_text(lower(load("1f1b", p=2, m=2)))
     path = tmp_path / "prog.txt"
@@ -342,7 +342,7 @@ def _swap_first(text: str, a: str, b: str) -> str:
     ],
 )
 def test_launch_refuses_an_invalid_program_before_any_process_group(tmp_path, kind, edit, code, where):
-    """Issue 16: `torchrun -m pipec.runtime.launch prog.txt` with STEP 1 deleted trained wrongly with exit 0."""
+    """Issue 16: `torchrun -m pipec.runtime.job.launch prog.txt` with STEP 1 deleted trained wrongly with exit 0."""
     prog = _mutated_program(tmp_path, edit)
     results, _, keys = launch(2, "launch", [prog, "--model", "examples/mlp.py", "--timeout", "20"], timeout=60)
     for r in results:
@@ -352,9 +352,9 @@ def test_launch_refuses_an_invalid_program_before_any_process_group(tmp_path, ki
 
 
 def test_launch_with_a_define_without_a_value_is_misuse():
-    """Issue 16: `python -m pipec.runtime.launch 1f1b -D p` was a ValueError traceback."""
+    """Issue 16: `python -m pipec.runtime.job.launch 1f1b -D p` was a ValueError traceback."""
     r = subprocess.run(
-        [sys.executable, "-m", "pipec.runtime.launch", "1f1b", "-D", "p", "--model", "examples/mlp.py"],
+        [sys.executable, "-m", "pipec.runtime.job.launch", "1f1b", "-D", "p", "--model", "examples/mlp.py"],
         cwd=ROOT, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert r.returncode == 2 and "-D takes NAME=VALUE, got 'p'" in r.stderr and "Traceback" not in r.stderr

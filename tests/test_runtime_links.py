@@ -1,4 +1,4 @@
-"""Emulated links between datacenters (`pipec run --emulate-links`, pipec.runtime.links): messages across
+"""Emulated links between datacenters (`pipec run --emulate-links`, pipec.runtime.exec.links): messages across
 the link reach compute no earlier than the latency (plus the time on the wire) after they were sent, links
 inside a datacenter are left alone, and training still equals the single-process reference."""
 
@@ -16,12 +16,12 @@ pytest.importorskip("torch")
 from runtime_harness import ROOT  # noqa: E402
 
 from pipec.api import load  # noqa: E402
+from pipec.frontend.topology import with_topology  # noqa: E402
+from pipec.ir.schedule import Datacenter, Link, Topology  # noqa: E402
 from pipec.passes.compiler import compile_schedule  # noqa: E402
 from pipec.runtime import LocalPipeline, Reference, load_model  # noqa: E402
-from pipec.runtime.links import Links, links_of  # noqa: E402
+from pipec.runtime.exec.links import Links, links_of  # noqa: E402
 from pipec.runtime.reference import compare  # noqa: E402
-from pipec.schedule import Datacenter, Link, Topology  # noqa: E402
-from pipec.sim.topology import with_topology  # noqa: E402
 
 MLP_ENV = {"MLP_WIDTH": "16", "MLP_DEPTH": "8", "MLP_BATCH": "16", "MLP_DTYPE": "float64"}
 TOPO = 'dc "east" ranks 0 .. 1  dc "west" ranks 1 .. 2  link "east" <-> "west" latency {lat} bandwidth 1Gbps'
@@ -74,7 +74,7 @@ def pipec(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_pipec_run_emulate_links_delays_every_message_and_stays_exact(tmp_path):
-    from pipec.sim.trace import read_trace
+    from pipec.formats.trace import read_trace
 
     lat, scale = 0.2, 0.5  # 200 ms declared, 100 ms emulated
     trace = tmp_path / "run.json"

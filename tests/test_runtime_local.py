@@ -11,8 +11,8 @@ torch = pytest.importorskip("torch")
 
 from pipec.api import load  # noqa: E402
 from pipec.frontend import library  # noqa: E402
+from pipec.ir.program import RECV_ACT, RECV_GRAD, WGRAD  # noqa: E402
 from pipec.passes.compiler import compile_schedule  # noqa: E402
-from pipec.program import RECV_ACT, RECV_GRAD, WGRAD  # noqa: E402
 from pipec.runtime import LocalPipeline, Reference, load_model  # noqa: E402
 from pipec.runtime.reference import compare, rel_err  # noqa: E402
 
@@ -34,7 +34,7 @@ def schedule_params(name: str, p: int) -> dict[str, int]:
 
 @pytest.fixture(scope="module")
 def sliced_gpt():
-    """Token slices need the key/value cache interface (pipec.runtime.slices): examples/gpt.py, small."""
+    """Token slices need the key/value cache interface (pipec.runtime.exec.slices): examples/gpt.py, small."""
     mp = pytest.MonkeyPatch()
     for k, v in {"GPT_LAYERS": "4", "GPT_WIDTH": "16", "GPT_HEADS": "2", "GPT_CONTEXT": "8", "GPT_BATCH": "8"}.items():
         mp.setenv(k, v)

@@ -1,4 +1,4 @@
-"""Memory in the runtime: the saved-tensor holders' byte counts (pipec.runtime.saved), recompute and
+"""Memory in the runtime: the saved-tensor holders' byte counts (pipec.runtime.exec.saved), recompute and
 offload as the executor runs them, the bytes `pipec profile` counts, and `pipec run --memory`'s predicted
 against measured peaks. One two-process run (recompute and offload, against the reference); the rest in
 one process."""
@@ -17,15 +17,15 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 from pipec.api import load  # noqa: E402
+from pipec.ir.program import to_json  # noqa: E402
+from pipec.ir.schedule import MemOp, Schedule  # noqa: E402
 from pipec.passes.compiler import compile_schedule  # noqa: E402
-from pipec.passes.memory import memory_bytes, program_memory  # noqa: E402
-from pipec.program import to_json  # noqa: E402
 from pipec.runtime import LocalPipeline, PipelineError, Reference, load_model  # noqa: E402
-from pipec.runtime.profile import profile, stage_bytes  # noqa: E402
+from pipec.runtime.exec.saved import DEVICE, HOST, Pool, module_storages  # noqa: E402
+from pipec.runtime.exec.stage import Stage  # noqa: E402
+from pipec.runtime.profile.stages import profile, stage_bytes  # noqa: E402
 from pipec.runtime.reference import compare  # noqa: E402
-from pipec.runtime.saved import DEVICE, HOST, Pool, module_storages  # noqa: E402
-from pipec.runtime.stage import Stage  # noqa: E402
-from pipec.schedule import MemOp, Schedule  # noqa: E402
+from pipec.sim.memory import memory_bytes, program_memory  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MLP = str(ROOT / "examples" / "mlp.py")

@@ -14,10 +14,10 @@ torch = pytest.importorskip("torch")
 from runtime_harness import ROOT  # noqa: E402
 
 from pipec.api import load  # noqa: E402
-from pipec.cli import main  # noqa: E402
+from pipec.cli.app import main  # noqa: E402
 from pipec.passes.compiler import compile_schedule  # noqa: E402
 from pipec.runtime import load_model  # noqa: E402
-from pipec.runtime.profile import measure_link, profile  # noqa: E402
+from pipec.runtime.profile.stages import measure_link, profile  # noqa: E402
 from pipec.sim.costs import cost_model, read_cost_file  # noqa: E402
 
 MLP = {"MLP_WIDTH": "16", "MLP_DEPTH": "4", "MLP_BATCH": "8", "MLP_DTYPE": "float64"}
@@ -119,7 +119,7 @@ def _gpipe_step(grad1_sent: float = 0.00702, b1_start: float = 0.01108):
     """One hand-timed GPipe step (p=2, m=2; see `pipec compile gpipe -D p=2 -D m=2`). Rank 0's gap before
     FWD 1 holds one send (50 us), its gap before BWD 1 one receive (80 us), and rank 1's gap before BWD 1
     one send (60 us); the other gaps hold no transfer or a send and a receive together."""
-    from pipec.runtime.measure import timeline
+    from pipec.runtime.job.measure import timeline
 
     prog = compile_schedule(load("gpipe", p=2, m=2)).program
     r0 = [
@@ -146,7 +146,7 @@ def _gpipe_step(grad1_sent: float = 0.00702, b1_start: float = 0.01108):
 
 
 def test_the_overhead_is_the_mean_send_and_receive_gap_per_instruction():
-    from pipec.runtime.overhead import per_instruction
+    from pipec.runtime.profile.overhead import per_instruction
 
     prog, tl = _gpipe_step()
     assert per_instruction(prog, [tl]) == pytest.approx(((50e-6 + 60e-6) / 2 + 80e-6) / 2)
@@ -193,7 +193,7 @@ def test_in_situ_profile_is_for_gloo_on_cpu(small_mlp):
 )
 def test_in_situ_profile_names_the_rank_that_failed(monkeypatch, fault, culprit):
     from pipec.runtime.errors import PipelineError
-    from pipec.runtime.insitu import profile_in_situ
+    from pipec.runtime.profile.insitu import profile_in_situ
 
     for k, v in {"PIPEC_FAULT": fault, "PIPEC_FAULT_STAGE": "1", "PIPEC_FAULT_CALL": "2"}.items():
         monkeypatch.setenv(k, v)
@@ -208,7 +208,7 @@ def test_in_situ_profile_gives_up_on_a_hung_rank_after_the_timeout(monkeypatch):
     import time
 
     from pipec.runtime.errors import PipelineError
-    from pipec.runtime.insitu import profile_in_situ
+    from pipec.runtime.profile.insitu import profile_in_situ
 
     for k, v in {"PIPEC_FAULT": "hang", "PIPEC_FAULT_STAGE": "1", "PIPEC_FAULT_CALL": "2"}.items():
         monkeypatch.setenv(k, v)
@@ -224,7 +224,7 @@ def test_in_situ_profile_gives_up_on_a_hung_rank_after_the_timeout(monkeypatch):
 def test_concurrent_timing_keeps_each_stages_times_from_its_owner(small_mlp):
     """The default on CPUs: one process per rank times every stage at once; each stage's times come from
     the process of the rank that owns it (zb-v, p=2: stages 0 and 3 on rank 0, 1 and 2 on rank 1)."""
-    from pipec.runtime.profile import Profile, merge_by_owner
+    from pipec.runtime.profile.stages import Profile, merge_by_owner
 
     def fake(rank: int) -> Profile:
         t = [10.0 * rank + s for s in range(4)]

@@ -14,13 +14,13 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 from pipec.api import load  # noqa: E402
+from pipec.ir.program import Program, RankProgram  # noqa: E402
 from pipec.passes.compiler import compile_schedule  # noqa: E402
-from pipec.program import Program, RankProgram  # noqa: E402
 from pipec.runtime import LocalPipeline, PipelineError, Reference, Runner, load_model  # noqa: E402
 from pipec.runtime.errors import ModelError, ShapeError  # noqa: E402
-from pipec.runtime.microbatch import split  # noqa: E402
+from pipec.runtime.exec.microbatch import split  # noqa: E402
+from pipec.runtime.exec.stage import Stage  # noqa: E402
 from pipec.runtime.reference import compare, rel_err  # noqa: E402
-from pipec.runtime.stage import Stage  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -245,7 +245,7 @@ STEP 1
 
 
 def test_local_mode_reports_a_deadlock():
-    from pipec.program import from_text
+    from pipec.ir.program import from_text
 
     pipe = LocalPipeline(from_text(DEADLOCK), *_mlp(), dtype=torch.float64)
     with pytest.raises(PipelineError) as e:
@@ -331,7 +331,7 @@ DROPOUT = GOOD.replace(
 
 
 def test_pipec_run_local_check_fails_past_the_tolerance(tmp_path, capsys):
-    from pipec.cli import main
+    from pipec.cli.app import main
 
     model = write(tmp_path, DROPOUT)  # dropout draws different masks in the pipeline and in the reference
     code = main(["run", "1f1b", "-D", "p=2", "-D", "m=2", "--model", model, "--local", "--check", "--steps", "1"])
@@ -341,7 +341,7 @@ def test_pipec_run_local_check_fails_past_the_tolerance(tmp_path, capsys):
 
 
 def test_pipec_run_local_check_passes(capsys):
-    from pipec.cli import main
+    from pipec.cli.app import main
 
     code = main(
         [
@@ -363,7 +363,7 @@ def test_pipec_run_local_check_passes(capsys):
 
 
 def test_import_pipec_does_not_import_torch():
-    code = "import sys, pipec, pipec.cli, pipec.runtime, pipec.runtime.launch; pipec.cli._parser(); "
+    code = "import sys, pipec, pipec.cli.app, pipec.runtime, pipec.runtime.job.launch; pipec.cli.app._parser(); "
     code += "print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "False"

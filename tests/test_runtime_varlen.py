@@ -14,7 +14,7 @@ from pipec.api import load  # noqa: E402
 from pipec.passes.compiler import compile_schedule  # noqa: E402
 from pipec.runtime import LocalPipeline, Reference, load_model  # noqa: E402
 from pipec.runtime.errors import PipelineError, ShapeError  # noqa: E402
-from pipec.runtime.microbatch import MicroBatches, batch_of  # noqa: E402
+from pipec.runtime.exec.microbatch import MicroBatches, batch_of  # noqa: E402
 from pipec.runtime.reference import compare, rel_err  # noqa: E402
 
 TOL = 1e-10
@@ -78,7 +78,7 @@ def test_batch_list_must_hold_pairs():
     with pytest.raises(PipelineError, match=r"returned a list: it must hold one \(inputs, targets\) pair"):
         batch_of([torch.zeros(2), torch.zeros(2)])
     with pytest.raises(PipelineError, match="come as 3 micro-batches, but the Program has m=2"):
-        from pipec.runtime.microbatch import split
+        from pipec.runtime.exec.microbatch import split
 
         split(MicroBatches([torch.zeros(1)] * 3), 2, "inputs")
 
@@ -103,7 +103,7 @@ def test_lengths_the_schedule_declares_are_checked_against_the_data(varlen):
 
     from pipec.api import build
     from pipec.errors import Source
-    from pipec.runtime.slices import LengthWarning
+    from pipec.runtime.exec.slices import LengthWarning
 
     model, _ = varlen
     prog = compile_schedule(build(Source("v.pipe", DECLARED))).program

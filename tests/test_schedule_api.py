@@ -1,4 +1,4 @@
-"""The torch-native schedule API and whole-model splitting (pipec.runtime.schedule_api, .split_model).
+"""The torch-native schedule API and whole-model splitting (pipec.runtime.pipeline_schedule, .split_model).
 
 One process: proposed splits for the common model shapes, every refusal before training (names that name
 no module, an empty stage, overlapping or out-of-order stages, a module with parameters left out, a
@@ -22,8 +22,8 @@ from torch import nn
 import pipec
 from pipec.runtime import LocalPipeline, propose_split
 from pipec.runtime.errors import ModelError, PipelineError, ShapeError
-from pipec.runtime.schedule_api import _as_stage_map, compile_for
-from pipec.runtime.split_model import model_fingerprint, probe, split_model
+from pipec.runtime.model.split import model_fingerprint, probe, split_model
+from pipec.runtime.pipeline_schedule import _as_stage_map, compile_for
 
 ROOT = Path(__file__).resolve().parents[1]
 V, D = 11, 6

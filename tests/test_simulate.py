@@ -25,16 +25,16 @@ from strategies import deps, random_schedules
 
 from pipec.api import build, load
 from pipec.errors import PipecError, Source
+from pipec.formats.trace import read_trace, trace_events, write_trace
 from pipec.frontend import library
+from pipec.ir.program import BWD, FWD, OFFLOAD, RECOMPUTE, RECV_ACT, RECV_GRAD, RELOAD, SEND_ACT, SEND_GRAD, WGRAD
 from pipec.passes.compiler import compile_schedule
-from pipec.passes.memory import memory_model, rank_memory
-from pipec.program import BWD, FWD, OFFLOAD, RECOMPUTE, RECV_ACT, RECV_GRAD, RELOAD, SEND_ACT, SEND_GRAD, WGRAD
 from pipec.sim.costs import cost_model, cost_spec, dump_costs, normalize, parse_overrides, read_cost_file
+from pipec.sim.memory import memory_model, rank_memory
 from pipec.sim.memtime import memory_curves, timeline_curves
-from pipec.sim.render import Panel, plot_timelines, text_gantt
 from pipec.sim.simulate import simulate, stats
 from pipec.sim.timeline import Timeline
-from pipec.sim.trace import read_trace, trace_events, write_trace
+from pipec.view.render import Panel, plot_timelines, text_gantt
 
 ROOT = Path(__file__).resolve().parent.parent
 SLOW = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -515,7 +515,7 @@ def test_a_program_that_cannot_finish_is_e403():
     keep = rp.op != SEND_ACT
     from dataclasses import replace
 
-    from pipec.program import RankProgram
+    from pipec.ir.program import RankProgram
 
     cut = RankProgram(rp.op[keep], rp.mb[keep], rp.stage[keep], rp.peer[keep], rp.group[keep])
     with pytest.raises(PipecError) as e:
@@ -679,7 +679,8 @@ def test_show_timeline():
 
 def test_import_pipec_loads_neither_torch_nor_matplotlib():
     code = (
-        "import sys, pipec, pipec.cli, pipec.sim.simulate, pipec.sim.render, pipec.sim.trace, pipec.sim.report, "
+        "import sys, pipec, pipec.cli.app, pipec.sim.simulate, pipec.view.render, pipec.formats.trace, "
+        "pipec.view.report, "
         "pipec.sim.costs; "
         "print('torch' in sys.modules, 'matplotlib' in sys.modules)"
     )

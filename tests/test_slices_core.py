@@ -13,11 +13,11 @@ from hypothesis import strategies as st
 
 from pipec.api import build, schedule_of
 from pipec.errors import PipecError, Source
+from pipec.ir.program import from_json, from_text, to_json, to_text
+from pipec.ir.schedule import Slicing
 from pipec.passes.compiler import compile_schedule
-from pipec.passes.memory import rank_memory
-from pipec.program import from_json, from_text, to_json, to_text
-from pipec.schedule import Slicing
 from pipec.sim.costs import cost_model
+from pipec.sim.memory import rank_memory
 from pipec.sim.simulate import simulate, stats
 
 GPIPE = """

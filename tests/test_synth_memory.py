@@ -19,9 +19,9 @@ from pipec import synth
 from pipec.api import build
 from pipec.errors import PipecError, Source
 from pipec.passes.compiler import compile_schedule
-from pipec.passes.memory import rank_memory
 from pipec.sim.costs import normalize
-from pipec.sim.report import run as simulate_schedule
+from pipec.sim.memory import rank_memory
+from pipec.view.report import run as simulate_schedule
 
 EQUAL = normalize({"T_F": 1, "T_B": 1, "T_W": 1})
 CHEAP_OFFLOAD = normalize({"T_F": 1, "T_B": 1, "T_W": 1, "offload": 0.2})  # not the default (half a forward)

@@ -18,17 +18,18 @@ import pytest
 
 from pipec.api import load
 from pipec.errors import PipecError
-from pipec.interop.torch_csv import export_csv
-from pipec.interop.torchtitan import export_torchtitan
+from pipec.formats.torch_csv import export_csv
+from pipec.formats.torchtitan import export_torchtitan
+from pipec.formats.trace import read_trace, trace_events, write_trace
+from pipec.ir.program import RankProgram, from_text, to_text
+from pipec.ir.schedule import unit_json, unit_label
 from pipec.passes.compiler import compile_schedule
-from pipec.passes.memory import format_table, rank_memory
-from pipec.program import RankProgram, from_text, to_text
-from pipec.sim import report
-from pipec.sim.grid import cells, format_grid, grid_title, unit_json, unit_label
-from pipec.sim.render import Panel, plot_timelines, text_gantt
-from pipec.sim.trace import read_trace, trace_events, write_trace
+from pipec.sim.memory import format_table, rank_memory
 from pipec.testing import InvariantError, Listing, check_invariants, program_problem
 from pipec.testing.mutations import _dependency_pairs, _move_before
+from pipec.view import report
+from pipec.view.grid import cells, format_grid, grid_title
+from pipec.view.render import Panel, plot_timelines, text_gantt
 
 LIB = "terapipe"
 
@@ -273,8 +274,8 @@ def compile_check(prog):
 
 
 def test_dry_run_waits_name_slices():
+    from pipec.ir.program import Instr
     from pipec.passes.dryrun import Wait, _mb_text, _unit_text
-    from pipec.program import Instr
 
     sl = tp(m=2, n=2, L=8).slicing
     w = Wait(0, 3, Instr("RECV_GRAD", 1, 0, 1), "arrival", 1, f"the gradient of {_mb_text(sl, 1)} from stage 1")

@@ -21,14 +21,14 @@ import pytest
 from hypothesis import HealthCheck, assume, find, given, settings
 from hypothesis import strategies as st
 
-from pipec import cli
 from pipec.api import build, load
+from pipec.cli import app as cli
 from pipec.errors import PipecError, Source
 from pipec.frontend import library
+from pipec.ir.program import Program, RankProgram
 from pipec.passes.checks import check_schedule
 from pipec.passes.compiler import compile_schedule
 from pipec.passes.expect import Metrics, check_expectations
-from pipec.program import Program, RankProgram
 from pipec.testing import (
     InvariantError,
     Listing,
@@ -86,7 +86,7 @@ def pipec_test(argv: list[str], cwd: Path, capsys) -> tuple[int, str, str]:
 
 def test_importing_pipec_and_the_kit_imports_neither_torch_nor_hypothesis():
     code = (
-        "import sys, pipec, pipec.testing, pipec.cli, pipec.pytest_plugin, pipec.passes.expect\n"
+        "import sys, pipec, pipec.testing, pipec.cli.app, pipec.pytest_plugin, pipec.passes.expect\n"
         "bad = [m for m in ('torch', 'hypothesis') if m in sys.modules]\n"
         "assert not bad, bad\n"
     )

@@ -13,9 +13,9 @@ from cli_helpers import run_cli
 
 from pipec.api import load
 from pipec.errors import PipecError, Source
+from pipec.formats.torch_csv import export_csv, read_csv
+from pipec.formats.torchtitan import export_torchtitan, output_paths
 from pipec.frontend.library import names
-from pipec.interop.torch_csv import export_csv, read_csv
-from pipec.interop.torchtitan import export_torchtitan, output_paths
 
 # torch's schedule classes by kind: single-stage ones build one stage per rank, ZBVZeroBubble and DualPipeV
 # the V, every other multi-stage class the loop (torchtitan/distributed/pipeline_parallel.py, v0.2.2)

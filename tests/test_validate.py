@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 
 from pipec.api import load
 from pipec.errors import PipecError
-from pipec.opcodes import BY_NAME, GROUP_MAX, OPCODES, TABLE
+from pipec.ir.opcodes import BY_NAME, GROUP_MAX, OPCODES, TABLE
+from pipec.ir.program import Program, RankProgram, from_json, from_text, to_json, to_text, validate
 from pipec.passes.dryrun import dry_run
 from pipec.passes.lower import lower
-from pipec.program import Program, RankProgram, from_json, from_text, to_json, to_text, validate
 
 
 def _prog(name: str = "1f1b", **params: int) -> Program:

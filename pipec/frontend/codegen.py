@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 from pipec.errors import PipecError, Source, Span, error
 from pipec.frontend import ast
-from pipec.opcodes import MEMOPS
-from pipec.schedule import MEMORY_RANK_KEYS, MEMORY_STAGE_KEYS, STAGE_COST_KEYS
+from pipec.ir.opcodes import MEMOPS
+from pipec.ir.schedule import MEMORY_RANK_KEYS, MEMORY_STAGE_KEYS, STAGE_COST_KEYS
 
 OP_KINDS = ("F", "B", "W")
 KEYWORDS = frozenset(
@@ -25,10 +25,10 @@ KEYWORDS = frozenset(
     " expect when slices seqlen tokens length".split()
 )
 BUILTINS = ("min", "max", "abs", "done")
-# Data-parallel collectives a rank block may place itself (rows of pipec.opcodes; PP x DP, docs/language.md
+# Data-parallel collectives a rank block may place itself (rows of pipec.ir.opcodes; PP x DP, docs/language.md
 # section 16): statements like ops, but they take a stage only and become `Schedule.collectives`.
 COLLECTIVES = ("UNSHARD", "RESHARD", "REDUCE_GRAD")
-# Memory ops a rank block may place (rows of pipec.opcodes, docs/language.md section 17): statements like
+# Memory ops a rank block may place (rows of pipec.ir.opcodes, docs/language.md section 17): statements like
 # ops, with a micro-batch and a stage, that become `Schedule.memops`. `F(i, recompute: true)` asks for a
 # RECOMPUTE at its default place instead.
 MEMOP_NAMES = MEMOPS

@@ -18,7 +18,7 @@ import numpy as np
 from pipec.errors import PipecError, Source, Span, brief, error
 from pipec.files import require_ops_fit
 from pipec.frontend.codegen import COLLECTIVES, MEMOP_NAMES, GeneratedCode
-from pipec.schedule import (
+from pipec.ir.schedule import (
     MEMORY_RANK_KEYS,
     Collective,
     Datacenter,
@@ -462,9 +462,9 @@ def _check_collectives(colls: list[tuple], rank: int, owned: list[int], placemen
 
 def _derive(shape: Schedule, owned: list[list[int]], decl, sid: int) -> list[RankOps]:
     """The per-rank orders an `order` block's policy gives under the schedule's own costs and memory."""
-    from pipec.passes.memory import memory_model
     from pipec.passes.policy import Policy, PolicyStuck, derive, machine
     from pipec.sim.costs import cost_model
+    from pipec.sim.memory import memory_model
 
     prefer, fill, fn = decl
     R, S = shape.num_ranks, shape.num_stages

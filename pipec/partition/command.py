@@ -1,4 +1,4 @@
-"""`pipec partition`'s command line (pipec.cli adds the subcommand with these two functions)."""
+"""`pipec partition`'s command line (pipec.cli.app adds the subcommand with these two functions)."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, sched, program, cost_docs) -> int:
+    from pipec.formats.partition_files import Ranks, parse_ranks, read_table, write_json
     from pipec.partition import memory_limit, partition, report_lines, to_doc
-    from pipec.partition.files import Ranks, parse_ranks, read_table, write_json
 
     ranks = parse_ranks(args.ranks) if args.ranks else Ranks()
     limit = memory_limit(args.memory_limit) if args.memory_limit else None
@@ -62,8 +62,8 @@ def run(args: argparse.Namespace, sched, program, cost_docs) -> int:
 def _profile(args: argparse.Namespace, m: int, ranks: int):
     try:
         from pipec.runtime.errors import PipelineError
-        from pipec.runtime.layer_profile import profile_layers
-        from pipec.runtime.model import load_model
+        from pipec.runtime.model.contract import load_model
+        from pipec.runtime.profile.layers import profile_layers
     except ImportError as e:
         print(f"pipec partition: error: profiling needs torch ({e}); or give --layers-cost", file=sys.stderr)
         return None

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipec.errors import PipecError, error
-from pipec.partition.files import LayerTable, Ranks, partition_doc
+from pipec.formats.partition_files import LayerTable, Ranks, partition_doc
 from pipec.partition.search import Problem, Result, Split, search
 
 
@@ -128,7 +128,7 @@ def report_lines(out: Outcome) -> list[str]:
 
 
 def to_doc(out: Outcome) -> dict:
-    """The partition file's document (pipec.partition.files.partition_doc) for this outcome."""
+    """The partition file's document (pipec.formats.partition_files.partition_doc) for this outcome."""
     pb, res = out.problem, out.result
 
     def num(x: float):

@@ -4,7 +4,7 @@ memory limits, on ranks of different speeds.
 A split gives stage s the layers [c_s, c_{s+1}) (0 = c_0 < c_1 < ... < c_S = L, every stage non-empty,
 stages in pipeline order, so V and interleaved placements wrap the model across the ranks as their
 placement says). Stage s's F, B and W are the sums of its layers' times divided by the speed of the rank
-that owns it; its memory is the memory model's (pipec.passes.memory): parameters, gradients and optimizer
+that owns it; its memory is the memory model's (pipec.sim.memory): parameters, gradients and optimizer
 state held throughout, `act` bytes per micro-batch live from F to B and, with split backward, `wact` from
 B to W, counted along the rank's own order of ops. The objective is `pipec.sim.simulate`'s makespan of the
 schedule's Program under these per-stage costs (and the links of any cost documents given).
@@ -52,9 +52,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from pipec.errors import brief, error
-from pipec.partition.files import LayerTable
-from pipec.program import Program
-from pipec.schedule import Schedule
+from pipec.formats.partition_files import LayerTable
+from pipec.ir.program import Program
+from pipec.ir.schedule import Schedule
 
 KINDS = ("F", "B", "W")
 
@@ -155,7 +155,7 @@ class Problem:
         return {k: (v[c[1:]] - v[c[:-1]]).astype(float) for k, v in self.P.items()}
 
     def memory(self, bounds: Sequence[int]) -> np.ndarray:
-        """Each rank's peak bytes under the memory model (equal to `pipec.passes.memory.rank_memory`'s)."""
+        """Each rank's peak bytes under the memory model (equal to `pipec.sim.memory.rank_memory`'s)."""
         b = self.stage_bytes(bounds)
         out = np.zeros(self.R)
         for r, (stages, A, W) in enumerate(self.positions):
@@ -206,7 +206,7 @@ class Problem:
         return tuple(int(self.L * s // self.S) for s in range(self.S + 1))
 
     def memory_schedule(self, bounds: Sequence[int]) -> Schedule:
-        """The schedule with this split's bytes as its memory declarations (for pipec.passes.memory)."""
+        """The schedule with this split's bytes as its memory declarations (for pipec.sim.memory)."""
         b = self.stage_bytes(bounds)
         mem = {k: tuple(v.tolist()) for k, v in b.items()}
         mem["limit"] = tuple(self.limit.tolist())
@@ -220,7 +220,7 @@ def _prefix(x: np.ndarray) -> np.ndarray:
 def _memory_positions(sched: Schedule) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Per rank: its stages, and at each position of its order that is not dominated by another, how many
     micro-batches of each stage hold activations (A) and W inputs (W): the rank's live bytes there are
-    A @ act + W @ wact (the memory model's walk, pipec.passes.memory.rank_memory)."""
+    A @ act + W @ wact (the memory model's walk, pipec.sim.memory.rank_memory)."""
     out = []
     split = sched.split_backward
     for r, ops in enumerate(sched.ranks):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from pipec.errors import PipecError, error
-from pipec.schedule import MemOp, Schedule
+from pipec.ir.schedule import MemOp, Schedule
 
 
 def _flat(sched: Schedule):
@@ -121,7 +121,7 @@ def dependencies(kind: np.ndarray, mb: np.ndarray, stage: np.ndarray, S: int, sp
     """For each op, the keys (as (kind, mb, stage) arrays) of ops it needs, with a validity mask.
 
     F(i,s) needs F(i,s-1); B(i,s) needs F(i,s) and B(i,s+1); W(i,s) needs B(i,s). With token slices
-    (`slices` per micro-batch, `mb` a unit i * slices + j: pipec.schedule.Slicing) also, on the same stage,
+    (`slices` per micro-batch, `mb` a unit i * slices + j: pipec.ir.schedule.Slicing) also, on the same stage,
     F(i,j,s) needs F(i,j-1,s) (it attends to that slice's keys and values) and B(i,j,s) needs B(i,j+1,s)
     (which returns their gradients). The last two are the slice rules; `SLICE_RULES` says which entries.
     """
@@ -177,7 +177,7 @@ def _mem_at(sched: Schedule, code: str, message: str, x: MemOp, notes: tuple[str
 
 
 def _check_memops(sched: Schedule, sid, key) -> None:
-    """The rules of pipec.schedule.MemOp, per rank in its order: each memory op on a stage of its rank
+    """The rules of pipec.ir.schedule.MemOp, per rank in its order: each memory op on a stage of its rank
     (E308 when the stage goes without saying on a rank of several, E208, E301) and a micro-batch that
     exists (E209), at most once per (op, mb, stage) (E311); then an OFFLOAD with its RELOAD and vice versa
     (E311), a RECOMPUTE or OFFLOAD after its F and at or before its B (`before` in F's index + 1 .. B's

@@ -14,13 +14,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from pipec.dataparallel import DataParallel
 from pipec.errors import PipecError
+from pipec.ir.dataparallel import DataParallel
+from pipec.ir.program import Program
+from pipec.ir.schedule import Schedule
 from pipec.passes.dryrun import DryRun, deadlock_error
 from pipec.passes.lower import lower_with_proof
-from pipec.passes.memory import RankMemory, check_memory, program_memory, rank_memory
-from pipec.program import Program
-from pipec.schedule import Schedule
+from pipec.sim.memory import RankMemory, check_memory, program_memory, rank_memory
 
 
 @dataclass(frozen=True)

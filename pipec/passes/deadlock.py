@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipec.errors import PipecError, error
-from pipec.schedule import Op, Schedule
+from pipec.ir.schedule import Op, Schedule
 
 
 @dataclass(frozen=True)

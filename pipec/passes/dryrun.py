@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipec.errors import PipecError, Source, Span, error
-from pipec.opcodes import (
+from pipec.ir.opcodes import (
     AFTER_KIND,
     COMPUTE_OF_KIND,
     IS_COMPUTE,
@@ -43,9 +43,9 @@ from pipec.opcodes import (
     PRODUCER_KIND,
     message_key,
 )
-from pipec.program import Instr, Program
-from pipec.schedule import Slicing
-from pipec.validate import validate
+from pipec.ir.program import Instr, Program
+from pipec.ir.schedule import Slicing
+from pipec.ir.validate import validate
 
 
 @dataclass(frozen=True)
@@ -422,7 +422,7 @@ def _sliced(prog: Program) -> Slicing | None:
 
 
 def _mb_text(sl: Slicing | None, mb: int) -> str:
-    """`micro-batch 3`; with token slices (pipec.schedule.Slicing) `micro-batch 1, slice 2` of unit mb."""
+    """`micro-batch 3`; with token slices (pipec.ir.schedule.Slicing) `micro-batch 1, slice 2` of unit mb."""
     if sl is None:
         return f"micro-batch {mb}"
     i, j = sl.split(mb)

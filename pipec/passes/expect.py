@@ -14,7 +14,7 @@ example `expect bubble <= (p - 1) / (m + p - 1)`, or in the rank block
 
 Expectations are promises of the schedule text, so they are measured under
 the schedule's own declarations (its `cost` and `memory` lines, else the
-defaults of `pipec.sim.costs` and `pipec.passes.memory`); command-line overrides such as
+defaults of `pipec.sim.costs` and `pipec.sim.memory`); command-line overrides such as
 `--mem` or `--cost` do not apply to them. The simulation runs only when an
 expectation that applies names a time.
 """
@@ -26,8 +26,8 @@ import functools
 import numpy as np
 
 from pipec.errors import PipecError, error
-from pipec.program import Program
-from pipec.schedule import Expectation, Schedule
+from pipec.ir.program import Program
+from pipec.ir.schedule import Expectation, Schedule
 
 
 class Metrics:
@@ -70,7 +70,7 @@ class Metrics:
 
     @functools.cached_property
     def _peaks(self) -> list[float]:
-        from pipec.passes.memory import rank_memory
+        from pipec.sim.memory import rank_memory
 
         return [rep.peak for rep in rank_memory(self.sched)]
 

@@ -73,9 +73,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipec.dataparallel import DataParallel
 from pipec.errors import PipecError, error
-from pipec.opcodes import (
+from pipec.ir.dataparallel import DataParallel
+from pipec.ir.opcodes import (
     CODE,
     COMPUTE_OF_KIND,
     HAS_SEND,
@@ -95,11 +95,11 @@ from pipec.opcodes import (
     UNSHARD,
     may_group,
 )
+from pipec.ir.program import Program, RankProgram
+from pipec.ir.schedule import Collective, MemOp, RankOps, Schedule
+from pipec.ir.validate import validate
 from pipec.passes.deadlock import global_order
 from pipec.passes.dryrun import DryRun, dry_run
-from pipec.program import Program, RankProgram
-from pipec.schedule import Collective, MemOp, RankOps, Schedule
-from pipec.validate import validate
 
 
 def lower(sched: Schedule, dp: DataParallel | None = None) -> Program:

@@ -45,8 +45,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipec.opcodes import KIND_OF, OUT_MSG, OUT_PEER_STAGE
-from pipec.schedule import RankOps, Schedule
+from pipec.ir.opcodes import KIND_OF, OUT_MSG, OUT_PEER_STAGE
+from pipec.ir.schedule import RankOps, Schedule
 from pipec.sim.costs import CostModel
 from pipec.sim.simulate import Links, Plan, plan, shared_links, simulate
 
@@ -113,7 +113,7 @@ class Machine:
 
 
 def machine(sched: Schedule, costs: CostModel, memory: dict[str, np.ndarray]) -> Machine:
-    """A Machine from a Schedule's shape, a `pipec.sim.costs.CostModel` and a `pipec.passes.memory.memory_model`."""
+    """A Machine from a Schedule's shape, a `pipec.sim.costs.CostModel` and a `pipec.sim.memory.memory_model`."""
     R, S = sched.num_ranks, sched.num_stages
     params = np.zeros(R)
     for s, r in enumerate(sched.placement):

@@ -80,8 +80,8 @@ from pathlib import Path
 import numpy as np
 
 from pipec.errors import brief, error
-from pipec.opcodes import ACT_MSG, COST_KIND
-from pipec.schedule import STAGE_COST_KEYS, Schedule, Topology
+from pipec.ir.opcodes import ACT_MSG, COST_KIND
+from pipec.ir.schedule import STAGE_COST_KEYS, Schedule, Topology
 
 FORMAT = "pipec-costs"
 # Version 2 (what `dump_costs` writes, so every `pipec profile` file) declares what it holds, so that a
@@ -175,7 +175,7 @@ class CostModel:
     offload: np.ndarray | None = None
     host_latency: float = 0.0
     host_bandwidth: float = math.inf
-    # Token slices and sequence lengths (pipec.schedule.Slicing; None: every micro-batch weighs the same):
+    # Token slices and sequence lengths (pipec.ir.schedule.Slicing; None: every micro-batch weighs the same):
     # per (stage, unit), what the unit's F, B and W cost relative to a whole sequence (`Slicing.weight`
     # with the stage's `attn`), beyond `op_fixed` seconds per op that every op pays; per unit, its share of
     # a sequence's tokens, which scales its messages' bytes and its activations.
@@ -215,12 +215,12 @@ class CostModel:
         return [self.replica_links.get((names[i], names[(i + 1) % n]), own) for i in range(n)]
 
     def collective_time(self, op: np.ndarray, stage: np.ndarray, rank: np.ndarray, n: int, dp_kind: str) -> np.ndarray:
-        """Durations of collective instructions (opcodes of `pipec.opcodes`) on these stages and ranks, over
+        """Durations of collective instructions (opcodes of `pipec.ir.opcodes`) on these stages and ranks, over
         n replicas sharing parameters as `dp_kind` says: REDUCE_GRAD an all-reduce (ddp) or reduce-scatter
         (fsdp) of the stage's gradients, UNSHARD an all-gather of its parameters, RESHARD nothing. A given
         `reduce_grad`/`unshard` time wins over the formula; with one replica everything is free. The
         simulator charges every collective with this (`ring_time` for the formula)."""
-        from pipec.opcodes import REDUCE_GRAD, UNSHARD
+        from pipec.ir.opcodes import REDUCE_GRAD, UNSHARD
 
         out = np.zeros(len(op))
         if n <= 1 or not len(op):
@@ -245,7 +245,7 @@ class CostModel:
         datacenters (`replica_dcs`): the chunks its ring steps send over that link, when a hop across it is
         the ring's slowest; 0 for rings inside one datacenter and for given times. The simulator shares
         such a link among the rings on it at one time, as it shares a cross link among messages."""
-        from pipec.opcodes import REDUCE_GRAD, UNSHARD
+        from pipec.ir.opcodes import REDUCE_GRAD, UNSHARD
 
         out = np.zeros(len(op))
         names = self.replica_names[:n]
@@ -281,7 +281,7 @@ class CostModel:
 
     def compute_time(self, op: np.ndarray, stage: np.ndarray, mb: np.ndarray | None = None) -> np.ndarray:
         """Durations of compute instructions on these stages (of these micro-batches, or units): the cost of
-        the op kind each executes or costs as (`pipec.opcodes.COST_KIND`: a RECOMPUTE costs its stage's F)."""
+        the op kind each executes or costs as (`pipec.ir.opcodes.COST_KIND`: a RECOMPUTE costs its stage's F)."""
         return self.kind_time(COST_KIND[op], stage, mb)
 
     def host_time(self, stage: np.ndarray, recomputed: np.ndarray) -> np.ndarray:

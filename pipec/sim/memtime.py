@@ -1,7 +1,7 @@
 """Memory over time: the two pools' curves of a simulated (or measured) Timeline, per rank.
 
 The rule of what each instruction does to the device and host pools is
-`pipec.passes.memory.instruction_deltas`'; this module only says *when* each
+`pipec.sim.memory.instruction_deltas`'; this module only says *when* each
 change happens, from the Timeline's times of the instruction:
 
 - FWD and RECOMPUTE at their start (memory is allocated as the forward runs),
@@ -18,7 +18,7 @@ change happens, from the Timeline's times of the instruction:
 
 Changes at one instant apply in the rank's instruction order. When every change
 happens in instruction order (no host link), the largest value of a curve is
-`pipec.passes.memory.program_memory`'s peak.
+`pipec.sim.memory.program_memory`'s peak.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipec.opcodes import FWD, IS_HOST, OFFLOAD, ON_COMPUTE, RECOMPUTE, RESHARD, UNSHARD, WGRAD
-from pipec.passes.memory import instruction_deltas, resident, unit_of
-from pipec.program import Program, RankProgram
+from pipec.ir.opcodes import FWD, IS_HOST, OFFLOAD, ON_COMPUTE, RECOMPUTE, RESHARD, UNSHARD, WGRAD
+from pipec.ir.program import Program, RankProgram
+from pipec.sim.memory import instruction_deltas, resident, unit_of
 from pipec.sim.timeline import Timeline
 
 Curve = tuple[np.ndarray, np.ndarray]  # (times, values): the value from each time on
@@ -148,7 +148,7 @@ def _curve(times: np.ndarray, delta: np.ndarray, base: float, collapse: bool) ->
 
 def memory_curves(tl: Timeline, prog: Program, model: Mapping[str, np.ndarray]) -> MemoryCurves:
     """The device and host curves of each rank of the Program that ran as `tl`, under a
-    `pipec.passes.memory.memory_model` (the module docstring says when each instruction counts)."""
+    `pipec.sim.memory.memory_model` (the module docstring says when each instruction counts)."""
     deltas = instruction_deltas(prog, model)
     dev_t, host_t = _times(tl, prog)
     n = prog.dp if prog.dp_kind == "fsdp" else 1

@@ -39,7 +39,7 @@ times its ops with the same pieces (`CostModel.wire`, `shared_links`, `Links`, a
 for the overhead a `Plan` of the Program it derived), so its times are this module's.
 
 What an instruction is (compute or transfer, which message it names, which
-message a compute waits for) comes from the instruction table, `pipec.opcodes`.
+message a compute waits for) comes from the instruction table, `pipec.ir.opcodes`.
 
 Deterministic: message times depend only on the sender's own clock, so the
 order in which ranks are advanced does not matter. Fast: `plan` precomputes with
@@ -58,7 +58,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipec.errors import error
-from pipec.opcodes import (
+from pipec.ir.opcodes import (
     BWD,
     IS_COLLECTIVE,
     IS_HOST,
@@ -77,7 +77,7 @@ from pipec.opcodes import (
     UNSHARD,
     message_key,
 )
-from pipec.program import Program
+from pipec.ir.program import Program
 from pipec.sim.costs import CostModel
 from pipec.sim.timeline import Timeline
 
@@ -232,7 +232,7 @@ class Plan:
     c_op: np.ndarray
     c_mb: np.ndarray
     c_stage: np.ndarray
-    m_kind: np.ndarray  # pipec.opcodes.MESSAGES index
+    m_kind: np.ndarray  # pipec.ir.opcodes.MESSAGES index
     m_mb: np.ndarray
     m_stage: np.ndarray  # the sending stage
     m_src: np.ndarray
@@ -997,7 +997,7 @@ def stats(tl: Timeline, memory: dict[str, np.ndarray] | None = None) -> Stats:
     has = np.isfinite(first)
     first, last = np.where(has, first, 0.0), np.where(has, last, 0.0)
     peaks = [None] * R
-    if memory is not None:  # the two pools' rule is pipec.passes.memory's, timed by pipec.sim.memtime
+    if memory is not None:  # the two pools' rule is pipec.sim.memory's, timed by pipec.sim.memtime
         from pipec.sim.memtime import timeline_curves
 
         peaks = timeline_curves(tl, memory).device_peak.tolist()

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipec.program import OPCODES
-from pipec.schedule import Slicing
+from pipec.ir.program import OPCODES
+from pipec.ir.schedule import Slicing
 
 
 @dataclass(frozen=True, eq=False)
@@ -22,7 +22,7 @@ class Timeline:
     num_ranks: int
     # Compute events, one row each.
     rank: np.ndarray  # int
-    op: np.ndarray  # int, an index into pipec.program.OPCODES (FWD, BWD, WGRAD, RECOMPUTE)
+    op: np.ndarray  # int, an index into pipec.ir.program.OPCODES (FWD, BWD, WGRAD, RECOMPUTE)
     mb: np.ndarray  # int
     stage: np.ndarray  # int
     start: np.ndarray  # float seconds
@@ -38,7 +38,7 @@ class Timeline:
     msg_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=float))
     # When the receiver posted its receive (empty when unknown; may precede the send).
     msg_post: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=float))
-    # Data-parallel collectives, one row each (pipec.opcodes: REDUCE_GRAD, UNSHARD, RESHARD): their rank and
+    # Data-parallel collectives, one row each (pipec.ir.opcodes: REDUCE_GRAD, UNSHARD, RESHARD): their rank and
     # stage, when the rank's stream issued them, when its collective stream ran them (RESHARD is instant at
     # its issue) and the bytes each replica holds of the stage's parameters.
     coll_rank: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
@@ -60,7 +60,7 @@ class Timeline:
     step_stage: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     step_start: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=float))
     step_end: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=float))
-    # The host link (pipec.opcodes: OFFLOAD, RELOAD of a micro-batch's saved activations), one row each: its
+    # The host link (pipec.ir.opcodes: OFFLOAD, RELOAD of a micro-batch's saved activations), one row each: its
     # rank, opcode, micro-batch and stage, and when the rank's host-link stream ran it (from its issue, or
     # the end of the one before it on the link, to its end). A RECOMPUTE is a compute event above.
     host_rank: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
@@ -73,8 +73,8 @@ class Timeline:
     # sharded, with the gathered windows on top.
     dp: int = 1
     dp_kind: str = "ddp"
-    # Token slices (pipec.schedule.Slicing; None: none): then every `mb` above is a unit (micro-batch * slices
-    # + slice), which the pictures name `1s2` (pipec.sim.grid.unit_label) and the trace's args split.
+    # Token slices (pipec.ir.schedule.Slicing; None: none): then every `mb` above is a unit (micro-batch * slices
+    # + slice), which the pictures name `1s2` (pipec.view.grid.unit_label) and the trace's args split.
     slicing: Slicing | None = None
     origin: str = "simulated"  # or "measured"
     schedule: str = ""

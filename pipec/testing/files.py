@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipec.errors import PipecError, Source
-from pipec.passes.compiler import CompiledSchedule, compile_schedule
-from pipec.program import (
+from pipec.ir.program import (
     Program,
 )
-from pipec.schedule import Schedule
+from pipec.ir.schedule import Schedule
+from pipec.passes.compiler import CompiledSchedule, compile_schedule
 from pipec.testing.invariants import InvariantError, _fail, check_invariants
 from pipec.testing.space import Sampler, Space, _key, _size, _values, sample_space
 

@@ -16,11 +16,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipec.dataparallel import DataParallel
 from pipec.errors import PipecError
-from pipec.passes.checks import check_schedule
-from pipec.passes.compiler import CompiledSchedule, compile_schedule
-from pipec.program import (
+from pipec.ir.dataparallel import DataParallel
+from pipec.ir.program import (
     BWD,
     FWD,
     OPCODES,
@@ -33,7 +31,9 @@ from pipec.program import (
     WGRAD,
     Program,
 )
-from pipec.schedule import Schedule
+from pipec.ir.schedule import Schedule
+from pipec.passes.checks import check_schedule
+from pipec.passes.compiler import CompiledSchedule, compile_schedule
 from pipec.testing.listing import COMPUTE, Listing, Op3, _fmt_op, deps
 
 
@@ -386,7 +386,7 @@ def _fsdp_peaks(prog: Program, sched: Schedule, model: dict[str, np.ndarray]) ->
 def _fsdp_over(sched: Schedule, memory, dp: DataParallel) -> tuple[str | None, str | None]:
     """Whether the fsdp Program of a schedule pipec found over its limit is over it by `_fsdp_peaks`."""
     from pipec.passes.lower import lower
-    from pipec.passes.memory import memory_model
+    from pipec.sim.memory import memory_model
 
     model = memory_model(sched, memory)
     peaks = _fsdp_peaks(lower(sched, dp), sched, model)
@@ -623,8 +623,8 @@ def check_invariants(
     windows.
     """
     from pipec.passes.expect import check_expectations
-    from pipec.passes.memory import memory_model
     from pipec.sim.costs import cost_model
+    from pipec.sim.memory import memory_model
     from pipec.sim.simulate import simulate, stats
 
     if isinstance(target, Listing):

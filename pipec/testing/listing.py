@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipec.errors import Source
-from pipec.schedule import Schedule, Slicing
+from pipec.ir.schedule import Schedule, Slicing
 
 Op3 = tuple[str, int, int]  # (kind, micro-batch, stage)
 COMPUTE = ("FWD", "BWD", "WGRAD")
@@ -51,7 +51,7 @@ class Listing:
 
     `pairs[r]` holds the indices j where op j of rank r is overlapped (`&`) with op j + 1.
     `text()` prints it as a .pipe file; `build()` evaluates and checks it like any schedule.
-    With `slicing` (token slices, or sequence lengths: pipec.schedule.Slicing) the micro-batches are units
+    With `slicing` (token slices, or sequence lengths: pipec.ir.schedule.Slicing) the micro-batches are units
     (`m` counts them), written `F(i, slice: j, stage: s)` under the slicing's declarations.
     """
 

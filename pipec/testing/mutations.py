@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pipec.schedule import Schedule
+from pipec.ir.schedule import Schedule
 from pipec.testing.invariants import _memory_peaks
 from pipec.testing.listing import Listing, Op3, _fmt_op, _hypothesis, deps
 
@@ -104,8 +104,8 @@ def _cycle_candidates(base: Listing) -> list[tuple[int, Op3, Op3]]:
 
 
 def _peaks(base: Listing) -> list[float]:
-    """Per-rank peak memory of a listing under the default memory model (`pipec.passes.memory`)."""
-    from pipec.passes.memory import memory_model
+    """Per-rank peak memory of a listing under the default memory model (`pipec.sim.memory`)."""
+    from pipec.sim.memory import memory_model
 
     sched = base._with_slots({}, memory_limit=None).build(check=False)
     return _memory_peaks(sched, memory_model(sched))

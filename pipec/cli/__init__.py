@@ -1,0 +1,1 @@
+"""The command line: the only code that prints (one module per command, from one registry)."""

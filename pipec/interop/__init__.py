@@ -1,1 +1,0 @@
-"""Other formats: torch.distributed.pipelining's CSV and `.pipe` source writing."""

@@ -1,0 +1,1 @@
+"""Floor 6: what people look at: report tables, Gantt pictures, the step grid."""

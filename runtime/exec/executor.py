@@ -1,0 +1,337 @@
+"""The instruction loop of one rank for one training step: exactly the Program's order.
+
+Values live in one table keyed like messages, (kind, micro-batch, producing stage): a stage's output
+waits there for its SEND_ACT (or for the next stage's FWD when that stage is on this rank: a local
+hand-off, nothing copied), and a posted receive waits there for the compute that consumes it. At the end
+of the step the table must be empty and every stage's backward done.
+
+`run` is a generator: over torch.distributed it never yields (waits block); in --local mode it yields
+whenever a message has not arrived, so one thread can interleave all ranks.
+
+`recv_ahead` posts each receive up to that many receives before the Program places it (0: where the
+Program says). gloo needs it: its point-to-point protocol is a rendezvous, so a message whose receive
+is posted after the send is only written when the sender's background thread handles the receiver's
+"ready" notice, and on a rank busy computing that thread may wait for the next scheduler tick
+(milliseconds). Posted ahead, the receive is known to the sender when it sends and the data goes out
+at once. NCCL must not post ahead: a pending receive holds up later transfers with the same peer on
+its stream, which the Program's channel order (`pipec.passes.lower`) accounts for and an early post does not.
+
+Memory ops: a FWD whose (micro-batch, stage) has a RECOMPUTE in this rank's stream keeps only its input
+(`Stage.forward(keep_input_only=True)`), and the RECOMPUTE reruns it (`Stage.recompute`). OFFLOAD and
+RELOAD move the saved tensors of a (micro-batch, stage) through the rank's `Pool` of saved-tensor holders
+(pipec.runtime.exec.saved), which exists when the Program offloads or when `measure_memory` asked for the
+peak saved bytes of each step (`peaks`, per pool).
+
+Token slices: the instructions' micro-batch is a unit (slice j of sequence i; the inputs and targets lists
+are per unit), and everything above holds per unit; the cache of keys and values across the slices of a
+sequence lives in each Stage (pipec.runtime.exec.slices). Messages name their unit as `where` does.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Generator
+from typing import Any
+
+import torch
+
+from pipec.ir.opcodes import (
+    BWD,
+    FWD,
+    IS_RECV,
+    KEY_STAGE,
+    MSG_OF,
+    NEEDS_MSG,
+    NEEDS_STAGE,
+    OFFLOAD,
+    OPCODES,
+    RECOMPUTE,
+    REDUCE_GRAD,
+    RELOAD,
+    RESHARD,
+    STEP,
+    UNSHARD,
+    WGRAD,
+)
+from pipec.ir.program import Instr, Program
+from pipec.ir.validate import validate
+from pipec.runtime.errors import PipelineError, ShapeError
+from pipec.runtime.exec.comm import ACT, GRAD, Key, Recv, key_str
+from pipec.runtime.exec.saved import Peaks, Pool
+from pipec.runtime.exec.shapes import Specs, TensorSpec, fmt
+from pipec.runtime.exec.stage import Stage
+
+
+class Executor:
+    def __init__(
+        self,
+        program: Program,
+        rank: int,
+        stages: dict[int, Stage],
+        comm: Any,
+        on_reduce_grad: Callable[[int, torch.nn.Module], None] | None = None,
+        recv_ahead: int = 0,
+    ) -> None:
+        if recv_ahead < 0:
+            raise ValueError(f"recv_ahead must be at least 0, got {recv_ahead}")
+        validate(program)  # nothing runs unproven: the loop below relies on every rule of the table
+        rp = program.ranks[rank]
+        self.program = program
+        self.rank = rank
+        self.instrs = list(zip(rp.op.tolist(), rp.mb.tolist(), rp.stage.tolist(), rp.peer.tolist(), rp.group.tolist()))
+        self.S = program.num_stages
+        self.stages = stages
+        self.comm = comm
+        self.on_reduce_grad = on_reduce_grad
+        self.recv_specs: dict[Key, Specs] = {}
+        self.send_specs: dict[Key, Specs] = {}
+        self.values: dict[Key, Any] = {}
+        self.step = -1
+        self.at = -1  # index of the instruction being executed; read by the fault monitor
+        self.handshaking = False
+        self.record: list[tuple] | None = None  # measured events of this step when not None
+        self.sync: Callable[[], None] = lambda: None  # CUDA: synchronize before reading the clock
+        self.recv_ahead = recv_ahead
+        # data parallelism (pipec.runtime.exec.replicas.StageDP): UNSHARD, RESHARD, REDUCE_GRAD and STEP's wait
+        self.dp: Any = None
+        # the receives in stream order, and each receive instruction's place in that order
+        self.recvs = [j for j, ins in enumerate(self.instrs) if IS_RECV[ins[0]]]
+        self.recv_ord = {j: k for k, j in enumerate(self.recvs)}
+        self.posted = 0  # receives of this step posted so far (a prefix of self.recvs)
+        self.reached = 0  # receive instructions of this step the loop has reached
+        # memory ops: the (mb, stage) pairs whose FWD keeps only its input, and the saved-tensor pool
+        self.recomputed = {(mb, s) for op, mb, s, _, _ in self.instrs if op == RECOMPUTE}
+        offloaded = {(mb, s) for op, mb, s, _, _ in self.instrs if op in (OFFLOAD, RELOAD)}
+        self.pool: Pool | None = None
+        self.peaks: Peaks | None = None  # the last step's peak saved bytes, when a pool exists
+        if offloaded:
+            self._use_pool()
+
+    def measure_memory(self) -> None:
+        """Count every saved activation from the next step on: `peaks` is then each step's (saved-tensor
+        hooks on every forward; without this and without OFFLOAD, the forwards run without hooks)."""
+        self._use_pool()
+
+    def _use_pool(self) -> None:
+        if self.pool is None:
+            self.pool = Pool()
+            for st in self.stages.values():
+                st.pool = self.pool
+
+    # ---- where we are, for error messages -----------------------------------------------------
+    def instr(self, j: int) -> Instr:
+        op, mb, s, peer, g = self.instrs[j]
+        return Instr(OPCODES[op], mb, s, peer, bool(g))
+
+    def where(self) -> str:
+        if self.at < 0:
+            if self.step < 0:
+                return "start-up"
+            what = "the shape handshake" if self.handshaking else "before the first instruction"
+            return f"step {self.step + 1}, {what}"
+        if self.at >= len(self.instrs):
+            return f"step {self.step + 1}, after the last instruction"
+        text = f"step {self.step + 1}, instruction #{self.at} `{self.instr(self.at)}`"
+        sl = self.program.slicing
+        if sl is not None and sl.slices > 1:
+            i, j = sl.split(self.instrs[self.at][1])
+            text += f" (micro-batch {i}, slice {j})"
+        return text
+
+    # ---- shapes ---------------------------------------------------------------------------------
+    def set_specs(self, ins: dict[int, list[Specs]], outs: dict[int, list[Specs]]) -> None:
+        for s in self.stages:
+            for mb, specs in enumerate(ins[s]):
+                if s > 0:
+                    self.recv_specs[(ACT, mb, s - 1)] = specs
+                    self.send_specs[(GRAD, mb, s)] = specs
+            for mb, specs in enumerate(outs[s]):
+                if s < self.S - 1:
+                    self.send_specs[(ACT, mb, s)] = specs
+                    self.recv_specs[(GRAD, mb, s + 1)] = specs
+
+    # ---- the loop -------------------------------------------------------------------------------
+    def run(self, step: int, inputs: list | None, targets: list | None) -> Generator[object, None, None]:
+        self.step, self.at = step, -1
+        values, stages, comm, S = self.values, self.stages, self.comm, self.S
+        rec = self.record
+        dp = self.dp
+        n = len(self.instrs)
+        t_run = time.perf_counter() if rec is not None else 0.0
+        self.posted = self.reached = 0
+        pool, recomputed = self.pool, self.recomputed
+        if pool is not None:
+            pool.reset_peaks()
+        self._post_upto(self.recv_ahead)
+        j = 0
+        while j < n:
+            self.at = j
+            op, mb, s, peer, grp = self.instrs[j]
+            if op == FWD:
+                args = inputs[mb] if s == 0 else (yield from self._take(self._input(op, mb, s)))
+                if dp is not None:
+                    dp.ready(s)
+                t0 = time.perf_counter() if rec is not None else 0.0
+                target = targets[mb] if s == S - 1 else None
+                if (mb, s) in recomputed:
+                    out = stages[s].forward(mb, args, target, keep_input_only=True)
+                else:
+                    out = stages[s].forward(mb, args, target)
+                if out is not None:
+                    values[(ACT, mb, s)] = out
+                if rec is not None:
+                    self.sync()
+                    rec.append(("compute", FWD, mb, s, t0, time.perf_counter()))
+            elif op == BWD:
+                grads = None if s == S - 1 else (yield from self._take(self._input(op, mb, s)))
+                if dp is not None:
+                    dp.ready(s)
+                t0 = time.perf_counter() if rec is not None else 0.0
+                dargs = stages[s].backward(mb, grads)
+                if s > 0:
+                    values[(GRAD, mb, s)] = dargs
+                if rec is not None:
+                    self.sync()
+                    rec.append(("compute", BWD, mb, s, t0, time.perf_counter()))
+            elif op == WGRAD:
+                if dp is not None:
+                    dp.ready(s)
+                t0 = time.perf_counter() if rec is not None else 0.0
+                stages[s].wgrad(mb)
+                if rec is not None:
+                    self.sync()
+                    rec.append(("compute", WGRAD, mb, s, t0, time.perf_counter()))
+            elif op == STEP:
+                comm.finish_sends()
+                t0 = time.perf_counter() if rec is not None else 0.0
+                if dp is not None:
+                    dp.finish(s)  # waits for REDUCE_GRAD's reduction
+                stages[s].step()
+                if rec is not None:
+                    self.sync()
+                    rec.append(("step", s, t0, time.perf_counter()))
+            elif op == REDUCE_GRAD:
+                t0 = time.perf_counter() if rec is not None else 0.0
+                if dp is not None:
+                    dp.reduce_grad(s)
+                if self.on_reduce_grad is not None:
+                    self.on_reduce_grad(s, stages[s].module)
+                if rec is not None:
+                    rec.append(("collective", REDUCE_GRAD, s, t0, time.perf_counter()))
+            elif op == UNSHARD:
+                t0 = time.perf_counter() if rec is not None else 0.0
+                if dp is not None:
+                    dp.unshard(s)
+                if rec is not None:
+                    rec.append(("collective", UNSHARD, s, t0, time.perf_counter()))
+            elif op == RESHARD:
+                if dp is not None:
+                    dp.reshard(s)
+            elif op == RECOMPUTE:
+                t0 = time.perf_counter() if rec is not None else 0.0
+                stages[s].recompute(mb)
+                if rec is not None:
+                    self.sync()
+                    rec.append(("memop", RECOMPUTE, mb, s, t0, time.perf_counter()))
+            elif op == OFFLOAD or op == RELOAD:
+                t0 = time.perf_counter() if rec is not None else 0.0
+                (pool.offload if op == OFFLOAD else pool.reload)(mb, s)
+                if rec is not None:
+                    rec.append(("memop", op, mb, s, t0, time.perf_counter()))
+            elif grp:  # a batched exchange: validate allows exactly two transfers with one peer
+                self._exchange([j, j + 1])
+                j += 1
+            else:  # a lone transfer
+                self._exchange([j])
+            j += 1
+        self.at = n
+        if pool is not None:
+            self.peaks = pool.peaks()
+        if rec is not None:  # the instructions' span, for the time of the step outside them
+            rec.append(("run", t_run, time.perf_counter()))
+        left = [key_str(k) for k in self.values]
+        undone = {s: st.check_done() for s, st in stages.items() if st.check_done()}
+        if left or undone:
+            raise PipelineError(
+                f"rank {self.rank}: the step ended with unconsumed values ({', '.join(left) or 'none'}) or "
+                f"micro-batches without backward ({undone or 'none'}): the Program is inconsistent"
+            )
+
+    def _take(self, key: Key) -> Generator[object, None, Any]:
+        try:
+            v = self.values.pop(key)
+        except KeyError:
+            raise PipelineError(
+                f"rank {self.rank}: {key_str(key)} is needed but was never received or produced here: "
+                "the Program is inconsistent"
+            ) from None
+        if isinstance(v, Recv):
+            peer = v.peer
+            v = yield from self.comm.wait(v)
+            if self.record is not None:
+                self.record.append(("recv", *key, peer, time.perf_counter()))
+        return v
+
+    @staticmethod
+    def _input(op: int, mb: int, s: int) -> Key:
+        """The message a compute consumes (the instruction table's `needs`)."""
+        return (int(NEEDS_MSG[op]), mb, s + int(NEEDS_STAGE[op]))
+
+    @staticmethod
+    def _key(op: int, mb: int, s: int) -> Key:
+        """The message a transfer names: (what travels, micro-batch, sending stage)."""
+        return (int(MSG_OF[op]), mb, s + int(KEY_STAGE[op]))
+
+    def _recv_item(self, j: int) -> tuple[str, tuple[int, int, int], int, Any]:
+        op, mb, s, peer, _ = self.instrs[j]
+        key = self._key(op, mb, s)
+        if self.record is not None:
+            self.record.append(("post", *key, peer, time.perf_counter()))
+        return ("recv", key, peer, self.recv_specs[key])
+
+    def _post_upto(self, count: int) -> None:
+        """Post the step's receives, in stream order, until `count` of them are posted."""
+        count = min(count, len(self.recvs))
+        while self.posted < count:
+            _, key, peer, specs = self._recv_item(self.recvs[self.posted])
+            self.values[key] = self.comm.post(key, peer, specs)
+            self.posted += 1
+
+    def _exchange(self, js: list[int]) -> None:
+        items = []
+        for j in js:
+            op, mb, s, peer, _ = self.instrs[j]
+            if IS_RECV[op]:
+                k = self.recv_ord[j]
+                self.reached = k + 1
+                if k >= self.posted:  # not posted ahead: post it here, with the rest of the exchange
+                    items.append(self._recv_item(j))
+                    self.posted = k + 1
+            else:
+                key = self._key(op, mb, s)
+                tensors = self.values.pop(key)
+                expected = self.send_specs.get(key)
+                got = tuple(TensorSpec.of(t) for t in tensors)
+                if expected is not None and got != expected:
+                    raise ShapeError(
+                        f"stage {s} produced {fmt(got)} as {key_str(key)} at step {self.step + 1}, but the shape "
+                        f"exchange established {fmt(expected)} (a stage's output shape must follow from its input "
+                        "shape alone)"
+                    )
+                items.append(("send", key, peer, tensors))
+                if self.record is not None:
+                    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+                    self.record.append(("send", *key, peer, time.perf_counter(), nbytes))
+        if len(items) > 1:
+            handles = self.comm.exchange(items)
+        elif not items:
+            handles = []
+        elif items[0][0] == "send":
+            handles = [self.comm.send(*items[0][1:])]
+        else:
+            handles = [self.comm.post(*items[0][1:])]
+        for (what, key, _, _), h in zip(items, handles):
+            if what == "recv":
+                self.values[key] = h
+        if self.recv_ahead:
+            self._post_upto(self.reached + self.recv_ahead)

@@ -1,0 +1,204 @@
+"""Tensor shapes and dtypes between stages, established once before the first step.
+
+Every message carries fixed shapes, so receives are posted with preallocated
+buffers and nothing is pickled per step. The shapes are found stage by stage
+in stage order: the owner of stage s takes stage s-1's output specs (from the
+rank that owns it, through the job's key-value store, or locally), infers its
+own outputs for each micro-batch without computing (meta tensors; a real
+no-grad forward on zeros in eval mode if the module cannot run on meta), and
+publishes them. A stage that cannot take its predecessor's output fails here,
+at the first step, with both stages and shapes named.
+
+Token slices: the specs are per unit (each slice has its own length), and a stage's
+unit is inferred as it runs, with the specs of the earlier slices' keys and values
+as its `past_kv` (pipec.runtime.exec.slices). Variable-length micro-batches: the Runner
+runs the exchange again, under a new `epoch`, when a step's input specs differ
+from the last exchange's (pipec.runtime.runner says how every rank learns it).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Generator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.func import functional_call
+
+from pipec.ir.schedule import Slicing
+from pipec.runtime.errors import ModelError, ShapeError
+from pipec.runtime.exec import slices
+from pipec.runtime.model.contract import to_dtype
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def __str__(self) -> str:
+        return f"{str(self.dtype).removeprefix('torch.')} {list(self.shape)}"
+
+    @staticmethod
+    def of(t: torch.Tensor) -> TensorSpec:
+        return TensorSpec(tuple(t.shape), t.dtype)
+
+    def empty(self, device: torch.device) -> torch.Tensor:
+        return torch.empty(self.shape, dtype=self.dtype, device=device)
+
+
+Specs = tuple[TensorSpec, ...]  # one message: the tensors a stage passes on
+
+
+def fmt(specs: Specs) -> str:
+    return str(specs[0]) if len(specs) == 1 else "(" + ", ".join(map(str, specs)) + ")"
+
+
+def encode(per_mb: list[Specs]) -> str:
+    return json.dumps([[[list(s.shape), str(s.dtype).removeprefix("torch.")] for s in specs] for specs in per_mb])
+
+
+def decode(text: str | bytes) -> list[Specs]:
+    doc = json.loads(text)
+    return [tuple(TensorSpec(tuple(shape), to_dtype(dtype)) for shape, dtype in specs) for specs in doc]
+
+
+def outputs_of(value: Any, stage: int) -> tuple[torch.Tensor, ...]:
+    """A stage's output as a tuple of floating-point tensors (what goes to the next stage)."""
+    outs = tuple(value) if isinstance(value, (tuple, list)) else (value,)
+    for k, t in enumerate(outs):
+        if not isinstance(t, torch.Tensor):
+            raise ShapeError(
+                f"stage {stage} returned {type(t).__name__}"
+                + (f" at position {k}" if len(outs) > 1 else "")
+                + "; a stage that is not the last must return a tensor or a tuple of tensors"
+            )
+        if not t.is_floating_point():
+            raise ShapeError(
+                f"stage {stage} returned a {str(t.dtype).removeprefix('torch.')} tensor"
+                + (f" at position {k}" if len(outs) > 1 else "")
+                + "; tensors passed between stages must be floating point (they carry gradients back)"
+            )
+    return outs
+
+
+def infer(module: torch.nn.Module, stage: int, args: Specs, device: torch.device) -> Specs:
+    """The output specs of `module(*args)`, computed on meta tensors when possible."""
+    return tuple(TensorSpec.of(t) for t in outputs_of(_evaluate(module, args, None, device), stage))
+
+
+def infer_slice(
+    module: torch.nn.Module, stage: int, args: Specs, past: Specs, device: torch.device, unit_text: str
+) -> tuple[Specs, Specs]:
+    """The output and kv specs of `module(*args, past_kv=past)` (a token slice, pipec.runtime.exec.slices)."""
+    out, kv = slices.kv_of(_evaluate(module, args, past, device), stage, unit_text)
+    return tuple(TensorSpec.of(t) for t in outputs_of(out, stage)), tuple(TensorSpec.of(t) for t in kv)
+
+
+def _evaluate(module: torch.nn.Module, args: Specs, past: Specs | None, device: torch.device) -> Any:
+    """`module(*args)` (with `past_kv=past` when given) on meta tensors when possible."""
+    try:
+        with torch.no_grad():
+            state = {
+                k: torch.empty_like(v, device="meta") for k, v in [*module.named_parameters(), *module.named_buffers()]
+            }
+            meta = lambda specs: tuple(torch.empty(s.shape, dtype=s.dtype, device="meta") for s in specs)  # noqa: E731
+            kwargs = None if past is None else {"past_kv": meta(past)}
+            out = functional_call(module, state, meta(args), kwargs, strict=False)
+        return out
+    except Exception:
+        pass
+    # The module does something meta tensors cannot: run it for real, once, on zeros, without side effects
+    # that matter (eval mode: no dropout, no batch-norm statistics update; no autograd graph).
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.no_grad():
+            zeros = lambda specs: tuple(torch.zeros(s.shape, dtype=s.dtype, device=device) for s in specs)  # noqa: E731
+            out = module(*zeros(args)) if past is None else module(*zeros(args), past_kv=zeros(past))
+    finally:
+        module.train(was_training)
+    return out
+
+
+class KV:
+    """Where stages publish their output specs: the job's store, or a dict in --local mode."""
+
+    def set(self, key: str, value: str) -> None:
+        raise NotImplementedError
+
+    def get(self, key: str, waiting_for: str, peer: int) -> Generator[object, None, str]:
+        raise NotImplementedError
+
+    def delete(self, key: str) -> None:
+        """Drop a key nobody will read again (a no-op where keys cost nothing to keep)."""
+
+
+def handshake(
+    modules: dict[int, torch.nn.Module],
+    placement: tuple[int, ...],
+    rank: int,
+    first_inputs: list[Specs] | None,
+    kv: KV,
+    device: torch.device,
+    slicing: Slicing | None = None,
+    epoch: int = 0,
+) -> Generator[object, None, tuple[dict[int, list[Specs]], dict[int, list[Specs]]]]:
+    """Input and output specs per micro-batch (per unit, when sliced) of each stage this rank owns (a
+    generator: it yields while waiting for another rank's specs in --local mode). Exchange `epoch` e > 0
+    publishes under its own keys, so a rank still reading an earlier exchange's never sees a later one's."""
+    prefix = "spec/" if epoch == 0 else f"spec{epoch}/"
+    sliced = slicing is not None and slicing.slices > 1
+    num_stages = len(placement)
+    ins: dict[int, list[Specs]] = {}
+    outs: dict[int, list[Specs]] = {}
+    for s in sorted(modules):
+        if s == 0:
+            assert first_inputs is not None
+            ins[s] = first_inputs
+        elif placement[s - 1] == rank:
+            ins[s] = outs[s - 1]
+        else:
+            text = yield from kv.get(f"{prefix}{s - 1}", f"stage {s - 1}'s output shapes", placement[s - 1])
+            ins[s] = decode(text)
+        memo: dict[tuple[Specs, Specs | None], Specs | tuple[Specs, Specs]] = {}
+        result = []
+        earlier: dict[int, list[Specs]] = {}  # sliced: per sequence, the kv specs of its slices so far
+        for i, specs in enumerate(ins[s]):
+            past = slices.past_specs(earlier.setdefault(slicing.split(i)[0], [])) if sliced else None
+            if (specs, past) not in memo:
+                try:
+                    if sliced:
+                        text = slicing.op_text("F", i, s)
+                        memo[(specs, past)] = infer_slice(modules[s], s, specs, past, device, text)
+                    else:
+                        memo[(specs, past)] = infer(modules[s], s, specs, device)
+                except (ShapeError, ModelError):
+                    raise
+                except Exception as e:
+                    raise mismatch(s, placement, i, specs, e) from None
+            if sliced:
+                out_specs, kv_specs = memo[(specs, past)]
+                earlier[slicing.split(i)[0]].append(kv_specs)
+                result.append(out_specs)
+            else:
+                result.append(memo[(specs, past)])
+        outs[s] = result  # the last stage's too: a mismatch there is found now, not mid-step
+        if s < num_stages - 1 and placement[s + 1] != rank:
+            kv.set(f"{prefix}{s}", encode(result))
+            if epoch > 1:  # the last exchange's, read by stage s + 1 before its last step (which this one's awaited)
+                kv.delete(f"spec{epoch - 1}/{s}")
+    return ins, outs
+
+
+def mismatch(stage: int, placement: tuple[int, ...], mb: int, specs: Specs, e: Exception) -> ShapeError:
+    what = f"input of shape {fmt(specs)}"
+    if stage == 0:
+        return ShapeError(
+            f"stage 0 (rank {placement[0]}) cannot take micro-batch {mb}'s {what}: {type(e).__name__}: {e}"
+        )
+    return ShapeError(
+        f"stage {stage - 1} (rank {placement[stage - 1]}) outputs {fmt(specs)} for micro-batch {mb}, "
+        f"which stage {stage} (rank {placement[stage]}) cannot take: {type(e).__name__}: {e}"
+    )

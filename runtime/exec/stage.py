@@ -1,0 +1,225 @@
+"""One pipeline stage on this rank: forward, backward (full or input-only), weight gradient, optimizer step.
+
+Per micro-batch it keeps what the backward needs: the inputs (leaves that require grad, so the input
+gradient can be handed back) and the outputs with their graph; after an input-only BWD, what WGRAD needs.
+The last stage computes the loss, scaled by `loss_scale`, and accumulates it for the step's report.
+
+Recomputation (a RECOMPUTE in the Program): the FWD runs under `torch.no_grad()` and keeps only its
+input (and the RNG state, so dropout draws the same masks again); `recompute` runs the forward again
+with grad from that input, and the BWD then finds its graph as after a plain FWD. This is what
+non-reentrant `torch.utils.checkpoint` does, with the Program saying when (torch's checkpoint reruns
+the forward inside the backward, at the first use of a saved tensor, with no way to trigger it earlier).
+With a `pool` (pipec.runtime.exec.saved) what autograd saves goes to the pool's holders, counted, and
+offloadable.
+
+Token slices (a Program with `slicing`): micro-batch indices are units (slice j of sequence i), each
+forward takes the earlier slices' keys and values from the stage's `KVCache` and leaves its own there, and
+each backward also runs from the gradient of its own keys and values (pipec.runtime.exec.slices says how);
+the loss of unit u is scaled by `loss_scale` times its slice's share of the tokens (`loss_scales[u]`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from pipec.ir.schedule import Slicing
+from pipec.runtime.exec import slices
+from pipec.runtime.exec import split_backward as split
+from pipec.runtime.exec.saved import Pool, module_storages, storages
+from pipec.runtime.exec.shapes import outputs_of
+
+
+class Stage:
+    def __init__(
+        self,
+        index: int,
+        num_stages: int,
+        module: torch.nn.Module,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+        loss_scale: float,
+        split_backward: bool,
+        optimizer: torch.optim.Optimizer | None,
+        slicing: Slicing | None = None,
+    ) -> None:
+        self.index = index
+        self.first = index == 0
+        self.last = index == num_stages - 1
+        self.module = module
+        self.loss_fn = loss_fn
+        self.loss_scale = loss_scale
+        self.split_backward = split_backward
+        self.optimizer = optimizer
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        # Under FSDP2 the module's parameters change between the sharded ones (the optimizer's) and the
+        # gathered ones (the autograd graph's) with each unshard and reshard: read them when needed.
+        self.live_params = False
+        self.saved: dict[int, tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = {}
+        self.deferred: dict[int, Any] = {}
+        self.stashed: dict[int, tuple] = {}  # recomputed micro-batches: (input, target, RNG states) until RECOMPUTE
+        self.loss = None  # sum of this step's scaled micro-batch losses (last stage)
+        self.pool: Pool | None = None  # saved-tensor holders (pipec.runtime.exec.saved), when measuring or offloading
+        self._state_storages: set[int] | None = None
+        self.kv = slices.KVCache(slicing, index) if slicing is not None and slicing.slices > 1 else None
+        # per unit with token slices: loss_scale times the slice's share of the tokens (slices.loss_scales)
+        self.loss_scales = slices.loss_scales(slicing, loss_scale) if self.kv is not None else None
+
+    def forward(
+        self, mb: int, args: tuple, target: Any = None, *, keep_input_only: bool = False
+    ) -> tuple[torch.Tensor, ...] | None:
+        """Run the stage; returns the (detached) outputs to pass on, or None on the last stage. With
+        `keep_input_only` (its micro-batch is recomputed) nothing is saved for the backward but the input;
+        `recompute` must run before `backward`."""
+        if not keep_input_only:
+            return self._run(mb, args, target, accumulate=True)
+        devices = [args[0].device] if args and isinstance(args[0], torch.Tensor) and args[0].is_cuda else []
+        rng = (torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices])
+        with torch.no_grad():
+            out, _, _ = self._call(mb, args, keep=True)
+            if self.last:
+                self._add_loss(self.loss_fn(out, target), mb)
+        held = self.pool.keep(mb, self.index, args, self._exclude(args, target)) if self.pool is not None else []
+        # What the pool holds (and an OFFLOAD may move) the stage does not hold as well: RECOMPUTE takes it back
+        stash = tuple(None if i in held else a for i, a in enumerate(args))
+        self.stashed[mb] = (stash, held, target, rng, devices)
+        return None if self.last else tuple(o.detach() for o in outputs_of(out, self.index))
+
+    def recompute(self, mb: int) -> None:
+        """RECOMPUTE: the forward of micro-batch mb again, with grad, from the input its FWD kept."""
+        try:
+            args, held, target, (cpu_rng, dev_rng), devices = self.stashed.pop(mb)
+        except KeyError:
+            raise RuntimeError(f"RECOMPUTE {mb} {self.index}: its FWD did not keep its input") from None
+        if held:  # the input the pool holds, back on the device (after its RELOAD when it was offloaded)
+            kept, args = self.pool.kept(mb, self.index), list(args)
+            for k, i in enumerate(held):
+                args[i] = kept[k]
+            args = tuple(args)
+        with torch.random.fork_rng(devices=devices, device_type=devices[0].type if devices else "cuda"):
+            torch.set_rng_state(cpu_rng)
+            for d, state in zip(devices, dev_rng):
+                torch.cuda.set_rng_state(state, d)
+            self._run(mb, args, target, accumulate=False)
+
+    def _run(self, mb: int, args: tuple, target: Any, accumulate: bool) -> tuple[torch.Tensor, ...] | None:
+        if not self.first:
+            args = tuple(x.requires_grad_() for x in args)
+        if self.pool is None:
+            out, read, own = self._call(mb, args, keep=accumulate)
+            loss = self.loss_fn(out, target) if self.last else None
+        else:
+            with self.pool.saving(mb, self.index, self._exclude(args, target)):
+                out, read, own = self._call(mb, args, keep=accumulate)
+                loss = self.loss_fn(out, target) if self.last else None
+        if self.kv is not None:
+            self.kv.record(mb, read, own)
+        if self.last:
+            loss = self._add_loss(loss, mb) if accumulate else self._scaled(loss, mb)
+            self.saved[mb] = (args, (loss,))
+            return None
+        outs = outputs_of(out, self.index)
+        self.saved[mb] = (args, outs)
+        return tuple(o.detach() for o in outs)
+
+    def _call(self, mb: int, args: tuple, keep: bool) -> tuple[Any, tuple, tuple]:
+        """The module on one micro-batch: (output, cache leaves read, own kv). Sliced, it reads the earlier
+        slices' kv from the cache and, when `keep` (a FWD, not a RECOMPUTE), leaves its own there."""
+        if self.kv is None:
+            return self.module(*args), (), ()
+        past, read = self.kv.past(mb)
+        out, own = slices.kv_of(self.module(*args, past_kv=past), self.index, self.kv.text(mb))
+        if keep:
+            self.kv.keep(mb, own)
+        return out, read, own
+
+    def _scaled(self, loss: Any, mb: int) -> torch.Tensor:
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
+        return loss.reshape(()) * (self.loss_scale if self.loss_scales is None else self.loss_scales[mb])
+
+    def _add_loss(self, loss: Any, mb: int) -> torch.Tensor:
+        loss = self._scaled(loss, mb)
+        self.loss = loss.detach() if self.loss is None else self.loss + loss.detach()
+        return loss
+
+    def _exclude(self, args: tuple, target: Any) -> set[int]:
+        """Storages autograd may save that are not activations: parameters, buffers, the step's data."""
+        if self._state_storages is None or self.live_params:
+            self._state_storages = module_storages(self.module)
+        data: list[Any] = [target] if isinstance(target, torch.Tensor) else []
+        if self.first:
+            data += list(args)
+        return self._state_storages | storages(data) if data else self._state_storages
+
+    def backward(self, mb: int, grads: tuple[torch.Tensor, ...] | None) -> tuple[torch.Tensor, ...] | None:
+        """BWD: the gradient of the stage's inputs (None on the first stage). With split backward the weight
+        gradients wait for `wgrad`; otherwise they are accumulated now."""
+        args, outs = self.saved.pop(mb)
+        if self.pool is not None:
+            self.pool.ready(mb, self.index)  # a RELOAD's copy has landed
+        read: tuple[torch.Tensor, ...] = ()
+        if self.kv is not None:  # the slice's own kv are outputs too, with the later slices' gradients
+            read, own = self.kv.backward_of(mb)
+            if own:
+                grads = [None] * len(outs) if grads is None else list(grads)
+                outs, grads = (*outs, *(t for t, _ in own)), (*grads, *(g for _, g in own))
+        if self.split_backward:
+            if self.first:  # no input gradient to compute: WGRAD does the whole weight backward
+                if read:  # but the earlier slices' kv gradients are due now
+                    self.kv.add_grads(read, slices.leaf_grads(outs, grads, read))
+                self.deferred[mb] = (outs, grads)
+                return None
+            dall, groups = split.backward_input(outs, grads, (*args, *read), self.trainable())
+            self.deferred[mb] = groups
+            dargs = dall[: len(args)]
+            if read:  # the earlier slices' kv gradients, for their own BWD
+                self.kv.add_grads(read, dall[len(args) :])
+        else:
+            pairs = [(o, None if grads is None else grads[k]) for k, o in enumerate(outs) if o.requires_grad]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], None if grads is None else [g for _, g in pairs])
+            if self.pool is not None:
+                self.pool.release(mb, self.index)
+            if self.first:
+                return None
+            dargs = tuple(x.grad for x in args)
+        return tuple(torch.zeros_like(x) if g is None else g for x, g in zip(args, dargs))
+
+    def wgrad(self, mb: int) -> None:
+        """WGRAD: accumulate the weight gradients of micro-batch mb from what BWD kept."""
+        state = self.deferred.pop(mb)
+        if isinstance(state, tuple):  # the first stage's whole backward, deferred by its BWD
+            outs, grads = state
+            pairs = [(o, None if grads is None else grads[k]) for k, o in enumerate(outs) if o.requires_grad]
+            # sliced, the graph reaches the cache's leaves too, whose gradients BWD has given already
+            only = {"inputs": self.trainable()} if self.kv is not None else {}
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], None if grads is None else [g for _, g in pairs], **only)
+        else:
+            split.backward_weight(state)
+        if self.pool is not None:
+            self.pool.release(mb, self.index)
+
+    def trainable(self) -> list[torch.nn.Parameter]:
+        if self.live_params:
+            return [p for p in self.module.parameters() if p.requires_grad]
+        return self.params
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+        if self.live_params:
+            for p in self.module.parameters():
+                p.grad = None
+        self.loss = None
+
+    def step(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.step()
+
+    def check_done(self) -> list[int]:
+        """Micro-batches whose backward never ran (a Program bug): empty when the step is complete."""
+        left = set(self.saved) | set(self.deferred) | set(self.stashed)
+        return sorted(left | set(self.kv.left()) if self.kv is not None else left)

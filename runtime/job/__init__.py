@@ -1,0 +1,1 @@
+"""The job: `pipec run` and torchrun's entry point, monitoring, checkpoints, measurements, the printed records."""

@@ -1,0 +1,533 @@
+"""The torchrun entry point: one process runs one rank of a Program.
+
+    torchrun --nproc-per-node 4 -m pipec.runtime.job.launch 1f1b -D p=4 -D m=8 --model examples/mlp.py
+    torchrun --nnodes 2 --node-rank 0 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+        -m pipec.runtime.job.launch zb-v -D p=8 -D m=16 --model examples/mlp.py --backend nccl
+
+FILE|NAME is a schedule (a .pipe file or a library name, with -D parameters) or a compiled Program
+(`pipec compile ... -o prog.json`). `pipec run` launches this module through torchrun.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import traceback
+from collections.abc import Sequence
+
+from pipec.runtime.job.affinity import MODES, bind_local_rank
+from pipec.runtime.job.monitor import BEAT_EVERY, block_sigterm, die_with_parent, say
+
+# A collective that timed out waits this long at most (or the timeout, if shorter) for another rank's report
+# before blaming the replica that never joined: that replica is usually waiting on its own pipeline.
+COLLECTIVE_GRACE_S = 10.0
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m pipec.runtime.job.launch", description=__doc__.split("\n\n")[0])
+    ap.add_argument("schedule", metavar="FILE|NAME", help="a .pipe file, a library schedule, or a compiled program")
+    ap.add_argument("-D", dest="defines", metavar="NAME=VALUE", action="append", default=[])
+    add_run_options(ap)
+    ap.add_argument("--memory-out", default=None, help=argparse.SUPPRESS)  # `pipec run --memory`: peaks here
+    return ap
+
+
+def add_run_options(ap: argparse.ArgumentParser) -> None:
+    """Options shared by `pipec run` and this entry point."""
+    ap.add_argument("--model", required=True, metavar="PATH", help="the model file (see docs/runtime.md)")
+    ap.add_argument("--steps", type=int, default=3, metavar="K", help="training steps (default 3)")
+    ap.add_argument("--check", action="store_true", help="compare with a single-process reference every step")
+    ap.add_argument(
+        "--tol",
+        type=float,
+        default=None,
+        metavar="X",
+        help="--check tolerance on relative errors (default 1e-10 in float64, 1e-4 otherwise)",
+    )
+    ap.add_argument("--trace", metavar="OUT", help="write the last step's measured timeline as a Chrome trace")
+    ap.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="seconds a rank waits for a peer before giving up (default 60)",
+    )
+    ap.add_argument("--backend", choices=("gloo", "nccl"), default="gloo", help="gloo (CPU) or nccl (CUDA)")
+    ap.add_argument("--seed", type=int, default=0, help="weights are seeded by (seed, stage)")
+    ap.add_argument(
+        "--links",
+        metavar="FILE.json",
+        default=None,
+        help="emulated links, as `pipec run --emulate-links` writes them (pipec.runtime.exec.links)",
+    )
+    ap.add_argument(
+        "--recv-ahead",
+        type=int,
+        default=None,
+        metavar="N",
+        help="gloo: post each receive up to N receives before the Program places it (default 4; 0: where it says)",
+    )
+    ap.add_argument(
+        "--cpu-bind",
+        choices=MODES,
+        default="auto",
+        help="gloo: bind each local rank to its own share of the CPUs when there are enough (default auto)",
+    )
+    ap.add_argument(
+        "--checkpoint",
+        metavar="DIR",
+        default=None,
+        help="save checkpoints (torch.distributed.checkpoint) in DIR, a folder every rank can reach",
+    )
+    ap.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=None,
+        metavar="K",
+        help="with --checkpoint: save every K steps (default: at the end only)",
+    )
+    ap.add_argument(
+        "--resume",
+        action="store_true",
+        help="with --checkpoint: continue from DIR's newest complete checkpoint (from step 0 when it has none)",
+    )
+    ap.add_argument(
+        "--loss-scale",
+        type=float,
+        default=None,
+        metavar="X",
+        help="each micro-batch's loss is multiplied by X (default 1/m: the mean)",
+    )
+    add_dp_run_options(ap)
+
+
+def add_dp_run_options(ap: argparse.ArgumentParser) -> None:
+    """Data parallelism: --dp N replicas of every rank on a ("pp", "dp") mesh (world = ranks x N),
+    --dp-kind, --prefetch, --max-gathered (the lowering's, pipec.ir.dataparallel), and the runtime's
+    --dp-unit (what FSDP2 shards as one unit)."""
+    if "--dp" not in ap._option_string_actions:  # a parser that already has the lowering's flags keeps them
+        from pipec.ir.dataparallel import add_dp_options  # stdlib only
+
+        add_dp_options(ap)
+    ap.add_argument(
+        "--dp-unit",
+        choices=("stage", "block"),
+        default="stage",
+        help="fsdp: fully_shard each stage (default), or each of its child blocks and then the stage",
+    )
+
+
+def with_dp(program, args: argparse.Namespace):
+    """The Program to run under the command line's data parallelism: as it stands when no flag is given
+    or the flags agree with what it was compiled for; ValueError otherwise (a Program's collectives are
+    placed by its lowering for one dp and kind, as `pipec.api.require_same_dp` says for E422)."""
+    dp, kind = getattr(args, "dp", 1), getattr(args, "dp_kind", "ddp")
+    if dp < 1:
+        raise ValueError(f"data parallelism: the size (--dp) must be an integer >= 1, got {dp}")
+    if (dp == 1 and kind == "ddp") or (program.dp, program.dp_kind) == (dp, kind):
+        return program
+    raise ValueError(
+        f"the Program was compiled for data parallelism {program.dp} x {program.dp_kind}, not the "
+        f"--dp {dp} --dp-kind {kind} asked for; compile it again with these options, or leave them out"
+    )
+
+
+def load_program(spec: str, defines: Sequence[str | tuple[str, str]], args: argparse.Namespace | None = None):
+    """A Program from a compiled file (JSON or text), or by compiling a schedule with its parameters (and
+    the data parallelism of `args`, when the lowering places its collectives)."""
+    from pipec.api import build
+    from pipec.frontend import library
+    from pipec.ir.program import is_program_text, read_program
+    from pipec.passes.compiler import compile_schedule
+    from pipec.passes.dryrun import prove
+
+    if os.path.isfile(spec):
+        with open(spec, errors="replace") as f:
+            head = f.read(200)
+        if is_program_text(head):  # read and validated (E501, E502), then proven (E404, E403)
+            program = read_program(spec)
+            prove(program)
+            return program
+    pairs = [d if isinstance(d, tuple) else tuple(x.strip() for x in d.split("=", 1)) for d in defines]
+    sched = build(library.read(spec), pairs)
+    if args is None:
+        return compile_schedule(sched).program
+    from pipec.ir.dataparallel import from_args
+
+    return compile_schedule(sched, None, from_args(args)).program  # E421 for a value out of range
+
+
+def dp_problem(program, args: argparse.Namespace, world: int | None) -> str | None:
+    """Why this data-parallel run cannot start (None when it can): the world, and what dp does not support."""
+    if world is not None:
+        from pipec.runtime.exec.replicas import check_world
+
+        problem = check_world(program.num_ranks, program.dp, world)
+        if problem:
+            return problem
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    die_with_parent()  # a SIGKILL of the launcher must not leave this rank training on
+    block_sigterm()  # before torch starts any thread
+    ap = parser()
+    args = ap.parse_args(argv)
+    for d in args.defines:
+        if "=" not in d or not d.split("=", 1)[0].strip():
+            ap.error(f"-D takes NAME=VALUE, got {d!r}")
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else None  # torchrun's
+    # before torch starts any thread, so that gloo's and OpenMP's threads inherit it
+    args.cpus = bind_local_rank(args.cpu_bind, args.backend, local_rank, local_world)
+    args.local_world = local_world
+    from pipec.errors import PipecError
+
+    try:
+        program = with_dp(load_program(args.schedule, args.defines, args), args)
+    except PipecError as e:
+        say("\n".join(d.format() for d in e.diagnostics))
+        return 1
+    except ValueError as e:
+        say(f"pipec: rank {rank}: error: {e}")
+        return 1
+    from pipec.runtime.errors import wrong_world_size
+
+    if program.dp > 1:  # before any communication
+        problem = dp_problem(program, args, world)
+        if problem:
+            say(f"pipec: rank {rank}: error: {problem}")
+            return 1
+    elif world != program.num_ranks:
+        say(f"pipec: rank {rank}: error: {wrong_world_size(program, world)}")
+        return 1
+
+    import torch
+
+    from pipec.runtime.errors import PipelineError
+    from pipec.runtime.model.contract import load_model
+
+    try:
+        model = load_model(args.model)
+    except PipelineError as e:
+        say(f"pipec: rank {rank}: error: {e}")
+        return 1
+    return Worker(program, model, args, rank, world, local_rank, torch).run()
+
+
+class Worker:
+    def __init__(self, program, model, args, rank: int, world: int, local_rank: int, torch) -> None:
+        self.program, self.model, self.args = program, model, args
+        self.rank, self.world, self.local_rank = rank, world, local_rank
+        self.torch = torch
+        self.runner = None
+        self.monitor = None
+        self.finished = False
+
+    def where(self) -> str:
+        if self.runner is not None:
+            return self.runner.where()
+        return "the teardown" if self.finished else "start-up"
+
+    def _teardown(self, dist) -> bool:
+        """End a successful run so that the interpreter's shutdown finds no thread but the main one.
+
+        A thread that takes the GIL once the interpreter is finalizing is ended there (`pthread_exit`), and
+        that cannot unwind the C++ frames it is in: "terminate called without an active exception", SIGABRT.
+        gloo's worker threads do take it: freeing a finished collective (the barrier's work frees the
+        all_reduce's before it) frees its tensors, and a tensor whose Python object was released first
+        takes the GIL to free that object. Those threads end with the process group's last reference, so
+        every reference is dropped here, on the main thread, and `destroy_process_group` joins them (torch
+        releases the GIL for that). The monitor's threads are joined first.
+        False when a thread is left all the same: the caller then exits without the interpreter's shutdown."""
+        import gc
+
+        # No rank tears its connections down while a peer may still be using them.
+        dist.barrier()
+        # `fail` still works after this: its store calls fail quietly.
+        stopped = self.monitor.stop()
+        # The communicator holds the process group and its works; cycles are collected now, on this thread.
+        self.runner = self.store = None
+        gc.collect()
+        dist.destroy_process_group()
+        return stopped and not backend_threads()
+
+    def run(self) -> int:
+        import torch.distributed as dist
+
+        from pipec.runtime.errors import CollectiveError, CommError, PipelineError
+
+        try:
+            self._init(dist)
+            code = self._train(dist)
+            self.finished = True
+            if not self._teardown(dist):  # a thread is left that the interpreter's shutdown could abort
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+            return code
+        except BaseException as e:  # noqa: BLE001 - every failure must reach the other ranks
+            if self.monitor is None:
+                say(f"pipec: rank {self.rank}: error during start-up: {type(e).__name__}: {e}")
+                os._exit(1)
+            if isinstance(e, CollectiveError):
+                if "timed out" in str(e):
+                    # A replica peer that never joined is alive and waiting on something of its own (its
+                    # pipeline, most often): its own report names the cause, so it gets the time to make it.
+                    self.monitor.await_record(min(float(self.args.timeout), COLLECTIVE_GRACE_S))
+                # The replica that never joined: one whose last reported position is not this collective's.
+                here = self.where()
+                behind = [p for p in e.peers if self.monitor.position_of(p) != here]
+                e.peer = behind[0] if behind else e.peer
+            elif isinstance(e, CommError) and self.runner is not None:
+                e.peer = self.runner.global_rank(e.peer)  # the Program's rank -> this job's rank
+            culprit = e.peer if isinstance(e, CommError) else self.rank
+            if isinstance(e, CommError):
+                # Blame the rank whose heartbeat stopped, not merely the one this rank waited on.
+                # A closed connection is a dead peer; a timeout may be a peer waiting on a silent one.
+                timed_out = "timed out" in str(e)
+                silent = self.monitor.silent_ranks() if timed_out and not self.monitor.recorded() else []
+                peer = e.peer if e.peer in silent or not silent else silent[0]
+                culprit = peer
+                silence = f"no heartbeat for {4 * BEAT_EVERY:g} s; " if peer in silent else ""
+                reason = (
+                    f"rank {peer} stopped responding or died ({silence}its last reported position: "
+                    f"{self.monitor.position_of(peer)}); rank {self.rank} found out at {self.where()}: {e}"
+                )
+            elif isinstance(e, KeyboardInterrupt):
+                reason = f"rank {self.rank} was interrupted at {self.where()}"
+            else:
+                if not isinstance(e, PipelineError):
+                    traceback.print_exc()
+                text = str(e) if isinstance(e, PipelineError) else f"{type(e).__name__}: {e}"
+                reason = f"rank {self.rank} failed at {self.where()}: {text}"
+            code = self.monitor.fail(reason, culprit)
+            os._exit(code)
+
+    def _init(self, dist) -> None:
+        from datetime import timedelta
+
+        from pipec.runtime.job.monitor import Monitor
+        from pipec.runtime.job.sameness import check_same_program
+        from pipec.runtime.runner import Runner
+
+        torch, args = self.torch, self.args
+        if args.backend == "nccl":
+            if not torch.cuda.is_available():
+                raise RuntimeError("--backend nccl needs CUDA, and torch sees no GPU here; use gloo")
+            self.device = torch.device("cuda", self.local_rank)
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+        # Imported before the process group exists: its functions' default argument `group=group.WORLD` is
+        # evaluated at import, and imported later (torch.optim imports torch._dynamo, which imports it) it
+        # keeps the default group alive after `destroy_process_group`, with gloo's threads (see `_teardown`).
+        importlib.import_module("torch.distributed.nn.functional")
+
+        if args.backend == "nccl":
+            dist.init_process_group("nccl", timeout=timedelta(seconds=args.timeout), device_id=self.device)
+        else:
+            dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
+        self.store = dist.distributed_c10d._get_default_store()
+        self.monitor = Monitor(self.rank, self.world, self.where, self._store_factory(dist, args.timeout)).start()
+        # Before any transfer: nodes launched with different schedules fail here, in seconds, not at the timeout.
+        check_same_program(
+            self.store,
+            self.rank,
+            self.program,
+            self.model.path,
+            args.timeout,
+            os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
+        )
+        m = self.model
+        self.runner = Runner(
+            self.program,
+            m.build_stage,
+            m.loss_fn,
+            rank=self.rank if self.program.dp == 1 else None,  # with a mesh: its "pp" coordinate
+            optimizer=m.optimizer,
+            dtype=m.dtype,
+            device=self.device,
+            loss_scale=args.loss_scale,
+            seed=args.seed,
+            timeout=args.timeout,
+            where=f"{m.path}: build_stage",
+            links=self._links(),
+            recv_ahead=args.recv_ahead,
+            dp_unit=args.dp_unit,
+        )
+
+    def _links(self):
+        if not getattr(self.args, "links", None):
+            return None
+        from pipec.runtime.exec.links import Links
+
+        with open(self.args.links) as f:
+            return Links.from_json(f.read())
+
+    def _store_factory(self, dist, timeout: float):
+        from datetime import timedelta
+
+        # One namespace per torchrun attempt: a restarted job must not see the previous attempt's abort record.
+        prefix = f"pipec/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if host and port:  # the monitor's own connections, so a blocked main thread never holds them up
+            return lambda: dist.PrefixStore(
+                prefix,
+                dist.TCPStore(
+                    host, int(port), is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False
+                ),
+            )
+        return lambda: dist.PrefixStore(prefix, self.store)
+
+    def _train(self, dist) -> int:
+        from pipec.runtime.exec.microbatch import batch_of
+        from pipec.runtime.job.affinity import describe
+        from pipec.runtime.job.report import CheckStats, header, show, step_line
+        from pipec.runtime.reference import Reference, compare, rel_err
+
+        torch, args, runner, m = self.torch, self.args, self.runner, self.model
+        reference = None
+        if args.check:
+            reference = Reference(
+                m.build_stage,
+                m.loss_fn,
+                self.program.num_stages,
+                self.program.num_sequences,
+                optimizer=m.optimizer,
+                dtype=m.dtype,
+                device=self.device,
+                loss_scale=args.loss_scale,
+                seed=args.seed,
+                replicas=self.program.dp,
+            )
+            checks = CheckStats()
+        needs_batch = runner.has_first or runner.has_last or reference is not None
+        if args.memory_out:
+            runner.executor.measure_memory()
+        start = self._resume(dist, reference)
+        if self.rank == 0:
+            how = f"{args.backend}, {self.world} processes"
+            if self.program.dp > 1:
+                unit = f" per {args.dp_unit}" if self.program.dp_kind == "fsdp" else ""
+                how += f" ({self.program.num_ranks} ranks x {self.program.dp} {self.program.dp_kind} replicas{unit})"
+            show(header(self.program, how, m.path))
+            binding = describe(args.cpus, args.local_world, args.cpu_bind, args.backend)
+            if binding:
+                show(binding)
+            if getattr(runner.executor.comm, "links", None) is not None:
+                show(runner.executor.comm.links.describe())
+        if self.rank == 0 and start:
+            if start >= args.steps:
+                show(f"{self.restored.path} is after step {start}: nothing left to run for --steps {args.steps}")
+            else:
+                show(f"resumed from {self.restored.path}: steps {start + 1} to {args.steps}")
+        for step in range(start, args.steps):
+            x, y = batch_of(m.batch(step), f"{m.path}: batch({step})") if needs_batch else (None, None)
+            res = runner.step(x, y, record=bool(args.trace) and step == args.steps - 1)
+            errs = [0.0, 0.0, 0.0]
+            if reference is not None:
+                ref_loss = reference.step(x, y)
+                g = compare(runner.named_gradients(), reference.named_gradients())
+                p = compare(runner.named_parameters(), reference.named_parameters())
+                le = rel_err(res.loss, ref_loss) if res.loss is not None else 0.0
+                checks.add(le, g, p)
+                errs = [le, max(g.values(), default=0.0), max(p.values(), default=0.0)]
+            loss = res.loss if res.loss is not None else float("-inf")
+            stats = torch.tensor([res.seconds, loss, *errs], dtype=torch.float64, device=self.device)
+            dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+            s = stats.tolist()
+            if self.rank == 0:
+                show(step_line(step, args.steps, s[1], s[0], tuple(s[2:]) if reference else None))
+            self._maybe_save(dist, step + 1)
+        if args.memory_out:
+            from pipec.runtime.exec.saved import publish_peaks
+
+            publish_peaks(self.store, self.rank, self.world, runner.executor.peaks, args.memory_out, args.timeout)
+        code = 0
+        if reference is not None:
+            self.store.set(f"pipec/check/{self.rank}", checks.to_json())
+            if self.rank == 0:
+                for r in range(1, self.world):
+                    checks.merge_json(self.store.get(f"pipec/check/{r}").decode())
+                tol = args.tol if args.tol is not None else default_tol(runner)
+                show("\n".join(checks.lines(tol, args.steps)))
+                code = 0 if checks.worst() <= tol else 1
+        if args.trace:
+            import json
+
+            self.store.set(f"pipec/trace/{self.rank}", json.dumps(runner.events()))
+            if self.rank == 0:
+                from pipec.formats.trace import write_trace
+                from pipec.runtime.job.measure import timeline
+
+                # the pipeline of replica 0 (global ranks 0, dp, 2 dp, ...: pipec.runtime.exec.replicas)
+                ranks = range(0, self.world, self.program.dp)
+                events = [json.loads(self.store.get(f"pipec/trace/{r}").decode()) for r in ranks]
+                write_trace(timeline(self.program, events), args.trace)
+                show(f"wrote the measured timeline of step {args.steps} to {args.trace}")
+        return code
+
+    def _resume(self, dist, reference) -> int:
+        """With --resume, load the newest complete checkpoint; the step to start at (0 without one). The
+        --check reference is brought to the same step by running it over the steps already done."""
+        self.restored = None
+        args = self.args
+        if not (args.checkpoint and args.resume):
+            return 0
+        from pipec.runtime.exec.microbatch import batch_of
+        from pipec.runtime.job.checkpoint import restore
+
+        self.restored = restore(args.checkpoint, self.runner)
+        if self.restored is None:
+            return 0
+        if reference is not None:
+            for step in range(self.restored.step):
+                reference.step(*batch_of(self.model.batch(step)))
+        return self.restored.step
+
+    def _maybe_save(self, dist, steps_done: int) -> None:
+        args = self.args
+        if not args.checkpoint:
+            return
+        every = args.checkpoint_every
+        if steps_done != args.steps and not (every and steps_done % every == 0):
+            return
+        from pipec.runtime.job.checkpoint import save
+        from pipec.runtime.job.report import show
+
+        path = save(args.checkpoint, self.runner, steps_done, dist.barrier)
+        if self.rank == 0:
+            show(f"checkpoint: {path}")
+
+
+def backend_threads() -> list[str]:
+    """The threads of torch.distributed's backends still running in this process, by name (Linux)."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return []
+    names = []
+    for t in tasks:
+        try:
+            with open(f"/proc/self/task/{t}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # it ended meanwhile
+            pass
+    return [n for n in names if n.startswith(("pt_gloo", "gloo_", "pt_nccl"))]
+
+
+def default_tol(runner) -> float:
+    import torch
+
+    # the modules' own parameters: named_parameters gathers shards, a collective rank 0 cannot call alone
+    dtypes = {p.dtype for st in runner.stages.values() for p in st.module.parameters()}
+    return 1e-10 if dtypes <= {torch.float64} else 1e-4
+
+
+if __name__ == "__main__":
+    sys.exit(main())

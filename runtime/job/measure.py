@@ -1,0 +1,55 @@
+"""Measured events of one step, from every rank, as a `pipec.sim.timeline.Timeline` (origin "measured").
+
+Each rank records ("compute", op, mb, stage, start, end), ("send", kind, mb, stage, dst, time, bytes),
+("post", kind, mb, stage, src, time) and ("recv", kind, mb, stage, src, time: when the wait returned, an
+upper bound of the arrival); also ("step", stage, start, end) for each STEP, ("collective", op, stage,
+start, end) for each REDUCE_GRAD and UNSHARD, ("run", start, end) around the instructions and ("bounds",
+start, end) around the whole step (`pipec.runtime.profile.insitu` reads those; the Timeline does not). Clocks
+are `time.perf_counter()`, one clock for all processes of a machine
+(CLOCK_MONOTONIC); across machines they are not aligned. Times become seconds from the step's first event.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from pipec.ir.program import Program
+from pipec.sim.timeline import Timeline
+
+
+def timeline(program: Program, events: list[list[tuple]]) -> Timeline:
+    """Merge the ranks' event lists (index = rank) into one Timeline; messages are joined by key."""
+    comp = [(r, *e[1:]) for r, evs in enumerate(events) for e in evs if e[0] == "compute"]
+    sends = {(e[1], e[2], e[3]): (r, e[4], e[5], e[6]) for r, evs in enumerate(events) for e in evs if e[0] == "send"}
+    posts = {(e[1], e[2], e[3]): e[5] for evs in events for e in evs if e[0] == "post"}
+    recvs = {(e[1], e[2], e[3]): (r, e[5]) for r, evs in enumerate(events) for e in evs if e[0] == "recv"}
+    keys = sorted(k for k in sends if k in recvs)
+    times = [e[4] for e in comp] + [sends[k][2] for k in keys] + [posts[k] for k in keys if k in posts]
+    t0 = min(times) if times else 0.0
+    col = lambda rows, i, dt=np.int64: np.array([row[i] for row in rows], dtype=dt)  # noqa: E731
+    kw = dict(
+        num_ranks=program.num_ranks,
+        rank=col(comp, 0),
+        op=col(comp, 1),
+        mb=col(comp, 2),
+        stage=col(comp, 3),
+        start=col(comp, 4, float) - t0,
+        end=col(comp, 5, float) - t0,
+        msg_kind=np.array([k[0] for k in keys], dtype=np.int64),
+        msg_mb=np.array([k[1] for k in keys], dtype=np.int64),
+        msg_stage=np.array([k[2] for k in keys], dtype=np.int64),
+        msg_src=np.array([sends[k][0] for k in keys], dtype=np.int64),
+        msg_dst=np.array([recvs[k][0] for k in keys], dtype=np.int64),
+        msg_send=np.array([sends[k][2] for k in keys], dtype=float) - t0,
+        msg_arrival=np.array([max(recvs[k][1], sends[k][2]) for k in keys], dtype=float) - t0,
+        msg_bytes=np.array([sends[k][3] for k in keys], dtype=float),
+        origin="measured",
+        slicing=program.slicing,
+        schedule=program.name,
+        params=program.params,
+    )
+    if "msg_post" in {f.name for f in dataclasses.fields(Timeline)} and all(k in posts for k in keys):
+        kw["msg_post"] = np.array([posts[k] for k in keys], dtype=float) - t0
+    return Timeline(**kw)

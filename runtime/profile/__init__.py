@@ -1,0 +1,1 @@
+"""`pipec profile`: stage, slice, link and layer costs measured on this machine."""
