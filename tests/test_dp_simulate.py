@@ -294,6 +294,10 @@ def _old_simulator():
         ).stdout
     except (OSError, subprocess.CalledProcessError):
         return None
+    # The modules it imports moved into floors since (docs/architecture.md): read them from their rooms.
+    text = text.replace("from pipec.opcodes ", "from pipec.ir.opcodes ").replace(
+        "from pipec.program ", "from pipec.ir.program "
+    )
     if "old_simulate" in sys.modules:
         return sys.modules["old_simulate"]
     spec = importlib.util.spec_from_loader("old_simulate", loader=None)
