@@ -262,7 +262,8 @@ def check_program(
     was lowered for its data parallelism and is run as it stands."""
     from pipec.passes.compiler import CompiledSchedule, program_deadlock_error
     from pipec.passes.dryrun import dry_run
-    from pipec.sim.memory import check_memory, program_memory
+    from pipec.passes.memcheck import check_memory
+    from pipec.sim.memory import program_memory
 
     run = dry_run(prog)  # validates first
     if data_parallel is not None:

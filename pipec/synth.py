@@ -60,7 +60,7 @@ from pipec.frontend.codegen import MEMORY_KEYS
 from pipec.ir.schedule import Datacenter, MemOp, RankOps, Schedule, Topology
 from pipec.passes.policy import Derived, Machine, Policy, PolicyStuck, derive, machine
 from pipec.sim.costs import cost_model
-from pipec.sim.memory import memory_model, rank_memory
+from pipec.sim.memory import Hold, memory_model, rank_memory, unit_holds
 
 Progress = Callable[[str], None]
 MEMOP_KINDS = ("recompute", "offload")
@@ -617,6 +617,19 @@ def check_floor(spec: Spec) -> tuple[float, ...]:
 # ---- exact improvement (CP-SAT) ---------------------------------------------------------
 
 
+def memory_demands(
+    model: Mapping[str, np.ndarray], stage: int, mb: int, split: bool, variants: Sequence[str | None]
+) -> list[tuple[Hold, tuple[str | None, ...]]]:
+    """What (micro-batch `mb`, stage `stage`) holds in each pool under each of these variants (None: plain,
+    "RECOMPUTE", "OFFLOAD"): the memory walk's intervals (`pipec.sim.memory.unit_holds`), each once with
+    the variants it occurs in (the B-to-W hold, for one, occurs in all). The solver's cumulative demands."""
+    seen: dict[Hold, list[str | None]] = {}
+    for v in variants:
+        for hold in unit_holds(model, stage, mb, split, v):
+            seen.setdefault(hold, []).append(v)
+    return [(hold, tuple(vs)) for hold, vs in seen.items()]
+
+
 def solver_available() -> str | None:
     """None when OR-Tools' CP-SAT can be imported, else why not."""
     try:
@@ -721,6 +734,7 @@ def improve(
     mem_vals = list(mc.act) + (list(mc.wact) if split else []) + (list(hm.ckpt) if rc_ok else [])
     host_lim = [x for x in hm.host_limit if x == x] if off_ok else []
     k_m = _scale(mem_vals + [x for x in mc.limit if x == x] + list(mc.params) + host_lim, 100)
+    mem_model = {"act": mc.act, "wact": mc.wact, "ckpt": hm.ckpt if rc_ok else mc.act, "params": 0 * mc.act}
 
     def T(x: float) -> int:
         return int(round(x * k_t))
@@ -788,6 +802,9 @@ def improve(
             ivs: list = []
             dem: list[int] = []
 
+            host: list = []
+            host_dem: list[int] = []
+
             def held(a, e, d, lit, name, ivs=ivs, dem=dem):
                 """Demand d from a to e, when lit (None: always)."""
                 length = model.NewIntVar(0, horizon, name)
@@ -799,31 +816,40 @@ def improve(
                     ivs.append(model.NewOptionalIntervalVar(a, length, e, lit, name + "i"))
                 dem.append(d)
 
-            host, host_dem = [], []
+            # What each (micro-batch, stage) holds, and when: the memory walk's (`memory_demands`), per variant
+            # (plain, recomputed, offloaded), at this model's start and end times of its instructions.
             for s in mine:
-                a_d = int(round(mc.act[s] * k_m))
-                w_d = int(round(mc.wact[s] * k_m)) if split else 0
                 for i in range(m):
-                    ops = [x for x in (rc.get((i, s)), off.get((i, s))) if x is not None]
-                    plain = None
-                    if ops:
-                        plain = model.NewBoolVar(f"plain{i}_{s}")
-                        model.Add(plain + sum(ops) == 1)
-                    held(st[0, i, s], en[1, i, s], a_d, plain, f"a{i}_{s}")
+                    lits = {"RECOMPUTE": rc.get((i, s)), "OFFLOAD": off.get((i, s))}
+                    lits = {v: x for v, x in lits.items() if x is not None}
+                    if lits:
+                        lits[None] = model.NewBoolVar(f"plain{i}_{s}")
+                        model.Add(sum(lits.values()) == 1)
+                    at = {("FWD", "start"): st[0, i, s], ("BWD", "end"): en[1, i, s]}
+                    if split:
+                        at["WGRAD", "end"] = en[2, i, s]
                     if (i, s) in rc:
-                        b = rc[i, s]
-                        held(st[0, i, s], en[1, i, s], int(round(hm.ckpt[s] * k_m)), b, f"c{i}_{s}")
-                        held(rcs[i, s], en[1, i, s], a_d, b, f"r{i}_{s}")
+                        at["RECOMPUTE", "start"] = rcs[i, s]
                     if (i, s) in off:
-                        o, h = off[i, s], T(hm.seconds[s])
-                        held(st[0, i, s], ofs[i, s] + h, a_d, o, f"o{i}_{s}")
-                        held(rls[i, s], en[1, i, s], a_d, o, f"l{i}_{s}")
-                        hl = model.NewIntVar(0, horizon, f"h{i}_{s}")
-                        model.Add(hl == rls[i, s] + h - ofs[i, s]).OnlyEnforceIf(o)
-                        host.append(model.NewOptionalIntervalVar(ofs[i, s], hl, rls[i, s] + h, o, f"hi{i}_{s}"))
-                        host_dem.append(a_d)
-                    if split and w_d:
-                        held(en[1, i, s], en[2, i, s], w_d, None, f"w{i}_{s}")
+                        h = T(hm.seconds[s])
+                        at["OFFLOAD", "start"], at["OFFLOAD", "end"] = ofs[i, s], ofs[i, s] + h
+                        at["RELOAD", "start"], at["RELOAD", "end"] = rls[i, s], rls[i, s] + h
+                    variants = tuple(lits) or (None,)
+                    for n, (hold, where) in enumerate(memory_demands(mem_model, s, i, split, variants)):
+                        d = int(round(hold.amount * k_m))
+                        if d == 0:
+                            continue
+                        lit = None
+                        if len(where) < len(variants):
+                            lit = lits[where[0]]
+                            if len(where) > 1:  # the variants exclude each other: one of these
+                                lit = model.NewBoolVar(f"v{n}_{i}_{s}")
+                                model.Add(lit == sum(lits[v] for v in where))
+                        a, e = at[hold.since], at[hold.until]
+                        if hold.pool == "device":
+                            held(a, e, d, lit, f"m{n}_{i}_{s}")
+                        else:
+                            held(a, e, d, lit, f"h{n}_{i}_{s}", host, host_dem)
             model.AddCumulative(ivs, dem, cap)
             hlim = hm.host_limit[r] if off_ok else math.nan
             if host and hlim == hlim:

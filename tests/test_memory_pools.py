@@ -21,11 +21,10 @@ from pipec.ir.program import Instr, Program, RankProgram
 from pipec.ir.schedule import MemOp
 from pipec.passes.compiler import compile_schedule
 from pipec.passes.lower import lower
+from pipec.passes.memcheck import check_memory, format_table
 from pipec.sim.costs import read_cost_file
 from pipec.sim.memory import (
-    check_memory,
     fmt_memory,
-    format_table,
     instruction_deltas,
     memory_model,
     program_memory,

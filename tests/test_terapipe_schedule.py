@@ -24,7 +24,8 @@ from pipec.formats.trace import read_trace, trace_events, write_trace
 from pipec.ir.program import RankProgram, from_text, to_text
 from pipec.ir.schedule import unit_json, unit_label
 from pipec.passes.compiler import compile_schedule
-from pipec.sim.memory import format_table, rank_memory
+from pipec.passes.memcheck import format_table
+from pipec.sim.memory import rank_memory
 from pipec.testing import InvariantError, Listing, check_invariants, program_problem
 from pipec.testing.mutations import _dependency_pairs, _move_before
 from pipec.view import report

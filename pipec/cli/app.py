@@ -26,7 +26,7 @@ from pipec.ir.program import Program
 from pipec.ir.schedule import Schedule
 from pipec.partition import command as partition_command
 from pipec.passes.compiler import CompiledSchedule, compile_schedule
-from pipec.sim.memory import format_table
+from pipec.passes.memcheck import format_table
 
 MISUSE = 2
 # pipec synth's sizes: each of p, m, v, and the ops p * v * m * kinds, within what a schedule may have (the

@@ -4,9 +4,11 @@ memory limits, on ranks of different speeds.
 A split gives stage s the layers [c_s, c_{s+1}) (0 = c_0 < c_1 < ... < c_S = L, every stage non-empty,
 stages in pipeline order, so V and interleaved placements wrap the model across the ranks as their
 placement says). Stage s's F, B and W are the sums of its layers' times divided by the speed of the rank
-that owns it; its memory is the memory model's (pipec.sim.memory): parameters, gradients and optimizer
-state held throughout, `act` bytes per micro-batch live from F to B and, with split backward, `wact` from
-B to W, counted along the rank's own order of ops. The objective is `pipec.sim.simulate`'s makespan of the
+that owns it; its memory is the memory walk's (pipec.sim.memory.positions): parameters, gradients and
+optimizer state held throughout, `act` bytes per micro-batch live from F to B (`ckpt`, act / 8 of the
+memory model's default, until its RECOMPUTE where the schedule recomputes; on the host between an
+OFFLOAD and its RELOAD) and, with split backward, `wact` from B to W, counted along the rank's own order
+of ops and memory ops. The objective is `pipec.sim.simulate`'s makespan of the
 schedule's Program under these per-stage costs (and the links of any cost documents given).
 
 Why the result is optimal (a cutting-plane method with the simulator as the objective):
@@ -55,8 +57,11 @@ from pipec.errors import brief, error
 from pipec.formats.partition_files import LayerTable
 from pipec.ir.program import Program
 from pipec.ir.schedule import Schedule
+from pipec.sim.memory import CKPT_OF_ACT, positions
 
 KINDS = ("F", "B", "W")
+# The memory rows' scale (`Problem.memory_rows`): 8 makes ckpt = act / 8 whole, so rows are exact without slices.
+MEM_SCALE = 8
 
 
 @dataclass(frozen=True)
@@ -132,7 +137,7 @@ class Problem:
             "wact": _prefix(table.wact_bytes if split else 0 * table.act_bytes),
             "params": _prefix(held),
         }
-        self.positions = _memory_positions(sched)
+        self.positions = positions(sched)
         base = cost_model(sched, self.cost_docs)
         self.graph = _Graph(sched, base, self.unit)
         self.simulations = 0
@@ -155,14 +160,32 @@ class Problem:
         return {k: (v[c[1:]] - v[c[:-1]]).astype(float) for k, v in self.P.items()}
 
     def memory(self, bounds: Sequence[int]) -> np.ndarray:
-        """Each rank's peak bytes under the memory model (equal to `pipec.sim.memory.rank_memory`'s)."""
+        """Each rank's peak bytes: the memory walk's (`pipec.sim.memory.positions`) for the split's sizes, so
+        equal to `pipec.sim.memory.rank_memory` of `memory_schedule`."""
         b = self.stage_bytes(bounds)
-        out = np.zeros(self.R)
-        for r, (stages, A, W) in enumerate(self.positions):
-            if len(stages) == 0:
-                continue
-            live = A @ b["act"][stages] + W @ b["wact"][stages]
-            out[r] = b["params"][stages].sum() + max(float(live.max(initial=0.0)), 0.0)
+        ckpt = b["act"] * CKPT_OF_ACT
+        return np.array([pos.peak(b["act"], b["wact"], ckpt, b["params"]) for pos in self.positions])
+
+    def memory_rows(self, r: int) -> list[tuple[np.ndarray, int]]:
+        """Rank r's memory at each of its positions as an integer row over the split: (wq, lim) with wq (S,
+        L + 1) such that every split within r's limit has sum_s wq[s, c_{s+1}] - wq[s, c_s] <= lim (empty
+        without a limit). Each row is MEM_SCALE times the position's bytes, rounded per stage and boundary
+        (so non-decreasing in the boundary); where the scaled coefficients are not whole (token shares) the
+        rounding may add up to one per stage, which the limit allows for: a row is then a relaxation, and
+        the splits it lets through are checked by `memory` itself."""
+        pos = self.positions[r]
+        if math.isnan(self.limit[r]) or not len(pos.stages):
+            return []
+        k, P = MEM_SCALE, {key: v.astype(float) for key, v in self.P.items()}
+        out = []
+        for a, w, c in zip(pos.act, pos.wact, pos.ckpt):
+            x = a + c * CKPT_OF_ACT  # the split's ckpt is its act / 8
+            whole = np.allclose(k * x, np.rint(k * x), rtol=0, atol=1e-9) and np.allclose(k * w, np.rint(k * w))
+            wq = np.zeros((self.S, self.L + 1), dtype=np.int64)
+            for xs, ws, s in zip(x.tolist(), w.tolist(), pos.stages.tolist()):
+                wq[s] = np.rint(k * (P["params"] + xs * P["act"] + ws * P["wact"])).astype(np.int64)
+            slack = 0 if whole else len(pos.stages)
+            out.append((wq, math.floor(k * self.limit[r]) + slack))
         return out
 
     def cost_doc(self, bounds: Sequence[int]) -> dict:
@@ -209,46 +232,13 @@ class Problem:
         """The schedule with this split's bytes as its memory declarations (for pipec.sim.memory)."""
         b = self.stage_bytes(bounds)
         mem = {k: tuple(v.tolist()) for k, v in b.items()}
+        mem["ckpt"] = tuple((b["act"] * CKPT_OF_ACT).tolist())
         mem["limit"] = tuple(self.limit.tolist())
         return replace(self.sched, memory=mem)
 
 
 def _prefix(x: np.ndarray) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(np.rint(np.asarray(x, dtype=float)).astype(np.int64))])
-
-
-def _memory_positions(sched: Schedule) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """Per rank: its stages, and at each position of its order that is not dominated by another, how many
-    micro-batches of each stage hold activations (A) and W inputs (W): the rank's live bytes there are
-    A @ act + W @ wact (the memory model's walk, pipec.sim.memory.rank_memory)."""
-    out = []
-    split = sched.split_backward
-    for r, ops in enumerate(sched.ranks):
-        stages = np.asarray(sched.stages_of(r), dtype=np.int64)
-        col = {int(s): i for i, s in enumerate(stages.tolist())}
-        n = len(stages)
-        A, W = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
-        seen: set[tuple[int, ...]] = set()
-        for k, s in zip(ops.kind.tolist(), ops.stage.tolist()):
-            j = col[s]
-            if k == 0:
-                A[j] += 1
-            elif k == 1:
-                A[j] -= 1
-                if split:
-                    W[j] += 1
-            else:
-                W[j] -= 1
-            seen.add((*A.tolist(), *W.tolist()))
-        rows = np.array(sorted(seen), dtype=np.int64).reshape(-1, 2 * n)
-        keep = [
-            i
-            for i in range(len(rows))
-            if not any((rows[o] >= rows[i]).all() and (rows[o] != rows[i]).any() for o in range(len(rows)))
-        ]
-        rows = np.unique(rows[keep], axis=0)
-        out.append((stages, rows[:, :n], rows[:, n:]))
-    return out
 
 
 class _Graph:
@@ -398,13 +388,10 @@ class Master:
                 M.AddImplication(v[t][j - 1], v[t + 1][j])  # c_{t+1} >= c_t + 1
         self.v = v
         self.dq = {k: np.diff(pb.Q[k], axis=1) for k in KINDS}  # (S, L): stage s's quantized time of layer j
-        self.dp = {k: np.diff(x) for k, x in pb.P.items()}  # (L,) bytes of each layer
-        if memory and not np.all(np.isnan(pb.limit)):
-            for r, (stages, A, W) in enumerate(pb.positions):
-                if math.isnan(pb.limit[r]) or not len(stages):
-                    continue
-                for const, expr in self.memory_rows(stages, A, W):
-                    M.Add(expr <= math.floor(pb.limit[r]) - const)
+        if memory:
+            for r in range(pb.R):
+                for lim, const, expr in self.memory_rows(r):
+                    M.Add(expr <= lim - const)
         hi = int(sum(int(pb.Q[k][:, -1].max()) for k in KINDS)) * max(pb.m, 1) * 4 + sum(pb.graph.delay) + 1
         self.z = M.NewIntVar(0, hi, "z")
         M.Minimize(self.z)
@@ -431,13 +418,11 @@ class Master:
             best = max(best, int(math.floor(cost[L])) + const)
         return best
 
-    def memory_rows(self, stages: np.ndarray, A: np.ndarray, W: np.ndarray):
-        """A rank's bytes at each of its memory positions, as (constant, linear expression)."""
-        for a, w in zip(A.tolist(), W.tolist()):
-            weight = {}
-            for x, y, s in zip(a, w, stages.tolist()):
-                weight[s] = self.dp["params"] + x * self.dp["act"] + y * self.dp["wact"]
-            yield self._linear(weight)
+    def memory_rows(self, r: int):
+        """Rank r's memory rows (`Problem.memory_rows`) as (limit, constant, linear expression)."""
+        for wq, lim in self.pb.memory_rows(r):
+            stages = self.pb.positions[r].stages.tolist()
+            yield (lim, *self._linear({s: np.diff(wq[s]) for s in stages}))
 
     def _linear(self, weight: Mapping[int, np.ndarray]):
         """sum over stages s of sum over its layers of weight[s][layer], as a constant plus a linear
@@ -626,16 +611,10 @@ class _Rows:
         return self._append(wq, sum(w for w, _, _ in weighted), sum(w * c for w, c, _ in weighted))
 
     def add_memory(self) -> None:
-        """One row per memory position of every rank with a limit (`_memory_positions`)."""
-        pb = self.pb
-        for r, (stages, A, W) in enumerate(pb.positions):
-            if math.isnan(pb.limit[r]) or not len(stages):
-                continue
-            for a, w in zip(A.tolist(), W.tolist()):
-                wq = np.zeros((pb.S, pb.L + 1), dtype=np.int64)
-                for x, y, s in zip(a, w, stages.tolist()):
-                    wq[s] = pb.P["params"] + x * pb.P["act"] + y * pb.P["wact"]
-                self._append(wq, 0, -math.floor(pb.limit[r]))
+        """One row per memory position of every rank with a limit (`Problem.memory_rows`)."""
+        for r in range(self.pb.R):
+            for wq, lim in self.pb.memory_rows(r):
+                self._append(wq, 0, -lim)
 
 
 def _propagate(rows: _Rows, allowed: np.ndarray, budget: int) -> int | None:
@@ -1021,13 +1000,11 @@ def no_fit(pb: Problem):
     """E806: no split fits; names the split that comes closest (the least excess over any rank's limit)."""
     master = Master(pb, memory=False)
     M = master.model
-    worst_bytes = int(sum(int(v[-1]) for v in pb.P.values())) * max(pb.m, 1) + 1
+    worst_bytes = (int(sum(int(v[-1]) for v in pb.P.values())) * max(pb.m, 1) + 1) * MEM_SCALE + pb.S
     excess = M.NewIntVar(-worst_bytes, worst_bytes, "excess")
-    for r, (stages, A, W) in enumerate(pb.positions):
-        if math.isnan(pb.limit[r]) or not len(stages):
-            continue
-        for const, expr in master.memory_rows(stages, A, W):
-            M.Add(excess >= const + expr - math.floor(pb.limit[r]))
+    for r in range(pb.R):
+        for lim, const, expr in master.memory_rows(r):
+            M.Add(excess >= const + expr - lim)
     M.Minimize(excess)
     solver = master.cp.CpSolver()
     solver.parameters.max_time_in_seconds = 10.0

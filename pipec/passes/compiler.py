@@ -20,7 +20,8 @@ from pipec.ir.program import Program
 from pipec.ir.schedule import Schedule
 from pipec.passes.dryrun import DryRun, deadlock_error
 from pipec.passes.lower import lower_with_proof
-from pipec.sim.memory import RankMemory, check_memory, program_memory, rank_memory
+from pipec.passes.memcheck import check_memory
+from pipec.sim.memory import RankMemory, program_memory, rank_memory
 
 
 @dataclass(frozen=True)

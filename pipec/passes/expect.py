@@ -10,7 +10,8 @@ example `expect bubble <= (p - 1) / (m + p - 1)`, or in the rank block
   busiest rank's compute time, `m (T_F + T_B + T_W)` with uniform costs;
 - `peak_memory(r)`: rank r's peak memory under the memory model;
 - `in_flight(r)`: the most micro-batches rank r holds at once, counted per
-  stage: F done, and the last backward piece (B, or W when split) not yet.
+  stage: F done, and the last backward piece (B, or W when split) not yet
+  (on the device or, offloaded, on the host).
 
 Expectations are promises of the schedule text, so they are measured under
 the schedule's own declarations (its `cost` and `memory` lines, else the
@@ -95,13 +96,12 @@ class Metrics:
 
 def in_flight(sched: Schedule, r: int) -> int:
     """The most (micro-batch, stage) pairs rank r holds at once along its order: F done, and its last
-    backward piece (B, or W when the backward is split) not yet."""
-    ops = sched.ranks[r]
-    if len(ops) == 0:
-        return 0
-    last = 2 if sched.split_backward else 1
-    delta = np.where(ops.kind == 0, 1, np.where(ops.kind == last, -1, 0))
-    return int(max(np.cumsum(delta).max(), 0))
+    backward piece (B, or W when the backward is split) not yet, on the device or the host. The memory
+    walk of both pools (`pipec.sim.memory.walk`) under `counting_model`, where every pair weighs one."""
+    from pipec.sim.memory import counting_model, walk
+
+    w = walk(sched, counting_model(sched.num_stages))[r]
+    return int(round(max(float(np.cumsum(w.device + w.host).max(initial=0.0)), 0.0)))
 
 
 def _text(sched: Schedule, e: Expectation) -> str:

@@ -48,6 +48,7 @@ import numpy as np
 from pipec.ir.opcodes import KIND_OF, OUT_MSG, OUT_PEER_STAGE
 from pipec.ir.schedule import RankOps, Schedule
 from pipec.sim.costs import CostModel
+from pipec.sim.memory import compute_deltas
 from pipec.sim.simulate import Links, Plan, plan, shared_links, simulate
 
 KINDS = ("F", "B", "W")
@@ -244,7 +245,11 @@ class _ListScheduler:
             raise ValueError(f"w_mode must be one of {W_MODES}")
         self.pr = [prio["F"], prio["B"], prio.get("W", 9)]
         self.dur = [mc.F.tolist(), mc.B.tolist(), mc.W.tolist()]
-        self.act, self.wact = mc.act.tolist(), (mc.wact.tolist() if split else [0.0] * S)
+        # each op's device change, the memory walk's (pipec.sim.memory.compute_deltas): [kind][mb][stage]
+        model = {"act": mc.act, "wact": mc.wact, "ckpt": mc.act, "params": 0 * mc.act}
+        if mc.shape is not None and mc.shape.slicing is not None:  # sequence lengths: a unit's token share
+            model["unit_share"] = mc.shape.slicing.share()
+        self.delta = compute_deltas(model, m, split).tolist()
         self.limit = [math.inf if not (x == x) else float(x) for x in (mc.limit.tolist() or [math.nan] * R)]
         self.params = mc.params.tolist()
         self.inflight = [math.inf] * R if policy.inflight is None else [float(x) for x in policy.inflight]
@@ -374,17 +379,17 @@ class _ListScheduler:
         c = self.cand[r]
         if not c:
             return math.inf, None
-        act, pr = self.act, self.pr
+        need, pr = self.delta[0], self.pr
         room = self.limit[r] - self.params[r] + 1e-9 - self.mem[r]
         f_live_ok = self.live[r] < self.inflight[r]
         # Memory pressure: a forward is held back by memory and a W could free some: W passes run
         # whatever the W mode and lag say.
-        pressure = any(op[0] == 2 for op in c) and any(op[0] == 0 and act[op[2]] > room for op in c)
+        pressure = any(op[0] == 2 for op in c) and any(op[0] == 0 and need[op[1]][op[2]] > room for op in c)
         elig = []
         for op, ready in c.items():
             k, i, s = op
             if k == 0:
-                if not (f_live_ok and self.live_stage[s] < self.st_inflight[s] and act[s] <= room):
+                if not (f_live_ok and self.live_stage[s] < self.st_inflight[s] and need[i][s] <= room):
                     continue
             elif k == 2 and not pressure and not self._w_allowed(r, i, s):
                 continue
@@ -415,25 +420,20 @@ class _ListScheduler:
         self.left[r] -= 1
         touched = {r}
         mem, params, peak = self.mem, self.params, self.peak
+        mem[r] += self.delta[k][i][s]
+        if mem[r] + params[r] > peak[r]:
+            peak[r] = mem[r] + params[r]
         if k == 0:
             self.live[r] += 1
             self.live_stage[s] += 1
-            mem[r] += self.act[s]
-            if mem[r] + params[r] > peak[r]:
-                peak[r] = mem[r] + params[r]
             self._deliver((1, i, s), end)  # B(i, s) needs F(i, s)
         elif k == 1:
             self.live[r] -= 1
             self.live_stage[s] -= 1
-            mem[r] += self.wact[s] - self.act[s]
-            if mem[r] + params[r] > peak[r]:
-                peak[r] = mem[r] + params[r]
             self.b_done[s][i] = True
             self.b_count[s] += 1
             if self.kinds == 3:
                 self._deliver((2, i, s), end)
-        else:
-            mem[r] -= self.wact[s]
         if OUT_MSG[k] >= 0 and 0 <= s + OUT_PEER_STAGE[k] < self.S:
             touched.add(self._send(r, op, end))
         return touched

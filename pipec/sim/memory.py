@@ -9,11 +9,21 @@ again and replaces that `ckpt` with the full `act` (the saved activations
 include the stage's input), which B then frees. An OFFLOAD moves what the
 forward kept (`act`, or `ckpt` when recomputed) from the device pool to the
 host pool; its RELOAD moves it back. The host pool holds nothing else. One
-function says what each instruction does to both pools (`_deltas`); the
-schedule-level walk (`rank_memory`: the ops with their memops merged at their
-`before` indices), the Program-level walk (`program_memory`:
-`instruction_deltas` of the lowered stream) and the curves over time
-(`pipec.sim.memtime`) all use it.
+function says what each instruction does to both pools (`deltas`), and one
+table when in an instruction's run it does it (`DEVICE_AT_START`,
+`HOST_AT_START`). Every consumer reads them:
+
+- the schedule-level walk (`walk`, `rank_memory`: the ops with their memops
+  merged at their `before` indices) and the Program-level walk
+  (`program_memory`: `instruction_deltas` of the lowered stream); their
+  diagnostics (E402, E406) and table are `pipec.passes.memcheck`'s;
+- the curves over time (`pipec.sim.memtime`);
+- the partition search (`positions`: each rank's live amounts as linear
+  functions of the per-stage sizes, so a split's peak is the walk's);
+- the list scheduler of `order` blocks (`compute_deltas`);
+- synth's exact solver (`unit_holds`: each (micro-batch, stage)'s amounts as
+  intervals between its instructions' starts and ends);
+- `expect in_flight(r)` (the walk of both pools under `counting_model`).
 
 Units. Without measured bytes the model is in abstract units of one
 micro-batch's activations for a rank's share of the model: act = p / S per
@@ -216,7 +226,7 @@ def fmt_memory(x: float, unit: str = "units") -> str:
 # ---- the rule: what each instruction does to the two pools ---------------------
 
 
-def _deltas(
+def deltas(
     op: np.ndarray, mb: np.ndarray, st: np.ndarray, model: Mapping[str, np.ndarray], split: bool, dp: int = 1
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per instruction of one rank's stream (opcodes of pipec.ir.opcodes), its change to the device pool and
@@ -234,13 +244,29 @@ def _deltas(
         [kept, act[s] - ckpt[s], after_b - act[s], -wact[s], -kept, kept],
         0.0,
     )
+    host = np.where(op == OFFLOAD, kept, np.where(op == RELOAD, -kept, 0.0))
     if "unit_share" in model:  # token slices or sequence lengths: a unit holds its share of a sequence's
-        dev = dev * np.asarray(model["unit_share"])[np.where(mb >= 0, mb, 0)]  # (its keys and values too)
+        share = np.asarray(model["unit_share"])[np.where(mb >= 0, mb, 0)]  # (its keys and values too)
+        dev, host = dev * share, host * share
     if dp > 1:
         extra = params[s] * (dp - 1) / dp
         dev = dev + np.where(op == UNSHARD, extra, np.where(op == RESHARD, -extra, 0.0))
-    host = np.where(op == OFFLOAD, kept, np.where(op == RELOAD, -kept, 0.0))
     return dev, host
+
+
+def _when(names: tuple[str, ...]) -> np.ndarray:
+    out = np.zeros(len(OPCODES), dtype=bool)
+    out[[CODE[n] for n in names]] = True
+    return out
+
+
+# When, in a compute or host-link instruction's run, its change to each pool happens: at its start (True) or at
+# its end. Memory is allocated as a forward (or recomputation) runs and freed when a backward piece is done; both
+# pools hold a micro-batch during a transfer (an OFFLOAD frees the device copy at its end, a RELOAD allocates it
+# at its start; the host copy the other way round). `pipec.sim.memtime` times its curves by it, synth's solver
+# places its intervals by it (`unit_holds`).
+DEVICE_AT_START = _when(("FWD", "RECOMPUTE", "RELOAD"))
+HOST_AT_START = _when(("OFFLOAD",))
 
 
 def resident(placement: tuple[int, ...], model: Mapping[str, np.ndarray], rank: int, dp: int = 1) -> float:
@@ -258,7 +284,7 @@ def instruction_deltas(prog: Program, model: Mapping[str, np.ndarray]) -> list[t
     pools start at `resident` and 0). `program_memory`'s peaks and `pipec.sim.memtime`'s curves are
     their running sums, in instruction order and in time order."""
     n = _fsdp(prog)
-    return [_deltas(rp.op, rp.mb, rp.stage, model, prog.split_backward, n) for rp in prog.ranks]
+    return [deltas(rp.op, rp.mb, rp.stage, model, prog.split_backward, n) for rp in prog.ranks]
 
 
 def schedule_stream(sched: Schedule, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -279,6 +305,151 @@ def schedule_stream(sched: Schedule, rank: int) -> tuple[np.ndarray, np.ndarray,
 
 
 # ---- the walks -------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class Walk:
+    """One rank's stream (a Schedule's ops with its memops merged, `schedule_stream`) and what each entry
+    does to the two pools (`deltas`): the running totals are the walk, its largest values the peaks."""
+
+    op: np.ndarray
+    mb: np.ndarray
+    stage: np.ndarray
+    src: np.ndarray  # per entry, its index in the rank's ops (>= 0) or -1 - its memop index
+    device: np.ndarray  # per entry, its change to the device pool
+    host: np.ndarray  # per entry, its change to the host pool
+    resident: float  # what the device pool holds throughout (`resident`)
+
+    @property
+    def device_level(self) -> np.ndarray:
+        """The device pool after each entry, the resident parameters included."""
+        return self.resident + np.cumsum(self.device)
+
+    @property
+    def host_level(self) -> np.ndarray:
+        return np.cumsum(self.host)
+
+    @property
+    def peak(self) -> float:
+        """The device pool's largest value (the resident parameters before any entry)."""
+        return self.resident + max(float(np.cumsum(self.device).max(initial=0.0)), 0.0)
+
+    @property
+    def host_peak(self) -> float:
+        return max(float(self.host_level.max(initial=0.0)), 0.0)
+
+
+def walk(sched: Schedule, model: Mapping[str, np.ndarray]) -> list[Walk]:
+    """Per rank, the walk of a Schedule under a `memory_model` (ddp, or no data parallelism: every replica
+    holds its params whole); `rank_memory` reports it."""
+    out = []
+    for r in range(sched.num_ranks):
+        op, mb, st, src = schedule_stream(sched, r)
+        dev, host = deltas(op, mb, st, model, sched.split_backward)
+        out.append(Walk(op, mb, st, src, dev, host, resident(sched.placement, model, r)))
+    return out
+
+
+def counting_model(num_stages: int) -> dict[str, np.ndarray]:
+    """A memory model in which every (micro-batch, stage) weighs one on the device or on the host, from its F
+    until its last backward piece (act = wact = ckpt = 1, no params): the walk of both pools under it counts
+    the pairs a rank holds (`expect in_flight(r)`), wherever memory ops move them."""
+    one = np.ones(num_stages)
+    return {"act": one, "wact": one, "ckpt": one, "params": 0 * one}
+
+
+@dataclass(frozen=True, eq=False)
+class Positions:
+    """A rank's device pool along its walk as linear functions of the per-stage sizes: at position j it
+    holds params + act[stages] @ self.act[j] + wact[stages] @ self.wact[j] + ckpt[stages] @ self.ckpt[j]
+    (each row: how many micro-batches' worth of each of its stages' `act`, `wact`, `ckpt` are live; units
+    weigh their token share). Positions dominated by another (no larger in any column) are left out: for
+    sizes >= 0 they are never the peak. The partition search's memory rows are these."""
+
+    stages: np.ndarray  # the rank's stages (the columns)
+    act: np.ndarray  # (positions, stages)
+    wact: np.ndarray
+    ckpt: np.ndarray
+
+    def peak(self, act: np.ndarray, wact: np.ndarray, ckpt: np.ndarray, params: np.ndarray) -> float:
+        """The rank's device peak (`Walk.peak`) for these per-stage sizes (each indexed by stage, >= 0)."""
+        st = self.stages
+        if not len(st):
+            return 0.0
+        live = self.act @ np.asarray(act, float)[st] + self.wact @ np.asarray(wact, float)[st]
+        live = live + self.ckpt @ np.asarray(ckpt, float)[st]
+        return float(np.asarray(params, float)[st].sum()) + max(float(live.max(initial=0.0)), 0.0)
+
+
+def positions(sched: Schedule) -> list[Positions]:
+    """Per rank, `Positions`: the walk (`schedule_stream`, `deltas`) run once per pool kind with that kind's
+    size 1 and the others 0 (the rule is linear in the sizes), summed per stage along the order."""
+    S = sched.num_stages
+    out = []
+    for r in range(sched.num_ranks):
+        op, mb, st, _ = schedule_stream(sched, r)
+        stages = np.asarray(sched.stages_of(r), dtype=np.int64)
+        n = len(stages)
+        col = np.searchsorted(stages, np.clip(st, 0, S - 1))
+        cols = []
+        for key in ("act", "wact", "ckpt"):
+            basis: dict[str, np.ndarray] = {k: np.full(S, float(k == key)) for k in STAGE_KEYS}
+            if sched.slicing is not None:
+                basis["unit_share"] = sched.slicing.share()
+            dev, _ = deltas(op, mb, st, basis, sched.split_backward)
+            per = np.zeros((len(op), n))
+            per[np.arange(len(op)), col] = dev
+            cols.append(np.cumsum(per, axis=0))
+        start = np.zeros((1, 3 * n))  # before any entry: nothing live
+        rows = np.unique(np.round(np.concatenate([start, np.hstack(cols)]), 12), axis=0)
+        keep = [i for i, row in enumerate(rows) if not np.any(np.all(rows >= row, axis=1) & np.any(rows > row, axis=1))]
+        rows = rows[keep]
+        out.append(Positions(stages, rows[:, :n], rows[:, n : 2 * n], rows[:, 2 * n :]))
+    return out
+
+
+def compute_deltas(model: Mapping[str, np.ndarray], num_microbatches: int, split: bool) -> np.ndarray:
+    """(3, micro-batches, stages): the device change of F, B and W of each (micro-batch, stage) that no
+    memory op touches (`deltas`), for a list scheduler that plays the ops one at a time."""
+    S = len(np.asarray(model["act"]))
+    k, i, s = (x.ravel() for x in np.meshgrid(np.arange(3), np.arange(num_microbatches), np.arange(S), indexing="ij"))
+    dev, _ = deltas(COMPUTE_OF_KIND[k], i, s, model, split)
+    return dev.reshape(3, num_microbatches, S)
+
+
+@dataclass(frozen=True)
+class Hold:
+    """An amount one (micro-batch, stage) holds in a pool between two moments of its own instructions'
+    runs (opcode name, "start" or "end")."""
+
+    pool: str  # "device" or "host"
+    amount: float
+    since: tuple[str, str]
+    until: tuple[str, str]
+
+
+def unit_holds(
+    model: Mapping[str, np.ndarray], stage: int, mb: int, split: bool, memop: str | None
+) -> tuple[Hold, ...]:
+    """What (micro-batch `mb`, stage `stage`) holds in each pool, as intervals between its instructions'
+    starts and ends: its instructions in order (F, then RECOMPUTE, or OFFLOAD and RELOAD, when `memop` names
+    it, then B and, split, W), each's change from `deltas` at its moment from `DEVICE_AT_START` /
+    `HOST_AT_START`, the level after one held until the next change. A solver that places these intervals
+    at its variables' times has the curves `pipec.sim.memtime` draws."""
+    names = ["FWD", *({"RECOMPUTE": ["RECOMPUTE"], "OFFLOAD": ["OFFLOAD", "RELOAD"]}[memop] if memop else [])]
+    names += ["BWD", *(["WGRAD"] if split else [])]
+    op = np.array([CODE[n] for n in names], dtype=np.int64)
+    dev, host = deltas(op, np.full(len(op), mb), np.full(len(op), stage), model, split)
+    out = []
+    for pool, change, at_start in (("device", dev, DEVICE_AT_START), ("host", host, HOST_AT_START)):
+        moments = [(n, "start" if at_start[o] else "end") for n, o in zip(names, op.tolist())]
+        js = [j for j in range(len(op)) if change[j] != 0]
+        level = 0.0
+        for a, b in zip(js, [*js[1:], None]):
+            level += float(change[a])
+            if b is not None and abs(level) > 1e-12:
+                out.append(Hold(pool, level, moments[a], moments[b]))
+    return tuple(out)
 
 
 def _walk(
@@ -344,11 +515,9 @@ def rank_memory(sched: Schedule, overrides: Mapping[str, object] | None = None) 
     `before` indices (ddp, or no data parallelism: every replica holds its params whole)."""
     model = memory_model(sched, overrides)
     reports = []
-    for r in range(sched.num_ranks):
-        op, mb, st, src = schedule_stream(sched, r)
-        dev, host = _deltas(op, mb, st, model, sched.split_backward)
-        memop_of = np.where(src < 0, -1 - src, -1)
-        reports.append(_walk(sched, r, op, mb, st, memop_of, dev, host, resident(sched.placement, model, r), model))
+    for r, w in enumerate(walk(sched, model)):
+        memop_of = np.where(w.src < 0, -1 - w.src, -1)
+        reports.append(_walk(sched, r, w.op, w.mb, w.stage, memop_of, w.device, w.host, w.resident, model))
     return reports
 
 
@@ -412,96 +581,3 @@ def _live_at(op: np.ndarray, mb: np.ndarray, st: np.ndarray, split: bool):
             host.pop(key, None)
             dev[key] = None
     return tuple(dev), tuple(wact), tuple(host)
-
-
-# ---- diagnostics and the table ---------------------------------------------------
-
-
-def _span(sched: Schedule, rank: int, memop: int, index: int):
-    if memop >= 0 and rank < len(sched.memops) and sched.memops[rank][memop].span is not None:
-        return sched.memops[rank][memop].span
-    return sched.span_of(rank, index) if sched.spans and index >= 0 else None
-
-
-def _pairs(keys: tuple[tuple[int, int], ...], rep: RankMemory) -> str:
-    more = "" if len(keys) <= 16 else f" and {len(keys) - 16} more"
-    return ", ".join(f"{rep.unit_text(i)}@{s}" for i, s in keys[:16]) + more
-
-
-def check_memory(sched: Schedule, reports: list[RankMemory]) -> None:
-    """Raise E402 for the first rank whose device peak exceeds its limit, else E406 for the first whose
-    host pool does (located at the OFFLOAD that passes the host limit)."""
-    for rep in reports:
-        if rep.limit is not None and rep.peak > rep.limit + 1e-9:
-            span = _span(sched, rep.rank, rep.peak_memop, rep.peak_index)
-            notes = [f"live activations (micro-batch@stage): {_pairs(rep.live_act, rep)}"]
-            if rep.live_wact:
-                notes.append("waiting for W: " + ", ".join(f"{rep.unit_text(i)}@{s}" for i, s in rep.live_wact[:16]))
-            if rep.gathered:
-                stages = ", ".join(map(str, rep.gathered))
-                shards = fmt_memory(rep.params, rep.unit)
-                notes.append(f"fsdp: parameter shards {shards}, and stages {stages} gathered at the peak")
-            where = rep.at_text if rep.peak_memop < 0 or rep.peak_op is None else _memop_text(sched, rep)
-            raise error(
-                "E402",
-                f"rank {rep.rank} needs {fmt_memory(rep.peak, rep.unit)} memory at `{where}`, above its limit "
-                f"{fmt_memory(rep.limit, rep.unit)}",
-                span,
-                sched.source,
-                tuple(notes),
-            )
-    for rep in reports:
-        if rep.host_limit is not None and rep.host_peak > rep.host_limit + 1e-9:
-            raise error(
-                "E406",
-                f"rank {rep.rank} needs {fmt_memory(rep.host_peak, rep.unit)} of host memory at `{rep.host_op}`, "
-                f"above its host limit {fmt_memory(rep.host_limit, rep.unit)}",
-                _span(sched, rep.rank, rep.host_memop, -1),
-                sched.source,
-                (f"offloaded there (micro-batch@stage): {_pairs(rep.live_host, rep)}",),
-            )
-
-
-def _memop_text(sched: Schedule, rep: RankMemory) -> str:
-    m = sched.memops[rep.rank][rep.peak_memop]
-    return f"{m.op} {m.mb} {m.stage}"
-
-
-def format_table(reports: list[RankMemory]) -> str:
-    """The per-rank table `pipec check --memory` prints, amounts by `fmt_memory` (GiB/MiB in bytes); a
-    `gathered` column (fsdp) when any rank has one, host columns when any rank offloads."""
-    fsdp = any(rep.gathered for rep in reports)
-    host = any(rep.host_op is not None for rep in reports)
-    rows = [("rank", "peak", "params", "limit", "at op", "live micro-batches (@stage)")]
-    for rep in reports:
-        u = rep.unit
-        several = len({st for _, st in rep.live_act}) > 1  # name the stage too when the rank holds several
-        shown = [f"{rep.unit_text(i)}@{st}" if several else rep.unit_text(i) for i, st in rep.live_act[:12]]
-        live = ",".join(shown) + ("..." if len(rep.live_act) > 12 else "")
-        if rep.live_wact:
-            live += f" (+{len(rep.live_wact)} awaiting W)"
-        rows.append(
-            (
-                str(rep.rank),
-                fmt_memory(rep.peak, u),
-                fmt_memory(rep.params, u),
-                "-" if rep.limit is None else fmt_memory(rep.limit, u),
-                rep.at_text or "-",
-                live or "-",
-            )
-        )
-    if fsdp:  # after params: the stages gathered at the peak
-        cells = ["gathered"] + [",".join(map(str, rep.gathered)) or "-" for rep in reports]
-        rows = [(*row[:3], cell, *row[3:]) for row, cell in zip(rows, cells)]
-    if host:  # after the device limit: the host pool's peak and limit
-        at = rows[0].index("limit") + 1
-        cells = [("host peak", "host limit")] + [
-            (
-                fmt_memory(rep.host_peak, rep.unit),
-                "-" if rep.host_limit is None else fmt_memory(rep.host_limit, rep.unit),
-            )
-            for rep in reports
-        ]
-        rows = [(*row[:at], *cell, *row[at:]) for row, cell in zip(rows, cells)]
-    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)

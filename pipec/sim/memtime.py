@@ -1,8 +1,10 @@
 """Memory over time: the two pools' curves of a simulated (or measured) Timeline, per rank.
 
 The rule of what each instruction does to the device and host pools is
-`pipec.sim.memory.instruction_deltas`'; this module only says *when* each
-change happens, from the Timeline's times of the instruction:
+`pipec.sim.memory.instruction_deltas`', and whether a compute or host-link
+instruction makes it at its start or its end is `DEVICE_AT_START` /
+`HOST_AT_START` there; this module places the changes at the Timeline's
+times of the instructions:
 
 - FWD and RECOMPUTE at their start (memory is allocated as the forward runs),
   BWD and WGRAD at their end (what they free is freed when they are done);
@@ -28,9 +30,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipec.ir.opcodes import FWD, IS_HOST, OFFLOAD, ON_COMPUTE, RECOMPUTE, RESHARD, UNSHARD, WGRAD
+from pipec.ir.opcodes import IS_HOST, ON_COMPUTE, RESHARD, UNSHARD, WGRAD
 from pipec.ir.program import Program, RankProgram
-from pipec.sim.memory import instruction_deltas, resident, unit_of
+from pipec.sim.memory import DEVICE_AT_START, HOST_AT_START, instruction_deltas, resident, unit_of
 from pipec.sim.timeline import Timeline
 
 Curve = tuple[np.ndarray, np.ndarray]  # (times, values): the value from each time on
@@ -104,7 +106,7 @@ def _times(tl: Timeline, prog: Program) -> tuple[list[np.ndarray], list[np.ndarr
         idx = np.flatnonzero(comp)
         found, row = _match([ir[idx], op[idx], mb[idx], st[idx]], [tl.rank, tl.op, np.maximum(tl.mb, 0), tl.stage])
         idx, row = idx[found], row[found]
-        t = np.where(np.isin(op[idx], [FWD, RECOMPUTE]), tl.start[row], tl.end[row])
+        t = np.where(DEVICE_AT_START[op[idx]], tl.start[row], tl.end[row])
         dev_t[idx] = host_t[idx] = t
         c_end[idx] = tl.end[row]
     h_rank = getattr(tl, "host_rank", None)  # the host link's rows, where the simulator records them
@@ -114,9 +116,8 @@ def _times(tl: Timeline, prog: Program) -> tuple[list[np.ndarray], list[np.ndarr
         found, row = _match([ir[idx], op[idx], mb[idx], st[idx]], rows)
         idx, row = idx[found], row[found]
         a, b = tl.host_start[row], tl.host_end[row]
-        off = op[idx] == OFFLOAD
-        host_t[idx] = np.where(off, a, b)  # the host copy: allocated at an offload's start, freed at a reload's end
-        dev_t[idx] = np.where(off, b, a)  # the device copy: freed at an offload's end, allocated at a reload's start
+        host_t[idx] = np.where(HOST_AT_START[op[idx]], a, b)
+        dev_t[idx] = np.where(DEVICE_AT_START[op[idx]], a, b)
     win = np.isin(op, [UNSHARD, RESHARD])
     if win.any() and len(tl.coll_rank):
         idx = np.flatnonzero(win)
