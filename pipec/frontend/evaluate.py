@@ -17,7 +17,8 @@ import numpy as np
 
 from pipec.errors import PipecError, Source, Span, brief, error
 from pipec.files import require_ops_fit
-from pipec.frontend.codegen import COLLECTIVES, MEMOP_NAMES, GeneratedCode
+from pipec.frontend.codegen import GeneratedCode
+from pipec.frontend.names import COLLECTIVES, MEMOP_NAMES
 from pipec.ir.schedule import (
     MEMORY_RANK_KEYS,
     Collective,
