@@ -12,7 +12,7 @@ schedule, on the same gloo processes:
 - pipec: `PipelineSchedule(program, stages, loss_fn)`, its `step(x, target=y, losses=[])`;
 - torch: `Schedule1F1B` / `ScheduleInterleaved1F1B` / `ScheduleZBVZeroBubble` over torch `PipelineStage`s;
 - torch_csv: torch's `_PipelineScheduleRuntime` fed pipec's compute-only CSV of the same schedule
-  (`pipec.formats.torch_csv.export_csv`), when torch loads it.
+  (`pipec.formats.torch_csv_writer.export_csv`), when torch loads it.
 
 A step is a training loop's: `zero_grad`, the schedule's step, SGD's step (the user's optimizer in all three).
 Before timing, one step of each from the same weights on the same batch, and their gradients compared by
@@ -178,7 +178,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> N
 
 def write_csvs(folder: str, names: list[str], p: int) -> None:
     import pipec
-    from pipec.formats.torch_csv import export_csv
+    from pipec.formats.torch_csv_writer import export_csv
 
     for name in names:
         with open(os.path.join(folder, f"{name}.csv"), "w") as f:

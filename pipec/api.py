@@ -26,7 +26,7 @@ import numpy as np
 
 from pipec import cachedir
 from pipec.errors import Source, brief, error
-from pipec.formats.torch_csv import is_torch_csv, read_csv
+from pipec.formats.torch_csv_reader import is_torch_csv, read_csv
 from pipec.frontend.codegen import GeneratedCode, compile_ast
 from pipec.frontend.evaluate import evaluate
 from pipec.frontend.library import package_files, read

@@ -56,7 +56,7 @@ from pipec.formats.pipe_text import (
     schedule_steps,
     topology_lines,
 )
-from pipec.frontend.codegen import MEMORY_KEYS
+from pipec.frontend.names import MEMORY_KEYS
 from pipec.ir.schedule import Datacenter, MemOp, RankOps, Schedule, Topology
 from pipec.passes.policy import Derived, Machine, Policy, PolicyStuck, derive, machine
 from pipec.sim.costs import cost_model

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 import pipec
 from pipec.api import param_names
 from pipec.errors import PipecError, Source, Span
-from pipec.formats.torch_csv import export_csv, read_csv
+from pipec.formats.torch_csv_reader import read_csv
+from pipec.formats.torch_csv_writer import export_csv
 from pipec.frontend import library
 from pipec.ir.dataparallel import DataParallel
 from pipec.ir.program import Instr, Program, RankProgram, from_json, from_text, to_json, to_text

@@ -480,7 +480,7 @@ def kind_seeds(kind: str) -> tuple[tuple[str, str], ...]:
     """Valid files of this kind, as (suffix, text): what the mutations start from."""
     from pipec.api import compile as compile_program
     from pipec.api import load
-    from pipec.formats.torch_csv import export_csv
+    from pipec.formats.torch_csv_writer import export_csv
     from pipec.ir.program import to_json, to_text
     from pipec.sim.costs import dump_costs
 

@@ -336,7 +336,7 @@ def test_parentheses_in_comments_and_strings_and_in_turn_are_not_nesting():
     ("typ", "value"), [("int", "1_0"), ("int", "٤"), ("int", "0x4"), ("float", "1_0.5"), ("float", "٤.5")]
 )
 def test_define_values_are_ascii_literals_in_the_evaluator_itself(typ, value):
-    """`_parse_value`, not only the API's own check: int() and float() take `1_0` and `٤`."""
+    """`parse_value` (pipec.frontend.params), not only the API's own check: int() and float() take `1_0` and `٤`."""
     from pipec.frontend.codegen import compile_ast
     from pipec.frontend.evaluate import evaluate
     from pipec.frontend.parse import parse

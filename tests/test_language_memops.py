@@ -15,7 +15,7 @@ import pytest
 
 from pipec.api import build, compile_source, load
 from pipec.errors import PipecError, Source
-from pipec.formats.torch_csv import to_pipe
+from pipec.formats.torch_csv_reader import to_pipe
 from pipec.ir.schedule import MemOp
 from pipec.passes.checks import check_schedule
 from pipec.view.grid import cells, format_grid

@@ -37,7 +37,7 @@ def test_exponential_function_calls_are_refused_with_E207():
     assert "E207" in done.stderr
 
 
-# Was a bug (codegen.py `bind`): keywords can be bound by `let` (and as parameters), but the binding can never be
+# Was a bug (expressions.py `bind`): keywords can be bound by `let` (and as parameters), but the binding can never be
 # read back: `true` still means true. Binding a keyword should be E104 like a built-in name.
 def test_binding_a_keyword_is_E104():
     with pytest.raises(PipecError) as e:
@@ -55,7 +55,7 @@ def test_the_stage_variable_of_cost_is_not_captured_by_an_outer_s():
     assert s.costs["F"] == (0.0, 1.0)
 
 
-# Was a rough edge (codegen.py `binop`): op values compare with their source id, so the same op written twice is
+# Was a rough edge (expressions.py `binop`): op values compare with their source id, so the same op written twice is
 # "different": `F(0) == F(0)` is false. Either compare (kind, mb, stage) or refuse `==` on ops (E103).
 def test_ops_cannot_be_compared():
     with pytest.raises(PipecError) as e:

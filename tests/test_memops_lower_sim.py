@@ -16,7 +16,7 @@ import pytest
 
 from pipec.api import build
 from pipec.errors import PipecError
-from pipec.formats.torch_csv import export_csv
+from pipec.formats.torch_csv_writer import export_csv
 from pipec.frontend.library import read
 from pipec.ir.dataparallel import DataParallel
 from pipec.ir.opcodes import BWD, FWD, OFFLOAD, RECOMPUTE, RELOAD

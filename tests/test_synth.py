@@ -24,7 +24,7 @@ from pipec import synth
 from pipec.api import build, load
 from pipec.errors import PipecError, Source
 from pipec.formats.pipe_text import op_text, rank_lines, topology_lines
-from pipec.formats.torch_csv import to_pipe
+from pipec.formats.torch_csv_reader import to_pipe
 from pipec.ir.schedule import Datacenter, Link, RankOps, Schedule, Topology
 from pipec.passes.compiler import compile_schedule
 from pipec.passes.policy import Policy, PolicyStuck, derive, machine, orders_from_schedule

@@ -18,7 +18,7 @@ import pytest
 
 from pipec.api import load
 from pipec.errors import PipecError
-from pipec.formats.torch_csv import export_csv
+from pipec.formats.torch_csv_writer import export_csv
 from pipec.formats.torchtitan import export_torchtitan
 from pipec.formats.trace import read_trace, trace_events, write_trace
 from pipec.ir.program import RankProgram, from_text, to_text

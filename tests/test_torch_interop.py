@@ -32,7 +32,9 @@ from torch.distributed.pipelining.stage import PipelineStage
 
 from pipec.api import build, load
 from pipec.errors import PipecError, Source
-from pipec.formats.torch_csv import TORCH_VERSION, comms_rows, export_csv, read_csv, to_pipe
+from pipec.formats.torch_actions import TORCH_VERSION
+from pipec.formats.torch_csv_reader import read_csv, to_pipe
+from pipec.formats.torch_csv_writer import comms_rows, export_csv
 from pipec.frontend import library
 from pipec.ir.schedule import Schedule
 from pipec.passes.compiler import compile_schedule
@@ -531,9 +533,10 @@ def test_docs_diagnostics(name, body, command, shown, tmp_path, monkeypatch):
 
 def test_import_pipec_does_not_import_torch():
     code = (
-        "import sys, pipec, pipec.api, pipec.cli.app, pipec.formats.torch_csv\n"
+        "import sys, pipec, pipec.api, pipec.cli.app, pipec.formats.torch_csv_reader, pipec.formats.torch_csv_writer\n"
         "from pipec.api import load\n"
-        "from pipec.formats.torch_csv import export_csv, read_csv, to_pipe\n"
+        "from pipec.formats.torch_csv_reader import read_csv, to_pipe\n"
+        "from pipec.formats.torch_csv_writer import export_csv\n"
         "from pipec.errors import Source\n"
         "s = load('zb-v', p=2, m=4)\n"
         "to_pipe(read_csv(Source('x.csv', export_csv(s))))\n"

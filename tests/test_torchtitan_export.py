@@ -13,7 +13,8 @@ from cli_helpers import run_cli
 
 from pipec.api import load
 from pipec.errors import PipecError, Source
-from pipec.formats.torch_csv import export_csv, read_csv
+from pipec.formats.torch_csv_reader import read_csv
+from pipec.formats.torch_csv_writer import export_csv
 from pipec.formats.torchtitan import export_torchtitan, output_paths
 from pipec.frontend.library import names
 

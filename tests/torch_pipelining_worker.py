@@ -54,7 +54,7 @@ def run(out: str, cases: list[str], rank: int, world: int) -> None:
     from torch.distributed.pipelining.stage import PipelineStage
 
     from pipec.errors import Source
-    from pipec.formats.torch_csv import analyse
+    from pipec.formats.torch_csv_reader import analyse
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank, world_size=world)
@@ -87,7 +87,7 @@ def launch(out: str, cases: list[str], world: int, timeout: float) -> list[int]:
     import time
 
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed.pipelining", "pipec.formats.torch_csv", __name__])
+    ctx.set_forkserver_preload(["torch", "torch.distributed.pipelining", "pipec.formats.torch_csv_reader", __name__])
     procs = [ctx.Process(target=run, args=(out, cases, r, world)) for r in range(world)]
     for p in procs:
         p.start()

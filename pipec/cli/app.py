@@ -955,7 +955,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     (and, with --dp-kind fsdp, the lowering's UNSHARD/RESHARD windows); with --to torchtitan -o OUT, the
     compute-only OUT.csv and torchtitan's settings OUT.toml. What does not translate is an error, never
     dropped silently (see docs/interop.md)."""
-    from pipec.formats.torch_csv import export_csv
+    from pipec.formats.torch_csv_writer import export_csv
 
     if args.to == "torchtitan":
         return _export_torchtitan(args)
@@ -1014,7 +1014,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     with the same per-rank orders, written as loops where they repeat. The CSV is then checked like any
     schedule; `pipec check/show/compile/simulate FILE.csv` also read a CSV directly."""
     from pipec.api import build
-    from pipec.formats.torch_csv import is_torch_csv, to_pipe
+    from pipec.formats.torch_csv_reader import is_torch_csv, to_pipe
 
     source = _read_source(args.csv)
     if not is_torch_csv(source):

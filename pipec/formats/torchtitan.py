@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass
 
 from pipec.errors import PipecError, error
-from pipec.formats.torch_csv import check_unsliced, export_csv
+from pipec.formats.torch_csv_writer import check_unsliced, export_csv
 from pipec.ir.schedule import Schedule
 
 TORCHTITAN_VERSION = "0.2.2"

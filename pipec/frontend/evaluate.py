@@ -10,14 +10,15 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-import re
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 
 from pipec.errors import PipecError, Source, Span, brief, error
 from pipec.files import require_ops_fit
-from pipec.frontend.codegen import COLLECTIVES, MEMOP_NAMES, GeneratedCode
+from pipec.frontend.codegen import GeneratedCode
+from pipec.frontend.names import COLLECTIVES, MEMOP_NAMES
+from pipec.frontend.params import bind_params
 from pipec.ir.schedule import (
     MEMORY_RANK_KEYS,
     Collective,
@@ -50,35 +51,6 @@ def _code_object(code: str):
         raise _Fail("E003", "the file nests expressions or blocks too deeply", None) from e
 
 
-# A parameter's value given as text (`-D p=4`): the language's own literals, ASCII digits with an optional
-# sign (Python's int() and float() would also take `1_0` as 10 and Arabic-Indic `٤` as 4).
-_INT = re.compile(r"[-+]?[0-9]+")
-_FLOAT = re.compile(r"[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
-
-
-def _parse_value(text: str, typ: str):
-    """A `-D` value as the parameter's type; ValueError (E206) for text that is no literal of it."""
-    if typ == "int":
-        if not _INT.fullmatch(text.strip()):
-            raise ValueError(text)
-        return int(text)
-    if typ == "float":
-        if not (_FLOAT.fullmatch(text.strip()) or text.strip() in ("inf", "-inf", "nan")):
-            raise ValueError(text)
-        return float(text)
-    if typ == "bool":
-        if text not in ("true", "false"):
-            raise ValueError(text)
-        return text == "true"
-    return text
-
-
-def _check_value(value, typ: str) -> bool:
-    if typ == "float":
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    return type(value) is {"int": int, "bool": bool, "str": str}[typ]
-
-
 class _Runtime:
     """What the generated code calls: collects declarations and the rank block."""
 
@@ -109,7 +81,7 @@ def evaluate(
         span = spans[f.sid] if f.sid is not None else compiled.header
         return error(f.code, f.message, span, source, f.notes)
 
-    values = _bind_params(compiled, source, params)
+    values = bind_params(compiled, source, params)
     try:
         return _run(compiled, source, values, ranks)
     except _Fail as f:
@@ -136,27 +108,6 @@ def _float(value, sid: int | None) -> float:
         return float(value)
     except OverflowError as e:
         raise _Fail("E212", f"arithmetic overflow: {e}", sid) from None
-
-
-def _bind_params(compiled: GeneratedCode, source: Source, given: Iterable[tuple[str, object]]) -> dict[str, object]:
-    header = compiled.header
-    declared = {p.name: (p, t) for p, t in zip(compiled.params, compiled.param_types)}
-    values: dict[str, object] = {}
-    for name, raw in given:
-        if name not in declared:
-            known = ", ".join(declared) or "none"
-            raise error("E205", f"unknown parameter `{name}` (this schedule takes: {known})", header, source)
-        prm, typ = declared[name]
-        if name in values:
-            raise error("E204", f"parameter `{name}` given twice", prm.span, source)
-        try:
-            value = _parse_value(raw, typ) if isinstance(raw, str) else raw
-            if not _check_value(value, typ):
-                raise ValueError(raw)
-        except ValueError:
-            raise error("E206", f"parameter `{name}` must be {typ}, got `{brief(raw)}`", prm.span, source) from None
-        values[name] = float(value) if typ == "float" else value
-    return values
 
 
 def _run(compiled: GeneratedCode, source: Source, given: dict[str, object], only: Iterable[int] | None) -> Schedule:

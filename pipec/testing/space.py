@@ -71,7 +71,7 @@ def parameter_space(
 
     source = _source(schedule)
     compiled = compile_source(source)
-    from pipec.frontend.evaluate import _parse_value
+    from pipec.frontend.params import parse_value
 
     types = dict(zip((prm.name for prm in compiled.params), compiled.param_types))
     bounds = dict(bounds or {})
@@ -81,7 +81,7 @@ def parameter_space(
     for k, v in (fixed or {}).items():
         if k not in types:
             raise ValueError(f"the schedule has no parameter `{k}` (it takes: {', '.join(types) or 'none'})")
-        bounds[k] = [_parse_value(v, types[k]) if isinstance(v, str) else v]
+        bounds[k] = [parse_value(v, types[k]) if isinstance(v, str) else v]
     try:
         defaults = dict(build(source, {}, check=False, ranks=()).params)
     except PipecError:  # a parameter without a default, or defaults that fail a `require`
@@ -279,7 +279,7 @@ def sample_space(
     `bounds` instead, where given; `fixed` pins a parameter), other parameters as `parameter_space` takes
     them, enumerated when they are few, else drawn per set (`Space`)."""
     from pipec.api import build, compile_source
-    from pipec.frontend.evaluate import _parse_value
+    from pipec.frontend.params import parse_value
 
     source = _source(schedule)
     compiled = compile_source(source)
@@ -289,7 +289,7 @@ def sample_space(
         if k not in types:
             raise ValueError(f"the schedule has no parameter `{k}` (it takes: {', '.join(types) or 'none'})")
     for k, v in (fixed or {}).items():
-        bounds[k] = [_parse_value(v, types[k]) if isinstance(v, str) else v]
+        bounds[k] = [parse_value(v, types[k]) if isinstance(v, str) else v]
     try:
         defaults = dict(build(source, {}, check=False, ranks=()).params)
     except PipecError:  # a parameter without a default, or defaults that fail a `require`
