@@ -104,6 +104,19 @@ def duration(text: str) -> float:
     return value
 
 
+def span(text: str) -> tuple[str, int, int]:
+    """`NAME=LO..HI`: a name and a half-open range of integers >= 0 (`pipec synth --dc`; the caller checks
+    it against its sizes)."""
+    name, sep, rng = text.partition("=")
+    lo, dots, hi = rng.partition("..")
+    try:
+        if not (sep and dots and name.strip()):
+            raise ValueError
+        return name.strip(), count(0, 10**12)(lo), count(0, 10**12)(hi)
+    except (ValueError, argparse.ArgumentTypeError):
+        raise argparse.ArgumentTypeError(f"expected NAME=LO..HI, got `{brief(text)}`") from None
+
+
 def define(text: str) -> tuple[str, str]:
     """`-D NAME=VALUE`: a schedule parameter, as (name, value text)."""
     name, sep, value = text.partition("=")

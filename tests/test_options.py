@@ -103,6 +103,10 @@ def test_value_parsers():
         with pytest.raises(bad):
             options.duration(text)
     assert options.define(" p = 4 ") == ("p", "4")
+    assert options.span("east=0..4") == ("east", 0, 4)
+    for text in ("east", "east=0..", "=0..2", "east=1_0..12", "east=٤..5", "east=-1..2"):
+        with pytest.raises(bad, match="expected NAME=LO..HI"):
+            options.span(text)
     for text in ("p", "=3"):
         with pytest.raises(bad, match="expected NAME=VALUE"):
             options.define(text)

@@ -40,7 +40,14 @@ def synth_arguments(p: argparse.ArgumentParser) -> None:
         metavar="LIST",
         help="memory ops the search may place below 1F1B's memory: recompute, offload, both (default) or none",
     )
-    p.add_argument("--dc", metavar="NAME=LO..HI", action="append", default=[], help="a datacenter of ranks LO..HI-1")
+    p.add_argument(
+        "--dc",
+        metavar="NAME=LO..HI",
+        type=options.span,
+        action="append",
+        default=[],
+        help="a datacenter of ranks LO..HI-1",
+    )
     p.add_argument("--time-limit", type=options.finite, default=30.0, metavar="S", help="solver seconds (default 30)")
     solver = p.add_mutually_exclusive_group()
     solver.add_argument("--no-solver", action="store_true", help="the heuristic only")
@@ -75,13 +82,7 @@ def cmd_synth(args: argparse.Namespace) -> int:
     place = args.place or ("v" if args.v > 1 else "loop")
     if place == "v" and args.v not in (1, 2):
         raise Misuse("--place v takes -v 2")
-    dcs = []
-    for text in args.dc:
-        name, sep, rng = text.partition("=")
-        lo, dots, hi = rng.partition("..")
-        if not (sep and dots and lo.strip().isdigit() and hi.strip().isdigit() and name):
-            raise Misuse(f"--dc expects NAME=LO..HI, got `{text}`")
-        dcs.append((name, int(lo), int(hi)))
+    dcs = args.dc
     if dcs and not all(0 <= lo < hi <= args.p for _, lo, hi in dcs):
         raise Misuse(f"--dc ranges must lie within 0..{args.p}")
     memory = dict(args.mem)

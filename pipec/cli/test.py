@@ -48,10 +48,10 @@ def _test_ranges(specs: list[str]) -> dict[str, list]:
             if not sep or not name.strip():
                 raise ValueError
             if dots:
-                out[name.strip()] = list(range(int(lo), int(hi)))
+                out[name.strip()] = list(range(options.integer(lo), options.integer(hi)))
             else:
                 out[name.strip()] = [_number(x) for x in value.split(",")]
-        except ValueError:
+        except (ValueError, argparse.ArgumentTypeError):
             raise argparse.ArgumentTypeError(f"--range expects NAME=LO..HI or NAME=A,B,C, got `{spec}`") from None
         if not out[name.strip()]:
             raise argparse.ArgumentTypeError(f"--range `{spec}` has no values")
