@@ -135,17 +135,18 @@ def profile_and_simulate(name: str, tmp: str, p: int = 4, m: int = 8) -> dict:
 def run_once(name: str, tmp: str, p: int = 4, m: int = 8, steps: int = 6) -> dict:
     """One `pipec run`-style job (the launch entry point, with `--memory-out`): the median step after the
     first, and each rank's measured peaks."""
-    from pipec.cli.app import run_json
+    from pipec.runtime.job.report import read_records
 
     out_path = os.path.join(tmp, f"{name}.memory.json")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(p)]
     cmd += ["-m", "pipec.runtime.job.launch", name, "-D", f"p={p}", "-D", f"m={m}", "--model", MODEL]
-    cmd += ["--steps", str(steps), "--memory-out", out_path]
+    records = os.path.join(tmp, f"{name}.records.jsonl")
+    cmd += ["--steps", str(steps), "--memory-out", out_path, "--records", records]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // p))))
     run = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
     if run.returncode:
         return {"error": (run.stdout + run.stderr).strip().splitlines()[-3:]}
-    seconds = [s["seconds"] for s in run_json(run.stdout)["steps"]][1:]
+    seconds = [s["seconds"] for s in read_records(records)["steps"]][1:]
     with open(out_path) as f:
         return {"step": statistics.median(seconds), "peaks": json.load(f), "loadavg": _load()}
 

@@ -16,9 +16,9 @@ import pytest
 
 
 def _budget(text: str) -> float:
-    from pipec.testing.files import parse_budget
+    from pipec.options import duration
 
-    return parse_budget(text)
+    return duration(text)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

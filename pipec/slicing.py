@@ -1,5 +1,6 @@
-"""`pipec slice`: choose the token slice lengths of a sliced schedule by TeraPipe's dynamic program, and
-write the schedule with them (docs/terapipe.md, "Choosing the slices").
+"""TeraPipe's slicing: choose the token slice lengths of a sliced schedule by TeraPipe's dynamic program, and
+write the schedule with them (docs/terapipe.md, "Choosing the slices"); `pipec slice` (pipec.cli.slice) is
+its command line.
 
     pipec slice terapipe -D p=4 -D m=1 -D L=2048 --cost gpt.toml -o sliced.pipe
     pipec simulate sliced.pipe --cost gpt.toml
@@ -30,10 +31,8 @@ lengths), and the `-D` values as defaults, so it simulates alone.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -526,70 +525,3 @@ def report_lines(res: Result) -> list[str]:
     widths = [max(len(x[i]) for x in (head, *rows)) for i in range(len(head))]
     fmt = lambda r: "  ".join(x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(r, widths)))  # noqa: E731
     return [*lines, fmt(head), *map(fmt, rows)]
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """`pipec slice`'s arguments (pipec.cli.app adds the subcommand with this and `run`)."""
-    from pipec.cli import app as cli
-
-    p.add_argument(
-        "schedule", metavar="FILE|NAME", nargs="?", default="terapipe", help="a sliced schedule (default terapipe)"
-    ).completer = cli._complete_schedule
-    cli._define_arg(p, "set a schedule parameter (repeatable), e.g. -D p=4 -D L=2048")
-    cli._cost_args(p)
-    p.add_argument(
-        "--granularity",
-        type=int,
-        default=None,
-        metavar="TOKENS",
-        help=f"slice lengths are multiples of this (default: the least that keeps {DEFAULT_POSITIONS} steps)",
-    )
-    p.add_argument("--max-slices", type=int, default=None, metavar="N", help="at most N slices (default: any)")
-    p.add_argument("-o", "--output", metavar="OUT.pipe", help="write the schedule with the chosen slices here")
-    cli._json_arg(p, "the slices and the comparison")
-
-
-def run(args: argparse.Namespace) -> int:
-    """Choose the slices, print them beside uniform slicing, write `-o`."""
-    from pipec.cli import app as cli
-    from pipec.sim.costs import cost_spec
-
-    source = cli._read_source(args.schedule)
-    docs = [cost_spec(t) for t in args.cost]
-    say = None if args.json else (lambda msg: print(f"pipec slice: {msg} ...", file=sys.stderr, flush=True))
-    res = slice_schedule(source, args.defines, docs, args.granularity, args.max_slices, say, args.output)
-    if args.output:
-        cli._write(args.output, res.text)
-    if args.json:
-        cli._emit(args, {**res.to_json(), "output": args.output})
-        return 0
-    for e in res.unmet:  # the file is written: what `pipec check` will say of it
-        for d in e.diagnostics:
-            print(dataclasses.replace(d, severity="warning").format(), file=sys.stderr)
-    print("\n".join(report_lines(res)))
-    if args.output:
-        costs = "".join(f" --cost {c}" for c in args.cost)
-        print(f"wrote {args.output}; simulate with: pipec simulate {args.output}{costs}")
-    return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m pipec.slicing ...`: the subcommand on its own (as `pipec slice` runs it)."""
-    ap = argparse.ArgumentParser(prog="pipec slice", description=__doc__.split("\n\n")[0])
-    add_arguments(ap)
-    args = ap.parse_args(argv)
-
-    def cmd_slice(a: argparse.Namespace) -> int:  # the name pipec.cli.app's JSON envelope takes the command's from
-        return run(a)
-
-    args.command, args.func = "slice", cmd_slice
-    try:
-        return args.func(args)
-    except PipecError as e:
-        for d in e.diagnostics:
-            print(d.format(), file=sys.stderr)
-        return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

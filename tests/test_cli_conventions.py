@@ -14,7 +14,6 @@ import pytest
 from cli_helpers import run_cli as run
 
 import pipec
-from pipec.cli.app import run_json
 from pipec.frontend import library
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -137,19 +136,28 @@ def test_synth_json():
     assert "schedule" in doc["pipe"]  # no -o: the .pipe text is in the document
 
 
-def test_run_json_parses_the_run_lines():
-    text = (
-        "1f1b (p=2 m=2): 2 stages on 2 ranks, 2 micro-batches, gloo, 2 processes, model m.py\n"
-        "step 1/2: loss 0.626738, 1.471 s  | rel err vs reference: loss 0.0e+00, grads 1.5e-17, params 0.0e+00\n"
-        "step 2/2: loss -, 0.042 s\n"
-        "OK: largest relative error 0.00e+00 (tolerance 1e-10)\n"
-    )
-    doc = run_json(text)
+def test_run_text_and_json_are_made_from_one_record_per_step(tmp_path, capsys):
+    """The run reports each step once (pipec.runtime.job.report): its line of text, and with a records file
+    the record `pipec run --json` gives, with the run's other lines kept in order as its log."""
+    from pipec.runtime.job.report import Report, StepRecord, read_records
+
+    path = str(tmp_path / "records.jsonl")
+    report = Report(path)
+    report.line("1f1b (p=2 m=2): 2 stages on 2 ranks, 2 micro-batches, gloo, 2 processes, model m.py")
+    report.step(StepRecord.of(0, 2, 0.626738, 1.471, (0.0, 1.5e-17, 0.0)))
+    report.step(StepRecord.of(1, 2, float("-inf"), 0.042))  # no rank had a loss
+    report.line("check against a single-process reference\nOK: largest relative error 0.00e+00 (tolerance 1e-10)")
+    assert capsys.readouterr().out.splitlines()[1:3] == [
+        "step 1/2: loss 0.626738, 1.471 s  | rel err vs reference: loss 0.0e+00, grads 1.5e-17, params 0.0e+00",
+        "step 2/2: loss -, 0.042 s",
+    ]
+    doc = read_records(path)
     assert doc["steps"] == [
         {"step": 1, "loss": 0.626738, "seconds": 1.471, "rel_err": {"loss": 0.0, "grads": 1.5e-17, "params": 0.0}},
         {"step": 2, "loss": None, "seconds": 0.042, "rel_err": None},
     ]
-    assert doc["log"][0].startswith("1f1b (p=2 m=2)") and doc["log"][-1].startswith("OK:")
+    assert doc["log"][0].startswith("1f1b (p=2 m=2)") and doc["log"][-1].startswith("OK:") and len(doc["log"]) == 3
+    assert Report(None).records is None and read_records(str(tmp_path / "none.jsonl")) == {"steps": [], "log": []}
 
 
 def test_run_local_json_gives_each_step():

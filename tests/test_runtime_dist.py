@@ -357,4 +357,4 @@ def test_launch_with_a_define_without_a_value_is_misuse():
         [sys.executable, "-m", "pipec.runtime.job.launch", "1f1b", "-D", "p", "--model", "examples/mlp.py"],
         cwd=ROOT, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
-    assert r.returncode == 2 and "-D takes NAME=VALUE, got 'p'" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "argument -D: expected NAME=VALUE, got `p`" in r.stderr and "Traceback" not in r.stderr

@@ -363,7 +363,7 @@ def test_pipec_run_local_check_passes(capsys):
 
 
 def test_import_pipec_does_not_import_torch():
-    code = "import sys, pipec, pipec.cli.app, pipec.runtime, pipec.runtime.job.launch; pipec.cli.app._parser(); "
+    code = "import sys, pipec, pipec.cli.app, pipec.runtime, pipec.runtime.job.launch; pipec.cli.app.parser(); "
     code += "print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "False"

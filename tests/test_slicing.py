@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from pipec.api import build, simulate
+from pipec.cli.app import main
 from pipec.errors import PipecError, Source
 from pipec.ir.schedule import Slicing
 from pipec.slicing import (
     best_uniform,
     choose,
-    main,
     slice_costs,
     slice_schedule,
     tokens_expr,
@@ -150,7 +150,9 @@ def test_the_written_schedule_parses_checks_and_simulates_to_the_printed_step(tm
     path = tmp_path / "tp.pipe"
     path.write_text(TEXT)
     out = tmp_path / "sliced.pipe"
-    rc = main([str(path), "-D", "p=4", "-D", "L=64", "--cost", "F=1,B=2,attn=0.5,op_fixed=0.02", "-o", str(out)])
+    rc = main(
+        ["slice", str(path), "-D", "p=4", "-D", "L=64", "--cost", "F=1,B=2,attn=0.5,op_fixed=0.02", "-o", str(out)]
+    )
     printed = capsys.readouterr().out
     assert rc == 0
     res = slice_schedule(_src(TEXT, str(path)), {"p": 4, "L": 64}, [doc])
@@ -171,7 +173,7 @@ def test_the_written_schedule_parses_checks_and_simulates_to_the_printed_step(tm
 def test_json_output(tmp_path, capsys):
     path = tmp_path / "tp.pipe"
     path.write_text(TEXT)
-    assert main([str(path), "-D", "L=16", "--cost", "attn=0.5", "--json"]) == 0
+    assert main(["slice", str(path), "-D", "L=16", "--cost", "attn=0.5", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert sum(doc["tokens"]) == 16 and doc["slices"] == len(doc["tokens"])
     assert [r["slicing"] for r in doc["compare"]][0] == "TeraPipe DP"
@@ -246,7 +248,7 @@ def test_an_unmet_expectation_of_the_written_file_is_a_warning(tmp_path, capsys)
     text = TEXT.replace("    stages p", '    expect bubble <= 0.01, "a bubble this small"\n    stages p')
     path, out = tmp_path / "tp.pipe", tmp_path / "sliced.pipe"
     path.write_text(text)
-    assert main([str(path), "-D", "L=16", "--cost", "attn=0.5", "-o", str(out)]) == 0
+    assert main(["slice", str(path), "-D", "L=16", "--cost", "attn=0.5", "-o", str(out)]) == 0
     err = capsys.readouterr().err
     assert f"{out}:2:5: warning[E405]: expectation not met: a bubble this small" in err
     assert out.exists()

@@ -374,12 +374,14 @@ def test_the_default_budget_is_smaller_on_ci(monkeypatch):
 
 
 def test_budget_values():
-    from pipec.testing.files import parse_budget
+    import argparse
 
-    assert [parse_budget(t) for t in ("30s", "2m", "500ms", "1.5")] == [30.0, 120.0, 0.5, 1.5]
+    from pipec.options import duration
+
+    assert [duration(t) for t in ("30s", "2m", "500ms", "1.5")] == [30.0, 120.0, 0.5, 1.5]
     for bad in ("0s", "soon", "-1"):
-        with pytest.raises(ValueError):
-            parse_budget(bad)
+        with pytest.raises(argparse.ArgumentTypeError):
+            duration(bad)
 
 
 def test_pipec_test_misuse_exits_2(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""Data parallelism around the pipeline (PP x DP): the options, checked once, and their command-line flags.
+"""Data parallelism around the pipeline (PP x DP): the options, checked once.
 
 A job of `ranks x size` processes runs on a DeviceMesh with dims ("pp", "dp"): each of the `size`
 replicas of a pipeline rank runs the one Program of that rank on its own shard of the global batch, so
@@ -7,14 +7,12 @@ parallelism"): `REDUCE_GRAD s` as soon as stage s's last compute is done and, fo
 `RESHARD s` windows around the computes of stage s, `prefetch` computes ahead, at most `max_gathered`
 stages gathered at once.
 
-The flags (`add_dp_options`) are shared by `pipec check`, `compile`, `show`, `simulate` and `run`, so
-every command reads them the same way (`from_args`). Stdlib only: the runtime's argument parser
-imports this without numpy or torch.
+The command-line flags are pipec.options's (`add_dp_arguments`, `dp_of`). Stdlib only: the runtime's
+argument parser imports this without numpy or torch.
 """
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
 from pipec.errors import brief, error
@@ -64,34 +62,3 @@ class DataParallel:
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
-
-
-def add_dp_options(p: argparse.ArgumentParser) -> None:
-    """`--dp`, `--dp-kind`, `--prefetch`, `--max-gathered` on a subcommand (`from_args` reads them back)."""
-    g = p.add_argument_group("data parallelism (docs/program.md)")
-    g.add_argument("--dp", type=int, default=1, metavar="N", help="data-parallel replicas of each rank (default 1)")
-    g.add_argument("--dp-kind", choices=KINDS, default="ddp", help="ddp (replicated, default) or fsdp (sharded)")
-    g.add_argument("--prefetch", type=int, default=1, metavar="K", help="fsdp: UNSHARD a stage K steps before its use")
-    g.add_argument(
-        "--max-gathered", type=int, default=None, metavar="K", help="fsdp: at most K stages of a rank gathered at once"
-    )
-
-
-def from_args(args: argparse.Namespace) -> DataParallel:
-    """The options `add_dp_options` parsed (E421 for a value out of range)."""
-    return DataParallel(
-        size=getattr(args, "dp", 1),
-        kind=getattr(args, "dp_kind", "ddp"),
-        prefetch=getattr(args, "prefetch", 1),
-        max_gathered=getattr(args, "max_gathered", None),
-    )
-
-
-def given(args: argparse.Namespace) -> bool:
-    """Whether the command line set any data-parallel option (a Program file then must agree with them)."""
-    return (
-        getattr(args, "dp", 1) != 1
-        or getattr(args, "dp_kind", "ddp") != "ddp"
-        or getattr(args, "prefetch", 1) != 1
-        or getattr(args, "max_gathered", None) is not None
-    )

@@ -13,15 +13,15 @@ split and written as a partition file that `pipec run --partition` builds its st
 
 from typing import TYPE_CHECKING
 
-__all__ = ["Outcome", "memory_limit", "partition", "report_lines", "to_doc"]
+__all__ = ["Outcome", "partition", "report_lines", "to_doc"]
 
 if TYPE_CHECKING:
-    from pipec.partition.plan import Outcome, memory_limit, partition, report_lines, to_doc
+    from pipec.partition.plan import Outcome, partition, report_lines, to_doc
 
 
 def __getattr__(name: str):
     """The names of `pipec.partition.plan`, imported on first use: the command line builds every
-    subcommand's parser, and `pipec partition`'s options (`pipec.partition.command`) need no search code."""
+    subcommand's parser, and `pipec partition`'s options (`pipec.cli.partition`) need no search code."""
     if name in __all__:
         from pipec.partition import plan
 

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipec.errors import PipecError, error
 from pipec.formats.partition_files import LayerTable, Ranks, partition_doc
 from pipec.partition.search import Problem, Result, Split, search
 
@@ -26,16 +25,6 @@ class Outcome:
     def stages(self, split: Split) -> list[list[str]]:
         names = self.problem.table.names
         return [list(names[a:b]) for a, b in zip(split.bounds, split.bounds[1:])]
-
-
-def memory_limit(text: str) -> float:
-    """`--memory-limit`: bytes, or a size with a unit ("16GiB")."""
-    from pipec.sim.costs import quantity
-
-    try:
-        return quantity(text, "bytes", "--memory-limit")
-    except PipecError as e:
-        raise error("E803", e.diagnostics[0].message) from None
 
 
 def partition(

@@ -63,19 +63,6 @@ def default_budget() -> float:
     return CI_BUDGET if os.environ.get("CI", "").strip().lower() in ("true", "1") else DEFAULT_BUDGET
 
 
-def parse_budget(text: str) -> float:
-    """A time such as `30s`, `2m`, `500ms` or `30` (seconds), in seconds; ValueError otherwise."""
-    t = text.strip().lower()
-    scale = next((f for unit, f in (("ms", 1e-3), ("s", 1.0), ("m", 60.0)) if t.endswith(unit)), 1.0)
-    try:
-        value = float(t.rstrip("ms")) * scale
-    except ValueError:
-        raise ValueError(f"expected a time such as 30s, 2m or 500ms, got `{text}`") from None
-    if not value > 0:
-        raise ValueError(f"the budget must be more than 0, got `{text}`")
-    return value
-
-
 @dataclass(frozen=True)
 class Coverage:
     """Which parameter sets a run checked: the values of each parameter, with how many sets had each."""

@@ -1,7 +1,7 @@
 """Simulating schedules for people: compile, cost, simulate, and the tables and JSON `pipec simulate` prints.
 
 A pure layer between the CLI and `pipec.sim.simulate`: it returns strings and
-dicts; `pipec.cli.app` prints them.
+dicts; `pipec.cli` prints them.
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ import sys
 import traceback
 from collections.abc import Sequence
 
-from pipec.runtime.job.affinity import MODES, bind_local_rank
+from pipec.options import OptionError, RunOptions, add_define_argument, dp_of
+from pipec.runtime.job.affinity import bind_local_rank
 from pipec.runtime.job.monitor import BEAT_EVERY, block_sigterm, die_with_parent, say
 
 # A collective that timed out waits this long at most (or the timeout, if shorter) for another rank's report
@@ -26,104 +27,19 @@ COLLECTIVE_GRACE_S = 10.0
 
 
 def parser() -> argparse.ArgumentParser:
+    """The worker's arguments: FILE|NAME, -D, and the run options a launcher writes (RunOptions.to_argv)."""
     ap = argparse.ArgumentParser(prog="python -m pipec.runtime.job.launch", description=__doc__.split("\n\n")[0])
     ap.add_argument("schedule", metavar="FILE|NAME", help="a .pipe file, a library schedule, or a compiled program")
-    ap.add_argument("-D", dest="defines", metavar="NAME=VALUE", action="append", default=[])
-    add_run_options(ap)
-    ap.add_argument("--memory-out", default=None, help=argparse.SUPPRESS)  # `pipec run --memory`: peaks here
+    add_define_argument(ap)
+    RunOptions.add_arguments(ap, launcher=False)
     return ap
 
 
-def add_run_options(ap: argparse.ArgumentParser) -> None:
-    """Options shared by `pipec run` and this entry point."""
-    ap.add_argument("--model", required=True, metavar="PATH", help="the model file (see docs/runtime.md)")
-    ap.add_argument("--steps", type=int, default=3, metavar="K", help="training steps (default 3)")
-    ap.add_argument("--check", action="store_true", help="compare with a single-process reference every step")
-    ap.add_argument(
-        "--tol",
-        type=float,
-        default=None,
-        metavar="X",
-        help="--check tolerance on relative errors (default 1e-10 in float64, 1e-4 otherwise)",
-    )
-    ap.add_argument("--trace", metavar="OUT", help="write the last step's measured timeline as a Chrome trace")
-    ap.add_argument(
-        "--timeout",
-        type=float,
-        default=60.0,
-        metavar="S",
-        help="seconds a rank waits for a peer before giving up (default 60)",
-    )
-    ap.add_argument("--backend", choices=("gloo", "nccl"), default="gloo", help="gloo (CPU) or nccl (CUDA)")
-    ap.add_argument("--seed", type=int, default=0, help="weights are seeded by (seed, stage)")
-    ap.add_argument(
-        "--links",
-        metavar="FILE.json",
-        default=None,
-        help="emulated links, as `pipec run --emulate-links` writes them (pipec.runtime.exec.links)",
-    )
-    ap.add_argument(
-        "--recv-ahead",
-        type=int,
-        default=None,
-        metavar="N",
-        help="gloo: post each receive up to N receives before the Program places it (default 4; 0: where it says)",
-    )
-    ap.add_argument(
-        "--cpu-bind",
-        choices=MODES,
-        default="auto",
-        help="gloo: bind each local rank to its own share of the CPUs when there are enough (default auto)",
-    )
-    ap.add_argument(
-        "--checkpoint",
-        metavar="DIR",
-        default=None,
-        help="save checkpoints (torch.distributed.checkpoint) in DIR, a folder every rank can reach",
-    )
-    ap.add_argument(
-        "--checkpoint-every",
-        type=int,
-        default=None,
-        metavar="K",
-        help="with --checkpoint: save every K steps (default: at the end only)",
-    )
-    ap.add_argument(
-        "--resume",
-        action="store_true",
-        help="with --checkpoint: continue from DIR's newest complete checkpoint (from step 0 when it has none)",
-    )
-    ap.add_argument(
-        "--loss-scale",
-        type=float,
-        default=None,
-        metavar="X",
-        help="each micro-batch's loss is multiplied by X (default 1/m: the mean)",
-    )
-    add_dp_run_options(ap)
-
-
-def add_dp_run_options(ap: argparse.ArgumentParser) -> None:
-    """Data parallelism: --dp N replicas of every rank on a ("pp", "dp") mesh (world = ranks x N),
-    --dp-kind, --prefetch, --max-gathered (the lowering's, pipec.ir.dataparallel), and the runtime's
-    --dp-unit (what FSDP2 shards as one unit)."""
-    if "--dp" not in ap._option_string_actions:  # a parser that already has the lowering's flags keeps them
-        from pipec.ir.dataparallel import add_dp_options  # stdlib only
-
-        add_dp_options(ap)
-    ap.add_argument(
-        "--dp-unit",
-        choices=("stage", "block"),
-        default="stage",
-        help="fsdp: fully_shard each stage (default), or each of its child blocks and then the stage",
-    )
-
-
-def with_dp(program, args: argparse.Namespace):
+def with_dp(program, opts: RunOptions):
     """The Program to run under the command line's data parallelism: as it stands when no flag is given
     or the flags agree with what it was compiled for; ValueError otherwise (a Program's collectives are
     placed by its lowering for one dp and kind, as `pipec.api.require_same_dp` says for E422)."""
-    dp, kind = getattr(args, "dp", 1), getattr(args, "dp_kind", "ddp")
+    dp, kind = opts.dp, opts.dp_kind
     if dp < 1:
         raise ValueError(f"data parallelism: the size (--dp) must be an integer >= 1, got {dp}")
     if (dp == 1 and kind == "ddp") or (program.dp, program.dp_kind) == (dp, kind):
@@ -134,9 +50,9 @@ def with_dp(program, args: argparse.Namespace):
     )
 
 
-def load_program(spec: str, defines: Sequence[str | tuple[str, str]], args: argparse.Namespace | None = None):
+def load_program(spec: str, defines: Sequence[tuple[str, str]], opts: RunOptions | None = None):
     """A Program from a compiled file (JSON or text), or by compiling a schedule with its parameters (and
-    the data parallelism of `args`, when the lowering places its collectives)."""
+    the data parallelism of `opts`, when the lowering places its collectives)."""
     from pipec.api import build
     from pipec.frontend import library
     from pipec.ir.program import is_program_text, read_program
@@ -150,16 +66,13 @@ def load_program(spec: str, defines: Sequence[str | tuple[str, str]], args: argp
             program = read_program(spec)
             prove(program)
             return program
-    pairs = [d if isinstance(d, tuple) else tuple(x.strip() for x in d.split("=", 1)) for d in defines]
-    sched = build(library.read(spec), pairs)
-    if args is None:
+    sched = build(library.read(spec), list(defines))
+    if opts is None:
         return compile_schedule(sched).program
-    from pipec.ir.dataparallel import from_args
-
-    return compile_schedule(sched, None, from_args(args)).program  # E421 for a value out of range
+    return compile_schedule(sched, None, dp_of(opts)).program  # E421 for a value out of range
 
 
-def dp_problem(program, args: argparse.Namespace, world: int | None) -> str | None:
+def dp_problem(program, opts: RunOptions, world: int | None) -> str | None:
     """Why this data-parallel run cannot start (None when it can): the world, and what dp does not support."""
     if world is not None:
         from pipec.runtime.exec.replicas import check_world
@@ -174,21 +87,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     die_with_parent()  # a SIGKILL of the launcher must not leave this rank training on
     block_sigterm()  # before torch starts any thread
     ap = parser()
-    args = ap.parse_args(argv)
-    for d in args.defines:
-        if "=" not in d or not d.split("=", 1)[0].strip():
-            ap.error(f"-D takes NAME=VALUE, got {d!r}")
+    ns = ap.parse_args(argv)
+    try:
+        opts = RunOptions.from_args(ns)
+    except OptionError as e:
+        ap.error(str(e))
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else None  # torchrun's
     # before torch starts any thread, so that gloo's and OpenMP's threads inherit it
-    args.cpus = bind_local_rank(args.cpu_bind, args.backend, local_rank, local_world)
-    args.local_world = local_world
+    cpus = bind_local_rank(opts.cpu_bind, opts.backend, local_rank, local_world)
     from pipec.errors import PipecError
 
     try:
-        program = with_dp(load_program(args.schedule, args.defines, args), args)
+        program = with_dp(load_program(ns.schedule, ns.defines, opts), opts)
     except PipecError as e:
         say("\n".join(d.format() for d in e.diagnostics))
         return 1
@@ -198,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from pipec.runtime.errors import wrong_world_size
 
     if program.dp > 1:  # before any communication
-        problem = dp_problem(program, args, world)
+        problem = dp_problem(program, opts, world)
         if problem:
             say(f"pipec: rank {rank}: error: {problem}")
             return 1
@@ -212,16 +125,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     from pipec.runtime.model.contract import load_model
 
     try:
-        model = load_model(args.model)
+        model = load_model(opts.model)
     except PipelineError as e:
         say(f"pipec: rank {rank}: error: {e}")
         return 1
-    return Worker(program, model, args, rank, world, local_rank, torch).run()
+    return Worker(program, model, opts, rank, world, local_rank, torch, cpus, local_world).run()
 
 
 class Worker:
-    def __init__(self, program, model, args, rank: int, world: int, local_rank: int, torch) -> None:
+    """One rank of the job. `args` are the run's options; `cpus` the CPUs this process was bound to
+    (None: unbound), of `local_world` processes on this machine (torchrun's, None without it)."""
+
+    def __init__(
+        self, program, model, args: RunOptions, rank: int, world: int, local_rank: int, torch, cpus, local_world
+    ) -> None:
         self.program, self.model, self.args = program, model, args
+        self.cpus, self.local_world = cpus, local_world
         self.rank, self.world, self.local_rank = rank, world, local_rank
         self.torch = torch
         self.runner = None
@@ -387,7 +306,7 @@ class Worker:
     def _train(self, dist) -> int:
         from pipec.runtime.exec.microbatch import batch_of
         from pipec.runtime.job.affinity import describe
-        from pipec.runtime.job.report import CheckStats, header, show, step_line
+        from pipec.runtime.job.report import CheckStats, Report, StepRecord, header
         from pipec.runtime.reference import Reference, compare, rel_err
 
         torch, args, runner, m = self.torch, self.args, self.runner, self.model
@@ -406,6 +325,8 @@ class Worker:
                 replicas=self.program.dp,
             )
             checks = CheckStats()
+        report = Report(args.records if self.rank == 0 else None)
+        show = report.line
         needs_batch = runner.has_first or runner.has_last or reference is not None
         if args.memory_out:
             runner.executor.measure_memory()
@@ -416,7 +337,7 @@ class Worker:
                 unit = f" per {args.dp_unit}" if self.program.dp_kind == "fsdp" else ""
                 how += f" ({self.program.num_ranks} ranks x {self.program.dp} {self.program.dp_kind} replicas{unit})"
             show(header(self.program, how, m.path))
-            binding = describe(args.cpus, args.local_world, args.cpu_bind, args.backend)
+            binding = describe(self.cpus, self.local_world, args.cpu_bind, args.backend)
             if binding:
                 show(binding)
             if getattr(runner.executor.comm, "links", None) is not None:
@@ -442,7 +363,7 @@ class Worker:
             dist.all_reduce(stats, op=dist.ReduceOp.MAX)
             s = stats.tolist()
             if self.rank == 0:
-                show(step_line(step, args.steps, s[1], s[0], tuple(s[2:]) if reference else None))
+                report.step(StepRecord.of(step, args.steps, s[1], s[0], tuple(s[2:]) if reference else None))
             self._maybe_save(dist, step + 1)
         if args.memory_out:
             from pipec.runtime.exec.saved import publish_peaks
@@ -498,11 +419,11 @@ class Worker:
         if steps_done != args.steps and not (every and steps_done % every == 0):
             return
         from pipec.runtime.job.checkpoint import save
-        from pipec.runtime.job.report import show
+        from pipec.runtime.job.report import Report
 
         path = save(args.checkpoint, self.runner, steps_done, dist.barrier)
         if self.rank == 0:
-            show(f"checkpoint: {path}")
+            Report(args.records).line(f"checkpoint: {path}")
 
 
 def backend_threads() -> list[str]:

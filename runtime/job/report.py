@@ -1,4 +1,8 @@
-"""What `pipec run` prints: a line per step, and the --check summary against the reference."""
+"""What `pipec run` reports: one record per step (`StepRecord`), and every other line it shows, each
+written once by `Report`: as text on standard output, and, when the run was given a records file (`pipec
+run --json` names one), as one JSON object a line there. The text and `--json` are both made from these
+records (`read_records`), never by reading the text back.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import json
 import math
 import os
 import sys
+from dataclasses import dataclass
 
 
 def show(text: str) -> None:
@@ -33,17 +38,83 @@ def _slices(program) -> str:
     return f" of {sl.slices} token slices each" if sl is not None and sl.slices > 1 else ""
 
 
-def step_line(step: int, steps: int, loss: float | None, seconds: float, errors: tuple | None = None) -> str:
-    width = len(str(steps))
-    text = f"step {step + 1:>{width}}/{steps}: loss {_num(loss)}, {seconds:.3f} s"
-    if errors is not None:
-        loss_err, grad_err, param_err = errors
-        text += f"  | rel err vs reference: loss {loss_err:.1e}, grads {grad_err:.1e}, params {param_err:.1e}"
-    return text
+@dataclass(frozen=True)
+class StepRecord:
+    """One training step as the run reports it: `step` counts from 1 of `steps`; `loss` is None where no
+    rank computed one; `rel_err` (with --check) the largest relative errors of the loss, the gradients and
+    the parameters against the single-process reference."""
+
+    step: int
+    steps: int
+    loss: float | None
+    seconds: float
+    rel_err: tuple[float, float, float] | None = None
+
+    @staticmethod
+    def of(step: int, steps: int, loss: float | None, seconds: float, errors=None) -> StepRecord:
+        """The record of step index `step` (from 0); a loss of -inf (no rank had one) is None."""
+        if loss is not None and math.isinf(loss):
+            loss = None
+        errs = None if errors is None else tuple(float(e) for e in errors)
+        return StepRecord(step + 1, steps, None if loss is None else float(loss), float(seconds), errs)
+
+    def line(self) -> str:
+        """The step's line of text."""
+        width = len(str(self.steps))
+        loss = "-" if self.loss is None else f"{self.loss:.6f}"
+        text = f"step {self.step:>{width}}/{self.steps}: loss {loss}, {self.seconds:.3f} s"
+        if self.rel_err is not None:
+            loss_err, grad_err, param_err = self.rel_err
+            text += f"  | rel err vs reference: loss {loss_err:.1e}, grads {grad_err:.1e}, params {param_err:.1e}"
+        return text
+
+    def to_json(self) -> dict:
+        """The step as `pipec run --json` gives it (docs/cli.md)."""
+        errs = None if self.rel_err is None else dict(zip(("loss", "grads", "params"), self.rel_err))
+        return {"step": self.step, "loss": self.loss, "seconds": self.seconds, "rel_err": errs}
 
 
-def _num(x: float | None) -> str:
-    return "-" if x is None or (isinstance(x, float) and math.isinf(x)) else f"{x:.6f}"
+class Report:
+    """The run's output: each line shown once (`show`), and with a records file each also kept there as
+    a JSON line, `{"step": {...}}` for a step and `{"line": TEXT}` for any other line. Rank 0 reports for
+    the job; the launcher appends its own lines (`pipec run --memory`) after the workers'."""
+
+    def __init__(self, records: str | None = None) -> None:
+        self.records = records
+
+    def line(self, text: str) -> None:
+        """Show a line of text (several, joined by newlines, are one record each)."""
+        show(text)
+        self._keep([{"line": t} for t in text.split("\n")])
+
+    def step(self, record: StepRecord) -> None:
+        """Show a step's line, and keep its record."""
+        show(record.line())
+        self._keep([{"step": record.to_json()}])
+
+    def _keep(self, docs: list[dict]) -> None:
+        if self.records is None:
+            return
+        with open(self.records, "a") as f:
+            f.write("".join(json.dumps(d) + "\n" for d in docs))
+
+
+def read_records(path: str) -> dict:
+    """A records file as `pipec run --json` reports it: `steps` (each step's record) and `log` (the run's
+    other lines, in order)."""
+    steps, log = [], []
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:  # the run ended before it reported anything
+        lines = []
+    for text in lines:
+        doc = json.loads(text)
+        if "step" in doc:
+            steps.append(doc["step"])
+        else:
+            log.append(doc["line"])
+    return {"steps": steps, "log": log}
 
 
 class CheckStats:

@@ -1,9 +1,9 @@
 """`pipec run`: compile a schedule, then run it on N local processes through torchrun, or in-process
-with --local. Called lazily from pipec/cli/app.py, so the rest of the CLI never imports torch."""
+with --local. Called lazily from pipec/cli/run.py, so the rest of the CLI never imports torch."""
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import logging
 import os
 import subprocess
@@ -11,6 +11,7 @@ import sys
 import tempfile
 
 from pipec.ir.program import Program, write_json
+from pipec.options import OptionError, RunOptions
 
 SHUTDOWN_S = 3  # seconds a rank has to answer SIGTERM (ours take about one) before SIGKILL
 
@@ -19,104 +20,76 @@ SHUTDOWN_S = 3  # seconds a rank has to answer SIGTERM (ours take about one) bef
 _REAPER = "import shutil, sys; sys.stdin.buffer.read(); shutil.rmtree(sys.argv[1], ignore_errors=True)"
 
 
-def run(args: argparse.Namespace, program: Program) -> int:
-
-    if args.steps < 1:
-        return _misuse(f"--steps must be at least 1, got {args.steps}")
-    if (args.checkpoint_every is not None or args.resume) and not args.checkpoint:
-        return _misuse("--checkpoint-every and --resume need --checkpoint DIR")
-    if args.checkpoint_every is not None and args.checkpoint_every < 1:
-        return _misuse(f"--checkpoint-every must be at least 1, got {args.checkpoint_every}")
-    if args.checkpoint and args.local:
-        return _misuse("--checkpoint needs the distributed runtime (torch.distributed.checkpoint), not --local")
+def run(opts: RunOptions, program: Program, links=None, schedule=None) -> int:
+    """Run `program` under `opts`: its steps on torchrun's processes, or in this process with --local.
+    `links` (pipec.runtime.exec.links.Links) are the emulated links of --emulate-links; `schedule` is what
+    the --memory prediction is made for (None: a Program file's, none to predict from). Options that do
+    not fit the Program are an OptionError (misuse) before any process starts."""
     from pipec.runtime.job.launch import dp_problem, with_dp
 
     try:
-        program = with_dp(program, args)
+        program = with_dp(program, opts)
     except ValueError as e:
-        return _misuse(str(e))
+        raise OptionError(str(e)) from None
     if program.dp > 1:
-        if args.local:
-            return _misuse(
+        if opts.local:
+            raise OptionError(
                 f"--dp {program.dp} needs the distributed runtime (a DeviceMesh of {program.num_ranks} x "
                 f"{program.dp} processes); --local runs one pipeline in one process"
             )
-        problem = dp_problem(program, args, args.nproc)
+        problem = dp_problem(program, opts, opts.nproc)
         if problem:
-            return _misuse(problem)
-        if getattr(args, "dp_unit", "stage") != "stage" and program.dp_kind != "fsdp":
-            return _misuse("--dp-unit block shards per block: it needs --dp-kind fsdp")
-    elif not args.local and args.nproc is not None and args.nproc != program.num_ranks:
+            raise OptionError(problem)
+        if opts.dp_unit != "stage" and program.dp_kind != "fsdp":
+            raise OptionError("--dp-unit block shards per block: it needs --dp-kind fsdp")
+    elif not opts.local and opts.nproc is not None and opts.nproc != program.num_ranks:
         from pipec.runtime.errors import wrong_world_size
 
-        return _misuse(wrong_world_size(program, args.nproc))
+        raise OptionError(wrong_world_size(program, opts.nproc))
     from pipec.runtime.errors import PipelineError
     from pipec.runtime.model.contract import load_model
 
     try:
-        model = load_model(args.model)  # a bad model file is reported once, before any process starts
-        if getattr(args, "partition", None):  # stages from the model's layers() as the file splits them
+        model = load_model(opts.model)  # a bad model file is reported once, before any process starts
+        if opts.partition:  # stages from the model's layers() as the file splits them
             from pipec.errors import PipecError
             from pipec.runtime.model.partitioned import use_partition
 
             try:
-                model = use_partition(args, model, program.num_stages, program.name)
+                model = use_partition(model, opts.partition, program.num_stages, program.name)
             except PipecError as e:
                 print("\n".join(d.format() for d in e.diagnostics), file=sys.stderr)
                 return 1
+            opts = dataclasses.replace(opts, model=model.path)  # the workers load the partitioned model
     except PipelineError as e:
         print(f"pipec run: error: {e}", file=sys.stderr)
         return 1
-    if args.local:
+    if opts.local:
         try:
-            return run_local(args, program, model)
+            return run_local(opts, program, model, links, schedule)
         except PipelineError as e:
             print(f"pipec run: error: {e}", file=sys.stderr)
             return 1
-    return run_torchrun(args, program, program.num_ranks * program.dp)
+    return run_torchrun(opts, program, program.num_ranks * program.dp, links, schedule)
 
 
-def _misuse(message: str) -> int:
-    print(f"pipec run: error: {message}", file=sys.stderr)
-    return 2
+def worker_args(opts: RunOptions, folder: str, links=None) -> list[str]:
+    """The options of every worker (after the Program's path): `opts` with its paths made absolute and
+    the files this run's folder holds for the workers (the emulated links, the --memory peaks)."""
+    files = {}
+    if links is not None:
+        files["links"] = os.path.join(folder, "links.json")
+        with open(files["links"], "w") as f:
+            f.write(links.to_json())
+    if opts.memory:
+        files["memory_out"] = os.path.join(folder, "memory.json")
+    absolute = {k: os.path.abspath(v) for k, v in (("trace", opts.trace), ("checkpoint", opts.checkpoint)) if v}
+    if opts.records:
+        absolute["records"] = os.path.abspath(opts.records)
+    return dataclasses.replace(opts, **absolute, **files).to_argv()
 
 
-def worker_args(args: argparse.Namespace, program_path: str) -> list[str]:
-    out = [program_path, "--model", args.model, "--steps", str(args.steps), "--timeout", str(args.timeout)]
-    out += ["--backend", args.backend, "--seed", str(args.seed), "--cpu-bind", args.cpu_bind]
-    if args.check:
-        out.append("--check")
-    if args.tol is not None:
-        out += ["--tol", repr(args.tol)]
-    if args.trace:
-        out += ["--trace", os.path.abspath(args.trace)]
-    if args.loss_scale is not None:
-        out += ["--loss-scale", repr(args.loss_scale)]
-    if args.recv_ahead is not None:
-        out += ["--recv-ahead", str(args.recv_ahead)]
-    if getattr(args, "dp", 1) != 1 or getattr(args, "dp_kind", "ddp") != "ddp":
-        out += ["--dp", str(args.dp), "--dp-kind", args.dp_kind, "--prefetch", str(args.prefetch)]
-        if args.max_gathered is not None:
-            out += ["--max-gathered", str(args.max_gathered)]
-    if getattr(args, "dp_unit", "stage") != "stage":
-        out += ["--dp-unit", args.dp_unit]
-    if args.checkpoint:
-        out += ["--checkpoint", os.path.abspath(args.checkpoint)]
-        if args.checkpoint_every:
-            out += ["--checkpoint-every", str(args.checkpoint_every)]
-        if args.resume:
-            out.append("--resume")
-    if getattr(args, "memory", False):
-        out += ["--memory-out", os.path.join(os.path.dirname(program_path), "memory.json")]
-    if getattr(args, "links", None) is not None:
-        links_path = os.path.join(os.path.dirname(program_path), "links.json")
-        with open(links_path, "w") as f:
-            f.write(args.links.to_json())
-        out += ["--links", links_path]
-    return out
-
-
-def run_torchrun(args: argparse.Namespace, program: Program, nproc: int) -> int:
+def run_torchrun(opts: RunOptions, program: Program, nproc: int, links=None, schedule=None) -> int:
     """torchrun --standalone --nproc-per-node N -m pipec.runtime.job.launch PROGRAM ... (in this process)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -136,39 +109,39 @@ def run_torchrun(args: argparse.Namespace, program: Program, nproc: int) -> int:
         targv += ["--module", "pipec.runtime.job.launch"]
         try:
             with _stop_within_shutdown_timeout():
-                torchrun(get_args_parser().parse_args(targv + worker_args(args, path)))
+                torchrun(get_args_parser().parse_args(targv + [path] + worker_args(opts, tmp, links)))
         except ChildFailedError as e:
             print(f"pipec run: failed: {failure_summary(e.failures)}", file=sys.stderr)
             return 1
         except SignalException as e:  # Ctrl-C or a kill of `pipec run`: torchrun has stopped the workers
             print(f"pipec run: stopped by {e.sigval.name}", file=sys.stderr)
             return 128 + int(e.sigval)
-        if getattr(args, "memory", False):
+        if opts.memory:
             import json
 
             from pipec.runtime.exec.saved import Peaks
+            from pipec.runtime.job.report import Report
 
             with open(os.path.join(tmp, "memory.json")) as f:
                 per_rank = json.load(f)
             # the pipeline of replica 0: global ranks 0, dp, 2 dp, ... (pipec.runtime.exec.replicas)
             measured = [Peaks(**per_rank[r * program.dp]) for r in range(program.num_ranks)]
-            print("\n".join(memory_lines(args, program, measured)), flush=True)
+            Report(opts.records).line("\n".join(memory_lines(opts, program, measured, schedule)))
     return 0
 
 
-def memory_lines(args: argparse.Namespace, program: Program, measured: list) -> list[str]:
+def memory_lines(opts: RunOptions, program: Program, measured: list, sched=None) -> list[str]:
     """`pipec run --memory`: each rank's measured peak saved bytes (pipec.runtime.exec.saved) in the last step,
     against pipec's memory model (`program_memory`, device and host pools) fed with the bytes `pipec
-    profile` counts for this model (`stage_bytes`), when the run knows its Schedule."""
+    profile` counts for this model (`stage_bytes`), when the run knows its Schedule (`sched`)."""
     from pipec.runtime.model.contract import load_model
     from pipec.runtime.profile.stages import stage_bytes
     from pipec.sim.memory import fmt_memory, memory_bytes, program_memory
 
-    sched = getattr(args, "memory_schedule", None)
     predicted = None
     if sched is not None:
-        dev = args.device or ("cuda" if args.backend == "nccl" else "cpu")
-        counted = stage_bytes(program, load_model(args.model), device=dev, seed=args.seed, loss_scale=args.loss_scale)
+        dev = opts.device or ("cuda" if opts.backend == "nccl" else "cpu")
+        counted = stage_bytes(program, load_model(opts.model), device=dev, seed=opts.seed, loss_scale=opts.loss_scale)
         predicted = program_memory(program, sched, memory_bytes([counted]))
     b = lambda x: fmt_memory(float(x), "bytes")  # noqa: E731
     err = lambda p, m: "-" if not p else f"{(m - p) / p:+.1%}"  # noqa: E731
@@ -248,38 +221,38 @@ def failure_summary(failures: dict) -> str:
     return "; ".join(parts)
 
 
-def run_local(args: argparse.Namespace, program: Program, model) -> int:
+def run_local(opts: RunOptions, program: Program, model, links=None, schedule=None) -> int:
     """Every rank in this process (pipec.runtime.local): for debugging, or the CUDA path on one GPU."""
     import torch
 
     from pipec.runtime.exec.microbatch import batch_of
     from pipec.runtime.job.launch import default_tol
     from pipec.runtime.job.measure import timeline
-    from pipec.runtime.job.report import CheckStats, header, show, step_line
+    from pipec.runtime.job.report import CheckStats, Report, StepRecord, header
     from pipec.runtime.local import LocalPipeline
     from pipec.runtime.reference import Reference, compare, rel_err
 
-    device = torch.device(args.device or ("cuda" if args.backend == "nccl" else "cpu"))
+    device = torch.device(opts.device or ("cuda" if opts.backend == "nccl" else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
-        return _misuse("--device cuda (or --backend nccl) with --local needs a GPU, and torch sees none")
-    kw = dict(optimizer=model.optimizer, dtype=model.dtype, device=device, loss_scale=args.loss_scale, seed=args.seed)
-    links = getattr(args, "links", None)
+        raise OptionError("--device cuda (or --backend nccl) with --local needs a GPU, and torch sees none")
+    kw = dict(optimizer=model.optimizer, dtype=model.dtype, device=device, loss_scale=opts.loss_scale, seed=opts.seed)
+    report = Report(opts.records)
     pipe = LocalPipeline(
         program, model.build_stage, model.loss_fn, where=f"{model.path}: build_stage", links=links, **kw
     )
     reference = None
-    if args.check:
+    if opts.check:
         reference = Reference(model.build_stage, model.loss_fn, program.num_stages, program.num_sequences, **kw)
         checks = CheckStats()
-    show(header(program, f"--local on {device.type}, one process", model.path))
+    report.line(header(program, f"--local on {device.type}, one process", model.path))
     if links is not None:
-        show(links.describe() + " (--local: ranks interleaved, so step times are not parallel)")
-    if getattr(args, "memory", False):
+        report.line(links.describe() + " (--local: ranks interleaved, so step times are not parallel)")
+    if opts.memory:
         for runner in pipe.runners:
             runner.executor.measure_memory()
-    for step in range(args.steps):
+    for step in range(opts.steps):
         x, y = batch_of(model.batch(step), f"{model.path}: batch({step})")
-        res = pipe.step(x, y, record=bool(args.trace) and step == args.steps - 1)
+        res = pipe.step(x, y, record=bool(opts.trace) and step == opts.steps - 1)
         errs = None
         if reference is not None:
             ref_loss = reference.step(x, y)
@@ -287,17 +260,17 @@ def run_local(args: argparse.Namespace, program: Program, model) -> int:
             p = compare(pipe.named_parameters(), reference.named_parameters())
             checks.add(rel_err(res.loss, ref_loss), g, p)
             errs = (rel_err(res.loss, ref_loss), max(g.values(), default=0.0), max(p.values(), default=0.0))
-        show(step_line(step, args.steps, res.loss, res.seconds, errs))
+        report.step(StepRecord.of(step, opts.steps, res.loss, res.seconds, errs))
     code = 0
     if reference is not None:
-        tol = args.tol if args.tol is not None else default_tol(pipe.runners[0])
-        show("\n".join(checks.lines(tol, args.steps)))
+        tol = opts.tol if opts.tol is not None else default_tol(pipe.runners[0])
+        report.line("\n".join(checks.lines(tol, opts.steps)))
         code = 0 if checks.worst() <= tol else 1
-    if getattr(args, "memory", False):
-        show("\n".join(memory_lines(args, program, [r.executor.peaks for r in pipe.runners])))
-    if args.trace:
+    if opts.memory:
+        report.line("\n".join(memory_lines(opts, program, [r.executor.peaks for r in pipe.runners], schedule)))
+    if opts.trace:
         from pipec.formats.trace import write_trace
 
-        write_trace(timeline(program, pipe.events()), args.trace)
-        show(f"wrote the measured timeline of step {args.steps} to {args.trace} (--local: ranks interleaved)")
+        write_trace(timeline(program, pipe.events()), opts.trace)
+        report.line(f"wrote the measured timeline of step {opts.steps} to {opts.trace} (--local: ranks interleaved)")
     return code

@@ -101,15 +101,15 @@ def partitioned_file(model_path: str, partition_path: str, folder: str) -> str:
     return path
 
 
-def use_partition(args, model: Model, num_stages: int, schedule: str) -> Model:
+def use_partition(model: Model, partition: str, num_stages: int, schedule: str) -> Model:
     """`pipec run --partition`: check the file against the model and schedule, write the model file the
-    workers load (in a temporary folder removed when this process exits) and point `args.model` at it."""
+    workers load (in a temporary folder removed when this process exits) and load it (its `path` is the
+    file the workers are to load)."""
     import atexit
     import shutil
     import tempfile
 
-    check_partition(model, args.partition, num_stages, schedule)
+    check_partition(model, partition, num_stages, schedule)
     folder = tempfile.mkdtemp(prefix="pipec-partition-")
     atexit.register(shutil.rmtree, folder, True)
-    args.model = partitioned_file(model.path, args.partition, folder)
-    return load_model(args.model)
+    return load_model(partitioned_file(model.path, partition, folder))

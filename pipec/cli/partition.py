@@ -1,4 +1,5 @@
-"""`pipec partition`'s command line (pipec.cli.app adds the subcommand with these two functions)."""
+"""`pipec partition`: profile a model file's layers (or read a layer table), choose each stage's layers
+(pipec.partition) and write the partition file `pipec run --partition` reads."""
 
 from __future__ import annotations
 
@@ -6,28 +7,41 @@ import argparse
 import json
 import sys
 
+from pipec import options
+from pipec.cli.args import Command, build, cost_args, schedule_args
 from pipec.errors import error
+from pipec.passes.compiler import compile_schedule
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def partition_arguments(p: argparse.ArgumentParser) -> None:
+    schedule_args(p)
+    cost_args(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", metavar="PATH", help="a model file with layers() to profile (needs torch)")
     src.add_argument("--layers-cost", metavar="TABLE.json", help="a layer table (from --save-layers) instead")
     p.add_argument("--save-layers", metavar="OUT.json", help="also write the measured layer table here")
     p.add_argument("--ranks", metavar="DESC", help="speed=1,1,0.5,0.5 mem=16GiB,... or a TOML file with those keys")
-    p.add_argument("--memory-limit", metavar="BYTES", help="every rank's memory limit, e.g. 16GiB")
-    p.add_argument("--time-limit", type=float, default=10.0, metavar="S", help="search seconds (default 10)")
-    p.add_argument("--reps", type=int, default=10, metavar="N", help="timed runs per layer (default 10)")
+    p.add_argument("--memory-limit", type=options.amount, metavar="BYTES", help="every rank's memory limit, e.g. 16GiB")
+    p.add_argument("--time-limit", type=options.finite, default=10.0, metavar="S", help="search seconds (default 10)")
+    p.add_argument(
+        "--reps", type=options.count(1, 1_000_000), default=10, metavar="N", help="timed runs per layer (default 10)"
+    )
     p.add_argument("-o", "--output", metavar="OUT.json", help="write the partition file here")
     p.add_argument("--json", action="store_true", help="print the partition file's document as JSON")
 
 
-def run(args: argparse.Namespace, sched, program, cost_docs) -> int:
+def cmd_partition(args: argparse.Namespace) -> int:
+    """Profile a model file's layers (or read a layer table) and choose the contiguous layers of each stage
+    that minimise the schedule's simulated step under per-rank memory limits and speeds; print it beside
+    the uniform split and write the partition file `pipec run --partition` reads. See docs/partition.md."""
     from pipec.formats.partition_files import Ranks, parse_ranks, read_table, write_json
-    from pipec.partition import memory_limit, partition, report_lines, to_doc
+    from pipec.partition import partition, report_lines, to_doc
+    from pipec.sim.costs import cost_spec
 
+    sched = build(args)
+    program = compile_schedule(sched).program
+    cost_docs = [cost_spec(t) for t in args.cost]
     ranks = parse_ranks(args.ranks) if args.ranks else Ranks()
-    limit = memory_limit(args.memory_limit) if args.memory_limit else None
     for doc in cost_docs:
         given = sorted(k for k in ("F", "B", "W", "T_F", "T_B", "T_W", "act_bytes", "param_bytes") if k in doc)
         if given:
@@ -46,7 +60,7 @@ def run(args: argparse.Namespace, sched, program, cost_docs) -> int:
             f"the batch; this schedule makes {sched.num_microbatches}",
             file=sys.stderr,
         )
-    out = partition(sched, program, table, ranks, limit, cost_docs, args.time_limit)
+    out = partition(sched, program, table, ranks, args.memory_limit, cost_docs, args.time_limit)
     doc = to_doc(out)
     if args.output:
         write_json(args.output, doc)
@@ -60,6 +74,7 @@ def run(args: argparse.Namespace, sched, program, cost_docs) -> int:
 
 
 def _profile(args: argparse.Namespace, m: int, ranks: int):
+    """The layer table of `--model`, measured (None after saying why it could not be)."""
     try:
         from pipec.runtime.errors import PipelineError
         from pipec.runtime.model.contract import load_model
@@ -79,3 +94,8 @@ def _profile(args: argparse.Namespace, m: int, ranks: int):
     except PipelineError as e:
         print(f"pipec partition: error: {e}", file=sys.stderr)
         return None
+
+
+PARTITION = Command(
+    "partition", "choose each stage's layers for the shortest simulated step", partition_arguments, cmd_partition
+)

@@ -1,0 +1,151 @@
+"""`pipec check`, `pipec compile` and `pipec list`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from pipec import options
+from pipec.cli.args import Command, compiled, cost_args, dp_json, json_arg, memory_args, schedule_args
+from pipec.cli.envelope import Misuse, emit, envelope, stdout
+from pipec.frontend import library
+from pipec.passes.compiler import CompiledSchedule
+
+
+def summary(c: CompiledSchedule, program_file: bool = False) -> dict:
+    """`pipec check --json`'s fields: the schedule's sizes, its Program's, and each rank's memory."""
+    s = c.schedule
+    return {
+        "schedule": s.name,
+        "source": s.source.path if s.source else None,
+        "input": "program" if program_file else "schedule",
+        "params": dict(s.params),
+        "stages": s.num_stages,
+        "ranks": s.num_ranks,
+        "microbatches": s.num_sequences,
+        **({"slicing": s.slicing.describe()} if s.slicing else {}),
+        "ops": s.num_ops,
+        "kinds": list(s.kinds),
+        "placement": list(s.placement),
+        "instructions": c.program.num_instructions,
+        **dp_json(c.program),
+        "memory": [
+            {"rank": m.rank, "peak": m.peak, "limit": m.limit, "at": m.at_text}
+            | ({"params": m.params, "gathered": list(m.gathered)} if c.program.dp_kind == "fsdp" else {})
+            | ({"unit": m.unit} if m.unit == "bytes" else {})  # peaks and limits in bytes (docs/memory.md)
+            | ({"host_peak": m.host_peak, "host_limit": m.host_limit} if m.host_op else {})
+            for m in c.memory
+        ],
+    }
+
+
+def check_arguments(p: argparse.ArgumentParser) -> None:
+    schedule_args(p)
+    memory_args(p)
+    options.add_dp_arguments(p)
+    p.add_argument("--memory", action="store_true", help="print the per-rank memory table")
+    cost_args(p)  # measured bytes (saved_bytes, ...) put the memory model in bytes
+    json_arg(p, "the summary")
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    """Run every check: each op exactly once, on its owner, in dependency order; memory within the limit;
+    no deadlock, even when every send blocks until its receive is posted; and the schedule's own `expect`
+    lines, measured under its own cost and memory declarations (E405). A Program file (`pipec compile`'s
+    output, JSON or text) is validated and dry-run, and its memory checked."""
+    from pipec.passes.expect import check_expectations
+    from pipec.passes.memcheck import format_table
+
+    c, program_file = compiled(args)
+    s = c.schedule
+    check_expectations(s, c.program)
+    if args.json:
+        emit(args, summary(c, program_file))
+        return 0
+    params = " ".join(f"{k}={v}" for k, v in s.params)
+    dp = "" if not dp_json(c.program) else f", data parallelism {c.program.dp} x {c.program.dp_kind}"
+    print(f"{s.name} ({params}): {s.num_stages} stages, {s.num_ranks} ranks, {s.num_ops} ops{dp}: OK")
+    if args.memory:
+        print(format_table(list(c.memory)))
+    return 0
+
+
+def compile_arguments(p: argparse.ArgumentParser) -> None:
+    schedule_args(p)
+    memory_args(p)
+    options.add_dp_arguments(p)
+    p.add_argument("-o", "--output", metavar="OUT", help="write here instead of standard output")
+    p.add_argument(
+        "--format",
+        choices=("text", "json"),
+        default=None,
+        help="program format (default: json when OUT ends in .json, else text)",
+    )
+    json_arg(p, "a summary (and, without -o, the program)")
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    """Check a schedule and lower it to one instruction stream per rank (see docs/program.md), written
+    rank by rank as it is produced. With --json and no -o, the program is the `program` field."""
+    from pipec.ir.program import write_json, write_text
+
+    prog = compiled(args)[0].program
+    fmt = args.format or ("json" if args.output and args.output.endswith(".json") else "text")
+    if args.json and not args.output and args.format == "text":
+        raise Misuse("--json prints the program as JSON; write --format text to a file with -o")
+    write = write_json if fmt == "json" else write_text
+    doc = {
+        "schedule": prog.name,
+        "params": dict(prog.params),
+        "ranks": prog.num_ranks,
+        **dp_json(prog),
+        "instructions": prog.num_instructions,
+        "output": args.output,
+        "format": fmt if args.output else "json" if args.json else fmt,
+    }
+    if args.output:
+        from pipec.files import atomic_write
+
+        try:
+            with atomic_write(args.output) as f:  # streamed, and all or nothing
+                write(prog, f)
+                if fmt == "json":
+                    f.write("\n")
+        except OSError as e:
+            raise Misuse(f"cannot write `{args.output}`: {e.strerror}") from None
+        if args.json:
+            emit(args, doc)
+        else:
+            print(f"wrote {prog.num_instructions} instructions for {prog.num_ranks} ranks to {args.output}")
+        return 0
+    out = stdout()
+    if args.json:
+        out.write(json.dumps({**envelope("compile", True), **doc})[:-1] + ', "program": ')
+        write_json(prog, out)
+        out.write("}\n")
+    else:
+        write(prog, out)
+        if fmt == "json":
+            out.write("\n")
+    return 0
+
+
+def list_arguments(p: argparse.ArgumentParser) -> None:
+    json_arg(p, "the list")
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    """List the standard library, one line each."""
+    names = library.names()
+    if args.json:
+        emit(args, {"schedules": [{"name": n, "summary": library.summary(n)} for n in names]})
+        return 0
+    width = max(map(len, names), default=0)
+    for name in names:
+        print(f"{name.ljust(width)}  {library.summary(name)}")
+    return 0
+
+
+CHECK = Command("check", "parse, evaluate and check a schedule", check_arguments, cmd_check)
+COMPILE = Command("compile", "check and lower a schedule to a Program", compile_arguments, cmd_compile)
+LIST = Command("list", "list the library schedules", list_arguments, cmd_list)
