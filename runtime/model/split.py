@@ -125,10 +125,10 @@ def model_fingerprint(model: nn.Module, layer_names: Sequence[str]) -> str:
 
 def read_partition(partition: str | os.PathLike | Mapping, model: nn.Module) -> list[list[str]]:
     """The FQN lists of a partition file (`pipec partition` writes them; a path or the loaded dict), for
-    this model: ModelError when the file is malformed or made for another model (its fingerprint does not
-    match this one's)."""
-    from pipec.errors import PipecError
-    from pipec.formats.partition_files import parse_partition
+    this model: ModelError when the file is malformed, edited by hand (its fingerprint is not that of its
+    model, layers and stages, E810) or made for another model (E804), its code in the message."""
+    from pipec.errors import PipecError, error
+    from pipec.formats.partition_files import coverage, parse_partition
     from pipec.formats.partition_files import read_partition as read_file
 
     where = "the partition" if isinstance(partition, Mapping) else os.fspath(partition)
@@ -141,9 +141,16 @@ def read_partition(partition: str | os.PathLike | Mapping, model: nn.Module) -> 
                 f"{where}: the partition was made for another model: layer `{missing[0]}` is not in this one; "
                 "run `pipec partition` again for this model"
             )
+        order = {n: i for i, n in enumerate(modules)}
+        wrong = coverage(part.layers, sorted(part.layers, key=order.__getitem__), type(model).__name__)
+        if wrong is not None:  # the model's own order of its modules is the order its forward runs them in
+            raise error("E810", f"{part.what} does not split {type(model).__name__} as written: {wrong}")
         part.check_model(model_fingerprint(model, part.layers), part.layers, type(model).__name__)
     except PipecError as e:
-        raise ModelError(f"{where}: {e.diagnostics[0].message}") from None
+        d = e.diagnostics[0]
+        notes = "".join(f"; {n}" for n in d.notes)
+        head = "" if where in d.message else f"{where}: "
+        raise ModelError(f"{head}error[{d.code}]: {d.message}{notes}") from None
     return [list(s) for s in part.stages]
 
 
