@@ -14,8 +14,12 @@ model's order, as a chain; the common shapes are known:
 - Hugging Face GPT-2 (`transformer.wte`, `transformer.wpe`, `transformer.drop`, `transformer.h.N`,
   `transformer.ln_f`, `lm_head`): token embedding, plus position embedding of 0..T-1, blocks with a causal
   mask, final norm, head;
-- Llama (`model.embed_tokens`, `model.layers.N`, `model.norm`, `lm_head`): the rotary embedding
-  (`model.rotary_emb`, buffers only) is kept by every stage with layers and given to each layer;
+- Llama, Mistral, Qwen2, Qwen3 (`model.embed_tokens`, `model.layers.N`, `model.norm`, `lm_head`): the rotary
+  embedding (`model.rotary_emb`, buffers only) is kept by every stage with layers and given to each layer;
+- in both, each block gets the mask its model's own forward builds (transformers' mask functions on the
+  model's config: Mistral's sliding window, Qwen2's per-layer `layer_types`), and a Hugging Face model of
+  another kind, or one with what the split cannot reproduce (chunked attention, an unknown attention type),
+  is refused by name (`family`): split into a chain it would silently train another model;
 - an `nn.Sequential`, or any model whose forward is a plain chain of its children: each module on the previous
   one's output (a tuple output passes its first element on).
 
