@@ -171,3 +171,35 @@ def test_a_llama_layout_without_a_config_is_refused():
     model.model, model.lm_head = inner, nn.Linear(4, V)
     with pytest.raises(ModelError, match=r"Module is none of them.*give forward=fn"):
         split_model(model, propose_split(model, 2))
+
+
+# ---- a data-parallel kind or mesh that disagrees with the Program: refused in the caller's words --------
+def test_a_dp_kind_the_program_lacks_is_refused():
+    """PipelineSchedule(program, ..., dp_kind="fsdp") with a Program compiled for ddp replicated the
+    parameters silently; now the kinds are named. dp_kind left out is the Program's own."""
+    from pipec.ir.dataparallel import DataParallel
+    from pipec.runtime.errors import PipelineError
+    from pipec.runtime.pipeline_schedule import compile_for
+
+    ddp = pipec.compile("1f1b", p=2, m=2, data_parallel=DataParallel(size=2))
+    fsdp = pipec.compile("1f1b", p=2, m=2, data_parallel=DataParallel(size=2, kind="fsdp"))
+    with pytest.raises(PipelineError, match=r"dp_kind='fsdp', but the Program .* dp_kind='ddp' \(dp=2\)"):
+        compile_for(ddp, None, num_ranks=2, num_stages=None, n_microbatches=None, dp=2, dp_kind="fsdp")
+    with pytest.raises(PipelineError, match=r"dp_kind='ddp', but the Program .* dp_kind='fsdp'"):
+        compile_for(fsdp, None, num_ranks=2, num_stages=None, n_microbatches=None, dp=2, dp_kind="ddp")
+    for prog in (ddp, fsdp):
+        assert compile_for(prog, None, num_ranks=2, num_stages=None, n_microbatches=None, dp=2) is prog
+        assert compile_for(prog, None, num_ranks=2, num_stages=None, n_microbatches=None, dp_kind=prog.dp_kind) is prog
+    assert compile_for("1f1b", {"m": 2}, num_ranks=2, num_stages=None, n_microbatches=None, dp=2).dp_kind == "ddp"
+
+
+def test_a_mesh_the_program_was_not_compiled_for_speaks_python():
+    """The refusal of a mesh whose "dp" disagrees with the Program is read by a Python caller (pipec run
+    builds its mesh from the Program): it names the keyword, not a command-line flag."""
+    from pipec.runtime.errors import PipelineError
+    from pipec.runtime.exec.replicas import ReplicaMesh, check_mesh
+
+    prog = pipec.compile("1f1b", p=2, m=2)
+    with pytest.raises(PipelineError, match=r"data_parallel=DataParallel\(size=2, kind='ddp'\)") as e:
+        check_mesh(prog, ReplicaMesh(None, None, None, 0, 0, 2, 2))
+    assert "--dp" not in str(e.value)
