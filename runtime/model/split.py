@@ -78,6 +78,12 @@ def family(model: nn.Module) -> str:
     if "model.embed_tokens" in names and "model.layers" in names and kind in DECODERS:
         _check_decoder(model, what)
         return "llama"
+    if kind == "gpt2" or kind in DECODERS:
+        raise ModelError(
+            f"{what} is not laid out as split_model knows its kind (GPT-2: transformer.wte, transformer.h; "
+            "Llama and the like: model.embed_tokens, model.layers): split the LM-head model "
+            "(GPT2LMHeadModel, LlamaForCausalLM, ...), or give forward=fn"
+        )
     if kind is not None or ("model.embed_tokens" in names and "model.layers" in names):
         raise ModelError(
             f"split_model knows the forward of {_KNOWN} (Hugging Face); {what} is none of them, and its forward "
