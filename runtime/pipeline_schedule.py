@@ -55,12 +55,20 @@ def compile_for(
     num_stages: int | None,
     n_microbatches: int | None,
     dp: int = 1,
-    dp_kind: str = "ddp",
+    dp_kind: str | None = None,
 ) -> Program:
     """The Program of a schedule given by library name or .pipe path (p, m and v filled in from the job
-    when the schedule declares them and they are not given), or a compiled Program as it is."""
+    when the schedule declares them and they are not given), or a compiled Program as it is. `dp_kind`:
+    None is the Program's own (ddp when compiling); a kind other than a given Program's is refused, since
+    the Program's collectives, not this argument, decide whether parameters are sharded."""
     if isinstance(schedule, Program):
         program = schedule
+        if dp_kind is not None and dp_kind != program.dp_kind:
+            raise PipelineError(
+                f"dp_kind={dp_kind!r}, but the Program for `{program.name}` was compiled for "
+                f"dp_kind={program.dp_kind!r} (dp={program.dp}): compile it with "
+                f"data_parallel=DataParallel(size=..., kind={dp_kind!r}), or leave dp_kind out"
+            )
     else:
         import pipec
         from pipec.api import param_names
@@ -75,7 +83,7 @@ def compile_for(
             merged.setdefault("m", n_microbatches)
         if "v" in names and num_stages is not None and num_ranks and num_stages % num_ranks == 0:
             merged.setdefault("v", num_stages // num_ranks)
-        data_parallel = DataParallel(size=dp, kind=dp_kind) if dp > 1 else None
+        data_parallel = DataParallel(size=dp, kind=dp_kind or "ddp") if dp > 1 else None
         program = pipec.compile(schedule, merged, data_parallel=data_parallel)
     if n_microbatches is not None and program.num_microbatches != n_microbatches:
         raise PipelineError(
@@ -159,7 +167,7 @@ class PipelineSchedule:
         device: torch.device | str | None = None,
         timeout: float = 60.0,
         recv_ahead: int | None = None,
-        dp_kind: str = "ddp",
+        dp_kind: str | None = None,
         dp_unit: str = "stage",
         rank: int | None = None,
         comm: Any = None,

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 import pipec
+from pipec.formats.partition_files import split_fingerprint
 from pipec.runtime import LocalPipeline, propose_split
 from pipec.runtime.errors import ModelError, PipelineError, ShapeError
 from pipec.runtime.model.split import model_fingerprint, probe, split_model
@@ -122,10 +123,12 @@ def test_split_refusals(stages, message):
 def test_partition_file_fingerprint(tmp_path):
     model = Toy()
     layers = ["embed", "layers.0", "layers.1", "layers.2", "layers.3", "norm", "head"]
+    fp = model_fingerprint(model, layers)
     doc = {
         "format": "pipec-partition",
-        "version": 1,
-        "model": {"fingerprint": model_fingerprint(model, layers), "layers": layers},
+        "version": 2,
+        "fingerprint": split_fingerprint(fp, layers, [layers[:2], layers[2:]]),
+        "model": {"fingerprint": fp, "layers": layers},
         "schedule": {"name": "1f1b", "params": {"p": 2, "m": 4}},
         "stages": [layers[:2], layers[2:]],
         "predicted": {},

@@ -1,6 +1,7 @@
 """The partitioner's three inputs and outputs as files: the per-layer cost table, the rank description and
 the partition file. One reader and one writer each; every malformed file is an E803 diagnostic, a partition
-for another model E804, one for another number of stages E805.
+for another model E804, one for another number of stages E805, and a partition file that was edited (its
+fingerprint is not that of its content) or whose layers do not cover the model exactly once, in order, E810.
 
 The layer table (`pipec.runtime.profile.layers` writes it; JSON):
 
@@ -43,7 +44,8 @@ from pipec.errors import PipecError, brief, error
 
 TABLE_FORMAT = "pipec-layer-costs"
 PARTITION_FORMAT = "pipec-partition"
-VERSION = 1
+VERSION = 1  # the layer table's
+PARTITION_VERSION = 2  # 2: the file's own `fingerprint` covers its split (version 1 files had only the model's)
 WACT_SHARE = 0.5  # wact_bytes when a table does not give it: the memory model's default (pipec.sim.memory)
 _TIMES = ("F", "B", "W", "full_backward")
 _BYTES = ("act_bytes", "out_bytes", "param_bytes", "state_bytes")
@@ -146,10 +148,10 @@ def _require(cond: bool, what: str, message: str) -> None:
         raise error("E803", f"{what}: {message}")
 
 
-def _head(doc: object, fmt: str, what: str) -> Mapping:
+def _head(doc: object, fmt: str, what: str, version: int = VERSION) -> Mapping:
     _require(isinstance(doc, Mapping), what, "expected a JSON object")
     _require(doc.get("format") == fmt, what, f"not a {fmt} file (its `format` is `{brief(doc.get('format'))}`)")
-    _require(doc.get("version") == VERSION, what, f"version `{brief(doc.get('version'))}`, expected {VERSION}")
+    _require(doc.get("version") == version, what, f"version `{brief(doc.get('version'))}`, expected {version}")
     return doc
 
 
@@ -293,10 +295,19 @@ def _float(text: str) -> float | None:
 # ---- partition files ----------------------------------------------------------
 
 
+def split_fingerprint(model_fingerprint: str, layers: Sequence[str], stages: Sequence[Sequence[str]]) -> str:
+    """SHA-256 (hex) of what a partition file tells the run to build: the model's fingerprint, its layer names
+    in order and each stage's layer names, as the JSON text `[model_fingerprint, [layer, ...], [[layer, ...],
+    ...]]` without spaces. The file keeps it as its `fingerprint`, so a layer removed, moved or renamed by
+    hand (with the model's fingerprint left as it was) is refused instead of training another model."""
+    doc = [str(model_fingerprint), [str(x) for x in layers], [[str(x) for x in s] for s in stages]]
+    return hashlib.sha256(json.dumps(doc, separators=(",", ":")).encode()).hexdigest()
+
+
 @dataclass(frozen=True)
 class PartitionFile:
     """What `pipec run --partition` and the API need: the model's fingerprint and layers, the schedule, and
-    each stage's layer names in stage order."""
+    each stage's layer names in stage order. `what` names the file in diagnostics."""
 
     fingerprint: str
     layers: tuple[str, ...]
@@ -304,9 +315,19 @@ class PartitionFile:
     params: Mapping[str, object]
     stages: tuple[tuple[str, ...], ...]
     doc: Mapping
+    what: str = "the partition"
 
     def check_model(self, fp: str, layers: Sequence[str], model: str) -> None:
-        """E804 unless the model's fingerprint is this file's."""
+        """E810 when the file's layers do not cover the model's exactly once, in order, yet its fingerprint is
+        the model's (the file was edited); E804 when the fingerprints differ (another model, or other shapes)."""
+        wrong = coverage(self.layers, layers, model)
+        if wrong is not None and fp == self.fingerprint:
+            raise error(
+                "E810",
+                f"{self.what} does not split `{brief(model, 80)}` as written: {wrong}",
+                notes=("its `model.fingerprint` is this model's, so the layer lists were edited by hand; "
+                       "make the file again with `pipec partition`",),
+            )  # fmt: skip
         if fp != self.fingerprint:
             same_names = tuple(layers) == self.layers
             why = (
@@ -316,10 +337,23 @@ class PartitionFile:
                 f" where the file has {len(self.layers)} ({', '.join(map(brief, self.layers[:4]))}"
                 f"{', ...' if len(self.layers) > 4 else ''})"
             )
+            notes = (f"model fingerprint {fp[:16]}..., the file's {self.fingerprint[:16]}...",)
             raise error(
                 "E804",
-                f"the partition file was made for another model: `{brief(model, 80)}` has {why}",
-                notes=(f"model fingerprint {fp[:16]}..., the file's {self.fingerprint[:16]}...",),
+                f"{self.what} was made for another model: `{brief(model, 80)}` has {why}",
+                notes=notes + ((wrong,) if wrong is not None else ()),
+            )
+
+    def check_fingerprint(self) -> None:
+        """E810 unless the file's `fingerprint` is that of its model fingerprint, layers and stages."""
+        if self.doc.get("fingerprint") != split_fingerprint(self.fingerprint, self.layers, self.stages):
+            raise error(
+                "E810",
+                f"{self.what} was edited: its `fingerprint` is not that of its model, layers and stages "
+                f"({len(self.layers)} layers in {len(self.stages)} stages)",
+                notes=(
+                    "a split changed by hand could train another model; make the file again with `pipec partition`",
+                ),
             )
 
     def check_stages(self, num_stages: int, schedule: str) -> None:
@@ -333,6 +367,33 @@ class PartitionFile:
             )
 
 
+def coverage(given: Sequence[str], layers: Sequence[str], model: str = "the model") -> str | None:
+    """What keeps `given` (a partition's layers, stage after stage) from being `layers` (the model's, in
+    order) exactly once each, in words; None when they are. The first problem found, in this order: a
+    layer named twice, a name the model lacks (renamed or unknown), a layer of the model in no stage, two
+    layers out of the model's order (swapped)."""
+    given, layers = list(given), list(layers)
+    if given == layers:
+        return None
+    seen: set[str] = set()
+    for name in given:
+        if name in seen:
+            return f"layer `{brief(name)}` appears twice (a layer belongs to one stage, once)"
+        seen.add(name)
+    known = set(layers)
+    unknown = [n for n in given if n not in known]
+    if unknown:
+        return f"layer `{brief(unknown[0])}` is not a layer of `{brief(model, 80)}` (renamed, or another model's?)"
+    missing = [n for n in layers if n not in seen]
+    if missing:
+        return f"`{brief(model, 80)}`'s layer `{brief(missing[0])}` is in no stage (removed?)"
+    at = {n: i for i, n in enumerate(layers)}
+    for a, b in zip(given, given[1:]):
+        if at[a] > at[b]:
+            return f"layer `{brief(b)}` comes after `{brief(a)}`, but the model runs it before (swapped?)"
+    return "its layers are not the model's, in order"  # not reached: same set, same length, in order
+
+
 def _params_text(params: Mapping[str, object]) -> str:
     return " ".join(f"{k}={v}" for k, v in params.items())
 
@@ -341,7 +402,8 @@ def partition_doc(
     table: LayerTable, schedule: str, params: Mapping[str, object], stages: Sequence[Sequence[str]], **extra
 ) -> dict:
     """The partition file's document (the one writer of the format)."""
-    doc = {"format": PARTITION_FORMAT, "version": VERSION}
+    doc = {"format": PARTITION_FORMAT, "version": PARTITION_VERSION}
+    doc["fingerprint"] = split_fingerprint(table.fingerprint, table.names, stages)
     doc["model"] = {"fingerprint": table.fingerprint, "layers": list(table.names), "path": table.path}
     doc["schedule"] = {"name": schedule, "params": dict(params)}
     doc["stages"] = [list(s) for s in stages]
@@ -349,31 +411,52 @@ def partition_doc(
     return doc
 
 
-def read_partition(path: str) -> PartitionFile:
-    """A partition file (E803 when it is not one, or its stages do not cover its layers once, in order)."""
-    return parse_partition(_load_json(path, "partition file"), f"partition file `{brief(path, 80)}`")
+def read_partition(path: str, *, verify: bool = True) -> PartitionFile:
+    """A partition file: E803 when it is not one (not JSON, wrong types), E810 when its stages do not hold
+    its layers once each, in order, or (`verify`) its `fingerprint` is not that of its content. A caller with
+    the model at hand passes verify=False, checks the model first (`check_model` says which layer is wrong),
+    then `check_fingerprint`."""
+    return parse_partition(_load_json(path, "partition file"), f"partition file `{brief(path, 80)}`", verify=verify)
 
 
-def parse_partition(doc: object, what: str = "the partition") -> PartitionFile:
+def _names(x: object) -> bool:
+    return isinstance(x, list) and all(isinstance(n, str) for n in x)
+
+
+def parse_partition(doc: object, what: str = "the partition", *, verify: bool = True) -> PartitionFile:
     """A partition document already loaded (a dict), checked as `read_partition` checks a file."""
-    doc = _head(doc, PARTITION_FORMAT, what)
+    if isinstance(doc, Mapping) and doc.get("format") == PARTITION_FORMAT and doc.get("version") == 1:
+        raise error(
+            "E803",
+            f"{what}: version 1, written before a partition file's fingerprint covered its split",
+            notes=("make it again with `pipec partition ... -o FILE`",),
+        )
+    doc = _head(doc, PARTITION_FORMAT, what, PARTITION_VERSION)
     model, sched, stages = doc.get("model"), doc.get("schedule"), doc.get("stages")
     _require(isinstance(model, Mapping), what, "no `model` object")
     fp, layers = model.get("fingerprint"), model.get("layers")
-    _require(isinstance(fp, str) and len(fp) == 64, what, "`model.fingerprint` must be a SHA-256 in hex")
-    _require(isinstance(layers, list) and all(isinstance(x, str) for x in layers), what, "bad `model.layers`")
+    _require(_sha256(fp), what, "`model.fingerprint` must be a SHA-256 in hex")
+    _require(_names(layers) and len(layers) > 0, what, "`model.layers` must be a non-empty list of layer names")
     _require(isinstance(sched, Mapping) and isinstance(sched.get("name"), str), what, "no `schedule.name`")
     params = sched.get("params", {})
     _require(isinstance(params, Mapping), what, "`schedule.params` must be an object")
     _require(
-        isinstance(stages, list) and stages and all(isinstance(s, list) and s for s in stages),
+        isinstance(stages, list) and stages and all(_names(s) and s for s in stages),
         what,
         "`stages` must be a list of non-empty lists of layer names",
     )
-    flat = [x for s in stages for x in s]
-    _require(
-        flat == list(layers),
-        what,
-        "its stages must hold every layer of `model.layers` once, in order (contiguous ranges)",
-    )
-    return PartitionFile(fp, tuple(layers), sched["name"], dict(params), tuple(tuple(s) for s in stages), doc)
+    _require(_sha256(doc.get("fingerprint")), what, "`fingerprint` must be a SHA-256 in hex")
+    dup = coverage(layers, list(dict.fromkeys(layers)))
+    if dup is not None:
+        raise error("E810", f"{what}: `model.layers`: {dup}")
+    wrong = coverage([x for s in stages for x in s], layers, "its `model.layers`")
+    if wrong is not None:
+        raise error("E810", f"{what}: its stages must hold every layer of `model.layers` once, in order: {wrong}")
+    part = PartitionFile(fp, tuple(layers), sched["name"], dict(params), tuple(tuple(s) for s in stages), doc, what)
+    if verify:
+        part.check_fingerprint()
+    return part
+
+
+def _sha256(x: object) -> bool:
+    return isinstance(x, str) and len(x) == 64 and all(c in "0123456789abcdef" for c in x)

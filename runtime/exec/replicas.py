@@ -137,7 +137,8 @@ def check_mesh(program: Any, rm: ReplicaMesh) -> None:
     if rm.dp_size != program.dp:
         raise PipelineError(
             f"the mesh's 'dp' dimension has {rm.dp_size} replicas but the Program for `{program.name}` was "
-            f"compiled for dp={program.dp}; compile it with --dp {rm.dp_size} (or launch {program.dp} replicas)"
+            f"compiled for dp={program.dp}; compile it with data_parallel=DataParallel(size={rm.dp_size}, "
+            f"kind={program.dp_kind!r}) (pipec.compile), or give a mesh with {program.dp} replicas"
         )
 
 

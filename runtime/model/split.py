@@ -14,8 +14,12 @@ model's order, as a chain; the common shapes are known:
 - Hugging Face GPT-2 (`transformer.wte`, `transformer.wpe`, `transformer.drop`, `transformer.h.N`,
   `transformer.ln_f`, `lm_head`): token embedding, plus position embedding of 0..T-1, blocks with a causal
   mask, final norm, head;
-- Llama (`model.embed_tokens`, `model.layers.N`, `model.norm`, `lm_head`): the rotary embedding
-  (`model.rotary_emb`, buffers only) is kept by every stage with layers and given to each layer;
+- Llama, Mistral, Qwen2, Qwen3 (`model.embed_tokens`, `model.layers.N`, `model.norm`, `lm_head`): the rotary
+  embedding (`model.rotary_emb`, buffers only) is kept by every stage with layers and given to each layer;
+- in both, each block gets the mask its model's own forward builds (transformers' mask functions on the
+  model's config: Mistral's sliding window, Qwen2's per-layer `layer_types`), and a Hugging Face model of
+  another kind, or one with what the split cannot reproduce (chunked attention, an unknown attention type),
+  is refused by name (`family`): split into a chain it would silently train another model;
 - an `nn.Sequential`, or any model whose forward is a plain chain of its children: each module on the previous
   one's output (a tuple output passes its first element on).
 
@@ -44,16 +48,88 @@ from torch import nn
 
 from pipec.runtime.errors import ModelError, ShapeError
 
-
 # ---- the model's shape ------------------------------------------------------------------------------
+# Hugging Face decoders whose forward between the blocks is only: embed the tokens, build the attention masks
+# and the rotary embedding from the positions 0..T-1, run the blocks, norm, head. The value says which mask
+# each block gets, as the model's own forward chooses it: "full" (every block the causal mask), "window"
+# (Mistral: every block the sliding-window mask when `config.sliding_window` is set), "layer_types" (Qwen2,
+# Qwen3: `config.layer_types[i]`, from `use_sliding_window` and `max_window_layers`).
+DECODERS = {"llama": "full", "mistral": "window", "qwen2": "layer_types", "qwen3": "layer_types"}
+ATTENTION = ("full_attention", "sliding_attention")  # the per-layer types whose masks the split builds
+_KNOWN = "GPT-2, Llama, Mistral, Qwen2 and Qwen3"
+
+
+def model_type(model: nn.Module) -> str | None:
+    """A Hugging Face model's `config.model_type` ("llama", "gpt2", ...); None for a model without one."""
+    kind = getattr(getattr(model, "config", None), "model_type", None)
+    return kind if isinstance(kind, str) and kind else None
+
+
 def family(model: nn.Module) -> str:
-    """Which known forward a model's stages get: "gpt2", "llama", or "chain"."""
+    """Which known forward a model's stages get: "gpt2", "llama" (the decoders of DECODERS), or "chain".
+    A Hugging Face model of another kind, or a model laid out as a Llama without a config saying which, is
+    refused by name: its forward may compute between its modules what the split would not (a sliding
+    window, chunked attention, a scaled embedding), and training it split would silently train another model."""
     names = dict(model.named_modules())
-    if "transformer.wte" in names and "transformer.h" in names:
+    kind = model_type(model)
+    what = type(model).__name__ + (f" (model_type `{kind}`)" if kind else "")
+    if "transformer.wte" in names and "transformer.h" in names and kind in (None, "gpt2"):
         return "gpt2"
-    if "model.embed_tokens" in names and "model.layers" in names:
+    if "model.embed_tokens" in names and "model.layers" in names and kind in DECODERS:
+        _check_decoder(model, what)
         return "llama"
+    if kind == "gpt2" or kind in DECODERS:
+        raise ModelError(
+            f"{what} is not laid out as split_model knows its kind (GPT-2: transformer.wte, transformer.h; "
+            "Llama and the like: model.embed_tokens, model.layers): split the LM-head model "
+            "(GPT2LMHeadModel, LlamaForCausalLM, ...), or give forward=fn"
+        )
+    if kind is not None or ("model.embed_tokens" in names and "model.layers" in names):
+        raise ModelError(
+            f"split_model knows the forward of {_KNOWN} (Hugging Face); {what} is none of them, and its forward "
+            "may compute between its modules what a split into stages would not (masks, windows, scaled "
+            "embeddings): give forward=fn, the stage's forward (docs/transformer.md)"
+        )
     return "chain"
+
+
+def _check_decoder(model: nn.Module, what: str) -> None:
+    """Refuse what the split cannot reproduce of a known decoder: chunked attention, an attention type per
+    layer whose mask it does not build, a layer list longer or shorter than the config's."""
+    config = model.config
+    if getattr(config, "attention_chunk_size", None):
+        raise ModelError(
+            f"{what} uses chunked attention (config.attention_chunk_size = {config.attention_chunk_size}), "
+            "which split_model does not reproduce: give forward=fn"
+        )
+    layers = len(model.get_submodule("model.layers"))
+    if getattr(config, "num_hidden_layers", layers) != layers:
+        raise ModelError(
+            f"{what} has {layers} layers but its config says num_hidden_layers={config.num_hidden_layers} "
+            "(its forward runs only those): split_model would run another model"
+        )
+    types = attention_types(model)
+    unknown = sorted({t for t in types if t not in ATTENTION})
+    if unknown:
+        raise ModelError(
+            f"{what} has layers with attention `{unknown[0]}` (config.layer_types), whose mask split_model does "
+            f"not build (it knows {', '.join(ATTENTION)}): give forward=fn"
+        )
+
+
+def attention_types(model: nn.Module) -> tuple[str, ...]:
+    """Each block's attention type ("full_attention", "sliding_attention", ...) in a known decoder, as the
+    model's own forward picks its mask (see DECODERS)."""
+    config, n = model.config, len(model.get_submodule("model.layers"))
+    rule = DECODERS[model_type(model)]
+    if rule == "window":
+        return ("full_attention" if getattr(config, "sliding_window", None) is None else "sliding_attention",) * n
+    if rule == "layer_types":
+        types = getattr(config, "layer_types", None)
+        if not isinstance(types, (list, tuple)) or len(types) < n:
+            raise ModelError(f"{type(model).__name__}: config.layer_types must give each of its {n} layers a type")
+        return tuple(str(t) for t in types[:n])
+    return ("full_attention",) * n
 
 
 def block_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
@@ -125,10 +201,10 @@ def model_fingerprint(model: nn.Module, layer_names: Sequence[str]) -> str:
 
 def read_partition(partition: str | os.PathLike | Mapping, model: nn.Module) -> list[list[str]]:
     """The FQN lists of a partition file (`pipec partition` writes them; a path or the loaded dict), for
-    this model: ModelError when the file is malformed or made for another model (its fingerprint does not
-    match this one's)."""
-    from pipec.errors import PipecError
-    from pipec.formats.partition_files import parse_partition
+    this model: ModelError when the file is malformed, edited by hand (its fingerprint is not that of its
+    model, layers and stages, E810) or made for another model (E804), its code in the message."""
+    from pipec.errors import PipecError, error
+    from pipec.formats.partition_files import coverage, parse_partition
     from pipec.formats.partition_files import read_partition as read_file
 
     where = "the partition" if isinstance(partition, Mapping) else os.fspath(partition)
@@ -141,9 +217,16 @@ def read_partition(partition: str | os.PathLike | Mapping, model: nn.Module) -> 
                 f"{where}: the partition was made for another model: layer `{missing[0]}` is not in this one; "
                 "run `pipec partition` again for this model"
             )
+        order = {n: i for i, n in enumerate(modules)}
+        wrong = coverage(part.layers, sorted(part.layers, key=order.__getitem__), type(model).__name__)
+        if wrong is not None:  # the model's own order of its modules is the order its forward runs them in
+            raise error("E810", f"{part.what} does not split {type(model).__name__} as written: {wrong}")
         part.check_model(model_fingerprint(model, part.layers), part.layers, type(model).__name__)
     except PipecError as e:
-        raise ModelError(f"{where}: {e.diagnostics[0].message}") from None
+        d = e.diagnostics[0]
+        notes = "".join(f"; {n}" for n in d.notes)
+        head = "" if where in d.message else f"{where}: "
+        raise ModelError(f"{head}error[{d.code}]: {d.message}{notes}") from None
     return [list(s) for s in part.stages]
 
 
@@ -169,7 +252,14 @@ class StageModule(nn.Module):
         for fqn in self.fqns:
             _graft(self, fqn, model.get_submodule(fqn))
         self.rotary: str | None = None  # the path of Llama's rotary embedding, when this stage needs it
-        if kind == "llama" and any(_role(kind, f)[0] == "block" for f in self.fqns):
+        self.config = getattr(model, "config", None) if model_type(model) is not None else None
+        self.attention: dict[str, str] = {}  # each kept block's attention type (its mask), as the model's forward
+        if kind == "llama":
+            types = attention_types(model)
+            self.attention = {f: types[int(f.split(".")[2])] for f in self.fqns if _role(kind, f)[0] == "block"}
+        elif kind == "gpt2":
+            self.attention = {f: "full_attention" for f in self.fqns if _role(kind, f)[0] == "block"}
+        if kind == "llama" and self.attention:
             rot = dict(model.named_modules()).get("model.rotary_emb")
             if rot is not None:
                 if "model.rotary_emb" not in self.fqns:
@@ -183,7 +273,7 @@ class StageModule(nn.Module):
         if self.custom is not None:
             return self.custom(self, *args)
         h = args[0] if len(args) == 1 else args
-        pos = mask = pe = None
+        pos = masks = pe = None
         for fqn in self.fqns:
             mod = self.get_submodule(fqn)
             role, _ = _role(self.kind, fqn)
@@ -193,13 +283,12 @@ class StageModule(nn.Module):
                 h = h + mod(torch.arange(h.shape[1], device=h.device))
                 continue
             if role == "block":
-                if mask is None:
-                    t = h.shape[1]
-                    pos = torch.arange(t, device=h.device).unsqueeze(0)
-                    mask = causal_mask(t, h.dtype, h.device)
+                if masks is None:
+                    pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+                    masks = self._masks(h, pos)
                     if self.rotary is not None:
                         pe = self.get_submodule(self.rotary)(h, pos)
-                kw: dict[str, Any] = {"attention_mask": mask, "position_ids": pos}
+                kw: dict[str, Any] = {"attention_mask": masks[self.attention[fqn]], "position_ids": pos}
                 if pe is not None:
                     kw["position_embeddings"] = pe
                 out = mod(h, **kw)
@@ -211,6 +300,24 @@ class StageModule(nn.Module):
                 out = out.logits
             h = out
         return h
+
+    def _masks(self, h: torch.Tensor, pos: torch.Tensor) -> dict[str, Any]:
+        """{attention type: the mask its blocks get}, built as the model's own forward builds it: by
+        transformers' `create_causal_mask` / `create_sliding_window_causal_mask` from the model's config (its
+        attention implementation, its window), for the hidden states `h` and positions `pos` the model's first
+        block would see; a model without a config (a GPT-2 of the user's own) gets the additive causal mask."""
+        if self.config is None:
+            return {"full_attention": causal_mask(h.shape[1], h.dtype, h.device)}
+        from transformers import masking_utils
+
+        make = {
+            "full_attention": masking_utils.create_causal_mask,
+            "sliding_attention": masking_utils.create_sliding_window_causal_mask,
+        }
+        return {
+            t: make[t](config=self.config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=pos)
+            for t in sorted(set(self.attention.values()))
+        }
 
 
 def causal_mask(t: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
