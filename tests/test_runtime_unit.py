@@ -197,6 +197,15 @@ def _edit(prog: Program, rank: int, fn) -> Program:
     return Program(**{**prog.__dict__, "ranks": tuple(ranks)})
 
 
+def test_every_opcode_has_one_executor_method():
+    from pipec.ir.opcodes import OPCODES
+    from pipec.runtime.exec.executor import Executor
+
+    assert sorted(Executor.HANDLERS) == sorted(OPCODES)
+    ex = Executor(program("1f1b", p=2, m=2), 0, {}, None)
+    assert [h.__func__ for h in ex.handlers] == [Executor.HANDLERS[name] for name in OPCODES]
+
+
 def test_local_mode_checks_the_channel_order():
     prog = program("1f1b", p=2, m=3)
 
