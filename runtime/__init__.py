@@ -15,6 +15,8 @@ from __future__ import annotations
 _EXPORTS = {
     "Runner": "pipec.runtime.runner",
     "StepResult": "pipec.runtime.runner",
+    "StageOptions": "pipec.runtime.runner",
+    "Transport": "pipec.runtime.runner",
     "LocalPipeline": "pipec.runtime.local",
     "load_model": "pipec.runtime.model.contract",
     "Model": "pipec.runtime.model.contract",

@@ -41,7 +41,7 @@ import torch
 from pipec.ir.program import Program
 from pipec.runtime.errors import PipelineError
 from pipec.runtime.exec.microbatch import as_args, split, to_device
-from pipec.runtime.runner import Runner
+from pipec.runtime.runner import Runner, StageOptions, Transport
 
 TIED_ATTR = "_pipec_tied_copy"  # set on a tied Parameter's copies that `clip_grad_norm_` must not count again
 _EVALS = itertools.count()
@@ -219,16 +219,16 @@ class PipelineSchedule:
             {s: modules[s] for s in own if s in modules},
             self._recording_loss,
             rank=rank,
-            loss_scale=1.0 / m if scale_grads else 1.0,
-            device=device,
-            seed=None,
-            timeout=timeout,
-            recv_ahead=recv_ahead,
-            mesh=mesh2d,
-            group=None if mesh2d is not None else pp_group,
-            dp_unit=dp_unit,
-            comm=comm,
-            kv=kv,
+            options=StageOptions(device=device, loss_scale=1.0 / m if scale_grads else 1.0, seed=None),
+            transport=Transport(
+                timeout=timeout,
+                comm=comm,
+                kv=kv,
+                group=None if mesh2d is not None else pp_group,
+                mesh=mesh2d,
+                dp_unit=dp_unit,
+                recv_ahead=recv_ahead,
+            ),
         )
         self.stages = self.runner.modules()
         self.ties = _tie_groups(self.stages, rank, pp_group, comm is None, self.runner)

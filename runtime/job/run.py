@@ -258,15 +258,15 @@ def run_local(args: argparse.Namespace, program: Program, model) -> int:
     from pipec.runtime.job.report import CheckStats, header, show, step_line
     from pipec.runtime.local import LocalPipeline
     from pipec.runtime.reference import Reference, compare, rel_err
+    from pipec.runtime.runner import StageOptions, Transport
 
     device = torch.device(args.device or ("cuda" if args.backend == "nccl" else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         return _misuse("--device cuda (or --backend nccl) with --local needs a GPU, and torch sees none")
     kw = dict(optimizer=model.optimizer, dtype=model.dtype, device=device, loss_scale=args.loss_scale, seed=args.seed)
     links = getattr(args, "links", None)
-    pipe = LocalPipeline(
-        program, model.build_stage, model.loss_fn, where=f"{model.path}: build_stage", links=links, **kw
-    )
+    options = StageOptions(where=f"{model.path}: build_stage", **kw)
+    pipe = LocalPipeline(program, model.build_stage, model.loss_fn, options=options, transport=Transport(links=links))
     reference = None
     if args.check:
         reference = Reference(model.build_stage, model.loss_fn, program.num_stages, program.num_sequences, **kw)
