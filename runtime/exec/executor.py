@@ -102,7 +102,9 @@ class Executor:
         self.recv_ord = {j: k for k, j in enumerate(self.recvs)}
         # per instruction, the message its compute consumes when the stage that sends it exists (else None)
         self.needs = [self._needed(op, mb, s) for op, mb, s, _, _ in self.instrs]
-        self.handlers = [MethodType(Executor.HANDLERS[name], self) for name in OPCODES]
+        table = Executor.FORWARD_ONLY if program.forward_only else Executor.HANDLERS
+        self.handlers = [MethodType(table[name], self) for name in OPCODES]
+        self.outputs: dict[int, Any] = {}  # a forward-only step's last-stage outputs, by micro-batch
         self.inputs: list | None = None  # this step's micro-batch inputs (stage 0) and targets (last stage)
         self.targets: list | None = None
         self.posted = 0  # receives of this step posted so far (a prefix of self.recvs)
@@ -165,6 +167,7 @@ class Executor:
         stage that sends it exists; a wait for that message is the only place the loop yields."""
         self.step, self.at = step, -1
         self.inputs, self.targets = inputs, targets
+        self.outputs = {}
         rec = self.record
         n = len(self.instrs)
         instrs, needs, handlers = self.instrs, self.needs, self.handlers
@@ -183,6 +186,7 @@ class Executor:
             j += handlers[op](j, mb, s, got)
         self.at = n
         self.inputs = self.targets = None
+        self.comm.finish_sends()  # every send of the step has completed (after STEP's, none is left)
         if pool is not None:
             self.peaks = pool.peaks()
         if rec is not None:  # the instructions' span, for the time of the step outside them
@@ -209,6 +213,18 @@ class Executor:
         if rec is not None:
             self.sync()
             rec.append(("compute", FWD, mb, s, t0, time.perf_counter()))
+        return 1
+
+    def _infer(self, j: int, mb: int, s: int, got: Any) -> int:
+        """FWD in a forward-only Program: no graph; the last stage's output is kept in `outputs`."""
+        args = self.inputs[mb] if got is None else got
+        last = s == self.S - 1
+        target = self.targets[mb] if last and self.targets is not None else None
+        out = self.stages[s].infer(mb, args, target)
+        if last:
+            self.outputs[mb] = out
+        else:
+            self.values[(ACT, mb, s)] = out
         return 1
 
     def _bwd(self, j: int, mb: int, s: int, got: Any) -> int:
@@ -322,6 +338,8 @@ class Executor:
         "OFFLOAD": _offload,
         "RELOAD": _reload,
     }
+    # A forward-only Program (an evaluation pass, `Program.forward_only`) differs in one row.
+    FORWARD_ONLY: dict[str, Callable[..., int]] = {**HANDLERS, "FWD": _infer}
 
     def _take(self, key: Key) -> Generator[object, None, Any]:
         try:
