@@ -45,7 +45,7 @@ def local_schedules(device: str, out) -> bool:
     from pipec.api import load
     from pipec.frontend import library
     from pipec.passes.compiler import compile_schedule
-    from pipec.runtime import LocalPipeline, Reference, load_model
+    from pipec.runtime import LocalPipeline, Reference, StageOptions, load_model
     from pipec.runtime.reference import compare, rel_err
 
     os.environ.update(MLP)
@@ -57,7 +57,7 @@ def local_schedules(device: str, out) -> bool:
         try:
             program = compile_schedule(load(name, **params)).program
             kw = dict(optimizer=model.optimizer, dtype=model.dtype, device=torch.device(device))
-            pipe = LocalPipeline(program, model.build_stage, model.loss_fn, **kw)
+            pipe = LocalPipeline(program, model.build_stage, model.loss_fn, options=StageOptions(**kw))
             ref = Reference(model.build_stage, model.loss_fn, program.num_stages, program.num_microbatches, **kw)
             worst, times = 0.0, []
             for step in range(3):

@@ -58,6 +58,7 @@ def peaks_row(name: str, p: int = 4, m: int = 8, steps: int = 2, model_path: str
     from pipec.runtime.local import LocalPipeline
     from pipec.runtime.model.contract import load_model
     from pipec.runtime.profile.stages import stage_bytes
+    from pipec.runtime.runner import StageOptions
     from pipec.sim.memory import memory_bytes, program_memory
 
     try:
@@ -65,7 +66,8 @@ def peaks_row(name: str, p: int = 4, m: int = 8, steps: int = 2, model_path: str
     except Exception as e:  # noqa: BLE001 - reported in the row
         return {"schedule": name, "skipped": str(e).splitlines()[0], "loadavg": _load()}
     model = load_model(model_path)
-    pipe = LocalPipeline(program, model.build_stage, model.loss_fn, optimizer=model.optimizer, dtype=model.dtype)
+    options = StageOptions(optimizer=model.optimizer, dtype=model.dtype)
+    pipe = LocalPipeline(program, model.build_stage, model.loss_fn, options=options)
     for runner in pipe.runners:
         runner.executor.measure_memory()
     for step in range(steps):

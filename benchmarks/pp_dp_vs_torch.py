@@ -18,7 +18,7 @@ Both sides use the same FSDP2 machinery on the "dp" sub-mesh, wrapped the same w
 torch: `PipelineStage` on the "pp" group and `Schedule1F1B`, `ScheduleInterleaved1F1B` or
 `ScheduleZBVZeroBubble` (its `perform_reduce_grad` runs the post-backward reductions); pipec: the Program
 compiled with `DataParallel(2, kind)` (REDUCE_GRAD after each stage's last backward; for fsdp UNSHARD /
-RESHARD windows) run by `Runner(mesh=...)`, as `pipec run --dp 2 --dp-kind KIND` runs it.
+RESHARD windows) run by `Runner(transport=Transport(mesh=...))`, as `pipec run --dp 2 --dp-kind KIND` runs it.
 
 Before timing, each side runs one step from the same weights on the same batch, and their gathered
 gradients are compared in float64 (largest relative difference per tensor, `grad_max_rel_diff`; the
@@ -108,7 +108,7 @@ class PipecSide:
 
         from pipec.api import compile as compile_program
         from pipec.ir.dataparallel import DataParallel
-        from pipec.runtime import Runner
+        from pipec.runtime import Runner, StageOptions, Transport
 
         params = {"p": P, "m": M, **({"v": 2} if name == "interleaved-1f1b" else {})}
         self.program = compile_program(name, params, data_parallel=DataParallel(DP, kind))
@@ -116,10 +116,8 @@ class PipecSide:
             self.program,
             build_seeded,
             loss_fn,
-            dtype=torch.float64,
-            seed=None,
-            optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3),
-            mesh=mesh,
+            options=StageOptions(optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3), dtype=torch.float64, seed=None),
+            transport=Transport(mesh=mesh),
         )
 
     def step(self, x, y) -> None:

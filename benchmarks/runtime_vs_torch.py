@@ -123,7 +123,7 @@ class PipecSide:
 
         from pipec.api import load
         from pipec.passes.compiler import compile_schedule
-        from pipec.runtime import Runner
+        from pipec.runtime import Runner, StageOptions
 
         params = {"p": P, "m": M, **({"v": 2} if name == "interleaved-1f1b" else {})}
         self.program = compile_schedule(load(name, **params)).program
@@ -137,9 +137,7 @@ class PipecSide:
             build_seeded,
             loss_fn,
             rank=rank,
-            dtype=torch.float64,
-            seed=None,
-            optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3),
+            options=StageOptions(optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3), dtype=torch.float64, seed=None),
         )
         self.instructions = [len(rp) for rp in self.program.ranks]
 

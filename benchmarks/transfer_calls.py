@@ -40,7 +40,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> N
     from pipec.runtime.exec import comm, executor
     from pipec.runtime.job.launch import load_program
     from pipec.runtime.model.contract import load_model
-    from pipec.runtime.runner import Runner
+    from pipec.runtime.runner import Runner, StageOptions
 
     times: dict[str, list[float]] = collections.defaultdict(list)
 
@@ -61,7 +61,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> N
             timed(cls, name)
     program = load_program(args.schedule, ["p=2", "m=8", *args.define])
     model = load_model(str(ROOT / "benchmarks" / "blocks_model.py"))
-    runner = Runner(program, model.build_stage, model.loss_fn, rank=rank, optimizer=model.optimizer, dtype=model.dtype)
+    options = StageOptions(optimizer=model.optimizer, dtype=model.dtype)
+    runner = Runner(program, model.build_stage, model.loss_fn, rank=rank, options=options)
     x, y = model.batch(0)
     for step in range(3 + args.steps):
         if step == 3:

@@ -2,12 +2,16 @@
 
     from pipec.runtime import Runner, LocalPipeline, load_model
 
-Rooms: `exec/` runs one rank's instruction stream (executor, stage, comm, shapes, saved tensors, slices,
-split backward, replicas, emulated links); `model/` is the user's model (the model-file contract, `split`
-of one nn.Module into stages by module names, partition files); `job/` is `pipec run` and torchrun's entry
-point (launch, monitor, checkpoint, measure, report); `profile/` is `pipec profile`. At this level: the
-Python API (`runner`, `local`, `reference`, `pipeline_schedule`) and `errors`. Names are
-imported lazily, so `import pipec.runtime` alone imports no torch.
+Rooms: `exec/` runs one rank's instruction stream (executor: one table, opcode -> method; stage, comm,
+shapes, saved tensors, slices, split backward, replicas, emulated links); `model/` is the user's model (the
+model-file contract, `split` of one nn.Module into stages by module names, partition files); `job/` is
+`pipec run` and torchrun's entry point (launch, monitor, checkpoint, measure, report); `profile/` is
+`pipec profile` (stages: per-stage ops and bytes; slices: token slices and their fit; links: the gloo link;
+collectives: the data-parallel collectives, fitted with the simulator's ring formula; insitu, overhead,
+layers; common: what they share). At this level: the Python API (`runner` with its two option values,
+`StageOptions` and `Transport`; `local`, `reference`, `pipeline_schedule`, whose `eval` runs a
+forward-only Program) and `errors`. Names are imported lazily, so `import pipec.runtime` alone imports no
+torch.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from __future__ import annotations
 _EXPORTS = {
     "Runner": "pipec.runtime.runner",
     "StepResult": "pipec.runtime.runner",
+    "StageOptions": "pipec.runtime.runner",
+    "Transport": "pipec.runtime.runner",
     "LocalPipeline": "pipec.runtime.local",
     "load_model": "pipec.runtime.model.contract",
     "Model": "pipec.runtime.model.contract",

@@ -10,7 +10,8 @@ Runs on CPU or on one GPU (`device="cuda"`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+import dataclasses
+from collections.abc import Callable, Generator, Mapping
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ from pipec.ir.program import Program
 from pipec.runtime.errors import PipelineError
 from pipec.runtime.exec.comm import Key, Recv, key_str
 from pipec.runtime.exec.shapes import KV, Specs
-from pipec.runtime.runner import Runner, StepResult
+from pipec.runtime.runner import Runner, StageOptions, StepResult, Transport
 
 
 class LocalHub:
@@ -85,19 +86,31 @@ class LocalKV(KV):
 
 
 class LocalPipeline:
-    """All ranks of a Program in one process; `step(inputs, targets)` runs one training step."""
+    """All ranks of a Program in one process; `step(inputs, targets)` runs one training step. `options` and
+    `transport` are the Runner's (pipec.runtime.runner); the transport's `comm` and `kv` are this process's
+    in-memory queues and store, whatever it says."""
 
     def __init__(
         self,
         program: Program,
-        build_stage: Callable[[int, int], torch.nn.Module],
+        build_stage: Callable[[int, int], torch.nn.Module] | Mapping[int, torch.nn.Module],
         loss_fn: Callable[[Any, Any], torch.Tensor],
-        **kwargs: Any,
+        *,
+        options: StageOptions | None = None,
+        transport: Transport | None = None,
     ) -> None:
         hub, kv = LocalHub(), LocalKV()
+        options, transport = options or StageOptions(), transport or Transport()
         self.program = program
         self.runners = [
-            Runner(program, build_stage, loss_fn, rank=r, comm=LocalComm(hub, r), kv=kv, **kwargs)
+            Runner(
+                program,
+                build_stage,
+                loss_fn,
+                rank=r,
+                options=options,
+                transport=dataclasses.replace(transport, comm=LocalComm(hub, r), kv=kv),
+            )
             for r in range(program.num_ranks)
         ]
 

@@ -31,7 +31,6 @@ hold a copy, as Megatron does for its shared embedding); `clip_grad_norm_` count
 
 from __future__ import annotations
 
-import itertools
 import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -41,10 +40,9 @@ import torch
 from pipec.ir.program import Program
 from pipec.runtime.errors import PipelineError
 from pipec.runtime.exec.microbatch import as_args, split, to_device
-from pipec.runtime.runner import Runner
+from pipec.runtime.runner import Runner, StageOptions, Transport
 
 TIED_ATTR = "_pipec_tied_copy"  # set on a tied Parameter's copies that `clip_grad_norm_` must not count again
-_EVALS = itertools.count()
 
 
 def compile_for(
@@ -221,22 +219,24 @@ class PipelineSchedule:
         self._outputs: dict[int, Any] = {}
         self._losses: dict[int, torch.Tensor] = {}
         self._ids: dict[int, int] = {}
+        self._evaluator: Any = None  # the forward-only Program's executor, built at the first eval
+        self._evals = 0
         m = self.program.num_microbatches
         self.runner = Runner(
             self.program,
             {s: modules[s] for s in own if s in modules},
             self._recording_loss,
             rank=rank,
-            loss_scale=1.0 / m if scale_grads else 1.0,
-            device=device,
-            seed=None,
-            timeout=timeout,
-            recv_ahead=recv_ahead,
-            mesh=mesh2d,
-            group=None if mesh2d is not None else pp_group,
-            dp_unit=dp_unit,
-            comm=comm,
-            kv=kv,
+            options=StageOptions(device=device, loss_scale=1.0 / m if scale_grads else 1.0, seed=None),
+            transport=Transport(
+                timeout=timeout,
+                comm=comm,
+                kv=kv,
+                group=None if mesh2d is not None else pp_group,
+                mesh=mesh2d,
+                dp_unit=dp_unit,
+                recv_ahead=recv_ahead,
+            ),
         )
         self.stages = self.runner.modules()
         self.ties = _tie_groups(self.stages, rank, pp_group, comm is None, self.runner)
@@ -269,8 +269,9 @@ class PipelineSchedule:
         return self._finish(losses)
 
     def eval(self, *inputs: Any, target: Any = None, losses: list | None = None) -> Any:
-        """Forward only, every micro-batch through every stage in stage order, no autograd graph: returns
-        the last stage's output on its rank (and the micro-batch losses when a target is given there)."""
+        """Forward only, no autograd graph: the schedule's own FWDs in its order, as a forward-only Program
+        (validated, proven, run by the executor). Returns the last stage's output on its rank (and the
+        micro-batch losses when a target is given there)."""
         self._outputs.clear()
         self._losses.clear()
         gen = self._eval_gen(_batch(inputs) if inputs else None, target)
@@ -328,11 +329,20 @@ class PipelineSchedule:
         return _merge(outs) if outs else None
 
     def _eval_gen(self, inputs: Any, target: Any):
-        from pipec.runtime.exec.comm import ACT
-        from pipec.runtime.exec.shapes import TensorSpec, handshake, outputs_of
+        """The forward-only Program (`pipec.passes.lower.forward_program`: this schedule's FWDs in its order,
+        lowered, validated and proven by the dry run) on the executor, after a shape exchange of its own
+        (an eval batch may differ from training's), under a key space of its own."""
+        from pipec.runtime.exec.executor import Executor
+        from pipec.runtime.exec.shapes import TensorSpec, handshake
 
         runner, program = self.runner, self.program
-        m, S, rank = program.num_microbatches, program.num_stages, self.rank
+        m, rank = program.num_microbatches, self.rank
+        if self._evaluator is None:
+            from pipec.passes.lower import forward_program
+
+            comm, ahead = runner.executor.comm, runner.executor.recv_ahead
+            self._evaluator = Executor(forward_program(program), rank, runner.stages, comm, recv_ahead=ahead)
+        ex = self._evaluator
         mb_in = mb_tg = None
         if self.has_first:
             if inputs is None:
@@ -340,41 +350,21 @@ class PipelineSchedule:
             mb_in = [as_args(to_device(x, runner.device, runner.dtype)) for x in split(inputs, m, "inputs")]
         if self.has_last and target is not None:
             mb_tg = [to_device(x, runner.device) for x in split(target, m, "targets")]
-        runner.mb_targets = mb_tg
-        # the shapes of this call (an eval batch may differ from training's), under a key space of its own
-        kv = _PrefixKV(runner.kv, f"eval{next(_EVALS)}/")
+        runner.mb_targets = mb_tg  # _recording_loss finds each micro-batch by its target
+        # this eval's number: every rank of the pipeline evaluates as often (a process-wide count would not
+        # agree between the ranks of one process in local mode)
+        number, self._evals = self._evals, self._evals + 1
+        kv = _PrefixKV(runner.kv, f"eval{number}/")
         specs = [tuple(TensorSpec.of(a) for a in args) for args in mb_in] if mb_in is not None else None
-        ins, _ = yield from handshake(runner.modules(), program.placement, rank, specs, kv, runner.device)
-        comm = runner.executor.comm
-        local: dict[tuple[int, int], tuple] = {}
-        with torch.no_grad():
-            for s in sorted(self.stages):
-                module = self.stages[s]
-                prev = program.placement[s - 1] if s > 0 else rank
-                posted = {}
-                if s > 0 and prev != rank:
-                    for mb in range(m):
-                        key = (ACT, mb, s - 1)
-                        posted[mb] = comm.post(key, prev, ins[s][mb])
-                for mb in range(m):
-                    if s == 0:
-                        args = mb_in[mb]
-                    elif prev == rank:
-                        args = local.pop((s - 1, mb))
-                    else:
-                        args = yield from comm.wait(posted[mb])
-                    out = module(*args)
-                    if s == S - 1:
-                        self._outputs[mb] = _detach(out)
-                        if mb_tg is not None and self.loss_fn is not None:
-                            self._losses[mb] = self.loss_fn(out, mb_tg[mb]).detach()
-                        continue
-                    outs = outputs_of(out, s)
-                    if program.placement[s + 1] == rank:
-                        local[(s, mb)] = outs
-                    else:
-                        comm.send((ACT, mb, s), program.placement[s + 1], tuple(o.contiguous() for o in outs))
-        comm.finish_sends()
+        ex.handshaking = True
+        ins, outs = yield from handshake(runner.modules(), program.placement, rank, specs, kv, runner.device)
+        ex.set_specs(ins, outs)
+        ex.handshaking = False
+        for st in runner.stages.values():
+            st.loss = None
+        yield from ex.run(number, mb_in, mb_tg)
+        self._outputs.update((mb, _detach(out)) for mb, out in ex.outputs.items())
+        ex.outputs = {}
 
 
 class _PrefixKV:

@@ -1,6 +1,8 @@
 """The Python API: a Runner executes one rank's part of a Program, one training step per `step` call.
 
     runner = Runner(program, build_stage, loss_fn)        # after torch.distributed.init_process_group
+    runner = Runner(program, build_stage, loss_fn, options=StageOptions(dtype=torch.float64),
+                    transport=Transport(timeout=600))     # how stages are built; how ranks talk
     for step in range(steps):
         result = runner.step(inputs, targets)             # the whole batch; split into m micro-batches
         if result.loss is not None: print(result.loss)     # on the rank that owns the last stage
@@ -69,6 +71,45 @@ class StepResult:
     seconds: float  # this rank's wall time for the step
 
 
+@dataclass(frozen=True)
+class StageOptions:
+    """How a Runner builds and trains its stages: kept apart from `Transport` because they are what the
+    single-process `Reference` must share to compute the same numbers.
+
+    optimizer: params -> optimizer per stage (default Adam for built stages, none for given modules);
+    dtype and device of the modules; loss_scale: each micro-batch loss's factor (default 1 / m); seed:
+    weights seeded by (seed, stage), None to leave torch's RNG alone; where: how errors name build_stage."""
+
+    optimizer: Callable[[list], torch.optim.Optimizer] | None = None
+    dtype: torch.dtype | None = None
+    device: torch.device | str | None = None
+    loss_scale: float | None = None
+    seed: int | None = 0
+    where: str = "build_stage"
+
+
+@dataclass(frozen=True)
+class Transport:
+    """How a Runner reaches the other ranks.
+
+    timeout: seconds any wait may take; comm and kv: a given message transport and key-value store
+    (LocalPipeline's; default torch.distributed and its c10d store); group: the process group of the
+    pipeline's ranks; mesh: the ("pp", "dp") DeviceMesh or a (pp, dp) pair of 1-D meshes, for dp > 1;
+    dp_unit: "stage" or "block", what FSDP shards as one unit; links: emulated links between datacenters
+    (pipec.runtime.exec.links.Links); recv_ahead: receives posted ahead of the Program's placement (gloo
+    only; default 4 on gloo, 0 on NCCL); on_reduce_grad: called with (stage, module) at each REDUCE_GRAD."""
+
+    timeout: float = 60.0
+    comm: Any = None
+    kv: KV | None = None
+    group: Any = None
+    mesh: Any = None
+    dp_unit: str = "stage"
+    links: Any = None
+    recv_ahead: int | None = None
+    on_reduce_grad: Callable[[int, torch.nn.Module], None] | None = None
+
+
 class StoreKV(KV):
     """Specs through the job's c10d store (blocking gets with the run's timeout)."""
 
@@ -95,13 +136,15 @@ class StoreKV(KV):
 class Runner:
     """One rank of a pipeline. Builds this rank's stages (weights seeded by (seed, stage), so every process
     and the single-process reference agree), an optimizer per stage, and executes the rank's instructions.
+    Its options come as two values, `options` (StageOptions: how stages are built and trained) and
+    `transport` (Transport: how this rank reaches the others).
 
     Bring your own modules: `build_stage` may instead be a mapping {stage index: nn.Module} holding (at
-    least) this rank's stages. Then the Runner owns no optimizer unless `optimizer=` is given (the Program's
+    least) this rank's stages. Then the Runner owns no optimizer unless `options.optimizer` is given (the Program's
     STEP instructions do nothing), and it leaves `.grad` alone between steps: gradients accumulate until the
     caller zeroes them, as after torch's schedules (`pipec.runtime.pipeline_schedule` is built on this).
 
-    Data parallelism (`program.dp` > 1): `mesh` is a 2-D DeviceMesh with dims ("pp", "dp"), or a (pp, dp)
+    Data parallelism (`program.dp` > 1): `transport.mesh` is a 2-D DeviceMesh with dims ("pp", "dp"), or a (pp, dp)
     pair of 1-D meshes (built from the world when not given); the rank is this process's "pp" coordinate,
     each stage's module goes under FSDP2 (`program.dp_kind`; `dp_unit` "block" shards each child block
     too) before its optimizer is built, and `step` takes the global batch and runs this replica's slice
@@ -114,22 +157,14 @@ class Runner:
         loss_fn: Callable[[Any, Any], torch.Tensor],
         *,
         rank: int | None = None,
-        optimizer: Callable[[list], torch.optim.Optimizer] | None = None,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-        loss_scale: float | None = None,
-        seed: int | None = 0,
-        timeout: float = 60.0,
-        on_reduce_grad: Callable[[int, torch.nn.Module], None] | None = None,
-        comm: Any = None,
-        kv: KV | None = None,
-        group=None,
-        where: str = "build_stage",
-        links: Any = None,
-        recv_ahead: int | None = None,
-        mesh: Any = None,
-        dp_unit: str = "stage",
+        options: StageOptions = StageOptions(),
+        transport: Transport = Transport(),
     ) -> None:
+        optimizer, dtype, device = options.optimizer, options.dtype, options.device
+        loss_scale, seed, where = options.loss_scale, options.seed, options.where
+        timeout, comm, kv, group = transport.timeout, transport.comm, transport.kv, transport.group
+        links, recv_ahead, mesh, dp_unit = transport.links, transport.recv_ahead, transport.mesh, transport.dp_unit
+        on_reduce_grad = transport.on_reduce_grad
         replicas = None  # this process's place in the ("pp", "dp") mesh (pipec.runtime.exec.replicas)
         if dp_unit not in UNITS:
             raise PipelineError(f"dp_unit must be one of {', '.join(UNITS)}, got {dp_unit!r}")

@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     from pipec.api import load
     from pipec.passes.compiler import compile_schedule
-    from pipec.runtime import Reference, Runner, load_model
+    from pipec.runtime import Reference, Runner, StageOptions, Transport, load_model
     from pipec.runtime.reference import compare, rel_err
 
     model = load_model(str(ROOT / "examples" / "mlp.py"))
@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> None:
         arg = mesh if how == "2d" else (mesh["pp"], mesh["dp"])
         kw = dict(optimizer=model.optimizer, dtype=model.dtype)
         t0 = time.perf_counter()
-        runner = Runner(prog, model.build_stage, model.loss_fn, timeout=30, mesh=arg, dp_unit=unit, **kw)
+        transport = Transport(timeout=30, mesh=arg, dp_unit=unit)
+        runner = Runner(prog, model.build_stage, model.loss_fn, options=StageOptions(**kw), transport=transport)
         ref = Reference(model.build_stage, model.loss_fn, prog.num_stages, prog.num_microbatches, replicas=dp, **kw)
         res: dict[str, object] = {"stages": sorted(runner.stages), "pp": mesh.get_local_rank("pp"), **res_prog}
         res["dp"] = mesh.get_local_rank("dp")
@@ -134,7 +135,7 @@ def bad_inputs(model, dp: int) -> dict[str, str]:
     from pipec.api import load
     from pipec.ir.program import Instr, RankProgram
     from pipec.passes.compiler import compile_schedule
-    from pipec.runtime import PipelineError, Runner
+    from pipec.runtime import PipelineError, Runner, StageOptions, Transport
 
     mesh = init_device_mesh("cpu", (1, dp), mesh_dim_names=("pp", "dp"))
     shared = torch.nn.Linear(8, 8)
@@ -161,7 +162,13 @@ def bad_inputs(model, dp: int) -> dict[str, str]:
     out = {}
     for name, (program, build, unit) in cases.items():
         try:
-            Runner(program, build, model.loss_fn, mesh=mesh, dp_unit=unit, dtype=torch.float64)
+            Runner(
+                program,
+                build,
+                model.loss_fn,
+                options=StageOptions(dtype=torch.float64),
+                transport=Transport(mesh=mesh, dp_unit=unit),
+            )
             out[name] = "no error"
         except PipelineError as e:
             out[name] = str(e)

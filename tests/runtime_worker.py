@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     from pipec.api import load
     from pipec.passes.compiler import compile_schedule
-    from pipec.runtime import Reference, Runner, load_model
+    from pipec.runtime import Reference, Runner, StageOptions, Transport, load_model
     from pipec.runtime.reference import compare, rel_err
 
     model = load_model(str(ROOT / "examples" / "mlp.py"))
@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> None:
         prog = compile_schedule(load(name, **params)).program
         kw = dict(optimizer=model.optimizer, dtype=model.dtype)
         ahead = 0 if i % 2 or sub is not None else None
-        runner = Runner(prog, model.build_stage, model.loss_fn, timeout=30, recv_ahead=ahead, group=sub, **kw)
+        transport = Transport(timeout=30, recv_ahead=ahead, group=sub)
+        runner = Runner(prog, model.build_stage, model.loss_fn, options=StageOptions(**kw), transport=transport)
         if sub is not None:
             runner.executor.comm.pg = None  # P2POp, as on NCCL
         ref = Reference(model.build_stage, model.loss_fn, prog.num_stages, prog.num_microbatches, **kw)

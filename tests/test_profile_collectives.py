@@ -18,35 +18,41 @@ from pipec.api import load  # noqa: E402
 from pipec.ir.opcodes import REDUCE_GRAD, UNSHARD  # noqa: E402
 from pipec.passes.compiler import compile_schedule  # noqa: E402
 from pipec.runtime import load_model  # noqa: E402
-from pipec.runtime.profile.stages import (  # noqa: E402
+from pipec.runtime.profile.collectives import (  # noqa: E402
     COLLECTIVES,
     Collectives,
     fit_ring,
     measure_collectives,
-    profile,
     ring_terms,
-    ring_time,
-    summary_lines,
 )
-from pipec.sim.costs import dump_costs  # noqa: E402
+from pipec.runtime.profile.stages import profile, summary_lines  # noqa: E402
+from pipec.sim.costs import dump_costs, ring_time  # noqa: E402
 
 MODEL = str(ROOT / "examples" / "mlp.py")
 SIZES = [4096 * 4**k for k in range(7)]
+
+
+def model_time(kind: str, n: int, nbytes: float, latency: float, bandwidth: float) -> float:
+    """The simulator's ring formula (pipec.sim.costs.ring_time) on n equal hops, bandwidth in bit/s."""
+    return float(ring_time(kind, n, nbytes, [(latency, bandwidth / 8)] * n))
 
 
 def test_ring_terms_are_the_simulators_model():
     # all-reduce 2(N-1) a + 2(N-1)/N B/b; all-gather and reduce-scatter (N-1) a + (N-1)/N B/b
     assert ring_terms("all_reduce", 4) == (6, 1.5)
     assert ring_terms("all_gather", 4) == ring_terms("reduce_scatter", 4) == (3, 0.75)
-    assert ring_time("all_reduce", 2, 1e6, 1e-4, 8e9) == pytest.approx(2 * 1e-4 + 1e6 * 8 / 8e9)
+    assert model_time("all_reduce", 2, 1e6, 1e-4, 8e9) == pytest.approx(2 * 1e-4 + 1e6 * 8 / 8e9)
     with pytest.raises(ValueError, match="unknown collective"):
         ring_terms("broadcast", 2)
+    # the fitted model predicts with the simulator's formula, bandwidth in bit/s
+    c = Collectives(4, "ddp", 1e-4, 8e9, {}, {}, [], "synthetic")
+    assert c.predict("all_reduce", 1e6) == pytest.approx(6 * 1e-4 + 1.5 * 1e6 * 8 / 8e9)
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])
 @pytest.mark.parametrize("latency,bandwidth", [(50e-6, 10e9), (2e-6, 1.6e12), (10e-3, 1e8)])
 def test_the_fit_recovers_the_latency_and_bandwidth_of_synthetic_timings(n, latency, bandwidth):
-    samples = [(k, n, b, ring_time(k, n, b, latency, bandwidth)) for k in COLLECTIVES for b in SIZES]
+    samples = [(k, n, b, model_time(k, n, b, latency, bandwidth)) for k in COLLECTIVES for b in SIZES]
     a, b = fit_ring(samples)
     assert a == pytest.approx(latency, rel=1e-9) and b == pytest.approx(bandwidth, rel=1e-9)
     # one kind alone determines them too
@@ -68,7 +74,7 @@ def test_the_fit_keeps_both_terms_non_negative():
 
 
 def _collectives(kind: str) -> Collectives:
-    times = {k: {b: ring_time(k, 2, b, 1e-4, 4e9) for b in (4096, 1000, 3000)} for k in COLLECTIVES}
+    times = {k: {b: model_time(k, 2, b, 1e-4, 4e9) for b in (4096, 1000, 3000)} for k in COLLECTIVES}
     per_kind = {k: (1e-4, 4e9) for k in COLLECTIVES}
     return Collectives(2, kind, 1e-4, 4e9, times, per_kind, [1000, 3000], "synthetic")
 
@@ -80,10 +86,10 @@ def test_the_cost_keys_of_the_collectives(kind):
     assert keys["param_bytes"] == [1000, 3000]
     assert keys["dp_latency"] == 1e-4 and keys["dp_bandwidth"] == 4e9
     reduce = "all_reduce" if kind == "ddp" else "reduce_scatter"
-    assert keys["reduce_grad"] == pytest.approx([ring_time(reduce, 2, b, 1e-4, 4e9) for b in (1000, 3000)], rel=1e-5)
+    assert keys["reduce_grad"] == pytest.approx([model_time(reduce, 2, b, 1e-4, 4e9) for b in (1000, 3000)], rel=1e-5)
     assert ("unshard" in keys) == (kind == "fsdp")
     if kind == "fsdp":
-        assert keys["unshard"] == pytest.approx([ring_time("all_gather", 2, b, 1e-4, 4e9) for b in (1000, 3000)])
+        assert keys["unshard"] == pytest.approx([model_time("all_gather", 2, b, 1e-4, 4e9) for b in (1000, 3000)])
     assert c.worst_fit_error() == pytest.approx(0, abs=1e-12)
     table = c.measured()
     assert table["bytes"] == [1000, 3000, 4096] and len(table["all_reduce_s"]) == 3
@@ -166,7 +172,7 @@ def small_mlp_env(monkeypatch):
 
 def test_profile_with_dp_times_the_collectives_of_each_stage(small_mlp_env, no_link, monkeypatch):
     monkeypatch.setattr(
-        "pipec.runtime.profile.stages.COLLECTIVE_SIZES", (4096, 65536)
+        "pipec.runtime.profile.collectives.COLLECTIVE_SIZES", (4096, 65536)
     )  # the stages' sizes are timed too
     prog = compile_schedule(load("1f1b", p=2, m=2)).program
     said: list[str] = []

@@ -14,7 +14,7 @@ from runtime_harness import ROOT, launch  # noqa: E402
 
 from pipec.api import load  # noqa: E402
 from pipec.passes.compiler import compile_schedule  # noqa: E402
-from pipec.runtime import LocalPipeline, load_model  # noqa: E402
+from pipec.runtime import LocalPipeline, StageOptions, load_model  # noqa: E402
 
 SMALL = {"GPT_LAYERS": "2", "GPT_WIDTH": "16", "GPT_HEADS": "2", "GPT_CONTEXT": "8", "GPT_BATCH": "8"}
 
@@ -34,7 +34,9 @@ def test_gpt_loss_falls_local(monkeypatch):
         monkeypatch.setenv(k, v)
     model = load_model(str(ROOT / "examples" / "gpt.py"))
     program = compile_schedule(load("1f1b", p=2, m=2)).program
-    pipe = LocalPipeline(program, model.build_stage, model.loss_fn, optimizer=model.optimizer, dtype=model.dtype)
+    pipe = LocalPipeline(
+        program, model.build_stage, model.loss_fn, options=StageOptions(optimizer=model.optimizer, dtype=model.dtype)
+    )
     losses = [pipe.step(*model.batch(step)).loss for step in range(12)]
     assert losses[0] > 3.0  # about ln(vocabulary) at the start
     assert sum(losses[-3:]) / 3 < losses[0] - 0.5, losses

@@ -19,7 +19,7 @@ from pipec.api import load  # noqa: E402
 from pipec.frontend.topology import with_topology  # noqa: E402
 from pipec.ir.schedule import Datacenter, Link, Topology  # noqa: E402
 from pipec.passes.compiler import compile_schedule  # noqa: E402
-from pipec.runtime import LocalPipeline, Reference, load_model  # noqa: E402
+from pipec.runtime import LocalPipeline, Reference, StageOptions, Transport, load_model  # noqa: E402
 from pipec.runtime.exec.links import Links, links_of  # noqa: E402
 from pipec.runtime.reference import compare  # noqa: E402
 
@@ -54,7 +54,8 @@ def test_local_with_emulated_links_is_late_by_the_latency_and_exact(name, monkey
     sched = with_topology(load(name, p=2, m=4), two_dc(2, 1, lat, 1e9))
     program = compile_schedule(sched).program
     kw = dict(optimizer=model.optimizer, dtype=model.dtype)
-    pipe = LocalPipeline(program, model.build_stage, model.loss_fn, links=links_of(sched), **kw)
+    transport = Transport(links=links_of(sched))
+    pipe = LocalPipeline(program, model.build_stage, model.loss_fn, options=StageOptions(**kw), transport=transport)
     ref = Reference(model.build_stage, model.loss_fn, 2, 4, **kw)
     for step in range(2):
         x, y = model.batch(step)

@@ -13,7 +13,7 @@ from pipec.api import load  # noqa: E402
 from pipec.frontend import library  # noqa: E402
 from pipec.ir.program import RECV_ACT, RECV_GRAD, WGRAD  # noqa: E402
 from pipec.passes.compiler import compile_schedule  # noqa: E402
-from pipec.runtime import LocalPipeline, Reference, load_model  # noqa: E402
+from pipec.runtime import LocalPipeline, Reference, StageOptions, Transport, load_model  # noqa: E402
 from pipec.runtime.reference import compare, rel_err  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,7 +61,7 @@ def test_local_equals_reference(name, p, mlp, sliced_gpt):
     if prog.slicing is not None and prog.slicing.slices > 1:
         mlp = sliced_gpt  # checked against the unsliced reference of its sequences
     kw = dict(optimizer=mlp.optimizer, dtype=mlp.dtype)
-    pipe = LocalPipeline(prog, mlp.build_stage, mlp.loss_fn, **kw)
+    pipe = LocalPipeline(prog, mlp.build_stage, mlp.loss_fn, options=StageOptions(**kw))
     ref = Reference(mlp.build_stage, mlp.loss_fn, prog.num_stages, prog.num_sequences, **kw)
     for step in range(3):
         x, y = mlp.batch(step)
@@ -87,8 +87,10 @@ def test_receives_posted_ahead(name, ahead, mlp):
     prog = compile_schedule(load(name, **schedule_params(name, 4))).program
     kw = dict(optimizer=mlp.optimizer, dtype=mlp.dtype)
     x, y = mlp.batch(0)
-    base = LocalPipeline(prog, mlp.build_stage, mlp.loss_fn, **kw)
-    early = LocalPipeline(prog, mlp.build_stage, mlp.loss_fn, recv_ahead=ahead, **kw)
+    base = LocalPipeline(prog, mlp.build_stage, mlp.loss_fn, options=StageOptions(**kw))
+    early = LocalPipeline(
+        prog, mlp.build_stage, mlp.loss_fn, options=StageOptions(**kw), transport=Transport(recv_ahead=ahead)
+    )
     assert early.step(x, y, record=True).loss == base.step(x, y).loss
     for (k, a), b in zip(early.named_gradients().items(), base.named_gradients().values()):
         assert torch.equal(a, b), k

@@ -20,7 +20,7 @@ from pipec.api import load  # noqa: E402
 from pipec.ir.program import to_json  # noqa: E402
 from pipec.ir.schedule import MemOp, Schedule  # noqa: E402
 from pipec.passes.compiler import compile_schedule  # noqa: E402
-from pipec.runtime import LocalPipeline, PipelineError, Reference, load_model  # noqa: E402
+from pipec.runtime import LocalPipeline, PipelineError, Reference, StageOptions, load_model  # noqa: E402
 from pipec.runtime.exec.saved import DEVICE, HOST, Pool, module_storages  # noqa: E402
 from pipec.runtime.exec.stage import Stage  # noqa: E402
 from pipec.runtime.profile.stages import profile, stage_bytes  # noqa: E402
@@ -202,7 +202,7 @@ def test_measured_peaks_equal_the_model_and_recompute_lowers_them(small):
     for recompute in (frozenset(), frozenset({0, 1, 2, 3})):
         sched = with_memops(load("zb-v", p=2, m=4), recompute=recompute)
         prog = compile_schedule(sched).program
-        pipe = LocalPipeline(prog, model.build_stage, model.loss_fn, **kw)
+        pipe = LocalPipeline(prog, model.build_stage, model.loss_fn, options=StageOptions(**kw))
         assert all(r.executor.pool is None for r in pipe.runners)  # no hooks unless measuring or offloading
         for r in pipe.runners:
             r.executor.measure_memory()
@@ -246,7 +246,7 @@ def test_a_recomputed_forward_that_is_offloaded_moves_its_input_and_recomputes_f
     kw = dict(optimizer=model.optimizer, dtype=model.dtype)
     sched = with_memops(load("1f1b", p=2, m=4), recompute={0, 1}, offload={0, 1})  # both, on every (mb, stage)
     prog = compile_schedule(sched).program
-    pipe = LocalPipeline(prog, model.build_stage, model.loss_fn, **kw)
+    pipe = LocalPipeline(prog, model.build_stage, model.loss_fn, options=StageOptions(**kw))
     for r in pipe.runners:
         r.executor.measure_memory()
     ref = Reference(model.build_stage, model.loss_fn, 2, 4, **kw)

@@ -15,7 +15,7 @@ from runtime_harness import ROOT, launch  # noqa: E402
 
 from pipec.api import load  # noqa: E402
 from pipec.passes.compiler import compile_schedule  # noqa: E402
-from pipec.runtime import LocalPipeline, Reference, load_model  # noqa: E402
+from pipec.runtime import LocalPipeline, Reference, StageOptions, load_model  # noqa: E402
 from pipec.runtime.errors import ModelError  # noqa: E402
 from pipec.runtime.reference import compare, rel_err  # noqa: E402
 
@@ -99,7 +99,7 @@ def test_sliced_equals_unsliced_reference(order, split, p, n, gpt, tmp_path):
     assert prog.slicing.slices == n and prog.split_backward == split
     assert sum(prog.slicing.tokens) == 8 and prog.num_microbatches == 2 * n
     kw = dict(optimizer=gpt.optimizer, dtype=gpt.dtype)
-    pipe = LocalPipeline(prog, gpt.build_stage, gpt.loss_fn, **kw)
+    pipe = LocalPipeline(prog, gpt.build_stage, gpt.loss_fn, options=StageOptions(**kw))
     ref = Reference(gpt.build_stage, gpt.loss_fn, prog.num_stages, prog.num_sequences, **kw)  # unsliced
     for step in range(2):
         x, y = gpt.batch(step)
@@ -124,7 +124,7 @@ def test_slices_change_the_computation(gpt, tmp_path):
     torch.set_num_threads(1)
     prog = program(tmp_path, "gpipe", False, p=2, m=2, n=2, L=8)
     kw = dict(optimizer=gpt.optimizer, dtype=gpt.dtype)
-    pipe = LocalPipeline(prog, gpt.build_stage, gpt.loss_fn, **kw)
+    pipe = LocalPipeline(prog, gpt.build_stage, gpt.loss_fn, options=StageOptions(**kw))
     for runner in pipe.runners:
         for st in runner.stages.values():
             st.kv.past = lambda unit: ((), ())
@@ -140,7 +140,7 @@ def test_model_without_cache_interface(tmp_path, monkeypatch):
     mlp = load_model(str(ROOT / "examples" / "mlp.py"))
     prog = program(tmp_path, "gpipe", False, p=2, m=2, n=2, L=8)
     with pytest.raises(ModelError) as e:
-        LocalPipeline(prog, mlp.build_stage, mlp.loss_fn, dtype=mlp.dtype)
+        LocalPipeline(prog, mlp.build_stage, mlp.loss_fn, options=StageOptions(dtype=mlp.dtype))
     msg = str(e.value)
     assert msg.startswith("stage 0's module (Sequential, from build_stage) has no key/value cache interface")
     assert "keyword argument `past_kv`" in msg and "module(*inputs, past_kv=past) -> (output, kv)" in msg
@@ -148,7 +148,7 @@ def test_model_without_cache_interface(tmp_path, monkeypatch):
 
 def test_sequence_length_must_match_seqlen(gpt, tmp_path):
     prog = program(tmp_path, "gpipe", False, p=2, m=2, n=2, L=6)
-    pipe = LocalPipeline(prog, gpt.build_stage, gpt.loss_fn, dtype=gpt.dtype)
+    pipe = LocalPipeline(prog, gpt.build_stage, gpt.loss_fn, options=StageOptions(dtype=gpt.dtype))
     with pytest.raises(Exception, match=r"slices of 3, 3 tokens \(6 in all, along dim 1\).*shape \[2, 8\]"):
         pipe.step(*gpt.batch(0))
 

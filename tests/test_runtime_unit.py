@@ -16,7 +16,7 @@ from torch import nn  # noqa: E402
 from pipec.api import load  # noqa: E402
 from pipec.ir.program import Program, RankProgram  # noqa: E402
 from pipec.passes.compiler import compile_schedule  # noqa: E402
-from pipec.runtime import LocalPipeline, PipelineError, Reference, Runner, load_model  # noqa: E402
+from pipec.runtime import LocalPipeline, PipelineError, Reference, Runner, StageOptions, load_model  # noqa: E402
 from pipec.runtime.errors import ModelError, ShapeError  # noqa: E402
 from pipec.runtime.exec.microbatch import split  # noqa: E402
 from pipec.runtime.exec.stage import Stage  # noqa: E402
@@ -84,7 +84,9 @@ def test_missing_model_file(tmp_path):
 def test_build_stage_must_return_a_module(tmp_path):
     m = load_model(write(tmp_path, GOOD.replace("return torch.nn.Linear(4, 4)", "return 'a layer'")))
     with pytest.raises(ModelError, match=r"model\.py: build_stage\(0, 2\) returned str, not a torch.nn.Module"):
-        LocalPipeline(program("1f1b", p=2, m=2), m.build_stage, m.loss_fn, where=f"{m.path}: build_stage")
+        LocalPipeline(
+            program("1f1b", p=2, m=2), m.build_stage, m.loss_fn, options=StageOptions(where=f"{m.path}: build_stage")
+        )
 
 
 # ---- split backward ----------------------------------------------------------------------------------
@@ -197,6 +199,15 @@ def _edit(prog: Program, rank: int, fn) -> Program:
     return Program(**{**prog.__dict__, "ranks": tuple(ranks)})
 
 
+def test_every_opcode_has_one_executor_method():
+    from pipec.ir.opcodes import OPCODES
+    from pipec.runtime.exec.executor import Executor
+
+    assert sorted(Executor.HANDLERS) == sorted(OPCODES)
+    ex = Executor(program("1f1b", p=2, m=2), 0, {}, None)
+    assert [h.__func__ for h in ex.handlers] == [Executor.HANDLERS[name] for name in OPCODES]
+
+
 def test_local_mode_checks_the_channel_order():
     prog = program("1f1b", p=2, m=3)
 
@@ -206,7 +217,7 @@ def test_local_mode_checks_the_channel_order():
         return instrs
 
     bad = _edit(prog, 1, swap_first_receives)
-    pipe = LocalPipeline(bad, *_mlp(), dtype=torch.float64)
+    pipe = LocalPipeline(bad, *_mlp(), options=StageOptions(dtype=torch.float64))
     with pytest.raises(PipelineError) as e:
         pipe.step(torch.randn(6, 4), torch.randn(6, 4))
     assert (
@@ -247,7 +258,7 @@ STEP 1
 def test_local_mode_reports_a_deadlock():
     from pipec.ir.program import from_text
 
-    pipe = LocalPipeline(from_text(DEADLOCK), *_mlp(), dtype=torch.float64)
+    pipe = LocalPipeline(from_text(DEADLOCK), *_mlp(), options=StageOptions(dtype=torch.float64))
     with pytest.raises(PipelineError) as e:
         pipe.step(torch.randn(4, 4), torch.randn(4, 4))
     assert str(e.value) == (
@@ -276,7 +287,7 @@ def test_tuples_between_stages_and_tuple_inputs():
         return ((out[0] + out[1] - target) ** 2).mean()
 
     kw = dict(dtype=torch.float64)
-    pipe = LocalPipeline(prog, build_stage, loss_fn, **kw)
+    pipe = LocalPipeline(prog, build_stage, loss_fn, options=StageOptions(**kw))
     ref = Reference(build_stage, loss_fn, prog.num_stages, prog.num_microbatches, **kw)
     x, y, t = torch.randn(8, 4), torch.randn(8, 4), torch.randn(8, 4)
     out = pipe.step((x, y), t)
@@ -288,7 +299,7 @@ def test_shape_mismatch_names_both_stages_local():
     def build_stage(stage, n):
         return nn.Linear(4, 5) if stage == 0 else nn.Linear(4, 4)
 
-    pipe = LocalPipeline(program("1f1b", p=2, m=2), build_stage, _mlp()[1], dtype=torch.float64)
+    pipe = LocalPipeline(program("1f1b", p=2, m=2), build_stage, _mlp()[1], options=StageOptions(dtype=torch.float64))
     with pytest.raises(ShapeError) as e:
         pipe.step(torch.randn(4, 4), torch.randn(4, 4))
     assert "stage 0 (rank 0) outputs float64 [2, 5] for micro-batch 0, which stage 1 (rank 1) cannot take" in str(
@@ -297,7 +308,7 @@ def test_shape_mismatch_names_both_stages_local():
 
 
 def test_shapes_are_fixed_at_the_first_step():
-    pipe = LocalPipeline(program("1f1b", p=2, m=2), *_mlp(), dtype=torch.float64)
+    pipe = LocalPipeline(program("1f1b", p=2, m=2), *_mlp(), options=StageOptions(dtype=torch.float64))
     pipe.step(torch.randn(4, 4), torch.randn(4, 4))
     with pytest.raises(ShapeError, match=r"micro-batch 0's input is float64 \[3, 4\] at step 2, but was float64 "
                                          r"\[2, 4\] at the first step"):  # fmt: skip
@@ -319,8 +330,8 @@ def test_the_example_learns(monkeypatch):
         monkeypatch.setenv(k, v)
     torch.set_num_threads(1)
     model = load_model(str(ROOT / "examples" / "mlp.py"))
-    pipe = LocalPipeline(program("1f1b", p=2, m=2), model.build_stage, model.loss_fn, optimizer=model.optimizer,
-                         dtype=model.dtype)  # fmt: skip
+    options = StageOptions(optimizer=model.optimizer, dtype=model.dtype)
+    pipe = LocalPipeline(program("1f1b", p=2, m=2), model.build_stage, model.loss_fn, options=options)
     losses = [pipe.step(*model.batch(step)).loss for step in range(30)]
     assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5, losses
 

@@ -12,7 +12,7 @@ from runtime_harness import ROOT  # noqa: E402
 
 from pipec.api import load  # noqa: E402
 from pipec.passes.compiler import compile_schedule  # noqa: E402
-from pipec.runtime import LocalPipeline, Reference, load_model  # noqa: E402
+from pipec.runtime import LocalPipeline, Reference, StageOptions, load_model  # noqa: E402
 from pipec.runtime.errors import PipelineError, ShapeError  # noqa: E402
 from pipec.runtime.exec.microbatch import MicroBatches, batch_of  # noqa: E402
 from pipec.runtime.reference import compare, rel_err  # noqa: E402
@@ -41,7 +41,7 @@ def test_varlen_equals_reference_and_exchanges_on_change(name, params, varlen):
     model, lengths = varlen
     prog = compile_schedule(load(name, **params)).program
     kw = dict(optimizer=model.optimizer, dtype=model.dtype)
-    pipe = LocalPipeline(prog, model.build_stage, model.loss_fn, **kw)
+    pipe = LocalPipeline(prog, model.build_stage, model.loss_fn, options=StageOptions(**kw))
     ref = Reference(model.build_stage, model.loss_fn, prog.num_stages, prog.num_sequences, **kw)
     steps = 5
     seen = [lengths(step) for step in range(steps)]
@@ -66,7 +66,7 @@ def test_fixed_batches_still_fixed(varlen):
     """A whole batch (not micro-batches) keeps today's contract: shapes fixed at the first step, said so."""
     model, _ = varlen
     prog = compile_schedule(load("1f1b", p=2, m=2)).program
-    pipe = LocalPipeline(prog, model.build_stage, model.loss_fn, dtype=model.dtype)
+    pipe = LocalPipeline(prog, model.build_stage, model.loss_fn, options=StageOptions(dtype=model.dtype))
     x, y = model.batch(0)[0]
     pipe.step(x, y)
     assert [r.exchanges for r in pipe.runners] == [1, 1] and not any(r.varying for r in pipe.runners)
@@ -108,7 +108,7 @@ def test_lengths_the_schedule_declares_are_checked_against_the_data(varlen):
     model, _ = varlen
     prog = compile_schedule(build(Source("v.pipe", DECLARED))).program
     assert prog.slicing is not None and prog.slicing.lengths == (2, 4, 6, 8)
-    pipe = LocalPipeline(prog, model.build_stage, model.loss_fn, dtype=model.dtype)
+    pipe = LocalPipeline(prog, model.build_stage, model.loss_fn, options=StageOptions(dtype=model.dtype))
     text = torch.arange(64) % 7
 
     def pairs(lengths):

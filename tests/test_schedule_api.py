@@ -195,6 +195,55 @@ def test_split_gradients_equal_unsplit_model_float64():
         assert err <= 1e-10, (n, err)
 
 
+def test_eval_is_the_forward_only_program_and_equals_the_unsplit_model_float64():
+    """zb-v on 2 ranks in one process, each rank a PipelineSchedule over in-memory queues on its own thread:
+    eval runs the schedule's forward-only Program (lowered, validated, proven; no backward, REDUCE_GRAD or
+    STEP) on the executor, and its output and micro-batch losses equal the unsplit model's forward, at
+    two batch sizes (each eval exchanges its own shapes), with and without a target."""
+    import threading
+
+    from pipec.runtime.local import LocalComm, LocalHub, LocalKV
+    from pipec.runtime.pipeline_schedule import PipelineSchedule
+
+    torch.manual_seed(0)
+    model = Toy(6, tied=False).double()  # a tie across ranks needs torch.distributed (test_train_loop_* has one)
+    x = torch.randint(0, V, (8, 5))
+    stages = split_model(model, propose_split(model, 4), example=x[:2])
+    program = pipec.compile("zb-v", p=2, m=4)
+    hub, kv = LocalHub(), LocalKV()
+    scheds = [PipelineSchedule(program, stages, loss_fn, rank=r, comm=LocalComm(hub, r), kv=kv) for r in range(2)]
+    last = next(s for s in scheds if s.has_last)
+
+    def evaluate(x, y):
+        out: dict[int, tuple] = {}
+
+        def run(r: int) -> None:
+            losses: list = []
+            out[r] = (scheds[r].eval(x, target=y, losses=losses), losses)
+
+        threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert sorted(out) == [0, 1], "an eval did not finish"
+        return out[last.rank]
+
+    for rows in (8, 12):
+        x, y = torch.randint(0, V, (rows, 5)), torch.randint(0, V, (rows, 5))
+        with torch.no_grad():
+            want = model(x)
+        got, losses = evaluate(x, y)
+        assert float((got - want).abs().max() / want.abs().max()) <= 1e-10
+        per_mb = [loss_fn(o, t) for o, t in zip(want.chunk(4), y.chunk(4))]
+        assert len(losses) == 4 and max(abs(float(a - b)) for a, b in zip(losses, per_mb)) <= 1e-10
+        got, losses = evaluate(x, None)
+        assert float((got - want).abs().max() / want.abs().max()) <= 1e-10 and losses == []
+    ev = last._evaluator.program
+    assert ev.forward_only and {i.op for rp in ev.ranks for i in rp.instructions()} <= {"FWD", "SEND_ACT", "RECV_ACT"}
+    assert all(p.grad is None for p in model.parameters())  # no graph was built, nothing accumulated
+
+
 def test_llama_split_gradients_equal_unsplit_model_float64():
     """A Llama from transformers' config (rotary embedding, grouped-query attention, tied head): proposed
     split, zb-v in one process, gradients equal to the unsplit model's."""

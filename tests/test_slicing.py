@@ -258,7 +258,7 @@ def test_an_unmet_expectation_of_the_written_file_is_a_warning(tmp_path, capsys)
 
 
 def test_the_fit_recovers_the_cost_models_attn_and_op_fixed():
-    from pipec.runtime.profile.stages import fit_slices, slice_points
+    from pipec.runtime.profile.slices import fit_slices, slice_points
 
     L = 64
     points = slice_points(L, 8)
@@ -303,7 +303,7 @@ def batch(step):
 def test_profile_times_slices_through_the_cache_interface_and_writes_the_keys(monkeypatch):
     from pipec.api import compile as compile_
     from pipec.runtime.model.contract import load_model
-    from pipec.runtime.profile.stages import measure_slices
+    from pipec.runtime.profile.slices import measure_slices
 
     monkeypatch.setenv("GPT_CONTEXT", "12")
     monkeypatch.setenv("GPT_LAYERS", "2")
@@ -322,7 +322,7 @@ def test_profile_times_slices_through_the_cache_interface_and_writes_the_keys(mo
 def test_profile_without_the_cache_interface_times_prefixes(tmp_path):
     from pipec.api import compile as compile_
     from pipec.runtime.model.contract import load_model
-    from pipec.runtime.profile.stages import measure_slices
+    from pipec.runtime.profile.slices import measure_slices
 
     path = tmp_path / "nocache.py"
     path.write_text(MODEL_WITHOUT_CACHE)

@@ -565,7 +565,7 @@ def test_cli_synth_with_datacenters_and_cross_links(tmp_path):
 
 def test_synthesized_schedule_trains_like_the_reference(tmp_path):
     torch = pytest.importorskip("torch")
-    from pipec.runtime import LocalPipeline, Reference, load_model
+    from pipec.runtime import LocalPipeline, Reference, StageOptions, load_model
     from pipec.runtime.reference import compare, rel_err
 
     res = synth.synthesize(synth.Spec(p=4, m=8, cost_docs=(UNEVEN,), limit=(4.0,) * 4), use_solver=False)
@@ -578,7 +578,7 @@ def test_synthesized_schedule_trains_like_the_reference(tmp_path):
     mp.undo()
     torch.set_num_threads(1)
     kw = dict(optimizer=model.optimizer, dtype=model.dtype)
-    pipe = LocalPipeline(prog, model.build_stage, model.loss_fn, **kw)
+    pipe = LocalPipeline(prog, model.build_stage, model.loss_fn, options=StageOptions(**kw))
     ref = Reference(model.build_stage, model.loss_fn, prog.num_stages, prog.num_microbatches, **kw)
     x, y = model.batch(0)
     out = pipe.step(x, y)

@@ -588,7 +588,7 @@ def test_torch_csvs_run_on_pipec_runtime():
     compute+comms), imported into pipec, lowered by pipec and run on pipec's runtime (every rank in
     this process): loss, every gradient and the parameters after an optimizer step equal the
     single-process float64 reference."""
-    from pipec.runtime import LocalPipeline, Reference
+    from pipec.runtime import LocalPipeline, Reference, StageOptions
     from pipec.runtime.reference import compare, rel_err
 
     torch.set_num_threads(1)
@@ -602,7 +602,7 @@ def test_torch_csvs_run_on_pipec_runtime():
         sched = read_csv(csv(text, f"{cls.__name__}.csv"))
         assert sched.num_stages == 4 and sched.num_microbatches == 4
         prog = compile_schedule(sched).program
-        pipe = LocalPipeline(prog, build_stage, worker.loss_fn, **kw)
+        pipe = LocalPipeline(prog, build_stage, worker.loss_fn, options=StageOptions(**kw))
         ref = Reference(build_stage, worker.loss_fn, prog.num_stages, prog.num_microbatches, **kw)
         x, y = worker.batch()
         out = pipe.step(x, y)

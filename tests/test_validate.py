@@ -65,6 +65,39 @@ def test_a_missing_backward_is_refused():
     assert "never happens" in _message(_drop(prog, 0, _find(prog, 0, "BWD")))
 
 
+@pytest.mark.parametrize(
+    "name,params", [("1f1b", {"p": 2, "m": 3}), ("zb-v", {"p": 2, "m": 4}), ("dualpipe-v", {"p": 4, "m": 8})]
+)
+def test_the_forward_only_program_is_valid_and_proven(name, params):
+    from pipec.passes.lower import forward_program
+
+    prog = _prog(name, **params)
+    fwd = forward_program(prog)
+    assert fwd.forward_only and dry_run(fwd).completed
+    ops = {OPCODES[o] for rp in fwd.ranks for o in rp.op.tolist()}
+    assert ops <= {"FWD", "SEND_ACT", "RECV_ACT"}
+    for r, rp in enumerate(fwd.ranks):  # each rank's FWDs in the training Program's order
+        train = prog.ranks[r]
+        is_f = train.op == OPCODES.index("FWD")
+        assert np.array_equal(rp.mb[rp.op == OPCODES.index("FWD")], train.mb[is_f])
+    # the training Program's backward, gradients and steps do not belong in it
+    with pytest.raises(PipecError, match=r"has 1 STEP instructions; it needs none \(the program is forward only"):
+        validate(dataclasses.replace(prog, forward_only=True))
+    steps = [np.isin(rp.op, [OPCODES.index("STEP"), OPCODES.index("REDUCE_GRAD")]) for rp in prog.ranks]
+    no_steps = dataclasses.replace(
+        prog,
+        forward_only=True,
+        ranks=tuple(
+            RankProgram(*(getattr(rp, f)[~k] for f in ("op", "mb", "stage", "peer", "group")))
+            for rp, k in zip(prog.ranks, steps)
+        ),
+    )
+    with pytest.raises(PipecError, match="a backward in a forward-only program"):
+        validate(no_steps)
+    with pytest.raises(PipecError, match="0 STEP instructions; it needs exactly one"):  # a training Program's rules
+        validate(dataclasses.replace(fwd, forward_only=False))
+
+
 def test_an_op_twice_is_refused():
     prog = _prog()
     rp = prog.ranks[0]

@@ -158,6 +158,9 @@ class Program:
     # Token slices and sequence lengths (pipec.ir.schedule.Slicing; None: neither): with slices, every
     # instruction's `mb` is a unit (micro-batch * slices + slice) and `num_microbatches` counts units.
     slicing: Slicing | None = None
+    # Forward only (an evaluation pass, pipec.passes.lower.forward_program): FWDs and their activations
+    # alone; no backward, no gradient message, no REDUCE_GRAD or STEP.
+    forward_only: bool = False
 
     @property
     def num_sequences(self) -> int:
@@ -177,6 +180,7 @@ class Program:
             "dp",
             "dp_kind",
             "slicing",
+            "forward_only",
         )
         return all(getattr(self, f) == getattr(other, f) for f in head) and self.ranks == other.ranks
 

@@ -9,7 +9,8 @@ allows (at most `GROUP_MAX` long); every compute op happens exactly once; every
 message the placement needs is sent once and received once; and each stage
 reduces its gradients once and then steps its optimizer once, after its last
 compute. Data parallelism: `dp` is a positive integer and `dp_kind` "ddp" or
-"fsdp"; ddp has no UNSHARD/RESHARD; under fsdp each stage's UNSHARDs and
+"fsdp"; ddp has no UNSHARD/RESHARD; a forward-only Program (an evaluation pass) has FWDs and activation
+messages only, and no REDUCE_GRAD or STEP; under fsdp each stage's UNSHARDs and
 RESHARDs alternate, starting with UNSHARD and ending with RESHARD (at least one
 window per owned stage), every compute of the stage (RECOMPUTE too) lies inside
 one of its windows, and its STEP comes after its last RESHARD. Memory ops
@@ -202,11 +203,13 @@ def _rank(prog: Program, r: int, rp) -> list[tuple[int, int, str]]:
         by = comps[np.argsort(st_c[comps], kind="stable")]
         ends = np.r_[st_c[by][1:] != st_c[by][:-1], True]
         last[st_c[by][ends]] = by[ends]
+    once = 0 if prog.forward_only else 1  # a forward-only program reduces and steps nothing
     for code, name in ((STEP, "STEP"), (REDUCE_GRAD, "REDUCE_GRAD")):
         at = np.flatnonzero(op == code)
         count = np.bincount(st_c[at], minlength=S)
-        for s in own[count[own] != 1].tolist():
-            out.append((r, -1, f"stage {s} has {int(count[s])} {name} instructions; it needs exactly one"))
+        for s in own[count[own] != once].tolist():
+            need = "none (the program is forward only)" if prog.forward_only else "exactly one"
+            out.append((r, -1, f"stage {s} has {int(count[s])} {name} instructions; it needs {need}"))
     steps, reduces = np.full(S, -1, dtype=np.int64), np.full(S, -1, dtype=np.int64)
     at = np.flatnonzero(op == STEP)
     steps[st_c[at]] = at
@@ -357,9 +360,10 @@ def _windows(
 
 
 def _exactly_once(prog: Program) -> list[tuple[int, int, str]]:
-    """Every (kind, micro-batch, stage) of the Program's kinds exactly once: W only when backward is split."""
+    """Every (kind, micro-batch, stage) of the Program's kinds exactly once: W only when backward is split,
+    F alone when the program is forward only."""
     S, m = prog.num_stages, prog.num_microbatches
-    kinds = 3 if prog.split_backward else 2
+    kinds = 1 if prog.forward_only else 3 if prog.split_backward else 2
     count = np.zeros(len(OP_KINDS) * S * m, dtype=np.int64)
     out: list[tuple[int, int, str]] = []
     for r, rp in enumerate(prog.ranks):
@@ -368,6 +372,9 @@ def _exactly_once(prog: Program) -> list[tuple[int, int, str]]:
         if not prog.split_backward:
             for j in comp[kind == 2][:1].tolist():
                 out.append((r, j, "a WGRAD in a program whose backward is not split"))
+        if prog.forward_only:
+            for j in comp[kind > 0][:1].tolist():
+                out.append((r, j, "a backward in a forward-only program"))
         key = (kind * S + rp.stage[comp]) * m + rp.mb[comp]
         count += np.bincount(key, minlength=len(count))  # (np.add.at is many times slower)
         twice = np.flatnonzero(count[key] > 1)
@@ -392,7 +399,7 @@ def _messages(prog: Program) -> list[tuple[int, int, str]]:
     # needed[(msg * S + sending stage) * m + mb]: act leaves s towards s + 1, grad leaves s towards s - 1.
     cross_up = np.r_[placement[:-1] != placement[1:], False]
     cross_down = np.r_[False, placement[1:] != placement[:-1]]
-    needed = np.concatenate([np.repeat(cross_up, m), np.repeat(cross_down, m)])
+    needed = np.concatenate([np.repeat(cross_up, m), np.repeat(cross_down & (not prog.forward_only), m)])
     sends = np.zeros(2 * S * m, dtype=np.int64)
     recvs = np.zeros(2 * S * m, dtype=np.int64)
     out: list[tuple[int, int, str]] = []

@@ -78,6 +78,7 @@ from pipec.ir.dataparallel import DataParallel
 from pipec.ir.opcodes import (
     CODE,
     COMPUTE_OF_KIND,
+    FWD,
     HAS_SEND,
     IN_MSG,
     IN_STAGE,
@@ -99,7 +100,7 @@ from pipec.ir.program import Program, RankProgram
 from pipec.ir.schedule import Collective, MemOp, RankOps, Schedule
 from pipec.ir.validate import validate
 from pipec.passes.deadlock import global_order
-from pipec.passes.dryrun import DryRun, dry_run
+from pipec.passes.dryrun import DryRun, deadlock_error, dry_run
 
 
 def lower(sched: Schedule, dp: DataParallel | None = None) -> Program:
@@ -113,6 +114,8 @@ def lower_with_proof(sched: Schedule, dp: DataParallel | None = None) -> tuple[P
     when `dp` cannot be honoured, E423 when the schedule's own collectives break a rule, E424 its memory
     ops."""
     dp = dp or DataParallel()
+    if _forward_only(sched) and (not dp.is_default or any(sched.memops) or any(sched.collectives)):
+        raise ValueError("a forward-only schedule lowers without data-parallel collectives or memory ops")
     times = global_order(sched)
     S, m = sched.num_stages, sched.num_microbatches
     time_of = op_times(sched, times)
@@ -134,10 +137,42 @@ def lower_with_proof(sched: Schedule, dp: DataParallel | None = None) -> tuple[P
         dp=dp.size,
         dp_kind=dp.kind,
         slicing=sched.slicing,
+        forward_only=_forward_only(sched),
     )
     if any(placed):
         _prove_placed(sched, prog, placed)
     return prog, dry_run(prog, witness=time_of)  # the order above, checked against every rule
+
+
+def forward_program(prog: Program) -> Program:
+    """The forward-only Program of `prog` (an evaluation pass): each rank's FWDs in `prog`'s order, as a
+    schedule of F ops alone, lowered again, so it is validated and proven by the dry run like any Program.
+    A subsequence of a deadlock-free order with only the activation messages stays deadlock-free; the
+    lowering re-derives the channel order. No memory ops, collectives, REDUCE_GRAD or STEP."""
+    ranks = []
+    for rp in prog.ranks:
+        fwd = np.flatnonzero(rp.op == FWD)
+        n = len(fwd)
+        ranks.append(RankOps(np.zeros(n, np.int64), rp.mb[fwd], rp.stage[fwd], np.full(n, -1), np.zeros(n, bool)))
+    sched = Schedule(
+        name=prog.name,
+        params=prog.params,
+        num_stages=prog.num_stages,
+        num_ranks=prog.num_ranks,
+        num_microbatches=prog.num_microbatches,
+        kinds=("F",),
+        placement=prog.placement,
+        ranks=tuple(ranks),
+        slicing=prog.slicing,
+    )
+    out, run = lower_with_proof(sched)
+    if not run.completed:  # cannot happen for a proven Program's FWDs; a lowering bug if it does
+        raise deadlock_error(run)
+    return out
+
+
+def _forward_only(sched: Schedule) -> bool:
+    return "B" not in sched.kinds
 
 
 def op_times(sched: Schedule, times: list[np.ndarray]) -> np.ndarray:
@@ -235,6 +270,8 @@ def _lower_rank(
     own = np.asarray(sched.stages_of(rank), dtype=np.int64)[::-1]
     memops = sched.memops[rank] if rank < len(sched.memops) else ()
     if dp.is_default and not memops:  # no data parallelism, as before PP x DP: the reductions, then the steps
+        if _forward_only(sched):  # nothing to reduce or step
+            own = own[:0]
         tail = np.concatenate([np.full(len(own), REDUCE_GRAD), np.full(len(own), STEP)])
         z = np.full(len(tail), -1)
         placed.append([])

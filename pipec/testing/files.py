@@ -209,7 +209,7 @@ def runtime_check(target: Schedule | CompiledSchedule | Program, steps: int = 2,
     `tol`. Returns the largest relative error. Needs torch (`pipec[runtime]`)."""
     import torch
 
-    from pipec.runtime import LocalPipeline, Reference
+    from pipec.runtime import LocalPipeline, Reference, StageOptions
     from pipec.runtime.reference import compare, rel_err
 
     if isinstance(target, Program):
@@ -227,7 +227,7 @@ def runtime_check(target: Schedule | CompiledSchedule | Program, steps: int = 2,
         return torch.nn.functional.mse_loss(output, target)
 
     options = dict(dtype=torch.float64, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
-    pipe = LocalPipeline(prog, build_stage, loss_fn, **options)
+    pipe = LocalPipeline(prog, build_stage, loss_fn, options=StageOptions(**options))
     ref = Reference(build_stage, loss_fn, prog.num_stages, prog.num_microbatches, **options)
     gen = torch.Generator().manual_seed(0)
     worst = 0.0

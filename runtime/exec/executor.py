@@ -5,6 +5,10 @@ waits there for its SEND_ACT (or for the next stage's FWD when that stage is on 
 hand-off, nothing copied), and a posted receive waits there for the compute that consumes it. At the end
 of the step the table must be empty and every stage's backward done.
 
+Dispatch is one table, `Executor.HANDLERS`: opcode -> the method that executes it (pipec.ir.opcodes declares
+the vocabulary; adding an opcode is a row there and a method here). The loop itself only takes each
+compute's input message (the table's `needs`) and calls the opcode's method.
+
 `run` is a generator: over torch.distributed it never yields (waits block); in --local mode it yields
 whenever a message has not arrived, so one thread can interleave all ranks.
 
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Generator
+from types import MethodType
 from typing import Any
 
 import torch
@@ -48,8 +53,6 @@ from pipec.ir.opcodes import (
     RECOMPUTE,
     REDUCE_GRAD,
     RELOAD,
-    RESHARD,
-    STEP,
     UNSHARD,
     WGRAD,
 )
@@ -97,6 +100,13 @@ class Executor:
         # the receives in stream order, and each receive instruction's place in that order
         self.recvs = [j for j, ins in enumerate(self.instrs) if IS_RECV[ins[0]]]
         self.recv_ord = {j: k for k, j in enumerate(self.recvs)}
+        # per instruction, the message its compute consumes when the stage that sends it exists (else None)
+        self.needs = [self._needed(op, mb, s) for op, mb, s, _, _ in self.instrs]
+        table = Executor.FORWARD_ONLY if program.forward_only else Executor.HANDLERS
+        self.handlers = [MethodType(table[name], self) for name in OPCODES]
+        self.outputs: dict[int, Any] = {}  # a forward-only step's last-stage outputs, by micro-batch
+        self.inputs: list | None = None  # this step's micro-batch inputs (stage 0) and targets (last stage)
+        self.targets: list | None = None
         self.posted = 0  # receives of this step posted so far (a prefix of self.recvs)
         self.reached = 0  # receive instructions of this step the loop has reached
         # memory ops: the (mb, stage) pairs whose FWD keeps only its input, and the saved-tensor pool
@@ -152,110 +162,184 @@ class Executor:
 
     # ---- the loop -------------------------------------------------------------------------------
     def run(self, step: int, inputs: list | None, targets: list | None) -> Generator[object, None, None]:
+        """Execute this rank's instructions for one step, in the Program's order: each through its opcode's
+        method (`HANDLERS`), after taking the message it consumes (the opcode table's `needs`) when the
+        stage that sends it exists; a wait for that message is the only place the loop yields."""
         self.step, self.at = step, -1
-        values, stages, comm, S = self.values, self.stages, self.comm, self.S
+        self.inputs, self.targets = inputs, targets
+        self.outputs = {}
         rec = self.record
-        dp = self.dp
         n = len(self.instrs)
+        instrs, needs, handlers = self.instrs, self.needs, self.handlers
         t_run = time.perf_counter() if rec is not None else 0.0
         self.posted = self.reached = 0
-        pool, recomputed = self.pool, self.recomputed
+        pool = self.pool
         if pool is not None:
             pool.reset_peaks()
         self._post_upto(self.recv_ahead)
         j = 0
         while j < n:
             self.at = j
-            op, mb, s, peer, grp = self.instrs[j]
-            if op == FWD:
-                args = inputs[mb] if s == 0 else (yield from self._take(self._input(op, mb, s)))
-                if dp is not None:
-                    dp.ready(s)
-                t0 = time.perf_counter() if rec is not None else 0.0
-                target = targets[mb] if s == S - 1 else None
-                if (mb, s) in recomputed:
-                    out = stages[s].forward(mb, args, target, keep_input_only=True)
-                else:
-                    out = stages[s].forward(mb, args, target)
-                if out is not None:
-                    values[(ACT, mb, s)] = out
-                if rec is not None:
-                    self.sync()
-                    rec.append(("compute", FWD, mb, s, t0, time.perf_counter()))
-            elif op == BWD:
-                grads = None if s == S - 1 else (yield from self._take(self._input(op, mb, s)))
-                if dp is not None:
-                    dp.ready(s)
-                t0 = time.perf_counter() if rec is not None else 0.0
-                dargs = stages[s].backward(mb, grads)
-                if s > 0:
-                    values[(GRAD, mb, s)] = dargs
-                if rec is not None:
-                    self.sync()
-                    rec.append(("compute", BWD, mb, s, t0, time.perf_counter()))
-            elif op == WGRAD:
-                if dp is not None:
-                    dp.ready(s)
-                t0 = time.perf_counter() if rec is not None else 0.0
-                stages[s].wgrad(mb)
-                if rec is not None:
-                    self.sync()
-                    rec.append(("compute", WGRAD, mb, s, t0, time.perf_counter()))
-            elif op == STEP:
-                comm.finish_sends()
-                t0 = time.perf_counter() if rec is not None else 0.0
-                if dp is not None:
-                    dp.finish(s)  # waits for REDUCE_GRAD's reduction
-                stages[s].step()
-                if rec is not None:
-                    self.sync()
-                    rec.append(("step", s, t0, time.perf_counter()))
-            elif op == REDUCE_GRAD:
-                t0 = time.perf_counter() if rec is not None else 0.0
-                if dp is not None:
-                    dp.reduce_grad(s)
-                if self.on_reduce_grad is not None:
-                    self.on_reduce_grad(s, stages[s].module)
-                if rec is not None:
-                    rec.append(("collective", REDUCE_GRAD, s, t0, time.perf_counter()))
-            elif op == UNSHARD:
-                t0 = time.perf_counter() if rec is not None else 0.0
-                if dp is not None:
-                    dp.unshard(s)
-                if rec is not None:
-                    rec.append(("collective", UNSHARD, s, t0, time.perf_counter()))
-            elif op == RESHARD:
-                if dp is not None:
-                    dp.reshard(s)
-            elif op == RECOMPUTE:
-                t0 = time.perf_counter() if rec is not None else 0.0
-                stages[s].recompute(mb)
-                if rec is not None:
-                    self.sync()
-                    rec.append(("memop", RECOMPUTE, mb, s, t0, time.perf_counter()))
-            elif op == OFFLOAD or op == RELOAD:
-                t0 = time.perf_counter() if rec is not None else 0.0
-                (pool.offload if op == OFFLOAD else pool.reload)(mb, s)
-                if rec is not None:
-                    rec.append(("memop", op, mb, s, t0, time.perf_counter()))
-            elif grp:  # a batched exchange: validate allows exactly two transfers with one peer
-                self._exchange([j, j + 1])
-                j += 1
-            else:  # a lone transfer
-                self._exchange([j])
-            j += 1
+            op, mb, s, _, _ = instrs[j]
+            key = needs[j]
+            got = None if key is None else (yield from self._take(key))
+            j += handlers[op](j, mb, s, got)
         self.at = n
+        self.inputs = self.targets = None
+        self.comm.finish_sends()  # every send of the step has completed (after STEP's, none is left)
         if pool is not None:
             self.peaks = pool.peaks()
         if rec is not None:  # the instructions' span, for the time of the step outside them
             rec.append(("run", t_run, time.perf_counter()))
         left = [key_str(k) for k in self.values]
-        undone = {s: st.check_done() for s, st in stages.items() if st.check_done()}
+        undone = {s: st.check_done() for s, st in self.stages.items() if st.check_done()}
         if left or undone:
             raise PipelineError(
                 f"rank {self.rank}: the step ended with unconsumed values ({', '.join(left) or 'none'}) or "
                 f"micro-batches without backward ({undone or 'none'}): the Program is inconsistent"
             )
+
+    # ---- one method per opcode: (index, micro-batch, stage, the message taken) -> instructions consumed ----
+    def _fwd(self, j: int, mb: int, s: int, got: Any) -> int:
+        args = self.inputs[mb] if got is None else got
+        if self.dp is not None:
+            self.dp.ready(s)
+        rec = self.record
+        t0 = time.perf_counter() if rec is not None else 0.0
+        target = self.targets[mb] if s == self.S - 1 else None
+        out = self.stages[s].forward(mb, args, target, keep_input_only=(mb, s) in self.recomputed)
+        if out is not None:
+            self.values[(ACT, mb, s)] = out
+        if rec is not None:
+            self.sync()
+            rec.append(("compute", FWD, mb, s, t0, time.perf_counter()))
+        return 1
+
+    def _infer(self, j: int, mb: int, s: int, got: Any) -> int:
+        """FWD in a forward-only Program: no graph; the last stage's output is kept in `outputs`."""
+        args = self.inputs[mb] if got is None else got
+        last = s == self.S - 1
+        target = self.targets[mb] if last and self.targets is not None else None
+        out = self.stages[s].infer(mb, args, target)
+        if last:
+            self.outputs[mb] = out
+        else:
+            self.values[(ACT, mb, s)] = out
+        return 1
+
+    def _bwd(self, j: int, mb: int, s: int, got: Any) -> int:
+        if self.dp is not None:
+            self.dp.ready(s)
+        rec = self.record
+        t0 = time.perf_counter() if rec is not None else 0.0
+        dargs = self.stages[s].backward(mb, got)
+        if s > 0:
+            self.values[(GRAD, mb, s)] = dargs
+        if rec is not None:
+            self.sync()
+            rec.append(("compute", BWD, mb, s, t0, time.perf_counter()))
+        return 1
+
+    def _wgrad(self, j: int, mb: int, s: int, got: Any) -> int:
+        if self.dp is not None:
+            self.dp.ready(s)
+        rec = self.record
+        t0 = time.perf_counter() if rec is not None else 0.0
+        self.stages[s].wgrad(mb)
+        if rec is not None:
+            self.sync()
+            rec.append(("compute", WGRAD, mb, s, t0, time.perf_counter()))
+        return 1
+
+    def _step(self, j: int, mb: int, s: int, got: Any) -> int:
+        self.comm.finish_sends()
+        rec = self.record
+        t0 = time.perf_counter() if rec is not None else 0.0
+        if self.dp is not None:
+            self.dp.finish(s)  # waits for REDUCE_GRAD's reduction
+        self.stages[s].step()
+        if rec is not None:
+            self.sync()
+            rec.append(("step", s, t0, time.perf_counter()))
+        return 1
+
+    def _reduce_grad(self, j: int, mb: int, s: int, got: Any) -> int:
+        rec = self.record
+        t0 = time.perf_counter() if rec is not None else 0.0
+        if self.dp is not None:
+            self.dp.reduce_grad(s)
+        if self.on_reduce_grad is not None:
+            self.on_reduce_grad(s, self.stages[s].module)
+        if rec is not None:
+            rec.append(("collective", REDUCE_GRAD, s, t0, time.perf_counter()))
+        return 1
+
+    def _unshard(self, j: int, mb: int, s: int, got: Any) -> int:
+        rec = self.record
+        t0 = time.perf_counter() if rec is not None else 0.0
+        if self.dp is not None:
+            self.dp.unshard(s)
+        if rec is not None:
+            rec.append(("collective", UNSHARD, s, t0, time.perf_counter()))
+        return 1
+
+    def _reshard(self, j: int, mb: int, s: int, got: Any) -> int:
+        if self.dp is not None:
+            self.dp.reshard(s)
+        return 1
+
+    def _recompute(self, j: int, mb: int, s: int, got: Any) -> int:
+        rec = self.record
+        t0 = time.perf_counter() if rec is not None else 0.0
+        self.stages[s].recompute(mb)
+        if rec is not None:
+            self.sync()
+            rec.append(("memop", RECOMPUTE, mb, s, t0, time.perf_counter()))
+        return 1
+
+    def _offload(self, j: int, mb: int, s: int, got: Any) -> int:
+        return self._move(OFFLOAD, self.pool.offload, mb, s)
+
+    def _reload(self, j: int, mb: int, s: int, got: Any) -> int:
+        return self._move(RELOAD, self.pool.reload, mb, s)
+
+    def _move(self, op: int, move: Callable[[int, int], None], mb: int, s: int) -> int:
+        rec = self.record
+        t0 = time.perf_counter() if rec is not None else 0.0
+        move(mb, s)
+        if rec is not None:
+            rec.append(("memop", op, mb, s, t0, time.perf_counter()))
+        return 1
+
+    def _transfer(self, j: int, mb: int, s: int, got: Any) -> int:
+        """A send or a receive; with its group bit, a batched exchange of it and the next instruction
+        (validate allows exactly two transfers with one peer)."""
+        if self.instrs[j][4]:
+            self._exchange([j, j + 1])
+            return 2
+        self._exchange([j])
+        return 1
+
+    # The one dispatch table: opcode name -> the method that executes it (every opcode of
+    # pipec.ir.opcodes has one; `handlers` is it indexed by opcode number, bound to this executor).
+    HANDLERS: dict[str, Callable[..., int]] = {
+        "FWD": _fwd,
+        "BWD": _bwd,
+        "WGRAD": _wgrad,
+        "RECV_ACT": _transfer,
+        "SEND_ACT": _transfer,
+        "RECV_GRAD": _transfer,
+        "SEND_GRAD": _transfer,
+        "REDUCE_GRAD": _reduce_grad,
+        "STEP": _step,
+        "UNSHARD": _unshard,
+        "RESHARD": _reshard,
+        "RECOMPUTE": _recompute,
+        "OFFLOAD": _offload,
+        "RELOAD": _reload,
+    }
+    # A forward-only Program (an evaluation pass, `Program.forward_only`) differs in one row.
+    FORWARD_ONLY: dict[str, Callable[..., int]] = {**HANDLERS, "FWD": _infer}
 
     def _take(self, key: Key) -> Generator[object, None, Any]:
         try:
@@ -272,10 +356,13 @@ class Executor:
                 self.record.append(("recv", *key, peer, time.perf_counter()))
         return v
 
-    @staticmethod
-    def _input(op: int, mb: int, s: int) -> Key:
-        """The message a compute consumes (the instruction table's `needs`)."""
-        return (int(NEEDS_MSG[op]), mb, s + int(NEEDS_STAGE[op]))
+    def _needed(self, op: int, mb: int, s: int) -> Key | None:
+        """The message a compute consumes (the instruction table's `needs`), None when it consumes none or
+        its sender would be outside the pipeline (stage 0's FWD takes the inputs, the last stage's BWD the loss)."""
+        sender = s + int(NEEDS_STAGE[op])
+        if NEEDS_MSG[op] < 0 or not 0 <= sender < self.S:
+            return None
+        return (int(NEEDS_MSG[op]), mb, sender)
 
     @staticmethod
     def _key(op: int, mb: int, s: int) -> Key:

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from pipec.ir.schedule import Slicing
+from pipec.runtime.errors import PipelineError
 from pipec.runtime.exec import slices
 from pipec.runtime.exec import split_backward as split
 from pipec.runtime.exec.saved import Pool, module_storages, storages
@@ -85,6 +86,20 @@ class Stage:
         stash = tuple(None if i in held else a for i, a in enumerate(args))
         self.stashed[mb] = (stash, held, target, rng, devices)
         return None if self.last else tuple(o.detach() for o in outputs_of(out, self.index))
+
+    def infer(self, mb: int, args: tuple, target: Any = None) -> Any:
+        """FWD of a forward-only Program (an evaluation pass): no graph, nothing kept for a backward. Returns
+        what goes on to the next stage, or on the last stage its output, after adding its loss to the step's
+        when a target is given."""
+        if self.kv is not None:
+            raise PipelineError("a forward-only pass over token slices is not supported: evaluate unsliced")
+        with torch.no_grad():
+            out = self.module(*args)
+            if not self.last:
+                return outputs_of(out, self.index)
+            if target is not None and self.loss_fn is not None:
+                self._add_loss(self.loss_fn(out, target), mb)
+            return out
 
     def recompute(self, mb: int) -> None:
         """RECOMPUTE: the forward of micro-batch mb again, with grad, from the input its FWD kept."""

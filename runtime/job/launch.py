@@ -232,7 +232,7 @@ class Worker:
 
         from pipec.runtime.job.monitor import Monitor
         from pipec.runtime.job.sameness import check_same_program
-        from pipec.runtime.runner import Runner
+        from pipec.runtime.runner import Runner, StageOptions, Transport
 
         torch, args = self.torch, self.args
         if args.backend == "nccl":
@@ -268,16 +268,17 @@ class Worker:
             m.build_stage,
             m.loss_fn,
             rank=self.rank if self.program.dp == 1 else None,  # with a mesh: its "pp" coordinate
-            optimizer=m.optimizer,
-            dtype=m.dtype,
-            device=self.device,
-            loss_scale=args.loss_scale,
-            seed=args.seed,
-            timeout=args.timeout,
-            where=f"{m.path}: build_stage",
-            links=self._links(),
-            recv_ahead=args.recv_ahead,
-            dp_unit=args.dp_unit,
+            options=StageOptions(
+                optimizer=m.optimizer,
+                dtype=m.dtype,
+                device=self.device,
+                loss_scale=args.loss_scale,
+                seed=args.seed,
+                where=f"{m.path}: build_stage",
+            ),
+            transport=Transport(
+                timeout=args.timeout, links=self._links(), recv_ahead=args.recv_ahead, dp_unit=args.dp_unit
+            ),
         )
 
     def _links(self):

@@ -231,15 +231,15 @@ def run_local(opts: RunOptions, program: Program, model, links=None, schedule=No
     from pipec.runtime.job.report import CheckStats, Report, StepRecord, header
     from pipec.runtime.local import LocalPipeline
     from pipec.runtime.reference import Reference, compare, rel_err
+    from pipec.runtime.runner import StageOptions, Transport
 
     device = torch.device(opts.device or ("cuda" if opts.backend == "nccl" else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise OptionError("--device cuda (or --backend nccl) with --local needs a GPU, and torch sees none")
     kw = dict(optimizer=model.optimizer, dtype=model.dtype, device=device, loss_scale=opts.loss_scale, seed=opts.seed)
     report = Report(opts.records)
-    pipe = LocalPipeline(
-        program, model.build_stage, model.loss_fn, where=f"{model.path}: build_stage", links=links, **kw
-    )
+    options = StageOptions(where=f"{model.path}: build_stage", **kw)
+    pipe = LocalPipeline(program, model.build_stage, model.loss_fn, options=options, transport=Transport(links=links))
     reference = None
     if opts.check:
         reference = Reference(model.build_stage, model.loss_fn, program.num_stages, program.num_sequences, **kw)

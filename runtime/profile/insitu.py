@@ -62,7 +62,7 @@ def _rank(rank: int, world: int, port: int, spec: dict, out) -> None:
     # bound as `pipec run` binds its ranks
     dist = spawned.join_gloo(rank, world, port, threads=spec["threads"], timeout=spec["timeout"])
     from pipec.runtime.model.contract import load_model
-    from pipec.runtime.runner import Runner
+    from pipec.runtime.runner import Runner, StageOptions, Transport
 
     runner = None
     try:
@@ -73,11 +73,10 @@ def _rank(rank: int, world: int, port: int, spec: dict, out) -> None:
             model.build_stage,
             model.loss_fn,
             rank=rank if program.dp == 1 else None,  # with replicas the mesh says (Runner makes it)
-            optimizer=model.optimizer,
-            dtype=model.dtype,
-            seed=spec["seed"],
-            loss_scale=spec["loss_scale"],
-            timeout=spec["timeout"],
+            options=StageOptions(
+                optimizer=model.optimizer, dtype=model.dtype, seed=spec["seed"], loss_scale=spec["loss_scale"]
+            ),
+            transport=Transport(timeout=spec["timeout"]),
         )
         from pipec.runtime.exec.microbatch import batch_of
 

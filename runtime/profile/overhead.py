@@ -72,7 +72,7 @@ def instruction_overhead(rank: int, nbytes: int, reps: int, gap: float, steps: i
     from pipec.frontend import library
     from pipec.passes.compiler import compile_schedule
     from pipec.runtime.job.measure import timeline
-    from pipec.runtime.runner import Runner
+    from pipec.runtime.runner import Runner, StageOptions
 
     m = max(2, reps)
     program = compile_schedule(build(library.read("gpipe"), [("p", 2), ("m", m)])).program
@@ -83,7 +83,7 @@ def instruction_overhead(rank: int, nbytes: int, reps: int, gap: float, steps: i
     def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return out.sum()
 
-    runner = Runner(program, build_stage, loss_fn, rank=rank, dtype=torch.float64, timeout=60.0)
+    runner = Runner(program, build_stage, loss_fn, rank=rank, options=StageOptions(dtype=torch.float64))
     batch = torch.ones(m, max(1, nbytes // 8), dtype=torch.float64)  # one row per micro-batch: one message
     for step in range(steps):  # the first step does the shape handshake and the first allocations
         runner.step(batch, batch, record=step == steps - 1)

@@ -26,7 +26,7 @@ With `slices` N (`pipec profile --slices N`, docs/terapipe.md), each stage is al
 (`measure_slices`): slices of whole N-ths of the sequence at every context that leaves room for them, through
 the stage module's key/value cache interface (pipec.runtime.exec.slices; without one, prefixes of the sequence
 at context 0), and the cost keys `attn` and `op_fixed` of `Slicing.weight` are fitted to them by least
-squares; the fit's residual goes into `[measured.slices]`.
+squares; the fit's residual goes into `[measured.slices]` (pipec.runtime.profile.slices).
 
 Threads: by default torch uses the number `pipec run` gives each of its processes (OMP_NUM_THREADS, or
 the CPUs divided by the ranks), so the times are those of a rank in a run on this machine.
@@ -35,7 +35,6 @@ the CPUs divided by the ranks), so the times are those of a rank in a run on thi
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import statistics
 import time
@@ -52,7 +51,11 @@ from pipec.runtime.exec.microbatch import as_args, batch_of, split, to_device
 from pipec.runtime.exec.saved import Pool, state_bytes, tensor_bytes
 from pipec.runtime.exec.stage import Stage
 from pipec.runtime.job.affinity import allowed_cpus, bind_local_rank
-from pipec.runtime.model.contract import Model, build_stage_module, default_optimizer
+from pipec.runtime.model.contract import Model, default_optimizer
+from pipec.runtime.profile.collectives import DP_KINDS, Collectives, measure_collectives
+from pipec.runtime.profile.common import rounded, stage_modules
+from pipec.runtime.profile.links import measure_link
+from pipec.runtime.profile.slices import SliceFit, measure_slices
 
 
 @dataclass
@@ -98,17 +101,17 @@ class Profile:
         if self.in_situ is not None:  # the ops as they ran in the schedule
             F, B, W = (self.situ(op) for op in (FWD, BWD, WGRAD))
             doc["comment"] += f"; F, B, W and overhead in situ, medians over {self.in_situ['steps']} steps"
-        doc["F"] = _r(F)
-        doc["B"] = _r(B)  # without split backward, B without W: the cost model's full backward
+        doc["F"] = rounded(F)
+        doc["B"] = rounded(B)  # without split backward, B without W: the cost model's full backward
         if self.split_backward:
-            doc["W"] = _r(W)
+            doc["W"] = rounded(W)
         doc["act_bytes"] = list(self.act_bytes)
         doc["grad_bytes"] = list(self.grad_bytes)
         for key in ("saved_bytes", "wsaved_bytes", "input_bytes", "state_bytes"):
             if key in self.memory and (key != "wsaved_bytes" or self.split_backward):
                 doc[key] = list(self.memory[key])
         if "offload" in self.memory:
-            doc["offload"] = _r(self.memory["offload"])
+            doc["offload"] = rounded(self.memory["offload"])
         if self.latency is not None:
             doc["latency"] = round(self.latency, 9)
         if self.bandwidth is not None:
@@ -116,14 +119,14 @@ class Profile:
         if self.overhead is not None:
             doc["overhead"] = round(self.overhead, 9)
         if self.in_situ is not None and self.in_situ.get("step"):  # the schedule's own STEPs
-            doc["step"] = _r([self.in_situ["step"].get(s, 0.0) for s in range(len(self.forward))])
+            doc["step"] = rounded([self.in_situ["step"].get(s, 0.0) for s in range(len(self.forward))])
         if self.in_situ is not None and self.in_situ.get("outside_s") is not None:
             doc["step_overhead"] = float(f"{self.in_situ['outside_s']:.6g}")
         if self.slices is not None:
             fitted = f"{len(self.slices.points)} token slices ({self.slices.how})"
             doc["comment"] += f"; attn and op_fixed fitted to {fitted}"
-            doc["attn"] = _r(self.slices.attn)
-            doc["op_fixed"] = _r(self.slices.op_fixed)
+            doc["attn"] = rounded(self.slices.attn)
+            doc["op_fixed"] = rounded(self.slices.op_fixed)
         if self.collectives is not None:
             doc["comment"] += f"; collectives on a data-parallel group of {self.collectives.size}"
             doc.update(self.collectives.cost_keys(self.param_bytes))
@@ -131,11 +134,11 @@ class Profile:
             doc["dp_blocking"] = 1
         doc["measured"] = {
             "stages": {
-                "forward": _r(self.forward),
-                "full_backward": _r(self.full_backward),
-                "input_backward": _r(self.input_backward),
-                "weight_backward": _r(self.weight_backward),
-                "optimizer_step": _r(self.optimizer_step),
+                "forward": rounded(self.forward),
+                "full_backward": rounded(self.full_backward),
+                "input_backward": rounded(self.input_backward),
+                "weight_backward": rounded(self.weight_backward),
+                "optimizer_step": rounded(self.optimizer_step),
             },
             "run": {k: v for k, v in self.info.items() if v is not None},
         }
@@ -145,9 +148,9 @@ class Profile:
             doc["measured"]["slices"] = self.slices.measured()
         if self.in_situ is not None:
             doc["measured"]["in_situ"] = {
-                "forward": _r(self.situ(FWD)),
-                "backward": _r(self.situ(BWD)),
-                **({"weight_backward": _r(self.situ(WGRAD))} if self.split_backward else {}),
+                "forward": rounded(self.situ(FWD)),
+                "backward": rounded(self.situ(BWD)),
+                **({"weight_backward": rounded(self.situ(WGRAD))} if self.split_backward else {}),
                 "step": float(f"{self.in_situ['step_s']:.6g}"),
                 "steps": self.in_situ["steps"],
             }
@@ -156,28 +159,24 @@ class Profile:
                 for name, code in (("forward", FWD), ("backward", BWD), ("weight_backward", WGRAD)):
                     if code != WGRAD or self.split_backward:
                         per = [mean.get((code, s), 0.0) for s in range(len(self.forward))]
-                        doc["measured"]["in_situ"][f"{name}_mean"] = _r(per)
+                        doc["measured"]["in_situ"][f"{name}_mean"] = rounded(per)
             by_replica = self.in_situ.get("ops_by_replica") or []
             if len(by_replica) > 1:  # each replica's own F, B (and W): replica 0's are the cost keys
                 for name, code in (("forward", FWD), ("backward", BWD), ("weight_backward", WGRAD)):
                     if code != WGRAD or self.split_backward:
                         per = [[ops.get((code, s), 0.0) for s in range(len(self.forward))] for ops in by_replica]
-                        doc["measured"]["in_situ"][f"{name}_by_replica"] = [_r(x) for x in per]
+                        doc["measured"]["in_situ"][f"{name}_by_replica"] = [rounded(x) for x in per]
             coll = self.in_situ.get("collectives") or {}
             for name, code in (("reduce_grad", REDUCE_GRAD), ("unshard", UNSHARD)):
                 if any(op == code for op, _ in coll):  # as the ranks spent them in the schedule
                     per = [coll.get((code, s), 0.0) for s in range(len(self.forward))]
-                    doc["measured"]["in_situ"][name] = _r(per)
+                    doc["measured"]["in_situ"][name] = rounded(per)
         return doc
 
     def situ(self, op: int) -> list[float]:
         """Per stage, the in-situ median of an op (0.0 where the schedule never ran it)."""
         assert self.in_situ is not None
         return [self.in_situ["ops"].get((op, s), 0.0) for s in range(len(self.forward))]
-
-
-def _r(xs: list[float]) -> list[float]:
-    return [float(f"{x:.6g}") for x in xs]
 
 
 def _nbytes(tensors: tuple[torch.Tensor, ...]) -> int:
@@ -335,7 +334,7 @@ def stage_bytes(
     device = torch.device(device)
     S, m = program.num_stages, program.num_sequences  # with token slices, each a whole sequence
     scale = 1.0 / m if loss_scale is None else loss_scale
-    modules = _stage_modules(model, S, seed, device)
+    modules = stage_modules(model, S, seed, device)
     make_opt = model.optimizer or default_optimizer
     inputs, targets = batch_of(model.batch(0), f"{model.path}: batch(0)")
     if dp > 1:
@@ -396,14 +395,6 @@ def default_threads(ranks: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, ranks))
 
 
-def _stage_modules(model: Model, S: int, seed: int, device: torch.device) -> list[torch.nn.Module]:
-    """Every stage's module as a run builds it (seeded by (seed, stage))."""
-    return [
-        build_stage_module(model.build_stage, s, S, seed=seed, dtype=model.dtype, device=device, where="build_stage")
-        for s in range(S)
-    ]
-
-
 def _measure(
     program: Program, model: Model, reps: int, warmup: int, device: torch.device, seed: int, loss_scale, dp: int = 1
 ) -> Profile:
@@ -412,7 +403,7 @@ def _measure(
     token slices, on whole sequences (what the cost model's F, B and W are given for)."""
     S, m = program.num_stages, program.num_sequences
     scale = 1.0 / m if loss_scale is None else loss_scale
-    modules = _stage_modules(model, S, seed, device)
+    modules = stage_modules(model, S, seed, device)
     make_opt = model.optimizer or default_optimizer
     opts = []
     for mod in modules:
@@ -569,427 +560,6 @@ def _timing_rank(rank: int, world: int, spec: dict, barrier, out) -> None:
 
 
 # ---- token slices: F and backward per (length, context), and the fit of attn and op_fixed ----------------
-
-
-@dataclass
-class SliceFit:
-    """Per stage, the medians of F plus the full backward of token slices (`points`: (length, context)
-    pairs of a sequence of `seqlen` tokens), and the least-squares fit of the cost model's slice time
-    (`Slicing.weight`): t(l, c) = f + u l / L + v l (2c + l + 1) / (L (L + 1)), so attn = v / (u + v) and
-    op_fixed = f / 2 (a slice runs two ops, F and its backward). `residual` is the fit's root-mean-square
-    relative error per stage, `worst` its largest; `how` says whether the contexts were real
-    (the key/value cache interface) or prefixes at context 0."""
-
-    seqlen: int
-    points: list[tuple[int, int]]
-    forward: list[list[float]]
-    backward: list[list[float]]
-    attn: list[float]
-    op_fixed: list[float]
-    residual: list[float]
-    worst: list[float]
-    how: str
-
-    def measured(self) -> dict[str, Any]:
-        return {
-            "how": self.how,
-            "seqlen": self.seqlen,
-            "lengths": [n for n, _ in self.points],
-            "contexts": [c for _, c in self.points],
-            "forward": [_r(x) for x in self.forward],
-            "backward": [_r(x) for x in self.backward],
-            "fit_residual": _r(self.residual),
-            "fit_worst": _r(self.worst),
-        }
-
-
-SHORTEST = 4  # tokens: the shortest slice `slice_points` adds below the n-ths
-
-
-def slice_points(seqlen: int, n: int, contexts: bool = True) -> list[tuple[int, int]]:
-    """(length, context) of every slice between boundaries at whole n-ths of the sequence (rounded down);
-    without `contexts`, the prefixes only (context 0). Then slices shorter than an n-th, halving down to
-    `SHORTEST` tokens, at context 0 and (with `contexts`) at the end of the sequence. Why: what an op costs
-    whatever its length (`op_fixed`) is the fit's intercept, which slices of n-ths alone leave to an
-    extrapolation from long slices; the dynamic program of `pipec slice` picks among short slices exactly
-    where that intercept decides (a measured 114-slice cut ran 2.9x slower than unsliced while fitted
-    without them, docs/terapipe.md)."""
-    edges = sorted({seqlen * k // n for k in range(n + 1)})
-    points = [(b - a, a) for ia, a in enumerate(edges) for b in edges[ia + 1 :] if contexts or a == 0]
-    length = (seqlen // n) // 2
-    while length >= SHORTEST:
-        points += [(length, 0)] + ([(length, seqlen - length)] if contexts else [])
-        length //= 2
-    return points
-
-
-def fit_slices(seqlen: int, points: list[tuple[int, int]], times: list[float]) -> tuple[float, float, float, float]:
-    """(attn, op_fixed, rms relative residual, worst relative residual) of the least-squares fit, on
-    relative errors, of one stage's slice times (F plus backward: two ops) to the cost model's form (see SliceFit)."""
-    import numpy as np
-
-    L = float(seqlen)
-    l = np.array([p[0] for p in points], dtype=float)  # noqa: E741
-    c = np.array([p[1] for p in points], dtype=float)
-    X = np.stack([np.ones_like(l), l / L, l * (2 * c + l + 1) / (L * (L + 1))], axis=1)
-    y = np.asarray(times, dtype=float)
-    # relative errors, so that the short slices, which fix the intercept, weigh as much as the long ones
-    scale = 1.0 / np.where(y > 0, y, 1.0)
-    (f, u, v), *_ = np.linalg.lstsq(X * scale[:, None], y * scale, rcond=None)
-    rel = (X @ np.array([f, u, v]) - y) * scale
-    u, v = max(u, 0.0), max(v, 0.0)
-    attn = v / (u + v) if u + v > 0 else 0.0
-    return float(attn), max(float(f), 0.0) / 2, float(np.sqrt(np.mean(rel**2))), float(np.abs(rel).max())
-
-
-def measure_slices(
-    program: Program,
-    model: Model,
-    n: int,
-    *,
-    reps: int = 20,
-    warmup: int = 3,
-    device: str | torch.device = "cpu",
-    seed: int = 0,
-    progress: Callable[[str], None] | None = None,
-) -> SliceFit:
-    """Time F and the full backward of every stage on token slices of micro-batch 0 of `batch(0)` (its
-    dim 1, the tokens, cut at whole n-ths: `slice_points`), and fit `attn` and `op_fixed` per stage.
-
-    With the key/value cache interface (pipec.runtime.exec.slices: `module(*inputs, past_kv=past) -> (output,
-    kv)`), a slice of l tokens after c runs as the runtime runs it: the keys and values of the c earlier
-    tokens (computed untimed) enter as leaves that require grad, and its backward runs from its output's
-    gradient and, unless it is the sequence's last slice, its own keys' and values' (as the later slices
-    return them). Without the interface only prefixes are timed (context 0: the attention over the slice
-    itself), which the fit extends to other contexts by the cost model's form. Each stage's input is the
-    earlier stages' output on the whole sequence, computed once, untimed. Each point is timed once per
-    round, `warmup` + `reps` rounds, and its fastest run kept (the fit needs the points' relative times,
-    which other work on the machine blurs; a minimum is the least blurred)."""
-    from pipec.runtime.exec.slices import takes_past
-
-    say = progress or (lambda _: None)
-    device = torch.device(device)
-    S, m = program.num_stages, program.num_sequences
-    modules = _stage_modules(model, S, seed, device)
-    cached = all(takes_past(mod) for mod in modules)
-    inputs, targets = batch_of(model.batch(0), f"{model.path}: batch(0)")
-    x0 = as_args(to_device(split(inputs, m, "inputs")[0], device, model.dtype))
-    y0 = to_device(split(targets, m, "targets")[0], device)
-    if not isinstance(x0[0], torch.Tensor) or x0[0].dim() < 2 or not isinstance(y0, torch.Tensor):
-        raise PipelineError("--slices cuts the inputs and targets along dim 1 (the tokens): give tensors of 2+ dims")
-    L = int(x0[0].shape[1])
-    points = slice_points(L, n, cached)
-    if len({a for a, _ in points} if not cached else points) < 3:
-        raise PipelineError(f"--slices {n}: fitting attn and op_fixed takes 3 or more slice lengths")
-    how = "key/value cache, every context" if cached else "prefixes at context 0 (no key/value cache interface)"
-    say(f"timing F and backward of {len(points)} token slices per stage ({how}), {warmup} + {reps} rounds each")
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-
-    def part(args: tuple, a: int, b: int) -> tuple:
-        return tuple(t[:, a:b] if isinstance(t, torch.Tensor) and t.dim() >= 2 else t for t in args)
-
-    def leaf(t):
-        return t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t
-
-    fwd: list[list[float]] = []
-    bwd: list[list[float]] = []
-    args = x0
-    for s, mod in enumerate(modules):
-        last = s == S - 1
-        tf: list[list[float]] = [[] for _ in points]
-        tb: list[list[float]] = [[] for _ in points]
-        for rep in range(warmup + reps):  # rounds over every point: a busy spell slows them all alike
-            for k, (l, c) in enumerate(points):  # noqa: E741
-                with torch.no_grad():
-                    past = mod(*part(args, 0, c), past_kv=())[1] if cached and c else ()
-                past = tuple(leaf(t) for t in past)
-                xs = tuple(leaf(t) for t in part(args, c, c + l))
-                sync()
-                t0 = time.perf_counter()
-                out = mod(*xs, past_kv=past) if cached else mod(*xs)
-                y, kv = out if cached else (out, ())
-                if last:
-                    y = model.loss_fn(y, y0[:, c : c + l]) * (l / L)
-                sync()
-                t1 = time.perf_counter()
-                outs = [y] + ([t for t in kv if t.requires_grad] if c + l < L else [])
-                grads = [None if last and j == 0 else torch.ones_like(t) for j, t in enumerate(outs)]
-                torch.autograd.backward(outs, grads)
-                sync()
-                t2 = time.perf_counter()
-                if rep >= warmup:
-                    tf[k].append(t1 - t0)
-                    tb[k].append(t2 - t1)
-        # the fastest of each point's runs: on a machine shared with other work, a median measures it too
-        per_f = [min(x) for x in tf]
-        per_b = [min(x) for x in tb]
-        fwd.append(per_f)
-        bwd.append(per_b)
-        mod.zero_grad(set_to_none=True)
-        if not last:
-            with torch.no_grad():
-                args = as_args(mod(*args))
-        say(f"stage {s}: {len(points)} slices timed")
-    fits = [fit_slices(L, points, [f + b for f, b in zip(fs, bs)]) for fs, bs in zip(fwd, bwd)]
-    return SliceFit(
-        L,
-        points,
-        fwd,
-        bwd,
-        [a for a, _, _, _ in fits],
-        [o for _, o, _, _ in fits],
-        [r for _, _, r, _ in fits],
-        [w for _, _, _, w in fits],
-        how,
-    )
-
-
-# ---- the link: a gloo ping-pong between two local processes --------------------------------------------
-
-
-def measure_link(
-    nbytes: int, reps: int = 20, timeout: float = 120.0, gap: float = 1e-3
-) -> tuple[float | None, float | None, float | None]:
-    """One-way time of a small message (latency, s) and the bandwidth (bit/s) beyond it, from a gloo
-    ping-pong of 8 bytes and of `nbytes` between two fresh local processes, and the per-instruction
-    overhead (s) of pipec's executor for messages of `nbytes` between compute ops of about `gap` seconds
-    (pipec.runtime.profile.overhead); Nones if it fails."""
-    from pipec.runtime.job import spawned
-
-    # bound as `pipec run` binds two gloo ranks (pipec.runtime.job.affinity), so the link is measured as runs use it
-    results = spawned.run_gloo(_pingpong, 2, nbytes, reps, gap, timeout=timeout)
-    if isinstance(results, str):
-        return None, None, None
-    small, big, overhead = results[0]
-    if nbytes <= 8 or big <= small:
-        return small, None, overhead
-    return small, (nbytes - 8) * 8 / (big - small), overhead
-
-
-def _pingpong(rank: int, world: int, port: int, nbytes: int, reps: int, gap: float, out) -> None:
-    from pipec.runtime.job import spawned
-    from pipec.runtime.profile.overhead import instruction_overhead
-
-    dist = spawned.join_gloo(rank, world, port)
-    try:
-        results = [_rtt(rank, dist, n, reps) / 2 for n in (8, max(nbytes, 8))]
-        overhead = instruction_overhead(rank, max(nbytes, 8), reps, gap)
-        out.put(("result", rank, (*results, overhead) if rank == 0 else None))
-    finally:
-        spawned.leave_gloo(dist)  # the Runner's process groups and works go first, on this thread
-
-
-def _rtt(rank: int, dist, nbytes: int, reps: int) -> float:
-    buf = torch.zeros(max(1, nbytes // 8), dtype=torch.float64)
-    peer = 1 - rank
-    times = []
-    for i in range(reps + 3):
-        dist.barrier()
-        t0 = time.perf_counter()
-        if rank == 0:
-            dist.isend(buf, peer, tag=i).wait()
-            dist.irecv(buf, peer, tag=i).wait()
-        else:
-            dist.irecv(buf, peer, tag=i).wait()
-            dist.isend(buf, peer, tag=i).wait()
-        if i >= 3:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-# ---- the data-parallel group's collectives: the ring model's latency and bandwidth -------------------
-
-DP_KINDS = ("ddp", "fsdp")
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
-# 4 KiB .. 16 MiB, by factors of 4: from latency-bound to bandwidth-bound on any link `pipec run` uses
-COLLECTIVE_SIZES = tuple(4096 * 4**k for k in range(7))
-
-
-def ring_terms(kind: str, n: int) -> tuple[float, float]:
-    """The ring model of a collective on n processes, as the simulator charges it (pipec.sim.costs): its
-    time is `hops * latency + share * bytes * 8 / bandwidth`, `bytes` the whole buffer (the reduced one,
-    the gathered one, the one scattered). All-reduce is a reduce-scatter then an all-gather: twice both."""
-    if kind not in COLLECTIVES:
-        raise ValueError(f"unknown collective {kind!r} (known: {', '.join(COLLECTIVES)})")
-    hops, share = n - 1, (n - 1) / n
-    return (2 * hops, 2 * share) if kind == "all_reduce" else (hops, share)
-
-
-def ring_time(kind: str, n: int, nbytes: float, latency: float, bandwidth: float) -> float:
-    """Seconds of one collective under the ring model (`ring_terms`); bandwidth in bits per second."""
-    hops, share = ring_terms(kind, n)
-    return hops * latency + share * nbytes * 8 / bandwidth
-
-
-def fit_ring(samples: list[tuple[str, int, float, float]]) -> tuple[float, float]:
-    """The ring model's (latency s, bandwidth bit/s) from timed collectives `(kind, n, bytes, seconds)`,
-    by least squares on relative errors: the model is linear in (latency, 1 / bandwidth), and weighting each
-    sample by 1 / its time lets a 4 KiB all-gather (latency-bound) count as much as a 16 MiB all-reduce,
-    which absolute errors would drown. A fit that makes either term negative (latency below measurement
-    noise, or a bandwidth no size reaches) keeps that term at 0 and fits the other alone; bandwidth is
-    then inf (no size term)."""
-    import numpy as np
-
-    rows = [(k, n, b, t) for k, n, b, t in samples if t > 0 and n > 1]
-    if not rows:
-        raise ValueError("no timed collective to fit (each needs n > 1 processes and a positive time)")
-    A = np.array([[ring_terms(k, n)[0], ring_terms(k, n)[1] * b * 8] for k, n, b, _ in rows], dtype=float)
-    t = np.array([r[3] for r in rows], dtype=float)
-    A, y = A / t[:, None], np.ones_like(t)
-    (a, inv_b), *_ = np.linalg.lstsq(A, y, rcond=None)
-    if a < 0 or inv_b <= 0:  # one term alone, the better of the two that are not negative
-        fits = []
-        for col in (0, 1):
-            x = float(A[:, col] @ y / (A[:, col] @ A[:, col])) if A[:, col].any() else 0.0
-            fits.append((float(np.sum((A[:, col] * x - y) ** 2)), col, max(x, 0.0)))
-        _, col, x = min(fits)
-        a, inv_b = (x, 0.0) if col == 0 else (0.0, x)
-    return float(a), (1.0 / float(inv_b) if inv_b > 0 else math.inf)
-
-
-@dataclass
-class Collectives:
-    """A data-parallel group's timed collectives and the ring model fitted to them."""
-
-    size: int  # processes in the group
-    kind: str  # ddp or fsdp: which collectives a stage's REDUCE_GRAD and UNSHARD are
-    latency: float  # the fit over every kind and size: seconds per ring hop
-    bandwidth: float  # bits per second
-    times: dict[str, dict[int, float]]  # kind -> bytes -> median seconds
-    per_kind: dict[str, tuple[float, float]]  # kind -> its own fit
-    stage_bytes: list[int]  # each stage's parameter bytes, timed as they are
-    how: str = ""
-
-    def stage_times(self, kind: str) -> list[float]:
-        """The measured seconds of collective `kind` on each stage's parameter bytes (0 for none)."""
-        return [self.times[kind][b] if b > 0 else 0.0 for b in self.stage_bytes]
-
-    def cost_keys(self, param_bytes: list[int]) -> dict[str, Any]:
-        """The cost file's keys (pipec.sim.costs): the fit, the parameter bytes, and each stage's measured
-        REDUCE_GRAD (all-reduce for ddp, reduce-scatter for fsdp) and, for fsdp, UNSHARD (all-gather)."""
-        keys: dict[str, Any] = {
-            "param_bytes": list(param_bytes),
-            "dp_latency": float(f"{self.latency:.6g}"),
-            "dp_bandwidth": float(f"{self.bandwidth:.6g}"),
-        }
-        keys["reduce_grad"] = _r(self.stage_times("all_reduce" if self.kind == "ddp" else "reduce_scatter"))
-        if self.kind == "fsdp":
-            keys["unshard"] = _r(self.stage_times("all_gather"))
-        return keys
-
-    def measured(self) -> dict[str, Any]:
-        """The `[measured.collectives]` table: every size's median per kind, and each kind's own fit."""
-        sizes = sorted({b for per in self.times.values() for b in per})
-        table: dict[str, Any] = {"size": self.size, "kind": self.kind, "how": self.how, "bytes": sizes}
-        for k, per in self.times.items():
-            table[f"{k}_s"] = _r([per[b] for b in sizes])
-            a, b = self.per_kind[k]
-            table[f"{k}_latency"], table[f"{k}_bandwidth"] = float(f"{a:.6g}"), float(f"{b:.6g}")
-        return table
-
-    def worst_fit_error(self) -> float:
-        """The largest relative error of the fit over the timed collectives."""
-        return max(
-            abs(ring_time(k, self.size, b, self.latency, self.bandwidth) / t - 1)
-            for k, per in self.times.items()
-            for b, t in per.items()
-            if t > 0
-        )
-
-
-def measure_collectives(
-    size: int,
-    *,
-    kind: str = "ddp",
-    sizes: tuple[int, ...] | None = None,
-    stage_bytes: list[int] | tuple[int, ...] = (),
-    reps: int = 10,
-    warmup: int = 2,
-    dtype: torch.dtype = torch.float32,
-    world: int | None = None,
-    groups: int = 1,
-    timeout: float = 600.0,
-) -> Collectives:
-    """Time all-reduce, all-gather and reduce-scatter on a gloo group of `size` fresh local processes, at
-    each of `sizes` bytes (default COLLECTIVE_SIZES) and at each stage's `stage_bytes`, and fit the ring
-    model (`fit_ring`).
-
-    Each collective's time is the slowest process's, between barriers (a collective ends for the step when
-    it ends everywhere), the median of `reps` after `warmup`. The processes are bound to CPUs as `pipec run`
-    binds the ranks of a job of `world` processes on this machine (default: `size`): with the p x dp
-    ranks of a PP x DP run sharing it, each gets the CPUs a rank of that run would. With `groups` > 1,
-    `groups` such groups (rank g * size + i in group g, the "dp" dim of a ("pp", "dp") mesh) time theirs
-    at once, as the pipeline ranks' groups may in a run; their medians are pooled."""
-    from pipec.runtime.job import spawned
-
-    if size < 2 or groups < 1 or reps < 1 or warmup < 0:
-        raise ValueError("collectives need a group of at least 2 processes, groups >= 1, reps >= 1, warmup >= 0")
-    if kind not in DP_KINDS:
-        raise ValueError(f"kind must be one of {', '.join(DP_KINDS)}, got {kind!r}")
-    nproc = size * groups
-    world = max(world or nproc, nproc)
-    sizes = COLLECTIVE_SIZES if sizes is None else sizes
-    timed_sizes = sorted({int(b) for b in (*sizes, *stage_bytes) if b > 0})
-    spec = dict(size=size, sizes=timed_sizes, reps=reps, warmup=warmup, dtype=str(dtype).removeprefix("torch."))
-    spec["world"] = world
-    per_rank = spawned.run_gloo(_collective_rank, nproc, spec, timeout=timeout)
-    if isinstance(per_rank, str):
-        raise PipelineError(f"timing the collectives of a data-parallel group of {size} failed: {per_rank}")
-    times: dict[str, dict[int, float]] = {}
-    for k in COLLECTIVES:
-        times[k] = {}
-        for b in timed_sizes:
-            slowest = [  # per group and rep, the slowest of the group's processes
-                max(per_rank[g * size + i][k][b][r] for i in range(size)) for g in range(groups) for r in range(reps)
-            ]
-            times[k][b] = statistics.median(slowest)
-    samples = [(k, size, b, t) for k, per in times.items() for b, t in per.items()]
-    per_kind = {k: fit_ring([x for x in samples if x[0] == k]) for k in COLLECTIVES}
-    latency, bandwidth = fit_ring(samples)
-    binding = "unbound" if per_rank[0]["cpus"] is None else f"each on {len(per_rank[0]['cpus'])} CPU(s)"
-    how = (
-        f"gloo, {groups} group(s) of {size} local processes at once, bound as {world} ranks of a run ({binding}), "
-        f"{str(dtype).removeprefix('torch.')}, slowest process, medians of {reps}"
-    )
-    return Collectives(size, kind, latency, bandwidth, times, per_kind, [int(b) for b in stage_bytes], how)
-
-
-def _collective_rank(rank: int, world: int, port: int, spec: dict, out) -> None:
-    from pipec.runtime.job import spawned
-    from pipec.runtime.job.affinity import bind_local_rank
-
-    cpus = bind_local_rank("auto", "gloo", rank, spec["world"])  # as a rank of the whole run is bound
-    dist = spawned.join_gloo(rank, world, port, bind=False)
-    try:
-        n = spec["size"]
-        groups = [dist.new_group(list(range(g * n, (g + 1) * n))) for g in range(world // n)]
-        group = groups[rank // n]
-        dtype = getattr(torch, spec["dtype"])
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        result: dict[str, Any] = {"cpus": cpus}
-        for k in COLLECTIVES:
-            result[k] = {}
-        for nbytes in spec["sizes"]:
-            count = max(n, -(-nbytes // itemsize // n) * n)  # whole shards, as FSDP pads them
-            full = torch.ones(count, dtype=dtype)
-            shard = torch.ones(count // n, dtype=dtype)
-            ops = {
-                "all_reduce": lambda f=full: dist.all_reduce(f, group=group),
-                "all_gather": lambda f=full, h=shard: dist.all_gather_single(f, h, group=group),
-                "reduce_scatter": lambda f=full, h=shard: dist.reduce_scatter_single(h, f, group=group),
-            }
-            for k, op in ops.items():  # the kinds alternate at each size, so load drifts hit them alike
-                seconds = []
-                for i in range(spec["warmup"] + spec["reps"]):
-                    dist.barrier()
-                    t0 = time.perf_counter()
-                    op()
-                    if i >= spec["warmup"]:
-                        seconds.append(time.perf_counter() - t0)
-                result[k][nbytes] = seconds
-        out.put(("result", rank, result))
-    finally:
-        spawned.leave_gloo(dist, barrier=True)
 
 
 def summary_lines(prof: Profile) -> list[str]:
