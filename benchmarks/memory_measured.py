@@ -45,7 +45,7 @@ def _load() -> float:
 
 
 def _compile(name: str, p: int, m: int):
-    from pipec.api import build
+    from pipec.driver import build
     from pipec.frontend import library
     from pipec.passes.compiler import compile_schedule
 

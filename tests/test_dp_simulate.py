@@ -20,7 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from strategies import random_schedules
 
-from pipec.api import build, load
+from pipec.api import load
+from pipec.driver import build
 from pipec.errors import PipecError, Source
 from pipec.formats.trace import read_trace, trace_events, write_trace
 from pipec.ir.opcodes import CODE, OPCODES, REDUCE_GRAD, RESHARD, UNSHARD
@@ -379,12 +380,13 @@ def test_trace_gantt_and_report_show_the_collectives(tmp_path):
 
 def report_json(sched, prog, c) -> dict:
     """`pipec simulate --json`'s record for a Program under these costs."""
+    from pipec.driver import Simulation
     from pipec.sim.memory import memory_model
 
     tl = simulate(prog, c)
     mem = memory_model(sched, None)
     compiled = type("C", (), {"schedule": sched})()
-    return report.to_json(report.Simulation(compiled, c, mem, tl, stats(tl, mem)))
+    return report.to_json(Simulation(compiled, c, mem, tl, stats(tl, mem)))
 
 
 def test_the_data_parallel_path_is_not_much_slower():

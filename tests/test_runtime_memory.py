@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 from pipec.api import load  # noqa: E402
-from pipec.ir.program import to_json  # noqa: E402
+from pipec.formats.program_file import to_json  # noqa: E402
 from pipec.ir.schedule import MemOp, Schedule  # noqa: E402
 from pipec.passes.compiler import compile_schedule  # noqa: E402
 from pipec.runtime import LocalPipeline, PipelineError, Reference, load_model  # noqa: E402

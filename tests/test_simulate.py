@@ -23,7 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from strategies import deps, random_schedules
 
-from pipec.api import build, load
+from pipec.api import load
+from pipec.driver import build
 from pipec.errors import PipecError, Source
 from pipec.formats.trace import read_trace, trace_events, write_trace
 from pipec.frontend import library

@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipec.api import build, simulate
+from pipec.api import simulate
+from pipec.driver import build
 from pipec.errors import PipecError, Source
 from pipec.ir.schedule import Slicing
 from pipec.slicing import (

@@ -349,7 +349,7 @@ def _doc(fn) -> str:
 
 def _target(args: argparse.Namespace, name: str | None = None) -> tuple[Schedule | Program, str | None]:
     """The schedule (evaluated with -D, checked op by op) or the validated Program file a command names."""
-    from pipec.api import target_of
+    from pipec.driver import target_of
 
     return target_of(args.schedule if name is None else name, args.defines)
 
@@ -364,8 +364,8 @@ def _read_source(name: str) -> Source:
 
 
 def _build(args: argparse.Namespace) -> Schedule:
-    """The Schedule a command works on; of a Program file, the one it executes (pipec.api.schedule_of)."""
-    from pipec.api import schedule_of
+    """The Schedule a command works on; of a Program file, the one it executes (pipec.driver.schedule_of)."""
+    from pipec.driver import schedule_of
 
     obj, where = _target(args)
     return schedule_of(obj, Source(where, "")) if isinstance(obj, Program) else obj
@@ -374,12 +374,12 @@ def _build(args: argparse.Namespace) -> Schedule:
 def _memory(args: argparse.Namespace, docs: list[dict] | None = None) -> dict[str, float]:
     """The memory overrides of the command line, over the measured bytes of its cost documents (`docs`,
     when the caller has read them already; else read from `--cost`)."""
+    from pipec.driver import memory_overrides
     from pipec.sim.costs import cost_spec
-    from pipec.sim.memory import memory_bytes
 
     if docs is None:
         docs = [cost_spec(t) for t in getattr(args, "cost", [])]
-    overrides = {**memory_bytes(docs), **dict(args.mem)}
+    overrides = memory_overrides(docs, dict(args.mem))
     if args.memory_limit is not None:
         overrides["limit"] = args.memory_limit
     if getattr(args, "host_memory_limit", None) is not None:
@@ -397,7 +397,7 @@ def _dp(args: argparse.Namespace, program_file: bool = False) -> dpopts.DataPara
 def _compile(args: argparse.Namespace) -> tuple[CompiledSchedule, bool]:
     """Every check but the `expect` lines, then the Program (a Program file: validated and dry-run);
     and whether the input was a Program file."""
-    from pipec.api import check_program
+    from pipec.driver import check_program
 
     obj, where = _target(args)
     if isinstance(obj, Program):
@@ -460,7 +460,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     no deadlock, even when every send blocks until its receive is posted; and the schedule's own `expect`
     lines, measured under its own cost and memory declarations (E405). A Program file (`pipec compile`'s
     output, JSON or text) is validated and dry-run, and its memory checked."""
-    from pipec.passes.expect import check_expectations
+    from pipec.driver import check_expectations
 
     c, program_file = _compile(args)
     s = c.schedule
@@ -479,7 +479,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_compile(args: argparse.Namespace) -> int:
     """Check a schedule and lower it to one instruction stream per rank (see docs/program.md), written
     rank by rank as it is produced. With --json and no -o, the program is the `program` field."""
-    from pipec.ir.program import write_json, write_text
+    from pipec.formats.program_file import write_json, write_text
 
     prog = _compile(args)[0].program
     fmt = args.format or ("json" if args.output and args.output.endswith(".json") else "text")
@@ -525,7 +525,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
 def cmd_show(args: argparse.Namespace) -> int:
     """Print the schedule as a grid: one row per step, one column per rank; `F3&B1` marks an overlapped pair.
     A Program file shows the schedule it executes."""
-    from pipec.api import check_program, schedule_of
+    from pipec.driver import check_program, schedule_of
     from pipec.view.grid import cells, format_grid, grid_title
 
     obj, where = _target(args)
@@ -624,7 +624,7 @@ def _on_network(args: argparse.Namespace, s: Schedule) -> Schedule:
 def _show_timeline(args: argparse.Namespace, s: Schedule, ranks: list[int] | None, prog: Program | None = None) -> int:
     import shutil
 
-    from pipec.api import simulation
+    from pipec.driver import simulation
     from pipec.ir.schedule import unit_json
     from pipec.sim.costs import cost_spec
     from pipec.view import report
@@ -632,7 +632,7 @@ def _show_timeline(args: argparse.Namespace, s: Schedule, ranks: list[int] | Non
 
     docs = [cost_spec(t) for t in args.cost]
     if prog is None:
-        sim = report.run(_on_network(args, s), docs)
+        sim = simulation(_on_network(args, s), docs)
     else:  # the Program with its collectives, as lowered for the data parallelism asked for
         sim = simulation(prog, docs, None, getattr(args, "topology", None))
     if args.json:
@@ -656,7 +656,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from the schedule's declarations, cost files and overrides (`--cost F=1,B=2,W=1` per stage, `T_F=1,...`
     per rank); by default T_F = T_B = T_W = 1 for each rank's share of the model, a full backward costs
     T_B + T_W, and communication is free. A Program file is simulated as it stands."""
-    from pipec.api import param_names, simulation, target_of
+    from pipec.driver import param_names, simulation, target_of
     from pipec.sim.costs import cost_spec
     from pipec.view import report
 
@@ -750,7 +750,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     CPU, nccl on CUDA), or every rank in this process with --local. Prints a line per step; --check
     compares the loss, gradients and parameters with a single-process run; --json gives each step's loss
     and seconds. See docs/runtime.md."""
-    from pipec.api import check_program
+    from pipec.driver import check_program
 
     obj, where = _target(args)
     if isinstance(obj, Program):
@@ -1013,7 +1013,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     """Turn a torch.distributed.pipelining schedule CSV (compute-only or compute+comms) into a .pipe file
     with the same per-rank orders, written as loops where they repeat. The CSV is then checked like any
     schedule; `pipec check/show/compile/simulate FILE.csv` also read a CSV directly."""
-    from pipec.api import build
+    from pipec.driver import build
     from pipec.formats.torch_csv import is_torch_csv, to_pipe
 
     source = _read_source(args.csv)
@@ -1253,7 +1253,7 @@ def cmd_test(args: argparse.Namespace) -> int:
     if not files:
         raise Misuse(f"no .pipe files under {' '.join(args.paths)}")
     # --range and -D apply to the files that declare the parameter; each must name one of some file.
-    from pipec.api import compile_source
+    from pipec.frontend.load import compile_source
 
     declared: dict[str, set[str]] = {}
     for target in files:

@@ -184,12 +184,11 @@ class Problem:
         return (pre[c[1:]] - pre[c[:-1]]).astype(float).tolist()
 
     def simulate(self, bounds: Sequence[int]):
-        """The Timeline of the schedule's Program under this split's costs."""
-        from pipec.sim.costs import cost_model
-        from pipec.sim.simulate import simulate
+        """The Timeline of the schedule's Program under this split's costs (`pipec.driver.timeline`)."""
+        from pipec.driver import timeline
 
         self.simulations += 1
-        return simulate(self.program, cost_model(self.sched, [*self.cost_docs, self.cost_doc(bounds)]))
+        return timeline(self.sched, self.program, [*self.cost_docs, self.cost_doc(bounds)])
 
     def evaluate(self, bounds: Sequence[int]) -> Split:
         from pipec.sim.simulate import stats

@@ -10,7 +10,8 @@ import subprocess
 import sys
 import tempfile
 
-from pipec.ir.program import Program, write_json
+from pipec.formats.program_file import write_json
+from pipec.ir.program import Program
 
 SHUTDOWN_S = 3  # seconds a rank has to answer SIGTERM (ours take about one) before SIGKILL
 
