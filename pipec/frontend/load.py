@@ -47,15 +47,15 @@ def compile_source(source: Source) -> GeneratedCode:
 
 @functools.cache
 def _front_end_digest() -> str:
-    """What the generated code depends on besides the text: the grammar, the front end's modules, the
-    versions of pipec and Python."""
+    """What the generated code depends on besides the text: the grammar, the front end's modules and the
+    unit table they scale quantities by (`pipec.ir.units`), the versions of pipec and Python."""
     import hashlib
     import sys
     from pathlib import Path
 
     here = Path(__file__).resolve().parent
     h = hashlib.sha256(f"{sys.version}\0{_version()}".encode())
-    for path in sorted(here.glob("*.py")):
+    for path in [*sorted(here.glob("*.py")), here.parent / "ir" / "units.py"]:
         with contextlib.suppress(OSError):
             h.update(path.read_bytes())
     h.update(package_files("pipec.grammar").joinpath("pipe.lark").read_bytes())

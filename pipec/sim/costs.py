@@ -82,6 +82,7 @@ import numpy as np
 from pipec.errors import brief, error
 from pipec.ir.opcodes import ACT_MSG, COST_KIND
 from pipec.ir.schedule import STAGE_COST_KEYS, Schedule, Topology
+from pipec.ir.units import of_kind, scale
 
 FORMAT = "pipec-costs"
 # Version 2 (what `dump_costs` writes, so every `pipec profile` file) declares what it holds, so that a
@@ -108,11 +109,6 @@ LINK_CLASSES = ("node", "dc", "cross")
 LINK_DEFAULTS = {"node": (2e-6, 1.6e12), "dc": (10e-6, 100e9), "cross": (10e-3, 10e9)}
 FREE = (0.0, math.inf)
 
-_TIME = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
-_RATE = {"bps": 1.0, "Kbps": 1e3, "Mbps": 1e6, "Gbps": 1e9, "Tbps": 1e12}
-_RATE.update({"B/s": 8.0, "KB/s": 8e3, "MB/s": 8e6, "GB/s": 8e9, "TB/s": 8e12})
-_SIZE = {"B": 1.0, "KB": 1e3, "MB": 1e6, "GB": 1e9, "KiB": 2.0**10, "MiB": 2.0**20, "GiB": 2.0**30}
-_KIND_UNITS = {"time": _TIME, "bandwidth": _RATE, "bytes": _SIZE, "number": {}}
 _KEY_KIND = {"F": "time", "B": "time", "W": "time", "comm": "time", "act_bytes": "bytes", "grad_bytes": "bytes"}
 _KEY_KIND.update({"param_bytes": "bytes", "reduce_grad": "time", "unshard": "time", "step": "time"})
 _KEY_KIND.update({k: "bytes" for k in ("saved_bytes", "wsaved_bytes", "input_bytes", "state_bytes")})
@@ -452,13 +448,13 @@ def quantity(value: object, kind: str, what: str) -> float:
     elif isinstance(value, str):
         text = value.strip().replace(" ", "")
         m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)(.*)", text)
-        units = _KIND_UNITS[kind]
+        units = of_kind(kind)  # pipec.ir.units; a "number" has none
         if not m or (m.group(2) and m.group(2) not in units):
             raise error(
                 "E801",
                 f"{what}: cannot read `{brief(value)}` as a {kind} (a number, or with a unit: {', '.join(units)})",
             )
-        x = float(m.group(1)) * (units[m.group(2)] if m.group(2) else 1.0)
+        x = scale(float(m.group(1)), m.group(2)) if m.group(2) else float(m.group(1))
     else:
         raise error("E801", f"{what}: expected a number, got `{brief(value)}`")
     if kind == "bandwidth":

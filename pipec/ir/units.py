@@ -1,0 +1,80 @@
+"""Units: the one table of time, size and rate units, and the one way amounts of bytes are written for people.
+
+Every reader of a quantity with a unit (the language's `40ms` and `16MiB`, cost files and `--cost`,
+`--memory-limit`, partition's `--ranks`) scales by this table, and every writer (the `.pipe` writer, the
+tables and reports) writes from it, so `10Gbps` means the same number everywhere and reads back exactly.
+
+A unit is (kind, multiply, divide): a value in it is `value * multiply / divide` in the kind's base unit
+(seconds, bytes, bits per second), so `5us` is exactly `5 / 1e6` seconds, the float a writer needs to
+find again.
+"""
+
+from __future__ import annotations
+
+import math
+
+# name -> (kind, multiply, divide); kinds: "time" (seconds), "bytes", "bandwidth" (bits per second).
+UNITS: dict[str, tuple[str, float, float]] = {
+    "ns": ("time", 1.0, 1e9),
+    "us": ("time", 1.0, 1e6),
+    "ms": ("time", 1.0, 1e3),
+    "s": ("time", 1.0, 1.0),
+    "B": ("bytes", 1.0, 1.0),
+    "KB": ("bytes", 1e3, 1.0),
+    "MB": ("bytes", 1e6, 1.0),
+    "GB": ("bytes", 1e9, 1.0),
+    "KiB": ("bytes", 2.0**10, 1.0),
+    "MiB": ("bytes", 2.0**20, 1.0),
+    "GiB": ("bytes", 2.0**30, 1.0),
+    "bps": ("bandwidth", 1.0, 1.0),
+    "Kbps": ("bandwidth", 1e3, 1.0),
+    "Mbps": ("bandwidth", 1e6, 1.0),
+    "Gbps": ("bandwidth", 1e9, 1.0),
+    "Tbps": ("bandwidth", 1e12, 1.0),
+    "B/s": ("bandwidth", 8.0, 1.0),
+    "KB/s": ("bandwidth", 8e3, 1.0),
+    "MB/s": ("bandwidth", 8e6, 1.0),
+    "GB/s": ("bandwidth", 8e9, 1.0),
+    "TB/s": ("bandwidth", 8e12, 1.0),
+}
+
+# The units the schedule language writes after a number (grammar/pipe.lark's QUANTITY token): no `ns`, and
+# bandwidths in bits per second only.
+LANGUAGE = ("us", "ms", "s", "bps", "Kbps", "Mbps", "Gbps", "Tbps", "B", "KB", "MB", "GB", "KiB", "MiB", "GiB")
+
+# The binary units amounts of bytes are written in for people, largest first.
+BINARY = (("GiB", 2.0**30), ("MiB", 2.0**20), ("KiB", 2.0**10))
+
+
+def of_kind(kind: str, among: tuple[str, ...] | None = None) -> tuple[str, ...]:
+    """The units of one kind ("time", "bytes", "bandwidth"), in table order; only those in `among` if given."""
+    return tuple(u for u, (k, _, _) in UNITS.items() if k == kind and (among is None or u in among))
+
+
+def scale(value: float, unit: str) -> float:
+    """`value` given in `unit`, in its kind's base unit (seconds, bytes, bits per second)."""
+    _, mul, div = UNITS[unit]
+    return value * mul / div
+
+
+def exact_text(x: float, units: tuple[str, ...], digits) -> str | None:
+    """The shortest `<number><unit>` among `units` that `scale` reads back as exactly `x` (`digits` writes a
+    number); the first of equal length wins. None when none does."""
+    best = None
+    for unit in units:
+        _, mul, div = UNITS[unit]
+        text = digits(x * div / mul)
+        if float(text) * mul / div == x and (best is None or len(text) + len(unit) < len(best)):
+            best = text + unit
+    return best
+
+
+def fmt_bytes(x: float) -> str:
+    """An amount of bytes for people: `1.5 GiB`, `512 KiB`, `100 B` (three significant digits; whole units
+    from 1000 of the largest up); `no limit` for NaN."""
+    if math.isnan(x):
+        return "no limit"
+    for name, size in BINARY:
+        if abs(x) >= size:
+            return f"{x / size:.3g} {name}" if abs(x) < 1000 * size else f"{x / size:.0f} {name}"
+    return f"{x:g} B"
