@@ -38,7 +38,7 @@ def measure(latency_ms: float, bandwidth_gbps: float, p: int, m: int, extra: dic
     from pipec.api import load
     from pipec.driver import simulation
     from pipec.frontend.topology import read_topology, with_topology
-    from pipec.sim.costs import parse_overrides, read_cost_file
+    from pipec.sim.cost_files import parse_overrides, read_cost_file
 
     link = parse_overrides(f"latency.cross={latency_ms}ms,bandwidth.cross={bandwidth_gbps}Gbps")
     docs = [read_cost_file(COSTS), link]

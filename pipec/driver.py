@@ -263,7 +263,7 @@ def memory_overrides(docs: Sequence[Mapping] = (), memory: Mapping[str, object] 
 def cost_docs(cost: str | Mapping[str, object] | Sequence[str | Mapping[str, object]] | None) -> list[dict]:
     """Cost documents, checked and converted, from what `pipec.simulate(cost=...)` takes: a cost file's path
     or overrides like "F=1,B=2", a cost document (a mapping), or several of these, later ones winning."""
-    from pipec.sim.costs import cost_spec, normalize
+    from pipec.sim.cost_files import cost_spec, normalize
 
     specs = [] if cost is None else [cost] if isinstance(cost, (str, Mapping)) else list(cost)
     return [cost_spec(c) if isinstance(c, str) else dict(c) if "_from" in c else normalize(c, "cost=") for c in specs]

@@ -552,7 +552,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Choose the slices, print them beside uniform slicing, write `-o`."""
     from pipec.cli import app as cli
-    from pipec.sim.costs import cost_spec
+    from pipec.sim.cost_files import cost_spec
 
     source = cli._read_source(args.schedule)
     docs = [cost_spec(t) for t in args.cost]

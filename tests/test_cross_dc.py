@@ -28,7 +28,8 @@ from pipec.errors import PipecError, Source
 from pipec.frontend.topology import read_topology, with_topology
 from pipec.ir.schedule import Datacenter, Link, Topology
 from pipec.passes.compiler import compile_schedule
-from pipec.sim.costs import cost_model, normalize
+from pipec.sim.cost_files import normalize
+from pipec.sim.costs import cost_model
 from pipec.sim.simulate import simulate, stats
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -381,7 +382,7 @@ def test_the_example_is_the_library_schedule_with_costs_and_a_network():
 
 
 def read_cost(path):
-    from pipec.sim.costs import read_cost_file
+    from pipec.sim.cost_files import read_cost_file
 
     return read_cost_file(path)
 

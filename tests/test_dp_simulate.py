@@ -28,7 +28,8 @@ from pipec.ir.opcodes import CODE, OPCODES, REDUCE_GRAD, RESHARD, UNSHARD
 from pipec.ir.program import Instr, Program, RankProgram
 from pipec.ir.schedule import Datacenter, Link, Topology
 from pipec.passes.lower import lower
-from pipec.sim.costs import cost_model, dump_costs, normalize, parse_overrides, read_cost_file, ring_time
+from pipec.sim.cost_files import dump_costs, normalize, parse_overrides, read_cost_file
+from pipec.sim.costs import cost_model, ring_time
 from pipec.sim.simulate import simulate, stats
 from pipec.view import report
 from pipec.view.render import Panel, plot_timelines, text_gantt

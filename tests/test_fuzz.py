@@ -482,7 +482,7 @@ def kind_seeds(kind: str) -> tuple[tuple[str, str], ...]:
     from pipec.api import load
     from pipec.formats.program_file import to_json, to_text
     from pipec.formats.torch_csv import export_csv
-    from pipec.sim.costs import dump_costs
+    from pipec.sim.cost_files import dump_costs
 
     if kind == "pipe":
         return tuple((".pipe", text) for _, text in LIBRARY)
@@ -674,7 +674,8 @@ def read_as_pipec_does(kind: str, path: str) -> None:
     from pipec.frontend.library import read
     from pipec.frontend.topology import read_topology, with_topology
     from pipec.passes.dryrun import prove
-    from pipec.sim.costs import cost_model, read_cost_file
+    from pipec.sim.cost_files import read_cost_file
+    from pipec.sim.costs import cost_model
     from pipec.sim.simulate import simulate
 
     fx = _fixtures()

@@ -26,7 +26,8 @@ from pipec.ir.schedule import MemOp
 from pipec.passes.deadlock import global_order
 from pipec.passes.dryrun import _columns, _witnessed, dry_run
 from pipec.passes.lower import lower, lower_with_proof, op_times
-from pipec.sim.costs import cost_model, normalize
+from pipec.sim.cost_files import normalize
+from pipec.sim.costs import cost_model
 from pipec.sim.simulate import simulate, stats
 
 

@@ -22,7 +22,7 @@ from pipec.ir.program import Instr, Program, RankProgram
 from pipec.ir.schedule import MemOp
 from pipec.passes.compiler import compile_schedule
 from pipec.passes.lower import lower
-from pipec.sim.costs import read_cost_file
+from pipec.sim.cost_files import read_cost_file
 from pipec.sim.memory import (
     check_memory,
     fmt_memory,

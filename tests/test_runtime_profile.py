@@ -18,7 +18,8 @@ from pipec.cli.app import main  # noqa: E402
 from pipec.passes.compiler import compile_schedule  # noqa: E402
 from pipec.runtime import load_model  # noqa: E402
 from pipec.runtime.profile.stages import measure_link, profile  # noqa: E402
-from pipec.sim.costs import cost_model, read_cost_file  # noqa: E402
+from pipec.sim.cost_files import read_cost_file  # noqa: E402
+from pipec.sim.costs import cost_model  # noqa: E402
 
 MLP = {"MLP_WIDTH": "16", "MLP_DEPTH": "4", "MLP_BATCH": "8", "MLP_DTYPE": "float64"}
 MODEL = str(ROOT / "examples" / "mlp.py")

@@ -30,7 +30,8 @@ from pipec.formats.torch_csv import to_pipe
 from pipec.ir.schedule import Datacenter, Link, RankOps, Schedule, Topology
 from pipec.passes.compiler import compile_schedule
 from pipec.passes.policy import Policy, PolicyStuck, derive, machine, orders_from_schedule
-from pipec.sim.costs import cost_model, normalize
+from pipec.sim.cost_files import normalize
+from pipec.sim.costs import cost_model
 from pipec.sim.memory import memory_model
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -20,7 +20,7 @@ from pipec.driver import build
 from pipec.driver import simulation as simulate_schedule
 from pipec.errors import PipecError, Source
 from pipec.passes.compiler import compile_schedule
-from pipec.sim.costs import normalize
+from pipec.sim.cost_files import normalize
 from pipec.sim.memory import rank_memory
 
 EQUAL = normalize({"T_F": 1, "T_B": 1, "T_W": 1})

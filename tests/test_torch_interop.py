@@ -38,7 +38,7 @@ from pipec.formats.torch_csv import TORCH_VERSION, comms_rows, export_csv, read_
 from pipec.frontend import library
 from pipec.ir.schedule import Schedule
 from pipec.passes.compiler import compile_schedule
-from pipec.sim.costs import normalize
+from pipec.sim.cost_files import normalize
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -174,8 +174,8 @@ def _mem(text: str) -> tuple[str, float]:
 
 def _amount(text: str) -> float:
     """A memory amount: a number (as `_finite` reads it), or bytes with a unit (`80GiB`;
-    pipec.sim.costs.quantity)."""
-    from pipec.sim.costs import quantity
+    pipec.sim.cost_files.quantity)."""
+    from pipec.sim.cost_files import quantity
 
     if not text.strip()[-1:].isalpha() or text.strip().lower() in ("nan", "inf", "infinity"):
         return _finite(text)  # no unit: a plain number, with its messages
@@ -375,7 +375,7 @@ def _memory(args: argparse.Namespace, docs: list[dict] | None = None) -> dict[st
     """The memory overrides of the command line, over the measured bytes of its cost documents (`docs`,
     when the caller has read them already; else read from `--cost`)."""
     from pipec.driver import memory_overrides
-    from pipec.sim.costs import cost_spec
+    from pipec.sim.cost_files import cost_spec
 
     if docs is None:
         docs = [cost_spec(t) for t in getattr(args, "cost", [])]
@@ -626,7 +626,7 @@ def _show_timeline(args: argparse.Namespace, s: Schedule, ranks: list[int] | Non
 
     from pipec.driver import simulation
     from pipec.ir.schedule import unit_json
-    from pipec.sim.costs import cost_spec
+    from pipec.sim.cost_files import cost_spec
     from pipec.view import report
     from pipec.view.render import text_gantt
 
@@ -657,7 +657,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     per rank); by default T_F = T_B = T_W = 1 for each rank's share of the model, a full backward costs
     T_B + T_W, and communication is free. A Program file is simulated as it stands."""
     from pipec.driver import param_names, simulation, target_of
-    from pipec.sim.costs import cost_spec
+    from pipec.sim.cost_files import cost_spec
     from pipec.view import report
 
     if len(args.schedule) > 1 and args.trace:
@@ -890,7 +890,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         from pipec.runtime.profile.stages import profile, summary_lines
     except ImportError as e:
         raise Misuse(f"profiling needs torch ({e}); install pipec[runtime]") from None
-    from pipec.sim.costs import dump_costs
+    from pipec.sim.cost_files import dump_costs
 
     try:
         model = load_model(args.model)
@@ -1082,7 +1082,7 @@ def cmd_synth(args: argparse.Namespace) -> int:
     import shlex
 
     from pipec import synth
-    from pipec.sim.costs import cost_spec
+    from pipec.sim.cost_files import cost_spec
 
     if args.p < 1 or args.m < 1 or args.v < 1:
         raise Misuse("-p, -m and -v must be at least 1")
@@ -1341,7 +1341,7 @@ def cmd_partition(args: argparse.Namespace) -> int:
     """Profile a model file's layers (or read a layer table) and choose the contiguous layers of each stage
     that minimise the schedule's simulated step under per-rank memory limits and speeds; print it beside
     the uniform split and write the partition file `pipec run --partition` reads. See docs/partition.md."""
-    from pipec.sim.costs import cost_spec
+    from pipec.sim.cost_files import cost_spec
 
     sched = _build(args)
     program = compile_schedule(sched).program

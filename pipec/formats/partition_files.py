@@ -267,7 +267,7 @@ def parse_ranks(text: str) -> Ranks:
             elif v in ("-", "none"):
                 x = math.nan
             else:
-                from pipec.sim.costs import quantity
+                from pipec.sim.cost_files import quantity
 
                 try:
                     x = quantity(v, "bytes", f"{where}: `mem`")

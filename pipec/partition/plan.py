@@ -30,7 +30,7 @@ class Outcome:
 
 def memory_limit(text: str) -> float:
     """`--memory-limit`: bytes, or a size with a unit ("16GiB")."""
-    from pipec.sim.costs import quantity
+    from pipec.sim.cost_files import quantity
 
     try:
         return quantity(text, "bytes", "--memory-limit")

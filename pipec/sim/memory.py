@@ -136,7 +136,7 @@ class RankMemory:
 
 
 def memory_bytes(cost_docs: Iterable[Mapping]) -> dict[str, object]:
-    """The measured byte keys of cost documents (`pipec.sim.costs.normalize`'d; later wins), as memory
+    """The measured byte keys of cost documents (`pipec.sim.cost_files.normalize`'d; later wins), as memory
     overrides: pass them to `memory_model` (or `compile_schedule`) with the others."""
     out: dict[str, object] = {}
     for doc in cost_docs:

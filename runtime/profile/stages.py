@@ -82,7 +82,7 @@ class Profile:
     slices: SliceFit | None = None  # `measure_slices`: the (length, context) grid and the fit of attn, op_fixed
 
     def cost_doc(self) -> dict:
-        """The cost file's document (for `pipec.sim.costs.dump_costs`)."""
+        """The cost file's document (for `pipec.sim.cost_files.dump_costs`)."""
         params = " ".join(f"{k}={v}" for k, v in self.params)
         doc: dict[str, Any] = {
             "comment": (
