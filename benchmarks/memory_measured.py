@@ -55,10 +55,11 @@ def _compile(name: str, p: int, m: int):
 
 def peaks_row(name: str, p: int = 4, m: int = 8, steps: int = 2, model_path: str = MODEL) -> dict:
     """One schedule's predicted and measured peaks per rank (see the module docstring)."""
+    from pipec.driver import memory_overrides
     from pipec.runtime.local import LocalPipeline
     from pipec.runtime.model.contract import load_model
     from pipec.runtime.profile.stages import stage_bytes
-    from pipec.sim.memory import memory_bytes, program_memory
+    from pipec.sim.memory import program_memory
 
     try:
         sched, program = _compile(name, p, m)
@@ -70,7 +71,7 @@ def peaks_row(name: str, p: int = 4, m: int = 8, steps: int = 2, model_path: str
         runner.executor.measure_memory()
     for step in range(steps):
         pipe.step(*model.batch(step))
-    predicted = program_memory(program, sched, memory_bytes([stage_bytes(program, model)]))
+    predicted = program_memory(program, sched, memory_overrides([stage_bytes(program, model)]))
     ranks = []
     for r, (rep, runner) in enumerate(zip(predicted, pipe.runners)):
         got = runner.executor.peaks

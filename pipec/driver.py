@@ -35,9 +35,9 @@ from pipec.ir.dataparallel import DataParallel, dp_mismatch
 from pipec.ir.program import Program
 from pipec.ir.schedule import RankOps, Schedule
 from pipec.passes.checks import check_schedule
-from pipec.passes.compiler import CompiledSchedule, compile_schedule
 
-if TYPE_CHECKING:  # the simulator's modules load when a simulation runs, not when a schedule is checked
+if TYPE_CHECKING:  # the lowering's and the simulator's modules load when a call needs them (start-up time)
+    from pipec.passes.compiler import CompiledSchedule
     from pipec.sim.costs import CostModel
     from pipec.sim.memtime import MemoryCurves
     from pipec.sim.simulate import Stats
@@ -195,7 +195,7 @@ def check_program(
     memory declarations; fsdp Programs count their own windows). `path` names the file in diagnostics.
     `data_parallel`, when given, must agree with the Program's own `dp` and `dp_kind` (E422): a Program
     was lowered for its data parallelism and is run as it stands."""
-    from pipec.passes.compiler import program_deadlock_error
+    from pipec.passes.compiler import CompiledSchedule, program_deadlock_error
     from pipec.passes.dryrun import dry_run
     from pipec.sim.memory import check_memory, program_memory
 
@@ -227,6 +227,7 @@ def compiled(
     """A Schedule checked and lowered (with `data_parallel`'s collectives), or a Program checked as it
     stands; on the network `topology` names (`--topology`), if given, in place of the schedule's own."""
     from pipec.frontend.topology import read_topology, with_topology
+    from pipec.passes.compiler import compile_schedule
 
     if isinstance(obj, Schedule):
         if topology:
@@ -341,6 +342,8 @@ def check_expectations(sched: Schedule, program: Program | None = None, stats: S
 
 def _own_stats(sched: Schedule, prog: Program | None) -> Stats:
     """A schedule's Stats under its own costs and memory (what `expect` lines read): lowered if need be."""
+    from pipec.passes.compiler import CompiledSchedule
+
     if prog is None:
         from pipec.passes.lower import lower
 
