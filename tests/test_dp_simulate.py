@@ -395,7 +395,8 @@ def test_the_data_parallel_path_is_not_much_slower():
     # 1F1B p = 8, m = 2000 (32,000 compute ops) with dp = 2, in a subprocess that reports its time.
     code = (
         "import dataclasses, time; from pipec.api import load; from pipec.passes.lower import lower;"
-        "from pipec.sim.costs import cost_model, normalize; from pipec.sim.simulate import simulate;"
+        "from pipec.sim.cost_files import normalize; from pipec.sim.costs import cost_model;"
+        "from pipec.sim.simulate import simulate;"
         "s = load('1f1b', p=8, m=2000); prog = lower(s); c = cost_model(s, [normalize({'reduce_grad': 5})]);"
         "t = time.perf_counter(); a = simulate(prog, c).makespan; t1 = time.perf_counter() - t;"
         "t = time.perf_counter(); b = simulate(dataclasses.replace(prog, dp=2), c).makespan;"
