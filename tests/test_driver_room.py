@@ -138,3 +138,20 @@ def test_partition_simulates_a_split_as_the_driver_does(name, params):
         split = pb.evaluate(bounds)
         room = driver.simulation(sched, [*docs, pb.cost_doc(bounds)])
         assert split.step == room.stats.makespan
+
+
+def test_an_order_block_stays_a_policy_until_the_driver_resolves_it():
+    from pipec.errors import Source
+    from pipec.frontend.load import evaluate_source
+    from pipec.ir.schedule import Policy
+
+    text = 'schedule "t" (p: int = 3, m: int = 4) {\n stages p\n order r { prefer B, F  inflight <= p - r }\n}\n'
+    source = Source("t.pipe", text)
+    raw = evaluate_source(source, {})
+    assert isinstance(raw.order, Policy) and raw.order.inflight == (3.0, 2.0, 1.0) and raw.num_ops == 0
+    built = driver.build(source, {})
+    assert built.order is None and built.num_ops == 3 * 4 * 2
+    # the policy's orders are 1F1B's here, and so are its simulated numbers
+    assert driver.simulation(built).stats.makespan == driver.simulation(driver.load("1f1b", p=3, m=4)).stats.makespan
+    one = driver.build(source, {}, ranks=[1])  # a rank of a run: the others' orders left empty
+    assert [len(r) for r in one.ranks] == [0, len(built.ranks[1]), 0]
