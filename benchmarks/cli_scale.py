@@ -60,13 +60,14 @@ def main() -> None:
                 "library_call": lambda: _fresh(_lib(call)),
                 "library_call_and_write": lambda: _fresh(
                     _lib(
-                        f"{call}\nfrom pipec.ir.program import write_json\nwith open({f_txt!r}, 'w') as f:\n"
+                        f"{call}\nfrom pipec.formats.program_file import write_json\nwith open({f_txt!r}, 'w') as f:\n"
                         "    write_json(prog, f)\n    f.write('\\n')"
                     )
                 ),
                 "cli_to_stdout": lambda: _fresh([*cli, "compile", "1f1b", *d], f_out),
                 "library_call_and_write_text": lambda: _fresh(
-                    _lib(f"{call}\nfrom pipec.ir.program import write_text\nwrite_text(prog, sys.stdout)"), f_out
+                    _lib(f"{call}\nfrom pipec.formats.program_file import write_text\nwrite_text(prog, sys.stdout)"),
+                    f_out,
                 ),
             },
             rounds=a.rounds,

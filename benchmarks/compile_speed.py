@@ -30,7 +30,7 @@ from sidebyside import alternate, emit, load_average, summarize
 
 def pipec_once(name: str, params: dict[str, int], warm: bool = False) -> dict:
     t0 = time.perf_counter()
-    from pipec.api import build
+    from pipec.driver import build
     from pipec.frontend.library import read
     from pipec.passes.compiler import compile_schedule
 
@@ -111,7 +111,7 @@ def startup_seconds(code: str) -> float:
     return time.perf_counter() - t0
 
 
-PIPEC_IMPORTS = "from pipec.api import build; from pipec.frontend.library import read; " + (
+PIPEC_IMPORTS = "from pipec.driver import build; from pipec.frontend.library import read; " + (
     "from pipec.passes.compiler import compile_schedule"
 )
 TORCH_IMPORTS = "from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops; " + (

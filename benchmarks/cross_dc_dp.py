@@ -64,7 +64,8 @@ def measure(model: str, schedule: str, params: dict, m: int, placement: str) -> 
     from pipec.api import load
     from pipec.ir.dataparallel import DataParallel
     from pipec.passes.lower import lower
-    from pipec.sim.costs import cost_model, normalize
+    from pipec.sim.cost_files import normalize
+    from pipec.sim.costs import cost_model
     from pipec.sim.simulate import simulate, stats
 
     sched = dataclasses.replace(load(schedule, p=P, m=m, **params), topology=topology(placement))

@@ -36,9 +36,9 @@ SCHEDULES = (
 
 def measure(latency_ms: float, bandwidth_gbps: float, p: int, m: int, extra: dict | None = None) -> list[dict]:
     from pipec.api import load
+    from pipec.driver import simulation
     from pipec.frontend.topology import read_topology, with_topology
-    from pipec.sim.costs import parse_overrides, read_cost_file
-    from pipec.view.report import run
+    from pipec.sim.cost_files import parse_overrides, read_cost_file
 
     link = parse_overrides(f"latency.cross={latency_ms}ms,bandwidth.cross={bandwidth_gbps}Gbps")
     docs = [read_cost_file(COSTS), link]
@@ -46,7 +46,7 @@ def measure(latency_ms: float, bandwidth_gbps: float, p: int, m: int, extra: dic
     for column, name, params in SCHEDULES:
         sched = load(name, p=p, m=m, **params, **((extra or {}).get(name, {})))
         sched = with_topology(sched, read_topology(str(EXAMPLE), sched))
-        sim = run(sched, docs)
+        sim = simulation(sched, docs)
         out.append(
             {
                 "latency_ms": latency_ms,

@@ -105,7 +105,7 @@ def profile_gpt(device: str, tmp: str, out) -> bool:
     code, text, secs = run_cmd(cmd, env)
     ok = code == 0 and os.path.isfile(cost)
     if ok:
-        from pipec.sim.costs import read_cost_file
+        from pipec.sim.cost_files import read_cost_file
 
         doc = read_cost_file(cost)
         ok = len(doc["F"]) == 2 and all(x > 0 for x in doc["F"])

@@ -45,7 +45,7 @@ def _load() -> float:
 
 
 def _compile(name: str, p: int, m: int):
-    from pipec.api import build
+    from pipec.driver import build
     from pipec.frontend import library
     from pipec.passes.compiler import compile_schedule
 
@@ -55,11 +55,12 @@ def _compile(name: str, p: int, m: int):
 
 def peaks_row(name: str, p: int = 4, m: int = 8, steps: int = 2, model_path: str = MODEL) -> dict:
     """One schedule's predicted and measured peaks per rank (see the module docstring)."""
+    from pipec.driver import memory_overrides
     from pipec.runtime.local import LocalPipeline
     from pipec.runtime.model.contract import load_model
     from pipec.runtime.profile.stages import stage_bytes
     from pipec.runtime.runner import StageOptions
-    from pipec.sim.memory import memory_bytes, program_memory
+    from pipec.sim.memory import program_memory
 
     try:
         sched, program = _compile(name, p, m)
@@ -72,7 +73,7 @@ def peaks_row(name: str, p: int = 4, m: int = 8, steps: int = 2, model_path: str
         runner.executor.measure_memory()
     for step in range(steps):
         pipe.step(*model.batch(step))
-    predicted = program_memory(program, sched, memory_bytes([stage_bytes(program, model)]))
+    predicted = program_memory(program, sched, memory_overrides([stage_bytes(program, model)]))
     ranks = []
     for r, (rep, runner) in enumerate(zip(predicted, pipe.runners)):
         got = runner.executor.peaks

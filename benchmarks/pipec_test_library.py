@@ -24,6 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from sidebyside import emit, load_average  # noqa: E402
 
+from pipec.options import duration  # noqa: E402
+
 
 def _span(vals: dict, name: str) -> str:
     v = vals.get(name)
@@ -52,7 +54,9 @@ def _table(rows: list[dict]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("paths", nargs="*", default=[str(ROOT / "schedules")], help="files or directories")
-    ap.add_argument("--budget", default=None, help="time per file (default: pipec test's, 30s; 5s where CI=true)")
+    ap.add_argument(
+        "--budget", type=duration, default=None, help="time per file (default: pipec test's, 30s; 5s where CI=true)"
+    )
     ap.add_argument("--examples", type=int, default=None, help="at most this many parameter sets per file")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--runtime", action="store_true", help="also run small cases on the runtime's --local mode")
@@ -60,9 +64,8 @@ def main() -> int:
     args = ap.parse_args()
 
     from pipec.testing import check_file, default_budget, find_schedule_files
-    from pipec.testing.files import parse_budget
 
-    budget = parse_budget(args.budget) if args.budget else (None if args.examples else default_budget())
+    budget = args.budget if args.budget else (None if args.examples else default_budget())
     started = time.perf_counter()
     failed = checked = 0
     rows = []

@@ -12,7 +12,7 @@ about the same load):
 
     profile(pipec.compile(NAME, p=2, [v=2,] m=8, data_parallel=DataParallel(2, KIND)), model, dp=2,
             in_situ=True)
-        -> costs.toml (pipec.sim.costs.dump_costs): F, B, W per stage in situ (steps of the PP x DP Program
+        -> costs.toml (pipec.sim.cost_files.dump_costs): F, B, W per stage in situ (steps of the PP x DP Program
            on its 4 processes; `error_ops_one_at_a_time` uses those timed op by op in 4 processes at once
            instead), the link, and the collectives: param_bytes, the ring fit dp_latency / dp_bandwidth,
            each stage's measured reduce_grad (and unshard)
@@ -124,7 +124,7 @@ def profile_costs(name: str, kind: str, reps: int, path: str) -> dict:
     from pipec.ir.dataparallel import DataParallel
     from pipec.runtime import load_model
     from pipec.runtime.profile.stages import profile
-    from pipec.sim.costs import dump_costs
+    from pipec.sim.cost_files import dump_costs
 
     program = compile_program(name, params_of(name), data_parallel=DataParallel(DP, kind))
     prof = profile(program, load_model(str(ROOT / MODEL)), reps=reps, warmup=2, dp=DP, dp_kind=kind, in_situ=True)

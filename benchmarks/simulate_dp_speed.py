@@ -46,7 +46,8 @@ def main() -> None:
     from pipec.api import load
     from pipec.ir.dataparallel import DataParallel
     from pipec.passes.lower import lower
-    from pipec.sim.costs import cost_model, parse_overrides
+    from pipec.sim.cost_files import parse_overrides
+    from pipec.sim.costs import cost_model
     from pipec.sim.simulate import simulate
 
     old = old_simulator()

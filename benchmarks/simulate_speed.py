@@ -28,7 +28,8 @@ COMM = "latency=10us,act_bytes=16MiB,bandwidth=100Gbps,comm=1us"
 def measure(name: str, params: dict[str, int], rounds: int = 3) -> dict:
     from pipec.api import load
     from pipec.passes.compiler import compile_schedule
-    from pipec.sim.costs import cost_model, parse_overrides
+    from pipec.sim.cost_files import parse_overrides
+    from pipec.sim.costs import cost_model
     from pipec.sim.simulate import simulate, stats
 
     t0 = time.perf_counter()

@@ -20,7 +20,7 @@ import time
 
 from sidebyside import emit, load_average
 
-from pipec.sim.costs import normalize
+from pipec.sim.cost_files import normalize
 from pipec.synth import Spec, library_comparison, synthesize
 
 EQUAL = {"T_F": 1, "T_B": 1, "T_W": 1}  # offload: the cost model's default, half a forward per OFFLOAD/RELOAD

@@ -17,7 +17,7 @@ import time
 
 from sidebyside import emit, load_average
 
-from pipec.sim.costs import normalize
+from pipec.sim.cost_files import normalize
 from pipec.synth import Spec, comparison_text, library_comparison, peak_of, replace, synthesize, topology_of
 
 EQUAL = {"T_F": 1, "T_B": 1, "T_W": 1}

@@ -52,7 +52,7 @@ from sidebyside import load_average
 
 from pipec.api import simulate
 from pipec.frontend.library import read
-from pipec.sim.costs import cost_spec
+from pipec.sim.cost_files import cost_spec
 from pipec.slicing import slice_schedule, uniform, write_schedule
 
 ROOT = Path(__file__).resolve().parent.parent

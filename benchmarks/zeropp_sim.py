@@ -109,7 +109,7 @@ class Profiled:
 
 
 def read_profile(path: str) -> Profiled:
-    from pipec.sim.costs import read_cost_file
+    from pipec.sim.cost_files import read_cost_file
 
     doc = read_cost_file(path)
 

@@ -2,7 +2,7 @@
 
 Two things are cached, each under a name that digests everything it depends on, so a stale entry is
 never read: lark's parser tables (`pipec.frontend.parse`) and each schedule text's generated code
-(`pipec.api.compile_source`). The folder is `$PIPEC_CACHE_DIR`, else `$XDG_CACHE_HOME/pipec`, else
+(`pipec.frontend.load.compile_source`). The folder is `$PIPEC_CACHE_DIR`, else `$XDG_CACHE_HOME/pipec`, else
 `~/.cache/pipec`, created private to this user; it is not used (everything is computed in-process) when
 it cannot be created, or when someone else owns it or may write to it, because loading an entry
 unpickles it. Entries are written to a temporary name and renamed, so a concurrent reader sees a whole

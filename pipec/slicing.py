@@ -449,7 +449,7 @@ def slice_schedule(
     """Evaluate the schedule with these parameters, choose its slices (`choose`), write it with them and
     simulate it, beside the uniform cut of as many slices, the best uniform count and the unsliced run.
     `out_path` names the written schedule in diagnostics of it."""
-    from pipec.api import build
+    from pipec.driver import build
 
     items = list(params.items()) if isinstance(params, Mapping) else list(params)
     sched = build(source, items)
@@ -494,16 +494,16 @@ def slice_schedule(
 
 def _unmet(source: Source) -> tuple[PipecError, ...]:
     """The E405 diagnostics of the written schedule's `expect` lines that do not hold (`pipec check`'s)."""
-    from pipec.api import build
-    from pipec.passes.expect import Metrics, failed
+    from pipec.driver import build, metrics
+    from pipec.passes.expect import failed
 
     sched = build(source, ())
-    return tuple(err for _, err in failed(sched, Metrics(sched, None, None)))
+    return tuple(err for _, err in failed(sched, metrics(sched)))
 
 
 def _simulated(source: Source, docs: Sequence[Mapping]) -> float:
     """The simulated step (makespan) of a written schedule, built from its text alone."""
-    from pipec.api import build, simulation
+    from pipec.driver import build, simulation
 
     return float(simulation(build(source, ()), docs).stats.makespan)
 

@@ -247,10 +247,9 @@ SEED_NAMES = ("1f1b", "zb-h1", "zb-h2", "zb-v", "v-half", "v-min", "interleaved-
 def library_seeds(spec: Spec) -> list[Candidate]:
     """The library schedules of the spec's shape (sizes, placement, op kinds) that fit its memory limit,
     with their simulated times: the search starts no worse than the hand-written schedules."""
-    from pipec.api import build, param_names
+    from pipec.driver import build, param_names, simulation
     from pipec.errors import PipecError
     from pipec.frontend import library
-    from pipec.view.report import run
 
     out = []
     want = shape(spec)
@@ -268,7 +267,7 @@ def library_seeds(spec: Spec) -> list[Candidate]:
             continue  # a schedule made for a network the spec does not have
         seeded = to_schedule(spec, _orders(sched), name)
         try:
-            sim = run(seeded, spec.cost_docs)
+            sim = simulation(seeded, spec.cost_docs)
         except PipecError:  # over the memory limit
             continue
         out.append(Candidate(None, _derived_from(sim), name))
@@ -672,7 +671,7 @@ def start_times(d: Derived) -> tuple[float, dict]:
 
 
 def sim_times(sim) -> tuple[float, dict]:
-    """The makespan and start times of a simulated schedule (`pipec.view.report.run`), its memory ops'
+    """The makespan and start times of a simulated schedule (`pipec.driver.simulation`), its memory ops'
     included, for the solver's warm start."""
     from pipec.ir.opcodes import KIND_OF, OPCODES
 
@@ -988,14 +987,15 @@ class Figures:
 
 
 def evaluate_orders(spec: Spec, orders, name: str = "synth", memops: MemOps = ()):
-    """Check, lower and simulate these orders (and memory ops) under the spec (pipec.view.report.run): every
+    """Check, lower and simulate these orders (and memory ops) under the spec (pipec.driver.simulation): every
     check runs."""
+    from pipec.driver import simulation
     from pipec.passes.checks import check_schedule
-    from pipec.view.report import curves_of, run
+    from pipec.view.report import curves_of
 
     sched = to_schedule(spec, orders, name, memops)
     check_schedule(sched)
-    sim = run(sched, spec.cost_docs)
+    sim = simulation(sched, spec.cost_docs)
     st = sim.stats
     peak = tuple(r.peak_memory or 0.0 for r in st.ranks)
     host = tuple(float(x) for x in curves_of(sim).host_peak)
@@ -1289,10 +1289,9 @@ def _per_stage_text(arr) -> str:
 def library_comparison(spec: Spec, names: Sequence[str] | None = None):
     """The library schedules simulated under the spec's costs and memory model (one stage per rank unless
     they declare chunks): (name, params, Figures or None, note)."""
-    from pipec.api import build, param_names
+    from pipec.driver import build, param_names, simulation
     from pipec.errors import PipecError
     from pipec.frontend import library
-    from pipec.view.report import run
 
     if names is None:
         names = ["1f1b", "zb-h1", "zb-h2", "zb-v", "interleaved-1f1b"]
@@ -1311,7 +1310,7 @@ def library_comparison(spec: Spec, names: Sequence[str] | None = None):
                 sched = replace(sched, topology=spec.topology)
             # memory per stage is per rank's share p / S of the model for every schedule
             share = {k: v * sched.num_ranks / sched.num_stages for k, v in mem.items()}
-            sim = run(sched, spec.cost_docs, share or None)
+            sim = simulation(sched, spec.cost_docs, share or None)
         except PipecError as e:
             rows.append((name, "", None, e.diagnostics[0].message))
             continue

@@ -69,7 +69,7 @@ def compile_for(
             )
     else:
         import pipec
-        from pipec.api import param_names
+        from pipec.driver import param_names
         from pipec.frontend.library import read
         from pipec.ir.dataparallel import DataParallel
 

@@ -49,12 +49,12 @@ def test_no_cache_in_a_folder_others_may_write_or_in_place_of_a_file(tmp_path):
 
 
 def test_an_edited_text_is_not_served_from_the_cache(tmp_path, monkeypatch):
-    from pipec import api
     from pipec.errors import Source
+    from pipec.frontend import load
 
     monkeypatch.setenv("PIPEC_CACHE_DIR", str(tmp_path))
     text = (ROOT / "schedules" / "1f1b.pipe").read_text()
-    a = api.compile_source(Source("a.pipe", text))
-    b = api.compile_source(Source("b.pipe", text.replace("p: int = 4", "p: int = 3")))
+    a = load.compile_source(Source("a.pipe", text))
+    b = load.compile_source(Source("b.pipe", text.replace("p: int = 4", "p: int = 3")))
     assert a.code != b.code or a.params != b.params
     assert len(list(tmp_path.glob("code-*.pickle"))) == 2

@@ -12,10 +12,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from strategies import RandomSchedule, deps, random_schedules
 
-from pipec.api import build, load
+from pipec.api import load
+from pipec.driver import build
 from pipec.errors import PipecError, Source
+from pipec.formats.program_file import from_json, from_text, to_json, to_text
 from pipec.frontend import library
-from pipec.ir.program import COMPUTE, OPCODES, RECVS, SENDS, from_json, from_text, to_json, to_text
+from pipec.ir.program import COMPUTE, OPCODES, RECVS, SENDS
 from pipec.passes.compiler import compile_schedule
 from pipec.passes.dryrun import dry_run
 from pipec.passes.lower import lower

@@ -22,12 +22,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from strategies import random_schedules
 
-from pipec.api import build, load
+from pipec.api import load
+from pipec.driver import build
 from pipec.errors import PipecError, Source
 from pipec.frontend.topology import read_topology, with_topology
 from pipec.ir.schedule import Datacenter, Link, Topology
 from pipec.passes.compiler import compile_schedule
-from pipec.sim.costs import cost_model, normalize
+from pipec.sim.cost_files import normalize
+from pipec.sim.costs import cost_model
 from pipec.sim.simulate import simulate, stats
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -336,7 +338,7 @@ def grid():
 def test_schedule_passes_every_check_over_a_grid(name):
     """Every op once, in dependency order; memory; no deadlock even when every send waits for its receive;
     and the schedule's own `expect` lines (in flight per rank, 1F1B's peak when g <= p)."""
-    from pipec.passes.expect import check_expectations
+    from pipec.driver import check_expectations
 
     count = 0
     for params in grid():
@@ -380,7 +382,7 @@ def test_the_example_is_the_library_schedule_with_costs_and_a_network():
 
 
 def read_cost(path):
-    from pipec.sim.costs import read_cost_file
+    from pipec.sim.cost_files import read_cost_file
 
     return read_cost_file(path)
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from pipec.api import build
 from pipec.cli import app as cli
+from pipec.driver import build
 from pipec.errors import PipecError, Source, snippet
 from pipec.frontend import library
 

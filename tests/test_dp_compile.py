@@ -16,13 +16,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pipec
-from pipec.api import param_names
+from pipec.driver import param_names
 from pipec.errors import PipecError, Source, Span
+from pipec.formats.program_file import from_json, from_text, to_json, to_text
 from pipec.formats.torch_csv_reader import read_csv
 from pipec.formats.torch_csv_writer import export_csv
 from pipec.frontend import library
 from pipec.ir.dataparallel import DataParallel
-from pipec.ir.program import Instr, Program, RankProgram, from_json, from_text, to_json, to_text
+from pipec.ir.program import Instr, Program, RankProgram
 from pipec.ir.schedule import Collective
 from pipec.ir.validate import validate
 from pipec.passes.compiler import compile_schedule

@@ -20,14 +20,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from strategies import random_schedules
 
-from pipec.api import build, load
+from pipec.api import load
+from pipec.driver import build
 from pipec.errors import PipecError, Source
 from pipec.formats.trace import read_trace, trace_events, write_trace
 from pipec.ir.opcodes import CODE, OPCODES, REDUCE_GRAD, RESHARD, UNSHARD
 from pipec.ir.program import Instr, Program, RankProgram
 from pipec.ir.schedule import Datacenter, Link, Topology
 from pipec.passes.lower import lower
-from pipec.sim.costs import cost_model, dump_costs, normalize, parse_overrides, read_cost_file, ring_time
+from pipec.sim.cost_files import dump_costs, normalize, parse_overrides, read_cost_file
+from pipec.sim.costs import cost_model, ring_time
 from pipec.sim.simulate import simulate, stats
 from pipec.view import report
 from pipec.view.render import Panel, plot_timelines, text_gantt
@@ -383,12 +385,13 @@ def test_trace_gantt_and_report_show_the_collectives(tmp_path):
 
 def report_json(sched, prog, c) -> dict:
     """`pipec simulate --json`'s record for a Program under these costs."""
+    from pipec.driver import Simulation
     from pipec.sim.memory import memory_model
 
     tl = simulate(prog, c)
     mem = memory_model(sched, None)
     compiled = type("C", (), {"schedule": sched})()
-    return report.to_json(report.Simulation(compiled, c, mem, tl, stats(tl, mem)))
+    return report.to_json(Simulation(compiled, c, mem, tl, stats(tl, mem)))
 
 
 def test_the_data_parallel_path_is_not_much_slower():
@@ -396,7 +399,8 @@ def test_the_data_parallel_path_is_not_much_slower():
     # 1F1B p = 8, m = 2000 (32,000 compute ops) with dp = 2, in a subprocess that reports its time.
     code = (
         "import dataclasses, time; from pipec.api import load; from pipec.passes.lower import lower;"
-        "from pipec.sim.costs import cost_model, normalize; from pipec.sim.simulate import simulate;"
+        "from pipec.sim.cost_files import normalize; from pipec.sim.costs import cost_model;"
+        "from pipec.sim.simulate import simulate;"
         "s = load('1f1b', p=8, m=2000); prog = lower(s); c = cost_model(s, [normalize({'reduce_grad': 5})]);"
         "t = time.perf_counter(); a = simulate(prog, c).makespan; t1 = time.perf_counter() - t;"
         "t = time.perf_counter(); b = simulate(dataclasses.replace(prog, dp=2), c).makespan;"

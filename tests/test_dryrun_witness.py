@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from pipec.api import build
+from pipec.driver import build
 from pipec.errors import PipecError
 from pipec.frontend import library
 from pipec.ir.program import RankProgram

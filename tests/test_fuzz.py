@@ -35,7 +35,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.lark import from_lark
 
-from pipec.api import build
+from pipec.driver import build
 from pipec.errors import PipecError, Source
 from pipec.frontend import evaluate
 from pipec.frontend.parse import parse
@@ -480,9 +480,9 @@ def kind_seeds(kind: str) -> tuple[tuple[str, str], ...]:
     """Valid files of this kind, as (suffix, text): what the mutations start from."""
     from pipec.api import compile as compile_program
     from pipec.api import load
+    from pipec.formats.program_file import to_json, to_text
     from pipec.formats.torch_csv_writer import export_csv
-    from pipec.ir.program import to_json, to_text
-    from pipec.sim.costs import dump_costs
+    from pipec.sim.cost_files import dump_costs
 
     if kind == "pipe":
         return tuple((".pipe", text) for _, text in LIBRARY)
@@ -670,11 +670,12 @@ def read_as_pipec_does(kind: str, path: str) -> None:
     """Read the file at `path` as pipec reads an input of this kind, then use what was accepted; a refusal
     is a PipecError. Raises Wrong for an accepted input that a later stage refuses with the wrong code."""
     from pipec.api import compile as compile_program
+    from pipec.formats.program_file import read_program
     from pipec.frontend.library import read
     from pipec.frontend.topology import read_topology, with_topology
-    from pipec.ir.program import read_program
     from pipec.passes.dryrun import prove
-    from pipec.sim.costs import cost_model, read_cost_file
+    from pipec.sim.cost_files import read_cost_file
+    from pipec.sim.costs import cost_model
     from pipec.sim.simulate import simulate
 
     fx = _fixtures()
@@ -775,7 +776,7 @@ def test_every_input_kind_is_read_or_refused(kind, tmp_path):
 
 
 def test_a_program_diagnostic_counts_lines_as_the_file_does():
-    from pipec.ir.program import parse_program
+    from pipec.formats.program_file import parse_program
 
     text = 'pipec-program 1\rschedule "x" {}\rstages 1 ranks 1 microbatches 1 split false x y\r'
     with pytest.raises(PipecError) as e:

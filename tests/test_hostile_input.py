@@ -17,8 +17,8 @@ from pipec import files
 from pipec.api import compile as compile_program
 from pipec.cli import app as cli
 from pipec.errors import Diagnostic, PipecError, Source, Span
-from pipec.ir.program import to_json, to_text
-from pipec.sim.costs import dump_costs, read_cost_file
+from pipec.formats.program_file import to_json, to_text
+from pipec.sim.cost_files import dump_costs, read_cost_file
 
 ROOT = Path(__file__).resolve().parent.parent
 HANG_GUARD = 120  # seconds: only a hang trips it (each case takes about one on an idle machine)

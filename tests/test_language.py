@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipec.api import build
+from pipec.driver import build
 from pipec.errors import PipecError, Source
 from pipec.ir.schedule import Schedule
 

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import pytest
 
-from pipec.api import build, compile_source, load
+from pipec.api import load
+from pipec.driver import build
 from pipec.errors import PipecError, Source
 from pipec.frontend import library
+from pipec.frontend.load import compile_source
 from pipec.ir.schedule import Collective, Datacenter, Link
 
 # Two ranks, two chunks each (stage c * p + r), one block of m forwards per chunk.

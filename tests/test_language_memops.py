@@ -13,9 +13,11 @@ import dataclasses
 
 import pytest
 
-from pipec.api import build, compile_source, load
+from pipec.api import load
+from pipec.driver import build
 from pipec.errors import PipecError, Source
 from pipec.formats.torch_csv_reader import to_pipe
+from pipec.frontend.load import compile_source
 from pipec.ir.schedule import MemOp
 from pipec.passes.checks import check_schedule
 from pipec.view.grid import cells, format_grid

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from pipec.api import build
+from pipec.driver import build
 from pipec.errors import PipecError, Source
 
 
@@ -29,7 +29,7 @@ def test_a_default_may_divide_by_an_earlier_parameter(default, value):
 def test_exponential_function_calls_are_refused_with_E207():
     defs = "def f0(x) = x + 1\n" + "".join(f"def f{k}(x) = f{k - 1}(x) + f{k - 1}(x)\n" for k in range(1, 41))
     text = f'schedule "t" (p: int = 1, m: int = 1) {{\n{defs}let y = f40(0)\nstages 1\nrank r {{ F(0) B(0) }}\n}}'
-    code = f"from pipec.api import build\nfrom pipec.errors import Source\nbuild(Source('t.pipe', {text!r}))"
+    code = f"from pipec.driver import build\nfrom pipec.errors import Source\nbuild(Source('t.pipe', {text!r}))"
     try:
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20)
     except subprocess.TimeoutExpired:

@@ -15,9 +15,10 @@ from torch.distributed.pipelining import schedules as ts
 from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 from torch.distributed.pipelining.stage import PipelineStage
 
-from pipec.api import compile_source, load
+from pipec.api import load
 from pipec.errors import PipecError
 from pipec.frontend import library
+from pipec.frontend.load import compile_source
 from pipec.ir.schedule import Schedule
 from pipec.passes.compiler import compile_schedule
 

@@ -14,18 +14,20 @@ import dataclasses
 import numpy as np
 import pytest
 
-from pipec.api import build
+from pipec.driver import build
 from pipec.errors import PipecError
+from pipec.formats.program_file import from_json, from_text, to_json, to_text
 from pipec.formats.torch_csv_writer import export_csv
 from pipec.frontend.library import read
 from pipec.ir.dataparallel import DataParallel
 from pipec.ir.opcodes import BWD, FWD, OFFLOAD, RECOMPUTE, RELOAD
-from pipec.ir.program import Instr, Program, RankProgram, from_json, from_text, to_json, to_text
+from pipec.ir.program import Instr, Program, RankProgram
 from pipec.ir.schedule import MemOp
 from pipec.passes.deadlock import global_order
 from pipec.passes.dryrun import _columns, _witnessed, dry_run
 from pipec.passes.lower import lower, lower_with_proof, op_times
-from pipec.sim.costs import cost_model, normalize
+from pipec.sim.cost_files import normalize
+from pipec.sim.costs import cost_model
 from pipec.sim.simulate import simulate, stats
 
 

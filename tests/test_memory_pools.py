@@ -14,7 +14,8 @@ import pytest
 
 import pipec.cli.app
 import pipec.ir.program
-from pipec.api import load, schedule_of
+from pipec.api import load
+from pipec.driver import schedule_of, simulation
 from pipec.errors import PipecError
 from pipec.formats.trace import trace_events
 from pipec.ir.program import Instr, Program, RankProgram
@@ -22,7 +23,7 @@ from pipec.ir.schedule import MemOp
 from pipec.passes.compiler import compile_schedule
 from pipec.passes.lower import lower
 from pipec.passes.memcheck import check_memory, format_table
-from pipec.sim.costs import read_cost_file
+from pipec.sim.cost_files import read_cost_file
 from pipec.sim.memory import (
     fmt_memory,
     instruction_deltas,
@@ -121,7 +122,7 @@ def test_host_limit_is_E406_at_the_offload_that_passes_it():
 def test_bytes_mode_from_a_cost_file():
     s = load("1f1b", p=4, m=8)
     docs = [read_cost_file(BYTES)]
-    sim = report.run(s, docs)
+    sim = simulation(s, docs)
     # Rank 0 holds p = 4 forwards' saved_bytes (256 MiB each) over its 4 GiB of state.
     assert sim.curves.unit == "bytes"
     assert sim.curves.device_peak.tolist() == [5 * GiB, 4.75 * GiB, 4.5 * GiB, 4.25 * GiB]
@@ -176,7 +177,7 @@ def test_deltas_match_the_peaks_and_the_curves():
             for r, (d, _) in enumerate(instruction_deltas(c.program, model))
         ]
         assert walked == pytest.approx(peaks)
-        sim = report.run(s)  # no host link: every change in instruction order, the same peaks over time
+        sim = simulation(s)  # no host link: every change in instruction order, the same peaks over time
         assert sim.curves.device_peak.tolist() == pytest.approx(peaks)
         assert [float(v[-1]) for _, v in sim.curves.device] == pytest.approx([0.0] * s.num_ranks)
 
@@ -210,7 +211,7 @@ def test_memops_on_a_hand_built_program():
 
 
 def test_curves_over_time_with_the_host_link():
-    sim = report.run(offload_gpipe_rank0())
+    sim = simulation(offload_gpipe_rank0())
     mc = sim.curves
     assert mc.offloads and mc.host_peak.tolist() == [2.0, 0.0]
     t, v = mc.host[0]
@@ -230,8 +231,8 @@ def test_curves_over_time_with_the_host_link():
 def test_plot_draws_the_host_pool(tmp_path):
     from pipec.view.render import plot_timelines
 
-    sim = report.run(offload_gpipe_rank0())
-    assert report.panel(report.run(load("gpipe", p=2, m=3))).host is None
+    sim = simulation(offload_gpipe_rank0())
+    assert report.panel(simulation(load("gpipe", p=2, m=3))).host is None
     panel = report.panel(sim)
     assert panel.host is not None and len(panel.host) == 2
     plot_timelines([panel], tmp_path / "m.svg", width=6, dpi=40)
@@ -274,7 +275,7 @@ def test_trace_keeps_the_host_link_and_recomputes(tmp_path):
 
     s = offload_gpipe_rank0()
     s = dataclasses.replace(s, memops=(s.memops[0], tuple(MemOp(*m) for m in recompute_all(s, 1))))
-    sim = report.run(s)
+    sim = simulation(s)
     tl = sim.timeline
     write_trace(tl, tmp_path / "t.json", sim.curves)
     back = read_trace(tmp_path / "t.json")

@@ -248,7 +248,7 @@ def test_profile_partition_and_run_check(tmp_path, monkeypatch, capsys):
 
 def test_optimal_with_message_latency():
     """With a fixed latency on every message the bound closes too (within the rounding of the unit)."""
-    from pipec.sim.costs import parse_overrides
+    from pipec.sim.cost_files import parse_overrides
 
     rng = np.random.default_rng(11)
     for name, params in CASES[1:3]:
@@ -272,7 +272,7 @@ def test_optimal_with_message_latency():
 
 def test_batched_lengths_are_the_graph_paths():
     """The local search's batched longest paths equal the graph's one-split `paths` (with latencies too)."""
-    from pipec.sim.costs import parse_overrides
+    from pipec.sim.cost_files import parse_overrides
 
     rng = np.random.default_rng(13)
     for (name, params), docs in itertools.product(CASES, ((), (parse_overrides("latency=0.37"),))):
@@ -291,7 +291,7 @@ def test_batched_lengths_are_the_graph_paths():
 def test_fluid_bound_is_below_every_split():
     """The fluid bound is a lower bound on the simulated step of every split (memory aside), above the
     work bound, and its rounded split is a split."""
-    from pipec.sim.costs import parse_overrides
+    from pipec.sim.cost_files import parse_overrides
 
     rng = np.random.default_rng(17)
     for (name, params), docs in itertools.product(CASES, ((), (parse_overrides("latency=0.37"),))):
@@ -346,7 +346,7 @@ def test_optimal_only_when_it_is(time_limit):
 def test_optimal_with_message_overheads():
     """With a per-message overhead the simulator queues what the dependency graph does not (its paths
     fall short of the step), yet the branch and bound's exhausted tree is proof: brute force agrees."""
-    from pipec.sim.costs import parse_overrides
+    from pipec.sim.cost_files import parse_overrides
 
     rng = np.random.default_rng(23)
     longer = 0

@@ -16,7 +16,7 @@ from pipec import synth
 from pipec.ir.schedule import Datacenter, Link, Topology
 from pipec.passes import policy as policy_module
 from pipec.passes.policy import Policy, derive
-from pipec.sim.costs import normalize
+from pipec.sim.cost_files import normalize
 from pipec.sim.simulate import plan
 
 

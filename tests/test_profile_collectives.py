@@ -26,7 +26,8 @@ from pipec.runtime.profile.collectives import (  # noqa: E402
     ring_terms,
 )
 from pipec.runtime.profile.stages import profile, summary_lines  # noqa: E402
-from pipec.sim.costs import dump_costs, ring_time  # noqa: E402
+from pipec.sim.cost_files import dump_costs  # noqa: E402
+from pipec.sim.costs import ring_time  # noqa: E402
 
 MODEL = str(ROOT / "examples" / "mlp.py")
 SIZES = [4096 * 4**k for k in range(7)]
@@ -96,7 +97,7 @@ def test_the_cost_keys_of_the_collectives(kind):
 
 
 def test_the_cost_file_carries_the_collectives(small_mlp_env):
-    """A profile with collectives writes them with the one writer (pipec.sim.costs.dump_costs)."""
+    """A profile with collectives writes them with the one writer (pipec.sim.cost_files.dump_costs)."""
     prog = compile_schedule(load("1f1b", p=2, m=2)).program
     prof = profile(prog, load_model(MODEL), reps=1, warmup=0, comm=False, threads=1, concurrent=False)
     # 4 blocks of Linear(16, 16) and a Linear(16, 1), float64, over two stages
@@ -226,7 +227,7 @@ def test_in_situ_profile_of_a_pp_x_dp_program_runs_every_replica(small_mlp_env):
 def read_cost_text(text: str) -> dict:
     import tempfile
 
-    from pipec.sim.costs import read_cost_file
+    from pipec.sim.cost_files import read_cost_file
 
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "c.toml"

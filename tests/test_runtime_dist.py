@@ -315,7 +315,7 @@ def test_sigterm_of_pipec_run_stops_the_job_and_says_so(tmp_path):
 
 def _mutated_program(tmp_path, edit) -> str:
     from pipec.api import load
-    from pipec.ir.program import to_text
+    from pipec.formats.program_file import to_text
     from pipec.passes.lower import lower
 
     text = to_text(lower(load("1f1b", p=2, m=2)))

@@ -17,7 +17,8 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 from pipec.api import load  # noqa: E402
-from pipec.ir.program import to_json  # noqa: E402
+from pipec.driver import memory_overrides  # noqa: E402
+from pipec.formats.program_file import to_json  # noqa: E402
 from pipec.ir.schedule import MemOp, Schedule  # noqa: E402
 from pipec.passes.compiler import compile_schedule  # noqa: E402
 from pipec.runtime import LocalPipeline, PipelineError, Reference, StageOptions, load_model  # noqa: E402
@@ -25,7 +26,7 @@ from pipec.runtime.exec.saved import DEVICE, HOST, Pool, module_storages  # noqa
 from pipec.runtime.exec.stage import Stage  # noqa: E402
 from pipec.runtime.profile.stages import profile, stage_bytes  # noqa: E402
 from pipec.runtime.reference import compare  # noqa: E402
-from pipec.sim.memory import memory_bytes, program_memory  # noqa: E402
+from pipec.sim.memory import program_memory  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MLP = str(ROOT / "examples" / "mlp.py")
@@ -211,7 +212,7 @@ def test_measured_peaks_equal_the_model_and_recompute_lowers_them(small):
         pipe.step(x, y)
         ref.step(x, y)
         assert max(compare(pipe.named_gradients(), ref.named_gradients()).values()) <= 1e-10
-        predicted = program_memory(prog, sched, memory_bytes([stage_bytes(prog, model)]))
+        predicted = program_memory(prog, sched, memory_overrides([stage_bytes(prog, model)]))
         for rep, runner in zip(predicted, pipe.runners):
             assert abs(runner.executor.peaks.device - (rep.peak - rep.params)) <= 0.05 * (rep.peak - rep.params)
         measured[bool(recompute)] = [r.executor.peaks.device for r in pipe.runners]
@@ -254,7 +255,7 @@ def test_a_recomputed_forward_that_is_offloaded_moves_its_input_and_recomputes_f
     pipe.step(x, y)
     ref.step(x, y)
     assert max(compare(pipe.named_gradients(), ref.named_gradients()).values()) <= 1e-10
-    predicted = program_memory(prog, sched, memory_bytes([stage_bytes(prog, model)]))
+    predicted = program_memory(prog, sched, memory_overrides([stage_bytes(prog, model)]))
     host = [r.executor.peaks.host for r in pipe.runners]
     assert host[1] > 0  # stage 1's kept input went to the host (stage 0's is the step's data: not counted)
     for rep, runner in zip(predicted, pipe.runners):

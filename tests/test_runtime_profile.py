@@ -19,7 +19,8 @@ from pipec.passes.compiler import compile_schedule  # noqa: E402
 from pipec.runtime import load_model  # noqa: E402
 from pipec.runtime.profile.links import measure_link  # noqa: E402
 from pipec.runtime.profile.stages import profile  # noqa: E402
-from pipec.sim.costs import cost_model, read_cost_file  # noqa: E402
+from pipec.sim.cost_files import read_cost_file  # noqa: E402
+from pipec.sim.costs import cost_model  # noqa: E402
 
 MLP = {"MLP_WIDTH": "16", "MLP_DEPTH": "4", "MLP_BATCH": "8", "MLP_DTYPE": "float64"}
 MODEL = str(ROOT / "examples" / "mlp.py")

@@ -256,7 +256,7 @@ STEP 1
 
 
 def test_local_mode_reports_a_deadlock():
-    from pipec.ir.program import from_text
+    from pipec.formats.program_file import from_text
 
     pipe = LocalPipeline(from_text(DEADLOCK), *_mlp(), options=StageOptions(dtype=torch.float64))
     with pytest.raises(PipelineError) as e:

@@ -101,7 +101,7 @@ def test_lengths_the_schedule_declares_are_checked_against_the_data(varlen):
     first micro-batch that differs."""
     import warnings
 
-    from pipec.api import build
+    from pipec.driver import build
     from pipec.errors import Source
     from pipec.runtime.exec.slices import LengthWarning
 

@@ -23,13 +23,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from strategies import deps, random_schedules
 
-from pipec.api import build, load
+from pipec.api import load
+from pipec.driver import build
 from pipec.errors import PipecError, Source
 from pipec.formats.trace import read_trace, trace_events, write_trace
 from pipec.frontend import library
 from pipec.ir.program import BWD, FWD, OFFLOAD, RECOMPUTE, RECV_ACT, RECV_GRAD, RELOAD, SEND_ACT, SEND_GRAD, WGRAD
 from pipec.passes.compiler import compile_schedule
-from pipec.sim.costs import cost_model, cost_spec, dump_costs, normalize, parse_overrides, read_cost_file
+from pipec.sim.cost_files import cost_spec, dump_costs, normalize, parse_overrides, read_cost_file
+from pipec.sim.costs import cost_model
 from pipec.sim.memory import memory_model, rank_memory
 from pipec.sim.memtime import memory_curves, timeline_curves
 from pipec.sim.simulate import simulate, stats

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipec.api import build, schedule_of
+from pipec.driver import build, schedule_of
 from pipec.errors import PipecError, Source
-from pipec.ir.program import from_json, from_text, to_json, to_text
+from pipec.formats.program_file import from_json, from_text, to_json, to_text
 from pipec.ir.schedule import Slicing
 from pipec.passes.compiler import compile_schedule
 from pipec.sim.costs import cost_model

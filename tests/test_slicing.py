@@ -10,8 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipec.api import build, simulate
+from pipec.api import simulate
 from pipec.cli.app import main
+from pipec.driver import build
 from pipec.errors import PipecError, Source
 from pipec.ir.schedule import Slicing
 from pipec.slicing import (

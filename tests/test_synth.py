@@ -21,16 +21,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipec import synth
-from pipec.api import build, load
+from pipec.api import load
+from pipec.driver import build
+from pipec.driver import simulation as simulate_schedule
 from pipec.errors import PipecError, Source
 from pipec.formats.pipe_text import op_text, rank_lines, topology_lines
 from pipec.formats.torch_csv_reader import to_pipe
 from pipec.ir.schedule import Datacenter, Link, RankOps, Schedule, Topology
 from pipec.passes.compiler import compile_schedule
 from pipec.passes.policy import Policy, PolicyStuck, derive, machine, orders_from_schedule
-from pipec.sim.costs import cost_model, normalize
+from pipec.sim.cost_files import normalize
+from pipec.sim.costs import cost_model
 from pipec.sim.memory import memory_model
-from pipec.view.report import run as simulate_schedule
 
 ROOT = Path(__file__).resolve().parent.parent
 UNEVEN = normalize({"T_F": 1, "T_B": 1.2, "T_W": 0.8, "comm": 0.05})

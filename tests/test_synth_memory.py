@@ -16,12 +16,12 @@ import pytest
 from cli_helpers import run_cli as cli
 
 from pipec import synth
-from pipec.api import build
+from pipec.driver import build
+from pipec.driver import simulation as simulate_schedule
 from pipec.errors import PipecError, Source
 from pipec.passes.compiler import compile_schedule
-from pipec.sim.costs import normalize
+from pipec.sim.cost_files import normalize
 from pipec.sim.memory import rank_memory
-from pipec.view.report import run as simulate_schedule
 
 EQUAL = normalize({"T_F": 1, "T_B": 1, "T_W": 1})
 CHEAP_OFFLOAD = normalize({"T_F": 1, "T_B": 1, "T_W": 1, "offload": 0.2})  # not the default (half a forward)

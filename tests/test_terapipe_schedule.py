@@ -17,11 +17,13 @@ import matplotlib
 import pytest
 
 from pipec.api import load
+from pipec.driver import simulation
 from pipec.errors import PipecError
+from pipec.formats.program_file import from_text, to_text
 from pipec.formats.torch_csv_writer import export_csv
 from pipec.formats.torchtitan import export_torchtitan
 from pipec.formats.trace import read_trace, trace_events, write_trace
-from pipec.ir.program import RankProgram, from_text, to_text
+from pipec.ir.program import RankProgram
 from pipec.ir.schedule import unit_json, unit_label
 from pipec.passes.compiler import compile_schedule
 from pipec.passes.memcheck import format_table
@@ -74,7 +76,7 @@ def test_gpipe_bubble_is_over_units():
         for m in (1, 2):
             for n in (2, 4, 8):
                 for f1b1 in (False, True):
-                    sim = report.run(tp(p=p, m=m, n=n, L=64 * n, f1b1=f1b1))
+                    sim = simulation(tp(p=p, m=m, n=n, L=64 * n, f1b1=f1b1))
                     want = Fraction(p - 1, m * n + p - 1)
                     assert sim.stats.bubble_rate == pytest.approx(float(want), abs=1e-12), (p, m, n, f1b1)
                     assert sim.stats.makespan == pytest.approx(3 * (m + (p - 1) / n))
@@ -82,8 +84,8 @@ def test_gpipe_bubble_is_over_units():
 
 def test_slicing_beats_microbatches_at_one_sequence():
     """One sequence per step: without slices the pipeline is idle (p - 1) / p of the time; n slices cut that."""
-    one = report.run(tp(p=4, m=1, n=1)).stats.bubble_rate
-    four = report.run(tp(p=4, m=1, n=4)).stats.bubble_rate
+    one = simulation(tp(p=4, m=1, n=1)).stats.bubble_rate
+    four = simulation(tp(p=4, m=1, n=4)).stats.bubble_rate
     assert one == pytest.approx(3 / 4) and four == pytest.approx(3 / 7)
 
 
@@ -156,7 +158,7 @@ def test_unit_forms():
 
 
 def test_text_gantt_and_report_name_slices():
-    sim = report.run(tp(p=2, m=1, n=2, L=8))
+    sim = simulation(tp(p=2, m=1, n=2, L=8))
     assert sim.timeline.slicing == sim.schedule.slicing
     rows = text_gantt(sim.timeline, 200).splitlines()
     assert rows[1].split() == ["rank", "0", "F0s0", "F0s1", "...............B0s1", "B0s0"]
@@ -166,12 +168,12 @@ def test_text_gantt_and_report_name_slices():
         text.splitlines()[2]
         == "slices: 1 micro-batches x 2 slices of 4 tokens (2 units, each costed by its tokens and context)"
     )
-    assert "slices:" not in report.summary_text(report.run(load("gpipe", p=2, m=2)))
+    assert "slices:" not in report.summary_text(simulation(load("gpipe", p=2, m=2)))
     assert report.to_json(sim)["slicing"] == {"slices": 2, "seqlen": 8, "tokens": [4, 4], "lengths": [8]}
 
 
 def test_trace_names_slices_and_round_trips(tmp_path):
-    sim = report.run(tp(p=2, m=2, n=2, L=8))
+    sim = simulation(tp(p=2, m=2, n=2, L=8))
     doc = trace_events(sim.timeline)
     comp = [e for e in doc["traceEvents"] if e.get("cat") == "FWD" and e["pid"] == 0]
     assert [e["name"] for e in comp] == ["F0s0", "F0s1", "F1s0", "F1s1"]
@@ -191,13 +193,13 @@ def test_trace_names_slices_and_round_trips(tmp_path):
     back = read_trace(path)
     assert back.slicing == sim.timeline.slicing
     assert back.mb.tolist() == sim.timeline.mb.tolist() and back.msg_mb.tolist() == sim.timeline.msg_mb.tolist()
-    plain = trace_events(report.run(load("gpipe", p=2, m=2)).timeline)
+    plain = trace_events(simulation(load("gpipe", p=2, m=2)).timeline)
     assert "slicing" not in plain["otherData"]
     assert all("slice" not in e.get("args", {}) for e in plain["traceEvents"])
 
 
 def test_plot_labels_and_shades_slices(tmp_path):
-    sim = report.run(tp(p=2, m=1, n=3, L=9))
+    sim = simulation(tp(p=2, m=1, n=3, L=9))
     path = tmp_path / "p.svg"
     with matplotlib.rc_context({"svg.fonttype": "none"}):  # text as text, to read it back
         plot_timelines([Panel(sim.timeline, "tp")], path)

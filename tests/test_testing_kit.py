@@ -21,14 +21,14 @@ import pytest
 from hypothesis import HealthCheck, assume, find, given, settings
 from hypothesis import strategies as st
 
-from pipec.api import build, load
+from pipec.api import load
 from pipec.cli import app as cli
+from pipec.driver import build, check_expectations, metrics
 from pipec.errors import PipecError, Source
 from pipec.frontend import library
 from pipec.ir.program import Program, RankProgram
 from pipec.passes.checks import check_schedule
 from pipec.passes.compiler import compile_schedule
-from pipec.passes.expect import Metrics, check_expectations
 from pipec.testing import (
     InvariantError,
     Listing,
@@ -537,7 +537,7 @@ def test_errors_inside_an_expectation_are_diagnostics():
 
 def test_metrics_match_the_simulator_and_memory_model():
     sched = load("zb-h1", p=4, m=8)
-    m = Metrics(sched)
+    m = metrics(sched)
     assert m.bubble_time == pytest.approx(3.0) and m.ideal == pytest.approx(24.0)
     assert [m.in_flight(r) for r in range(4)] == [4, 4, 4, 4]
     assert m.peak_memory(3) == pytest.approx(2.5)

@@ -30,7 +30,9 @@ from torch.distributed.pipelining import schedules as ts
 from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 from torch.distributed.pipelining.stage import PipelineStage
 
-from pipec.api import build, load
+from pipec.api import load
+from pipec.driver import build
+from pipec.driver import simulation as simulate
 from pipec.errors import PipecError, Source
 from pipec.formats.torch_actions import TORCH_VERSION
 from pipec.formats.torch_csv_reader import read_csv, to_pipe
@@ -38,8 +40,7 @@ from pipec.formats.torch_csv_writer import comms_rows, export_csv
 from pipec.frontend import library
 from pipec.ir.schedule import Schedule
 from pipec.passes.compiler import compile_schedule
-from pipec.sim.costs import normalize
-from pipec.view.report import run as simulate
+from pipec.sim.cost_files import normalize
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -12,8 +12,10 @@ from hypothesis import strategies as st
 
 from pipec.api import load
 from pipec.errors import PipecError
+from pipec.formats.program_file import from_json, from_text, to_json, to_text
 from pipec.ir.opcodes import BY_NAME, GROUP_MAX, OPCODES, TABLE
-from pipec.ir.program import Program, RankProgram, from_json, from_text, to_json, to_text, validate
+from pipec.ir.program import Program, RankProgram
+from pipec.ir.validate import validate
 from pipec.passes.dryrun import dry_run
 from pipec.passes.lower import lower
 

@@ -97,7 +97,7 @@ def topology_arg(p: argparse.ArgumentParser) -> None:
 
 def target(args: argparse.Namespace, name: str | None = None) -> tuple[Schedule | Program, str | None]:
     """The schedule (evaluated with -D, checked op by op) or the validated Program file a command names."""
-    from pipec.api import target_of
+    from pipec.driver import target_of
 
     return target_of(args.schedule if name is None else name, args.defines)
 
@@ -113,7 +113,7 @@ def read_source(name: str) -> Source:
 
 def build(args: argparse.Namespace) -> Schedule:
     """The Schedule a command works on; of a Program file, the one it executes (pipec.api.schedule_of)."""
-    from pipec.api import schedule_of
+    from pipec.driver import schedule_of
 
     obj, where = target(args)
     return schedule_of(obj, Source(where, "")) if isinstance(obj, Program) else obj
@@ -122,12 +122,12 @@ def build(args: argparse.Namespace) -> Schedule:
 def memory(args: argparse.Namespace, docs: list[dict] | None = None) -> dict[str, float]:
     """The memory overrides of the command line, over the measured bytes of its cost documents (`docs`,
     when the caller has read them already; else read from `--cost`)."""
-    from pipec.sim.costs import cost_spec
-    from pipec.sim.memory import memory_bytes
+    from pipec.driver import memory_overrides
+    from pipec.sim.cost_files import cost_spec
 
     if docs is None:
         docs = [cost_spec(t) for t in getattr(args, "cost", [])]
-    overrides = {**memory_bytes(docs), **dict(args.mem)}
+    overrides = memory_overrides(docs, dict(args.mem))
     if args.memory_limit is not None:
         overrides["limit"] = args.memory_limit
     if getattr(args, "host_memory_limit", None) is not None:
@@ -145,7 +145,7 @@ def dp(args: argparse.Namespace, program_file: bool = False) -> DataParallel | N
 def compiled(args: argparse.Namespace) -> tuple[CompiledSchedule, bool]:
     """Every check but the `expect` lines, then the Program (a Program file: validated and dry-run);
     and whether the input was a Program file."""
-    from pipec.api import check_program
+    from pipec.driver import check_program
 
     obj, where = target(args)
     if isinstance(obj, Program):

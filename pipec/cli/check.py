@@ -87,7 +87,7 @@ def compile_arguments(p: argparse.ArgumentParser) -> None:
 def cmd_compile(args: argparse.Namespace) -> int:
     """Check a schedule and lower it to one instruction stream per rank (see docs/program.md), written
     rank by rank as it is produced. With --json and no -o, the program is the `program` field."""
-    from pipec.ir.program import write_json, write_text
+    from pipec.formats.program_file import write_json, write_text
 
     prog = compiled(args)[0].program
     fmt = args.format or ("json" if args.output and args.output.endswith(".json") else "text")

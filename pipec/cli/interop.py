@@ -118,7 +118,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     """Turn a torch.distributed.pipelining schedule CSV (compute-only or compute+comms) into a .pipe file
     with the same per-rank orders, written as loops where they repeat. The CSV is then checked like any
     schedule; `pipec check/show/compile/simulate FILE.csv` also read a CSV directly."""
-    from pipec.api import build
+    from pipec.driver import build
     from pipec.formats.torch_csv_reader import is_torch_csv, to_pipe
 
     source = read_source(args.csv)

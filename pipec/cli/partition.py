@@ -36,7 +36,7 @@ def cmd_partition(args: argparse.Namespace) -> int:
     the uniform split and write the partition file `pipec run --partition` reads. See docs/partition.md."""
     from pipec.formats.partition_files import Ranks, parse_ranks, read_table, write_json
     from pipec.partition import partition, report_lines, to_doc
-    from pipec.sim.costs import cost_spec
+    from pipec.sim.cost_files import cost_spec
 
     sched = build(args)
     program = compile_schedule(sched).program

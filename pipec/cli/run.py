@@ -30,7 +30,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     CPU, nccl on CUDA), or every rank in this process with --local. Prints a line per step; --check
     compares the loss, gradients and parameters with a single-process run; --json gives each step's loss
     and seconds. See docs/runtime.md."""
-    from pipec.api import check_program
+    from pipec.driver import check_program
 
     opts = RunOptions.from_args(args)
     obj, where = target(args)
@@ -158,7 +158,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         from pipec.runtime.profile.stages import profile, summary_lines
     except ImportError as e:
         raise Misuse(f"profiling needs torch ({e}); install pipec[runtime]") from None
-    from pipec.sim.costs import dump_costs
+    from pipec.sim.cost_files import dump_costs
 
     try:
         model = load_model(args.model)

@@ -29,7 +29,7 @@ def show_arguments(p: argparse.ArgumentParser) -> None:
 def cmd_show(args: argparse.Namespace) -> int:
     """Print the schedule as a grid: one row per step, one column per rank; `F3&B1` marks an overlapped pair.
     A Program file shows the schedule it executes."""
-    from pipec.api import check_program, schedule_of
+    from pipec.driver import check_program, schedule_of
     from pipec.view.grid import cells, format_grid, grid_title
 
     obj, where = target(args)
@@ -115,15 +115,15 @@ def _collectives(prog: Program) -> list[dict]:
 def _show_timeline(args: argparse.Namespace, s: Schedule, ranks: list[int] | None, prog: Program | None = None) -> int:
     import shutil
 
-    from pipec.api import simulation
+    from pipec.driver import simulation
     from pipec.ir.schedule import unit_json
-    from pipec.sim.costs import cost_spec
+    from pipec.sim.cost_files import cost_spec
     from pipec.view import report
     from pipec.view.render import text_gantt
 
     docs = [cost_spec(t) for t in args.cost]
     if prog is None:
-        sim = report.run(on_network(args, s), docs)
+        sim = simulation(on_network(args, s), docs)
     else:  # the Program with its collectives, as lowered for the data parallelism asked for
         sim = simulation(prog, docs, None, getattr(args, "topology", None))
     if args.json:

@@ -44,8 +44,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from the schedule's declarations, cost files and overrides (`--cost F=1,B=2,W=1` per stage, `T_F=1,...`
     per rank); by default T_F = T_B = T_W = 1 for each rank's share of the model, a full backward costs
     T_B + T_W, and communication is free. A Program file is simulated as it stands."""
-    from pipec.api import param_names, simulation, target_of
-    from pipec.sim.costs import cost_spec
+    from pipec.driver import param_names, simulation, target_of
+    from pipec.sim.cost_files import cost_spec
     from pipec.view import report
 
     if len(args.schedule) > 1 and args.trace:

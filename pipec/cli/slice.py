@@ -43,7 +43,7 @@ def cmd_slice(args: argparse.Namespace) -> int:
     dynamic program under the cost model (`attn`, `op_fixed`: `pipec profile --slices`), print them with
     the simulated step beside uniform slicing and the unsliced run, and write the schedule with them (-o).
     See docs/terapipe.md, "Choosing the slices"."""
-    from pipec.sim.costs import cost_spec
+    from pipec.sim.cost_files import cost_spec
     from pipec.slicing import report_lines, slice_schedule
 
     source = read_source(args.schedule)

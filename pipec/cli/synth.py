@@ -69,7 +69,7 @@ def cmd_synth(args: argparse.Namespace) -> int:
     import shlex
 
     from pipec import synth
-    from pipec.sim.costs import cost_spec
+    from pipec.sim.cost_files import cost_spec
 
     if args.p < 1 or args.m < 1 or args.v < 1:
         raise Misuse("-p, -m and -v must be at least 1")

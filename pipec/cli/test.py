@@ -99,7 +99,7 @@ def cmd_test(args: argparse.Namespace) -> int:
     if not files:
         raise Misuse(f"no .pipe files under {' '.join(args.paths)}")
     # --range and -D apply to the files that declare the parameter; each must name one of some file.
-    from pipec.api import compile_source
+    from pipec.frontend.load import compile_source
 
     declared: dict[str, set[str]] = {}
     for target in files:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pipec.ir.units import exact_text
+
 Op = tuple[str, int, int]  # (op kind, micro-batch, stage)
 Step = tuple[Op, ...]  # one op, or the ops of an overlapped pair (`F(i) & B(j)`)
 
@@ -36,20 +38,17 @@ def number(x: float) -> str:
     return repr(x)
 
 
-_LATENCY_UNITS = (("us", 1.0, 1e6), ("ms", 1.0, 1e3), ("s", 1.0, 1.0))
-_BANDWIDTH_UNITS = (("Gbps", 1e9, 1.0), ("Tbps", 1e12, 1.0), ("Mbps", 1e6, 1.0), ("Kbps", 1e3, 1.0), ("bps", 1.0, 1.0))
+# The language's units (pipec.ir.units.LANGUAGE) in the order a tie in length is settled.
+_LATENCY_UNITS = ("us", "ms", "s")
+_BANDWIDTH_UNITS = ("Gbps", "Tbps", "Mbps", "Kbps", "bps")
 
 
 def quantity(x: float, kind: str) -> str:
     """`x` (seconds, or bits per second) as a quantity with a unit that reads back exactly: the shortest
     such text (`40ms`, `10Gbps`), falling back to seconds or bits per second written out in full."""
     units = _LATENCY_UNITS if kind == "latency" else _BANDWIDTH_UNITS
-    best = None
-    for unit, mul, div in units:
-        digits = np.format_float_positional(x * div / mul, trim="-")
-        if float(digits) * mul / div == x and (best is None or len(digits) + len(unit) < len(best)):
-            best = digits + unit
-    return best if best is not None else np.format_float_positional(x, trim="-") + units[-1][0]
+    best = exact_text(x, units, lambda v: np.format_float_positional(v, trim="-"))
+    return best if best is not None else np.format_float_positional(x, trim="-") + units[-1]
 
 
 def per_stage_expr(values: Sequence[float], var: str = "s") -> str:

@@ -26,6 +26,7 @@ from pipec.ir.schedule import (
     Expectation,
     Link,
     MemOp,
+    Policy,
     RankOps,
     Schedule,
     Slicing,
@@ -217,22 +218,9 @@ def _run(compiled: GeneratedCode, source: Source, given: dict[str, object], only
     wanted = set(range(num_ranks)) if only is None else set(only)
     if not wanted <= set(range(num_ranks)):
         raise ValueError(f"ranks {sorted(wanted - set(range(num_ranks)))} are not in 0..{num_ranks - 1}")
-    derived = None
+    order = None
     if "order" in rt.decls:
-        shape = Schedule(
-            compiled.name,
-            param_items,
-            num_stages,
-            num_ranks,
-            m,
-            compiled.kinds,
-            tuple(placement),
-            (),
-            costs,
-            memory,
-            topology,
-        )
-        derived = _derive(shape, owned, *rt.decls["order"])
+        order = _policy(num_ranks, num_stages, owned, *rt.decls["order"])
     else:
         rank_fn, rank_sid = rt.decls["rank"]
     rank_ops = []
@@ -240,8 +228,8 @@ def _run(compiled: GeneratedCode, source: Source, given: dict[str, object], only
     mem_rows: list[list[tuple]] = []
     with_memops = compiled.memops or bool(compiled.recompute_sids)
     for r in range(num_ranks):
-        if derived is not None:
-            rank_ops.append(derived[r] if r in wanted else _empty_rank())
+        if order is not None:
+            rank_ops.append(_empty_rank())
         elif r in wanted:
             cap = len(compiled.kinds) * len(owned[r]) * m
             rank_ops.append(env.run_rank(rank_fn, r, owned[r][0] if len(owned[r]) == 1 else -1, cap))
@@ -291,6 +279,8 @@ def _run(compiled: GeneratedCode, source: Source, given: dict[str, object], only
         collectives=collectives,
         memops=memops,
         slicing=slicing,
+        order=order,
+        order_ranks=None if order is None or only is None else tuple(sorted(wanted)),
     )
 
 
@@ -411,14 +401,11 @@ def _check_collectives(colls: list[tuple], rank: int, owned: list[int], placemen
     return colls
 
 
-def _derive(shape: Schedule, owned: list[list[int]], decl, sid: int) -> list[RankOps]:
-    """The per-rank orders an `order` block's policy gives under the schedule's own costs and memory."""
-    from pipec.passes.policy import Policy, PolicyStuck, derive, machine
-    from pipec.sim.costs import cost_model
-    from pipec.sim.memory import memory_model
-
+def _policy(num_ranks: int, num_stages: int, owned: list[list[int]], decl, sid: int) -> Policy:
+    """An `order` block as its `Policy` value; the orders it gives are derived after evaluation
+    (`pipec.passes.policy.resolve`, under the schedule's own costs and memory)."""
     prefer, fill, fn = decl
-    R, S = shape.num_ranks, shape.num_stages
+    R, S = num_ranks, num_stages
     inflight, stage_inflight, lag = [], [None] * S, []
     for r in range(R):
         a, stage_fn, g = fn(r)
@@ -430,7 +417,7 @@ def _derive(shape: Schedule, owned: list[list[int]], decl, sid: int) -> list[Ran
     bad = [x for x in inflight + [x for x in stage_inflight if x is not None] if x < 1]
     if bad:
         raise _Fail("E213", f"an in-flight limit must be at least 1, got {bad[0]:g}", sid)
-    policy = Policy(
+    return Policy(
         prefer=prefer,
         inflight=tuple(inflight),
         stage_inflight=None
@@ -439,23 +426,6 @@ def _derive(shape: Schedule, owned: list[list[int]], decl, sid: int) -> list[Ran
         w_mode="fit" if fill else "idle",
         w_lag=tuple(lag),
     )
-    try:
-        d = derive(machine(shape, cost_model(shape), memory_model(shape)), policy)
-    except PolicyStuck as e:
-        raise _Fail("E213", e.message, sid, e.notes) from None
-    out = []
-    for ops in d.orders:
-        a = np.asarray(ops, dtype=np.int64).reshape(-1, 3)
-        out.append(
-            RankOps(
-                a[:, 0].copy(),
-                a[:, 1].copy(),
-                a[:, 2].copy(),
-                np.full(len(a), sid, np.int64),
-                np.zeros(len(a), dtype=bool),
-            )
-        )
-    return out
 
 
 def _expectation_test(fn, compiled: GeneratedCode, source: Source):

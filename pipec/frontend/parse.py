@@ -19,25 +19,7 @@ from pipec import cachedir
 from pipec.errors import PipecError, Source, Span, error
 from pipec.frontend import ast
 from pipec.frontend.library import package_files
-
-_UNITS = {  # unit -> (multiply, divide), so that 5us is exactly 5 / 1e6 seconds
-    "us": (1.0, 1e6),
-    "ms": (1.0, 1e3),
-    "s": (1.0, 1.0),
-    "bps": (1.0, 1.0),
-    "Kbps": (1e3, 1.0),
-    "Mbps": (1e6, 1.0),
-    "Gbps": (1e9, 1.0),
-    "Tbps": (1e12, 1.0),
-    "B": (1.0, 1.0),
-    "KB": (1e3, 1.0),
-    "MB": (1e6, 1.0),
-    "GB": (1e9, 1.0),
-    "KiB": (2.0**10, 1.0),
-    "MiB": (2.0**20, 1.0),
-    "GiB": (2.0**30, 1.0),
-}
-
+from pipec.ir.units import LANGUAGE, UNITS, of_kind
 
 # Deeper syntax trees are refused (E003): the AST transformer and the code generator recurse, and the
 # generated Python may nest at most 200 parentheses and 100 indentation levels.
@@ -123,7 +105,7 @@ class _ToAst(Transformer):
 
     def quantity(self, meta, c):
         """`1GiB`, `40ms`, `10Gbps` in an expression: a float in bytes, seconds or bits per second."""
-        q = self._quantity(c[0], "a quantity", tuple(_UNITS))
+        q = self._quantity(c[0], "a quantity", LANGUAGE)
         return ast.Num(q.span, q.value)
 
     def string(self, meta, c):
@@ -312,18 +294,17 @@ class _ToAst(Transformer):
                     _tok_span(tok),
                 )
             )
-        mul, div = _UNITS[unit]
+        _, mul, div = UNITS[unit]
         value = float(digits) * mul / div
         if not math.isfinite(value):
             raise _Bad(error("E004", f"{kind} `{_clip(text)}` is too large", _tok_span(tok)))
         return ast.Quantity(_tok_span(tok), value, unit)
 
     def latency(self, meta, c):
-        return ("latency", self._quantity(c[0], "latency", ("us", "ms", "s")))
+        return ("latency", self._quantity(c[0], "latency", of_kind("time", LANGUAGE)))
 
     def bandwidth(self, meta, c):
-        units = ("bps", "Kbps", "Mbps", "Gbps", "Tbps")
-        return ("bandwidth", self._quantity(c[0], "bandwidth", units))
+        return ("bandwidth", self._quantity(c[0], "bandwidth", of_kind("bandwidth", LANGUAGE)))
 
     # ---- top
     def param(self, meta, c):

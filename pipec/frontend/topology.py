@@ -57,7 +57,7 @@ def _looks_like_a_path(spec: str) -> bool:
 
 
 def _evaluate(source: Source, sched: Schedule) -> Topology:
-    from pipec.api import build
+    from pipec.frontend.load import evaluate_source
 
     lines, offset = _topology_lines(source)
     # A stand-in schedule with the same parameters and ranks whose only content is this topology: evaluating it
@@ -67,7 +67,7 @@ def _evaluate(source: Source, sched: Schedule) -> Topology:
     header = f'schedule "topology" ({params}) {{ stages {sched.num_ranks}  place s -> s'
     stand_in = "\n".join([header, *lines, "rank r { } }"]) + "\n"
     try:
-        built = build(Source(source.path, stand_in), {}, check=False)
+        built = evaluate_source(Source(source.path, stand_in))
     except PipecError as e:
         raise PipecError(*(_shift(d, source, offset) for d in e.diagnostics)) from None
     return built.topology or Topology((), ())

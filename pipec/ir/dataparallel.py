@@ -14,8 +14,12 @@ argument parser imports this without numpy or torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pipec.errors import brief, error
+
+if TYPE_CHECKING:
+    from pipec.ir.program import Program
 
 KINDS = ("ddp", "fsdp")
 MAX_SIZE = 10_000_000  # replicas per rank, as a Program's other sizes are bounded (pipec/ir/program.py)
@@ -58,6 +62,19 @@ class DataParallel:
     def is_default(self) -> bool:
         """No data parallelism: the Program is the one pipec wrote before PP x DP, byte for byte."""
         return self.size == 1 and self.kind == "ddp"
+
+
+def dp_mismatch(prog: Program, size: int, kind: str, asked: str | None = None) -> str | None:
+    """Why a Program cannot run under `size` x `kind` data parallelism, or None when it can: a Program's
+    collectives were placed by its lowering for one size and kind, so it runs under those alone (the API's
+    E422, `pipec.driver.check_program`, and the runtime's refusal both read this). `asked` names the
+    request as the caller's user gave it (`--dp 2 --dp-kind ddp`)."""
+    if (prog.dp, prog.dp_kind) == (size, kind):
+        return None
+    return (
+        f"the Program was compiled for data parallelism {prog.dp} x {prog.dp_kind}, "
+        f"not the {asked or f'{size} x {kind}'} asked for"
+    )
 
 
 def _is_int(x: object) -> bool:

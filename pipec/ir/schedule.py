@@ -7,6 +7,7 @@ small work and tests.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -203,6 +204,34 @@ class Topology:
     replica_dcs: tuple[Datacenter, ...] = ()
 
 
+@dataclass(frozen=True)
+class Policy:
+    """An `order` block as a value: how each rank chooses among its ready ops (`pipec.passes.policy` says what
+    each field means and derives the orders). The front end leaves it on `Schedule.order`; the driver resolves
+    it (`pipec.passes.policy.resolve`) before anything reads the ranks' orders."""
+
+    prefer: tuple[str, ...] = ("B", "F", "W")
+    inflight: tuple[float, ...] | None = None  # per rank; None or inf: no limit
+    stage_inflight: tuple[float, ...] | None = None  # per stage
+    w_mode: str = "idle"
+    w_lag: tuple[int, ...] | None = None  # per rank
+
+    def describe(self) -> str:
+        parts = ["prefer " + ", ".join(self.prefer)]
+        if self.inflight is not None:
+            parts.append("inflight " + " ".join(_num(x) for x in self.inflight))
+        if self.stage_inflight is not None:
+            parts.append("stage inflight " + " ".join(_num(x) for x in self.stage_inflight))
+        if self.w_lag is not None:
+            parts.append("W lag " + " ".join(str(x) for x in self.w_lag))
+        parts.append(f"W {self.w_mode}")
+        return "; ".join(parts)
+
+
+def _num(x: float) -> str:  # a limit as `describe` writes it: `-` for none
+    return "-" if x is None or math.isinf(x) else f"{x:g}"
+
+
 @dataclass(frozen=True, eq=False)
 class Expectation:
     """An `expect` statement as evaluated for these parameters (one per rank when written in the rank block).
@@ -239,6 +268,10 @@ class Schedule:
     memops: tuple[tuple[MemOp, ...], ...] = ()  # per rank, in order; () when the schedule places none
     # Token slices and sequence lengths (None: neither declared); with slices, ops' `mb` is a unit.
     slicing: Slicing | None = None
+    # An `order` block not yet resolved: the ranks' orders are empty until `pipec.passes.policy.resolve`
+    # derives them (then None). `order_ranks`: the ranks the orders are wanted for (None: all).
+    order: Policy | None = None
+    order_ranks: tuple[int, ...] | None = None
 
     @property
     def split_backward(self) -> bool:

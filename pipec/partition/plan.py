@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipec.formats.partition_files import LayerTable, Ranks, partition_doc
+from pipec.ir.units import fmt_bytes
 from pipec.partition.search import Problem, Result, Split, search
 
 
@@ -55,12 +56,6 @@ def _s(x: float) -> str:
     return f"{x:.6g}"
 
 
-def _b(x: float) -> str:
-    from pipec.partition.search import _bytes
-
-    return _bytes(x)
-
-
 def _ranges(split: Split, names: Sequence[str]) -> list[str]:
     out = []
     for a, b in zip(split.bounds, split.bounds[1:]):
@@ -98,7 +93,8 @@ def report_lines(out: Outcome) -> list[str]:
     rows = [("rank", "memory", "uniform", "limit")]
     for r in range(pb.R):
         lim = out.limit[r]
-        rows.append((str(r), _b(best.memory[r]), _b(uni.memory[r]), "-" if math.isnan(lim) else _b(lim)))
+        limit = "-" if math.isnan(lim) else fmt_bytes(lim)
+        rows.append((str(r), fmt_bytes(best.memory[r]), fmt_bytes(uni.memory[r]), limit))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
     # the fluid bound: what no split beats even with layers cut between stages (pipec.partition.search)

@@ -57,6 +57,7 @@ from pipec.errors import brief, error
 from pipec.formats.partition_files import LayerTable
 from pipec.ir.program import Program
 from pipec.ir.schedule import Schedule
+from pipec.ir.units import fmt_bytes
 from pipec.sim.memory import CKPT_OF_ACT, positions
 
 KINDS = ("F", "B", "W")
@@ -207,12 +208,11 @@ class Problem:
         return (pre[c[1:]] - pre[c[:-1]]).astype(float).tolist()
 
     def simulate(self, bounds: Sequence[int]):
-        """The Timeline of the schedule's Program under this split's costs."""
-        from pipec.sim.costs import cost_model
-        from pipec.sim.simulate import simulate
+        """The Timeline of the schedule's Program under this split's costs (`pipec.driver.timeline`)."""
+        from pipec.driver import timeline
 
         self.simulations += 1
-        return simulate(self.program, cost_model(self.sched, [*self.cost_docs, self.cost_doc(bounds)]))
+        return timeline(self.sched, self.program, [*self.cost_docs, self.cost_doc(bounds)])
 
     def evaluate(self, bounds: Sequence[int]) -> Split:
         from pipec.sim.simulate import stats
@@ -1017,18 +1017,10 @@ def no_fit(pb: Problem):
     return error(
         "E806",
         f"no split of the {pb.L} layers into {pb.S} stages fits the memory limits: the closest, layers per stage "
-        f"{', '.join(map(str, sizes))}, needs {_bytes(mem[worst])} on rank {worst} (limit {_bytes(pb.limit[worst])})",
+        f"{', '.join(map(str, sizes))}, needs {fmt_bytes(mem[worst])} on rank {worst} "
+        f"(limit {fmt_bytes(pb.limit[worst])})",
         notes=(
-            "per rank: " + ", ".join(f"{_bytes(x)}" for x in mem.tolist()),
+            "per rank: " + ", ".join(f"{fmt_bytes(x)}" for x in mem.tolist()),
             "raise the limits, take a schedule that holds fewer micro-batches, or more ranks",
         ),
     )
-
-
-def _bytes(x: float) -> str:
-    if math.isnan(x):
-        return "no limit"
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(x) >= size:
-            return f"{x / size:.3g} {unit}"
-    return f"{x:.0f} B"

@@ -23,6 +23,8 @@ expectation that applies names a time.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -30,28 +32,34 @@ from pipec.errors import PipecError, error
 from pipec.ir.program import Program
 from pipec.ir.schedule import Expectation, Schedule
 
+if TYPE_CHECKING:
+    from pipec.sim.simulate import Stats
+
 
 class Metrics:
-    """What an `expect` can read, computed on first use."""
+    """What an `expect` can read, computed on first use. The times come from `measure` (the schedule and its
+    Program, None when not lowered yet, to its Stats): `pipec.driver.metrics` passes the driver's pipeline,
+    which lives above this floor; `stats`, when the caller has them already, saves the simulation."""
 
-    def __init__(self, sched: Schedule, program: Program | None = None, stats=None) -> None:
+    def __init__(
+        self,
+        sched: Schedule,
+        program: Program | None = None,
+        stats: Stats | None = None,
+        measure: Callable[[Schedule, Program | None], Stats] | None = None,
+    ) -> None:
         self.sched = sched
         self._program = program
         self._given_stats = stats
+        self._measure = measure
 
     @functools.cached_property
-    def stats(self):
+    def stats(self) -> Stats:
         if self._given_stats is not None:
             return self._given_stats
-        from pipec.sim.costs import cost_model
-        from pipec.sim.simulate import simulate, stats
-
-        prog = self._program
-        if prog is None:
-            from pipec.passes.lower import lower
-
-            prog = lower(self.sched)
-        return stats(simulate(prog, cost_model(self.sched)))
+        if self._measure is None:
+            raise ValueError("an expectation that names a time needs the driver's measure (pipec.driver.metrics)")
+        return self._measure(self.sched, self._program)
 
     @property
     def makespan(self) -> float:
@@ -161,15 +169,21 @@ def failed(sched: Schedule, metrics: Metrics) -> list[tuple[Expectation, PipecEr
     return out
 
 
-def check_expectations(sched: Schedule, program: Program | None = None, stats=None) -> int:
+def check_expectations(
+    sched: Schedule,
+    program: Program | None = None,
+    stats: Stats | None = None,
+    measure: Callable[[Schedule, Program | None], Stats] | None = None,
+) -> int:
     """Raise E405 for the first expectation that does not hold; return how many were checked.
 
     `program` (the lowered schedule) and `stats` (a `pipec.sim.simulate.Stats` under the schedule's own
-    costs) save work when the caller has them already.
+    costs) save work when the caller has them already; otherwise `measure` gives the stats
+    (`pipec.driver.check_expectations` passes the driver's).
     """
     if not sched.expects:
         return 0
-    bad = failed(sched, Metrics(sched, program, stats))
+    bad = failed(sched, Metrics(sched, program, stats, measure))
     if bad:
         raise bad[0][1]
     return len(sched.expects)

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pipec.ir.opcodes import KIND_OF, OUT_MSG, OUT_PEER_STAGE
-from pipec.ir.schedule import RankOps, Schedule
+from pipec.ir.schedule import Policy, RankOps, Schedule
 from pipec.sim.costs import CostModel
 from pipec.sim.memory import compute_deltas
 from pipec.sim.simulate import Links, Plan, plan, shared_links, simulate
@@ -61,30 +61,6 @@ class PolicyStuck(Exception):
     def __init__(self, message: str, rank: int, notes: tuple[str, ...] = ()) -> None:
         super().__init__(message)
         self.message, self.rank, self.notes = message, rank, notes
-
-
-@dataclass(frozen=True)
-class Policy:
-    prefer: tuple[str, ...] = ("B", "F", "W")
-    inflight: tuple[float, ...] | None = None  # per rank; None or inf: no limit
-    stage_inflight: tuple[float, ...] | None = None  # per stage
-    w_mode: str = "idle"
-    w_lag: tuple[int, ...] | None = None  # per rank
-
-    def describe(self) -> str:
-        parts = ["prefer " + ", ".join(self.prefer)]
-        if self.inflight is not None:
-            parts.append("inflight " + " ".join(_num(x) for x in self.inflight))
-        if self.stage_inflight is not None:
-            parts.append("stage inflight " + " ".join(_num(x) for x in self.stage_inflight))
-        if self.w_lag is not None:
-            parts.append("W lag " + " ".join(str(x) for x in self.w_lag))
-        parts.append(f"W {self.w_mode}")
-        return "; ".join(parts)
-
-
-def _num(x: float) -> str:
-    return "-" if x is None or math.isinf(x) else f"{x:g}"
 
 
 @dataclass(frozen=True)
@@ -509,3 +485,43 @@ def per_rank(value, n: int) -> tuple[float, ...] | None:
             raise ValueError(f"expected {n} values, got {len(value)}")
         return tuple(float(x) for x in value)
     return tuple(float(value) for _ in range(n))
+
+
+def resolve(sched: Schedule) -> Schedule:
+    """The schedule with its `order` block's orders derived (`derive`, under its own costs and memory) and
+    `Schedule.order` cleared; a schedule without one as it is. The front end leaves the block as a `Policy`
+    (`pipec.frontend.evaluate`); `pipec.driver.build` calls this before any check reads the orders. A policy
+    that cannot finish is E213, at the `order` block."""
+    if sched.order is None:
+        return sched
+    from pipec.errors import error
+    from pipec.sim.costs import cost_model
+    from pipec.sim.memory import memory_model
+
+    try:
+        shape = dataclasses.replace(sched, order=None, order_ranks=None)
+        d = derive(machine(shape, cost_model(shape), memory_model(shape)), sched.order)
+    except PolicyStuck as e:
+        raise error("E213", e.message, sched.decl_spans.get("order"), sched.source, e.notes) from None
+    wanted = set(range(sched.num_ranks)) if sched.order_ranks is None else set(sched.order_ranks)
+    ranks = []
+    for r, ops in enumerate(d.orders):
+        a = np.asarray(ops, dtype=np.int64).reshape(-1, 3)
+        if r not in wanted:
+            a = a[:0]
+        ranks.append(
+            RankOps(
+                a[:, 0].copy(),
+                a[:, 1].copy(),
+                a[:, 2].copy(),
+                np.full(len(a), _order_sid(sched), np.int64),
+                np.zeros(len(a), dtype=bool),
+            )
+        )
+    return dataclasses.replace(sched, ranks=tuple(ranks), order=None, order_ranks=None)
+
+
+def _order_sid(sched: Schedule) -> int:
+    """The source id of the `order` block (what its derived ops point at in diagnostics)."""
+    span = sched.decl_spans.get("order")
+    return sched.spans.index(span) if span is not None and span in sched.spans else 0

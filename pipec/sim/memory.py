@@ -146,7 +146,7 @@ class RankMemory:
 
 
 def memory_bytes(cost_docs: Iterable[Mapping]) -> dict[str, object]:
-    """The measured byte keys of cost documents (`pipec.sim.costs.normalize`'d; later wins), as memory
+    """The measured byte keys of cost documents (`pipec.sim.cost_files.normalize`'d; later wins), as memory
     overrides: pass them to `memory_model` (or `compile_schedule`) with the others."""
     out: dict[str, object] = {}
     for doc in cost_docs:
@@ -217,10 +217,9 @@ def fmt_memory(x: float, unit: str = "units") -> str:
     """One amount of memory for people: GiB/MiB/KiB/B in bytes, the number itself in abstract units."""
     if unit != "bytes":
         return f"{x:g}"
-    for name, size in (("GiB", 2.0**30), ("MiB", 2.0**20), ("KiB", 2.0**10)):
-        if abs(x) >= size:
-            return f"{x / size:.3g} {name}" if abs(x) < 1000 * size else f"{x / size:.0f} {name}"
-    return f"{x:g} B"
+    from pipec.ir.units import fmt_bytes
+
+    return fmt_bytes(x)
 
 
 # ---- the rule: what each instruction does to the two pools ---------------------

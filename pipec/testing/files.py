@@ -184,7 +184,7 @@ def find_schedule_files(paths: Iterable[str]) -> list[str]:
 
 def _check_point(source: Source, target: str, point: dict[str, object], runtime: bool) -> Failure | None | str:
     """None when the parameter set passes; "skip" when a `require` inside the rank block rejects it."""
-    from pipec.api import build
+    from pipec.driver import build
 
     try:
         sched = build(source, point)

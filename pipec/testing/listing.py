@@ -123,7 +123,7 @@ class Listing:
 
     def build(self, path: str = "listing.pipe", *, check: bool = True) -> Schedule:
         """Evaluate the text (and run `pipec.passes.checks` on it unless told not to)."""
-        from pipec.api import build
+        from pipec.driver import build
 
         return build(self.source(path), {}, check=check)
 

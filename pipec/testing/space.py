@@ -67,7 +67,8 @@ def parameter_space(
     """Every parameter assignment within bounds that passes the schedule's top-level `require`s,
     smallest first (see `_size`). `bounds` maps a parameter to the values to try (`DEFAULT_BOUNDS`
     otherwise); `fixed` pins parameters to one value each."""
-    from pipec.api import build, compile_source
+    from pipec.driver import build
+    from pipec.frontend.load import compile_source
 
     source = _source(schedule)
     compiled = compile_source(source)
@@ -278,7 +279,8 @@ def sample_space(
     """The space `pipec test` samples for a schedule: p 1..32, m 1..max(12, 4p), v 1..4 (the values in
     `bounds` instead, where given; `fixed` pins a parameter), other parameters as `parameter_space` takes
     them, enumerated when they are few, else drawn per set (`Space`)."""
-    from pipec.api import build, compile_source
+    from pipec.driver import build
+    from pipec.frontend.load import compile_source
     from pipec.frontend.params import parse_value
 
     source = _source(schedule)
@@ -439,7 +441,7 @@ class Sampler:
 
     def valid(self, point: Mapping[str, object]) -> bool:
         """Whether the set passes the schedule's top-level `require`s (memoised)."""
-        from pipec.api import build
+        from pipec.driver import build
 
         key = _key(point)
         if key not in self._valid:

@@ -16,6 +16,7 @@ import numpy as np
 from pipec.ir.opcodes import OFFLOAD, RECOMPUTE, REDUCE_GRAD, RELOAD, RESHARD, UNSHARD
 from pipec.ir.program import BWD, FWD, WGRAD
 from pipec.ir.schedule import unit_label
+from pipec.ir.units import BINARY
 from pipec.sim.timeline import Timeline
 
 # Colour per op kind; a rank's second chunk (stage) is drawn lighter, its third darker again, and so on.
@@ -53,7 +54,7 @@ def _scale(curves: Sequence[tuple[np.ndarray, np.ndarray]], limit: float | None,
     if unit != "bytes":
         return 1.0, "memory"
     top = max([float(v.max()) for _, v in curves if len(v)] + [limit or 0.0, 0.0])
-    for name, size in (("GiB", 2.0**30), ("MiB", 2.0**20), ("KiB", 2.0**10)):
+    for name, size in BINARY:
         if top >= size:
             return size, name
     return 1.0, "bytes"

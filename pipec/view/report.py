@@ -1,57 +1,20 @@
-"""Simulating schedules for people: compile, cost, simulate, and the tables and JSON `pipec simulate` prints.
+"""Simulations for people: the tables and JSON `pipec simulate` prints.
 
-A pure layer between the CLI and `pipec.sim.simulate`: it returns strings and
-dicts; `pipec.cli` prints them.
+A pure layer between the CLI and the driver (`pipec.driver.simulation` makes the Simulation): it returns
+strings and dicts; the CLI prints them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
 from fractions import Fraction
 
 import numpy as np
 
+from pipec.driver import Simulation
 from pipec.ir.schedule import Schedule
-from pipec.passes.compiler import CompiledSchedule, compile_schedule
-from pipec.sim.costs import CostModel, cost_model
-from pipec.sim.memory import fmt_memory, memory_bytes, memory_model
+from pipec.sim.memory import fmt_memory
 from pipec.sim.memtime import MemoryCurves, memory_curves, timeline_curves
-from pipec.sim.simulate import Stats, simulate, stats
-from pipec.sim.timeline import Timeline
-
-
-@dataclass(frozen=True)
-class Simulation:
-    compiled: CompiledSchedule
-    costs: CostModel
-    memory: dict[str, np.ndarray]
-    timeline: Timeline
-    stats: Stats
-    curves: MemoryCurves | None = None  # None: computed on demand (`curves_of`)
-
-    @property
-    def schedule(self) -> Schedule:
-        return self.compiled.schedule
-
-
-def run(sched: Schedule, cost_docs: Sequence[Mapping] = (), memory: Mapping[str, object] | None = None) -> Simulation:
-    """Check and lower the schedule (memory overrides as in `pipec check`; the cost documents' measured
-    bytes make the memory model bytes), then simulate it; its memory curves and peaks are
-    `pipec.sim.memtime`'s (the two pools, memory ops included)."""
-    memory = {**memory_bytes(cost_docs), **(memory or {})}
-    compiled = compile_schedule(sched, memory)
-    costs = cost_model(sched, cost_docs)
-    mem = memory_model(sched, memory)
-    tl = simulate(compiled.program, costs)
-    curves = memory_curves(tl, compiled.program, mem)
-    return Simulation(compiled, costs, mem, tl, with_peaks(stats(tl), curves), curves)
-
-
-def with_peaks(st: Stats, curves: MemoryCurves) -> Stats:
-    """The Stats with each rank's peak memory the device curve's (`pipec.sim.memtime`)."""
-    ranks = tuple(replace(r, peak_memory=float(curves.device_peak[r.rank])) for r in st.ranks)
-    return replace(st, ranks=ranks)
 
 
 def curves_of(sim: Simulation) -> MemoryCurves:

@@ -17,6 +17,7 @@ import sys
 import traceback
 from collections.abc import Sequence
 
+from pipec.ir.dataparallel import dp_mismatch
 from pipec.options import OptionError, RunOptions, add_define_argument, dp_of
 from pipec.runtime.job.affinity import bind_local_rank
 from pipec.runtime.job.monitor import BEAT_EVERY, block_sigterm, die_with_parent, say
@@ -38,24 +39,22 @@ def parser() -> argparse.ArgumentParser:
 def with_dp(program, opts: RunOptions):
     """The Program to run under the command line's data parallelism: as it stands when no flag is given
     or the flags agree with what it was compiled for; ValueError otherwise (a Program's collectives are
-    placed by its lowering for one dp and kind, as `pipec.api.require_same_dp` says for E422)."""
+    placed by its lowering for one dp and kind, as `pipec.ir.dataparallel.dp_mismatch` says)."""
     dp, kind = opts.dp, opts.dp_kind
     if dp < 1:
         raise ValueError(f"data parallelism: the size (--dp) must be an integer >= 1, got {dp}")
-    if (dp == 1 and kind == "ddp") or (program.dp, program.dp_kind) == (dp, kind):
+    problem = None if dp == 1 and kind == "ddp" else dp_mismatch(program, dp, kind, f"--dp {dp} --dp-kind {kind}")
+    if problem is None:
         return program
-    raise ValueError(
-        f"the Program was compiled for data parallelism {program.dp} x {program.dp_kind}, not the "
-        f"--dp {dp} --dp-kind {kind} asked for; compile it again with these options, or leave them out"
-    )
+    raise ValueError(f"{problem}; compile it again with these options, or leave them out")
 
 
 def load_program(spec: str, defines: Sequence[tuple[str, str]], opts: RunOptions | None = None):
     """A Program from a compiled file (JSON or text), or by compiling a schedule with its parameters (and
     the data parallelism of `opts`, when the lowering places its collectives)."""
-    from pipec.api import build
+    from pipec.driver import build
+    from pipec.formats.program_file import is_program_text, read_program
     from pipec.frontend import library
-    from pipec.ir.program import is_program_text, read_program
     from pipec.passes.compiler import compile_schedule
     from pipec.passes.dryrun import prove
 

@@ -10,7 +10,8 @@ import subprocess
 import sys
 import tempfile
 
-from pipec.ir.program import Program, write_json
+from pipec.formats.program_file import write_json
+from pipec.ir.program import Program
 from pipec.options import OptionError, RunOptions
 
 SHUTDOWN_S = 3  # seconds a rank has to answer SIGTERM (ours take about one) before SIGKILL
@@ -134,16 +135,18 @@ def memory_lines(opts: RunOptions, program: Program, measured: list, sched=None)
     """`pipec run --memory`: each rank's measured peak saved bytes (pipec.runtime.exec.saved) in the last step,
     against pipec's memory model (`program_memory`, device and host pools) fed with the bytes `pipec
     profile` counts for this model (`stage_bytes`), when the run knows its Schedule (`sched`)."""
+    from pipec.driver import memory_overrides
+    from pipec.ir.units import fmt_bytes
     from pipec.runtime.model.contract import load_model
     from pipec.runtime.profile.stages import stage_bytes
-    from pipec.sim.memory import fmt_memory, memory_bytes, program_memory
+    from pipec.sim.memory import program_memory
 
     predicted = None
     if sched is not None:
         dev = opts.device or ("cuda" if opts.backend == "nccl" else "cpu")
         counted = stage_bytes(program, load_model(opts.model), device=dev, seed=opts.seed, loss_scale=opts.loss_scale)
-        predicted = program_memory(program, sched, memory_bytes([counted]))
-    b = lambda x: fmt_memory(float(x), "bytes")  # noqa: E731
+        predicted = program_memory(program, sched, memory_overrides([counted]))
+    b = lambda x: fmt_bytes(float(x))  # noqa: E731
     err = lambda p, m: "-" if not p else f"{(m - p) / p:+.1%}"  # noqa: E731
     head = ["rank", "device predicted", "measured", "error", "host predicted", "measured", "error"]
     rows = []

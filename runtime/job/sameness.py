@@ -13,7 +13,8 @@ import hashlib
 import os
 from datetime import timedelta
 
-from pipec.ir.program import Program, write_json
+from pipec.formats.program_file import write_json
+from pipec.ir.program import Program
 from pipec.runtime.errors import PipelineError
 
 

@@ -16,7 +16,8 @@ import os
 import statistics
 from collections import defaultdict
 
-from pipec.ir.program import Program, from_json, to_json
+from pipec.formats.program_file import from_json, to_json
+from pipec.ir.program import Program
 from pipec.runtime.errors import CommError, PipelineError
 from pipec.runtime.job import spawned
 

@@ -68,7 +68,7 @@ def instruction_overhead(rank: int, nbytes: int, reps: int, gap: float, steps: i
     qualified), rank 1 None. `reps` micro-batches of `nbytes` per message, `gap` seconds per short op."""
     import torch.distributed as dist
 
-    from pipec.api import build
+    from pipec.driver import build
     from pipec.frontend import library
     from pipec.passes.compiler import compile_schedule
     from pipec.runtime.job.measure import timeline

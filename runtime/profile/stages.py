@@ -85,7 +85,7 @@ class Profile:
     slices: SliceFit | None = None  # `measure_slices`: the (length, context) grid and the fit of attn, op_fixed
 
     def cost_doc(self) -> dict:
-        """The cost file's document (for `pipec.sim.costs.dump_costs`)."""
+        """The cost file's document (for `pipec.sim.cost_files.dump_costs`)."""
         params = " ".join(f"{k}={v}" for k, v in self.params)
         doc: dict[str, Any] = {
             "comment": (
@@ -510,7 +510,7 @@ def _measure_concurrently(
     times are those measured by the process of its rank. With `dp` replicas, one process per rank of every
     replica (process r * dp + d: rank r of replica d, as the ("pp", "dp") mesh numbers them), each on its
     replica's share of the batch; the times are replica 0's."""
-    from pipec.ir.program import to_json
+    from pipec.formats.program_file import to_json
     from pipec.runtime.job import spawned
 
     spec = dict(program=to_json(program), model=model_path, reps=reps, warmup=warmup, threads=threads)
@@ -531,7 +531,7 @@ def merge_by_owner(per_rank: list[Profile], placement: tuple[int, ...]) -> Profi
 
 
 def _timing_rank(rank: int, world: int, spec: dict, barrier, out) -> None:
-    from pipec.ir.program import from_json
+    from pipec.formats.program_file import from_json
     from pipec.runtime.job import spawned
     from pipec.runtime.model.contract import load_model
 

@@ -1,0 +1,352 @@
+"""The one pipeline: a target to a checked Schedule or Program, then to its simulated numbers.
+
+Every caller that turns a schedule into numbers comes through here: the public API (`pipec.api`), the
+report (`pipec.view.report`), `expect` (its metrics, `metrics`), synth, slicing and partition. So the
+steps happen once, in one order:
+
+1. build: a library name, `.pipe` file or torch CSV evaluated with its parameters (`build`); an
+   `order` block resolved into per-rank orders (`pipec.passes.policy.resolve`); checked op by op;
+2. compile: memory and deadlock checks, then the lowering (`pipec.passes.compiler`); a Program file
+   is validated, dry-run and its memory checked instead (`check_program`);
+3. the memory overrides: a cost document's measured bytes under the caller's overrides
+   (`memory_overrides`, the one merge of profiled bytes into the memory model);
+4. cost, memory model, simulate, memory curves, peaks (`measure`).
+
+A topology given apart from the schedule (`--topology`) replaces the schedule's own before it is compiled
+(a Program's: on the Schedule it executes).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from pipec.errors import Source, brief, error
+from pipec.formats.program_file import is_program_text, parse_program
+from pipec.formats.torch_csv_reader import is_torch_csv, read_csv
+from pipec.frontend.library import read
+from pipec.frontend.load import compile_source, evaluate_source
+from pipec.ir.dataparallel import DataParallel, dp_mismatch
+from pipec.ir.program import Program
+from pipec.ir.schedule import RankOps, Schedule
+from pipec.passes.checks import check_schedule
+
+if TYPE_CHECKING:  # the lowering's and the simulator's modules load when a call needs them (start-up time)
+    from pipec.passes.compiler import CompiledSchedule
+    from pipec.sim.costs import CostModel
+    from pipec.sim.memtime import MemoryCurves
+    from pipec.sim.simulate import Stats
+    from pipec.sim.timeline import Timeline
+
+# What check, compile and simulate accept: a Schedule or Program already in hand, or a library name or
+# the path of a .pipe file, a torch CSV or a Program file (JSON or text, told apart by content).
+Target = Schedule | Program | str | os.PathLike
+Params = Mapping[str, object] | Iterable[tuple[str, object]]
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """A compiled schedule and what simulating it gave: its cost and memory models, the timeline, the stats
+    (peaks from the memory curves) and the curves (None: computed on demand by `pipec.view.report.curves_of`)."""
+
+    compiled: CompiledSchedule
+    costs: CostModel
+    memory: dict[str, np.ndarray]
+    timeline: Timeline
+    stats: Stats
+    curves: MemoryCurves | None = None
+
+    @property
+    def schedule(self) -> Schedule:
+        return self.compiled.schedule
+
+
+# ---- 1. build -----------------------------------------------------------------------------------------
+
+
+def build(source: Source, params: Params = (), *, check: bool = True, ranks: Iterable[int] | None = None) -> Schedule:
+    """Parse, evaluate with these parameters, resolve an `order` block and (unless told not to) check a
+    schedule. `ranks`: evaluate only these ranks' ops (a rank of a run; unchecked).
+
+    A source read from a `.csv` file is a torch.distributed.pipelining schedule CSV (docs/interop.md):
+    it is read as it stands, and takes only `p` and `m`, equal to the sizes it fixes.
+    """
+    items = list(params.items()) if isinstance(params, Mapping) else list(params)
+    if is_torch_csv(source):  # torch.distributed.pipelining's schedule CSV: its own front end
+        for name, value in items:
+            if name in ("p", "m") and isinstance(value, str) and not _INT.fullmatch(value.strip()):
+                raise error("E607", f"`{name}={brief(value)}`: expected an int (ASCII digits)", None, source)
+        sched = read_csv(source, items, check=check and ranks is None)
+    else:
+        sched = evaluate_source(source, items, ranks)
+        if sched.order is not None:  # an `order` block: its per-rank orders, derived under its own costs
+            from pipec.passes.policy import resolve
+
+            sched = resolve(sched)
+    if check and ranks is None:
+        from pipec.files import require_ops_fit
+
+        require_ops_fit(sched.num_ops, f"`{sched.name}`")  # before the checks' arrays
+        check_schedule(sched)
+    return sched
+
+
+# A torch CSV's `p` or `m` given as text (`-D p=4`): ASCII digits with an optional sign, as the language's
+# own integers (pipec.frontend.evaluate); Python's int() would also take `1_0` as 10 and `٤` as 4.
+_INT = re.compile(r"[-+]?[0-9]+")
+
+
+def read_source(target: str | os.PathLike[str]) -> Source:
+    """The schedule, CSV or Program file a target names (`pipec.frontend.library.read`, which refuses
+    with E901 a path that is not a regular file or is above 64 MiB)."""
+    return read(os.fspath(target))
+
+
+def load(
+    name_or_path: str | os.PathLike[str], params: Mapping[str, object] | None = None, **kwargs: object
+) -> Schedule:
+    """A library schedule by name, or a `.pipe` file (or torch CSV) by path, evaluated and checked."""
+    return build(read_source(name_or_path), dict(params or {}, **kwargs))
+
+
+def param_names(source: Source) -> tuple[str, ...]:
+    """The parameters a schedule declares (a torch CSV: `p` and `m`; a Program file: none)."""
+    if is_torch_csv(source):
+        return ("p", "m")
+    if is_program_text(source.text):
+        return ()
+    return tuple(p.name for p in compile_source(source).params)
+
+
+def schedule_of(prog: Program, source: Source | None = None) -> Schedule:
+    """The Schedule a Program executes: each rank's computes in their order (an overlapped pair stays a
+    pair), with the Program's sizes, parameters and placement. A Program holds no cost, memory,
+    topology or `expect` declarations, so the defaults apply to it (give costs with `cost=`)."""
+    from pipec.ir.opcodes import IS_COMPUTE, KIND_OF
+
+    ranks = []
+    for rp in prog.ranks:
+        idx = np.flatnonzero(IS_COMPUTE[rp.op])
+        ranks.append(
+            RankOps(
+                kind=KIND_OF[rp.op[idx]],
+                mb=rp.mb[idx],
+                stage=rp.stage[idx],
+                sid=np.zeros(len(idx), dtype=np.int64),
+                paired=rp.group[idx],
+            )
+        )
+    return Schedule(
+        name=prog.name,
+        params=tuple(prog.params),
+        num_stages=prog.num_stages,
+        num_ranks=prog.num_ranks,
+        num_microbatches=prog.num_microbatches,
+        kinds=("F", "B", "W") if prog.split_backward else ("F", "B"),
+        placement=tuple(prog.placement),
+        ranks=tuple(ranks),
+        source=source,
+        slicing=prog.slicing,
+    )
+
+
+def target_of(target: Target, params: Params | None = None) -> tuple[Schedule | Program, str | None]:
+    """What a target names, and the Program file it was read from (None otherwise): a Schedule
+    (evaluated with the parameters and checked op by op) or a validated Program, which takes no
+    parameters (they were fixed when it was compiled)."""
+    items = list(params.items()) if isinstance(params, Mapping) else list(params or ())
+    if isinstance(target, (Schedule, Program)):
+        obj, where = target, None
+    else:
+        source = read_source(target)
+        if not is_program_text(source.text):
+            return build(source, items), None
+        obj, where = parse_program(source.text, source.path), source.path  # the file is read already
+    if items:
+        name = items[0][0]
+        if isinstance(obj, Program):
+            given = " ".join(f"{k}={v}" for k, v in obj.params) or "no parameters"
+            raise error(
+                "E205",
+                f"unknown parameter `{name}`: a compiled Program takes no parameters",
+                source=Source(where, "") if where else None,
+                notes=(f"it was compiled with {given}",),
+            )
+        raise error("E205", f"unknown parameter `{name}`: this Schedule is evaluated already")
+    return obj, where
+
+
+# ---- 2. compile ---------------------------------------------------------------------------------------
+
+
+def check_program(
+    prog: Program,
+    memory: Mapping[str, object] | None = None,
+    path: str | None = None,
+    data_parallel: DataParallel | None = None,
+) -> CompiledSchedule:
+    """A Program's checks, the ones a compiled schedule passes: validated, no deadlock when sends block
+    until the receive is posted, and memory within the limit (under `memory`, as a Program holds no
+    memory declarations; fsdp Programs count their own windows). `path` names the file in diagnostics.
+    `data_parallel`, when given, must agree with the Program's own `dp` and `dp_kind` (E422): a Program
+    was lowered for its data parallelism and is run as it stands."""
+    from pipec.passes.compiler import CompiledSchedule, program_deadlock_error
+    from pipec.passes.dryrun import dry_run
+    from pipec.passes.memcheck import check_memory
+    from pipec.sim.memory import program_memory
+
+    run = dry_run(prog)  # validates first
+    if data_parallel is not None:
+        problem = dp_mismatch(prog, data_parallel.size, data_parallel.kind)
+        if problem is not None:
+            raise error(
+                "E422",
+                problem,
+                source=Source(path, "") if path else None,
+                notes=("compile the schedule again with these options, or leave them out to run the Program as it is",),
+            )
+    sched = schedule_of(prog, Source(path or "<program>", ""))
+    if not run.completed:
+        raise program_deadlock_error(sched, run)
+    reports = program_memory(prog, sched, memory)
+    check_memory(sched, reports)
+    return CompiledSchedule(sched, prog, tuple(reports))
+
+
+def compiled(
+    obj: Schedule | Program,
+    memory: Mapping[str, object] | None = None,
+    where: str | None = None,
+    data_parallel: DataParallel | None = None,
+    topology: str | None = None,
+) -> CompiledSchedule:
+    """A Schedule checked and lowered (with `data_parallel`'s collectives), or a Program checked as it
+    stands; on the network `topology` names (`--topology`), if given, in place of the schedule's own."""
+    from pipec.frontend.topology import read_topology, with_topology
+    from pipec.passes.compiler import compile_schedule
+
+    if isinstance(obj, Schedule):
+        if topology:
+            obj = with_topology(obj, read_topology(topology, obj))
+        return compile_schedule(obj, memory, data_parallel)
+    c = check_program(obj, memory, where, data_parallel)
+    if topology:
+        c = replace(c, schedule=with_topology(c.schedule, read_topology(topology, c.schedule)))
+    return c
+
+
+def compile_target(
+    target: Target,
+    params: Params | None = None,
+    memory: Mapping[str, object] | None = None,
+    data_parallel: DataParallel | None = None,
+) -> CompiledSchedule:
+    """`pipec.compile`'s and `pipec.check`'s pipeline: the target read and built, then compiled."""
+    obj, where = target_of(target, params)
+    return compiled(obj, memory, where, data_parallel)
+
+
+# ---- 3. the memory overrides --------------------------------------------------------------------------
+
+
+def memory_overrides(docs: Sequence[Mapping] = (), memory: Mapping[str, object] | None = None) -> dict[str, object]:
+    """The memory model's overrides: the cost documents' measured bytes (`saved_bytes`, ..., which make the
+    model count bytes; `pipec.sim.memory.memory_bytes`), under the caller's own (`--mem`, `memory=`)."""
+    from pipec.sim.memory import memory_bytes
+
+    return {**memory_bytes(docs), **(memory or {})}
+
+
+def cost_docs(cost: str | Mapping[str, object] | Sequence[str | Mapping[str, object]] | None) -> list[dict]:
+    """Cost documents, checked and converted, from what `pipec.simulate(cost=...)` takes: a cost file's path
+    or overrides like "F=1,B=2", a cost document (a mapping), or several of these, later ones winning."""
+    from pipec.sim.cost_files import cost_spec, normalize
+
+    specs = [] if cost is None else [cost] if isinstance(cost, (str, Mapping)) else list(cost)
+    return [cost_spec(c) if isinstance(c, str) else dict(c) if "_from" in c else normalize(c, "cost=") for c in specs]
+
+
+# ---- 4. cost, memory, simulate, peaks -----------------------------------------------------------------
+
+
+def measure(
+    c: CompiledSchedule, docs: Sequence[Mapping] = (), memory: Mapping[str, object] | None = None
+) -> Simulation:
+    """A compiled schedule simulated under these cost documents, with its memory curves and peaks (the two
+    pools, memory ops included; `pipec.sim.memtime`). `memory`: the overrides as `memory_overrides` made them."""
+    from pipec.sim.costs import cost_model
+    from pipec.sim.memory import memory_model
+    from pipec.sim.memtime import memory_curves
+    from pipec.sim.simulate import simulate, stats
+
+    sched, prog = c.schedule, c.program
+    costs = cost_model(sched, docs)
+    mem = memory_model(sched, memory)
+    tl = simulate(prog, costs)
+    curves = memory_curves(tl, prog, mem)
+    return Simulation(c, costs, mem, tl, with_peaks(stats(tl), curves), curves)
+
+
+def with_peaks(st: Stats, curves: MemoryCurves) -> Stats:
+    """The Stats with each rank's peak memory the device curve's (`pipec.sim.memtime`)."""
+    ranks = tuple(replace(r, peak_memory=float(curves.device_peak[r.rank])) for r in st.ranks)
+    return replace(st, ranks=ranks)
+
+
+def simulation(
+    obj: Schedule | Program,
+    docs: Sequence[Mapping] = (),
+    memory: Mapping[str, object] | None = None,
+    topology: str | None = None,
+    where: str | None = None,
+    data_parallel: DataParallel | None = None,
+) -> Simulation:
+    """Simulate a Schedule (checked and lowered first, with `data_parallel`'s collectives) or a Program
+    (checked, then run as it stands) under these cost documents (see `cost_docs`) and memory overrides
+    (over the documents' measured bytes), on `topology` if given."""
+    memory = memory_overrides(docs, memory)
+    return measure(compiled(obj, memory, where, data_parallel, topology), docs, memory)
+
+
+def timeline(sched: Schedule, prog: Program, docs: Sequence[Mapping] = ()) -> Timeline:
+    """A lowered schedule's timeline under these cost documents, without the memory curves: what a search
+    that simulates many variants of one Program (partition's splits) asks for each."""
+    from pipec.sim.costs import cost_model
+    from pipec.sim.simulate import simulate
+
+    return simulate(prog, cost_model(sched, docs))
+
+
+# ---- the schedule's own promises ----------------------------------------------------------------------
+
+
+def metrics(sched: Schedule, program: Program | None = None, stats: Stats | None = None):
+    """What a schedule's `expect` lines read (`pipec.passes.expect.Metrics`), its times measured here under
+    the schedule's own costs and memory (`measure`), only when an expectation names one."""
+    from pipec.passes.expect import Metrics
+
+    return Metrics(sched, program, stats, _own_stats)
+
+
+def check_expectations(sched: Schedule, program: Program | None = None, stats: Stats | None = None) -> int:
+    """Raise E405 for the first `expect` that does not hold; return how many were checked
+    (`pipec.passes.expect.check_expectations`, its times from `measure`)."""
+    from pipec.passes.expect import check_expectations as check
+
+    return check(sched, program, stats, _own_stats)
+
+
+def _own_stats(sched: Schedule, prog: Program | None) -> Stats:
+    """A schedule's Stats under its own costs and memory (what `expect` lines read): lowered if need be."""
+    from pipec.passes.compiler import CompiledSchedule
+
+    if prog is None:
+        from pipec.passes.lower import lower
+
+        prog = lower(sched)
+    return measure(CompiledSchedule(sched, prog, ())).stats
