@@ -201,7 +201,9 @@ def check_folder(folder: str) -> None:
             os.makedirs(folder)
         except OSError as e:
             raise PipelineError(f"{where}: cannot create the folder ({_why(e)})") from None
-    except OSError as e:  # a symbolic-link loop, a parent that is a file, no permission
+    except NotADirectoryError:
+        raise PipelineError(f"{where}: a part of its path is a file, not a folder") from None
+    except OSError as e:  # a symbolic-link loop, no permission
         raise PipelineError(f"{where}: cannot be used as a folder ({_why(e)})") from None
     else:
         if not stat.S_ISDIR(st.st_mode):
