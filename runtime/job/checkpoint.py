@@ -497,13 +497,19 @@ def save(folder: str, runner, steps_done: int) -> str:
         try:
             write_manifest(partial, steps_done, runner.program.name, runner.program.num_stages)
             old = final + ".replaced" + PARTIAL
-            if os.path.lexists(final):  # an earlier run's checkpoint of the same step (perhaps damaged)
+            moved = os.path.lexists(final)  # an earlier run's checkpoint of the same step (perhaps damaged)
+            if moved:
                 os.replace(final, old)
-            os.replace(partial, final)
+            try:
+                os.replace(partial, final)
+            except OSError:
+                if moved:
+                    os.replace(old, final)
+                raise
             shutil.rmtree(old, ignore_errors=True)
             _fsync_dir(folder)
             _atomic_text(os.path.join(folder, LATEST), _name(steps_done) + "\n")
-        except OSError as e:
+        except Exception as e:  # noqa: BLE001 - the partial folder goes, whatever stopped it
             shutil.rmtree(partial, ignore_errors=True)
             raise PipelineError(failed(_why(e))) from None
 
