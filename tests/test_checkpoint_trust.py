@@ -30,6 +30,9 @@ from pipec.runtime.job import checkpoint as ck  # noqa: E402
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
 
+RUN = "run-a"  # the run id of the saved folder's checkpoints
+
+
 def runner(width: int = 4, depth: int = 2, stages: int = 2, seed: int = 0) -> SimpleNamespace:
     """What `save` and `prepare` read of a Runner: one process holding every stage, each an Adam-trained
     stack of `depth` Linear(width, width) layers."""
@@ -61,7 +64,7 @@ def saved(tmp_path_factory):
         warnings.simplefilter("ignore")
         for step in (1, 2, 3):
             train(r)
-            assert ck.save(str(folder), r, step) == str(folder / f"step-{step:06d}")
+            assert ck.save(str(folder), r, step, RUN) == str(folder / f"step-{step:06d}")
             at[step] = params(r)
     return folder, at
 
@@ -75,7 +78,10 @@ def folder(saved, tmp_path) -> Path:
 
 def resume(folder: Path, **kw) -> tuple[ck.Restored | None, SimpleNamespace]:
     r = runner(seed=1, **kw)
-    return ck.prepare(str(folder), r, resume=True), r
+    start = ck.prepare(str(folder), r, resume=True)
+    if start.restored is not None:
+        assert start.run == RUN  # a resumed job continues its checkpoint's run
+    return start.restored, r
 
 
 def refused(folder: Path, resume_: bool = True, **kw) -> str:
@@ -106,9 +112,10 @@ def test_an_intact_folder_resumes_its_newest_checkpoint_exactly(saved, folder):
 
 
 def test_no_folder_or_an_empty_one_starts_from_step_0_and_the_folder_is_made(tmp_path):
-    assert ck.prepare(str(tmp_path / "new" / "ck"), runner(), resume=True) is None
-    assert (tmp_path / "new" / "ck").is_dir()
-    assert ck.prepare(str(tmp_path / "new" / "ck"), runner(), resume=False) is None
+    first = ck.prepare(str(tmp_path / "new" / "ck"), runner(), resume=True)
+    assert first.restored is None and (tmp_path / "new" / "ck").is_dir()
+    again = ck.prepare(str(tmp_path / "new" / "ck"), runner(), resume=False)
+    assert again.restored is None and again.run != first.run  # each job started afresh is a run of its own
 
 
 def stale_from_older_save(f: Path) -> None:
@@ -202,12 +209,41 @@ def test_a_checkpoint_of_another_model_width_depth_or_stages_is_refused(folder, 
         assert text.startswith(f"{folder / 'step-000003'} was written for another model:")
 
 
-def test_latest_names_only_a_hint_the_newest_verified_checkpoint_wins(folder):
-    (folder / "latest").write_text("step-000002\n")  # a save that ended between its rename and `latest`
-    assert resume(folder)[0].step == 3
-    (folder / "latest").write_text("step-000009\n")  # a newest checkpoint deleted outright is said
+def test_latest_bounds_the_choice_and_a_newest_checkpoint_deleted_outright_is_said(folder):
+    (folder / "latest").write_text("step-000002\n")  # an earlier run's step 3, or a save that ended before latest
+    restored, _ = resume(folder)
+    assert restored.step == 2 and restored.skipped[0].startswith(
+        f"skipped {folder / 'step-000003'}: newer than step-000002, which latest names"
+    )
+    (folder / "latest").write_text("step-000009\n")
     restored, _ = resume(folder)
     assert restored.step == 3 and restored.skipped == (f"skipped {folder / 'step-000009'} (named by latest): missing",)
+    (folder / "latest").unlink()  # no latest: the newest that verifies
+    assert resume(folder)[0] == ck.Restored(3, str(folder / "step-000003"), ())
+
+
+def test_a_run_started_afresh_in_the_folder_never_resumes_the_earlier_runs_checkpoints(folder):
+    """Run B starts from step 0 (no --resume) in run A's folder and saves step 2 only: a resume takes B's
+    step 2, never A's later step 3, and when B's step 2 is damaged it does not fall back to A's step 1."""
+    r = runner(seed=5)
+    start = ck.prepare(str(folder), r, resume=False)
+    assert start.restored is None and start.run != RUN
+    train(r)
+    train(r)
+    ck.save(str(folder), r, 2, start.run)
+    restored, again = resume_as(folder, start.run)
+    assert restored.step == 2 and "step-000003: newer than step-000002" in restored.skipped[0]
+    assert all(torch.equal(p, q) for p, q in zip(params(again).values(), params(r).values(), strict=True))
+    flip(shard(folder / "step-000002"))
+    text = refused(folder)
+    assert f"skipped {folder / 'step-000001'}: written by another run than step-000002 (one started afresh" in text
+
+
+def resume_as(folder: Path, run: str) -> tuple[ck.Restored | None, SimpleNamespace]:
+    r = runner(seed=1)
+    start = ck.prepare(str(folder), r, resume=True)
+    assert start.run == run
+    return start.restored, r
 
 
 LATEST = {
@@ -263,7 +299,7 @@ def test_a_name_that_is_not_utf8_is_saved_resumed_and_printed(tmp_path):
     folder = os.path.join(os.fsdecode(bytes(tmp_path)), os.fsdecode(b"ck\xff"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        path = ck.save(folder, runner(), 1)
+        path = ck.save(folder, runner(), 1, RUN)
     assert path == f"{tmp_path}/ck\\xff/step-000001"
     path.encode("utf-8")  # printable
     restored, _ = resume(Path(folder))
@@ -286,7 +322,7 @@ def full_disk_at(monkeypatch, call: int) -> None:
 def test_a_full_disk_at_the_first_save_stops_with_a_message_and_leaves_nothing(tmp_path, monkeypatch):
     full_disk_at(monkeypatch, 1)
     with pytest.raises(PipelineError) as e:
-        ck.save(str(tmp_path), runner(), 1)
+        ck.save(str(tmp_path), runner(), 1, RUN)
     assert str(e.value) == (
         f"cannot save the checkpoint of step 1 in {tmp_path}: No space left on device; "
         "no earlier checkpoint was touched"
@@ -302,7 +338,7 @@ def test_a_full_disk_at_the_third_save_leaves_the_previous_checkpoint_intact(fol
     train(r)
     full_disk_at(monkeypatch, 1 if when == "writing the shards" else 2)  # DCP fsyncs its one shard first
     with pytest.raises(PipelineError) as e:
-        ck.save(str(folder), r, 3)
+        ck.save(str(folder), r, 3, RUN)
     assert str(e.value) == (
         f"cannot save the checkpoint of step 3 in {folder}: No space left on device; "
         f"the previous checkpoint {folder / 'step-000002'} is intact"
@@ -318,7 +354,7 @@ def test_a_save_over_a_damaged_checkpoint_of_the_same_step_replaces_it(saved, fo
     restored, r = resume(folder)
     assert restored.step == 2
     train(r)
-    ck.save(str(folder), r, 3)
+    ck.save(str(folder), r, 3, RUN)
     assert not list(folder.glob("*.partial"))
     assert ck.verify(str(folder / "step-000003")).step == 3
 

@@ -6,7 +6,8 @@ Layout of a checkpoint folder DIR:
         .metadata, __0_0.distcp, ...  DCP's files: every rank's stages (parameters and optimizer state,
                                       keyed by stage and parameter name), each rank's RNG state, the step
         pipec-manifest.json           written last: the size and sha256 of each of those files, the model's
-                                      structure (each stage's parameter names and shapes), the schedule
+                                      structure (each stage's parameter names and shapes), the schedule,
+                                      the step, the run id, and a sha256 of its own
     DIR/latest                        the name of the newest complete checkpoint ("step-000010")
 
 A save writes `step-N.partial` (all ranks, collectively), waits for every rank, then rank 0 digests every
@@ -18,6 +19,8 @@ its partial folder. Partial folders are removed by the next save or resume.
 `--resume` trusts content, not names: rank 0 verifies the checkpoints newest first (the manifest's own
 digest, exactly its files, each file's size and sha256) and resumes from the newest that verifies, saying
 why it skipped each newer one (a flipped byte, a stale or missing shard, a save that never finished).
+`latest` bounds the choice, and the manifests' run ids keep it within one training run (a job started
+afresh in the folder is a new run; a resumed one continues its checkpoint's).
 Every rank then checks its own stages' parameter names and shapes against the manifest: a checkpoint of
 another model, width or depth is refused on every rank, naming the difference, before any step. Ranks
 agree on every verdict (rank 0 decides and broadcasts; per-rank checks are gathered), so none hangs.
@@ -37,6 +40,7 @@ import re
 import shutil
 import stat
 import tempfile
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -61,10 +65,19 @@ class Restored:
 
 
 @dataclass(frozen=True)
+class Start:
+    """What a job with --checkpoint starts from: its lineage and, with --resume, the checkpoint loaded."""
+
+    run: str  # the id every save of this job records: a new one, or that of the checkpoint resumed
+    restored: Restored | None
+
+
+@dataclass(frozen=True)
 class Manifest:
     """A checkpoint's manifest, as read and checked against its own digest."""
 
     step: int
+    run: str  # the lineage: a job started afresh gets a new id, a resumed one keeps its checkpoint's
     schedule: str
     num_stages: int
     stages: dict[int, dict[str, tuple[int, ...] | None]]  # stage -> parameter name -> shape (None: not a tensor)
@@ -251,7 +264,7 @@ def _sealed(body: dict) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def write_manifest(path: str, step: int, schedule: str, num_stages: int) -> None:
+def write_manifest(path: str, step: int, run: str, schedule: str, num_stages: int) -> None:
     """Digest every file DCP wrote in `path` and record them with the model's structure (read back from
     DCP's own metadata, so it is what the files hold), last of all, atomically."""
     import torch.distributed.checkpoint as dcp
@@ -275,6 +288,7 @@ def write_manifest(path: str, step: int, schedule: str, num_stages: int) -> None
     body = {
         "format": FORMAT,
         "step": step,
+        "run": run,
         "schedule": schedule,
         "num_stages": num_stages,
         "stages": stages,
@@ -309,6 +323,7 @@ def _manifest(path: str) -> Manifest:
     try:
         return Manifest(
             step=int(body["step"]),
+            run=str(body["run"]),
             schedule=str(body["schedule"]),
             num_stages=int(body["num_stages"]),
             stages={
@@ -353,9 +368,13 @@ def verify(path: str) -> Manifest:
 
 
 def choose(folder: str) -> tuple[str, Manifest, tuple[str, ...]] | None:
-    """The newest checkpoint of `folder` that verifies: its path, manifest, and one line for each newer
-    one skipped and why. None when `folder` holds no checkpoint; PipelineError when it holds some and
-    none verifies, or when `latest` is damaged."""
+    """The checkpoint of `folder` to resume: the newest that verifies, no newer than the one `latest` names
+    and of the same run (lineage), with one line for each newer one skipped and why. None when `folder`
+    holds no checkpoint; PipelineError when it holds some and none fits, or when `latest` is damaged.
+
+    `latest` bounds the choice because a run started afresh in a folder (without --resume) leaves the
+    earlier run's checkpoints there: one of a later step, or one that a fallback would reach, belongs to
+    another training run, and resuming it would be a silently different run. Its run id says which."""
     recorded = read_latest(folder)
     found = []
     for entry in os.listdir(folder):
@@ -363,18 +382,34 @@ def choose(folder: str) -> tuple[str, Manifest, tuple[str, ...]] | None:
         if m:
             found.append((int(m.group(1)), entry))
     found.sort(reverse=True)
-    names = {e for _, e in found}
     skipped: list[str] = []
-    if recorded is not None and recorded not in names:
-        skipped.append(f"skipped {shown(os.path.join(folder, recorded))} (named by {LATEST}): missing")
-    for _, entry in found:
+    bound, lineage = None, None
+    if recorded is not None:
+        bound = int(recorded.removeprefix("step-"))
+        if recorded not in {e for _, e in found}:
+            skipped.append(f"skipped {shown(os.path.join(folder, recorded))} (named by {LATEST}): missing")
+        else:
+            try:
+                lineage = _manifest(os.path.join(folder, recorded)).run
+            except Damaged:
+                pass  # said when it is verified below; then any run's older checkpoint is taken
+    for step, entry in found:
         path = os.path.join(folder, entry)
+        if bound is not None and step > bound:
+            skipped.append(
+                f"skipped {shown(path)}: newer than {recorded}, which {LATEST} names (an earlier run's, "
+                f"or its save ended before {LATEST} was updated)"
+            )
+            continue
         try:
             if not os.path.isdir(path):
                 raise Damaged("not a folder")
             man = verify(path)
         except Damaged as e:
             skipped.append(f"skipped {shown(path)}: {e}")
+            continue
+        if lineage is not None and man.run != lineage:
+            skipped.append(f"skipped {shown(path)}: written by another run than {recorded} (one started afresh here)")
             continue
         return path, man, tuple(skipped)
     if skipped:
@@ -459,10 +494,10 @@ def _previous(folder: str) -> str:
     return "no earlier checkpoint was touched"
 
 
-def save(folder: str, runner, steps_done: int) -> str:
-    """Collectively save every rank's stages after `steps_done` steps; returns the checkpoint's path (as
-    printed). A failure (a full disk, a folder made read-only) is a PipelineError on every rank, and leaves
-    the previous checkpoint as it was."""
+def save(folder: str, runner, steps_done: int, run: str) -> str:
+    """Collectively save every rank's stages after `steps_done` steps, as part of run `run` (`Start.run`);
+    returns the checkpoint's path (as printed). A failure (a full disk, a folder made read-only) is a
+    PipelineError on every rank, and leaves the previous checkpoint as it was."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -495,7 +530,7 @@ def save(folder: str, runner, steps_done: int) -> str:
 
     def finish() -> None:
         try:
-            write_manifest(partial, steps_done, runner.program.name, runner.program.num_stages)
+            write_manifest(partial, steps_done, run, runner.program.name, runner.program.num_stages)
             old = final + ".replaced" + PARTIAL
             moved = os.path.lexists(final)  # an earlier run's checkpoint of the same step (perhaps damaged)
             if moved:
@@ -517,22 +552,22 @@ def save(folder: str, runner, steps_done: int) -> str:
     return shown(final)
 
 
-def prepare(folder: str, runner, resume: bool) -> Restored | None:
+def prepare(folder: str, runner, resume: bool) -> Start:
     """Before any step of a run with --checkpoint: check that `folder` can take checkpoints, and with
-    `resume`, load the newest checkpoint that verifies and fits this rank's stages (collectively). None
-    when there is nothing to resume; PipelineError on every rank otherwise, naming the file."""
+    `resume`, load the newest checkpoint that verifies and fits this rank's stages (collectively); no
+    checkpoint is restored when there is none. PipelineError on every rank otherwise, naming the file."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-    def look() -> tuple[str, Manifest, tuple[str, ...]] | None:
+    def look() -> tuple[str, tuple[str, Manifest, tuple[str, ...]] | None]:
         check_folder(folder)
         _clean_partials(folder)
-        return choose(folder) if resume else None
+        return uuid.uuid4().hex, choose(folder) if resume else None
 
-    chosen = _on_first(look, f"--checkpoint {shown(folder)}")
+    fresh, chosen = _on_first(look, f"--checkpoint {shown(folder)}")
     if chosen is None:
-        return None
+        return Start(fresh, None)
     path, man, skipped = chosen
     state = _state(runner, man.step)
     _all_agree(structure_problem(path, man, runner, state))
@@ -553,4 +588,4 @@ def prepare(folder: str, runner, resume: bool) -> Restored | None:
     if _rng_key(runner) in state:
         torch.set_rng_state(state[_rng_key(runner)]["cpu"])
     runner.steps_done = man.step
-    return Restored(man.step, shown(path), skipped)
+    return Start(man.run, Restored(man.step, shown(path), skipped))

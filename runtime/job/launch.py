@@ -407,7 +407,8 @@ class Worker:
         from pipec.runtime.exec.microbatch import batch_of
         from pipec.runtime.job.checkpoint import prepare
 
-        self.restored = prepare(args.checkpoint, self.runner, args.resume)
+        start = prepare(args.checkpoint, self.runner, args.resume)
+        self.run_id, self.restored = start.run, start.restored
         if self.restored is None:
             return 0
         if reference is not None:
@@ -425,7 +426,7 @@ class Worker:
         from pipec.runtime.job.checkpoint import save
         from pipec.runtime.job.report import Report
 
-        path = save(args.checkpoint, self.runner, steps_done)
+        path = save(args.checkpoint, self.runner, steps_done, self.run_id)
         if self.rank == 0:
             Report(args.records).line(f"checkpoint: {path}")
 
