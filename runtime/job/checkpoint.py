@@ -105,7 +105,8 @@ def _why(e: BaseException) -> str:
         first = next(iter(failures.values()))
         e = first[0] if isinstance(first, tuple) else first
     if isinstance(e, OSError) and e.strerror:
-        return e.strerror + (f": {shown(os.fsdecode(e.filename))}" if e.filename else "")
+        named = isinstance(e.filename, str | bytes) and e.filename
+        return e.strerror + (f": {shown(os.fsdecode(e.filename))}" if named else "")
     text = str(e).splitlines()[0][:300] if str(e) else ""
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
