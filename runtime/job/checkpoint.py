@@ -1,43 +1,460 @@
-"""Checkpoints of a pipeline job with torch.distributed.checkpoint (DCP), complete or absent.
+"""Checkpoints of a pipeline job with torch.distributed.checkpoint (DCP): complete and verified, or not used.
 
 Layout of a checkpoint folder DIR:
 
-    DIR/step-000010/     one DCP checkpoint: every rank's stages (parameters and optimizer state, keyed
-                         by stage and parameter name), each rank's RNG state, and the job's metadata
-    DIR/latest           the name of the newest complete checkpoint ("step-000010")
+    DIR/step-000010/                  one checkpoint, after 10 steps:
+        .metadata, __0_0.distcp, ...  DCP's files: every rank's stages (parameters and optimizer state,
+                                      keyed by stage and parameter name), each rank's RNG state, the step
+        pipec-manifest.json           written last: the size and sha256 of each of those files, the model's
+                                      structure (each stage's parameter names and shapes), the schedule,
+                                      the step, the run id, and a sha256 of its own
+    DIR/latest                        the name of the newest complete checkpoint ("step-000010")
 
-A save writes `step-N.partial` (all ranks, collectively), waits for every rank, then rank 0 renames it to
-`step-N` and replaces `latest` atomically: a job killed during a save leaves `latest` naming the previous
-checkpoint, and the partial folder is removed by the next save or resume. Keys name stages, not ranks, so
-a checkpoint taken under one schedule resumes under any schedule with the same stages; one with other
-stages (or other parameter names) is refused with a message. Training is deterministic given the step
-(the model file's `batch(step)` gives the data of each step), so the step is the data position.
+A save writes `step-N.partial` (all ranks, collectively), waits for every rank, then rank 0 digests every
+file in it, writes the manifest, renames the folder to `step-N` and replaces `latest`: a checkpoint is
+visible only once complete, and it is complete only with its manifest. A job killed during a save leaves
+the previous checkpoint as it was; a save that fails (a full disk) stops the run with a message and removes
+its partial folder. Partial folders are removed by the next save or resume.
 
-DIR must be one folder that every rank can read and write (a shared file system across nodes).
+`--resume` trusts content, not names: rank 0 verifies the checkpoints newest first (the manifest's own
+digest, exactly its files, each file's size and sha256) and resumes from the newest that verifies, saying
+why it skipped each newer one (a flipped byte, a stale or missing shard, a save that never finished).
+`latest` bounds the choice, and the manifests' run ids keep it within one training run (a job started
+afresh in the folder is a new run; a resumed one continues its checkpoint's).
+Every rank then checks its own stages' parameter names and shapes against the manifest: a checkpoint of
+another model, width or depth is refused on every rank, naming the difference, before any step. Ranks
+agree on every verdict (rank 0 decides and broadcasts; per-rank checks are gathered), so none hangs.
+
+Keys name stages, not ranks, so a checkpoint taken under one schedule resumes under any schedule with the
+same stages. Training is deterministic given the step (the model file's `batch(step)` gives the data of
+each step), so the step is the data position. DIR must be one folder that every rank can read and write
+(a shared file system across nodes).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import re
 import shutil
+import stat
+import tempfile
+import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from pipec.runtime.errors import PipelineError
 
 LATEST = "latest"
-FORMAT = "pipec-checkpoint 1"
+MANIFEST = "pipec-manifest.json"
+FORMAT = "pipec-checkpoint 2"
+PARTIAL = ".partial"
+STEP = re.compile(r"step-(\d{6,})")
+MAX_MANIFEST = 64 << 20  # bytes: a manifest lists files and parameter shapes; more is not one
 
 
 @dataclass(frozen=True)
 class Restored:
     step: int  # steps done when the checkpoint was taken: training resumes at this step
-    path: str
+    path: str  # as printed (a name that is not UTF-8 shown with escapes)
+    skipped: tuple[str, ...] = ()  # one line per newer checkpoint not used, saying why
+
+
+@dataclass(frozen=True)
+class Start:
+    """What a job with --checkpoint starts from: its lineage and, with --resume, the checkpoint loaded."""
+
+    run: str  # the id every save of this job records: a new one, or that of the checkpoint resumed
+    restored: Restored | None
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A checkpoint's manifest, as read and checked against its own digest."""
+
+    step: int
+    run: str  # the lineage: a job started afresh gets a new id, a resumed one keeps its checkpoint's
+    schedule: str
+    num_stages: int
+    stages: dict[int, dict[str, tuple[int, ...] | None]]  # stage -> parameter name -> shape (None: not a tensor)
+    keys: tuple[str, ...]  # the top-level keys of the saved state ("stage0", "rng1", ...)
+    files: dict[str, tuple[int, str]]  # file name -> (bytes, sha256)
+
+
+class Damaged(Exception):
+    """A checkpoint that does not verify; the message names the file and what is wrong with it."""
+
+
+def shown(path: str) -> str:
+    """A path as it can be printed: a name that is not UTF-8 (kept by Python as surrogates) with escapes."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
 
 
 def _name(step: int) -> str:
     return f"step-{step:06d}"
+
+
+def _why(e: BaseException) -> str:
+    """What went wrong, in one line: the OS's words for a file-system error (DCP wraps them per rank)."""
+    failures = getattr(e, "failures", None)  # DCP's CheckpointException: rank -> (exception, trace)
+    if failures:
+        first = next(iter(failures.values()))
+        e = first[0] if isinstance(first, tuple) else first
+    if isinstance(e, OSError) and e.strerror:
+        named = isinstance(e.filename, str | bytes) and e.filename
+        return e.strerror + (f": {shown(os.fsdecode(e.filename))}" if named else "")
+    text = str(e).splitlines()[0][:300] if str(e) else ""
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Agreement: every rank reaches the same verdict, so that none is left waiting for another
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def _job_rank() -> int:
+    dist = _dist()
+    return dist.get_rank() if dist is not None else 0
+
+
+def _on_first(fn: Callable[[], Any], doing: str) -> Any:
+    """Run `fn` on job rank 0 only (with data parallelism every replica has a Program rank 0); every rank
+    returns its value, or raises the same PipelineError when it failed. Also a barrier."""
+    dist = _dist()
+    outcome: tuple[str, Any] = ("ok", None)
+    if dist is None or dist.get_rank() == 0:
+        try:
+            outcome = ("ok", fn())
+        except PipelineError as e:
+            outcome = ("error", str(e))
+        except Exception as e:  # noqa: BLE001 - any failure here must reach every rank as one message
+            outcome = ("error", f"{doing}: {_why(e)}")
+    if dist is not None:
+        box = [outcome]
+        dist.broadcast_object_list(box, src=0)
+        outcome = box[0]
+    if outcome[0] == "error":
+        raise PipelineError(outcome[1])
+    return outcome[1]
+
+
+def _all_agree(problem: str | None) -> None:
+    """Raise on every rank the first rank's problem, if any rank has one."""
+    dist = _dist()
+    problems = [problem]
+    if dist is not None:
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+    first = next((p for p in problems if p), None)
+    if first:
+        raise PipelineError(first)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Files
+
+
+def _digest(path: str) -> tuple[int, str]:
+    with open(path, "rb") as f:
+        h = hashlib.file_digest(f, "sha256")
+        return f.tell(), h.hexdigest()
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _atomic_text(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _clean_partials(folder: str) -> None:
+    for entry in os.listdir(folder):
+        if entry.endswith(PARTIAL):
+            shutil.rmtree(os.path.join(folder, entry), ignore_errors=True)
+
+
+def check_folder(folder: str) -> None:
+    """That `folder` is (or can be made) a folder this job can write its checkpoints in: before any step,
+    not at the first save. PipelineError naming the path and what is wrong otherwise."""
+    where = f"--checkpoint {shown(folder)}"
+    try:
+        st = os.stat(folder)
+    except FileNotFoundError:
+        try:
+            os.makedirs(folder)
+        except OSError as e:
+            raise PipelineError(f"{where}: cannot create the folder ({_why(e)})") from None
+    except NotADirectoryError:
+        raise PipelineError(f"{where}: a part of its path is a file, not a folder") from None
+    except OSError as e:  # a symbolic-link loop, no permission
+        raise PipelineError(f"{where}: cannot be used as a folder ({_why(e)})") from None
+    else:
+        if not stat.S_ISDIR(st.st_mode):
+            raise PipelineError(f"{where}: not a folder (a file of that name exists); name a folder")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".pipec-probe-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise PipelineError(f"{where}: checkpoints cannot be written there ({_why(e)})") from None
+    latest = os.path.join(folder, LATEST)
+    if os.path.isdir(latest) and not os.path.islink(latest):
+        raise PipelineError(
+            f"{shown(latest)} is a folder: a save could not record its checkpoint there; remove or rename it"
+        )
+
+
+def read_latest(folder: str) -> str | None:
+    """The checkpoint name `latest` records (None without the file); PipelineError when it is unreadable,
+    not UTF-8, or names anything but a checkpoint of this folder (`..`, a path, another name)."""
+    path = os.path.join(folder, LATEST)
+    if not os.path.lexists(path):
+        return None
+    fix = f"remove {shown(path)}, and --resume takes the newest checkpoint that verifies"
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(256)
+    except OSError as e:
+        raise PipelineError(f"{shown(path)}: cannot be read ({_why(e)}); {fix}") from None
+    try:
+        name = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise PipelineError(f"{shown(path)}: not UTF-8 text, so it names no checkpoint; {fix}") from None
+    if not STEP.fullmatch(name):
+        raise PipelineError(f"{shown(path)} names {name[:80]!r}, not a checkpoint of this folder (step-NNNNNN); {fix}")
+    return name
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The manifest
+
+
+def _sealed(body: dict) -> str:
+    """The manifest's own digest: of its canonical JSON without the digest itself."""
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def write_manifest(path: str, step: int, run: str, schedule: str, num_stages: int) -> None:
+    """Digest every file DCP wrote in `path` and record them with the model's structure (read back from
+    DCP's own metadata, so it is what the files hold), last of all, atomically."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    names = sorted(os.listdir(path))
+    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    stages: dict[str, dict[str, list[int] | None]] = {}
+    keys = set()
+    for key, m in meta.items():
+        top, _, rest = key.partition(".")
+        keys.add(top)
+        kind, _, param = rest.partition(".")
+        if top.startswith("stage") and kind == "model":
+            shape = list(m.size) if isinstance(m, TensorStorageMetadata) else None
+            stages.setdefault(top.removeprefix("stage"), {})[param] = shape
+    files = {}
+    for n in names:
+        size, sha = _digest(os.path.join(path, n))
+        files[n] = {"bytes": size, "sha256": sha}
+    body = {
+        "format": FORMAT,
+        "step": step,
+        "run": run,
+        "schedule": schedule,
+        "num_stages": num_stages,
+        "stages": stages,
+        "keys": sorted(keys),
+        "files": files,
+    }
+    body["sha256"] = _sealed(body)
+    _atomic_text(os.path.join(path, MANIFEST), json.dumps(body, indent=1, sort_keys=True) + "\n")
+
+
+def _manifest(path: str) -> Manifest:
+    """The manifest of checkpoint `path`, checked against its own digest; Damaged otherwise."""
+    file = os.path.join(path, MANIFEST)
+    try:
+        if os.stat(file).st_size > MAX_MANIFEST:
+            raise Damaged(f"{MANIFEST}: larger than {MAX_MANIFEST >> 20} MiB, not a manifest")
+        with open(file, "rb") as f:
+            body = json.loads(f.read().decode("utf-8"))
+    except FileNotFoundError:
+        raise Damaged(f"no {MANIFEST}: its save did not finish, or it is not a pipec checkpoint") from None
+    except OSError as e:
+        raise Damaged(f"{MANIFEST}: cannot be read ({_why(e)})") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise Damaged(f"{MANIFEST}: not JSON ({type(e).__name__}: {str(e)[:120]})") from None
+    if not isinstance(body, dict) or not isinstance(body.get("sha256"), str):
+        raise Damaged(f"{MANIFEST}: not a pipec manifest (no digest of its own)")
+    sealed = body.pop("sha256")
+    if _sealed(body) != sealed:
+        raise Damaged(f"{MANIFEST}: its content differs from its own digest (changed after the save)")
+    if body.get("format") != FORMAT:
+        raise Damaged(f"{MANIFEST}: format {body.get('format')!r}, not {FORMAT!r}")
+    try:
+        return Manifest(
+            step=int(body["step"]),
+            run=str(body["run"]),
+            schedule=str(body["schedule"]),
+            num_stages=int(body["num_stages"]),
+            stages={
+                int(s): {n: None if v is None else tuple(int(x) for x in v) for n, v in params.items()}
+                for s, params in body["stages"].items()
+            },
+            keys=tuple(str(k) for k in body["keys"]),
+            files={str(n): (int(f["bytes"]), str(f["sha256"])) for n, f in body["files"].items()},
+        )
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise Damaged(f"{MANIFEST}: malformed ({type(e).__name__}: {e})") from None
+
+
+def verify(path: str) -> Manifest:
+    """Check checkpoint folder `path` by content: its manifest, exactly the files the manifest lists (an
+    extra file is a stale or foreign shard, a missing one a loss), and each file's size and sha256.
+    Returns the manifest; Damaged naming the first file that is wrong."""
+    man = _manifest(path)
+    expected = STEP.fullmatch(os.path.basename(path))
+    if expected and int(expected.group(1)) != man.step:
+        raise Damaged(f"{MANIFEST}: records step {man.step}, but the folder is {os.path.basename(path)}")
+    try:
+        present = set(os.listdir(path)) - {MANIFEST}
+    except OSError as e:
+        raise Damaged(f"cannot be listed ({_why(e)})") from None
+    extra = sorted(present - man.files.keys())
+    if extra:
+        raise Damaged(f"{shown(extra[0])}: not written by this checkpoint's save (a stale or foreign file)")
+    missing = sorted(man.files.keys() - present)
+    if missing:
+        raise Damaged(f"{shown(missing[0])}: missing (the manifest lists it)")
+    for name, (size, sha) in sorted(man.files.items()):
+        try:
+            got_size, got_sha = _digest(os.path.join(path, name))
+        except OSError as e:
+            raise Damaged(f"{shown(name)}: cannot be read ({_why(e)})") from None
+        if got_size != size:
+            raise Damaged(f"{shown(name)}: {got_size} bytes, the manifest says {size} (truncated or overwritten)")
+        if got_sha != sha:
+            raise Damaged(f"{shown(name)}: its sha256 differs from the manifest's (changed after the save)")
+    return man
+
+
+def choose(folder: str) -> tuple[str, Manifest, tuple[str, ...]] | None:
+    """The checkpoint of `folder` to resume: the newest that verifies, no newer than the one `latest` names
+    and of the same run (lineage), with one line for each newer one skipped and why. None when `folder`
+    holds no checkpoint; PipelineError when it holds some and none fits, or when `latest` is damaged.
+
+    `latest` bounds the choice because a run started afresh in a folder (without --resume) leaves the
+    earlier run's checkpoints there: one of a later step, or one that a fallback would reach, belongs to
+    another training run, and resuming it would be a silently different run. Its run id says which."""
+    recorded = read_latest(folder)
+    found = []
+    for entry in os.listdir(folder):
+        m = STEP.fullmatch(entry)
+        if m:
+            found.append((int(m.group(1)), entry))
+    found.sort(reverse=True)
+    skipped: list[str] = []
+    bound, lineage = None, None
+    if recorded is not None:
+        bound = int(recorded.removeprefix("step-"))
+        if recorded not in {e for _, e in found}:
+            skipped.append(f"skipped {shown(os.path.join(folder, recorded))} (named by {LATEST}): missing")
+        else:
+            try:
+                lineage = _manifest(os.path.join(folder, recorded)).run
+            except Damaged:
+                pass  # said when it is verified below; then any run's older checkpoint is taken
+    for step, entry in found:
+        path = os.path.join(folder, entry)
+        if bound is not None and step > bound:
+            skipped.append(
+                f"skipped {shown(path)}: newer than {recorded}, which {LATEST} names (an earlier run's, "
+                f"or its save ended before {LATEST} was updated)"
+            )
+            continue
+        try:
+            if not os.path.isdir(path):
+                raise Damaged("not a folder")
+            man = verify(path)
+        except Damaged as e:
+            skipped.append(f"skipped {shown(path)}: {e}")
+            continue
+        if lineage is not None and man.run != lineage:
+            skipped.append(f"skipped {shown(path)}: written by another run than {recorded} (one started afresh here)")
+            continue
+        return path, man, tuple(skipped)
+    if skipped:
+        raise PipelineError(
+            f"no checkpoint in {shown(folder)} verifies, so --resume cannot continue:\n  "
+            + "\n  ".join(skipped)
+            + "\nmove them away to start from step 0"
+        )
+    return None
+
+
+def structure_problem(path: str, man: Manifest, runner, state: dict) -> str | None:
+    """Why this rank's stages cannot take checkpoint `path` (None when they can): other stages, or a
+    parameter missing, added, or of another shape (another model, width or depth)."""
+    num_stages = runner.program.num_stages
+    if man.num_stages != num_stages:
+        return (
+            f"{shown(path)} holds {man.num_stages} stages (schedule `{man.schedule}`), but this program has "
+            f"{num_stages}: a checkpoint resumes only under a schedule with the same stages"
+        )
+    for s in sorted(runner.stages):
+        theirs = man.stages.get(s, {})
+        ours = {
+            n: tuple(v.shape) if isinstance(v, torch.Tensor) else None for n, v in state[f"stage{s}"]["model"].items()
+        }
+        differ = []
+        for n in sorted(ours.keys() | theirs.keys()):
+            if n not in theirs:
+                differ.append(f"`{n}` {list(ours[n] or [])} is not in the checkpoint")
+            elif n not in ours:
+                differ.append(f"`{n}` {list(theirs[n] or [])} of the checkpoint is not in this model")
+            elif ours[n] != theirs[n]:
+                differ.append(f"`{n}` is {list(theirs[n] or [])} there, {list(ours[n] or [])} here")
+        if differ:
+            more = f" (and {len(differ) - 1} more)" if len(differ) > 1 else ""
+            return (
+                f"{shown(path)} was written for another model: stage {s}'s parameter {differ[0]}{more}; "
+                "resume with the model, width and depth it was saved with, or another --checkpoint folder"
+            )
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Save and resume
 
 
 def _state(runner, steps_done: int) -> dict:
@@ -61,12 +478,6 @@ def _state(runner, steps_done: int) -> dict:
     return state
 
 
-def _job_rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
 def _rng_key(runner) -> str:
     """Each process's RNG state: by Program rank, and replica under data parallelism (the model and
     optimizer keys name stages and parameters; FSDP2's DTensors save each shard once)."""
@@ -74,98 +485,102 @@ def _rng_key(runner) -> str:
     return f"rng{runner.rank}" + (f"dp{replicas.dp_rank}" if replicas is not None else "")
 
 
-def _has_key(path: str, key: str) -> bool:
-    """Whether the checkpoint holds `key` at its top level (its metadata, no tensor read)."""
-    import torch.distributed.checkpoint as dcp
-
+def _previous(folder: str) -> str:
     try:
-        names = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    except Exception:  # noqa: BLE001 - unreadable: the load that follows says so
-        return True
-    return any(n == key or n.startswith(key + ".") for n in names)
+        name = read_latest(folder)
+    except PipelineError:
+        name = None
+    if name and os.path.isdir(os.path.join(folder, name)):
+        return f"the previous checkpoint {shown(os.path.join(folder, name))} is intact"
+    return "no earlier checkpoint was touched"
 
 
-def _atomic_text(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _clean_partials(folder: str) -> None:
-    for entry in os.listdir(folder):
-        if entry.endswith(".partial"):
-            shutil.rmtree(os.path.join(folder, entry), ignore_errors=True)
-
-
-def save(folder: str, runner, steps_done: int, barrier) -> str:
-    """Collectively save every rank's stages after `steps_done` steps; returns the checkpoint's path."""
+def save(folder: str, runner, steps_done: int, run: str) -> str:
+    """Collectively save every rank's stages after `steps_done` steps, as part of run `run` (`Start.run`);
+    returns the checkpoint's path (as printed). A failure (a full disk, a folder made read-only) is a
+    PipelineError on every rank, and leaves the previous checkpoint as it was."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     final = os.path.join(folder, _name(steps_done))
-    partial = final + ".partial"
-    first = _job_rank() == 0  # with data parallelism every replica has a Program rank 0
-    if first:
-        os.makedirs(folder, exist_ok=True)
-        _clean_partials(folder)
-    barrier()
-    dcp.save(_state(runner, steps_done), checkpoint_id=partial)
-    barrier()  # every rank's part is written
-    if first:
-        shutil.rmtree(final, ignore_errors=True)  # an earlier run's checkpoint of the same step
-        os.replace(partial, final)
-        _atomic_text(os.path.join(folder, LATEST), _name(steps_done) + "\n")
-    barrier()
-    return final
+    partial = final + PARTIAL
 
+    def failed(why: str) -> str:
+        return f"cannot save the checkpoint of step {steps_done} in {shown(folder)}: {why}; {_previous(folder)}"
 
-def latest(folder: str) -> str | None:
-    """The newest complete checkpoint in `folder`, or None."""
+    def begin() -> None:
+        try:
+            os.makedirs(folder, exist_ok=True)
+            _clean_partials(folder)
+        except OSError as e:
+            raise PipelineError(failed(_why(e))) from None
+
+    doing = f"cannot save the checkpoint of step {steps_done} in {shown(folder)}"
+    _on_first(begin, doing)
+    problem = None
     try:
-        with open(os.path.join(folder, LATEST)) as f:
-            name = f.read().strip()
-    except FileNotFoundError:
-        return None
-    path = os.path.join(folder, name)
-    if not name.startswith("step-") or not os.path.isdir(path):
-        raise PipelineError(f"{folder}/{LATEST} names {name!r}, which is not a checkpoint in {folder}")
-    return path
+        dcp.save(_state(runner, steps_done), checkpoint_id=partial)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's exception is a BaseException
+        problem = failed(_why(e))
+    try:
+        _all_agree(problem)  # every rank's part is written, or every rank stops
+    except PipelineError:
+        if _job_rank() == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
+
+    def finish() -> None:
+        try:
+            write_manifest(partial, steps_done, run, runner.program.name, runner.program.num_stages)
+            old = final + ".replaced" + PARTIAL
+            moved = os.path.lexists(final)  # an earlier run's checkpoint of the same step (perhaps damaged)
+            if moved:
+                os.replace(final, old)
+            try:
+                os.replace(partial, final)
+            except OSError:
+                if moved:
+                    os.replace(old, final)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+            _fsync_dir(folder)
+            _atomic_text(os.path.join(folder, LATEST), _name(steps_done) + "\n")
+        except Exception as e:  # noqa: BLE001 - the partial folder goes, whatever stopped it
+            shutil.rmtree(partial, ignore_errors=True)
+            raise PipelineError(failed(_why(e))) from None
+
+    _on_first(finish, doing)
+    return shown(final)
 
 
-def restore(folder: str, runner) -> Restored | None:
-    """Load the newest complete checkpoint into this rank's stages (collectively); None when there is none."""
+def prepare(folder: str, runner, resume: bool) -> Start:
+    """Before any step of a run with --checkpoint: check that `folder` can take checkpoints, and with
+    `resume`, load the newest checkpoint that verifies and fits this rank's stages (collectively); no
+    checkpoint is restored when there is none. PipelineError on every rank otherwise, naming the file."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-    path = latest(folder)
-    if path is None:
-        return None
-    meta_only = {"meta": {"format": "", "step": 0, "num_stages": 0, "schedule": ""}}
-    try:
-        dcp.load(meta_only, checkpoint_id=path)
-    except Exception as e:  # noqa: BLE001 - DCP raises many kinds; the message says which file
-        raise PipelineError(f"{path}: not a readable pipec checkpoint ({type(e).__name__}: {e})") from None
-    meta = meta_only["meta"]
-    if meta["format"] != FORMAT:
-        raise PipelineError(f"{path}: not a pipec checkpoint (format {meta['format']!r})")
-    if meta["num_stages"] != runner.program.num_stages:
-        raise PipelineError(
-            f"{path} holds {meta['num_stages']} stages (schedule `{meta['schedule']}`), but this program has "
-            f"{runner.program.num_stages}: a checkpoint resumes only under a schedule with the same stages"
-        )
-    state = _state(runner, meta["step"])
-    if meta.get("schedule") != runner.program.name or not _has_key(path, _rng_key(runner)):
-        # (a checkpoint of another data parallelism names its RNG states by other processes)
-        state.pop(_rng_key(runner))  # ranks differ under another schedule: their RNG streams do not carry
+    def look() -> tuple[str, tuple[str, Manifest, tuple[str, ...]] | None]:
+        check_folder(folder)
+        _clean_partials(folder)
+        return uuid.uuid4().hex, choose(folder) if resume else None
+
+    fresh, chosen = _on_first(look, f"--checkpoint {shown(folder)}")
+    if chosen is None:
+        return Start(fresh, None)
+    path, man, skipped = chosen
+    state = _state(runner, man.step)
+    _all_agree(structure_problem(path, man, runner, state))
+    if man.schedule != runner.program.name or _rng_key(runner) not in man.keys:
+        # ranks differ under another schedule (or data parallelism): their RNG streams do not carry
+        state.pop(_rng_key(runner))
+    problem = None
     try:
         dcp.load(state, checkpoint_id=path)
-    except Exception as e:  # noqa: BLE001
-        raise PipelineError(
-            f"{path}: cannot load this rank's stages ({type(e).__name__}: {str(e).splitlines()[0][:300]}); "
-            "was it written for another model?"
-        ) from None
+    except (Exception, CheckpointException) as e:  # noqa: BLE001
+        problem = f"{shown(path)}: cannot load this rank's stages ({_why(e)})"
+    _all_agree(problem)
     for s, st in runner.stages.items():
         entry = state[f"stage{s}"]
         set_model_state_dict(st.module, entry["model"])
@@ -173,5 +588,5 @@ def restore(folder: str, runner) -> Restored | None:
             set_optimizer_state_dict(st.module, st.optimizer, entry["optim"])
     if _rng_key(runner) in state:
         torch.set_rng_state(state[_rng_key(runner)]["cpu"])
-    runner.steps_done = meta["step"]
-    return Restored(meta["step"], path)
+    runner.steps_done = man.step
+    return Start(man.run, Restored(man.step, shown(path), skipped))

@@ -342,6 +342,9 @@ class Worker:
                 show(binding)
             if getattr(runner.executor.comm, "links", None) is not None:
                 show(runner.executor.comm.links.describe())
+        if self.rank == 0 and self.restored is not None:
+            for line in self.restored.skipped:
+                show(line)
         if self.rank == 0 and start:
             if start >= args.steps:
                 show(f"{self.restored.path} is after step {start}: nothing left to run for --steps {args.steps}")
@@ -394,16 +397,18 @@ class Worker:
         return code
 
     def _resume(self, dist, reference) -> int:
-        """With --resume, load the newest complete checkpoint; the step to start at (0 without one). The
-        --check reference is brought to the same step by running it over the steps already done."""
+        """With --checkpoint, check its folder before any step, and with --resume load the newest checkpoint
+        that verifies; the step to start at (0 without one). The --check reference is brought to the same
+        step by running it over the steps already done."""
         self.restored = None
         args = self.args
-        if not (args.checkpoint and args.resume):
+        if not args.checkpoint:
             return 0
         from pipec.runtime.exec.microbatch import batch_of
-        from pipec.runtime.job.checkpoint import restore
+        from pipec.runtime.job.checkpoint import prepare
 
-        self.restored = restore(args.checkpoint, self.runner)
+        start = prepare(args.checkpoint, self.runner, args.resume)
+        self.run_id, self.restored = start.run, start.restored
         if self.restored is None:
             return 0
         if reference is not None:
@@ -421,7 +426,7 @@ class Worker:
         from pipec.runtime.job.checkpoint import save
         from pipec.runtime.job.report import Report
 
-        path = save(args.checkpoint, self.runner, steps_done, dist.barrier)
+        path = save(args.checkpoint, self.runner, steps_done, self.run_id)
         if self.rank == 0:
             Report(args.records).line(f"checkpoint: {path}")
 
