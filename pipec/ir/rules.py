@@ -77,8 +77,6 @@ def _derive() -> tuple[Rule, ...]:
 
 
 RULES: tuple[Rule, ...] = _derive()
-BASE_RULES: tuple[Rule, ...] = tuple(r for r in RULES if not r.is_slice)
-SLICE_RULES: tuple[Rule, ...] = tuple(r for r in RULES if r.is_slice)
 # A kind receives at most one message (the table's `needs` is one): passes that keep one remote input per op
 # (the deadlock rounds, the partition graph) rely on it.
 assert all(sum(r.kind == k and r.stage != 0 for r in RULES) <= 1 for k in range(len(OP_KINDS)))

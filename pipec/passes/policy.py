@@ -49,8 +49,8 @@ from pipec.ir.opcodes import KIND_OF, OUT_MSG, OUT_PEER_STAGE
 from pipec.ir.rules import active, feeds, needs
 from pipec.ir.schedule import RankOps, Schedule
 from pipec.sim.costs import CostModel
-from pipec.sim.machine import Links, Ranks
-from pipec.sim.simulate import Plan, plan, shared_links, simulate
+from pipec.sim.machine import Links, Ranks, shared_links
+from pipec.sim.simulate import Plan, plan, simulate
 
 KINDS = ("F", "B", "W")
 W_MODES = ("idle", "fit")

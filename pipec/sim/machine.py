@@ -21,7 +21,10 @@ import heapq
 from collections import deque
 from collections.abc import Callable
 
+import numpy as np
+
 from pipec.errors import error
+from pipec.sim.costs import CostModel
 
 
 class Ranks:
@@ -100,6 +103,24 @@ def finished(pc: list[int], ends: list[int]) -> None:
             "E403",
             "the program cannot finish: ranks " + ", ".join(map(str, stuck)) + " wait for messages never sent",
         )
+
+
+def shared_links(costs: CostModel, src: np.ndarray, dst: np.ndarray, txd: np.ndarray) -> list[int] | None:
+    """Per message (src, dst, time on the wire), the shared link it crosses (-1: none), when some shared
+    link carries messages of two channels (pairs of ranks) that take time on the wire; else None, and
+    the per-pair rule is exact (one channel's messages leave one after the other, so they never overlap
+    on its link). Messages that take no time on the wire cross no link."""
+    if costs.link_group is None:
+        return None
+    group = costs.link_group[src, dst]
+    busy = (group >= 0) & (txd > 0)
+    if not busy.any():
+        return None
+    chan = src * costs.latency.shape[0] + dst
+    pairs = np.unique(np.stack([group[busy], chan[busy]]), axis=1)
+    if len(np.unique(pairs[0])) == pairs.shape[1]:
+        return None  # every shared link carries one channel at most
+    return np.where(txd > 0, group, -1).tolist()
 
 
 class Links:

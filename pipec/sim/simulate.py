@@ -79,7 +79,7 @@ from pipec.ir.opcodes import (
 )
 from pipec.ir.program import Program
 from pipec.sim.costs import CostModel
-from pipec.sim.machine import run, run_events
+from pipec.sim.machine import run, run_events, shared_links
 from pipec.sim.timeline import Timeline
 
 
@@ -591,24 +591,6 @@ def _overheads(o: float, op, rank, lengths, cidx, sidx, before, own, R: int):
     anchor = np.where(own, cidx[np.maximum(before, 0)] + 1 if len(cidx) else 0, rank_start[rank[sidx]])
     off = o * (cum[sidx + 1] - cum[anchor])
     return off.tolist(), tail.tolist(), head.tolist()
-
-
-def shared_links(costs: CostModel, src: np.ndarray, dst: np.ndarray, txd: np.ndarray) -> list[int] | None:
-    """Per message (src, dst, time on the wire), the shared link it crosses (-1: none), when some shared
-    link carries messages of two channels (pairs of ranks) that take time on the wire; else None, and
-    the per-pair rule is exact (one channel's messages leave one after the other, so they never overlap
-    on its link). Messages that take no time on the wire cross no link."""
-    if costs.link_group is None:
-        return None
-    group = costs.link_group[src, dst]
-    busy = (group >= 0) & (txd > 0)
-    if not busy.any():
-        return None
-    chan = src * costs.latency.shape[0] + dst
-    pairs = np.unique(np.stack([group[busy], chan[busy]]), axis=1)
-    if len(np.unique(pairs[0])) == pairs.shape[1]:
-        return None  # every shared link carries one channel at most
-    return np.where(txd > 0, group, -1).tolist()
 
 
 def _describe_key(k: int, S: int, m: int) -> str:
