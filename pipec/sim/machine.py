@@ -49,46 +49,69 @@ def run(pl) -> tuple[list[float], list[float], list[float], list[float]]:
     """The pass over a `pipec.sim.simulate.Plan` without contention (no shared link carries two channels):
     a message's arrival is known when it leaves (`Links.leave`), so ranks are advanced in any order, each
     as far as its inputs have arrived, each compute op one `Ranks.run`; a rank that waits for a message
-    sleeps until its sender sends it. Each compute op visited once. Returns what `run_events` returns."""
+    sleeps until its sender sends it. Each compute op visited once. Returns what `run_events` returns.
+
+    The hot loop of the simulator: it has `Ranks.run` and `Links.leave` inlined (calls cost it about a third
+    of its time, issue 27's benchmark), the only copies of the machine's rules outside their methods;
+    tests/test_machine_room.py holds it to `run_events`, which calls them."""
     R, first, ends, need, cost = pl.num_ranks, pl.first, pl.ends, pl.need, pl.cost
     n, M = len(cost), len(pl.txd)
-    # Without the overhead, zeros: adding 0.0 changes no time, and the loop needs no branch.
-    mlo, mhi, off, tail = pl.mlo, pl.mhi, pl.off or [0.0] * M, pl.tail or [0.0] * n
+    mlo, mhi, off, tail = pl.mlo, pl.mhi, pl.off, pl.tail
     start = [0.0] * n
     end = [0.0] * n
     waiting: dict[int, int] = {}
     links = Links(pl.txd, pl.lat, pl.prev, pl.chan, [-1] * M, 0, _no_event, _no_event)
     arrival, leave = links.arrival, links.leave
+    send_t, tx_end, prev, txd, lat = links.send_t, links.tx_end, links.prev, links.txd, links.lat
     for x in pl.pre:  # sends before any compute op of their rank: when their own call is over
-        leave(x, off[x])
-    ranks = Ranks(list(pl.head) if pl.head is not None else [0.0] * R)
-    step = ranks.run
+        leave(x, 0.0 if off is None else off[x])
+    clock = list(pl.head) if pl.head is not None else [0.0] * R  # `Ranks.clock`
     pc = list(first)
     queue = deque(range(R))
     while queue:
         r = queue.popleft()
-        j, stop = pc[r], ends[r]
+        j, stop, c = pc[r], ends[r], clock[r]
         while j < stop:
+            # `Ranks.run(r, arrival of its input, cost[j], tail[j])`, inlined: a call per op cost this pass a
+            # quarter of its time.
             k = need[j]
-            a = 0.0
             if k >= 0:
                 a = arrival[k]
                 if a < 0.0:
                     waiting[k] = r
                     break
-            start[j], e = step(r, a, cost[j], tail[j])
+                if a > c:
+                    c = a
+            start[j] = c
+            e = c + cost[j]
             end[j] = e
+            if tail is not None:
+                c = e + tail[j]
+            else:
+                c = e
             lo, hi = mlo[j], mhi[j]
             if lo != hi:
                 for x in range(lo, hi):
-                    leave(x, e + off[x])
+                    # `Links.leave(x, e + off[x])`, inlined: the call per message cost this pass a third
+                    # of its time; tests/test_machine_room.py holds this pass to `run_events`, which calls it.
+                    t = e if off is None else e + off[x]
+                    send_t[x] = t
+                    p = prev[x]
+                    if p >= 0 and tx_end[p] > t:
+                        t = tx_end[p]
+                    t += txd[x]
+                    tx_end[x] = t
+                    t += lat[x]
+                    if p >= 0 and arrival[p] > t:
+                        t = arrival[p]
+                    arrival[x] = t
                     w = waiting.pop(x, None)
                     if w is not None:
                         queue.append(w)
             j += 1
-        pc[r] = j
+        pc[r], clock[r] = j, c
     finished(pc, ends)
-    return start, end, links.send_t, arrival
+    return start, end, send_t, arrival
 
 
 def _no_event(*_: object) -> None:
@@ -222,7 +245,7 @@ class Links:
     def leave(self, x: int, t: float) -> float:
         """Message x leaves its rank at t onto a channel of its own (no shared link): it enters the wire when
         the channel's previous message has left it and arrives `lat` after, never before that one; its
-        arrival. The simulator's uncontended pass calls it directly (no event to wait for)."""
+        arrival. The uncontended pass (`run`) has these lines inlined in its loop (a test holds them equal)."""
         self.send_t[x] = t
         p = self.prev[x]
         tx_end, arrival = self.tx_end, self.arrival
