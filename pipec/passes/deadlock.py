@@ -60,16 +60,18 @@ def _rounds(sched: Schedule) -> tuple[list[np.ndarray], tuple[WaitStep, ...]]:
         where[(ops.kind * S + ops.stage) * m + ops.mb] = offsets[r] + np.arange(len(ops))
     # Cross-rank input of each op (pipec.ir.rules: the one input a kind receives from another stage, when
     # that stage is on another rank); -1 when local or none. Same-rank inputs are E304's (checked before).
-    remote = []
     placement = np.asarray(sched.placement)
-    for r, ops in enumerate(sched.ranks):
-        dep = np.full(len(ops), -1, dtype=np.int64)
-        for rule, dk, di, ds, valid in dependencies(ops.kind, ops.mb, ops.stage, S, K == 3):
-            if rule.stage:
-                ds = np.clip(ds, 0, S - 1)
-                valid = valid & (placement[ds] != r)
-                dep = np.where(valid, where[(dk * S + ds) * m + di], dep)
-        remote.append(dep.tolist())
+    none = [np.zeros(0, dtype=np.int64)]
+    kind = np.concatenate([o.kind for o in sched.ranks] or none)
+    mb = np.concatenate([o.mb for o in sched.ranks] or none)
+    stage = np.concatenate([o.stage for o in sched.ranks] or none)
+    rank = np.repeat(np.arange(R), np.diff(offsets))
+    dep = np.full(len(kind), -1, dtype=np.int64)
+    for rule, dk, di, ds, valid in dependencies(kind, mb, stage, S, K == 3):
+        if rule.stage:
+            ds = np.clip(ds, 0, S - 1)
+            dep = np.where(valid & (placement[ds] != rank), where[(dk * S + ds) * m + di], dep)
+    remote = [dep[offsets[r] : offsets[r + 1]].tolist() for r in range(R)]
     paired = [r.paired.tolist() for r in sched.ranks]
     any_paired = [bool(r.paired.any()) for r in sched.ranks]
 
