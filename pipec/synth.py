@@ -57,8 +57,9 @@ from pipec.formats.pipe_text import (
     topology_lines,
 )
 from pipec.frontend.names import MEMORY_KEYS
-from pipec.ir.schedule import Datacenter, MemOp, RankOps, Schedule, Topology
-from pipec.passes.policy import Derived, Machine, Policy, PolicyStuck, derive, machine
+from pipec.ir.rules import active, needs
+from pipec.ir.schedule import Datacenter, MemOp, Policy, RankOps, Schedule, Topology
+from pipec.passes.policy import Derived, Machine, PolicyStuck, derive, machine
 from pipec.sim.costs import cost_model
 from pipec.sim.memory import Hold, memory_model, rank_memory, unit_holds
 
@@ -755,15 +756,12 @@ def improve(
                 st[k, i, s] = a
                 en[k, i, s] = a + d
                 iv[k, i, s] = model.NewFixedSizeIntervalVar(a, d, f"i{k}_{i}_{s}")
+    rules = active(kinds)  # the dependency rule (pipec.ir.rules), a message's delay between stages
     for s in range(S):
         for i in range(m):
-            if s > 0:
-                model.Add(st[0, i, s] >= en[0, i, s - 1] + T(delays.get((0, s - 1), 0.0)))
-            model.Add(st[1, i, s] >= en[0, i, s])
-            if s < S - 1:
-                model.Add(st[1, i, s] >= en[1, i, s + 1] + T(delays.get((1, s + 1), 0.0)))
-            if split:
-                model.Add(st[2, i, s] >= en[1, i, s])
+            for k in range(kinds):
+                for k2, i2, s2 in needs(k, i, s, S, rules):
+                    model.Add(st[k, i, s] >= en[k2, i2, s2] + (T(delays.get((k2, s2), 0.0)) if s2 != s else 0))
     # Memory ops: per (micro-batch, stage), a RECOMPUTE on the rank's compute between F and B, or an OFFLOAD
     # after F and its RELOAD before B on the rank's host link.
     rc, rcs, off, ofs, rls = {}, {}, {}, {}, {}

@@ -45,7 +45,7 @@ def test_the_lowering_s_witness_proves_every_library_schedule(name):
     sched, prog = _compiled(name, {})
     cols = dryrun._columns(prog)
     assert dryrun._witnessed(cols, _witness(sched)), name
-    assert dryrun._replay(prog, cols).completed
+    assert dryrun._rendezvous_replay(prog, cols).completed
 
 
 def test_a_witness_that_fails_falls_back_to_the_replay_with_its_verdict():
@@ -83,7 +83,7 @@ def test_a_witness_never_proves_a_program_whose_replay_gets_stuck(case, data):
     except PipecError:
         assume(False)
     cols = dryrun._columns(bad)
-    finished = dryrun._replay(bad, cols).completed
+    finished = dryrun._rendezvous_replay(bad, cols).completed
     if dryrun._witnessed(cols, _witness(sched)):
         assert finished, (case, r, src, dst)
     assert dryrun.dry_run(bad, witness=_witness(sched)).completed == finished

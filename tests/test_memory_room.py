@@ -29,10 +29,10 @@ from pipec.api import load
 from pipec.errors import PipecError
 from pipec.formats.partition_files import make_table, write_json
 from pipec.ir.opcodes import CODE
-from pipec.ir.schedule import RankOps, Schedule
+from pipec.ir.schedule import Policy, RankOps, Schedule
 from pipec.passes.compiler import compile_schedule
 from pipec.passes.expect import Metrics, in_flight
-from pipec.passes.policy import Policy, PolicyStuck, derive, machine
+from pipec.passes.policy import PolicyStuck, derive, machine
 from pipec.sim.costs import cost_model
 from pipec.sim.memory import memory_model, rank_memory, walk
 from pipec.sim.memtime import memory_curves

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from pipec import synth
-from pipec.ir.schedule import Datacenter, Link, Topology
+from pipec.ir.schedule import Datacenter, Link, Policy, Topology
 from pipec.passes import policy as policy_module
-from pipec.passes.policy import Policy, derive
+from pipec.passes.policy import derive
 from pipec.sim.cost_files import normalize
 from pipec.sim.simulate import plan
 

@@ -27,9 +27,9 @@ from pipec.driver import simulation as simulate_schedule
 from pipec.errors import PipecError, Source
 from pipec.formats.pipe_text import op_text, rank_lines, topology_lines
 from pipec.formats.torch_csv_reader import to_pipe
-from pipec.ir.schedule import Datacenter, Link, RankOps, Schedule, Topology
+from pipec.ir.schedule import Datacenter, Link, Policy, RankOps, Schedule, Topology
 from pipec.passes.compiler import compile_schedule
-from pipec.passes.policy import Policy, PolicyStuck, derive, machine, orders_from_schedule
+from pipec.passes.policy import PolicyStuck, derive, machine, orders_from_schedule
 from pipec.sim.cost_files import normalize
 from pipec.sim.costs import cost_model
 from pipec.sim.memory import memory_model

@@ -109,7 +109,7 @@ class Slicing:
     With `slices` n > 1 each micro-batch (sequence) i is cut along its tokens into n slices, and the ops'
     micro-batch index is the *unit* u = i * n + j of slice j (`unit`, `split`): every pass that counts,
     orders or sends per micro-batch does so per unit, unchanged, and `Schedule.num_microbatches` counts
-    units. What slices add are two same-stage rules (`pipec.passes.checks.dependencies`, the one place they
+    units. What slices add are two same-stage rules (`pipec.ir.rules`, the one place they
     live): F(i, j, s) needs F(i, j - 1, s), whose keys and values it attends to, and B(i, j, s) needs
     B(i, j + 1, s), which returns the gradients of those keys and values. W(i, j, s) needs B(i, j, s) only:
     the key/value gradients of the later slices reach slice j through its B.

@@ -64,6 +64,7 @@ from pipec.ir.opcodes import (
     may_group,
     message_key,
 )
+from pipec.ir.rules import dependencies
 
 if TYPE_CHECKING:
     from pipec.ir.program import Program
@@ -236,29 +237,26 @@ def _rank(prog: Program, r: int, rp) -> list[tuple[int, int, str]]:
 
 
 def _slice_order(r: int, op: np.ndarray, mb: np.ndarray, st: np.ndarray, S: int, m: int, n: int):
-    """Token slices (pipec.ir.schedule.Slicing): the slice rules of `pipec.passes.checks.dependencies`, the one
-    place they are written, on one rank's FWDs and BWDs (a stage's slices all live on its owner): on each
+    """Token slices (pipec.ir.schedule.Slicing): the slice rules of `pipec.ir.rules`, the one place they are
+    written, on one rank's FWDs and BWDs (a stage's slices all live on its owner): on each
     stage, the FWD of slice j after the FWD of slice j - 1 of its sequence, the BWD of slice j after the BWD
     of slice j + 1. A missing one is the exactly-once rule's."""
-    from pipec.passes.checks import SLICE_RULES, dependencies
-
     out: list[tuple[int, int, str]] = []
     at = np.flatnonzero((op == FWD) | (op == BWD))
     kind, u, s = KIND_OF[op[at]], np.clip(mb[at], 0, m - 1), st[at]
     missing = np.iinfo(np.int64).max
     pos = np.full(2 * S * m, missing, dtype=np.int64)
     pos[(kind * S + s) * m + u] = at
-    say = (
-        "comes before FWD {u} {s}, the slice before it: " + SLICE_RULES[0],
-        "comes before BWD {u} {s}, the slice after it: " + SLICE_RULES[1],
-    )
-    rules = dependencies(kind, u, s, S, False, n)[-len(SLICE_RULES) :]
-    for rule, (dk, du, ds, valid) in enumerate(rules):
+    say = {-1: "comes before FWD {u} {s}, the slice before it: ", +1: "comes before BWD {u} {s}, the slice after it: "}
+    for rule, dk, du, ds, valid in dependencies(kind, u, s, S, False, n):
+        if not rule.is_slice:
+            continue
         x = np.flatnonzero(valid)
         need = pos[(dk[x] * S + ds[x]) * m + np.clip(du[x], 0, m - 1)]
         for y in x[(need != missing) & (need > at[x])][: _SHOWN + 1].tolist():
             j, other = int(u[y] % n), int(du[y])
-            out.append((r, int(at[y]), say[rule].format(u=other, s=int(s[y]), j=j, p=other % n)))
+            text = say[rule.unit] + rule.why
+            out.append((r, int(at[y]), text.format(u=other, s=int(s[y]), j=j, p=other % n)))
     return out
 
 

@@ -56,6 +56,7 @@ import numpy as np
 from pipec.errors import brief, error
 from pipec.formats.partition_files import LayerTable
 from pipec.ir.program import Program
+from pipec.ir.rules import dependencies
 from pipec.ir.schedule import Schedule
 from pipec.ir.units import fmt_bytes
 from pipec.sim.memory import CKPT_OF_ACT, positions
@@ -248,14 +249,16 @@ class _Graph:
     def __init__(self, sched: Schedule, costs, unit: float) -> None:
         S = sched.num_stages
         kinds = sched.kinds
-        kind_index = [KINDS.index(k) for k in kinds]
-        ident: dict[tuple[int, int, int], int] = {}
-        info = []  # (kind 0..2, stage, rank)
-        for r, ops in enumerate(sched.ranks):
-            for k, i, s in zip(ops.kind.tolist(), ops.mb.tolist(), ops.stage.tolist()):
-                ident[(kind_index[k], i, s)] = len(info)
-                info.append((kind_index[k], s, r, i))
-        n = len(info)
+        kind_index = np.array([KINDS.index(k) for k in kinds], dtype=np.int64)
+        slices = sched.slicing.slices if sched.slicing else 1
+        kind = np.concatenate([kind_index[r.kind] for r in sched.ranks]) if sched.ranks else np.zeros(0, np.int64)
+        mb = np.concatenate([r.mb for r in sched.ranks]).astype(np.int64)
+        stage = np.concatenate([r.stage for r in sched.ranks]).astype(np.int64)
+        rank = np.repeat(np.arange(len(sched.ranks)), [len(r) for r in sched.ranks])
+        info = list(zip(kind.tolist(), stage.tolist(), rank.tolist(), mb.tolist()))  # (kind 0..2, stage, rank, mb)
+        n, m = len(info), sched.num_microbatches
+        ident = np.full(len(KINDS) * S * m, -1, dtype=np.int64)
+        ident[(kind * S + stage) * m + mb] = np.arange(n)
         rank_pred = np.full(n, -1, dtype=np.int64)
         data_pred = np.full(n, -1, dtype=np.int64)
         delay = np.zeros(n, dtype=np.int64)
@@ -264,20 +267,18 @@ class _Graph:
             for j in range(1, len(ops)):
                 rank_pred[first + j] = first + j - 1
             first += len(ops)
-        for v, (k, s, r, i) in enumerate(info):
-            if k == 0:
-                u = ident.get((0, i, s - 1)) if s > 0 else None
-            elif k == 1:
-                u = ident.get((1, i, s + 1)) if s < S - 1 else ident.get((0, i, s))
-            else:
-                u = ident.get((1, i, s))
-            if u is None:
-                continue
-            data_pred[v] = u
+        # The data predecessor: the op's input from another rank by the dependency rule (pipec.ir.rules; a
+        # kind receives at most one). An input on the op's own rank, the slice rules' included, ends before
+        # the rank's previous op does (E304 holds them earlier in its order), so the rank chain carries it.
+        for _, dk, dmb, ds, valid in dependencies(kind, mb, stage, S, len(kinds) == 3, slices):
+            u = np.where(valid, ident[(dk * S + np.clip(ds, 0, S - 1)) * m + np.clip(dmb, 0, m - 1)], -1)
+            remote = (u >= 0) & (rank[np.maximum(u, 0)] != rank)
+            data_pred = np.where(remote, u, data_pred)
+        for v in np.flatnonzero(data_pred >= 0).tolist():
+            u, r = int(data_pred[v]), info[v][2]
             ru = info[u][2]
-            if ru != r:
-                d = float(costs.latency[ru, r]) + float(costs.comm[info[u][1]])
-                delay[v] = math.floor(d / unit) if math.isfinite(d) else 0
+            d = float(costs.latency[ru, r]) + float(costs.comm[info[u][1]])
+            delay[v] = math.floor(d / unit) if math.isfinite(d) else 0
         # a topological order: advance each rank while its next op's data predecessor is done
         order, done = [], np.zeros(n, dtype=bool)
         heads = []

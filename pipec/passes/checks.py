@@ -1,5 +1,7 @@
 """Checks on an evaluated Schedule: ownership, exactly-once, same-rank dependency order, and the memory ops.
 
+The dependency rule (and the slice rules) is `pipec.ir.rules`'s; E304 holds it on each rank's order.
+
 Vectorised with numpy over all ops at once (schedules reach a million ops);
 each failure becomes a diagnostic at the statement that emitted the op.
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from pipec.errors import PipecError, error
+from pipec.ir.rules import dependencies
 from pipec.ir.schedule import MemOp, Schedule
 
 
@@ -117,41 +120,12 @@ def check_schedule(sched: Schedule) -> None:
         _check_memops(sched, sid, key)
 
 
-def dependencies(kind: np.ndarray, mb: np.ndarray, stage: np.ndarray, S: int, split: bool, slices: int = 1):
-    """For each op, the keys (as (kind, mb, stage) arrays) of ops it needs, with a validity mask.
-
-    F(i,s) needs F(i,s-1); B(i,s) needs F(i,s) and B(i,s+1); W(i,s) needs B(i,s). With token slices
-    (`slices` per micro-batch, `mb` a unit i * slices + j: pipec.ir.schedule.Slicing) also, on the same stage,
-    F(i,j,s) needs F(i,j-1,s) (it attends to that slice's keys and values) and B(i,j,s) needs B(i,j+1,s)
-    (which returns their gradients). The last two are the slice rules; `SLICE_RULES` says which entries.
-    """
-    deps = []
-    is_f, is_b, is_w = kind == 0, kind == 1, kind == 2
-    deps.append((np.zeros_like(kind), mb, stage - 1, is_f & (stage > 0)))
-    deps.append((np.zeros_like(kind), mb, stage, is_b))
-    deps.append((np.ones_like(kind), mb, stage + 1, is_b & (stage < S - 1)))
-    if split:
-        deps.append((np.ones_like(kind), mb, stage, is_w))
-    if slices > 1:
-        j = mb % slices
-        deps.append((np.zeros_like(kind), mb - 1, stage, is_f & (j > 0)))
-        deps.append((np.ones_like(kind), mb + 1, stage, is_b & (j < slices - 1)))
-    return deps
-
-
-SLICE_RULES = (
-    "slice {j} attends to the keys and values of slice {p} of its sequence on the same stage",
-    "slice {j}'s backward needs the gradients of its keys and values from slice {p}'s backward",
-)
-
-
 def _check_order(sched: Schedule, kind, mb, stage, sid, rank, gpos, key) -> None:
     S, m = sched.num_stages, sched.num_microbatches
     where = np.empty(len(sched.kinds) * S * m, dtype=np.int64)
     where[key] = np.arange(len(key))
     n = sched.slicing.slices if sched.slicing else 1
-    deps = dependencies(kind, mb, stage, S, sched.split_backward, n)
-    for x, (dk, dmb, dst, valid) in enumerate(deps):
+    for rule, dk, dmb, dst, valid in dependencies(kind, mb, stage, S, sched.split_backward, n):
         idx = np.flatnonzero(valid)
         dep = where[(dk[idx] * S + dst[idx]) * m + dmb[idx]]
         bad = idx[(rank[dep] == rank[idx]) & (gpos[dep] >= gpos[idx])]
@@ -161,8 +135,7 @@ def _check_order(sched: Schedule, kind, mb, stage, sid, rank, gpos, key) -> None
             op, needed = _op(sched, kind[j], mb[j], stage[j]), _op(sched, kind[d], mb[d], stage[d])
             together = gpos[d] == gpos[j]
             why = "is overlapped with it" if together else f"comes later (line {sched.spans[sid[d]].line})"
-            rule = x - (len(deps) - len(SLICE_RULES))
-            notes = (SLICE_RULES[rule].format(j=int(mb[j] % n), p=int(mb[d] % n)),) if n > 1 and rule >= 0 else ()
+            notes = (rule.why.format(j=int(mb[j] % n), p=int(mb[d] % n)),) if rule.why else ()
             raise _at(
                 sched,
                 "E304",

@@ -1,8 +1,12 @@
-"""Deadlock: the global wait-for relation of a Schedule, and a cycle explained rank by rank.
+"""Deadlock: can the Schedule's ranks all finish, each running its order and waiting for its inputs from
+other ranks? The global wait-for relation of a Schedule, and a cycle explained rank by rank.
 
-The fast path is a progress run over ops (program order plus cross-rank data
-dependencies, each op visited once). Only when ranks get stuck do we build
-the rank wait-for relation (each stuck rank waits on one other) and follow it to the cycle to explain.
+This is a question about the Schedule (its orders and `pipec.ir.rules`' dependencies), asked before
+lowering: the rounds (`_rounds`) run every rank's order in lock-step, each op visited once, an op waiting
+for its cross-rank input. It times nothing (that is `pipec.sim.machine`'s) and knows no messages or
+matching (whether the lowered Program's sends and receives match under rendezvous is
+`pipec.passes.dryrun`'s question). Only when ranks get stuck do we build the rank wait-for relation (each
+stuck rank waits on one other) and follow it to the cycle to explain.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipec.errors import PipecError, error
+from pipec.ir.rules import dependencies
 from pipec.ir.schedule import Op, Schedule
 
 
@@ -31,36 +36,42 @@ class WaitStep:
 
 def find_deadlock(sched: Schedule) -> tuple[WaitStep, ...]:
     """The wait cycle if the schedule's ranks cannot all finish, else ()."""
-    return _progress(sched)[1]
+    return _rounds(sched)[1]
 
 
 def global_order(sched: Schedule) -> list[np.ndarray]:
     """Per rank, the time (a global counter) at which each op completes in one dependency-respecting
     execution of all ranks; raises E401 with the explained cycle when there is none."""
-    times, cycle = _progress(sched)
+    times, cycle = _rounds(sched)
     if cycle:
         raise deadlock_error(sched, cycle)
     return times
 
 
-def _progress(sched: Schedule) -> tuple[list[np.ndarray], tuple[WaitStep, ...]]:
+def _rounds(sched: Schedule) -> tuple[list[np.ndarray], tuple[WaitStep, ...]]:
+    """Whether the ranks can all finish: per rank, each op's place in one global order (by round, the round
+    of an op one past the later of its rank's previous op and its cross-rank input) and no cycle; or no
+    times and the wait cycle when some ranks stay stuck."""
     S, m, K = sched.num_stages, sched.num_microbatches, len(sched.kinds)
     R = sched.num_ranks
     where = np.full(K * S * m, -1, dtype=np.int64)  # op key -> (rank, index) packed
     offsets = np.cumsum([0] + [len(r) for r in sched.ranks])
     for r, ops in enumerate(sched.ranks):
         where[(ops.kind * S + ops.stage) * m + ops.mb] = offsets[r] + np.arange(len(ops))
-    # Cross-rank input of each op: F(i,s) <- F(i,s-1), B(i,s) <- B(i,s+1); -1 when local or none.
-    remote = []
+    # Cross-rank input of each op (pipec.ir.rules: the one input a kind receives from another stage, when
+    # that stage is on another rank); -1 when local or none. Same-rank inputs are E304's (checked before).
     placement = np.asarray(sched.placement)
-    for r, ops in enumerate(sched.ranks):
-        k, i, s = ops.kind, ops.mb, ops.stage
-        dep_stage = np.where(k == 0, s - 1, s + 1)
-        valid = ((k == 0) & (s > 0)) | ((k == 1) & (s < S - 1))
-        dep_stage_c = np.clip(dep_stage, 0, S - 1)
-        valid &= placement[dep_stage_c] != r
-        dep = np.where(valid, where[(k * S + dep_stage_c) * m + i], -1)
-        remote.append(dep.tolist())
+    none = [np.zeros(0, dtype=np.int64)]
+    kind = np.concatenate([o.kind for o in sched.ranks] or none)
+    mb = np.concatenate([o.mb for o in sched.ranks] or none)
+    stage = np.concatenate([o.stage for o in sched.ranks] or none)
+    rank = np.repeat(np.arange(R), np.diff(offsets))
+    dep = np.full(len(kind), -1, dtype=np.int64)
+    for rule, dk, di, ds, valid in dependencies(kind, mb, stage, S, K == 3):
+        if rule.stage:
+            ds = np.clip(ds, 0, S - 1)
+            dep = np.where(valid & (placement[ds] != rank), where[(dk * S + ds) * m + di], dep)
+    remote = [dep[offsets[r] : offsets[r + 1]].tolist() for r in range(R)]
     paired = [r.paired.tolist() for r in sched.ranks]
     any_paired = [bool(r.paired.any()) for r in sched.ranks]
 

@@ -1,4 +1,9 @@
-"""An exact dry run of a Program under the strictest NCCL behaviour.
+"""An exact dry run of a Program under the strictest NCCL behaviour: does its message matching hold?
+
+The question is the Program's, not the Schedule's (`pipec.passes.deadlock` asks whether the ranks'
+orders can finish at all) nor a time (`pipec.sim.machine` runs messages eagerly and times them): whether
+every send and receive the lowering placed meets its peer under rendezvous. A compute's inputs are
+`pipec.ir.rules`'.
 
 The rules: between two ranks, messages match in the order each side issued
 them (NCCL runs one pair's operations in issue order), so both sides must
@@ -28,7 +33,6 @@ import numpy as np
 
 from pipec.errors import PipecError, Source, Span, error
 from pipec.ir.opcodes import (
-    AFTER_KIND,
     COMPUTE_OF_KIND,
     IS_COMPUTE,
     IS_P2P,
@@ -36,14 +40,12 @@ from pipec.ir.opcodes import (
     IS_SEND,
     KIND_OF,
     MESSAGE_NOUNS,
-    NEEDS_MSG,
-    NEEDS_STAGE,
     OP_KINDS,
     OPCODES,
-    PRODUCER_KIND,
     message_key,
 )
 from pipec.ir.program import Instr, Program
+from pipec.ir.rules import dependencies
 from pipec.ir.schedule import Slicing
 from pipec.ir.validate import validate
 
@@ -131,18 +133,25 @@ def _columns(prog: Program) -> _Columns:
     peer = cat([rp.peer for rp in prog.ranks]).astype(np.int64)
     rank = np.repeat(np.arange(R), lengths)
     none = np.full(len(op), -1, dtype=np.int64)
-    # A compute's input (the table's `needs`): a message from the stage beside it, received from a peer
-    # or, when that stage shares the rank, handed over locally (a dependency on the op that produced it).
+    # A compute's inputs (pipec.ir.rules; its slice rules are the validator's, on one rank's stream): the
+    # message from the stage beside it, received from a peer or, when that stage shares the rank, handed
+    # over locally (dep1, a dependency on the op that produced it); and the op before it on its own stage
+    # (dep2). `in_msg` is the message (pipec.ir.opcodes.MESSAGES) and `src` the stage it comes from.
     kind = KIND_OF[op]
-    src = s + NEEDS_STAGE[op]
-    has_in = (NEEDS_MSG[op] >= 0) & (src >= 0) & (src < S)
+    has_in = np.zeros(len(op), dtype=bool)
+    src, in_msg, dep1, dep2 = s.copy(), none.copy(), none.copy(), none.copy()
+    for rule, dk, dmb, ds, valid in dependencies(kind, mb, s, S, True):
+        if rule.message is not None:
+            has_in |= valid
+            src, in_msg = np.where(valid, ds, src), np.where(valid, rule.message, in_msg)
+            dep1 = np.where(valid, (dk * S + np.clip(ds, 0, S - 1)) * m + dmb, dep1)
+        else:
+            dep2 = np.where(valid, (dk * S + ds) * m + dmb, dep2)
     src_c = np.clip(src, 0, S - 1)
     local_in = placement[src_c] == rank if len(placement) else np.zeros(len(op), dtype=bool)
     remote = has_in & ~local_in
-    msg = np.where(remote, (NEEDS_MSG[op] * S + src_c) * m + mb, message_key(op, mb, s, S, m))
-    dep1 = np.where(has_in & local_in, (PRODUCER_KIND[np.maximum(NEEDS_MSG[op], 0)] * S + src_c) * m + mb, none)
-    after = AFTER_KIND[np.maximum(kind, 0)]
-    dep2 = np.where((kind >= 0) & (after >= 0), (after * S + s) * m + mb, none)
+    msg = np.where(remote, (in_msg * S + src_c) * m + mb, message_key(op, mb, s, S, m))
+    dep1 = np.where(has_in & local_in, dep1, none)
     own = np.where(kind >= 0, (kind * S + s) * m + mb, none)
     # Channel position of each send/receive: how many earlier ones its rank issued to that peer.
     comm = np.flatnonzero(IS_P2P[op])
@@ -305,11 +314,12 @@ def dry_run(prog: Program, witness: np.ndarray | None = None) -> DryRun:
     cols = _columns(prog)
     if witness is not None and _witnessed(cols, witness):
         return DryRun(True, ())
-    return _replay(prog, cols)
+    return _rendezvous_replay(prog, cols)
 
 
-def _replay(prog: Program, cols: _Columns) -> DryRun:
-    """The event loop: each instruction visited once, a blocked rank asleep until what it waits for."""
+def _rendezvous_replay(prog: Program, cols: _Columns) -> DryRun:
+    """The rendezvous replay: each instruction visited once under the matching rules above, a blocked rank
+    asleep until what it waits for (a match, an arrival, a local compute)."""
     S, m, R = prog.num_stages, prog.num_microbatches, prog.num_ranks
     offsets = cols.offsets.tolist()
     acts, dep1s, dep2s, owns, chans, ks, outs, backs = (

@@ -2,9 +2,9 @@
 
 A policy says how a rank chooses among its ready ops; the list scheduler plays
 the whole pipeline forward under a cost model and records, per rank, the order
-in which the ops ran. The machine is the simulator's, and its pieces are the
-simulator's own code (`pipec.sim.simulate`): a rank runs one compute op at a
-time; an op is ready when its inputs are (its local inputs have run, its remote
+in which the ops ran. The machine is the simulator's (`pipec.sim.machine`), stepped
+by the same code: a rank runs one compute op at a time (`Ranks.run`); an op is
+ready when its inputs by `pipec.ir.rules` are (its local inputs have run, its remote
 input has arrived); messages are timed by `CostModel.wire` and `Links` (per
 pair of ranks in issue order, shared cross-datacenter links dividing their
 bandwidth); the `overhead` of each send and receive is the Program's, read from
@@ -46,10 +46,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pipec.ir.opcodes import KIND_OF, OUT_MSG, OUT_PEER_STAGE
+from pipec.ir.rules import active, feeds, needs
 from pipec.ir.schedule import Policy, RankOps, Schedule
 from pipec.sim.costs import CostModel
+from pipec.sim.machine import Links, Ranks, shared_links
 from pipec.sim.memory import compute_deltas
-from pipec.sim.simulate import Links, Plan, plan, shared_links, simulate
+from pipec.sim.simulate import Plan, plan, simulate
 
 KINDS = ("F", "B", "W")
 W_MODES = ("idle", "fit")
@@ -235,14 +237,19 @@ class _ListScheduler:
         self.lag = [0] * R if policy.w_lag is None else list(policy.w_lag)
         self.fit = policy.w_mode == "fit"
         self.overheads = overheads
+        self.slices = mc.shape.slicing.slices if mc.shape is not None and mc.shape.slicing else 1
+        self.rules = active(self.kinds, self.slices)  # the dependency rule, pipec.ir.rules
         self._network(mc)
 
-        # Candidates per rank: ops whose inputs are all known, with their ready time; F(0..m-1) of stage 0 first.
+        # Candidates per rank: ops whose inputs are all known, with their ready time; those needing none first.
         self.cand: list[dict[tuple[int, int, int], float]] = [{} for _ in range(R)]
         self.pending: dict[tuple[int, int, int], list] = {}  # op -> [inputs still missing, ready time]
-        for i in range(m):
-            self.cand[self.place[0]][(0, i, 0)] = 0.0
-        self.clock = [0.0] * R if overheads is None else list(overheads.head)
+        for s in range(S):
+            for i in range(m):
+                for k in range(self.kinds):
+                    if not needs(k, i, s, S, self.rules, self.slices):
+                        self.cand[self.place[s]][(k, i, s)] = 0.0
+        self.ranks = Ranks([0.0] * R if overheads is None else list(overheads.head))  # the machine's step
         self.live = [0] * R  # activations on the rank
         self.live_stage = [0] * S
         self.mem = [0.0] * R
@@ -322,21 +329,12 @@ class _ListScheduler:
         if t < math.inf:
             heapq.heappush(self.heap, (t, 2, r, self.version[r]))
 
-    def _inputs(self, k: int, s: int) -> int:
-        """How many inputs op kind k on stage s waits for: F its stage's input (none on stage 0), B its F and
-        the gradient from the next stage (none on the last), W its B."""
-        if k == 0:
-            return 1 if s > 0 else 0
-        if k == 1:
-            return 2 if s < self.S - 1 else 1
-        return 1
-
     def _deliver(self, op: tuple[int, int, int], t: float) -> None:
         """One input of `op` is available at t."""
         k, i, s = op
         st = self.pending.get(op)
         if st is None:
-            st = self.pending[op] = [self._inputs(k, s), 0.0]
+            st = self.pending[op] = [len(needs(k, i, s, self.S, self.rules, self.slices)), 0.0]
         st[0] -= 1
         if t > st[1]:
             st[1] = t
@@ -372,7 +370,7 @@ class _ListScheduler:
             elig.append((ready, op))
         if not elig:
             return math.inf, None
-        t = max(self.clock[r], min(x[0] for x in elig))
+        t = max(self.ranks.clock[r], min(x[0] for x in elig))
         while True:
             op = min((o for ready, o in elig if ready <= t), key=_tie(pr))
             if op[0] != 2 or not self.fit or pressure:
@@ -387,9 +385,8 @@ class _ListScheduler:
         """Rank r runs op from `start`: its effects on memory and on the ops it feeds; the ranks touched."""
         k, i, s = op
         del self.cand[r][op]
-        end = start + self.dur[k][s]
         ov = self.overheads
-        self.clock[r] = end if ov is None else end + ov.after.get(op, 0.0)
+        start, end = self.ranks.run(r, start, self.dur[k][s], 0.0 if ov is None else ov.after.get(op, 0.0))
         self.orders[r].append(op)
         self.starts[r].append(start)
         self.ends[r].append(end)
@@ -402,23 +399,22 @@ class _ListScheduler:
         if k == 0:
             self.live[r] += 1
             self.live_stage[s] += 1
-            self._deliver((1, i, s), end)  # B(i, s) needs F(i, s)
         elif k == 1:
             self.live[r] -= 1
             self.live_stage[s] -= 1
             self.b_done[s][i] = True
             self.b_count[s] += 1
-            if self.kinds == 3:
-                self._deliver((2, i, s), end)
-        if OUT_MSG[k] >= 0 and 0 <= s + OUT_PEER_STAGE[k] < self.S:
-            touched.add(self._send(r, op, end))
+        for rule, nxt in feeds(k, i, s, self.S, self.rules, self.slices):  # the ops that need it
+            if rule.message is None:  # on its own stage
+                self._deliver(nxt, end)
+            else:
+                touched.add(self._send(r, op, end, nxt))
         return touched
 
-    def _send(self, r: int, op: tuple[int, int, int], end: float) -> int:
-        """The output of `op` (ended at `end`) to the same kind of op on the next stage in its direction;
-        the rank it goes to."""
+    def _send(self, r: int, op: tuple[int, int, int], end: float, nxt: tuple[int, int, int]) -> int:
+        """The output of `op` (ended at `end`) to `nxt` on the stage next to it in its direction; the rank it
+        goes to."""
         k, i, s = op
-        nxt = (k, i, s + int(OUT_PEER_STAGE[k]))
         dst = self.place[nxt[2]]
         if dst == r:  # handed over locally
             self._deliver(nxt, end)

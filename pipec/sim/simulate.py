@@ -30,13 +30,16 @@ a reloaded micro-batch waits for its RELOAD (docs/simulate.md, "Memory ops").
 
 Messages between two datacenters share one link per direction (the cost
 model's `link_group`): those on it at one time divide its bandwidth equally
-(`Links`). When every shared link carries one pair of ranks at most, that changes
-nothing (a pair's messages leave the wire one after the other) and the pass
-`_run` below runs; otherwise `_run_events` runs every event in time order.
+(`pipec.sim.machine.Links`). When every shared link carries one pair of ranks at
+most, that changes nothing (a pair's messages leave the wire one after the other)
+and the pass `pipec.sim.machine.run` runs; otherwise `machine.run_events` runs
+every event in time order.
 
-This is the one machine model of pipec: the list scheduler of `pipec.passes.policy`
-times its ops with the same pieces (`CostModel.wire`, `shared_links`, `Links`, and
-for the overhead a `Plan` of the Program it derived), so its times are this module's.
+The machine itself (a rank runs its next op once its inputs have arrived; the
+network) is `pipec.sim.machine`; this module turns a Program into the `Plan` its
+passes step, and their results into a Timeline. The list scheduler of
+`pipec.passes.policy` steps the same machine (and reads the overhead from a `Plan`
+of the Program it derived), so its times are the simulator's.
 
 What an instruction is (compute or transfer, which message it names, which
 message a compute waits for) comes from the instruction table, `pipec.ir.opcodes`.
@@ -50,9 +53,6 @@ and a rank that waits for a message sleeps until the message's sender reaches it
 
 from __future__ import annotations
 
-import heapq
-from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -79,6 +79,7 @@ from pipec.ir.opcodes import (
 )
 from pipec.ir.program import Program
 from pipec.sim.costs import CostModel
+from pipec.sim.machine import run, run_events, shared_links
 from pipec.sim.timeline import Timeline
 
 
@@ -89,9 +90,9 @@ def simulate(prog: Program, costs: CostModel, *, _events: bool = False) -> Timel
     """
     pl = plan(prog, costs)
     if pl.group is None and not _events:
-        start_t, end_t, send_t, arrival = _run(pl)
+        start_t, end_t, send_t, arrival = run(pl)
     else:
-        start_t, end_t, send_t, arrival = _run_events(pl)
+        start_t, end_t, send_t, arrival = run_events(pl)
     start, end = np.asarray(start_t, dtype=float), np.asarray(end_t, dtype=float)
     send, arr, post = np.asarray(send_t, dtype=float), np.asarray(arrival, dtype=float), pl.posted(end_t)
     coll: dict[str, np.ndarray] = {}
@@ -590,331 +591,6 @@ def _overheads(o: float, op, rank, lengths, cidx, sidx, before, own, R: int):
     anchor = np.where(own, cidx[np.maximum(before, 0)] + 1 if len(cidx) else 0, rank_start[rank[sidx]])
     off = o * (cum[sidx + 1] - cum[anchor])
     return off.tolist(), tail.tolist(), head.tolist()
-
-
-def shared_links(costs: CostModel, src: np.ndarray, dst: np.ndarray, txd: np.ndarray) -> list[int] | None:
-    """Per message (src, dst, time on the wire), the shared link it crosses (-1: none), when some shared
-    link carries messages of two channels (pairs of ranks) that take time on the wire; else None, and
-    the per-pair rule is exact (one channel's messages leave one after the other, so they never overlap
-    on its link). Messages that take no time on the wire cross no link."""
-    if costs.link_group is None:
-        return None
-    group = costs.link_group[src, dst]
-    busy = (group >= 0) & (txd > 0)
-    if not busy.any():
-        return None
-    chan = src * costs.latency.shape[0] + dst
-    pairs = np.unique(np.stack([group[busy], chan[busy]]), axis=1)
-    if len(np.unique(pairs[0])) == pairs.shape[1]:
-        return None  # every shared link carries one channel at most
-    return np.where(txd > 0, group, -1).tolist()
-
-
-def _run(pl: Plan):
-    """The event-driven pass over compute ops, without contention; lists, not arrays, for speed in the loop."""
-    R, first, ends, need, cost = pl.num_ranks, pl.first, pl.ends, pl.need, pl.cost
-    mlo, mhi, prev, txd, lat, off, tail = pl.mlo, pl.mhi, pl.prev, pl.txd, pl.lat, pl.off, pl.tail
-    n, M = len(cost), len(txd)
-    start = [0.0] * n
-    end = [0.0] * n
-    send_t = [0.0] * M
-    tx_end = [0.0] * M
-    arrival = [-1.0] * M
-    waiting: dict[int, int] = {}
-
-    def leave(x: int, clock: float) -> None:
-        send_t[x] = clock
-        p = prev[x]
-        t0 = clock
-        if p >= 0 and tx_end[p] > t0:
-            t0 = tx_end[p]
-        te = t0 + txd[x]
-        tx_end[x] = te
-        a = te + lat[x]
-        if p >= 0 and arrival[p] > a:
-            a = arrival[p]
-        arrival[x] = a
-
-    if off is not None:  # the overhead: sends leave when their own call is over
-        for x in pl.pre:
-            leave(x, off[x])
-        clocks = list(pl.head)
-    else:
-        for x in pl.pre:
-            leave(x, 0.0)
-        clocks = [0.0] * R
-    pc = list(first)
-    queue = deque(range(R))
-    while queue:
-        r = queue.popleft()
-        j, stop, clock = pc[r], ends[r], clocks[r]
-        while j < stop:
-            k = need[j]
-            if k >= 0:
-                a = arrival[k]
-                if a < 0.0:
-                    waiting[k] = r
-                    break
-                if a > clock:
-                    clock = a
-            start[j] = clock
-            clock += cost[j]
-            end[j] = clock
-            lo, hi = mlo[j], mhi[j]
-            if lo != hi:
-                for x in range(lo, hi):
-                    # inline of leave(x, clock + its overhead), the hot path
-                    t0 = clock if off is None else clock + off[x]
-                    send_t[x] = t0
-                    p = prev[x]
-                    if p >= 0 and tx_end[p] > t0:
-                        t0 = tx_end[p]
-                    te = t0 + txd[x]
-                    tx_end[x] = te
-                    a = te + lat[x]
-                    if p >= 0 and arrival[p] > a:
-                        a = arrival[p]
-                    arrival[x] = a
-                    w = waiting.pop(x, None)
-                    if w is not None:
-                        queue.append(w)
-            if tail is not None:
-                clock += tail[j]
-            j += 1
-        pc[r], clocks[r] = j, clock
-    _finished(pc, ends)
-    return start, end, send_t, arrival
-
-
-def _finished(pc: list[int], ends: list[int]) -> None:
-    stuck = [r for r in range(len(ends)) if pc[r] < ends[r]]
-    if stuck:
-        raise error(
-            "E403",
-            "the program cannot finish: ranks " + ", ".join(map(str, stuck)) + " wait for messages never sent",
-        )
-
-
-class Links:
-    """The network of the machine model: when each message leaves the wire and arrives.
-
-    Within one channel (pair of ranks, one direction) messages enter the wire one after the other, in
-    issue order, and never overtake each other: a message takes `txd` on the wire after the previous one
-    left it, then `lat`. Each shared link (a message's `group` >= 0) is a processor-sharing server: the
-    messages on it at one time each get an equal share of its bandwidth (`txd` is a message's time on
-    the wire alone), so two messages that start together both take twice as long as one. Virtual time
-    `V` grows at rate 1 / (messages on the link); a message that enters at `V` leaves when `V` reaches
-    `V + txd`, so messages leave in the order of those tags.
-
-    Event-driven, for an owner that runs events in time order: `send` at the time a message leaves its
-    rank; the owner calls `link_event` when the time `schedule(time, link, version)` asked for comes;
-    `arrived(x)` tells it a message's arrival (`arrival[x]`) is known. Used by the simulator's
-    `_run_events` and by the list scheduler of `pipec.passes.policy` (which adds messages as it goes).
-    """
-
-    def __init__(
-        self,
-        txd: list[float],
-        lat: list[float],
-        prev: list[int],
-        chan: list[int],
-        group: list[int],
-        groups: int,
-        schedule: Callable[[float, int, int], None],
-        arrived: Callable[[int], None],
-    ) -> None:
-        self.txd, self.lat, self.prev, self.chan, self.group = txd, lat, prev, chan, group
-        M = len(txd)
-        self.send_t = [0.0] * M
-        self.tx_end = [0.0] * M
-        self.arrival = [-1.0] * M
-        self.link_v = [0.0] * groups  # virtual time
-        self.link_t = [0.0] * groups  # when link_v was last brought up to date
-        self.link_tags: list[list[tuple[float, int]]] = [[] for _ in range(groups)]  # heap of (tag, message)
-        self.link_ver = [0] * groups
-        self.chan_busy: dict[int, bool] = {}
-        self.chan_queue: dict[int, deque] = {}
-        self.last: dict[int, int] = {}  # per channel, the last message `add`ed
-        self.schedule, self.arrived = schedule, arrived
-
-    def add(self, chan: int, group: int, txd: float, lat: float) -> int:
-        """A new message on this channel, after those added before it; its id."""
-        x = len(self.txd)
-        self.prev.append(self.last.get(chan, -1))
-        self.last[chan] = x
-        self.chan.append(chan)
-        self.group.append(group)
-        self.txd.append(txd)
-        self.lat.append(lat)
-        self.send_t.append(0.0)
-        self.tx_end.append(0.0)
-        self.arrival.append(-1.0)
-        return x
-
-    def _advance(self, g: int, t: float) -> None:
-        k = len(self.link_tags[g])
-        if k:
-            self.link_v[g] += (t - self.link_t[g]) / k
-        self.link_t[g] = t
-
-    def _reschedule(self, g: int) -> None:
-        self.link_ver[g] += 1
-        tags = self.link_tags[g]
-        if tags:
-            self.schedule(self.link_t[g] + max(tags[0][0] - self.link_v[g], 0.0) * len(tags), g, self.link_ver[g])
-
-    def _leave_wire(self, x: int, t: float) -> None:
-        self.tx_end[x] = t
-        a = t + self.lat[x]
-        p = self.prev[x]
-        if p >= 0 and self.arrival[p] > a:
-            a = self.arrival[p]
-        self.arrival[x] = a
-        self.arrived(x)
-
-    def _enter(self, x: int, t: float) -> None:
-        g = self.group[x]
-        self.chan_busy[self.chan[x]] = True
-        self._advance(g, t)
-        heapq.heappush(self.link_tags[g], (self.link_v[g] + self.txd[x], x))
-        self._reschedule(g)
-
-    def send(self, x: int, t: float) -> None:
-        """Message x leaves its rank at t."""
-        self.send_t[x] = t
-        c = self.chan[x]
-        if self.chan_busy.get(c):  # the channel's previous message is still on a shared link: queue behind it
-            self.chan_queue.setdefault(c, deque()).append(x)
-        elif self.group[x] >= 0:
-            self._enter(x, t)
-        else:
-            p = self.prev[x]
-            tx_end = self.tx_end
-            self._leave_wire(x, (tx_end[p] if p >= 0 and tx_end[p] > t else t) + self.txd[x])
-
-    def link_event(self, g: int, version: int, t: float) -> None:
-        """The time `schedule` asked for has come (stale versions do nothing)."""
-        if version != self.link_ver[g]:
-            return
-        self._advance(g, t)
-        tags = self.link_tags[g]
-        eps = 1e-12 * max(1.0, abs(self.link_v[g]))
-        done = []
-        while tags and tags[0][0] <= self.link_v[g] + eps:
-            done.append(heapq.heappop(tags)[1])
-        for x in done:
-            self._leave_wire(x, t)
-            c = self.chan[x]
-            self.chan_busy[c] = False
-            q = self.chan_queue.get(c)
-            while q and not self.chan_busy[c]:
-                y = q.popleft()
-                if self.group[y] >= 0:
-                    self._enter(y, t)
-                else:  # no bytes: it leaves right behind the message before it
-                    self._leave_wire(y, t + self.txd[y])
-        self._reschedule(g)
-
-
-def _run_events(pl: Plan):
-    """The event-driven pass, in time order, for messages that share links (`Links`); compute ops start
-    when their rank is free and their input arrived."""
-    R, first, ends, need, cost = pl.num_ranks, pl.first, pl.ends, pl.need, pl.cost
-    mlo, mhi, off, tail, head = pl.mlo, pl.mhi, pl.off, pl.tail, pl.head
-    n, M = len(cost), len(pl.txd)
-    group = pl.group or [-1] * M
-    start = [0.0] * n
-    end = [0.0] * n
-    waiting: dict[int, int] = {}
-    # (time, seq, kind, who, version): kind 0 = op end on rank `who`, 1 = link `who`, 2 = message `who`
-    # is issued (its send's overhead is over), 3 = held message `who` leaves (the one before it arrived)
-    events: list = []
-    seq = 0
-    pc = list(first)
-    clock = [0.0] * R if head is None else list(head)
-
-    def push(t: float, kind: int, who: int, ver: int = 0) -> None:
-        nonlocal seq
-        heapq.heappush(events, (t, seq, kind, who, ver))
-        seq += 1
-
-    def try_start(r: int) -> None:
-        j = pc[r]
-        if j >= ends[r]:
-            return
-        t = clock[r]
-        k = need[j]
-        if k >= 0:
-            a = arrival[k]
-            if a < 0.0:
-                waiting[k] = r
-                return
-            if a > t:
-                t = a
-        start[j] = t
-        end[j] = t + cost[j]
-        push(end[j], 0, r)
-
-    hold, prev = pl.hold, pl.prev
-    issued = [0.0] * M  # when each message's instruction was issued (a held one leaves later)
-    pending: dict[int, int] = {}  # a held message waiting for the one before it to arrive
-
-    def delivered(x: int) -> None:
-        w = waiting.pop(x, None)
-        if w is not None:
-            try_start(w)
-        y = pending.pop(x, None)
-        if y is not None:
-            push(arrival[x], 3, y)
-
-    def out(x: int, t: float) -> None:
-        issued[x] = t
-        if hold is not None and hold[x] and prev[x] >= 0:
-            a = arrival[prev[x]]
-            if a < 0.0:
-                pending[prev[x]] = x
-                return
-            if a > t:
-                push(a, 3, x)
-                return
-        links.send(x, t)
-
-    links = Links(
-        pl.txd, pl.lat, pl.prev, pl.chan, group, max(group, default=-1) + 1, lambda t, g, v: push(t, 1, g, v), delivered
-    )
-    arrival = links.arrival
-    if hold is None:  # nothing held: messages go straight to the links, as before collectives
-        out = links.send
-    for x in pl.pre:
-        if off is None:
-            out(x, 0.0)
-        else:
-            push(off[x], 2, x)
-    for r in range(R):
-        try_start(r)
-    while events:
-        t, _, kind, who, ver = heapq.heappop(events)
-        if kind == 0:
-            r = who
-            j = pc[r]
-            clock[r] = t
-            for x in range(mlo[j], mhi[j]):
-                if off is None:
-                    out(x, t)
-                else:
-                    push(t + off[x], 2, x)
-            if tail is not None:
-                clock[r] = t + tail[j]
-            pc[r] = j + 1
-            try_start(r)
-        elif kind == 2:
-            out(who, t)
-        elif kind == 3:
-            links.send(who, t)
-        else:
-            links.link_event(who, ver, t)
-    _finished(pc, ends)
-    return start, end, issued if hold is not None else links.send_t, arrival
 
 
 def _describe_key(k: int, S: int, m: int) -> str:

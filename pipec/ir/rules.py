@@ -1,0 +1,127 @@
+"""The dependency rule and the slice rules: which op needs which, derived once from the instruction table.
+
+`pipec.ir.opcodes` declares, per compute opcode, the message it consumes (`needs`: what travels and the
+offset of the stage that sends it) and the op kind that must come first on its own stage and micro-batch
+(`after`). Read together with `sends` (which kind's output each message is), that is the whole rule:
+
+- F(i, s) needs F(i, s-1): FWD needs the activation sent by stage s-1, which F produces;
+- B(i, s) needs F(i, s) (`after`) and B(i, s+1): BWD needs the gradient sent by stage s+1, which B produces
+  (the last stage's B needs only its F: there is no stage s+1);
+- W(i, s) needs B(i, s) (`after`).
+
+With token slices (pipec.ir.schedule.Slicing: `slices` per micro-batch, `mb` a unit i * slices + j), each
+kind that consumes a message also needs the same kind on the neighbouring slice of its sequence on its own
+stage, in the direction its data flows: F(i, j, s) needs F(i, j-1, s) (slice j attends to the keys and
+values of the slices before it) and B(i, j, s) needs B(i, j+1, s) (which returns their gradients). Those
+are the slice rules, derived here from the sign of the message's stage offset.
+
+Every pass that orders ops reads `RULES` (or `dependencies`, `needs`, `feeds` built on it): the checks
+(E304), the Program validator's slice order, the deadlock rounds, the list scheduler's readiness, the synth
+solver's precedences, the partition search's graph. The testing kit's oracle (`pipec.testing.listing`)
+restates the rule independently on purpose: it is what checks this module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipec.ir.opcodes import BY_NAME, COMPUTE, MESSAGES, OP_KINDS, OPCODES, TABLE
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Op kind `kind` of (unit u, stage s) needs op kind `needs` of (unit u + unit, stage s + stage).
+
+    kind, needs: indices into OP_KINDS. stage: the offset of the needed op's stage (-1, 0, +1). unit: the
+    offset of the needed op's token slice within its sequence (0 but for a slice rule). message: the index
+    (pipec.ir.opcodes.MESSAGES) of the message that carries the input between stages, None for an input on
+    the same stage. why: the note a diagnostic gives for a slice rule ({j}: the slice, {p}: the one needed).
+    """
+
+    kind: int
+    needs: int
+    stage: int = 0
+    unit: int = 0
+    message: int | None = None
+    why: str | None = None
+
+    @property
+    def is_slice(self) -> bool:
+        return self.unit != 0
+
+
+_WHY = {
+    -1: "slice {j} attends to the keys and values of slice {p} of its sequence on the same stage",
+    +1: "slice {j}'s backward needs the gradients of its keys and values from slice {p}'s backward",
+}
+
+
+def _derive() -> tuple[Rule, ...]:
+    """The rules from the table: per compute kind its `after`, then its message input; then the slice rules."""
+    producer = {BY_NAME[o.sends].message: o.kind for o in TABLE if o.sends}  # message -> the kind it carries
+    base, sliced = [], []
+    for c in COMPUTE:
+        o = BY_NAME[OPCODES[c]]
+        k = OP_KINDS.index(o.kind)
+        if o.after:
+            base.append(Rule(k, OP_KINDS.index(o.after)))
+        if o.needs:
+            message, offset = o.needs
+            needed = OP_KINDS.index(producer[message])
+            base.append(Rule(k, needed, stage=offset, message=MESSAGES.index(message)))
+            # A slice rule: the same input's kind, one slice over on the stage itself, as the data flows.
+            sliced.append(Rule(k, needed, unit=int(np.sign(offset)), why=_WHY[int(np.sign(offset))]))
+    return tuple(base) + tuple(sliced)
+
+
+RULES: tuple[Rule, ...] = _derive()
+# A kind receives at most one message (the table's `needs` is one): passes that keep one remote input per op
+# (the deadlock rounds, the partition graph) rely on it.
+assert all(sum(r.kind == k and r.stage != 0 for r in RULES) <= 1 for k in range(len(OP_KINDS)))
+
+
+def active(kinds: int, slices: int = 1) -> tuple[Rule, ...]:
+    """The rules of a schedule of `kinds` op kinds (2: F, B; 3: split backward) and `slices` per micro-batch."""
+    return tuple(r for r in RULES if r.kind < kinds and r.needs < kinds and (slices > 1 or not r.is_slice))
+
+
+def dependencies(
+    kind: np.ndarray, mb: np.ndarray, stage: np.ndarray, S: int, split: bool, slices: int = 1
+) -> list[tuple[Rule, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """For each rule, the op each op needs by it, vectorised: (rule, kind, mb, stage, valid) arrays, where
+    valid says which ops the rule applies to (their kind, and a needed op that exists: a stage in range, a
+    slice in its sequence). `mb` is the unit when sliced (`slices` per micro-batch)."""
+    out = []
+    j = mb % slices if slices > 1 else None
+    for r in active(3 if split else 2, slices):
+        valid = kind == r.kind
+        if r.stage:
+            valid = valid & (stage + r.stage >= 0) & (stage + r.stage < S)
+        if r.unit:
+            valid = valid & (j + r.unit >= 0) & (j + r.unit < slices)
+        out.append((r, np.full_like(kind, r.needs), mb + r.unit, stage + r.stage, valid))
+    return out
+
+
+def needs(k: int, u: int, s: int, S: int, rules: tuple[Rule, ...], slices: int = 1) -> list[tuple[int, int, int]]:
+    """The ops (kind, unit, stage) that op (k, u, s) needs under these rules (`active`)."""
+    j = u % slices
+    return [
+        (r.needs, u + r.unit, s + r.stage)
+        for r in rules
+        if r.kind == k and 0 <= s + r.stage < S and 0 <= j + r.unit < slices
+    ]
+
+
+def feeds(
+    k: int, u: int, s: int, S: int, rules: tuple[Rule, ...], slices: int = 1
+) -> list[tuple[Rule, tuple[int, int, int]]]:
+    """The ops that need op (k, u, s) under these rules, each with the rule by which it does."""
+    j = u % slices
+    return [
+        (r, (r.kind, u - r.unit, s - r.stage))
+        for r in rules
+        if r.needs == k and 0 <= s - r.stage < S and 0 <= j - r.unit < slices
+    ]

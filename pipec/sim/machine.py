@@ -1,0 +1,378 @@
+"""The machine: ranks that run their next op once its inputs have arrived, and the network between them.
+
+This is the one machine model of pipec. Its one step is `Ranks.run`: a rank runs its next op when it is free
+and the op's inputs have arrived (whichever is later), for the op's cost, then spends its overhead on the
+transfers after it. Its network is `Links`: per pair of ranks, messages in issue order; on a shared
+link, bandwidth divided among the messages on it. Who steps it:
+
+- the simulator (`pipec.sim.simulate`): `run` (no contention: any order of ranks, arrivals known at send)
+  or `run_events` (time order), over the Plan of a Program;
+- the list scheduler of `pipec.passes.policy`, which chooses each rank's next op by its policy and runs it
+  with the same step and the same `Links`, so its times are the simulator's by construction;
+- partition and synth evaluate candidates with the simulator (and synth with the list scheduler).
+
+Not this machine: `pipec.passes.deadlock`'s rounds (can the orders finish at all?) and
+`pipec.passes.dryrun`'s rendezvous replay (does the Program's message matching hold?) time nothing.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Callable
+
+import numpy as np
+
+from pipec.errors import error
+from pipec.sim.costs import CostModel
+
+
+class Ranks:
+    """The ranks' compute streams: per rank the time it is next free (`clock`)."""
+
+    __slots__ = ("clock",)
+
+    def __init__(self, clock: list[float]) -> None:
+        self.clock = clock
+
+    def run(self, r: int, ready: float, cost: float, tail: float) -> tuple[float, float]:
+        """The one step: rank r runs its next op, whose inputs have all arrived by `ready`, for `cost`, then
+        spends `tail` on the transfers it issues after it (the overhead); the op's start and end."""
+        c = self.clock[r]
+        start = ready if ready > c else c
+        end = start + cost
+        self.clock[r] = end + tail
+        return start, end
+
+
+def run(pl) -> tuple[list[float], list[float], list[float], list[float]]:
+    """The pass over a `pipec.sim.simulate.Plan` without contention (no shared link carries two channels):
+    a message's arrival is known when it leaves (`Links.leave`), so ranks are advanced in any order, each
+    as far as its inputs have arrived, each compute op one `Ranks.run`; a rank that waits for a message
+    sleeps until its sender sends it. Each compute op visited once. Returns what `run_events` returns.
+
+    The hot loop of the simulator: it has `Ranks.run` and `Links.leave` inlined (calls cost it about a third
+    of its time, issue 27's benchmark), the only copies of the machine's rules outside their methods;
+    tests/test_machine_room.py holds it to `run_events`, which calls them."""
+    R, first, ends, need, cost = pl.num_ranks, pl.first, pl.ends, pl.need, pl.cost
+    n, M = len(cost), len(pl.txd)
+    mlo, mhi, off, tail = pl.mlo, pl.mhi, pl.off, pl.tail
+    start = [0.0] * n
+    end = [0.0] * n
+    waiting: dict[int, int] = {}
+    links = Links(pl.txd, pl.lat, pl.prev, pl.chan, [-1] * M, 0, _no_event, _no_event)
+    arrival, leave = links.arrival, links.leave
+    send_t, tx_end, prev, txd, lat = links.send_t, links.tx_end, links.prev, links.txd, links.lat
+    for x in pl.pre:  # sends before any compute op of their rank: when their own call is over
+        leave(x, 0.0 if off is None else off[x])
+    clock = list(pl.head) if pl.head is not None else [0.0] * R  # `Ranks.clock`
+    pc = list(first)
+    queue = deque(range(R))
+    while queue:
+        r = queue.popleft()
+        j, stop, c = pc[r], ends[r], clock[r]
+        while j < stop:
+            # `Ranks.run(r, arrival of its input, cost[j], tail[j])`, inlined: a call per op cost this pass a
+            # quarter of its time.
+            k = need[j]
+            if k >= 0:
+                a = arrival[k]
+                if a < 0.0:
+                    waiting[k] = r
+                    break
+                if a > c:
+                    c = a
+            start[j] = c
+            e = c + cost[j]
+            end[j] = e
+            if tail is not None:
+                c = e + tail[j]
+            else:
+                c = e
+            lo, hi = mlo[j], mhi[j]
+            if lo != hi:
+                for x in range(lo, hi):
+                    # `Links.leave(x, e + off[x])`, inlined: the call per message cost this pass a third
+                    # of its time; tests/test_machine_room.py holds this pass to `run_events`, which calls it.
+                    t = e if off is None else e + off[x]
+                    send_t[x] = t
+                    p = prev[x]
+                    if p >= 0 and tx_end[p] > t:
+                        t = tx_end[p]
+                    t += txd[x]
+                    tx_end[x] = t
+                    t += lat[x]
+                    if p >= 0 and arrival[p] > t:
+                        t = arrival[p]
+                    arrival[x] = t
+                    w = waiting.pop(x, None)
+                    if w is not None:
+                        queue.append(w)
+            j += 1
+        pc[r], clock[r] = j, c
+    finished(pc, ends)
+    return start, end, send_t, arrival
+
+
+def _no_event(*_: object) -> None:
+    """`Links`' callbacks in the uncontended pass: no event is ever scheduled, arrivals are read directly."""
+
+
+def finished(pc: list[int], ends: list[int]) -> None:
+    """E403 when some rank stopped short of its last compute op (it waits for a message never sent)."""
+    stuck = [r for r in range(len(ends)) if pc[r] < ends[r]]
+    if stuck:
+        raise error(
+            "E403",
+            "the program cannot finish: ranks " + ", ".join(map(str, stuck)) + " wait for messages never sent",
+        )
+
+
+def shared_links(costs: CostModel, src: np.ndarray, dst: np.ndarray, txd: np.ndarray) -> list[int] | None:
+    """Per message (src, dst, time on the wire), the shared link it crosses (-1: none), when some shared
+    link carries messages of two channels (pairs of ranks) that take time on the wire; else None, and
+    the per-pair rule is exact (one channel's messages leave one after the other, so they never overlap
+    on its link). Messages that take no time on the wire cross no link."""
+    if costs.link_group is None:
+        return None
+    group = costs.link_group[src, dst]
+    busy = (group >= 0) & (txd > 0)
+    if not busy.any():
+        return None
+    chan = src * costs.latency.shape[0] + dst
+    pairs = np.unique(np.stack([group[busy], chan[busy]]), axis=1)
+    if len(np.unique(pairs[0])) == pairs.shape[1]:
+        return None  # every shared link carries one channel at most
+    return np.where(txd > 0, group, -1).tolist()
+
+
+class Links:
+    """The network of the machine model: when each message leaves the wire and arrives.
+
+    Within one channel (pair of ranks, one direction) messages enter the wire one after the other, in
+    issue order, and never overtake each other: a message takes `txd` on the wire after the previous one
+    left it, then `lat`. Each shared link (a message's `group` >= 0) is a processor-sharing server: the
+    messages on it at one time each get an equal share of its bandwidth (`txd` is a message's time on
+    the wire alone), so two messages that start together both take twice as long as one. Virtual time
+    `V` grows at rate 1 / (messages on the link); a message that enters at `V` leaves when `V` reaches
+    `V + txd`, so messages leave in the order of those tags.
+
+    Event-driven, for an owner that runs events in time order: `send` at the time a message leaves its
+    rank; the owner calls `link_event` when the time `schedule(time, link, version)` asked for comes;
+    `arrived(x)` tells it a message's arrival (`arrival[x]`) is known. Used by the simulator's
+    `run_events` and by the list scheduler of `pipec.passes.policy` (which adds messages as it goes).
+    """
+
+    def __init__(
+        self,
+        txd: list[float],
+        lat: list[float],
+        prev: list[int],
+        chan: list[int],
+        group: list[int],
+        groups: int,
+        schedule: Callable[[float, int, int], None],
+        arrived: Callable[[int], None],
+    ) -> None:
+        self.txd, self.lat, self.prev, self.chan, self.group = txd, lat, prev, chan, group
+        M = len(txd)
+        self.send_t = [0.0] * M
+        self.tx_end = [0.0] * M
+        self.arrival = [-1.0] * M
+        self.link_v = [0.0] * groups  # virtual time
+        self.link_t = [0.0] * groups  # when link_v was last brought up to date
+        self.link_tags: list[list[tuple[float, int]]] = [[] for _ in range(groups)]  # heap of (tag, message)
+        self.link_ver = [0] * groups
+        self.chan_busy: dict[int, bool] = {}
+        self.chan_queue: dict[int, deque] = {}
+        self.last: dict[int, int] = {}  # per channel, the last message `add`ed
+        self.schedule, self.arrived = schedule, arrived
+
+    def add(self, chan: int, group: int, txd: float, lat: float) -> int:
+        """A new message on this channel, after those added before it; its id."""
+        x = len(self.txd)
+        self.prev.append(self.last.get(chan, -1))
+        self.last[chan] = x
+        self.chan.append(chan)
+        self.group.append(group)
+        self.txd.append(txd)
+        self.lat.append(lat)
+        self.send_t.append(0.0)
+        self.tx_end.append(0.0)
+        self.arrival.append(-1.0)
+        return x
+
+    def _advance(self, g: int, t: float) -> None:
+        k = len(self.link_tags[g])
+        if k:
+            self.link_v[g] += (t - self.link_t[g]) / k
+        self.link_t[g] = t
+
+    def _reschedule(self, g: int) -> None:
+        self.link_ver[g] += 1
+        tags = self.link_tags[g]
+        if tags:
+            self.schedule(self.link_t[g] + max(tags[0][0] - self.link_v[g], 0.0) * len(tags), g, self.link_ver[g])
+
+    def _leave_wire(self, x: int, t: float) -> None:
+        self.tx_end[x] = t
+        a = t + self.lat[x]
+        p = self.prev[x]
+        if p >= 0 and self.arrival[p] > a:
+            a = self.arrival[p]
+        self.arrival[x] = a
+        self.arrived(x)
+
+    def _enter(self, x: int, t: float) -> None:
+        g = self.group[x]
+        self.chan_busy[self.chan[x]] = True
+        self._advance(g, t)
+        heapq.heappush(self.link_tags[g], (self.link_v[g] + self.txd[x], x))
+        self._reschedule(g)
+
+    def send(self, x: int, t: float) -> None:
+        """Message x leaves its rank at t."""
+        self.send_t[x] = t
+        c = self.chan[x]
+        if self.chan_busy.get(c):  # the channel's previous message is still on a shared link: queue behind it
+            self.chan_queue.setdefault(c, deque()).append(x)
+        elif self.group[x] >= 0:
+            self._enter(x, t)
+        else:
+            self.leave(x, t)
+            self.arrived(x)
+
+    def leave(self, x: int, t: float) -> float:
+        """Message x leaves its rank at t onto a channel of its own (no shared link): it enters the wire when
+        the channel's previous message has left it and arrives `lat` after, never before that one; its
+        arrival. The uncontended pass (`run`) has these lines inlined in its loop (a test holds them equal)."""
+        self.send_t[x] = t
+        p = self.prev[x]
+        tx_end, arrival = self.tx_end, self.arrival
+        t0 = tx_end[p] if p >= 0 and tx_end[p] > t else t
+        te = t0 + self.txd[x]
+        tx_end[x] = te
+        a = te + self.lat[x]
+        if p >= 0 and arrival[p] > a:
+            a = arrival[p]
+        arrival[x] = a
+        return a
+
+    def link_event(self, g: int, version: int, t: float) -> None:
+        """The time `schedule` asked for has come (stale versions do nothing)."""
+        if version != self.link_ver[g]:
+            return
+        self._advance(g, t)
+        tags = self.link_tags[g]
+        eps = 1e-12 * max(1.0, abs(self.link_v[g]))
+        done = []
+        while tags and tags[0][0] <= self.link_v[g] + eps:
+            done.append(heapq.heappop(tags)[1])
+        for x in done:
+            self._leave_wire(x, t)
+            c = self.chan[x]
+            self.chan_busy[c] = False
+            q = self.chan_queue.get(c)
+            while q and not self.chan_busy[c]:
+                y = q.popleft()
+                if self.group[y] >= 0:
+                    self._enter(y, t)
+                else:  # no bytes: it leaves right behind the message before it
+                    self._leave_wire(y, t + self.txd[y])
+        self._reschedule(g)
+
+
+def run_events(pl) -> tuple[list[float], list[float], list[float], list[float]]:
+    """The time-ordered pass over a `pipec.sim.simulate.Plan`, for messages that share links (`Links`): every
+    event in time order; each compute op is one `Ranks.run` when its rank reaches it and its input arrived.
+    Returns per compute op its start and end, per message its issue and arrival."""
+    R, first, ends, need, cost = pl.num_ranks, pl.first, pl.ends, pl.need, pl.cost
+    mlo, mhi, off, tail, head = pl.mlo, pl.mhi, pl.off, pl.tail, pl.head
+    n, M = len(cost), len(pl.txd)
+    group = pl.group or [-1] * M
+    start = [0.0] * n
+    end = [0.0] * n
+    waiting: dict[int, int] = {}
+    # (time, seq, kind, who, version): kind 0 = op end on rank `who`, 1 = link `who`, 2 = message `who`
+    # is issued (its send's overhead is over), 3 = held message `who` leaves (the one before it arrived)
+    events: list = []
+    seq = 0
+    pc = list(first)
+    ranks = Ranks([0.0] * R if head is None else list(head))
+
+    def push(t: float, kind: int, who: int, ver: int = 0) -> None:
+        nonlocal seq
+        heapq.heappush(events, (t, seq, kind, who, ver))
+        seq += 1
+
+    def try_start(r: int) -> None:
+        j = pc[r]
+        if j >= ends[r]:
+            return
+        k = need[j]
+        a = 0.0
+        if k >= 0:
+            a = arrival[k]
+            if a < 0.0:
+                waiting[k] = r
+                return
+        start[j], end[j] = ranks.run(r, a, cost[j], 0.0 if tail is None else tail[j])
+        push(end[j], 0, r)
+
+    hold, prev = pl.hold, pl.prev
+    issued = [0.0] * M  # when each message's instruction was issued (a held one leaves later)
+    pending: dict[int, int] = {}  # a held message waiting for the one before it to arrive
+
+    def delivered(x: int) -> None:
+        w = waiting.pop(x, None)
+        if w is not None:
+            try_start(w)
+        y = pending.pop(x, None)
+        if y is not None:
+            push(arrival[x], 3, y)
+
+    def out(x: int, t: float) -> None:
+        issued[x] = t
+        if hold is not None and hold[x] and prev[x] >= 0:
+            a = arrival[prev[x]]
+            if a < 0.0:
+                pending[prev[x]] = x
+                return
+            if a > t:
+                push(a, 3, x)
+                return
+        links.send(x, t)
+
+    links = Links(
+        pl.txd, pl.lat, pl.prev, pl.chan, group, max(group, default=-1) + 1, lambda t, g, v: push(t, 1, g, v), delivered
+    )
+    arrival = links.arrival
+    if hold is None:  # nothing held: messages go straight to the links, as before collectives
+        out = links.send
+    for x in pl.pre:
+        if off is None:
+            out(x, 0.0)
+        else:
+            push(off[x], 2, x)
+    for r in range(R):
+        try_start(r)
+    while events:
+        t, _, kind, who, ver = heapq.heappop(events)
+        if kind == 0:
+            r = who
+            j = pc[r]
+            for x in range(mlo[j], mhi[j]):
+                if off is None:
+                    out(x, t)
+                else:
+                    push(t + off[x], 2, x)
+            pc[r] = j + 1
+            try_start(r)
+        elif kind == 2:
+            out(who, t)
+        elif kind == 3:
+            links.send(who, t)
+        else:
+            links.link_event(who, ver, t)
+    finished(pc, ends)
+    return start, end, issued if hold is not None else links.send_t, arrival
