@@ -7,7 +7,7 @@
    rank 1 waits for the message. Its latency is the arrival on rank 1 minus the send (one monotonic
    clock). Unbound, the arrival wakes rank 1's gloo thread from rank 0's CPU, the scheduler may queue it
    there behind rank 0's compute, and the message waits for that compute to end or for the next tick while
-   rank 1's CPU is idle (pipec.runtime.job.affinity). One JSON line per layout and session.
+   rank 1's CPU is idle (pipec.runtime.host.affinity). One JSON line per layout and session.
 2. Whole runs: `pipec run NAME -D p=2 ... --nproc 2 --steps K` on benchmarks/blocks_model.py (16 blocks of
    Linear(256, 256) + GELU in float64), `--cpu-bind auto` and `--cpu-bind none` alternating, `--rounds`
    runs each; the median step time after the first two, and the ratio bound / unbound. One JSON line per
@@ -28,7 +28,7 @@ from pathlib import Path
 import sidebyside
 from sidebyside import alternate, load_average
 
-from pipec.runtime.job import spawned
+from pipec.runtime.host import spawned
 
 ROOT = Path(__file__).resolve().parents[1]
 STEP = re.compile(r"^step\s+\d+/\d+: loss \S+, ([0-9.]+) s", re.M)

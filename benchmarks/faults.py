@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sidebyside import emit, load_average  # noqa: E402
 
-from pipec.runtime.job.spawned import alive, children  # noqa: E402
+from pipec.runtime.host.spawned import alive, children  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ["1f1b", "-D", "p=3", "-D", "m=3", "--model", "tests/models/faulty.py", "--nproc", "3"]

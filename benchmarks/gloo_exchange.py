@@ -22,7 +22,7 @@ import time
 
 from sidebyside import alternate, emit, load_average, summarize
 
-from pipec.runtime.job import spawned
+from pipec.runtime.host import spawned
 
 
 def worker(rank: int, world: int, port: int, split: bool, args: argparse.Namespace, out) -> None:

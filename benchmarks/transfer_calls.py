@@ -25,7 +25,7 @@ from pathlib import Path
 
 from sidebyside import emit, load_average
 
-from pipec.runtime.job import spawned
+from pipec.runtime.host import spawned
 
 ROOT = Path(__file__).resolve().parents[1]
 WRAPPED = {

@@ -1,4 +1,4 @@
-"""CPU binding of gloo ranks (pipec.runtime.job.affinity): the shares, and binding itself in a child process
+"""CPU binding of gloo ranks (pipec.runtime.host.affinity): the shares, and binding itself in a child process
 (binding this test process would bind the rest of the suite)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipec.runtime.job.affinity import bind_local_rank, cpu_share
+from pipec.runtime.host.affinity import bind_local_rank, cpu_share
 
 linux_only = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="CPU binding needs Linux")
 
@@ -52,7 +52,7 @@ import json, os, sys, threading, time
 started = threading.Event()
 t = threading.Thread(target=lambda: (started.set(), time.sleep(2)), daemon=True)
 t.start(); started.wait()  # a thread that exists before binding is bound too
-from pipec.runtime.job.affinity import bind_local_rank
+from pipec.runtime.host.affinity import bind_local_rank
 share = bind_local_rank("auto", "gloo", int(sys.argv[1]), int(sys.argv[2]))
 after = threading.Thread(target=time.sleep, args=(2,), daemon=True)
 after.start()  # and one started after inherits it

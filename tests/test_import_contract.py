@@ -9,9 +9,7 @@ inside functions count, as for the contract (grimp reads whole modules); `if TYP
 A folder is a floor: `pipec.X` for a package or a top-level module of pipec (`pipec.frontend`,
 `pipec.api`), and inside the runtime `pipec.runtime.X` (`pipec.runtime.exec`, `pipec.runtime.errors`).
 
-The circles that exist today are named below. Other work removes them: `test_no_new_*` holds the line
-meanwhile (a circle that is not one of them, or joins two of them, fails), and the strict xfails turn
-into failures once the last one is gone, to be flipped into plain tests.
+There is no circle left (issue 27 removed the last); a new one fails here, named.
 """
 
 from __future__ import annotations
@@ -23,25 +21,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import networkx as nx
 import pytest
 
-pytest.importorskip("importlinter")
-pytest.importorskip("grimp")
-
 ROOT = Path(__file__).resolve().parents[1]
-
-# Today's circles (issue 27 removes them); each entry is one strongly connected component of the graph.
-MODULE_CYCLES = (
-    {"pipec.api", "pipec.frontend.topology"},
-    {"pipec.cli.app", "pipec.slicing"},
-)
-FOLDER_CYCLES = (
-    {"pipec.api", "pipec.frontend"},
-    {"pipec.cli", "pipec.slicing"},
-    {"pipec.formats", "pipec.ir", "pipec.passes", "pipec.sim"},
-    {"pipec.runtime.exec", "pipec.runtime.model"},
-    {"pipec.runtime.job", "pipec.runtime.profile"},
-)
 
 # Run in the copy, by a fresh interpreter: this process has imported the working tree's pipec already.
 _GRAPH = """
@@ -80,38 +63,9 @@ def graph(tmp_path_factory) -> dict[str, set[str]]:
 
 
 def _circles(edges: dict[str, set[str]]) -> list[set[str]]:
-    """The strongly connected components of more than one node (Tarjan): each holds at least one circle."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    found: list[set[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on_stack.add(v)
-        for w in sorted(edges.get(v, ())):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = set()
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                component.add(w)
-                if w == v:
-                    break
-            if len(component) > 1:
-                found.append(component)
-
-    for v in sorted(edges):
-        if v not in index:
-            visit(v)
-    return found
+    """The strongly connected components of more than one node: each holds at least one circle."""
+    g = nx.DiGraph([(a, b) for a, bs in edges.items() for b in bs])
+    return [c for c in nx.strongly_connected_components(g) if len(c) > 1]
 
 
 def _folder(module: str) -> str:
@@ -126,14 +80,6 @@ def _folders(graph: dict[str, set[str]]) -> dict[str, set[str]]:
             if _folder(m) != _folder(n):
                 edges.setdefault(_folder(m), set()).add(_folder(n))
     return edges
-
-
-def _named(circles: tuple[set[str], ...]) -> str:
-    return "; ".join(" <-> ".join(sorted(c)) for c in circles)
-
-
-def _new(circles: list[set[str]], known: tuple[set[str], ...]) -> list[set[str]]:
-    return [c for c in circles if not any(c <= k for k in known)]
 
 
 def test_an_upward_import_fails_the_contract(tmp_path):
@@ -158,19 +104,9 @@ def test_the_graph_holds_the_runtime_and_imports_inside_functions(graph):
     assert "pipec.passes.checks" in graph["pipec.formats.torch_csv_reader"]  # imported inside read_csv
 
 
-def test_no_new_module_cycles(graph):
-    assert _new(_circles(graph), MODULE_CYCLES) == []
-
-
-def test_no_new_folder_cycles(graph):
-    assert _new(_circles(_folders(graph)), FOLDER_CYCLES) == []
-
-
-@pytest.mark.xfail(strict=True, reason=f"circles between modules remain: {_named(MODULE_CYCLES)}")
 def test_no_module_cycles(graph):
     assert _circles(graph) == []
 
 
-@pytest.mark.xfail(strict=True, reason=f"circles between folders remain: {_named(FOLDER_CYCLES)}")
 def test_no_folder_cycles(graph):
     assert _circles(_folders(graph)) == []

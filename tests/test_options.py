@@ -188,6 +188,6 @@ def test_run_options_that_do_not_go_together_are_misuse():
 
 
 def test_cpu_bind_choices_are_the_runtime_s():
-    from pipec.runtime.job.affinity import MODES
+    from pipec.runtime.host.affinity import MODES
 
     assert options.CPU_BIND_MODES == MODES

@@ -20,7 +20,7 @@ from test_runtime_local import schedule_params  # noqa: E402
 
 from pipec.api import load  # noqa: E402
 from pipec.frontend import library  # noqa: E402
-from pipec.runtime.job.spawned import alive, children  # noqa: E402
+from pipec.runtime.host.spawned import alive, children  # noqa: E402
 
 TOL = 1e-10
 # The MLP has no key/value cache: schedules with token slices run on examples/gpt.py (test_runtime_local).
@@ -228,7 +228,7 @@ def test_pipec_run_refuses_a_wrong_number_of_processes():
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="CPU binding needs Linux")
 @pytest.mark.parametrize("mode", ["auto", "none"])
 def test_pipec_run_binds_each_gloo_rank_to_its_own_cpus(tmp_path, mode):
-    from pipec.runtime.job.affinity import cpu_share
+    from pipec.runtime.host.affinity import cpu_share
 
     r = pipec(
         "run", "1f1b", "-D", "p=2", "-D", "m=2", "--model", "tests/models/affinity_probe.py", "--nproc", "2",

@@ -121,7 +121,7 @@ def _gpipe_step(grad1_sent: float = 0.00702, b1_start: float = 0.01108):
     """One hand-timed GPipe step (p=2, m=2; see `pipec compile gpipe -D p=2 -D m=2`). Rank 0's gap before
     FWD 1 holds one send (50 us), its gap before BWD 1 one receive (80 us), and rank 1's gap before BWD 1
     one send (60 us); the other gaps hold no transfer or a send and a receive together."""
-    from pipec.runtime.job.measure import timeline
+    from pipec.runtime.exec.measure import timeline
 
     prog = compile_schedule(load("gpipe", p=2, m=2)).program
     r0 = [

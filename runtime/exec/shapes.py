@@ -29,7 +29,17 @@ from torch.func import functional_call
 from pipec.ir.schedule import Slicing
 from pipec.runtime.errors import ModelError, ShapeError
 from pipec.runtime.exec import slices
-from pipec.runtime.model.contract import to_dtype
+
+
+def to_dtype(value: object) -> torch.dtype:
+    """A torch dtype from a dtype or its name ("float64", "torch.float64")."""
+    if isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str):
+        d = getattr(torch, value.removeprefix("torch."), None)
+        if isinstance(d, torch.dtype):
+            return d
+    raise ValueError(f"must be a torch dtype or its name like 'float64', not {value!r}")
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from pipec.ir.dataparallel import dp_mismatch
 from pipec.options import OptionError, RunOptions, add_define_argument, dp_of
-from pipec.runtime.job.affinity import bind_local_rank
+from pipec.runtime.host.affinity import bind_local_rank
 from pipec.runtime.job.monitor import BEAT_EVERY, block_sigterm, die_with_parent, say
 
 # A collective that timed out waits this long at most (or the timeout, if shorter) for another rank's report
@@ -305,7 +305,7 @@ class Worker:
 
     def _train(self, dist) -> int:
         from pipec.runtime.exec.microbatch import batch_of
-        from pipec.runtime.job.affinity import describe
+        from pipec.runtime.host.affinity import describe
         from pipec.runtime.job.report import CheckStats, Report, StepRecord, header
         from pipec.runtime.reference import Reference, compare, rel_err
 
@@ -387,7 +387,7 @@ class Worker:
             self.store.set(f"pipec/trace/{self.rank}", json.dumps(runner.events()))
             if self.rank == 0:
                 from pipec.formats.trace import write_trace
-                from pipec.runtime.job.measure import timeline
+                from pipec.runtime.exec.measure import timeline
 
                 # the pipeline of replica 0 (global ranks 0, dp, 2 dp, ...: pipec.runtime.exec.replicas)
                 ranks = range(0, self.world, self.program.dp)

@@ -228,9 +228,9 @@ def run_local(opts: RunOptions, program: Program, model, links=None, schedule=No
     """Every rank in this process (pipec.runtime.local): for debugging, or the CUDA path on one GPU."""
     import torch
 
+    from pipec.runtime.exec.measure import timeline
     from pipec.runtime.exec.microbatch import batch_of
     from pipec.runtime.job.launch import default_tol
-    from pipec.runtime.job.measure import timeline
     from pipec.runtime.job.report import CheckStats, Report, StepRecord, header
     from pipec.runtime.local import LocalPipeline
     from pipec.runtime.reference import Reference, compare, rel_err

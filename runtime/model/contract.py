@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from pipec.runtime.errors import ModelError
+from pipec.runtime.exec.shapes import to_dtype
 
 REQUIRED = {
     "build_stage": ("stage", "num_stages"),
@@ -121,17 +122,6 @@ def _check_callable(module: object, fn: str, args: tuple[str, ...], required: bo
     except ValueError:  # builtins without a signature: accept
         pass
     return []
-
-
-def to_dtype(value: object) -> torch.dtype:
-    """A torch dtype from a dtype or its name ("float64", "torch.float64")."""
-    if isinstance(value, torch.dtype):
-        return value
-    if isinstance(value, str):
-        d = getattr(torch, value.removeprefix("torch."), None)
-        if isinstance(d, torch.dtype):
-            return d
-    raise ValueError(f"must be a torch dtype or its name like 'float64', not {value!r}")
 
 
 def build_stage_module(

@@ -138,7 +138,7 @@ def measure_collectives(
     ranks of a PP x DP run sharing it, each gets the CPUs a rank of that run would. With `groups` > 1,
     `groups` such groups (rank g * size + i in group g, the "dp" dim of a ("pp", "dp") mesh) time theirs
     at once, as the pipeline ranks' groups may in a run; their medians are pooled."""
-    from pipec.runtime.job import spawned
+    from pipec.runtime.host import spawned
 
     if size < 2 or groups < 1 or reps < 1 or warmup < 0:
         raise ValueError("collectives need a group of at least 2 processes, groups >= 1, reps >= 1, warmup >= 0")
@@ -173,8 +173,8 @@ def measure_collectives(
 
 
 def _collective_rank(rank: int, world: int, port: int, spec: dict, out) -> None:
-    from pipec.runtime.job import spawned
-    from pipec.runtime.job.affinity import bind_local_rank
+    from pipec.runtime.host import spawned
+    from pipec.runtime.host.affinity import bind_local_rank
 
     cpus = bind_local_rank("auto", "gloo", rank, spec["world"])  # as a rank of the whole run is bound
     dist = spawned.join_gloo(rank, world, port, bind=False)

@@ -19,7 +19,7 @@ from collections import defaultdict
 from pipec.formats.program_file import from_json, to_json
 from pipec.ir.program import Program
 from pipec.runtime.errors import CommError, PipelineError
-from pipec.runtime.job import spawned
+from pipec.runtime.host import spawned
 
 
 def profile_in_situ(
@@ -114,7 +114,7 @@ def _rank(rank: int, world: int, port: int, spec: dict, out) -> None:
 
 def _op_medians(program: Program, events: list[list[list[tuple]]]) -> dict:
     """{(op, stage): median s} over the recorded steps of these ranks' events (events[rank][step])."""
-    from pipec.runtime.job.measure import timeline
+    from pipec.runtime.exec.measure import timeline
 
     times: dict[tuple[int, int], list[float]] = defaultdict(list)
     for k in range(len(events[0])):
@@ -126,7 +126,7 @@ def _op_medians(program: Program, events: list[list[list[tuple]]]) -> dict:
 
 def summarize(program: Program, events: list[list[list[tuple]]], seconds: list[list[float]]) -> dict:
     """events[rank][step]: each recorded step's events; seconds[rank][step]: each rank's step time."""
-    from pipec.runtime.job.measure import timeline
+    from pipec.runtime.exec.measure import timeline
     from pipec.runtime.profile.overhead import per_instruction
 
     timelines = [timeline(program, [events[r][k] for r in range(len(events))]) for k in range(len(events[0]))]

@@ -17,9 +17,9 @@ def measure_link(
     ping-pong of 8 bytes and of `nbytes` between two fresh local processes, and the per-instruction
     overhead (s) of pipec's executor for messages of `nbytes` between compute ops of about `gap` seconds
     (pipec.runtime.profile.overhead); Nones if it fails."""
-    from pipec.runtime.job import spawned
+    from pipec.runtime.host import spawned
 
-    # bound as `pipec run` binds two gloo ranks (pipec.runtime.job.affinity), so the link is measured as runs use it
+    # bound as `pipec run` binds two gloo ranks (pipec.runtime.host.affinity), so the link is measured as runs use it
     results = spawned.run_gloo(_pingpong, 2, nbytes, reps, gap, timeout=timeout)
     if isinstance(results, str):
         return None, None, None
@@ -30,7 +30,7 @@ def measure_link(
 
 
 def _pingpong(rank: int, world: int, port: int, nbytes: int, reps: int, gap: float, out) -> None:
-    from pipec.runtime.job import spawned
+    from pipec.runtime.host import spawned
     from pipec.runtime.profile.overhead import instruction_overhead
 
     dist = spawned.join_gloo(rank, world, port)

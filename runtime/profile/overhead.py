@@ -71,7 +71,7 @@ def instruction_overhead(rank: int, nbytes: int, reps: int, gap: float, steps: i
     from pipec.driver import build
     from pipec.frontend import library
     from pipec.passes.compiler import compile_schedule
-    from pipec.runtime.job.measure import timeline
+    from pipec.runtime.exec.measure import timeline
     from pipec.runtime.runner import Runner, StageOptions
 
     m = max(2, reps)

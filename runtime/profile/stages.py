@@ -50,7 +50,7 @@ from pipec.runtime.errors import PipelineError
 from pipec.runtime.exec.microbatch import as_args, batch_of, split, to_device
 from pipec.runtime.exec.saved import Pool, state_bytes, tensor_bytes
 from pipec.runtime.exec.stage import Stage
-from pipec.runtime.job.affinity import allowed_cpus, bind_local_rank
+from pipec.runtime.host.affinity import allowed_cpus, bind_local_rank
 from pipec.runtime.model.contract import Model, default_optimizer
 from pipec.runtime.profile.collectives import DP_KINDS, Collectives, measure_collectives
 from pipec.runtime.profile.common import rounded, stage_modules
@@ -511,7 +511,7 @@ def _measure_concurrently(
     replica (process r * dp + d: rank r of replica d, as the ("pp", "dp") mesh numbers them), each on its
     replica's share of the batch; the times are replica 0's."""
     from pipec.formats.program_file import to_json
-    from pipec.runtime.job import spawned
+    from pipec.runtime.host import spawned
 
     spec = dict(program=to_json(program), model=model_path, reps=reps, warmup=warmup, threads=threads)
     spec.update(seed=seed, loss_scale=loss_scale, dp=dp)
@@ -532,7 +532,7 @@ def merge_by_owner(per_rank: list[Profile], placement: tuple[int, ...]) -> Profi
 
 def _timing_rank(rank: int, world: int, spec: dict, barrier, out) -> None:
     from pipec.formats.program_file import from_json
-    from pipec.runtime.job import spawned
+    from pipec.runtime.host import spawned
     from pipec.runtime.model.contract import load_model
 
     bind_local_rank("auto", "gloo", rank, world)  # every thread of this process, and those torch starts later

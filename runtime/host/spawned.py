@@ -80,7 +80,7 @@ def join_gloo(rank: int, world: int, port: int, *, threads: int = 1, timeout: fl
     """First thing in a `run_gloo` worker: bind to this rank's CPUs as `pipec run` binds its ranks (every
     thread, and those torch starts later), torch's threads, then the gloo group. Returns torch.distributed."""
     if bind:
-        from pipec.runtime.job.affinity import bind_local_rank
+        from pipec.runtime.host.affinity import bind_local_rank
 
         bind_local_rank("auto", "gloo", rank, world)
     os.environ.update(

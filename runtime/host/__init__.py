@@ -1,0 +1,2 @@
+"""This host's processes: CPU binding of local ranks (affinity) and local worker processes (spawned), shared by
+the job and the profiler."""
