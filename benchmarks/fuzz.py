@@ -1,11 +1,11 @@
-"""Fuzz every input pipec reads, at length: tests/test_fuzz.py's input kinds and its hypothesis properties.
+"""Fuzz every input pipec reads, at length: tests/unit/testing/test_fuzz.py's input kinds and its hypothesis properties.
 
     python benchmarks/fuzz.py                          # 10,000 inputs per kind, then 10,000 examples per property
     python benchmarks/fuzz.py --count 2000 --kind program-text --kind cost-toml
     python benchmarks/fuzz.py --count 500 --properties-only mutations   # as before: properties named *mutations*
     python benchmarks/fuzz.py 500 mutations                              # the same (the old form)
 
-Input kinds (`KINDS` in tests/test_fuzz.py): pipe, cost-toml, cost-json, topology, torch-csv, program-json,
+Input kinds (`KINDS` in tests/unit/testing/test_fuzz.py): pipe, cost-toml, cost-json, topology, torch-csv, program-json,
 program-text. Input i of a kind is made from (kind, --seed, i) alone, so any one can be made again
 (`make_input`). The inputs run in a worker subprocess; the parent gives each input `--timeout` seconds
 (its own watchdog; the worker also has a SIGALRM one), kills a worker that overruns, counts a hang and

@@ -19,7 +19,7 @@ Split by module names, as torchtitan splits a model, with pipec's splitter (`pip
 blocks, `transformer.ln_f` and `lm_head` on the last, and spreads the blocks `transformer.h.N` evenly;
 `split_model` keeps each stage's modules under their names in the whole model (`transformer.h.3.attn...`)
 and runs GPT2Model's forward over them: token plus position embeddings, each block under a causal mask,
-the final norm and the head (`tests/test_hf_transformer.py` checks the stages in sequence against
+the final norm and the head (`tests/runtime/test_hf_transformer.py` checks the stages in sequence against
 `GPT2LMHeadModel` itself).
 
 GPT-2 ties `lm_head.weight` to `transformer.wte.weight`; here `tie_word_embeddings=False`. A tied weight

@@ -5,7 +5,7 @@ cosine LR schedule and global-norm clipping, byte-level tokens of examples/data/
     python -m torch.distributed.run --nproc-per-node 4 examples/train_loop.py      # or: torchrun ...
 
 TRAIN_SCHEDULE (interleaved-1f1b), TRAIN_M (micro-batches, 8), TRAIN_STEPS (50), TRAIN_DTYPE (float32;
-float64 for the gradient check of tests/test_schedule_api.py), TRAIN_LAYERS (8), TRAIN_WIDTH (64),
+float64 for the gradient check of tests/runtime/test_schedule_api.py), TRAIN_LAYERS (8), TRAIN_WIDTH (64),
 TRAIN_CONTEXT (64 bytes), TRAIN_BATCH (16 sequences). Dropout is off, so a pipelined step equals
 the whole model's step exactly. The loop itself is `train` below: about 40 lines.
 """

@@ -175,7 +175,7 @@ def dp_given(ns: argparse.Namespace | RunOptions) -> bool:
 
 # --- pipec run ----------------------------------------------------------------------------------------
 
-CPU_BIND_MODES = ("auto", "none")  # pipec.runtime.host.affinity.MODES (tests/test_options.py holds them equal)
+CPU_BIND_MODES = ("auto", "none")  # = pipec.runtime.host.affinity.MODES (test_options.py holds them equal)
 MAX_STEPS = 10**9
 
 

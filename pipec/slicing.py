@@ -17,7 +17,7 @@ slice sets). Minimising it: for each candidate bound t_max (a value t(l, c) take
 time <= t_max, a shortest path over the grid; the answer is the least m f(L) + (K - 1) t_max over the
 bounds. Bounds are tried in increasing order, and stop once (K - 1) t_max + m t(L, 0) cannot beat the
 best (the sum of slice times is at least the unsliced sequence's: Slicing.weight sums to 1 over any cut).
-The search is exact on the grid: `tests/test_slicing.py` checks it against every slicing of small L.
+The search is exact on the grid: `tests/unit/tools/test_slicing.py` checks it against every slicing of small L.
 
 A slice's time is the cost model's (`pipec.sim.costs.CostModel.kind_time` of the unit, with the stage's `attn`
 and `op_fixed` through `Slicing.weight`): its F and backward (B and W when split) summed, plus the `overhead`

@@ -70,7 +70,10 @@ def _rounds(sched: Schedule) -> tuple[list[np.ndarray], tuple[WaitStep, ...]]:
     for rule, dk, di, ds, valid in dependencies(kind, mb, stage, S, K == 3):
         if rule.stage:
             ds = np.clip(ds, 0, S - 1)
-            dep = np.where(valid & (placement[ds] != rank), where[(dk * S + ds) * m + di], dep)
+            # Indexed where valid only: a rule of a kind the schedule lacks (B in a forward-only one) points
+            # past the table.
+            key = np.where(valid, (dk * S + ds) * m + di, 0)
+            dep = np.where(valid & (placement[ds] != rank), where[key], dep)
     remote = [dep[offsets[r] : offsets[r + 1]].tolist() for r in range(R)]
     paired = [r.paired.tolist() for r in sched.ranks]
     any_paired = [bool(r.paired.any()) for r in sched.ranks]

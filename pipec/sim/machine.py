@@ -53,7 +53,7 @@ def run(pl) -> tuple[list[float], list[float], list[float], list[float]]:
 
     The hot loop of the simulator: it has `Ranks.run` and `Links.leave` inlined (calls cost it about a third
     of its time, issue 27's benchmark), the only copies of the machine's rules outside their methods;
-    tests/test_machine_room.py holds it to `run_events`, which calls them."""
+    tests/unit/sim/test_machine_room.py holds it to `run_events`, which calls them."""
     R, first, ends, need, cost = pl.num_ranks, pl.first, pl.ends, pl.need, pl.cost
     n, M = len(cost), len(pl.txd)
     mlo, mhi, off, tail = pl.mlo, pl.mhi, pl.off, pl.tail
@@ -93,7 +93,7 @@ def run(pl) -> tuple[list[float], list[float], list[float], list[float]]:
             if lo != hi:
                 for x in range(lo, hi):
                     # `Links.leave(x, e + off[x])`, inlined: the call per message cost this pass a third
-                    # of its time; tests/test_machine_room.py holds this pass to `run_events`, which calls it.
+                    # of its time; tests/unit/sim/test_machine_room.py holds this pass to `run_events`, which calls it.
                     t = e if off is None else e + off[x]
                     send_t[x] = t
                     p = prev[x]
