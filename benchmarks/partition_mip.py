@@ -1,5 +1,5 @@
 """Why `pipec partition` does not hand the whole problem to a MIP solver: the exact split problem at 96 layers
-x 8 ranks x v=2, as one mixed integer program (`pipec.partition.search.step_lp` with integral
+x 8 ranks x v=2, as one mixed integer program (`pipec.partition.bounds.step_lp` with integral
 boundaries), given to SCIP and to CP-SAT for a fixed time, with the best step each found and its bound.
 
     python benchmarks/partition_mip.py [--seconds 60] [--solvers SCIP,CP_SAT] [--schedule interleaved-1f1b]
@@ -22,7 +22,7 @@ from sidebyside import load_average
 from pipec.api import load
 from pipec.formats.partition_files import Ranks, make_table
 from pipec.partition import partition
-from pipec.partition.search import step_lp
+from pipec.partition.bounds import step_lp
 from pipec.passes.compiler import compile_schedule
 
 

@@ -5,10 +5,11 @@
     pipec run 1f1b -D p=4 -D m=8 --model examples/uneven.py --partition part.json --check
 
 The model's layers are profiled one by one (`pipec.runtime.profile.layers`, which needs torch) or read from
-a layer table (`pipec.formats.partition_files`); the search (`pipec.partition.search`, numpy and OR-Tools, no torch)
-finds the contiguous split of minimum simulated step under the ranks' memory limits, on ranks of different
-speeds, and proves it optimal or says how far its bound reached. The result is printed beside the uniform
-split and written as a partition file that `pipec run --partition` builds its stages from.
+a layer table (`pipec.formats.partition_files`); the search (`pipec.partition.search` and its parts beside it,
+numpy and OR-Tools, no torch) finds the contiguous split of minimum simulated step under the ranks' memory
+limits, on ranks of different speeds, and proves it optimal or says how far its bound reached. The result is
+printed beside the uniform split and written as a partition file that `pipec run --partition` builds its
+stages from.
 """
 
 from typing import TYPE_CHECKING

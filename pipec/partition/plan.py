@@ -13,7 +13,8 @@ import numpy as np
 
 from pipec.formats.partition_files import LayerTable, Ranks, partition_doc
 from pipec.ir.units import fmt_bytes
-from pipec.partition.search import Problem, Result, Split, search
+from pipec.partition.problem import Problem, Split
+from pipec.partition.search import Result, search
 
 
 @dataclass(frozen=True)

@@ -113,7 +113,7 @@ def test_every_consumer_reads_the_drivers_numbers(tmp_path_factory, case):
 @pytest.mark.parametrize("name,params", [c for c in CASES if c[0] in ("1f1b", "zb-h1", "1f1b-recompute")])
 def test_partition_simulates_a_split_as_the_driver_does(name, params):
     from pipec.formats.partition_files import make_table
-    from pipec.partition.search import Problem
+    from pipec.partition.problem import Problem
 
     rng = np.random.default_rng(7)
     sched = driver.load(name, params)

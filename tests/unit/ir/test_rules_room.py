@@ -132,7 +132,7 @@ def test_checks_reject_exactly_a_broken_rule(sched, data):
 def test_consumers_order_by_the_rule(sched):
     """The deadlock rounds' global order, the partition graph's data predecessors and the dry run's inputs
     are the oracle's."""
-    from pipec.partition.search import _Graph
+    from pipec.partition.graph import _Graph
     from pipec.sim.costs import cost_model
 
     S, n = sched.num_stages, (sched.slicing.slices if sched.slicing else 1)

@@ -15,7 +15,7 @@ from pipec.api import load
 from pipec.errors import PipecError
 from pipec.formats.partition_files import make_table
 from pipec.ir.schedule import Datacenter, Link, Policy, Schedule, Topology
-from pipec.partition.search import Problem
+from pipec.partition.problem import Problem
 from pipec.passes.compiler import compile_schedule
 from pipec.passes.policy import PolicyStuck, derive
 from pipec.sim.cost_files import normalize

@@ -86,7 +86,7 @@ def _table(rng: np.random.Generator, L: int):
 
 
 def _partition_agrees(sched: Schedule, rng: np.random.Generator, splits: int = 3) -> None:
-    from pipec.partition.search import Problem
+    from pipec.partition.problem import Problem
 
     pb = Problem(
         sched,
@@ -111,7 +111,7 @@ def test_partition_memory_is_the_walk(name, p, extra, seed):
 def test_partition_memory_rows_hold_the_walk():
     """The branch and bound's memory rows (`Problem.memory_rows`) let through every split that fits and only
     those (exact rows without slices), on the memory-op schedules."""
-    from pipec.partition.search import Problem
+    from pipec.partition.problem import Problem
 
     rng = np.random.default_rng(11)
     for name in MEMOPS:
@@ -151,7 +151,7 @@ def test_partition_accepts_the_recompute_split_that_fits(tmp_path, capsys):
     within L whose memory is the model's, and refuses L - 1 with E806."""
     pytest.importorskip("ortools")
     from pipec.cli.app import main
-    from pipec.partition.search import Problem
+    from pipec.partition.problem import Problem
 
     rng = np.random.default_rng(27)
     table = _table(rng, 7)

@@ -22,7 +22,10 @@ from pipec.formats.partition_files import (
     write_json,
 )
 from pipec.partition import partition
-from pipec.partition.search import Problem, _propagate, _Rows, _work_bound, fluid_bound, search
+from pipec.partition.bounds import _work_bound, fluid_bound
+from pipec.partition.branch import _propagate, _Rows
+from pipec.partition.problem import Problem
+from pipec.partition.search import search
 from pipec.passes.compiler import compile_schedule
 from pipec.sim.memory import rank_memory
 
