@@ -14,11 +14,12 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import replace
 
 from sidebyside import emit, load_average
 
 from pipec.sim.cost_files import normalize
-from pipec.synth import Spec, comparison_text, library_comparison, peak_of, replace, synthesize, topology_of
+from pipec.synth import Spec, comparison_text, library_comparison, peak_of, synthesize, topology_of
 
 EQUAL = {"T_F": 1, "T_B": 1, "T_W": 1}
 UNEVEN = {"T_F": 1, "T_B": 1.2, "T_W": 0.8, "comm": 0.05}

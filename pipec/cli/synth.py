@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from pipec import options
@@ -101,9 +102,9 @@ def cmd_synth(args: argparse.Namespace) -> int:
     if args.memory_limit is not None and args.memory_limit_of:
         raise Misuse("give --memory-limit or --memory-limit-of, not both")
     if args.memory_limit is not None:
-        spec = synth.replace(spec, limit=(args.memory_limit,) * args.p)
+        spec = dataclasses.replace(spec, limit=(args.memory_limit,) * args.p)
     elif args.memory_limit_of:
-        spec = synth.replace(spec, limit=(synth.peak_of(spec, args.memory_limit_of),) * args.p)
+        spec = dataclasses.replace(spec, limit=(synth.peak_of(spec, args.memory_limit_of),) * args.p)
 
     def progress(line: str) -> None:
         if not args.quiet:

@@ -287,7 +287,8 @@ def test_solver_matches_zb_h2_at_its_memory_and_proves_the_makespan():
 
 
 def test_without_the_solver_the_heuristic_stands(monkeypatch):
-    monkeypatch.setattr(synth, "solver_available", lambda: "OR-Tools is not installed (test)")
+    # where `synthesize` looks it up
+    monkeypatch.setattr(synth.search, "solver_available", lambda: "OR-Tools is not installed (test)")
     res = synth.synthesize(synth.Spec(p=2, m=3, limit=(2.0, 2.0)), time_limit=5)
     assert res.solver_status == "unavailable" and "not installed" in res.solver_note
     assert res.orders == res.heuristic.derived.orders or res.figures.key <= res.heuristic_figures.key

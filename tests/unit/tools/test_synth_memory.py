@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+from dataclasses import replace
 
 import pytest
 from cli_helpers import run_cli as cli
@@ -54,7 +55,7 @@ def _kept(spec: synth.Spec, res: synth.Result) -> None:
 def test_a_limit_no_plain_order_meets_is_met_with_memory_ops():
     spec = v_spec(0.75)
     with pytest.raises(PipecError) as e:  # without memory ops nothing fits
-        synth.synthesize(synth.replace(spec, memops=()), use_solver=False)
+        synth.synthesize(replace(spec, memops=()), use_solver=False)
     assert e.value.code == "E701"
     res = found()
     assert res.memops and max(res.figures.peak) <= 0.75 + 1e-9
@@ -98,14 +99,14 @@ def test_at_1f1b_memory_no_memory_ops():
         assert not synth.below_1f1b(spec)
         res = synth.synthesize(spec, use_solver=False)
         assert res.memops == () and res.floor is not None
-        plain = synth.synthesize(synth.replace(spec, memops=()), use_solver=False)
+        plain = synth.synthesize(replace(spec, memops=()), use_solver=False)
         assert res.figures == plain.figures and res.orders == plain.orders
 
 
 def test_the_written_file_has_the_memory_ops_and_reads_back_the_same(tmp_path):
     # offload alone, instant (not the default, half a forward): the file must declare it to simulate the same
     free_link = normalize({"T_F": 1, "T_B": 1, "T_W": 1, "offload": 0})
-    res = synth.synthesize(synth.replace(v_spec(0.75), cost_docs=(free_link,), memops=("offload",)), use_solver=False)
+    res = synth.synthesize(replace(v_spec(0.75), cost_docs=(free_link,), memops=("offload",)), use_solver=False)
     text = synth.write_pipe(res, "found")
     assert "OFFLOAD(" in text and "RELOAD(" in text and "RECOMPUTE(" not in text
     assert "cost offload = 0" in text
