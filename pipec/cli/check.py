@@ -53,7 +53,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     no deadlock, even when every send blocks until its receive is posted; and the schedule's own `expect`
     lines, measured under its own cost and memory declarations (E405). A Program file (`pipec compile`'s
     output, JSON or text) is validated and dry-run, and its memory checked."""
-    from pipec.passes.expect import check_expectations
+    from pipec.driver import check_expectations
     from pipec.passes.memcheck import format_table
 
     c, program_file = compiled(args)
