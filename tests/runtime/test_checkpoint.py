@@ -84,6 +84,7 @@ def assert_same(a: dict, b: dict) -> None:
     assert not differ, f"not bitwise equal: {differ[:5]}"
 
 
+@pytest.mark.slow  # test_checkpoint_trust's two-rank fallback resumes bitwise equal to the uninterrupted run
 def test_a_resumed_run_equals_an_uninterrupted_one_bitwise(straight, tmp_path):
     folder, straight_losses = straight
     ck = tmp_path / "ck"

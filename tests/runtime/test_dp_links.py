@@ -93,6 +93,7 @@ def step_times(out: str) -> list[float]:
     return [float(t) for t in re.findall(r"^step \d+/3: loss \S+, ([0-9.]+) s", out, re.M)]
 
 
+@pytest.mark.slow  # links: test_runtime_links; PP x DP exactness: test_dp_runtime's 2 x 2
 def test_pipec_run_emulates_the_all_reduce_across_datacenters_and_stays_exact():
     """2 ranks x 2 ddp replicas (4 gloo processes), replica 0 east and 1 west: every step holds a
     REDUCE_GRAD per rank over the 250 ms link, at least ring_time's 2 (N - 1) latencies (the bytes add

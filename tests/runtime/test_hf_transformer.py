@@ -51,6 +51,7 @@ def test_stages_compute_the_transformers_model(hf):
         ns["stage_fqns"](9)
 
 
+@pytest.mark.slow  # GPT-2 through the split in float64: test_split_semantics; over gloo: test_schedule_api's two ranks
 def test_hf_gpt2_zbv_p4_check():
     argv = ["zb-v", "-D", "p=4", "-D", "m=8", "--model", "examples/hf_gpt2.py", "--steps", "1", "--check"]
     results, _, _ = launch(4, "launch", argv, env=SMALL, timeout=400)  # a hang guard: seconds when the machine is idle

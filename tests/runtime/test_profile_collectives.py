@@ -192,6 +192,7 @@ def test_profile_with_dp_times_the_collectives_of_each_stage(small_mlp, no_link,
     assert "collectives (gloo" in text and "reduce_grad ms" in text
 
 
+@pytest.mark.slow  # in situ: test_runtime_profile's; dp collectives: test_profile_with_dp_times_the_collectives
 def test_in_situ_profile_of_a_pp_x_dp_program_runs_every_replica(small_mlp):
     """--in-situ with data parallelism runs the p x dp processes on a ("pp", "dp") mesh, as pipec run --dp
     does, and takes the ops from replica 0."""

@@ -226,7 +226,7 @@ def test_pipec_run_refuses_a_wrong_number_of_processes():
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="CPU binding needs Linux")
-@pytest.mark.parametrize("mode", ["auto", "none"])
+@pytest.mark.parametrize("mode", ["auto", pytest.param("none", marks=pytest.mark.slow)])
 def test_pipec_run_binds_each_gloo_rank_to_its_own_cpus(tmp_path, mode):
     from pipec.runtime.host.affinity import cpu_share
 
@@ -253,6 +253,7 @@ def test_pipec_run_binds_each_gloo_rank_to_its_own_cpus(tmp_path, mode):
         assert binding == "CPU binding: none (2 local ranks, 1 CPUs: fewer CPUs than ranks)"
 
 
+@pytest.mark.slow  # the reader going is handled by the report's show(); a whole run to see it
 def test_pipec_run_carries_on_when_its_reader_goes():
     """`pipec run ... | head -1`: the closed pipe silences rank 0's output instead of failing the run."""
     e = dict(os.environ, OMP_NUM_THREADS="1", **MLP_ENV)

@@ -19,6 +19,7 @@ from pipec.runtime import LocalPipeline, StageOptions, load_model  # noqa: E402
 SMALL = {"GPT_LAYERS": "2", "GPT_WIDTH": "16", "GPT_HEADS": "2", "GPT_CONTEXT": "8", "GPT_BATCH": "8"}
 
 
+@pytest.mark.slow  # the GPT in --local (test_runtime_slices), processes with the MLP (test_runtime_dist)
 def test_gpt_dist_check_p2():
     argv = ["zb-h1", "-D", "p=2", "-D", "m=4", "--model", "examples/gpt.py", "--steps", "3", "--check"]
     results, _, _ = launch(2, "launch", argv, env=SMALL, timeout=120)

@@ -218,6 +218,7 @@ def test_measured_peaks_equal_the_model_and_recompute_lowers_them(small):
     assert all(a < b for a, b in zip(measured[True], measured[False]))
 
 
+@pytest.mark.slow  # the same in one process: test_recompute_gives_the_plain_forwards_gradients, the offload tests
 def test_a_two_process_run_with_recompute_and_offload_equals_the_reference(tmp_path):
     sched = with_memops(load("zb-v", p=2, m=4), recompute={0, 3}, offload={1, 2})
     path = tmp_path / "prog.json"
