@@ -112,28 +112,22 @@ def test_every_consumer_reads_the_drivers_numbers(tmp_path_factory, case):
 
 @pytest.mark.parametrize("name,params", [c for c in CASES if c[0] in ("1f1b", "zb-h1", "1f1b-recompute")])
 def test_partition_simulates_a_split_as_the_driver_does(name, params):
-    from pipec.formats.partition_files import make_table
+    from tables import random_layer_table
+
     from pipec.partition.problem import Problem
 
     rng = np.random.default_rng(7)
     sched = driver.load(name, params)
     prog = driver.compiled(sched).program
-    rows = [
-        {
-            "name": f"l{i}",
-            "F": float(rng.uniform(0.1, 3)),
-            "B": float(rng.uniform(0.1, 3)),
-            "W": float(rng.uniform(0.1, 2)),
-            "full_backward": float(rng.uniform(0.2, 5)),
-            "act_bytes": int(rng.integers(10, 100)),
-            "out_bytes": int(rng.integers(1, 10)),
-            "param_bytes": int(rng.integers(1, 60)),
-            "params": [["weight", [i + 1, 2]]],
-        }
-        for i in range(sched.num_stages + 3)
-    ]
     docs = [cost_spec("latency=1ms,overhead=0.01")]
-    pb = Problem(sched, prog, make_table(rows), np.ones(sched.num_ranks), np.full(sched.num_ranks, np.nan), docs)
+    pb = Problem(
+        sched,
+        prog,
+        random_layer_table(rng, sched.num_stages + 3),
+        np.ones(sched.num_ranks),
+        np.full(sched.num_ranks, np.nan),
+        docs,
+    )
     for bounds in (pb.uniform(), (0, *range(1, sched.num_stages), pb.L)):
         split = pb.evaluate(bounds)
         room = driver.simulation(sched, [*docs, pb.cost_doc(bounds)])

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from tables import random_layer_table
 
 from pipec import synth
 from pipec.api import load
 from pipec.errors import PipecError
-from pipec.formats.partition_files import make_table
 from pipec.ir.schedule import Datacenter, Link, Policy, Schedule, Topology
 from pipec.partition.problem import Problem
 from pipec.passes.compiler import compile_schedule
@@ -120,24 +120,6 @@ def test_the_list_scheduler_is_the_simulator(case):
     assert fig.makespan == pytest.approx(d.makespan, abs=1e-9)
 
 
-def _table(rng, L: int):
-    rows = [
-        {
-            "name": f"l{i}",
-            "F": float(rng.uniform(0.1, 3)),
-            "B": float(rng.uniform(0.1, 3)),
-            "W": float(rng.uniform(0.1, 2)),
-            "full_backward": float(rng.uniform(0.2, 5)),
-            "act_bytes": int(rng.integers(10, 100)),
-            "out_bytes": int(rng.integers(1, 10)),
-            "param_bytes": int(rng.integers(1, 60)),
-            "params": [["weight", [i + 1, 2]]],
-        }
-        for i in range(L)
-    ]
-    return make_table(rows)
-
-
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(library(), st.integers(0, 2**31 - 1), st.booleans())
 def test_partition_evaluates_with_the_machine(sched, seed, comm):
@@ -156,7 +138,7 @@ def test_partition_evaluates_with_the_machine(sched, seed, comm):
     pb = Problem(
         sched,
         prog,
-        _table(rng, S + int(rng.integers(0, 4))),
+        random_layer_table(rng, S + int(rng.integers(0, 4))),
         np.ones(sched.num_ranks),
         np.full(sched.num_ranks, np.nan),
         docs,

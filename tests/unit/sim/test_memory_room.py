@@ -24,10 +24,11 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from tables import random_layer_table
 
 from pipec.api import load
 from pipec.errors import PipecError
-from pipec.formats.partition_files import make_table, write_json
+from pipec.formats.partition_files import write_json
 from pipec.ir.opcodes import CODE
 from pipec.ir.schedule import Policy, RankOps, Schedule
 from pipec.passes.compiler import compile_schedule
@@ -64,24 +65,6 @@ def _sized(sched: Schedule, rng: np.random.Generator) -> Schedule:
     return dataclasses.replace(sched, memory=mem)
 
 
-def _table(rng: np.random.Generator, L: int):
-    rows = [
-        {
-            "name": f"l{i}",
-            "F": float(rng.uniform(0.1, 3)),
-            "B": float(rng.uniform(0.1, 3)),
-            "W": float(rng.uniform(0.1, 2)),
-            "full_backward": float(rng.uniform(0.2, 5)),
-            "act_bytes": int(rng.integers(10, 100)),
-            "out_bytes": int(rng.integers(1, 10)),
-            "param_bytes": int(rng.integers(1, 60)),
-            "params": [["weight", [i + 1, 2]]],
-        }
-        for i in range(L)
-    ]
-    return make_table(rows)
-
-
 # ---- partition ---------------------------------------------------------------------------------------
 
 
@@ -91,7 +74,7 @@ def _partition_agrees(sched: Schedule, rng: np.random.Generator, splits: int = 3
     pb = Problem(
         sched,
         compile_schedule(sched).program,
-        _table(rng, sched.num_stages + int(rng.integers(0, 5))),
+        random_layer_table(rng, sched.num_stages + int(rng.integers(0, 5))),
         np.ones(sched.num_ranks),
         np.full(sched.num_ranks, np.nan),
     )
@@ -116,7 +99,7 @@ def test_partition_memory_rows_hold_the_walk():
     rng = np.random.default_rng(11)
     for name in MEMOPS:
         sched = _load(name, 3 if name != "zb-v-recompute" else 2, 4)
-        table = _table(rng, sched.num_stages + 3)
+        table = random_layer_table(rng, sched.num_stages + 3)
         none = np.full(sched.num_ranks, np.nan)
         pb0 = Problem(sched, compile_schedule(sched).program, table, np.ones(sched.num_ranks), none)
         splits = [(0, *c, pb0.L) for c in itertools.combinations(range(1, pb0.L), pb0.S - 1)]
@@ -154,7 +137,7 @@ def test_partition_accepts_the_recompute_split_that_fits(tmp_path, capsys):
     from pipec.partition.problem import Problem
 
     rng = np.random.default_rng(27)
-    table = _table(rng, 7)
+    table = random_layer_table(rng, 7)
     sched = _load("1f1b-recompute", 3, 4)
     pb = Problem(sched, compile_schedule(sched).program, table, np.ones(3), np.full(3, np.nan))
     splits = [(0, *c, pb.L) for c in itertools.combinations(range(1, pb.L), pb.S - 1)]

@@ -9,6 +9,7 @@ import json
 
 import numpy as np
 import pytest
+from tables import random_layer_table
 
 from pipec.api import load
 from pipec.errors import PipecError
@@ -39,25 +40,6 @@ CASES = [
 ]
 
 
-def _table(rng, L: int):
-    rows = []
-    for i in range(L):
-        rows.append(
-            {
-                "name": f"l{i}",
-                "F": float(rng.uniform(0.1, 3)),
-                "B": float(rng.uniform(0.1, 3)),
-                "W": float(rng.uniform(0.1, 2)),
-                "full_backward": float(rng.uniform(0.2, 5)),
-                "act_bytes": int(rng.integers(10, 100)),
-                "out_bytes": int(rng.integers(1, 10)),
-                "param_bytes": int(rng.integers(1, 60)),
-                "params": [["weight", [i + 1, 2]]],
-            }
-        )
-    return make_table(rows)
-
-
 def _brute(pb: Problem):
     """Every contiguous split, simulated: the best that fits, or None."""
     best = None
@@ -75,7 +57,7 @@ def test_optimal_against_brute_force(name, params):
     prog = compile_schedule(sched).program
     R = sched.num_ranks
     for trial in range(3):
-        table = _table(rng, int(rng.integers(sched.num_stages + 1, 9)))
+        table = random_layer_table(rng, int(rng.integers(sched.num_stages + 1, 9)))
         speed = rng.choice([0.5, 1.0, 2.0], size=R)
         limit = np.full(R, np.nan)
         pb0 = Problem(sched, prog, table, speed, limit)
@@ -99,7 +81,7 @@ def test_memory_is_the_memory_model():
         pb = Problem(
             sched,
             compile_schedule(sched).program,
-            _table(rng, 8),
+            random_layer_table(rng, 8),
             np.ones(sched.num_ranks),
             np.full(sched.num_ranks, np.nan),
         )
@@ -117,7 +99,7 @@ def test_graph_is_the_simulator_with_free_communication():
         pb = Problem(
             sched,
             compile_schedule(sched).program,
-            _table(rng, 9),
+            random_layer_table(rng, 9),
             rng.choice([0.5, 1.0], sched.num_ranks),
             np.full(sched.num_ranks, np.nan),
         )
@@ -143,7 +125,7 @@ def test_no_split_fits_names_the_closest():
     rng = np.random.default_rng(3)
     sched = load("1f1b", p=2, m=4)
     with pytest.raises(PipecError) as e:
-        partition(sched, compile_schedule(sched).program, _table(rng, 6), limit=10.0)
+        partition(sched, compile_schedule(sched).program, random_layer_table(rng, 6), limit=10.0)
     assert e.value.code == "E806"
     assert "the closest" in str(e.value) and "on rank" in str(e.value)
 
@@ -151,12 +133,12 @@ def test_no_split_fits_names_the_closest():
 def test_more_stages_than_layers():
     sched = load("1f1b", p=4, m=4)
     with pytest.raises(PipecError) as e:
-        partition(sched, compile_schedule(sched).program, _table(np.random.default_rng(0), 3))
+        partition(sched, compile_schedule(sched).program, random_layer_table(np.random.default_rng(0), 3))
     assert e.value.code == "E805"
 
 
 def test_files_round_trip_and_refusals(tmp_path):
-    table = _table(np.random.default_rng(1), 5)
+    table = random_layer_table(np.random.default_rng(1), 5)
     path = str(tmp_path / "t.json")
     write_json(path, table.to_json())
     back = read_table(path)
@@ -170,11 +152,11 @@ def test_files_round_trip_and_refusals(tmp_path):
     assert part.stages == (("l0", "l1"), ("l2", "l3", "l4"))
     part.check_model(table.fingerprint, table.names, "m.py")  # the same model: accepted
     part.check_stages(2, "1f1b")
-    other = _table(np.random.default_rng(2), 5)  # same names, other shapes? same shapes: change a shape
+    other = random_layer_table(np.random.default_rng(2), 5)  # same names, other shapes? same shapes: change a shape
     shapes = make_table([{"name": n, "params": [["weight", [9, 9]]]} for n in table.names])
     for fp, names in (
         (shapes.fingerprint, shapes.names),
-        (_table(np.random.default_rng(2), 4).fingerprint, other.names[:4]),
+        (random_layer_table(np.random.default_rng(2), 4).fingerprint, other.names[:4]),
     ):
         with pytest.raises(PipecError) as e:
             part.check_model(fp, names, "m.py")
@@ -260,7 +242,7 @@ def test_optimal_with_message_latency():
         pb = Problem(
             sched,
             compile_schedule(sched).program,
-            _table(rng, 7),
+            random_layer_table(rng, 7),
             np.ones(R),
             np.full(R, np.nan),
             [parse_overrides("latency=0.37")],
@@ -282,7 +264,12 @@ def test_batched_lengths_are_the_graph_paths():
         sched = load(name, **params)
         R = sched.num_ranks
         pb = Problem(
-            sched, compile_schedule(sched).program, _table(rng, 9), rng.choice([0.5, 1.0], R), np.full(R, np.nan), docs
+            sched,
+            compile_schedule(sched).program,
+            random_layer_table(rng, 9),
+            rng.choice([0.5, 1.0], R),
+            np.full(R, np.nan),
+            docs,
         )
         splits = np.array(
             [(0, *sorted(rng.choice(np.arange(1, pb.L), pb.S - 1, replace=False)), pb.L) for _ in range(6)]
@@ -305,7 +292,7 @@ def test_fluid_bound_is_below_every_split():
             pb = Problem(
                 sched,
                 prog,
-                _table(rng, int(rng.integers(sched.num_stages + 1, 9))),
+                random_layer_table(rng, int(rng.integers(sched.num_stages + 1, 9))),
                 rng.choice([0.5, 1.0, 2.0], R),
                 np.full(R, np.nan),
                 docs,
@@ -334,7 +321,7 @@ def test_optimal_only_when_it_is(time_limit):
             pb = Problem(
                 sched,
                 prog,
-                _table(rng, int(rng.integers(sched.num_stages + 2, 10))),
+                random_layer_table(rng, int(rng.integers(sched.num_stages + 2, 10))),
                 rng.choice([0.5, 1.0, 2.0], R),
                 np.full(R, np.nan),
             )
@@ -357,7 +344,9 @@ def test_optimal_with_message_overheads():
         sched = load(name, **params)
         R = sched.num_ranks
         docs = [parse_overrides("overhead=0.3")]
-        pb = Problem(sched, compile_schedule(sched).program, _table(rng, 7), np.ones(R), np.full(R, np.nan), docs)
+        pb = Problem(
+            sched, compile_schedule(sched).program, random_layer_table(rng, 7), np.ones(R), np.full(R, np.nan), docs
+        )
         res = search(pb, time_limit=60)
         want = _brute(pb)
         assert res.optimal and res.best.step == want.step and res.lower_bound == want.step, name
@@ -376,7 +365,7 @@ def test_propagation_keeps_every_split_within_the_budget():
         sched = load(name, **params)
         prog = compile_schedule(sched).program
         R = sched.num_ranks
-        table = _table(rng, int(rng.integers(sched.num_stages + 2, 9)))
+        table = random_layer_table(rng, int(rng.integers(sched.num_stages + 2, 9)))
         pb0 = Problem(sched, prog, table, rng.choice([0.5, 1.0, 2.0], R), np.full(R, np.nan))
         splits = [(0, *c, pb0.L) for c in itertools.combinations(range(1, pb0.L), pb0.S - 1)]
         peaks = sorted(max(pb0.memory(b)) for b in splits)
