@@ -175,7 +175,9 @@ def timeline_program(tl: Timeline, split_backward: bool | None = None) -> Progra
     """The instruction streams a Timeline shows (a measured run's, or a simulated one whose Program is not
     at hand): per rank its computes, host-link transfers and fsdp windows in the order they started (a
     collective just before the compute it preceded). Enough for `memory_curves`, which needs only what
-    each instruction is and when it ran; the messages are left out (they hold no memory)."""
+    each instruction is and when it ran; the messages are left out (they hold no memory). At one instant a
+    collective goes before the computes that start then: exact unless a compute takes no time, when the Timeline
+    alone cannot tell a window closed after it from one closed before it (`memory_curves` with the Program can)."""
     split = bool((tl.op == WGRAD).any()) if split_backward is None else split_backward
     h_rank = getattr(tl, "host_rank", np.zeros(0, np.int64))
     parts = [  # (rank, op, mb, stage, time, order at one time)
