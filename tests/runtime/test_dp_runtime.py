@@ -281,7 +281,7 @@ def test_checkpoint_of_sharded_stages_resumes_under_another_data_parallelism(tmp
     assert "OK: largest relative error" in out, out
 
 
-@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+@pytest.mark.parametrize("kind", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])
 def test_a_collective_whose_replica_hangs_times_out_naming_rank_and_instruction(kind):
     """One pipeline rank x 2 replicas: job rank 1 hangs in a forward of step 2, so rank 0 has no transfer
     to wait on, only the collective (REDUCE_GRAD's all-reduce or reduce-scatter under ddp, an fsdp

@@ -74,6 +74,7 @@ def pipec(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow  # the same in one process: test_local_with_emulated_links_is_late_by_the_latency_and_exact
 def test_pipec_run_emulate_links_delays_every_message_and_stays_exact(tmp_path):
     from pipec.formats.trace import read_trace
 

@@ -199,6 +199,7 @@ def test_in_situ_profile_names_the_rank_that_failed(monkeypatch, fault, culprit)
     assert message.startswith(f"the in-situ profile of 1f1b failed: {culprit}; rank 0: CommError: "), message
 
 
+@pytest.mark.slow  # in situ faults: test_in_situ_profile_names_the_rank_that_failed
 def test_in_situ_profile_gives_up_on_a_hung_rank_after_the_timeout(monkeypatch):
     import time
 

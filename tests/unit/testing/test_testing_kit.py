@@ -284,6 +284,7 @@ def test_the_seeded_deadlock_is_found_for_other_seeds_too():
         assert not res.ok and res.failure.params == {"p": 4, "v": 2, "m": 8}
 
 
+@pytest.mark.slow  # pipec test end to end: the seeded-bug tests; the library's checks: test_library
 def test_the_library_passes(capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     rc, out, _ = pipec_test(["test", "schedules/", "--budget", "1s"], ROOT, capsys)
