@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 
 from pipec import options
 from pipec.cli.args import Command, build, cost_args, schedule_args
+from pipec.cli.envelope import Misuse
 from pipec.errors import error
 from pipec.passes.compiler import compile_schedule
 
@@ -38,6 +40,8 @@ def cmd_partition(args: argparse.Namespace) -> int:
     from pipec.partition import partition, report_lines, to_doc
     from pipec.sim.cost_files import cost_spec
 
+    if importlib.util.find_spec("ortools") is None:  # before any profiling: the search's bounds need it
+        raise Misuse("pipec partition needs OR-Tools (its bounds and E806's closest split): pip install 'pipec[synth]'")
     sched = build(args)
     program = compile_schedule(sched).program
     cost_docs = [cost_spec(t) for t in args.cost]

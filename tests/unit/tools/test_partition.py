@@ -403,3 +403,18 @@ def test_propagation_keeps_every_split_within_the_budget():
             assert (bound is None) == (not ok), (name, budget)
             removed += int((before & ~allowed).sum()) if bound is not None else 1
     assert removed > 0  # the propagation did remove values: the check above is not vacuous
+
+
+def test_without_or_tools_partition_says_which_extra_to_install(monkeypatch, tmp_path):
+    """The quick start installs `.[runtime]` only: `pipec partition` then names the extra, before any work."""
+    import importlib.util
+
+    from cli_helpers import run_cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ortools" else real(name, *a))
+    table = tmp_path / "layers.json"
+    write_json(str(table), random_layer_table(np.random.default_rng(0), 4).to_json())
+    rc, out, err = run_cli("partition", "1f1b", "-D", "p=2", "-D", "m=4", "--layers-cost", str(table))
+    assert rc == 2 and out == "", (rc, out, err)
+    assert "needs OR-Tools" in err and "pip install 'pipec[synth]'" in err and "Traceback" not in err
