@@ -117,6 +117,16 @@ def span(text: str) -> tuple[str, int, int]:
         raise argparse.ArgumentTypeError(f"expected NAME=LO..HI, got `{brief(text)}`") from None
 
 
+def schedule_name(text: str) -> str:
+    """A schedule's name as the language writes it (`schedule "NAME"`, grammar/pipe.lark's STRING): printable,
+    one line, no double quote, at most 100 characters (`pipec synth --name`)."""
+    if not text or len(text) > 100 or '"' in text or not text.isprintable():
+        raise argparse.ArgumentTypeError(
+            f'expected a schedule name: 1 to 100 printable characters on one line, no `"`, got {brief(text)!r}'
+        )
+    return text
+
+
 def define(text: str) -> tuple[str, str]:
     """`-D NAME=VALUE`: a schedule parameter, as (name, value text)."""
     name, sep, value = text.partition("=")

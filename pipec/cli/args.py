@@ -170,6 +170,18 @@ def on_network(args: argparse.Namespace, s: Schedule) -> Schedule:
     return with_topology(s, read_topology(args.topology, s))
 
 
+def writable(path: str | None, flag: str) -> None:
+    """Misuse, before any work, when `path` (a file a command will write) is a folder or its folder is missing:
+    a long search or profile must not end in a file it cannot write."""
+    if path is None:
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise Misuse(f"{flag} `{path}` is a folder; give a file name")
+    if not os.path.isdir(parent):
+        raise Misuse(f"{flag} `{path}`: the folder `{parent}` does not exist")
+
+
 def write(path: str | None, text: str) -> None:
     """Text to a file (atomically), or to standard output without one; a file that cannot be written is
     misuse."""

@@ -9,7 +9,7 @@ import json
 import sys
 
 from pipec import options
-from pipec.cli.args import Command, build, cost_args, schedule_args
+from pipec.cli.args import Command, build, cost_args, schedule_args, writable
 from pipec.cli.envelope import Misuse
 from pipec.errors import error
 from pipec.passes.compiler import compile_schedule
@@ -42,6 +42,8 @@ def cmd_partition(args: argparse.Namespace) -> int:
 
     if importlib.util.find_spec("ortools") is None:  # before any profiling: the search's bounds need it
         raise Misuse("pipec partition needs OR-Tools (its bounds and E806's closest split): pip install 'pipec[synth]'")
+    writable(args.output, "-o")
+    writable(args.save_layers, "--save-layers")
     sched = build(args)
     program = compile_schedule(sched).program
     cost_docs = [cost_spec(t) for t in args.cost]

@@ -7,7 +7,7 @@ import dataclasses
 import sys
 
 from pipec import options
-from pipec.cli.args import Command, cost_args, memory_args, write
+from pipec.cli.args import Command, cost_args, memory_args, writable, write
 from pipec.cli.envelope import Misuse, emit
 
 # pipec synth's sizes: each of p, m, v, and the ops p * v * m * kinds, within what a schedule may have (the
@@ -53,7 +53,9 @@ def synth_arguments(p: argparse.ArgumentParser) -> None:
     solver = p.add_mutually_exclusive_group()
     solver.add_argument("--no-solver", action="store_true", help="the heuristic only")
     solver.add_argument("--solver", action="store_true", help="run the solver even on a large case")
-    p.add_argument("--name", default=None, help="the schedule's name (default: from the output file)")
+    p.add_argument(
+        "--name", type=options.schedule_name, default=None, help="the schedule's name (default: from the output file)"
+    )
     p.add_argument("-o", "--output", metavar="OUT.pipe", help="write the schedule here (default: standard output)")
     p.add_argument("--compare", metavar="A,B,...", default=None, help="library schedules to compare against")
     p.add_argument("--json", action="store_true", help="print the figures as JSON (the file still goes to -o)")
@@ -67,6 +69,8 @@ def cmd_synth(args: argparse.Namespace) -> int:
     exact improvement with OR-Tools CP-SAT warm-started from it. Writes a .pipe file with the per-rank
     orders and prints a comparison with the library schedules. See docs/synth.md."""
     import os
+
+    writable(args.output, "-o")
     import shlex
 
     from pipec import synth

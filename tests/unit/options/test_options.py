@@ -191,3 +191,21 @@ def test_cpu_bind_choices_are_the_runtime_s():
     from pipec.runtime.host.affinity import MODES
 
     assert options.CPU_BIND_MODES == MODES
+
+
+@pytest.mark.parametrize("name", ["a\nb", 'say "hi"', "", "x" * 101, "tab\there"])
+def test_a_synth_name_the_language_cannot_write_is_misuse(name, tmp_path):
+    rc, out, err = run_cli("synth", "-p", "2", "-m", "2", "--name", name, "-o", str(tmp_path / "s.pipe"))
+    assert rc == 2 and "expected a schedule name" in err and not (tmp_path / "s.pipe").exists(), err
+
+
+def test_an_output_that_is_a_folder_or_in_no_folder_is_misuse_before_any_work(tmp_path):
+    table = tmp_path / "t.json"
+    for argv in (
+        ["synth", "-p", "2", "-m", "2", "-o", str(tmp_path)],
+        ["partition", "1f1b", "-D", "p=2", "-D", "m=2", "--layers-cost", str(table), "-o", str(tmp_path)],
+        ["partition", "1f1b", "-D", "p=2", "-D", "m=2", "--layers-cost", str(table), "-o", str(tmp_path / "no/x.json")],
+        ["partition", "1f1b", "-D", "p=2", "-D", "m=2", "--model", "m.py", "--save-layers", str(tmp_path)],
+    ):
+        rc, out, err = run_cli(*argv)  # the table and model do not exist: refused before they are read
+        assert rc == 2 and ("is a folder" in err or "does not exist" in err) and "Traceback" not in err, (argv, err)
