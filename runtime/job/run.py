@@ -3,6 +3,7 @@ with --local. Called lazily from pipec/cli/run.py, so the rest of the CLI never 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -47,31 +48,35 @@ def run(opts: RunOptions, program: Program, links=None, schedule=None) -> int:
         from pipec.runtime.errors import wrong_world_size
 
         raise OptionError(wrong_world_size(program, opts.nproc))
-    from pipec.runtime.errors import PipelineError
-    from pipec.runtime.model.contract import load_model
+    # What the run leaves in temporary folders goes when it returns, by this block, not by atexit: the
+    # entry point ends with os._exit once torch is loaded, which skips atexit.
+    with contextlib.ExitStack() as cleanup:
+        from pipec.runtime.errors import PipelineError
+        from pipec.runtime.model.contract import load_model
 
-    try:
-        model = load_model(opts.model)  # a bad model file is reported once, before any process starts
-        if opts.partition:  # stages from the model's layers() as the file splits them
-            from pipec.errors import PipecError
-            from pipec.runtime.model.partitioned import use_partition
-
-            try:
-                model = use_partition(model, opts.partition, program.num_stages, program.name)
-            except PipecError as e:
-                print("\n".join(d.format() for d in e.diagnostics), file=sys.stderr)
-                return 1
-            opts = dataclasses.replace(opts, model=model.path)  # the workers load the partitioned model
-    except PipelineError as e:
-        print(f"pipec run: error: {e}", file=sys.stderr)
-        return 1
-    if opts.local:
         try:
-            return run_local(opts, program, model, links, schedule)
+            model = load_model(opts.model)  # a bad model file is reported once, before any process starts
+            if opts.partition:  # stages from the model's layers() as the file splits them
+                from pipec.errors import PipecError
+                from pipec.runtime.model.partitioned import use_partition
+
+                try:
+                    folder = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="pipec-partition-"))
+                    model = use_partition(model, opts.partition, program.num_stages, program.name, folder)
+                except PipecError as e:
+                    print("\n".join(d.format() for d in e.diagnostics), file=sys.stderr)
+                    return 1
+                opts = dataclasses.replace(opts, model=model.path)  # the workers load the partitioned model
         except PipelineError as e:
             print(f"pipec run: error: {e}", file=sys.stderr)
             return 1
-    return run_torchrun(opts, program, program.num_ranks * program.dp, links, schedule)
+        if opts.local:
+            try:
+                return run_local(opts, program, model, links, schedule)
+            except PipelineError as e:
+                print(f"pipec run: error: {e}", file=sys.stderr)
+                return 1
+        return run_torchrun(opts, program, program.num_ranks * program.dp, links, schedule)
 
 
 def worker_args(opts: RunOptions, folder: str, links=None) -> list[str]:

@@ -104,15 +104,9 @@ def partitioned_file(model_path: str, partition_path: str, folder: str) -> str:
     return path
 
 
-def use_partition(model: Model, partition: str, num_stages: int, schedule: str) -> Model:
+def use_partition(model: Model, partition: str, num_stages: int, schedule: str, folder: str) -> Model:
     """`pipec run --partition`: check the file against the model and schedule, write the model file the
-    workers load (in a temporary folder removed when this process exits) and load it (its `path` is the
-    file the workers are to load)."""
-    import atexit
-    import shutil
-    import tempfile
-
+    workers load into `folder` (the caller's temporary folder, which it removes when the run ends) and load
+    it (its `path` is the file the workers are to load)."""
     check_partition(model, partition, num_stages, schedule)
-    folder = tempfile.mkdtemp(prefix="pipec-partition-")
-    atexit.register(shutil.rmtree, folder, True)
     return load_model(partitioned_file(model.path, partition, folder))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import tempfile
 
 import numpy as np
 import pytest
@@ -221,8 +222,10 @@ def test_profile_partition_and_run_check(tmp_path, monkeypatch, capsys):
     doc = json.loads(open(part).read())
     assert doc["format"] == "pipec-partition" and doc["model"]["fingerprint"] == table.fingerprint
     run = ["run", "1f1b", "-D", "p=2", "-D", "m=2", "--model", "examples/uneven.py", "--partition", part]
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the run's model file goes
     assert main([*run, "--local", "--check", "--steps", "1"]) == 0
     assert "OK: largest relative error" in capsys.readouterr().out
+    assert not list(tmp_path.glob("pipec-partition-*"))  # the run removed its folder (no atexit: os._exit)
     wrong = ["run", "1f1b", "-D", "p=3", "-D", "m=2", "--model", "examples/uneven.py", "--partition", part]
     assert main([*wrong, "--local", "--steps", "1"]) == 1
     assert "error[E805]" in capsys.readouterr().err
