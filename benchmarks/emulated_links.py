@@ -42,6 +42,11 @@ SCHEDULES = (
 STEP = re.compile(r"^step (\d+)/\d+: loss \S+, ([0-9.]+) s", re.M)
 
 
+def sim_result(text: str) -> dict:
+    """The one result of `pipec simulate --json` (its envelope: version, command, ok, results)."""
+    return json.loads(text)["results"][0]
+
+
 def topology(latency_ms: float, bandwidth_gbps: float) -> str:
     return (
         f'dc "east" ranks 0 .. 1  dc "west" ranks 1 .. 2  '
@@ -69,7 +74,7 @@ def measure(label: str, name: str, extra: dict, m: int, scale: float, steps: int
         out = pipec(*run)
         times += [float(t) for k, t in STEP.findall(out) if int(k) > 1]
     link = f"latency.cross={LATENCY_MS * scale:g}ms,bandwidth.cross={BANDWIDTH_GBPS / scale:g}Gbps"
-    sim = json.loads(pipec("simulate", name, *defines, "--topology", topo, "--cost", cost, "--cost", link, "--json"))
+    sim = sim_result(pipec("simulate", name, *defines, "--topology", topo, "--cost", cost, "--cost", link, "--json"))
     measured = statistics.median(times)
     return {
         "schedule": label,

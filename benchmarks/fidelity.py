@@ -55,6 +55,11 @@ PARTNER = {"1f1b": "gpipe", "interleaved-1f1b": "looped-bfs", "zb-h1": "zb-h2"}
 STEP = re.compile(r"^step\s+(\d+)/\d+: loss \S+, ([0-9.]+) s", re.M)
 
 
+def sim_result(text: str) -> dict:
+    """The one result of `pipec simulate --json` (its envelope: version, command, ok, results)."""
+    return json.loads(text)["results"][0]
+
+
 def defines(extra: dict, m: int) -> list[str]:
     out = []
     for k, v in {"p": 2, **extra, "m": m}.items():
@@ -76,17 +81,17 @@ def one_round(name: str, extra: dict, args: argparse.Namespace, tmp: str, env: d
     d = defines(extra, args.m)
     cost, sim_trace, run_trace = (os.path.join(tmp, f"{name}.{x}") for x in ("toml", "sim.json", "run.json"))
     sh([*PIPEC, "profile", name, *d, "--model", MODEL, "-o", cost, "--reps", str(args.reps)], env)
-    sim = json.loads(sh([*PIPEC, "simulate", name, *d, "--cost", cost, "--json", "--trace", sim_trace], env))
-    bare = json.loads(sh([*PIPEC, "simulate", name, *d, "--cost", cost, "--cost", "overhead=0", "--json"], env))
+    sim = sim_result(sh([*PIPEC, "simulate", name, *d, "--cost", cost, "--json", "--trace", sim_trace], env))
+    bare = sim_result(sh([*PIPEC, "simulate", name, *d, "--cost", cost, "--cost", "overhead=0", "--json"], env))
     situ_cost = os.path.join(tmp, f"{name}.situ.toml")
     sh([*PIPEC, "profile", name, *d, "--model", MODEL, "-o", situ_cost, "--reps", str(args.reps), "--in-situ"], env)
-    situ = json.loads(sh([*PIPEC, "simulate", name, *d, "--cost", situ_cost, "--json"], env))
+    situ = sim_result(sh([*PIPEC, "simulate", name, *d, "--cost", situ_cost, "--json"], env))
     moved = None
     if args.transfer:  # the partner's in-situ costs, simulated for this schedule
         moved_cost = os.path.join(tmp, f"{name}.partner.toml")
         profile = [*PIPEC, "profile", PARTNER[name], *d, "--model", MODEL, "-o", moved_cost, "--reps", str(args.reps)]
         sh([*profile, "--in-situ"], env)
-        moved = json.loads(sh([*PIPEC, "simulate", name, *d, "--cost", moved_cost, "--json"], env))["makespan"]
+        moved = sim_result(sh([*PIPEC, "simulate", name, *d, "--cost", moved_cost, "--json"], env))["makespan"]
     run = [*PIPEC, "run", name, *d, "--model", MODEL, "--nproc", "2", "--steps", str(args.steps)]
     out = sh([*run, "--trace", run_trace], env)
     steps = [float(t) for _, t in STEP.findall(out)]
