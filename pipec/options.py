@@ -187,6 +187,8 @@ def dp_given(ns: argparse.Namespace | RunOptions) -> bool:
 
 CPU_BIND_MODES = ("auto", "none")  # = pipec.runtime.host.affinity.MODES (test_options.py holds them equal)
 MAX_STEPS = 10**9
+# More local processes than this per CPU is refused before any starts (a typo in --dp or -D p), unless --force.
+LOCAL_PROCESSES_PER_CPU = 16
 
 
 @dataclass(frozen=True)
@@ -228,8 +230,19 @@ class RunOptions:
     emulate_links: bool = False
     link_scale: float = 1.0
     topology: str | None = None
+    force: bool = False
 
-    LAUNCHER = ("nproc", "partition", "local", "memory", "device", "emulate_links", "link_scale", "topology")
+    LAUNCHER = (
+        "nproc",
+        "partition",
+        "local",
+        "memory",
+        "device",
+        "emulate_links",
+        "link_scale",
+        "topology",
+        "force",
+    )
 
     def __post_init__(self) -> None:
         if (self.checkpoint_every is not None or self.resume) and not self.checkpoint:
@@ -329,6 +342,11 @@ class RunOptions:
             help="stages from the model's layers(), as `pipec partition` split them",
         )
         ap.add_argument("--local", action="store_true", help="run every rank in this process (in-memory messages)")
+        ap.add_argument(
+            "--force",
+            action="store_true",
+            help=f"start the job even when it needs more than {LOCAL_PROCESSES_PER_CPU} local processes per CPU",
+        )
         ap.add_argument(
             "--memory",
             action="store_true",

@@ -13,7 +13,7 @@ import tempfile
 
 from pipec.formats.program_file import write_json
 from pipec.ir.program import Program
-from pipec.options import OptionError, RunOptions
+from pipec.options import LOCAL_PROCESSES_PER_CPU, OptionError, RunOptions
 
 SHUTDOWN_S = 3  # seconds a rank has to answer SIGTERM (ours take about one) before SIGKILL
 
@@ -48,6 +48,14 @@ def run(opts: RunOptions, program: Program, links=None, schedule=None) -> int:
         from pipec.runtime.errors import wrong_world_size
 
         raise OptionError(wrong_world_size(program, opts.nproc))
+    world = program.num_ranks * program.dp
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if not opts.local and world > LOCAL_PROCESSES_PER_CPU * cpus and not opts.force:
+        raise OptionError(
+            f"this job starts {world} processes here ({program.num_ranks} ranks x dp {program.dp}), more than "
+            f"{LOCAL_PROCESSES_PER_CPU} per CPU on this machine's {cpus}: each imports torch (hundreds of MB); "
+            "check -D p and --dp, run it across nodes with torchrun, or pass --force"
+        )
     # What the run leaves in temporary folders goes when it returns, by this block, not by atexit: the
     # entry point ends with os._exit once torch is loaded, which skips atexit.
     with contextlib.ExitStack() as cleanup:

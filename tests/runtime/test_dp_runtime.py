@@ -299,3 +299,17 @@ def test_a_collective_whose_replica_hangs_times_out_naming_rank_and_instruction(
     assert re.search(blamed, err), err
     assert all(r.returncode != 0 for r in results)
     assert elapsed < 30
+
+
+def test_pipec_run_refuses_more_local_processes_than_the_machine_holds_unless_forced(monkeypatch):
+    """A typo in --dp (or -D p) must not start two million processes: refused, with what it would cost."""
+    from cli_helpers import run_cli
+
+    import pipec.runtime.job.run as run_mod
+
+    argv = ["run", "1f1b", "-D", "p=2", "-D", "m=2", "--model", "examples/mlp.py", "--dp", "1000000"]
+    rc, out, err = run_cli(*argv)
+    assert rc == 2 and "starts 2000000 processes" in err and "--force" in err, err
+    started = []
+    monkeypatch.setattr(run_mod, "run_torchrun", lambda opts, program, nproc, *a: started.append(nproc) or 0)
+    assert run_cli(*argv, "--force")[0] == 0 and started == [2_000_000]  # insisting starts them
