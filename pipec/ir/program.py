@@ -15,6 +15,7 @@ form's `opcodes` list names them).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -141,6 +142,14 @@ class Program:
     @property
     def num_sequences(self) -> int:
         return self.slicing.sequences if self.slicing else self.num_microbatches
+
+    @functools.cached_property
+    def placement_array(self) -> np.ndarray:
+        """`placement` as a read-only int64 array, made once: passes that work rank by rank index it rather
+        than convert the tuple each time (O(stages) a rank, so O(ranks x stages) in all)."""
+        a = np.asarray(self.placement, dtype=np.int64)
+        a.setflags(write=False)
+        return a
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Program):

@@ -7,6 +7,7 @@ small work and tests.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -281,8 +282,25 @@ class Schedule:
     def num_ops(self) -> int:
         return sum(len(r) for r in self.ranks)
 
+    @functools.cached_property
+    def placement_array(self) -> np.ndarray:
+        """`placement` as a read-only int64 array, made once: passes that work rank by rank index it rather
+        than convert the tuple each time (O(stages) a rank, so O(ranks x stages) in all)."""
+        a = np.asarray(self.placement, dtype=np.int64)
+        a.setflags(write=False)
+        return a
+
+    @functools.cached_property
+    def _stages_by_rank(self) -> tuple[tuple[int, ...], ...]:
+        by: list[list[int]] = [[] for _ in range(self.num_ranks)]
+        for s, owner in enumerate(self.placement):
+            if 0 <= owner < self.num_ranks:  # a placement out of range is a check's to report
+                by[owner].append(s)
+        return tuple(tuple(b) for b in by)
+
     def stages_of(self, rank: int) -> tuple[int, ...]:
-        return tuple(s for s, owner in enumerate(self.placement) if owner == rank)
+        """The stages placed on `rank`, in order (one pass over the placement for all ranks, made once)."""
+        return self._stages_by_rank[rank] if 0 <= rank < self.num_ranks else ()
 
     def head(self) -> dict:
         """What names this schedule in every JSON document (`check`, `simulate`, ... `--json`)."""

@@ -150,7 +150,7 @@ def _header(prog: Program) -> list[tuple[int, int, str]]:
 
 def _rank(prog: Program, r: int, rp) -> list[tuple[int, int, str]]:
     S, m = prog.num_stages, prog.num_microbatches
-    placement = np.asarray(prog.placement, dtype=np.int64)
+    placement = prog.placement_array
     n = len(rp.op)
     if any(len(c) != n for c in (rp.mb, rp.stage, rp.peer, rp.group)):
         return [(r, -1, "its instruction columns have different lengths")]
@@ -393,7 +393,7 @@ def _exactly_once(prog: Program) -> list[tuple[int, int, str]]:
 def _messages(prog: Program) -> list[tuple[int, int, str]]:
     """Each message the placement needs (a stage boundary between two ranks) is sent once and received once."""
     S, m = prog.num_stages, prog.num_microbatches
-    placement = np.asarray(prog.placement, dtype=np.int64)
+    placement = prog.placement_array
     # needed[(msg * S + sending stage) * m + mb]: act leaves s towards s + 1, grad leaves s towards s - 1.
     cross_up = np.r_[placement[:-1] != placement[1:], False]
     cross_down = np.r_[False, placement[1:] != placement[:-1]]

@@ -50,7 +50,7 @@ def check_schedule(sched: Schedule) -> None:
     """Raise the first error found; return None when every op occurs once, on its owner, in order."""
     S, m, K = sched.num_stages, sched.num_microbatches, len(sched.kinds)
     kind, mb, stage, sid, rank, gpos = _flat(sched)
-    placement = np.asarray(sched.placement, dtype=np.int64)
+    placement = sched.placement_array
 
     bad = np.flatnonzero(stage == -1)
     if len(bad):
@@ -193,7 +193,7 @@ def _check_rank_memops(sched: Schedule, r: int, row: tuple[MemOp, ...], where, b
     before = np.fromiter((x.before for x in row), np.int64, n)
     valid = (stage >= 0) & (stage < S) & (mb < m)
     st, i = np.clip(stage, 0, S - 1), np.clip(mb, 0, m - 1)
-    owner = np.asarray(sched.placement, dtype=np.int64)[st]
+    owner = sched.placement_array[st]
     k = (op * S + st) * m + i
     order = np.argsort(k, kind="stable")
     ks = k[order]

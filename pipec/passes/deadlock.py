@@ -60,7 +60,7 @@ def _rounds(sched: Schedule) -> tuple[list[np.ndarray], tuple[WaitStep, ...]]:
         where[(ops.kind * S + ops.stage) * m + ops.mb] = offsets[r] + np.arange(len(ops))
     # Cross-rank input of each op (pipec.ir.rules: the one input a kind receives from another stage, when
     # that stage is on another rank); -1 when local or none. Same-rank inputs are E304's (checked before).
-    placement = np.asarray(sched.placement)
+    placement = sched.placement_array
     none = [np.zeros(0, dtype=np.int64)]
     kind = np.concatenate([o.kind for o in sched.ranks] or none)
     mb = np.concatenate([o.mb for o in sched.ranks] or none)

@@ -121,7 +121,7 @@ def _columns(prog: Program) -> _Columns:
     S, m, R = prog.num_stages, prog.num_microbatches, prog.num_ranks
     lengths = [len(rp) for rp in prog.ranks]
     offsets = np.cumsum([0] + lengths)
-    placement = np.asarray(prog.placement, dtype=np.int64)
+    placement = prog.placement_array
 
     def cat(xs: list[np.ndarray]) -> np.ndarray:
         return np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64)

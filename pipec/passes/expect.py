@@ -23,7 +23,7 @@ expectation that applies names a time.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -85,7 +85,7 @@ class Metrics:
 
     @functools.cached_property
     def _in_flight(self) -> list[int]:
-        return [in_flight(self.sched, r) for r in range(self.sched.num_ranks)]
+        return in_flights(self.sched)  # one walk of every rank: per rank it would be quadratic in ranks
 
     def _rank(self, what: str, r: int, sid: int) -> int:
         R = self.sched.num_ranks
@@ -106,10 +106,15 @@ def in_flight(sched: Schedule, r: int) -> int:
     """The most (micro-batch, stage) pairs rank r holds at once along its order: F done, and its last
     backward piece (B, or W when the backward is split) not yet, on the device or the host. The memory
     walk of both pools (`pipec.sim.memory.walk`) under `counting_model`, where every pair weighs one."""
+    return in_flights(sched, (r,))[0]
+
+
+def in_flights(sched: Schedule, ranks: Sequence[int] | None = None) -> list[int]:
+    """`in_flight` of each rank of `ranks` (default: all), from one walk of those ranks."""
     from pipec.sim.memory import counting_model, walk
 
-    w = walk(sched, counting_model(sched.num_stages))[r]
-    return int(round(max(float(np.cumsum(w.device + w.host).max(initial=0.0)), 0.0)))
+    walks = walk(sched, counting_model(sched.num_stages), ranks)
+    return [int(round(max(float(np.cumsum(w.device + w.host).max(initial=0.0)), 0.0))) for w in walks]
 
 
 def _text(sched: Schedule, e: Expectation) -> str:

@@ -119,7 +119,7 @@ def lower_with_proof(sched: Schedule, dp: DataParallel | None = None) -> tuple[P
     times = global_order(sched)
     S, m = sched.num_stages, sched.num_microbatches
     time_of = op_times(sched, times)
-    placement = np.asarray(sched.placement, dtype=np.int64)
+    placement = sched.placement_array
     placed: list[list[tuple[int, Collective | MemOp]]] = []  # per rank: (instruction index, what) it placed
     ranks = tuple(
         _lower_rank(sched, r, ops, t, time_of, placement, dp, placed)

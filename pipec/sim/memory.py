@@ -68,7 +68,7 @@ live exactly as long: its B, after every later slice's B, frees them.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -268,10 +268,10 @@ DEVICE_AT_START = _when(("FWD", "RECOMPUTE", "RELOAD"))
 HOST_AT_START = _when(("OFFLOAD",))
 
 
-def resident(placement: tuple[int, ...], model: Mapping[str, np.ndarray], rank: int, dp: int = 1) -> float:
+def resident(placement: tuple[int, ...] | np.ndarray, model: Mapping[str, np.ndarray], rank: int, dp: int = 1) -> float:
     """What the rank's device pool holds throughout: its stages' params (fsdp over dp replicas: a shard)."""
-    own = [s for s, r in enumerate(placement) if r == rank]
-    return float(np.asarray(model["params"], float)[own].sum() / dp) if own else 0.0
+    own = np.asarray(placement) == rank
+    return float(np.asarray(model["params"], float)[own].sum() / dp) if own.any() else 0.0
 
 
 def _fsdp(prog: Program) -> int:
@@ -338,14 +338,14 @@ class Walk:
         return max(float(self.host_level.max(initial=0.0)), 0.0)
 
 
-def walk(sched: Schedule, model: Mapping[str, np.ndarray]) -> list[Walk]:
-    """Per rank, the walk of a Schedule under a `memory_model` (ddp, or no data parallelism: every replica
-    holds its params whole); `rank_memory` reports it."""
+def walk(sched: Schedule, model: Mapping[str, np.ndarray], ranks: Sequence[int] | None = None) -> list[Walk]:
+    """Per rank (of `ranks`, default all), the walk of a Schedule under a `memory_model` (ddp, or no data
+    parallelism: every replica holds its params whole); `rank_memory` reports it."""
     out = []
-    for r in range(sched.num_ranks):
+    for r in range(sched.num_ranks) if ranks is None else ranks:
         op, mb, st, src = schedule_stream(sched, r)
         dev, host = deltas(op, mb, st, model, sched.split_backward)
-        out.append(Walk(op, mb, st, src, dev, host, resident(sched.placement, model, r)))
+        out.append(Walk(op, mb, st, src, dev, host, resident(sched.placement_array, model, r)))
     return out
 
 
@@ -530,7 +530,7 @@ def program_memory(prog: Program, sched: Schedule, overrides: Mapping[str, objec
     reports = []
     for r, ((dev, host), rp) in enumerate(zip(instruction_deltas(prog, model), prog.ranks)):
         memop_of = _memop_index(rp, sched.memops[r] if r < len(sched.memops) else ())
-        base = resident(prog.placement, model, r, n)
+        base = resident(prog.placement_array, model, r, n)
         reports.append(_walk(sched, r, rp.op, rp.mb, rp.stage, memop_of, dev, host, base, model, n))
     return reports
 

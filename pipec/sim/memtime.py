@@ -155,7 +155,7 @@ def memory_curves(tl: Timeline, prog: Program, model: Mapping[str, np.ndarray]) 
     n = prog.dp if prog.dp_kind == "fsdp" else 1
     dev, host, dpk, hpk = [], [], [], []
     for r, (d, h) in enumerate(deltas):
-        base = resident(prog.placement, model, r, n)
+        base = resident(prog.placement_array, model, r, n)
         dpk.append(float(_curve(dev_t[r], d, base, False)[1].max()))
         hpk.append(max(float(_curve(host_t[r], h, 0.0, False)[1].max()), 0.0))
         dev.append(_curve(dev_t[r], d, base, True))

@@ -301,7 +301,7 @@ def plan(prog: Program, costs: CostModel) -> Plan:
     stage = np.concatenate([rp.stage for rp in prog.ranks]) if sum(lengths) else z
     peer = np.concatenate([rp.peer for rp in prog.ranks]) if sum(lengths) else z
     rank = np.repeat(np.arange(R), lengths)
-    placement = np.asarray(prog.placement, dtype=np.int64)
+    placement = prog.placement_array
     dp = prog.dp > 1 and bool(IS_COLLECTIVE[op].any())
     blocking = dp and costs.dp_blocking
     # optimizer steps with a cost: the STEPs become stream ops (as with data parallelism) that take it

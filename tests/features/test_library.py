@@ -11,19 +11,15 @@ import functools
 from unittest import mock
 
 import pytest
+from library_cases import TORCH, Op, grid_ms, orders, param_names, try_load
 from torch.distributed.pipelining import schedules as ts
 from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 from torch.distributed.pipelining.stage import PipelineStage
 
 from pipec.api import load
-from pipec.errors import PipecError
 from pipec.frontend import library
-from pipec.frontend.load import compile_source
 from pipec.ir.schedule import Schedule
 from pipec.passes.compiler import compile_schedule
-
-# An op as compared here: (kind, micro-batch, stage, overlapped with the next op).
-Op = tuple[str, int, int, bool]
 
 # The configurations each paper (or torch's docs) shows; they must be accepted.
 MAIN_CONFIGS: dict[str, list[dict[str, int]]] = {
@@ -53,28 +49,6 @@ MAIN_CONFIGS: dict[str, list[dict[str, int]]] = {
 
 
 # ---------------------------------------------------------------- helpers
-
-
-@functools.cache
-def param_names(name: str) -> tuple[str, ...]:
-    return tuple(p.name for p in compile_source(library.read(name)).params)
-
-
-def try_load(name: str, **params: int) -> Schedule | None:
-    """The checked schedule, or None when one of its `require`s rejects these parameters."""
-    try:
-        return load(name, **params)
-    except PipecError as e:
-        if e.code == "E202":
-            return None
-        raise
-
-
-def orders(s: Schedule) -> list[list[Op]]:
-    return [
-        [(o.kind, o.mb, o.stage, bool(pr)) for o, pr in zip(s.ops(r), s.ranks[r].paired.tolist())]
-        for r in range(s.num_ranks)
-    ]
 
 
 def simulate(s: Schedule, cost: dict[str, int]) -> list[tuple[int, int]]:
@@ -144,15 +118,6 @@ def in_flight(ops: list[Op], until: str) -> int:
         elif k == until:
             live.discard((i, st))
     return peak
-
-
-def grid_ms(p: int) -> list[int]:
-    """A thinned grid of micro-batch counts for the slower comparisons: all of 1..4p for p <= 2, then the
-    edges around p, 2p and 4p, where the schedules change shape."""
-    if p <= 2:
-        return list(range(1, 4 * p + 1))
-    edges = {1, 2, p - 1, p, p + 1, 2 * p - 2, 2 * p - 1, 2 * p, 2 * p + 1, 3 * p, 4 * p - 1, 4 * p}
-    return sorted(m for m in edges if 1 <= m <= 4 * p)
 
 
 UNIT = {"F": 1, "B": 1, "W": 1}  # split backward, T_F = T_B = T_W
@@ -243,17 +208,6 @@ def test_grid_large_p(name: str):
 
 
 # ---------------------------------------------------------------- (2) torch as the oracle
-
-TORCH = [
-    # pipec name, torch class, stages per rank ("v": the schedule's parameter v), split backward
-    ("gpipe", ts.ScheduleGPipe, 1, False),
-    ("interleaved-1f1b", ts.ScheduleInterleaved1F1B, "v", False),
-    ("looped-bfs", ts.ScheduleLoopedBFS, "v", False),
-    ("zb-v", ts.ScheduleZBVZeroBubble, 2, True),
-    ("dualpipe-v", ts.ScheduleDualPipeV, 2, True),
-    # torch's ZB1P with one stage per rank is ZB-H1.
-    ("zb-h1", ts.ScheduleInterleavedZeroBubble, 1, True),
-]
 
 
 @pytest.mark.parametrize("name, cls, local, split", TORCH, ids=[t[0] for t in TORCH])

@@ -15,8 +15,8 @@ import pytest
 
 pytest.importorskip("torch")
 
+from library_cases import schedule_params  # noqa: E402
 from runtime_harness import ROOT, launch  # noqa: E402
-from test_runtime_local import schedule_params  # noqa: E402
 
 from pipec.api import load  # noqa: E402
 from pipec.frontend import library  # noqa: E402

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import pytest
+from library_cases import schedule_params
 from repo import ROOT
 
 torch = pytest.importorskip("torch")
@@ -17,18 +18,6 @@ from pipec.runtime import LocalPipeline, Reference, StageOptions, Transport, loa
 from pipec.runtime.reference import compare, rel_err  # noqa: E402
 
 TOL = 1e-10
-
-
-def schedule_params(name: str, p: int) -> dict[str, int]:
-    """p ranks, m = 2p micro-batches (meets every library schedule's requirements), v = 2 where declared;
-    a sliced schedule's sequences of L = 8 tokens in 2 slices (the small GPT's context: `sliced_gpt`)."""
-    params = {"p": p, "m": 2 * p}
-    declared = dict(load(name).params)
-    if "v" in declared:
-        params["v"] = 2
-    if "L" in declared and "n" in declared:
-        params.update(n=2, L=8)
-    return params
 
 
 @pytest.fixture(scope="module")

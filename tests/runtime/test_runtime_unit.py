@@ -3,6 +3,7 @@ shapes, the Python API's errors, and that `import pipec` stays free of torch."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 import sys
@@ -194,7 +195,7 @@ def _edit(prog: Program, rank: int, fn) -> Program:
     instrs = fn(prog.ranks[rank].instructions())
     ranks = list(prog.ranks)
     ranks[rank] = RankProgram.from_instructions(instrs)
-    return Program(**{**prog.__dict__, "ranks": tuple(ranks)})
+    return dataclasses.replace(prog, ranks=tuple(ranks))
 
 
 def test_every_opcode_has_one_executor_method():

@@ -24,9 +24,9 @@ import torch
 import torch_pipelining_worker as worker
 from cli_helpers import run_cli
 from hypothesis import event, given, settings
+from library_cases import TORCH, grid_ms, orders, param_names, try_load
 from repo import ROOT
 from strategies import random_schedules
-from test_library import TORCH, grid_ms, orders, param_names, try_load
 from torch.distributed.pipelining import schedules as ts
 from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 from torch.distributed.pipelining.stage import PipelineStage

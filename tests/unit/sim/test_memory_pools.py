@@ -19,7 +19,7 @@ from pipec.api import load
 from pipec.driver import schedule_of, simulation
 from pipec.errors import PipecError
 from pipec.formats.trace import trace_events
-from pipec.ir.program import Instr, Program, RankProgram
+from pipec.ir.program import Instr, RankProgram
 from pipec.ir.schedule import MemOp
 from pipec.passes.compiler import compile_schedule
 from pipec.passes.lower import lower
@@ -205,7 +205,7 @@ def test_memops_on_a_hand_built_program():
         out.append(x)
         if x.op == "FWD" and x.mb in (0, 1):
             out.append(Instr("OFFLOAD", x.mb, 0))
-    edited = Program(**{**prog.__dict__, "ranks": (RankProgram.from_instructions(out), prog.ranks[1])})
+    edited = dataclasses.replace(prog, ranks=(RankProgram.from_instructions(out), prog.ranks[1]))
     reps = program_memory(edited, schedule_of(edited))
     assert [(r.peak, r.host_peak) for r in reps] == [(2.0, 2.0), (3.0, 0.0)]
     assert reps[0].host_memop == -1 and reps[0].host_op == "OFFLOAD 1 0"
