@@ -44,7 +44,7 @@ from pipec.ir.opcodes import (
 )
 
 # The vocabulary lives in pipec.ir.opcodes; these names stay importable from here for readers of a Program.
-from pipec.ir.schedule import Slicing
+from pipec.ir.schedule import Slicing, frozen_array
 
 __all__ = [
     "BWD",
@@ -145,11 +145,7 @@ class Program:
 
     @functools.cached_property
     def placement_array(self) -> np.ndarray:
-        """`placement` as a read-only int64 array, made once: passes that work rank by rank index it rather
-        than convert the tuple each time (O(stages) a rank, so O(ranks x stages) in all)."""
-        a = np.asarray(self.placement, dtype=np.int64)
-        a.setflags(write=False)
-        return a
+        return frozen_array(self.placement)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Program):

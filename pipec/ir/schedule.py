@@ -284,11 +284,7 @@ class Schedule:
 
     @functools.cached_property
     def placement_array(self) -> np.ndarray:
-        """`placement` as a read-only int64 array, made once: passes that work rank by rank index it rather
-        than convert the tuple each time (O(stages) a rank, so O(ranks x stages) in all)."""
-        a = np.asarray(self.placement, dtype=np.int64)
-        a.setflags(write=False)
-        return a
+        return frozen_array(self.placement)
 
     @functools.cached_property
     def _stages_by_rank(self) -> tuple[tuple[int, ...], ...]:
@@ -355,3 +351,12 @@ def unit_json(slicing: Slicing | None, unit: int) -> dict[str, int]:
         return {"mb": int(unit)}
     i, j = slicing.split(unit)
     return {"mb": i, "slice": j, "unit": int(unit)}
+
+
+def frozen_array(placement: tuple[int, ...]) -> np.ndarray:
+    """A placement as a read-only int64 array, made once per Schedule or Program (their `placement_array`):
+    passes that work rank by rank index it rather than convert the tuple each time (O(stages) a rank, so
+    O(ranks x stages) in all)."""
+    a = np.asarray(placement, dtype=np.int64)
+    a.setflags(write=False)
+    return a
