@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from strategies import library_schedules
 
-from pipec.api import load
 from pipec.errors import PipecError
 from pipec.ir.rules import RULES, active, dependencies, feeds, needs
 from pipec.ir.schedule import RankOps, Schedule
@@ -38,16 +38,9 @@ LIBRARY = (
 )
 
 
-@st.composite
-def library(draw) -> Schedule:
+def library() -> st.SearchStrategy[Schedule]:
     """A library schedule: sliced (terapipe), with memory ops, split backward, V and looped placements."""
-    name = draw(st.sampled_from(LIBRARY))
-    p = draw(st.integers(2, 4))
-    m = draw(st.sampled_from([p, 2 * p]))
-    try:
-        return load(name, p=p, m=m)
-    except PipecError:
-        assume(False)
+    return library_schedules(LIBRARY)
 
 
 def _ops(sched: Schedule):

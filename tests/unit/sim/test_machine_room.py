@@ -9,11 +9,10 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from strategies import library_schedules
 from tables import random_layer_table
 
 from pipec import synth
-from pipec.api import load
-from pipec.errors import PipecError
 from pipec.ir.schedule import Datacenter, Link, Policy, Schedule, Topology
 from pipec.partition.problem import Problem
 from pipec.passes.compiler import compile_schedule
@@ -40,13 +39,8 @@ LIBRARY = (
 @st.composite
 def library(draw) -> Schedule:
     """A library schedule (slices, memory ops, split backward, overlapped pairs), on two datacenters or one."""
-    name = draw(st.sampled_from(LIBRARY))
-    p = draw(st.integers(2, 4))
-    m = draw(st.sampled_from([p, 2 * p]))
-    try:
-        sched = load(name, p=p, m=m)
-    except PipecError:
-        assume(False)
+    sched = draw(library_schedules(LIBRARY))
+    p = sched.num_ranks
     if draw(st.booleans()):
         cut = draw(st.integers(1, p - 1))
         bps = draw(st.sampled_from([1e6, 8e6]))

@@ -15,10 +15,8 @@ micro-batch's whole `act` from its F and refused it)."""
 from __future__ import annotations
 
 import dataclasses
-import glob
 import itertools
 import json
-import os
 
 import numpy as np
 import pytest
@@ -29,6 +27,7 @@ from tables import random_layer_table
 from pipec.api import load
 from pipec.errors import PipecError
 from pipec.formats.partition_files import write_json
+from pipec.frontend import library
 from pipec.ir.opcodes import CODE
 from pipec.ir.schedule import Policy, RankOps, Schedule
 from pipec.passes.compiler import compile_schedule
@@ -40,7 +39,7 @@ from pipec.sim.memtime import memory_curves
 from pipec.sim.simulate import simulate
 from pipec.synth import memory_demands
 
-LIBRARY = sorted(os.path.basename(f)[: -len(".pipe")] for f in glob.glob("schedules/*.pipe"))
+LIBRARY = library.names()  # every schedule of the standard library
 MEMOPS = ("1f1b-recompute", "1f1b-offload", "zb-v-recompute")
 SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
