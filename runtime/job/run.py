@@ -49,7 +49,9 @@ def run(opts: RunOptions, program: Program, links=None, schedule=None) -> int:
 
         raise OptionError(wrong_world_size(program, opts.nproc))
     world = program.num_ranks * program.dp
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    from pipec.runtime.host.affinity import allowed_cpus
+
+    cpus = len(allowed_cpus() or ()) or os.cpu_count() or 1
     if not opts.local and world > LOCAL_PROCESSES_PER_CPU * cpus and not opts.force:
         raise OptionError(
             f"this job starts {world} processes here ({program.num_ranks} ranks x dp {program.dp}), more than "
