@@ -102,6 +102,7 @@ def test_a_resumed_run_equals_an_uninterrupted_one_bitwise(straight, tmp_path):
     assert_same(tensors(ck / "step-000004", tmp_path), tensors(folder / "step-000004", tmp_path))
 
 
+@pytest.mark.slow  # resume from the last complete one: test_checkpoint_trust (partial folders, fallback)
 def test_a_killed_run_resumes_from_its_last_complete_checkpoint(straight, tmp_path):
     folder, _ = straight
     ck = tmp_path / "ck"

@@ -184,7 +184,12 @@ def test_in_situ_profile_is_for_gloo_on_cpu(small_mlp):
 
 
 @pytest.mark.parametrize(
-    "fault,culprit", [("raise", "rank 1: RuntimeError: injected failure"), ("exit", "rank 1 died (exit status 3)")]
+    "fault,culprit",
+    [
+        ("raise", "rank 1: RuntimeError: injected failure"),
+        # a dead rank named: test_runtime_dist's test_rank_that_dies_stops_every_rank
+        pytest.param("exit", "rank 1 died (exit status 3)", marks=pytest.mark.slow),
+    ],
 )
 def test_in_situ_profile_names_the_rank_that_failed(monkeypatch, fault, culprit):
     from pipec.runtime.errors import PipelineError
@@ -217,6 +222,7 @@ def test_in_situ_profile_gives_up_on_a_hung_rank_after_the_timeout(monkeypatch):
     assert time.monotonic() - t0 < 40  # the timeout, start-up and teardown; not the hung rank's hour
 
 
+@pytest.mark.slow  # the concurrent default runs in test_profile_json_and_measured_tables
 def test_concurrent_timing_keeps_each_stages_times_from_its_owner(small_mlp):
     """The default on CPUs: one process per rank times every stage at once; each stage's times come from
     the process of the rank that owns it (zb-v, p=2: stages 0 and 3 on rank 0, 1 and 2 on rank 1)."""
