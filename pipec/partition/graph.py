@@ -3,7 +3,8 @@ times. Why a module of its own: every bound of the search (`pipec.partition.sear
 rests on it; a path's length is additive over the stages, so each path is one linear row over the split.
 
 Every op of the Program has a predecessor on its rank (the op before it) and, but for a first F, a data
-predecessor from another rank (`pipec.ir.rules`). The simulator never starts an op before both have
+predecessor from another rank (`pipec.ir.rules`; the second op of its pair when the producer is the first
+of an overlapped pair, whose messages leave after the pair). The simulator never starts an op before both have
 ended, plus the message's latency and fixed `comm` time when they are on two ranks, so for any path P and
 any split x the simulated step T(x) >= len_P(x).
 """
@@ -53,6 +54,11 @@ class _Graph:
             u = np.where(valid, ident[(dk * S + np.clip(ds, 0, S - 1)) * m + np.clip(dmb, 0, m - 1)], -1)
             remote = (u >= 0) & (rank[np.maximum(u, 0)] != rank)
             data_pred = np.where(remote, u, data_pred)
+        # An overlapped pair's first op sends its output after the pair's step (`pipec.passes.lower`), so
+        # a remote successor waits for the pair's second op, the one that ends the step.
+        paired = np.concatenate([r.paired for r in sched.ranks]).astype(bool) if sched.ranks else np.zeros(0, bool)
+        has = data_pred >= 0
+        data_pred[has] += paired[data_pred[has]]
         for v in np.flatnonzero(data_pred >= 0).tolist():
             u, r = int(data_pred[v]), info[v][2]
             ru = info[u][2]
