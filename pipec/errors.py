@@ -7,6 +7,7 @@ and a caret under the span.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 
@@ -89,6 +90,12 @@ def brief(value: object, width: int = 40) -> str:
         return text
     unit = "digits" if text.lstrip("-").isdigit() else "characters"
     return f"{text[: width // 2]}...{text[-(width // 4) :]} ({len(text)} {unit})"
+
+
+def brief_path(path: object) -> str:
+    """A file path as a message quotes it: whole up to Linux's PATH_MAX (4096), so that a user can find the
+    file (`brief`'s 80 characters cut a path in a deep folder, or a test's temporary one, in the middle)."""
+    return brief(os.fspath(path) if isinstance(path, os.PathLike) else path, 4096)
 
 
 class PipecError(Exception):

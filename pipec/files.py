@@ -29,7 +29,7 @@ import tempfile
 from collections.abc import Iterator
 from typing import IO
 
-from pipec.errors import brief, error
+from pipec.errors import brief_path, error
 
 MAX_INPUT_BYTES = 64 * 2**20  # any one input file: schedule, cost file, Program, topology, CSV, trace
 # Peak bytes per op of `pipec check`, `compile` and `simulate` (measured: about 780 at 1M and 2M ops of
@@ -140,11 +140,11 @@ def _refuse(st: os.stat_result, path: str | os.PathLike[str], what: str, limit: 
     if stat.S_ISDIR(st.st_mode):
         return
     if not stat.S_ISREG(st.st_mode):
-        raise error("E901", f"{what} `{brief(os.fspath(path), 80)}` is {_kind(st.st_mode)}, not a regular file")
+        raise error("E901", f"{what} `{brief_path(path)}` is {_kind(st.st_mode)}, not a regular file")
     if st.st_size > limit:
         raise error(
             "E901",
-            f"{what} `{brief(os.fspath(path), 80)}` is {_size(st.st_size)}, above the limit of {_size(limit)}",
+            f"{what} `{brief_path(path)}` is {_size(st.st_size)}, above the limit of {_size(limit)}",
         )
 
 
@@ -168,7 +168,7 @@ def read_input(path: str | os.PathLike[str], what: str = "input", limit: int = M
             chunks.append(chunk)
             size += len(chunk)
         if size > limit:  # it grew while we read
-            raise error("E901", f"{what} `{brief(os.fspath(path), 80)}` is above the limit of {_size(limit)}")
+            raise error("E901", f"{what} `{brief_path(path)}` is above the limit of {_size(limit)}")
         return b"".join(chunks)
     finally:
         os.close(fd)

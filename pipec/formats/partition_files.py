@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipec.errors import PipecError, brief, error
+from pipec.errors import PipecError, brief, brief_path, error
 
 TABLE_FORMAT = "pipec-layer-costs"
 PARTITION_FORMAT = "pipec-partition"
@@ -132,15 +132,15 @@ def _load_json(path: str, what: str) -> object:
     try:
         text = read_text(path, what)
     except OSError as e:
-        raise error("E803", f"cannot read {what} `{brief(path, 80)}`: {e.strerror}") from None
+        raise error("E803", f"cannot read {what} `{brief_path(path)}`: {e.strerror}") from None
     except UnicodeDecodeError:
-        raise error("E803", f"{what} `{brief(path, 80)}` is not UTF-8 text") from None
+        raise error("E803", f"{what} `{brief_path(path)}` is not UTF-8 text") from None
     try:
         return json.loads(text)
     except (json.JSONDecodeError, ValueError) as e:
-        raise error("E803", f"{what} `{brief(path, 80)}` is not valid JSON: {brief(e, 200)}") from None
+        raise error("E803", f"{what} `{brief_path(path)}` is not valid JSON: {brief(e, 200)}") from None
     except RecursionError:
-        raise error("E803", f"{what} `{brief(path, 80)}` nests its JSON too deeply") from None
+        raise error("E803", f"{what} `{brief_path(path)}` nests its JSON too deeply") from None
 
 
 def _require(cond: bool, what: str, message: str) -> None:
@@ -161,7 +161,7 @@ def _number(x: object) -> bool:
 
 def read_table(path: str) -> LayerTable:
     """A layer table written by `pipec partition` or `pipec.runtime.profile.layers` (E803 when malformed)."""
-    what = f"layer table `{brief(path, 80)}`"
+    what = f"layer table `{brief_path(path)}`"
     doc = _head(_load_json(path, "layer table"), TABLE_FORMAT, what)
     rows = doc.get("layers")
     _require(isinstance(rows, list) and len(rows) > 0, what, "`layers` must be a non-empty list")
@@ -416,7 +416,7 @@ def read_partition(path: str, *, verify: bool = True) -> PartitionFile:
     its layers once each, in order, or (`verify`) its `fingerprint` is not that of its content. A caller with
     the model at hand passes verify=False, checks the model first (`check_model` says which layer is wrong),
     then `check_fingerprint`."""
-    return parse_partition(_load_json(path, "partition file"), f"partition file `{brief(path, 80)}`", verify=verify)
+    return parse_partition(_load_json(path, "partition file"), f"partition file `{brief_path(path)}`", verify=verify)
 
 
 def _names(x: object) -> bool:

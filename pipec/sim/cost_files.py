@@ -16,7 +16,7 @@ import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 
-from pipec.errors import brief, error
+from pipec.errors import brief, brief_path, error
 from pipec.ir.schedule import STAGE_COST_KEYS
 from pipec.ir.units import quantity
 from pipec.sim.costs import LINK_CLASSES
@@ -194,7 +194,7 @@ def read_cost_file(path: str | Path) -> dict:
     try:
         text = read_text(path, "cost file")
     except OSError as e:
-        raise error("E801", f"cannot read cost file `{brief(str(path), 80)}`: {e.strerror}") from None
+        raise error("E801", f"cannot read cost file `{brief_path(path)}`: {e.strerror}") from None
     except UnicodeDecodeError:
         raise error("E801", f"cost file `{path}` is not UTF-8 text") from None
     if not text.strip():  # 0 bytes (or blanks): never the defaults in disguise
