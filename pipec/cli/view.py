@@ -13,13 +13,13 @@ def view_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "schedule", metavar="FILE|NAME", help="a .pipe file, library name, Program file or trace (.json)"
     ).completer = complete_schedule
-    options.add_define_argument(p, "set a schedule parameter (repeatable); with --compare, each takes those it declares")
+    options.add_define_argument(p, "set a schedule parameter (repeatable); with --compare, each takes its own")
     cost_args(p)
     topology_arg(p)
     memory_args(p)
     options.add_dp_arguments(p)
     p.add_argument("--compare", metavar="FILE|NAME", help="a second schedule, drawn on the same time axis")
-    p.add_argument("--measured", metavar="TRACE.json", help="a run's trace (`pipec run --trace`) laid over the simulation")
+    p.add_argument("--measured", metavar="TRACE.json", help="a run's trace (`pipec run --trace`) over the simulation")
     p.add_argument("-o", "--output", metavar="OUT.html", default="view.html", help="the file to write (view.html)")
 
 
@@ -59,4 +59,6 @@ def cmd_view(args: argparse.Namespace) -> int:
     return 0
 
 
-VIEW = Command("view", "write an interactive HTML view of a schedule, simulation or measured run", view_arguments, cmd_view)
+VIEW = Command(
+    "view", "write an interactive HTML view of a schedule, simulation or measured run", view_arguments, cmd_view
+)
