@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from pipec import __version__
-from pipec.cli import check, interop, partition, run, show, simulate, slice, synth, test, view
+from pipec.cli import check, interop, partition, run, serve, show, simulate, slice, synth, test, view
 from pipec.cli.args import Command
 from pipec.cli.envelope import MISUSE, Misuse, command_of, diagnostic_json, fail_json
 from pipec.errors import PipecError
@@ -30,6 +30,7 @@ COMMANDS: tuple[Command, ...] = (
     show.SHOW,
     simulate.SIMULATE,
     view.VIEW,
+    serve.SERVE,
     run.RUN,
     run.PROFILE,
     interop.EXPORT,
