@@ -9,6 +9,7 @@ from pipec.cli.envelope import Misuse
 
 
 def serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.set_defaults(json=False)  # no JSON document: diagnostics are printed as text
     p.add_argument("--port", type=int, default=8765, help="the port (0: one the system picks; default 8765)")
     p.add_argument(
         "--host",

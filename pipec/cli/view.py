@@ -20,6 +20,7 @@ def view_arguments(p: argparse.ArgumentParser) -> None:
     options.add_dp_arguments(p)
     p.add_argument("--compare", metavar="FILE|NAME", help="a second schedule, drawn on the same time axis")
     p.add_argument("--measured", metavar="TRACE.json", help="a run's trace (`pipec run --trace`) over the simulation")
+    p.set_defaults(json=False)  # no JSON document: diagnostics are printed as text
     p.add_argument("-o", "--output", metavar="OUT.html", default="view.html", help="the file to write (view.html)")
 
 

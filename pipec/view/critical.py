@@ -11,6 +11,10 @@ is the makespan, which is what makes it the critical path. The same rule applied
 gap names what the rank waited for, so the viewer can say "idle because the activation of F(3, stage 1)
 from rank 0 arrived only now" instead of drawing blank space.
 
+Where the cost model charges time a Timeline does not record (`overhead`, a rank's own time per send and
+receive), nothing ends exactly when the next event starts; then the event that ended last before it is
+taken, and the difference is that unrecorded time.
+
 Everything is vectorised (numpy searches over sorted keys), because the viewer runs this on million-op
 timelines; only the walk along the path is a Python loop, one step per event on the path.
 """
@@ -132,6 +136,25 @@ class _Finder:
             out[q] = rows
         return out
 
+    def latest(self, rank: np.ndarray, t: np.ndarray, exclude: np.ndarray) -> np.ndarray:
+        """For each query, the event of its rank that ends last at or before the instant (-1: none)."""
+        out = np.full(len(t), -1, dtype=np.int64)
+        if not len(self.rows) or not len(t):
+            return out
+        lo = np.searchsorted(self.rank, rank, side="left")
+        hi = np.searchsorted(self.rank, rank, side="right")
+        for r in np.unique(rank):
+            q = np.flatnonzero(rank == r)
+            a, b = int(lo[q[0]]), int(hi[q[0]])
+            if a == b:
+                continue
+            k = np.searchsorted(self.end[a:b], t[q] + self.tol, side="right") - 1
+            rows = np.where(k >= 0, self.rows[a + np.maximum(k, 0)], -1)
+            back = (rows == exclude[q]) & (k >= 1)  # itself (zero length): the one before it
+            rows = np.where(back, self.rows[a + np.maximum(k - 1, 0)], np.where(rows == exclude[q], -1, rows))
+            out[q] = rows
+        return out
+
 
 def _predecessors(ev: _Events, tol: float, first: float) -> np.ndarray:
     """For each event, the event whose end let it start (-1: it started at the step's start, or nothing
@@ -146,6 +169,15 @@ def _predecessors(ev: _Events, tol: float, first: float) -> np.ndarray:
     comp = np.flatnonzero(ev.kind == COMPUTE)
     via_msg = msgs.find(ev.rank[comp], ev.start[comp])
     pred[comp] = np.where(via_msg >= 0, via_msg, pred[comp])
+    # Nothing ends exactly then: time the Timeline does not record (the cost model's per-message
+    # `overhead`, the rank's own time) lies between. The wait is on what ended last before it.
+    lost = np.flatnonzero((pred < 0) & (ev.start > first + tol))
+    if len(lost):
+        near = local.latest(ev.pred_rank[lost], ev.start[lost], lost)
+        is_comp = ev.kind[lost] == COMPUTE
+        m = np.where(is_comp, msgs.latest(ev.rank[lost], ev.start[lost], lost), -1)
+        better = (m >= 0) & ((near < 0) | (ev.end[np.maximum(m, 0)] >= ev.end[np.maximum(near, 0)]))
+        pred[lost] = np.where(better, m, near)
     pred[ev.start <= first + tol] = -1
     return pred
 
@@ -168,7 +200,7 @@ def attribute(tl: Timeline) -> Attribution:
         e = int(pred[e])
     path.reverse()
     p = np.asarray(path, dtype=np.int64)
-    length = float(ev.end[last] - (ev.start[p[0]] if ev.start[p[0]] > first + tol else first))
+    length = float(ev.end[last] - first)  # the chain runs back to the step's start (module docstring)
     g_rank, g_start, g_end, g_row = _gaps(tl, ev, pred, tol, first)
     g_kind = np.where(g_row >= 0, ev.kind[np.maximum(g_row, 0)], -1)
     g_index = np.where(g_row >= 0, ev.index[np.maximum(g_row, 0)], -1)

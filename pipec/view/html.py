@@ -379,7 +379,7 @@ def page(doc: dict[str, object]) -> str:
     from html import escape
 
     return (
-        "<!doctype html>\n<html lang=en><head><meta charset=utf-8><link rel=\"icon\" href=\"data:,\">"
+        '<!doctype html>\n<html lang=en><head><meta charset=utf-8><link rel="icon" href="data:,">'
         f"<title>{escape(str(doc.get('title', 'pipec view')))}</title>"
         f"<style>{static_text('viewer.css')}</style></head>\n<body>\n"
         '<div id="pipec-view"></div>\n'

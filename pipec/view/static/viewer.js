@@ -226,7 +226,7 @@ const PipecView = (() => {
         ctx.beginPath(); ctx.moveTo(x, AXIS - 4); ctx.lineTo(x, this.height); ctx.stroke();
         ctx.fillText(fmt(v), x + 2, 12);
       }
-      const unit = this.doc.panels.some((p) => p.kind === "deadlock") ? "position in the rank's order" : "time (s)";
+      const unit = this.doc.panels.some((p) => p.kind === "deadlock") ? "order" : "time (s)";
       ctx.fillText(unit, 4, 12);
     }
 
