@@ -11,7 +11,6 @@ from pipec import driver
 from pipec.formats.trace import write_trace
 from pipec.view.html import CRITICAL, IN_CYCLE, PAIR_FIRST, decode, encode, page, view_document
 
-
 # 1F1B where rank 0 runs B(0) before F(1): rank 1 needs F(1) before it sends B(0)'s gradient.
 DEADLOCK = """\
 schedule "1f1b-deadlock" (p: int = 2, m: int = 4) {
