@@ -39,8 +39,16 @@ def main() -> int:
     out.write_text(text)
     written = time.perf_counter() - t
     n, size = op_count(doc), len(text.encode())
-    emit(figure="file", schedule=args.schedule, params=dict(defines), ops=n, bytes=size,
-         bytes_per_op=round(size / n, 2), build_s=round(built, 2), write_s=round(written, 2))
+    emit(
+        figure="file",
+        schedule=args.schedule,
+        params=dict(defines),
+        ops=n,
+        bytes=size,
+        bytes_per_op=round(size / n, 2),
+        build_s=round(built, 2),
+        write_s=round(written, 2),
+    )
     if args.no_browser:
         return 0
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
@@ -54,14 +62,21 @@ def main() -> int:
         wall = time.perf_counter() - t
         in_page = chrome.execute_script("return window.pipecLoadMs")
         first = chrome.execute_script("return performance.now()")  # since navigation start
-        emit(figure="first_paint", ops=n, wall_s=round(wall, 2), page_ms=round(first, 1),
-             decode_and_draw_ms=round(in_page, 1), errors=len(browser.console_errors(chrome)))
+        emit(
+            figure="first_paint",
+            ops=n,
+            wall_s=round(wall, 2),
+            page_ms=round(first, 1),
+            decode_and_draw_ms=round(in_page, 1),
+            errors=len(browser.console_errors(chrome)),
+        )
         draws = chrome.execute_script(
             """
             const v = pipecView, full = v.full[1] - v.full[0], out = {};
             const time = (f) => { const t = performance.now(); f(); return performance.now() - t; };
             out.full_ms = time(() => v.setWindow(v.full[0], v.full[1]));
-            const pans = []; for (let k = 1; k <= 10; k++) pans.push(time(() => v.setWindow(full * 0.05 * k, full * (0.05 * k + 0.5))));
+            const pans = [];
+            for (let k = 1; k <= 10; k++) pans.push(time(() => v.setWindow(full * 0.05 * k, full * (0.05 * k + 0.5))));
             out.pan_ms = pans.reduce((a, b) => a + b) / pans.length;
             out.pan_max_ms = Math.max(...pans);
             out.zoom_in_ms = time(() => v.setWindow(full * 0.4, full * 0.4001));

@@ -243,7 +243,8 @@ const PipecView = (() => {
         } else {
           const name = L.type === "ops" ? `rank ${L.r}` : { p2p: "send/recv", coll: "collective", host: "host link", mem: "memory" }[L.type];
           ctx.fillStyle = L.type === "ops" ? "#222" : "#778";
-          ctx.fillText(name, 4, L.y + Math.min(L.h - 2, 15));
+          ctx.font = L.h < 12 ? "8px system-ui, sans-serif" : "10px system-ui, sans-serif";
+          ctx.fillText(name, 4, L.y + Math.min(L.h - 1, 15));
         }
       }
     }

@@ -86,3 +86,14 @@ def test_a_measured_run_is_matched_op_by_op(tmp_path):
     # the trace alone is a view too
     alone = view_document(str(tmp_path / "run.json"))
     assert alone["panels"][0]["origin"] == "measured"
+
+
+def test_import_pipec_loads_no_viewer_and_no_server():
+    import subprocess
+    import sys
+
+    code = "import pipec, sys; print(sorted(m for m in sys.modules if m in WATCH))"
+    watch = ("pipec.view.html", "pipec.view.serve", "pipec.view.critical", "http.server", "selenium")
+    argv = [sys.executable, "-c", f"WATCH = {watch!r}; {code}"]
+    out = subprocess.run(argv, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
