@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 
 from pipec import options
-from pipec.cli.args import Command, complete_schedule, cost_args, dp, memory, memory_args, topology_arg
-from pipec.cli.envelope import Misuse
+from pipec.cli.args import Command, complete_schedule, cost_args, dp, json_arg, memory, memory_args, topology_arg
+from pipec.cli.envelope import Misuse, emit
 
 
 def view_arguments(p: argparse.ArgumentParser) -> None:
@@ -20,7 +20,7 @@ def view_arguments(p: argparse.ArgumentParser) -> None:
     options.add_dp_arguments(p)
     p.add_argument("--compare", metavar="FILE|NAME", help="a second schedule, drawn on the same time axis")
     p.add_argument("--measured", metavar="TRACE.json", help="a run's trace (`pipec run --trace`) over the simulation")
-    p.set_defaults(json=False)  # no JSON document: diagnostics are printed as text
+    json_arg(p, "what was written")
     p.add_argument("-o", "--output", metavar="OUT.html", default="view.html", help="the file to write (view.html)")
 
 
@@ -56,6 +56,10 @@ def cmd_view(args: argparse.Namespace) -> int:
         raise Misuse(f"cannot write `{args.output}`: {e.strerror}") from None
     n = op_count(doc)
     size = len(text.encode())
+    if args.json:
+        kinds = [p["kind"] for p in doc["panels"]]
+        emit(args, {"output": args.output, "ops": n, "bytes": size, "panels": kinds})
+        return 0
     print(f"wrote {args.output}: {n:,} ops, {size / 1e6:.2f} MB ({size / max(n, 1):.1f} bytes per op)")
     return 0
 
