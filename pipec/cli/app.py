@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from pipec import __version__
-from pipec.cli import check, interop, partition, run, show, simulate, slice, synth, test
+from pipec.cli import check, interop, partition, run, serve, show, simulate, slice, synth, test, view
 from pipec.cli.args import Command
 from pipec.cli.envelope import MISUSE, Misuse, command_of, diagnostic_json, fail_json
 from pipec.errors import PipecError
@@ -29,6 +29,8 @@ COMMANDS: tuple[Command, ...] = (
     check.COMPILE,
     show.SHOW,
     simulate.SIMULATE,
+    view.VIEW,
+    serve.SERVE,
     run.RUN,
     run.PROFILE,
     interop.EXPORT,

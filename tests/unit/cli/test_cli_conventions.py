@@ -209,7 +209,7 @@ def test_json_on_a_misused_value_names_the_command():
 
 # ---- exit statuses: one rule ---------------------------------------------------------------------------------------
 
-WITH_D = ["check", "compile", "show", "simulate", "export"]
+WITH_D = ["check", "compile", "show", "simulate", "export", "view"]
 
 
 @pytest.mark.parametrize("command", WITH_D)

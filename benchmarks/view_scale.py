@@ -1,0 +1,95 @@
+"""How `pipec view` scales: a million-op schedule's file (size, time to build and write it) and, in headless
+Chromium, the time to first paint and to redraw after a pan and a zoom (measured in the page with
+performance.now). Prints one JSON line per figure, each with the load average (the machine is shared).
+
+    python benchmarks/view_scale.py [--schedule 1f1b] [-D p=8] [-D m=62500] [--no-browser]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def emit(**fields: object) -> None:
+    print(json.dumps({**fields, "loadavg": [round(x, 2) for x in os.getloadavg()]}), flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--schedule", default="1f1b")
+    ap.add_argument("-D", dest="defines", action="append", default=[])
+    ap.add_argument("--no-browser", action="store_true")
+    args = ap.parse_args()
+    defines = [tuple(d.split("=", 1)) for d in args.defines] or [("p", "8"), ("m", "62500")]
+
+    from pipec.view.html import op_count, page, view_document
+
+    t = time.perf_counter()
+    doc = view_document(args.schedule, defines)
+    built = time.perf_counter() - t
+    t = time.perf_counter()
+    text = page(doc)
+    out = Path(tempfile.mkdtemp(prefix="pipec-view-")) / "view.html"
+    out.write_text(text)
+    written = time.perf_counter() - t
+    n, size = op_count(doc), len(text.encode())
+    emit(
+        figure="file",
+        schedule=args.schedule,
+        params=dict(defines),
+        ops=n,
+        bytes=size,
+        bytes_per_op=round(size / n, 2),
+        build_s=round(built, 2),
+        write_s=round(written, 2),
+    )
+    if args.no_browser:
+        return 0
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
+    import browser
+
+    chrome = browser.launch()
+    try:
+        t = time.perf_counter()
+        chrome.get(out.as_uri())
+        browser.wait_for(chrome, "document.getElementById('pipec-view').dataset.ready === '1'", timeout=120)
+        wall = time.perf_counter() - t
+        in_page = chrome.execute_script("return window.pipecLoadMs")
+        first = chrome.execute_script("return performance.now()")  # since navigation start
+        emit(
+            figure="first_paint",
+            ops=n,
+            wall_s=round(wall, 2),
+            page_ms=round(first, 1),
+            decode_and_draw_ms=round(in_page, 1),
+            errors=len(browser.console_errors(chrome)),
+        )
+        draws = chrome.execute_script(
+            """
+            const v = pipecView, full = v.full[1] - v.full[0], out = {};
+            const time = (f) => { const t = performance.now(); f(); return performance.now() - t; };
+            out.full_ms = time(() => v.setWindow(v.full[0], v.full[1]));
+            const pans = [];
+            for (let k = 1; k <= 10; k++) pans.push(time(() => v.setWindow(full * 0.05 * k, full * (0.05 * k + 0.5))));
+            out.pan_ms = pans.reduce((a, b) => a + b) / pans.length;
+            out.pan_max_ms = Math.max(...pans);
+            out.zoom_in_ms = time(() => v.setWindow(full * 0.4, full * 0.4001));
+            out.zoom_mid_ms = time(() => v.setWindow(full * 0.4, full * 0.45));
+            out.zoom_out_ms = time(() => v.setWindow(v.full[0], v.full[1]));
+            return out;
+            """
+        )
+        emit(figure="redraw", ops=n, **{k: round(v, 1) for k, v in draws.items()})
+    finally:
+        browser.close(chrome)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,338 @@
+"""The playground behind `pipec serve`: a schedule's source in the browser, checked and simulated as it is
+typed, through the one driver.
+
+The server is the standard library's `http.server.ThreadingHTTPServer`: no dependency to vet, and a
+playground on loopback serves one person. Every request is bounded, because a page that re-simulates on
+each keystroke must not be able to stop it: bodies above `MAX_BODY` are refused unread, a schedule above
+`MAX_OPS` ops is refused with a message, work runs on a small pool with a `TIMEOUT_S` deadline (a request
+past it gets an error answer; the language's evaluation budget ends the work itself), and any failure of
+a handler is answered as JSON. pipec.cli.serve prints the URL; nothing here prints.
+
+Endpoints (JSON in, JSON out):
+- `GET /`: the page (viewer and playground inlined, like `pipec view`'s file);
+- `GET /api/library`, `GET /api/library/NAME`: the library's names; one schedule's text and parameters;
+- `POST /api/simulate` {source, params, costs}: diagnostics (line and column), the parameters the source
+  declares, the makespan and the view's document;
+- `POST /api/download` {source, params, costs, what}: the `.pipe`, the Program (text), the torch CSV or the
+  view's HTML, as a file.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+MAX_BODY = 1 << 20  # a schedule's source is a few KiB; a MiB leaves room and bounds what one request holds
+MAX_OPS = 200_000  # what one keystroke may simulate and send to the page (about 0.3 s and a few MB)
+TIMEOUT_S = 20.0
+COST_KEYS = ("F", "B", "W", "comm", "overhead")
+DOWNLOADS = {
+    "pipe": ("text/plain; charset=utf-8", "schedule.pipe"),
+    "program": ("text/plain; charset=utf-8", "schedule.program.txt"),
+    "csv": ("text/csv; charset=utf-8", "schedule.csv"),
+    "html": ("text/html; charset=utf-8", "view.html"),
+}
+
+
+@dataclass(frozen=True)
+class Answer:
+    """An HTTP answer: status, content type, body, and the file name for a download (None: shown inline)."""
+
+    status: int
+    content_type: str
+    body: bytes
+    filename: str | None = None
+
+
+class RequestError(Exception):
+    """A request the playground refuses: its HTTP status and the message of its JSON answer."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _json(obj: object, status: int = 200) -> Answer:
+    return Answer(status, "application/json", json.dumps(obj, separators=(",", ":")).encode())
+
+
+def diagnostics_json(err: Exception) -> list[dict[str, Any]]:
+    """A PipecError's diagnostics as the page shows them: code, message, line and column, the formatted text."""
+    out = []
+    for d in getattr(err, "diagnostics", ()):
+        span = d.span
+        out.append(
+            {
+                "code": d.code,
+                "message": d.message,
+                "line": span.line if span else None,
+                "col": span.col if span else None,
+                "end_line": span.end_line if span else None,
+                "end_col": span.end_col if span else None,
+                "notes": list(d.notes),
+                "text": d.format(),
+            }
+        )
+    return out
+
+
+def _request(body: object) -> tuple[str, list[tuple[str, str]], list[dict]]:
+    """The source, the parameters given a value, and the cost documents of a request (RequestError if ill-formed)."""
+    from pipec import driver
+
+    if not isinstance(body, dict) or not isinstance(body.get("source"), str):
+        raise RequestError(400, "expected a JSON object with `source` (the schedule's text)")
+    params = body.get("params") or {}
+    costs = body.get("costs") or {}
+    if not isinstance(params, dict) or not isinstance(costs, dict):
+        raise RequestError(400, "`params` and `costs` must be JSON objects")
+    given = [(str(k), str(v).strip()) for k, v in params.items() if str(v).strip() != ""]
+    spec = []
+    for k, v in costs.items():
+        if k not in COST_KEYS:
+            raise RequestError(400, f"unknown cost `{k}` (expected {', '.join(COST_KEYS)})")
+        if str(v).strip() == "":
+            continue
+        try:
+            x = float(v)
+        except (TypeError, ValueError):
+            raise RequestError(400, f"cost `{k}` must be a number, not {str(v)[:40]!r}") from None
+        if not x >= 0 or x == float("inf"):
+            raise RequestError(400, f"cost `{k}` must be a finite number >= 0")
+        spec.append(f"{k}={x!r}")
+    return body["source"], given, driver.cost_docs(",".join(spec)) if spec else []
+
+
+def _target(text: str, params: list[tuple[str, str]]):
+    """The Schedule or Program the source holds (its parameters: those it declares, given a value)."""
+    from pipec import driver
+    from pipec.errors import Source
+    from pipec.formats.program_file import is_program_text, parse_program
+
+    source = Source("<playground>", text)
+    if is_program_text(text):
+        return parse_program(text, "<playground>"), ()
+    names = driver.param_names(source)
+    sched = driver.build(source, [(k, v) for k, v in params if k in names], check=False)
+    if sched.num_ops > MAX_OPS:
+        raise RequestError(413, f"{sched.num_ops:,} ops: the playground simulates at most {MAX_OPS:,} (use pipec view)")
+    return driver.build(source, [(k, v) for k, v in params if k in names]), names
+
+
+def simulate(body: object) -> dict[str, Any]:
+    """What the page shows for a request: diagnostics, parameter names, makespan and the view's document."""
+    from pipec import driver
+    from pipec.errors import PipecError, Source
+    from pipec.ir.program import Program
+    from pipec.view.html import deadlock_panel, document, new_sources, simulation_panel
+
+    text, params, docs = _request(body)
+    names: tuple[str, ...] = ()
+    try:
+        names = driver.param_names(Source("<playground>", text))
+        obj, names = _target(text, params)
+        sources = new_sources()
+        try:
+            sim = driver.simulation(obj, docs, driver.memory_overrides(docs), None, None)
+        except PipecError as e:
+            if e.code != "E401" or isinstance(obj, Program):
+                raise
+            panel = deadlock_panel(obj, e, sources)
+            return {
+                "ok": False,
+                "diagnostics": diagnostics_json(e),
+                "params": list(names),
+                "makespan": None,
+                "view": document([panel], sources, f"{obj.name}: deadlock"),
+            }
+        panel = simulation_panel(sim, sim.schedule.name, sources)
+        return {
+            "ok": True,
+            "diagnostics": [],
+            "params": list(names),
+            "values": {k: str(v) for k, v in sim.schedule.params},
+            "makespan": float(sim.timeline.makespan),
+            "ops": int(sim.schedule.num_ops),
+            "view": document([panel], sources, sim.schedule.name),
+        }
+    except PipecError as e:
+        return {"ok": False, "diagnostics": diagnostics_json(e), "params": list(names), "makespan": None, "view": None}
+
+
+def download(body: object) -> Answer:
+    """One of the downloads the page offers (`what`: pipe, program, csv or html) for the request's schedule."""
+    from pipec import driver
+    from pipec.errors import PipecError
+    from pipec.formats import program_file
+    from pipec.formats.torch_csv_writer import export_csv
+    from pipec.ir.program import Program
+    from pipec.view.html import page
+
+    what = body.get("what") if isinstance(body, dict) else None
+    if what not in DOWNLOADS:
+        raise RequestError(400, f"`what` must be one of {', '.join(DOWNLOADS)}")
+    ctype, name = DOWNLOADS[what]
+    text, params, docs = _request(body)
+    if what == "pipe":
+        return Answer(200, ctype, text.encode(), name)
+    try:
+        if what == "html":
+            result = simulate(body)
+            if result["view"] is None:
+                raise RequestError(422, "the schedule has errors: " + result["diagnostics"][0]["text"])
+            return Answer(200, ctype, page(result["view"]).encode(), name)
+        obj, _ = _target(text, params)
+        c = driver.compiled(obj, driver.memory_overrides(docs))
+        if what == "program":
+            return Answer(200, ctype, program_file.to_text(c.program).encode(), name)
+        sched = c.schedule if not isinstance(obj, Program) else c.schedule
+        return Answer(200, ctype, export_csv(sched, c.program).encode(), name)
+    except PipecError as e:
+        raise RequestError(422, "\n".join(d["text"] for d in diagnostics_json(e))) from None
+
+
+def library_answer(path: str) -> Answer:
+    """`/api/library` (the names) or `/api/library/NAME` (its text and parameters)."""
+    from pipec import driver
+    from pipec.errors import PipecError
+    from pipec.frontend import library
+
+    names = library.names()
+    if path in ("/api/library", "/api/library/"):
+        return _json({"names": names})
+    name = path.removeprefix("/api/library/")
+    if name not in names:
+        raise RequestError(404, f"no library schedule `{name[:80]}`")
+    source = library.read(name)
+    try:
+        params = list(driver.param_names(source))
+    except PipecError:
+        params = []
+    return _json({"name": name, "text": source.text, "params": params})
+
+
+def playground_page() -> str:
+    """The playground's page: its HTML with the viewer's and its own CSS and JS inlined."""
+    from pipec.view.html import static_text
+
+    html = static_text("playground.html")
+    for marker, name in (
+        ("/*VIEWER_CSS*/", "viewer.css"),
+        ("/*PLAYGROUND_CSS*/", "playground.css"),
+        ("/*VIEWER_JS*/", "viewer.js"),
+        ("/*PLAYGROUND_JS*/", "playground.js"),
+    ):
+        html = html.replace(marker, static_text(name))
+    return html
+
+
+class Playground(ThreadingHTTPServer):
+    """The playground's server: one thread per connection, the work of each on a bounded pool."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, address: tuple[str, int], timeout_s: float = TIMEOUT_S) -> None:
+        super().__init__(address, Handler)
+        self.timeout_s = timeout_s
+        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pipec-serve")
+        self.page = playground_page()
+
+    def run(self, fn, *args):
+        """fn(*args) on the pool, or RequestError 503 past the deadline (the work ends on its own budget)."""
+        future = self.pool.submit(fn, *args)
+        try:
+            return future.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            raise RequestError(503, f"the request took over {self.timeout_s:g} s; simplify the schedule") from None
+
+    def server_close(self) -> None:
+        super().server_close()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+class Handler(BaseHTTPRequestHandler):
+    """Routes a request and answers it; every failure is an answer (JSON with `error`), never a crash."""
+
+    server: Playground
+    protocol_version = "HTTP/1.1"
+    server_version = "pipec-serve"
+
+    def log_message(self, format: str, *args: object) -> None:  # quiet: pipec.cli.serve prints the URL only
+        pass
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        self._answer(self._get)
+
+    def do_POST(self) -> None:  # noqa: N802
+        self._answer(self._post)
+
+    def _get(self) -> Answer:
+        path = self.path.split("?", 1)[0]
+        if path in ("/", "/index.html"):
+            return Answer(200, "text/html; charset=utf-8", self.server.page.encode())
+        if path.startswith("/api/library"):
+            return library_answer(path)
+        raise RequestError(404, f"no such page `{path[:80]}`")
+
+    def _post(self) -> Answer:
+        path = self.path.split("?", 1)[0]
+        if path not in ("/api/simulate", "/api/download"):
+            raise RequestError(404, f"no such endpoint `{path[:80]}`")
+        length = self.headers.get("Content-Length")
+        if length is None or not length.isdigit():
+            raise RequestError(411, "a POST needs a Content-Length")
+        if int(length) > MAX_BODY:
+            raise RequestError(413, f"the request is {int(length):,} bytes; the limit is {MAX_BODY:,}")
+        raw = self.rfile.read(int(length))
+        try:
+            body = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            raise RequestError(400, "the request body is not JSON") from None
+        if path == "/api/simulate":
+            return _json(self.server.run(simulate, body))
+        return self.server.run(download, body)
+
+    def _answer(self, route) -> None:
+        try:
+            answer = route()
+        except RequestError as e:
+            answer = _json({"error": str(e)}, e.status)
+            if e.status == 413:  # the body was not read: close rather than parse it as the next request
+                self.close_connection = True
+        except Exception as e:  # a bug must not stop the server: answer it
+            answer = _json({"error": f"internal error: {type(e).__name__}: {str(e)[:200]}"}, 500)
+        try:
+            self.send_response(answer.status, HTTPStatus(answer.status).phrase)
+            self.send_header("Content-Type", answer.content_type)
+            self.send_header("Content-Length", str(len(answer.body)))
+            self.send_header("Cache-Control", "no-store")
+            if answer.filename:
+                self.send_header("Content-Disposition", f'attachment; filename="{answer.filename}"')
+            if self.close_connection:
+                self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.write(answer.body)
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def make_server(host: str = "127.0.0.1", port: int = 0, timeout_s: float = TIMEOUT_S) -> Playground:
+    """A playground bound to host:port (port 0: one the system picks); serve it with `serve_forever`."""
+    return Playground((host, port), timeout_s)
+
+
+def start_in_thread(host: str = "127.0.0.1", port: int = 0, timeout_s: float = TIMEOUT_S) -> Playground:
+    """A playground serving from a daemon thread (tests, notebooks); stop it with shutdown() and server_close()."""
+    srv = make_server(host, port, timeout_s)
+    threading.Thread(target=srv.serve_forever, daemon=True, name="pipec-serve").start()
+    return srv

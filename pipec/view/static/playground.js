@@ -1,0 +1,162 @@
+/* pipec serve: the editor, the controls and the requests; the viewer (viewer.js) draws the result. */
+"use strict";
+(() => {
+  const $ = (id) => document.getElementById(id);
+  const src = $("source"), gutter = $("gutter"), diagBox = $("diagnostics");
+  const COSTS = ["F", "B", "W", "comm", "overhead"];
+  let paramNames = [], seq = 0, timer = null;
+  const values = {};
+
+  function renderGutter(bad) {
+    const n = src.value.split("\n").length;
+    gutter.textContent = "";
+    for (let i = 1; i <= n; i++) {
+      const s = document.createElement("span");
+      s.textContent = String(i);
+      if (bad.has(i)) { s.className = "bad"; s.title = bad.get(i); }
+      s.dataset.line = String(i);
+      gutter.appendChild(s);
+    }
+    gutter.scrollTop = src.scrollTop;
+  }
+  src.addEventListener("scroll", () => { gutter.scrollTop = src.scrollTop; });
+
+  function controls() {
+    const box = $("params");
+    box.textContent = "";
+    for (const name of paramNames) box.appendChild(input("param", name, values[name] || ""));
+    const cbox = $("costs");
+    if (!cbox.childElementCount) for (const c of COSTS) cbox.appendChild(input("cost", c, ""));
+  }
+
+  function input(kind, name, value) {
+    const g = document.createElement("label");
+    g.className = "grp";
+    const i = document.createElement("input");
+    i.dataset[kind] = name;
+    i.value = value;
+    i.placeholder = kind === "cost" ? "-" : "";
+    i.addEventListener("input", () => { if (kind === "param") values[name] = i.value; schedule(0); });
+    g.append(name + " =", i);
+    return g;
+  }
+
+  function request() {
+    const params = {}, costs = {};
+    for (const i of document.querySelectorAll("input[data-param]")) if (i.value.trim()) params[i.dataset.param] = i.value;
+    for (const i of document.querySelectorAll("input[data-cost]")) if (i.value.trim()) costs[i.dataset.cost] = i.value;
+    return { source: src.value, params, costs };
+  }
+
+  function schedule(delay) {
+    clearTimeout(timer);
+    timer = setTimeout(run, delay === undefined ? 300 : delay);
+  }
+
+  async function run() {
+    const mine = ++seq;
+    $("status").textContent = "simulating…";
+    let res;
+    try {
+      const r = await fetch("/api/simulate", { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(request()) });
+      res = await r.json();
+      if (!r.ok) res = { ok: false, error: res.error || r.statusText, diagnostics: [] };
+    } catch (e) { res = { ok: false, error: String(e), diagnostics: [] }; }
+    if (mine !== seq) return; // a newer request is on its way
+    show(res);
+  }
+
+  function show(res) {
+    const bad = new Map();
+    diagBox.textContent = "";
+    for (const d of res.diagnostics || []) {
+      const div = document.createElement("div");
+      div.className = "d";
+      div.dataset.role = "diag";
+      div.dataset.line = d.line === null ? "" : String(d.line);
+      div.dataset.col = d.col === null ? "" : String(d.col);
+      div.textContent = d.text;
+      if (d.line) {
+        bad.set(d.line, d.message);
+        div.addEventListener("click", () => goTo(d.line, d.col));
+      }
+      diagBox.appendChild(div);
+    }
+    if (res.error) {
+      const div = document.createElement("div");
+      div.className = "d";
+      div.dataset.role = "error";
+      div.textContent = res.error;
+      diagBox.appendChild(div);
+    }
+    if (res.ok) {
+      const ok = document.createElement("div");
+      ok.className = "ok";
+      ok.textContent = `no errors · ${res.ops.toLocaleString()} ops`;
+      diagBox.appendChild(ok);
+    }
+    renderGutter(bad);
+    if (res.params && res.params.join() !== paramNames.join()) {
+      paramNames = res.params;
+      for (const [k, v] of Object.entries(res.values || {})) if (!(k in values)) values[k] = v;
+      controls();
+    }
+    $("makespan").textContent = res.makespan === null || res.makespan === undefined ? "-" : String(+res.makespan.toPrecision(6));
+    $("makespan").dataset.value = res.makespan === null || res.makespan === undefined ? "" : String(res.makespan);
+    $("status").textContent = "";
+    if (res.view) PipecView.boot($("pipec-view"), res.view).then(() => { document.body.dataset.seq = String(seq); });
+    else document.body.dataset.seq = String(seq);
+  }
+
+  function goTo(line, col) {
+    const lines = src.value.split("\n");
+    let pos = 0;
+    for (let i = 0; i < line - 1 && i < lines.length; i++) pos += lines[i].length + 1;
+    pos += Math.max(0, (col || 1) - 1);
+    src.focus();
+    src.setSelectionRange(pos, pos);
+  }
+
+  async function load(name) {
+    const r = await fetch("/api/library/" + encodeURIComponent(name));
+    const doc = await r.json();
+    if (!r.ok) { show({ error: doc.error, diagnostics: [] }); return; }
+    src.value = doc.text;
+    paramNames = [];
+    for (const k of Object.keys(values)) delete values[k];
+    renderGutter(new Map());
+    schedule(0);
+  }
+
+  async function download(what) {
+    const r = await fetch("/api/download", { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify({ ...request(), what }) });
+    if (!r.ok) { const e = await r.json(); show({ error: e.error, diagnostics: [] }); return; }
+    const name = (r.headers.get("Content-Disposition") || "").match(/filename="([^"]+)"/);
+    const url = URL.createObjectURL(await r.blob());
+    const a = document.createElement("a");
+    a.href = url; a.download = name ? name[1] : what;
+    document.body.appendChild(a); a.click(); a.remove();
+    setTimeout(() => URL.revokeObjectURL(url), 1000);
+  }
+
+  src.addEventListener("input", () => { renderGutter(new Map()); schedule(); });
+  src.addEventListener("keydown", (ev) => {
+    if (ev.key === "Tab") { ev.preventDefault(); src.setRangeText("    ", src.selectionStart, src.selectionEnd, "end"); schedule(); }
+  });
+  for (const b of document.querySelectorAll(".pg-downloads button")) b.addEventListener("click", () => download(b.dataset.what));
+  $("library").addEventListener("change", (ev) => { if (ev.target.value) load(ev.target.value); });
+
+  (async () => {
+    controls();
+    const r = await fetch("/api/library");
+    const doc = await r.json();
+    for (const n of doc.names) {
+      const o = document.createElement("option");
+      o.value = n; o.textContent = n;
+      $("library").appendChild(o);
+    }
+    const start = new URLSearchParams(location.search).get("schedule") || "1f1b";
+    $("library").value = start;
+    await load(start);
+  })();
+})();
