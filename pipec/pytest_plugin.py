@@ -40,23 +40,28 @@ def pytest_collect_file(parent: pytest.Collector, file_path):
     return None
 
 
-_RESULTS = pytest.StashKey[list]()
+class _Coverage:
+    """The terminal summary's lines, gathered from the test reports: each item puts its lines in its
+    report's `user_properties`, which pytest-xdist carries from a worker to the controller, where the
+    summary is printed (a list kept in the worker would never reach it)."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.when == "call":
+            self.lines += [line for key, value in report.user_properties if key == "pipec" for line in value]
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        if self.lines:
+            terminalreporter.section("pipec coverage")
+            for line in self.lines:
+                terminalreporter.write_line(line)
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.stash[_RESULTS] = []
-
-
-def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
-    results = config.stash.get(_RESULTS, [])
-    if not results:
-        return
-    terminalreporter.section("pipec coverage")
-    for res in results:
-        state = "ok" if res.ok else f"FAILED at {res.failure.params_text}"
-        terminalreporter.write_line(f"{res.target}: {state} ({res.sets_text}, {res.seconds:.1f} s)")
-        if res.coverage is not None and res.examples:
-            terminalreporter.write_line(f"  tried: {res.coverage.text()}")
+    if config.getoption("pipec", False):
+        config.pluginmanager.register(_Coverage(), "pipec-coverage")
 
 
 class PipecFailure(Exception):
@@ -82,7 +87,11 @@ class PipeItem(pytest.Item):
             budget=cfg.getoption("pipec_budget"),
             runtime=cfg.getoption("pipec_runtime"),
         )
-        cfg.stash[_RESULTS].append(res)
+        state = "ok" if res.ok else f"FAILED at {res.failure.params_text}"
+        summary = [f"{res.target}: {state} ({res.sets_text}, {res.seconds:.1f} s)"]
+        if res.coverage is not None and res.examples:
+            summary.append(f"  tried: {res.coverage.text()}")
+        self.user_properties.append(("pipec", summary))
         if not res.ok:
             f = res.failure
             lines = [

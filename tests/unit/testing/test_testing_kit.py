@@ -407,7 +407,8 @@ def test_a_file_that_does_not_parse_fails_at_once(tmp_path, capsys):
 def test_pytest_plugin_reports_the_smallest_case(tmp_path):
     target = SEEDED / "snake_placement_odd_p.pipe"
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--pipec", str(target), "-q"],
+        # under pytest-xdist (-n 2): the coverage lines travel from the worker to the controller's summary
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--pipec", str(target), "-q", "-n", "2"],
         capture_output=True,
         text=True,
         cwd=tmp_path,
