@@ -15,11 +15,15 @@ import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipec.errors import brief, brief_path, error
 from pipec.ir.schedule import STAGE_COST_KEYS
 from pipec.ir.units import quantity
 from pipec.sim.costs import LINK_CLASSES
+
+if TYPE_CHECKING:
+    from pipec.sim.timeline import Timeline
 
 FORMAT = "pipec-costs"
 # Version 2 (what `dump_costs` writes, so every `pipec profile` file) declares what it holds, so that a
@@ -258,3 +262,27 @@ def dump_costs(doc: Mapping, toml: bool = True) -> str:
             lines.append(f"{k} = {val(v)}")
     tables += ["\n[end]", f"keys = {end['keys']}"]  # last: a file cut anywhere before it lacks it
     return "\n".join(lines + tables) + "\n"
+
+
+def costs_of_timeline(tl: Timeline, what: str = "the measured run") -> dict:
+    """A cost document from a run's timeline (`pipec run --trace`): each stage's median F, B and W duration
+    over its micro-batches, in seconds. Why: a measured run laid over a simulation in default unit costs
+    compares seconds with units; simulated in the run's own op times, the two share an axis, and what
+    differs is what the machine model leaves out (messages, waits, dispatch)."""
+    import numpy as np
+
+    from pipec.ir.opcodes import OPCODES
+
+    S = int(tl.stage.max()) + 1 if len(tl.stage) else 0
+    doc: dict = {}
+    for kind, name in (("F", "FWD"), ("B", "BWD"), ("W", "WGRAD")):
+        sel = np.asarray(tl.op) == OPCODES.index(name)
+        if not sel.any():
+            continue
+        dur = (np.asarray(tl.end) - np.asarray(tl.start))[sel]
+        stage = np.asarray(tl.stage)[sel]
+        per = [float(np.median(dur[stage == s])) if (stage == s).any() else None for s in range(S)]
+        if None in per:
+            continue  # a kind measured on some stages only: left to the defaults
+        doc[kind] = per
+    return normalize(doc, what) if doc else {}

@@ -419,7 +419,8 @@ def view_document(
     measured: str | None = None,
 ) -> dict[str, object]:
     """The document `pipec view` writes: a trace file's run; or the target simulated (beside `compare`'s, each
-    taking the parameters it declares), with the `measured` run laid over it; a schedule refused for a deadlock
+    taking the parameters it declares), with the `measured` run laid over it (simulated, without `docs`, in
+    the run's median op times per stage, `costs_of_timeline`); a schedule refused for a deadlock
     (E401) drawn with its chain of waits instead of failing. Other refusals raise their diagnostics."""
     from pipec import driver
     from pipec.errors import PipecError
@@ -434,6 +435,10 @@ def view_document(
         panel = timeline_panel(tl, f"{tl.schedule or target} ({kind})", None, None, sources)
         return document([panel], sources, f"pipec view: {target}")
     run = read_trace(measured) if measured else None
+    if run is not None and not docs:  # seconds against seconds: simulated in the run's own op times
+        from pipec.sim.cost_files import costs_of_timeline
+
+        docs = [costs_of_timeline(run, f"the medians of {measured}'s ops")]
     panels = []
     targets = [target] if compare is None else [target, compare]
     names = []

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from pipec import driver
-from pipec.formats.trace import write_trace
+from pipec.formats.trace import read_trace, write_trace
+from pipec.sim.cost_files import costs_of_timeline, normalize
 from pipec.view.html import CRITICAL, IN_CYCLE, PAIR_FIRST, decode, encode, page, view_document
 
 # 1F1B where rank 0 runs B(0) before F(1): rank 1 needs F(1) before it sends B(0)'s gradient.
@@ -77,12 +78,21 @@ def test_a_measured_run_is_matched_op_by_op(tmp_path):
     tl = sim.timeline
     run = replace(tl, start=tl.start * 1.1, end=tl.end * 1.1 + 0.05, origin="measured")
     write_trace(run, tmp_path / "run.json")
-    doc = view_document("1f1b", [("p", 2), ("m", 4)], measured=str(tmp_path / "run.json"))
+    # given costs (the defaults, F=1): the simulation is theirs, the error is the run's stretch
+    doc = view_document("1f1b", [("p", 2), ("m", 4)], [normalize({"F": 1})], measured=str(tmp_path / "run.json"))
     (panel,) = doc["panels"]
     assert panel["kind"] == "overlay" and panel["matched"] == len(tl.start)
     ops = {k: decode(v) for k, v in panel["ops"].items()}
     err = (ops["mend"] - ops["mstart"]) - (ops["end"] - ops["start"])
     np.testing.assert_allclose(err, (ops["end"] - ops["start"]) * 0.1 + 0.05, rtol=1e-5)
+    # no costs given: simulated in the run's own median op times, so each op's duration is the run's
+    (panel,) = view_document("1f1b", [("p", 2), ("m", 4)], measured=str(tmp_path / "run.json"))["panels"]
+    ops = {k: decode(v) for k, v in panel["ops"].items()}
+    np.testing.assert_allclose(ops["end"] - ops["start"], ops["mend"] - ops["mstart"], rtol=1e-5)
+    again = driver.simulation(
+        driver.target_of("1f1b", {"p": 2, "m": 4})[0], [costs_of_timeline(read_trace(tmp_path / "run.json"))]
+    )
+    assert panel["makespan"] == pytest.approx(again.timeline.makespan, rel=1e-12)
     # the trace alone is a view too
     alone = view_document(str(tmp_path / "run.json"))
     assert alone["panels"][0]["origin"] == "measured"
