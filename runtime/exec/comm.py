@@ -166,18 +166,20 @@ class DistComm:
             raise CommError(f"could not start the transfer of {key_str(key)} with {self.name(peer)}: {e}", peer) from e
         return [w for w in works if w is not None]
 
-    def _wait(self, work, peer: int, what: str) -> None:
+    def _wait(self, work, peer: int, key: Key, sending: bool) -> None:
         try:
             if self.blocking_wait:
                 work.wait(self.timeout)
             else:
                 work.wait()
-        except Exception as e:
-            raise CommError(f"{what}: {short_error(e, self.timeout.total_seconds())}", peer) from e
+        except Exception as e:  # the message is made here only: a wait is on the hot path of every step
+            what = f"sending {key_str(key)} to" if sending else f"receiving {key_str(key)} from"
+            why = short_error(e, self.timeout.total_seconds())
+            raise CommError(f"{what} {self.name(peer)} failed: {why}", peer) from e
 
     def wait(self, recv: Recv) -> Generator[object, None, tuple[torch.Tensor, ...]]:
         for w in recv.works:
-            self._wait(w, recv.peer, f"receiving {key_str(recv.key)} from {self.name(recv.peer)} failed")
+            self._wait(w, recv.peer, recv.key, False)
         return recv.tensors
         yield  # a generator that never yields
 
@@ -187,4 +189,4 @@ class DistComm:
         for w, peer, key, _ in sends:
             if id(w) not in seen:
                 seen.add(id(w))
-                self._wait(w, peer, f"sending {key_str(key)} to {self.name(peer)} failed")
+                self._wait(w, peer, key, True)
