@@ -3,22 +3,16 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
-import hashlib
-import io
 import math
 import re
-import sys
 
 import lark
 from lark import Token, Transformer, Tree, v_args
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
 
-from pipec import cachedir
 from pipec.errors import PipecError, Source, Span, error
-from pipec.frontend import ast
-from pipec.frontend.library import package_files
+from pipec.frontend import ast, tables
 from pipec.ir.units import LANGUAGE, UNITS, of_kind
 
 # Deeper syntax trees are refused (E003): the AST transformer and the code generator recurse, and the
@@ -28,36 +22,6 @@ MAX_DEPTH = 150
 # so a 1 MB line of `F(0)` would take 20 s or more; pipec's own writers (`pipec import`, `pipec synth`)
 # put at most 8 ops on a line.
 MAX_LINE = 10_000
-
-
-_OPTIONS = {"parser": "lalr", "propagate_positions": True, "maybe_placeholders": True}
-
-
-@functools.cache
-def _parser() -> lark.Lark:
-    """The LALR parser of `grammar/pipe.lark`, its tables loaded from the per-user cache when there.
-
-    Building the tables takes far longer than a whole compile of a large schedule, so a fresh process
-    loads them from an entry written by an earlier one (`pipec.cachedir`: private to the user, written
-    atomically). The entry's name is a digest of everything the tables depend on (grammar text,
-    options, lark and Python versions), so a stale one is never read. Without a cache the tables are
-    built in-process, each time."""
-    grammar = package_files("pipec.grammar").joinpath("pipe.lark").read_text()
-    digest = hashlib.sha256(
-        "\0".join((grammar, repr(sorted(_OPTIONS.items())), lark.__version__, sys.version)).encode()
-    ).hexdigest()[:32]
-    name = f"pipe-lark-{digest}.pickle"
-    data = cachedir.load(name)
-    if data is not None:
-        try:
-            return lark.Lark.load(io.BytesIO(data))
-        except Exception:  # unreadable or damaged: build the tables and write a new entry
-            pass
-    parser = lark.Lark(grammar, **_OPTIONS)
-    out = io.BytesIO()
-    parser.save(out)
-    cachedir.store(name, out.getvalue())
-    return parser
 
 
 def _tok_span(tok: Token) -> Span:
@@ -427,7 +391,7 @@ def _check_parentheses(source: Source) -> None:
 
 
 def _parse(source: Source) -> ast.ScheduleAst:
-    parser = _parser()
+    parser = tables.parser()
     try:
         tree = parser.parse(source.text)
     except UnexpectedToken as e:
