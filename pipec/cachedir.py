@@ -1,7 +1,8 @@
 """The per-user cache: files an earlier process computed that a fresh one may load instead.
 
 Two things are cached, each under a name that digests everything it depends on, so a stale entry is
-never read: lark's parser tables (`pipec.frontend.parse`) and each schedule text's generated code
+never read: lark's parser tables when the package's own do not serve (`pipec.frontend.tables`: a grammar
+edited without rebuilding them) and each schedule text's generated code
 (`pipec.frontend.load.compile_source`). The folder is `$PIPEC_CACHE_DIR`, else `$XDG_CACHE_HOME/pipec`, else
 `~/.cache/pipec`, created private to this user; it is not used (everything is computed in-process) when
 it cannot be created, or when someone else owns it or may write to it, because loading an entry
