@@ -411,13 +411,20 @@ def _json_num(x: float):
 # ---- building the model -------------------------------------------------------
 
 
-def cost_model(sched: Schedule, overrides: Sequence[Mapping] = ()) -> CostModel:
-    """The cost model of a schedule: defaults, its declarations, then each override document in order."""
+def require_links(R: int) -> None:
+    """E902 when the per-rank-pair link tables of R ranks would not fit in memory: five (ranks, ranks)
+    tables of 8 bytes and their temporaries, so 10,000 ranks take 8 GB. A caller that will simulate asks
+    first, before the work that comes before the simulation (a check of 20,000 ranks compiled for 39 s
+    before it learned the links could not fit)."""
     from pipec.files import require_memory
 
-    S, R = sched.num_stages, sched.num_ranks
-    # Five (ranks, ranks) tables of 8 bytes and their temporaries: 10,000 ranks take 8 GB.
     require_memory(10 * 8 * float(R) ** 2, f"the cost model's per-rank-pair links of {R:,} ranks")
+
+
+def cost_model(sched: Schedule, overrides: Sequence[Mapping] = ()) -> CostModel:
+    """The cost model of a schedule: defaults, its declarations, then each override document in order."""
+    S, R = sched.num_stages, sched.num_ranks
+    require_links(R)
     vals = {k: np.full(S, R / S) for k in ("F", "B", "W")}
     vals.update({k: np.zeros(S) for k in ("comm", "act_bytes", "param_bytes", "step")})
     vals.update({k: np.zeros(S) for k in ("saved_bytes", "wsaved_bytes", "input_bytes", "state_bytes")})

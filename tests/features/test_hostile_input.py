@@ -292,6 +292,19 @@ def test_a_schedule_too_large_for_the_machine_is_refused_naming_its_size(argv, m
     assert "Traceback" not in err
 
 
+def test_a_check_whose_links_would_not_fit_is_refused_before_compiling(monkeypatch, capsys):
+    """As `check 1f1b -D p=100000` (links of 745 GiB; it compiled for minutes, then ran out): the link tables'
+    estimate comes before the compile when the check will simulate its `expect` lines. The machine is made
+    small here (memory for the ops, not for 300 ranks' links) and the compile must not start."""
+    from pipec.cli import args as cli_args
+
+    monkeypatch.setattr(files, "available_memory", lambda: 5 * 2**20)
+    monkeypatch.setattr(cli_args, "compile_schedule", lambda *a, **k: pytest.fail("compiled before refusing"))
+    assert cli.main(["check", "1f1b", "-D", "p=300", "-D", "m=2"]) == 1
+    err = capsys.readouterr().err
+    assert "error[E902]" in err and "per-rank-pair links of 300 ranks needs about 6.87 MiB" in err
+
+
 # ---- the front end ----------------------------------------------------------------------
 
 HEAD = 'schedule "t" (p: int = 2, m: int = 2) {\n    stages p\n    place s -> s\n    ops F, B\n    rank r {\n'
