@@ -204,6 +204,7 @@ class RunOptions:
     tol: float | None = None
     trace: str | None = None
     timeout: float = 60.0
+    heartbeat_grace: float = 20.0
     backend: str = "gloo"
     seed: int = 0
     recv_ahead: int | None = None
@@ -271,6 +272,14 @@ class RunOptions:
             default=60.0,
             metavar="S",
             help="seconds a rank waits for a peer before giving up (default 60)",
+        )
+        ap.add_argument(
+            "--heartbeat-grace",
+            type=positive,
+            default=20.0,
+            metavar="S",
+            help="seconds a rank may go without a heartbeat (stopped, frozen, killed) before the job ends "
+            "naming it (default 20; docs/reliability.md)",
         )
         ap.add_argument("--backend", choices=("gloo", "nccl"), default="gloo", help="gloo (CPU) or nccl (CUDA)")
         ap.add_argument("--seed", type=integer, default=0, help="weights are seeded by (seed, stage)")

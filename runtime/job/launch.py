@@ -251,7 +251,8 @@ class Worker:
         else:
             dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
         self.store = dist.distributed_c10d._get_default_store()
-        self.monitor = Monitor(self.rank, self.world, self.where, self._store_factory(dist, args.timeout)).start()
+        stores = self._store_factory(dist, args.timeout)
+        self.monitor = Monitor(self.rank, self.world, self.where, stores, grace=args.heartbeat_grace).start()
         # Before any transfer: nodes launched with different schedules fail here, in seconds, not at the timeout.
         check_same_program(
             self.store,

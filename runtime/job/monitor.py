@@ -33,6 +33,7 @@ ABORT = "pipec/abort"
 ACKS = "pipec/stopped"
 BEAT = "pipec/beat/"  # + rank: a counter the watcher adds to every BEAT_EVERY seconds
 BEAT_EVERY = 0.25
+DONE = "pipec/done/"  # + rank: set when a rank's run is over, so its silence from then on is no failure
 STOPPED = 75  # exit status of a rank that stops because another one failed (the failing one exits 1)
 
 
@@ -71,8 +72,13 @@ class Monitor:
         where: Callable[[], str],
         store_factory: Callable[[], object],
         interval: float = 0.05,
+        grace: float = 20.0,
     ) -> None:
         self.rank, self.world = rank, world
+        self.grace = grace
+        # The ranks this one watches: its neighbours in the job's order, so each rank is watched by two (by
+        # one in a job of two) at two store reads per beat, whatever the job's size.
+        self.watched = sorted({(rank - 1) % world, (rank + 1) % world} - {rank})
         self.where = where
         self.store = store_factory()  # the watcher's own connection
         self.main_store = store_factory()  # the main thread's (fail / position of a peer)
@@ -96,6 +102,10 @@ class Monitor:
         thread is woken from its wait by a SIGTERM of its own), give SIGTERM back its default action, and
         close the monitor's store connections. False when a thread is still running after `timeout` seconds
         (blocked in a store call): the process must then not go through the interpreter's shutdown."""
+        try:  # over, not silent: the neighbours must not take this rank's last beat for a freeze
+            self.main_store.set(DONE + str(self.rank), "1")
+        except Exception:
+            pass
         self.stopped.set()
         deadline = time.monotonic() + timeout
         if self._watcher is not None:
@@ -117,6 +127,7 @@ class Monitor:
     def _watch(self) -> None:
         last = None
         beat = 0.0
+        seen = {r: (0, time.monotonic()) for r in self.watched}  # neighbour -> (its count, when it last moved)
         while not self.stopped.is_set():
             try:
                 pos = self.where()
@@ -126,6 +137,7 @@ class Monitor:
                 if time.monotonic() - beat >= BEAT_EVERY:  # the heartbeat: this process still answers
                     self.store.add(BEAT + str(self.rank), 1)
                     beat = time.monotonic()
+                    self._check_neighbours(seen)
                 if not self.failing and self.store.check([ABORT]):
                     culprit, reason = _parse(self.store.get(ABORT))
                     if not self.failing and not self.stopped.is_set():
@@ -134,6 +146,33 @@ class Monitor:
                 if self.stopped.wait(1.0):
                     return
             self.stopped.wait(self.interval)
+
+    def _check_neighbours(self, seen: dict[int, tuple[int, float]]) -> None:
+        """End the job when a watched rank's heartbeat has not moved for `grace` seconds (once it has beaten
+        at all, and unless its run is over): a stopped, frozen or killed rank is named after the grace,
+        not after a receive's whole timeout, and whatever the survivors were doing."""
+        now = time.monotonic()
+        for r in self.watched:
+            count = self.store.add(BEAT + str(r), 0)
+            if count != seen[r][0]:
+                seen[r] = (count, now)
+            elif count and now - seen[r][1] >= self.grace and not self.failing:
+                if self.store.check([DONE + str(r)]):
+                    continue
+                where = self.store.get(f"pipec/at/{r}").decode() if self.store.check([f"pipec/at/{r}"]) else "?"
+                reason = (
+                    f"rank {r} stopped responding or died (no heartbeat for {now - seen[r][1]:.1f} s, past the "
+                    f"--heartbeat-grace of {self.grace:g} s; its last reported position: {where}); rank "
+                    f"{self.rank} noticed at {self.where()}"
+                )
+                record = f"{r}\n{reason}"
+                current = self.store.compare_set(ABORT, "", record)
+                culprit, first = _parse(current)
+                self.failing = True
+                if culprit == r and first == reason:
+                    say(f"pipec: {reason}")
+                    os._exit(STOPPED)
+                self._stop_because(culprit, first)
 
     def _stop_because(self, culprit: int, reason: str) -> None:
         if culprit == self.rank:  # the others gave up on this rank (it hung, or its link broke)

@@ -138,6 +138,20 @@ def test_a_stopped_rank_is_named_by_its_silent_heartbeat():
     assert elapsed < 30  # the 40 s harness limit is a hang; the exit time is measured in docs/reliability.md
 
 
+def test_a_stopped_rank_ends_the_job_after_the_heartbeat_grace_not_the_timeout():
+    """Issue 32: with a receive timeout of 300 s, a SIGSTOPped rank is named by its neighbours once its
+    heartbeat has been still for --heartbeat-grace (2 s), and the job ends then: the harness's 60 s limit
+    would fail the test long before the timeout."""
+    env = {"PIPEC_FAULT": "stop", "PIPEC_FAULT_STAGE": "1", "PIPEC_FAULT_CALL": "4"}
+    argv = [*FAULTY, "--timeout", "300", "--heartbeat-grace", "2"]
+    results, elapsed, _ = launch(3, "launch", argv, env=env, timeout=60, stopped=(1,))
+    said = r"rank 1 stopped responding or died \(no heartbeat for [\d.]+ s, past the --heartbeat-grace of 2 s; "
+    for r in (results[0], results[2]):
+        assert r.returncode != 0
+        assert re.search(said + r"its last reported position: step 2, ", r.stderr), r.stderr
+        assert "Traceback" not in r.stderr
+
+
 def test_stage_output_that_does_not_fit_the_next_stage():
     argv = ["1f1b", "-D", "p=2", "-D", "m=2", "--model", "tests/models/mismatch.py", "--timeout", "20"]
     results, _, _ = launch(2, "launch", argv, timeout=60)
