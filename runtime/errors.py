@@ -38,3 +38,8 @@ def wrong_world_size(program, world: int) -> str:
         f"the program for `{program.name}` ({params}) has {program.num_ranks} ranks, but this job has {world} "
         f"processes; launch it with {program.num_ranks} (torchrun --nproc-per-node/--nnodes, or pipec run --nproc)"
     )
+
+
+class PeerLostError(CommError):
+    """A job-wide collective outside the Program (the step's statistics, a checkpoint's barrier) failed
+    because a peer was lost; `peer` is its rank in the job (not a Program rank), found by its heartbeat."""

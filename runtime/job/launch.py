@@ -177,7 +177,7 @@ class Worker:
     def run(self) -> int:
         import torch.distributed as dist
 
-        from pipec.runtime.errors import CollectiveError, CommError, PipelineError
+        from pipec.runtime.errors import CollectiveError, CommError, PeerLostError, PipelineError
 
         try:
             self._init(dist)
@@ -201,7 +201,7 @@ class Worker:
                 here = self.where()
                 behind = [p for p in e.peers if self.monitor.position_of(p) != here]
                 e.peer = behind[0] if behind else e.peer
-            elif isinstance(e, CommError) and self.runner is not None:
+            elif isinstance(e, CommError) and not isinstance(e, PeerLostError) and self.runner is not None:
                 e.peer = self.runner.global_rank(e.peer)  # the Program's rank -> this job's rank
             culprit = e.peer if isinstance(e, CommError) else self.rank
             if isinstance(e, CommError):
@@ -364,7 +364,8 @@ class Worker:
                 errs = [le, max(g.values(), default=0.0), max(p.values(), default=0.0)]
             loss = res.loss if res.loss is not None else float("-inf")
             stats = torch.tensor([res.seconds, loss, *errs], dtype=torch.float64, device=self.device)
-            dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+            what = "the step's statistics (an all-reduce over the job)"
+            self._job_wide(what, dist.all_reduce, stats, dist.ReduceOp.MAX)
             s = stats.tolist()
             if self.rank == 0:
                 report.step(StepRecord.of(step, args.steps, s[1], s[0], tuple(s[2:]) if reference else None))
@@ -416,6 +417,20 @@ class Worker:
             for step in range(self.restored.step):
                 reference.step(*batch_of(self.model.batch(step)))
         return self.restored.step
+
+    def _job_wide(self, what: str, collective, *args):
+        """A collective of every rank outside the Program. When it fails, the rank whose heartbeat has
+        stopped is the culprit (PeerLostError): a survivor says it lost that peer, and never reports the
+        transport's error as its own failure. Without a silent rank the error is this rank's own."""
+        from pipec.runtime.errors import PeerLostError
+
+        try:
+            return collective(*args)
+        except Exception as e:
+            silent = [] if self.monitor is None or self.monitor.recorded() else self.monitor.silent_ranks()
+            if not silent:
+                raise
+            raise PeerLostError(f"{what} failed: {type(e).__name__}: {str(e).splitlines()[0]}", silent[0]) from e
 
     def _maybe_save(self, dist, steps_done: int) -> None:
         args = self.args

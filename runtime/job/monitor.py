@@ -27,7 +27,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from datetime import timedelta
 
 ABORT = "pipec/abort"
 ACKS = "pipec/stopped"
@@ -190,9 +189,16 @@ class Monitor:
         if self.stopped.is_set():  # woken by stop(): the run is over
             return
         reason = None
-        try:  # a rank that failed writes its record before it exits, so before the launcher sends SIGTERM
-            self.store.wait([ABORT], timedelta(seconds=1))
-            _, reason = _parse(self.store.get(ABORT))
+        # A rank that failed writes its record before it exits, so before the launcher sends SIGTERM; a
+        # survivor may be writing one now. Polled, not a blocking wait: the watcher beats on this same
+        # connection, and a second's wait on it stilled this rank's heartbeat, so that a survivor looking
+        # for the silent rank blamed this one.
+        deadline = time.monotonic() + 1.0
+        try:
+            while not self.store.check([ABORT]) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if self.store.check([ABORT]):
+                _, reason = _parse(self.store.get(ABORT))
         except Exception:
             pass
         if self.failing:

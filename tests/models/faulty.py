@@ -3,6 +3,8 @@
 PIPEC_FAULT=raise|exit|hang|stop, PIPEC_FAULT_STAGE=s, PIPEC_FAULT_CALL=k: stage s's k-th real forward
 (counted from 0 over all steps, not counting shape inference) raises, kills its process (after a short
 pause, so the rank has published where it is), hangs, or stops its process (SIGSTOP).
+PIPEC_FAULT=exit-in-allreduce: the process of stage s exits (status 3) inside its k-th job-wide all-reduce
+(counted from 0; the runtime's per-step statistics are one a step), outside every instruction.
 """
 
 import os
@@ -55,6 +57,20 @@ class Faulty(nn.Module):
 
 
 def build_stage(stage: int, num_stages: int) -> nn.Module:
+    if FAULT == "exit-in-allreduce" and stage == FAULT_STAGE:
+        import torch.distributed as dist
+
+        real, calls = dist.all_reduce, [0]
+
+        def all_reduce(*args, **kwargs):
+            if calls[0] == FAULT_CALL:
+                time.sleep(0.5)  # the others are in it by now
+                _mark()
+                os._exit(3)
+            calls[0] += 1
+            return real(*args, **kwargs)
+
+        dist.all_reduce = all_reduce
     return Faulty(stage)
 
 

@@ -192,6 +192,20 @@ def pipec(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -
     return subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
 
 
+def test_a_rank_lost_in_the_steps_all_reduce_is_named_by_the_survivors():
+    """Issue 32: a rank that dies outside every instruction (in the per-step statistics all-reduce) is named
+    as lost by the survivors, who do not report the transport's error as their own failure. Through `pipec
+    run`, whose agent SIGTERMs the survivors meanwhile: a survivor's SIGTERM thread once held the store
+    connection its heartbeat uses, and the other survivor then blamed it (2 runs in 3)."""
+    fault = {"PIPEC_FAULT": "exit-in-allreduce", "PIPEC_FAULT_STAGE": "1", "PIPEC_FAULT_CALL": "1"}
+    r = pipec("run", *FAULTY, "--nproc", "3", "--timeout", "60", env=fault)
+    assert r.returncode == 1, r.stderr
+    lost = re.findall(r"^pipec: rank (\d) stopped responding or died .* the step's statistics", r.stderr, re.M)
+    assert lost == ["1"], r.stderr
+    assert "rank 1 exited with status 3; ranks 0, 2 stopped because of it" in r.stderr
+    assert not re.search(r"rank [02] failed|Traceback", r.stderr), r.stderr
+
+
 def test_pipec_run_check_and_trace(tmp_path):
     from pipec.formats.trace import read_trace
 
