@@ -419,16 +419,20 @@ class Worker:
         return self.restored.step
 
     def _job_wide(self, what: str, collective, *args):
-        """A collective of every rank outside the Program. When it fails, the rank whose heartbeat has
+        """A collective of every rank outside the Program (the step's statistics; a checkpoint's save,
+        whose barriers are collectives). When it fails, the rank whose heartbeat has
         stopped is the culprit (PeerLostError): a survivor says it lost that peer, and never reports the
         transport's error as its own failure. Without a silent rank the error is this rank's own."""
-        from pipec.runtime.errors import PeerLostError
+        from pipec.runtime.errors import PeerLostError, PipelineError
 
         try:
             return collective(*args)
         except Exception as e:
             silent = [] if self.monitor is None or self.monitor.recorded() else self.monitor.silent_ranks()
             if not silent:
+                if self.monitor is not None and not isinstance(e, PipelineError):
+                    # a live peer that failed (a full disk at its save) is recording why: its report first
+                    self.monitor.await_record(min(float(self.args.timeout), 2.0))
                 raise
             raise PeerLostError(f"{what} failed: {type(e).__name__}: {str(e).splitlines()[0]}", silent[0]) from e
 
@@ -442,7 +446,7 @@ class Worker:
         from pipec.runtime.job.checkpoint import save
         from pipec.runtime.job.report import Report
 
-        path = save(args.checkpoint, self.runner, steps_done, self.run_id)
+        path = self._job_wide("saving the checkpoint", save, args.checkpoint, self.runner, steps_done, self.run_id)
         if self.rank == 0:
             Report(args.records).line(f"checkpoint: {path}")
 
