@@ -52,6 +52,7 @@ from pipec.formats.trace import read_trace
 ROOT = Path(__file__).resolve().parents[1]
 PIPEC = [sys.executable, "-m", "pipec.cli.app"]
 MODEL = "benchmarks/blocks_model.py"
+MODEL_TEXT = "{BLOCKS} x (Linear({BLOCKS_WIDTH}, {BLOCKS_WIDTH}) + GELU), float64, {BLOCKS_ROWS} rows per micro-batch"
 CASES = {"1f1b": {}, "interleaved-1f1b": {"v": 2}, "zb-h1": {}}
 # --transfer: a schedule with the same stages and kind of backward, whose in-situ costs predict the case's
 PARTNER = {"1f1b": "gpipe", "interleaved-1f1b": "looped-bfs", "zb-h1": "zb-h2"}
@@ -178,9 +179,7 @@ def main() -> None:
                 "benchmark": "fidelity",
                 "schedule": name,
                 "params": {"p": 2, **CASES[name], "m": args.m},
-                "model": "{BLOCKS} x (Linear({BLOCKS_WIDTH}, {BLOCKS_WIDTH}) + GELU), float64, {BLOCKS_ROWS} rows per micro-batch".format(
-                    **{"BLOCKS": "16", "BLOCKS_WIDTH": "256", "BLOCKS_ROWS": "32", **small}
-                ),
+                "model": MODEL_TEXT.format(**{"BLOCKS": "16", "BLOCKS_WIDTH": "256", "BLOCKS_ROWS": "32", **small}),
                 "backend": "gloo",
                 "rounds": args.rounds,
                 "simulated_s": sim,
