@@ -25,15 +25,15 @@ the best uniform count, each simulated on the schedule file written for it. Ever
 average (the simulator's figures do not depend on it; `--measured`'s do). A markdown table of the simulated
 step-time ratios ends the output.
 
-`--measured` also runs the profiled case on p gloo processes (`pipec run FILE --model examples/gpt.py
---nproc P --steps S --json`, GPT_CONTEXT = the profile's L, float32, one thread and one CPU per rank as
-`pipec run` gives them: OMP_NUM_THREADS = CPUs / P, `--cpu-bind auto`): micro-batch gpipe, uniform slices
-at the DP's count, and the DP's slices, in alternating rounds (`sidebyside.alternate`: A B C C B A ...) so
-that a change of load falls on all three alike. A run's figure is the median of its steps 2.. (step 1
-exchanges shapes); a schedule's, the median over rounds. Before the rounds each schedule runs once with `--check` (float64, a
-short run at the same L, so the exact same slices) against the single-process reference. A second table
-puts each measured ratio beside the simulated one; p processes need p free CPUs to pipeline at all (on
-fewer, any pipelining gains at most CPUs-fold), which the line's `cpus` says.
+`--measured` also runs the profiled case on p gloo processes (`pipec run FILE --model examples/gpt.py --nproc
+P --steps S --json`, GPT_CONTEXT = the profile's L, float32, one thread and one CPU per rank as `pipec run`
+gives them: OMP_NUM_THREADS = CPUs / P, `--cpu-bind auto`): micro-batch gpipe, uniform slices at the DP's
+count, and the DP's slices, in alternating rounds (`sidebyside.alternate`: A B C C B A ...) so that a change
+of load falls on all three alike. A run's figure is the median of its steps 2.. (step 1 exchanges shapes); a
+schedule's, the median over rounds. Before the rounds each schedule runs once with `--check` (float64, a short
+run at the same L, so the exact same slices) against the single-process reference. A second table puts each
+measured ratio beside the simulated one; p processes need p free CPUs to pipeline at all (on fewer, any
+pipelining gains at most CPUs-fold), which the line's `cpus` says.
 """
 
 from __future__ import annotations
