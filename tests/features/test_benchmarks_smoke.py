@@ -26,6 +26,7 @@ EXCLUDED = {
     "sidebyside.py": "the shared helper (timing, ABBA rounds, the JSON line), not a benchmark",
     "blocks_model.py": "a model file that benchmarks load, not a benchmark",
     "gpu_check.py": "needs a CUDA GPU; run by hand on one (docs/runtime.md)",
+    "torchtitan_train.py": "needs its own environment with torchtitan 0.2.2 (--setup installs it from the network)",
 }
 SCRIPTS = sorted(p.name for p in BENCH.glob("*.py") if p.name not in EXCLUDED)
 SHARED = ("benchmark", "load_avg_start", "load_avg_end", "record_wall_s", "record_cpu_s")
