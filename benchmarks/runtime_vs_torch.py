@@ -340,15 +340,18 @@ def main() -> None:
     ap.add_argument("--only-dispatch", action="store_true", help="only the empty-model dispatch runs")
     smoke_flag(ap)
     args = ap.parse_args()
-    dispatch = DISPATCH
-    if args.smoke:  # 1F1B, 1 round of 1 step; the dispatch run at p=2 m=8: the format (tests)
-        args.rounds, args.steps, args.schedules, dispatch = 1, 1, "1f1b", ((2, 8),)
+    dispatch, p_full = DISPATCH, P
+    if args.smoke:  # 1F1B, 1 round of 1 step, both models on 2 processes (one spawn): the format (tests)
+        args.rounds, args.steps, args.schedules, dispatch, p_full = 1, 1, "1f1b", ((2, 8),), 2
     schedules = [] if args.only_dispatch else [s for s in args.schedules.split(",") if s]
-    runs = [(P, [Case(s, False, P, M) for s in schedules])] if schedules else []
+    cases = [Case(s, False, p_full, M) for s in schedules]
     if args.empty or args.only_dispatch:
-        runs += [(p, [Case("empty:1f1b", True, p, m)]) for p, m in dispatch]
+        cases += [Case("empty:1f1b", True, p, m) for p, m in dispatch]
+    runs: dict[int, list[Case]] = {}  # one spawn of p processes runs every case with that p
+    for case in cases:
+        runs.setdefault(case.p, []).append(case)
     disagree = []
-    for world, cases in runs:
+    for world, cases in runs.items():
         args.cases = cases
         load_start = load_average()  # other processes on the machine, before this run adds its own
         rows, codes = run_ranks(worker, world, args)
