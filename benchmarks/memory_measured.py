@@ -198,6 +198,7 @@ def time_rows(tmp: str, rounds: int, steps: int, names: tuple[str, ...] = TIMED)
         if base in runs and runs[base] and "error" not in sims[base] and all("step" in r for r in runs[base]):
             per_round = [a["step"] / b["step"] for a, b in zip(runs[name], runs[base])]
             row["vs_1f1b_measured"] = round(statistics.median(per_round), 3)
+            row["vs_1f1b_measured_range"] = [round(min(per_round), 3), round(max(per_round), 3)]
             row["vs_1f1b_simulated"] = round(sim["makespan"] / sims[base]["sim"]["makespan"], 3)
         rows.append(row)
     return rows

@@ -49,7 +49,7 @@ import tempfile
 import tomllib
 from pathlib import Path
 
-from sidebyside import alternate, emit, load_average, smoke_flag
+from sidebyside import alternate, emit, load_average, ratio_fields, smoke_flag
 
 from pipec.api import simulate
 from pipec.frontend.library import read
@@ -249,6 +249,11 @@ def measured(text: str, args: argparse.Namespace, m: int, L: int, n: int) -> dic
             "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
             "microbatch_over_dp": med["microbatch"] / med["dp"],
             "uniform_over_dp": med["uniform"] / med["dp"],
+            # each ratio's spread over the rounds (a round's three runs are side by side)
+            "microbatch_over_dp_range": ratio_fields(runs["microbatch"]["steps_s"], runs["dp"]["steps_s"])[
+                "ratio_range"
+            ],
+            "uniform_over_dp_range": ratio_fields(runs["uniform"]["steps_s"], runs["dp"]["steps_s"])["ratio_range"],
             "loadavg_after_runs": load_average(),
         }
     }
