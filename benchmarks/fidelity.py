@@ -167,8 +167,8 @@ def main() -> None:
     results: dict[str, list[dict]] = {n: [] for n in names}
     load_start = load_average()
     with tempfile.TemporaryDirectory(prefix="pipec-fidelity-") as tmp:
-        for _ in range(args.rounds):
-            for name in names:  # schedules alternate within a round, so a load spike hits them all alike
+        for r in range(args.rounds):  # schedules alternate within a round, so a load spike hits them all alike;
+            for name in names if r % 2 == 0 else names[::-1]:  # ABBA: every other round in reverse
                 results[name].append(one_round(name, CASES[name], args, tmp, env))
     for name in names:
         rows = results[name]

@@ -155,13 +155,13 @@ def run_once(name: str, tmp: str, p: int = 4, m: int = 8, steps: int = 6) -> dic
 
 
 def time_rows(tmp: str, rounds: int, steps: int, names: tuple[str, ...] = TIMED) -> list[dict]:
-    """Every schedule profiled and simulated once, then run in `rounds` alternating rounds; per schedule the
+    """Every schedule profiled and simulated once, then run in `rounds` ABBA rounds; per schedule the
     median measured step over the rounds against the simulated makespan, and, side by side, its measured
     step over 1f1b's in the same round against the simulated ratio."""
     sims = {name: profile_and_simulate(name, tmp) for name in names}
     runs: dict[str, list[dict]] = {name: [] for name in names}
-    for _ in range(rounds):
-        for name in names:
+    for r in range(rounds):  # ABBA: every other round in reverse, so no schedule always runs first
+        for name in names if r % 2 == 0 else names[::-1]:
             if "error" not in sims[name]:
                 runs[name].append(run_once(name, tmp, steps=steps))
     rows = []

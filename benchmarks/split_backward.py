@@ -49,7 +49,7 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--blocks", type=int, default=4)
     ap.add_argument("--rows", type=int, default=32)
-    ap.add_argument("--reps", type=int, default=30, help="alternating rounds (full, split, full, ...)")
+    ap.add_argument("--reps", type=int, default=30, help="ABBA rounds (full split, split full, ...)")
     ap.add_argument("--dtype", default="float64")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1, as each rank runs)")
     ap.add_argument(
