@@ -10,28 +10,24 @@ the library call.
 
     python benchmarks/cli_scale.py                 # p=128 m=4096, 3 rounds (a few minutes on 2 cores)
     python benchmarks/cli_scale.py -p 16 -m 256    # a quick look
+    python benchmarks/cli_scale.py --smoke         # p=4 m=8, 1 round: the format (the test suite's)
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
-import time
 
-from sidebyside import alternate, emit, load_average, summarize
+from sidebyside import Timing, alternate, emit, load_average, run_process, smoke_flag, summarize
 
 PY = sys.executable
 
 
-def _fresh(argv: list[str], stdout_path: str | None = None) -> float:
-    """Wall seconds of one fresh process (its standard output to a file, or discarded)."""
-    with open(stdout_path or os.devnull, "w") as out:
-        t0 = time.perf_counter()
-        subprocess.run(argv, stdout=out, check=True)
-        return time.perf_counter() - t0
+def _fresh(argv: list[str], stdout_path: str | None = None) -> Timing:
+    """Wall and CPU seconds of one fresh process (its standard output to a file, or discarded)."""
+    return run_process(argv, stdout_path)
 
 
 def _lib(code: str) -> list[str]:
@@ -44,7 +40,10 @@ def main() -> None:
     ap.add_argument("-m", type=int, default=4096)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--only", choices=("compile", "simulate"), default=None)
+    smoke_flag(ap)
     a = ap.parse_args()
+    if a.smoke:
+        a.p, a.m, a.rounds = 4, 8, 1
     d = ["-D", f"p={a.p}", "-D", f"m={a.m}"]
     cli = [PY, "-m", "pipec"]
     tmp = tempfile.mkdtemp(prefix="pipec-cli-scale-")

@@ -1,6 +1,7 @@
 """gloo ranks bound to their own CPUs (`pipec run --cpu-bind auto`, the default) against unbound ones.
 
     .venv/bin/python benchmarks/cpu_bind.py [--reps 120] [--compute-ms 3] [--rounds 3] [--steps 12]
+    .venv/bin/python benchmarks/cpu_bind.py --smoke    # 1 session, 1 round, a small model (tests)
 
 1. Messages to an idle receiver from a busy sender: two processes, one thread each. Each repetition, rank
    1 posts a receive and both meet at a barrier; rank 0 sends 64 KiB and then computes `--compute-ms`,
@@ -10,8 +11,8 @@
    rank 1's CPU is idle (pipec.runtime.host.affinity). One JSON line per layout and session.
 2. Whole runs: `pipec run NAME -D p=2 ... --nproc 2 --steps K` on benchmarks/blocks_model.py (16 blocks of
    Linear(256, 256) + GELU in float64), `--cpu-bind auto` and `--cpu-bind none` alternating, `--rounds`
-   runs each; the median step time after the first two, and the ratio bound / unbound. One JSON line per
-   schedule.
+   runs each (ABBA order); the median step time after the first two, and the ratio bound / unbound with its
+   spread over the rounds (`sidebyside.summarize`). One JSON line per schedule.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import time
 from pathlib import Path
 
 import sidebyside
-from sidebyside import alternate, load_average
+from sidebyside import alternate, load_average, smoke_flag, summarize
 
 from pipec.runtime.host import spawned
 
@@ -96,7 +97,9 @@ def messages(args: argparse.Namespace) -> None:
 
 def runs(args: argparse.Namespace) -> None:
     env = dict(os.environ, BLOCKS_M="8", PYTHONPATH=str(ROOT))
-    for name, defines in RUNS.items():
+    if args.smoke:  # a small model
+        env.update(BLOCKS="4", BLOCKS_WIDTH="32", BLOCKS_ROWS="4")
+    for name, defines in RUNS.items() if not args.smoke else list(RUNS.items())[:1]:
 
         def run(mode: str, name: str = name, defines: list[str] = defines):
             def once() -> float:
@@ -110,23 +113,15 @@ def runs(args: argparse.Namespace) -> None:
 
             return once
 
-        steps = alternate({"auto": run("auto"), "none": run("none")}, args.rounds)  # auto, none, auto, ...
-        bound, free = statistics.median(steps["auto"]), statistics.median(steps["none"])
-        emit(
-            benchmark="cpu_bind_runs",
-            schedule=name,
-            params=" ".join(defines[1::2]),
-            rounds=args.rounds,
-            bound_step_s=bound,
-            unbound_step_s=free,
-            ratio_bound_over_unbound=round(bound / free, 3),
-            bound_per_round=steps["auto"],
-            unbound_per_round=steps["none"],
-        )
+        start = load_average()
+        steps = alternate({"auto": run("auto"), "none": run("none")}, args.rounds)  # auto, none, none, auto, ...
+        rec = summarize("cpu_bind_runs", steps, ("auto", "none"), start, schedule=name, params=" ".join(defines[1::2]))
+        rec["measure"] = "median step time of a run (after the first 2 steps), seconds; ratio: bound / unbound"
+        sidebyside.emit(rec)
 
 
 def emit(**row) -> None:
-    sidebyside.emit({**row, "loadavg_1min": load_average()[0]})
+    sidebyside.emit(row)
 
 
 def main() -> None:
@@ -137,7 +132,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="pipec runs per schedule and mode (default 3)")
     ap.add_argument("--steps", type=int, default=12, help="steps per run (default 12; the first 2 dropped)")
     ap.add_argument("--only", choices=("messages", "runs"), help="run one part only")
+    smoke_flag(ap)
     args = ap.parse_args()
+    if args.smoke:  # one session per layout of 3 messages, one run per mode of 3 steps on a small model, 1F1B
+        args.reps, args.sessions, args.rounds, args.steps = 3, 1, 1, 3
     if len(os.sched_getaffinity(0)) < 2:
         sys.exit("cpu_bind.py needs at least 2 CPUs")
     if args.only != "runs":

@@ -18,13 +18,15 @@ Prints one JSON line per (model, schedule, m, placement); `--markdown` the table
 
     python benchmarks/cross_dc_dp.py
     python benchmarks/cross_dc_dp.py --markdown
+    python benchmarks/cross_dc_dp.py --smoke       # one model, schedule and m: the format (the test suite's)
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
+
+from sidebyside import emit, smoke_flag
 
 P, DP = 4, 2
 LINK = {"latency": 0.04, "bandwidth_bps": 10e9}
@@ -86,12 +88,16 @@ def measure(model: str, schedule: str, params: dict, m: int, placement: str) -> 
     return out
 
 
-def rows() -> list[dict]:
+def rows(smoke: bool = False) -> list[dict]:
+    """Every case; `smoke`: the first model and schedule at the smallest m only."""
+    models, schedules, mbs = (
+        (list(MODELS)[:1], SCHEDULES[:1], MICROBATCHES[:1]) if smoke else (MODELS, SCHEDULES, MICROBATCHES)
+    )
     return [
         measure(model, name, params, m, placement)
-        for model in MODELS
-        for name, params in SCHEDULES
-        for m in MICROBATCHES
+        for model in models
+        for name, params in schedules
+        for m in mbs
         for placement in ("pp-across", "dp-across")
     ]
 
@@ -120,13 +126,14 @@ def markdown(results: list[dict]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--markdown", action="store_true", help="print the table of docs/cross-dc.md")
+    smoke_flag(ap)
     args = ap.parse_args()
-    results = rows()
+    results = rows(args.smoke)
     if args.markdown:
         print(markdown(results))
     else:
         for r in results:
-            print(json.dumps(r))
+            emit({"benchmark": "cross_dc_dp", **r})
 
 
 if __name__ == "__main__":

@@ -11,13 +11,15 @@ Prints one JSON line per (point, schedule); `--markdown` prints the table of doc
     python benchmarks/cross_dc_sweep.py                 # JSON lines
     python benchmarks/cross_dc_sweep.py --markdown      # the table in docs/cross-dc.md
     python benchmarks/cross_dc_sweep.py -m 16           # another number of micro-batches
+    python benchmarks/cross_dc_sweep.py --smoke         # one point, m=8: the format (the test suite's)
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
+
+from sidebyside import emit, smoke_flag
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "cross_dc.pipe"
@@ -64,8 +66,10 @@ def measure(latency_ms: float, bandwidth_gbps: float, p: int, m: int, extra: dic
     return out
 
 
-def sweep(p: int = 8, m: int = 32) -> list[dict]:
-    return [row for lat in LATENCIES_MS for bw in BANDWIDTHS_GBPS for row in measure(lat, bw, p, m)]
+def sweep(p: int = 8, m: int = 32, smoke: bool = False) -> list[dict]:
+    """Every (latency, bandwidth) point; `smoke`: the first point only."""
+    lats, bws = (LATENCIES_MS[:1], BANDWIDTHS_GBPS[:1]) if smoke else (LATENCIES_MS, BANDWIDTHS_GBPS)
+    return [row for lat in lats for bw in bws for row in measure(lat, bw, p, m)]
 
 
 def markdown(rows: list[dict]) -> str:
@@ -96,13 +100,16 @@ def main() -> None:
     ap.add_argument("-p", type=int, default=8, help="ranks (default 8: two datacenters of 4)")
     ap.add_argument("-m", type=int, default=32, help="micro-batches (default 32, the example's)")
     ap.add_argument("--markdown", action="store_true", help="print the markdown table instead of JSON lines")
+    smoke_flag(ap)
     args = ap.parse_args()
-    rows = sweep(args.p, args.m)
+    if args.smoke:
+        args.m = 8
+    rows = sweep(args.p, args.m, args.smoke)
     if args.markdown:
         print(markdown(rows))
     else:
         for row in rows:
-            print(json.dumps(row))
+            emit({"benchmark": "cross_dc_sweep", **row})
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ Prints one JSON line per schedule; `--markdown` prints the table of docs/cross-d
 
     python benchmarks/emulated_links.py                # JSON lines
     python benchmarks/emulated_links.py --markdown     # the table in docs/cross-dc.md
+    python benchmarks/emulated_links.py --smoke        # 1F1B, a small model, 2 steps: the format (tests)
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from sidebyside import emit, smoke_flag
+
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 PIPEC = str(BIN / "pipec") if (BIN / "pipec").exists() else "pipec"
@@ -39,6 +42,7 @@ SCHEDULES = (
     ("crossdc-zb", "crossdc-zb", {}),
     ("crossdc-zb g=4", "crossdc-zb", {"g": 4}),
 )
+PROFILE_ARGS: list[str] = []  # extra `pipec profile` arguments (--smoke: fewer repetitions)
 STEP = re.compile(r"^step (\d+)/\d+: loss \S+, ([0-9.]+) s", re.M)
 
 
@@ -66,7 +70,7 @@ def measure(label: str, name: str, extra: dict, m: int, scale: float, steps: int
     defines = [a for k, v in {"p": 2, "m": m, **extra}.items() for a in ("-D", f"{k}={v}")]
     topo = topology(LATENCY_MS, BANDWIDTH_GBPS)
     cost = os.path.join(tmp, f"{label.replace(' ', '_').replace('=', '')}.toml")
-    pipec("profile", name, *defines, "--model", MODEL, "-o", cost)
+    pipec("profile", name, *defines, "--model", MODEL, "-o", cost, *PROFILE_ARGS)
     times = []
     run = ["run", name, *defines, "--model", MODEL, "--steps", str(steps), "--emulate-links"]
     run += ["--topology", topo, "--link-scale", repr(scale)]
@@ -95,13 +99,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6, help="steps per run (default 6; the first is dropped)")
     ap.add_argument("--repeats", type=int, default=2, help="runs per schedule (default 2)")
     ap.add_argument("--markdown", action="store_true", help="print the table of docs/cross-dc.md")
+    smoke_flag(ap)
     a = ap.parse_args()
+    schedules = SCHEDULES
+    if a.smoke:  # one schedule, a small model, one run of 2 steps, a short profile
+        schedules, a.m, a.steps, a.repeats = SCHEDULES[:1], 2, 2, 1
+        ENV.update(MLP_WIDTH="32", MLP_DEPTH="4", MLP_BATCH="16")
+        PROFILE_ARGS[:] = ["--reps", "2", "--warmup", "0", "--one-process", "--no-comm"]
     rows = []
     with tempfile.TemporaryDirectory(prefix="pipec-links-") as tmp:
-        for label, name, extra in SCHEDULES:
+        for label, name, extra in schedules:
             row = measure(label, name, extra, a.m, a.link_scale, a.steps, a.repeats, tmp)
             rows.append(row)
-            print(json.dumps(row), file=sys.stderr if a.markdown else sys.stdout, flush=True)
+            emit({"benchmark": "emulated_links", **row}, file=sys.stderr if a.markdown else sys.stdout)
     base = rows[0]
     if not a.markdown:
         return

@@ -1,6 +1,7 @@
 """How fast a pipec job ends after each fault, and whether it blames the right rank: one JSON line each.
 
     python benchmarks/faults.py [--rounds 3] [--timeout 10]
+    python benchmarks/faults.py --smoke    # one fault (raise), one round: the format (the test suite's)
 
 Faults, on `pipec run` (torchrun, gloo) of 1F1B p=3 m=3 with tests/models/faulty.py, injected in stage 1's
 fifth forward (step 2): `raise` (an exception), `dead` (os._exit), `hung` (sleeps in its forward: given up
@@ -27,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sidebyside import emit, load_average  # noqa: E402
+from sidebyside import emit, load_average, smoke_flag  # noqa: E402
 
 from pipec.runtime.host.spawned import alive, children  # noqa: E402
 
@@ -117,8 +118,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=10.0, help="the job's --timeout (hung ranks)")
     ap.add_argument("--only", nargs="*", default=None)
+    smoke_flag(ap)
     args = ap.parse_args()
     kinds = ["raise", "dead", "hung", "stopped", "sigterm", "sigint", "sigkill", "mismatched"]
+    if args.smoke:  # one fault (an exception in stage 1), one round
+        args.rounds, args.only = 1, ["raise"]
     for kind in args.only or kinds:
         load = load_average()
         runs = []
@@ -137,7 +141,7 @@ def main() -> None:
             "max_s": round(max(r[key] for r in runs), 3),
             "exit": [r["exit"] for r in runs],
             "timeout": args.timeout if kind == "hung" else None,
-            "load_avg": [load, load_average()],
+            "load_avg_start": load,
         }
         for flag in ("names_rank_1", "says_signal", "temporary_left", "names_both"):
             if flag in runs[0]:

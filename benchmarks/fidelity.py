@@ -2,6 +2,7 @@
 time `pipec run` measures, on p=2 gloo processes, for 1F1B, interleaved 1F1B (v=2) and ZB-H1.
 
     .venv/bin/python benchmarks/fidelity.py [--rounds 3] [--steps 12] [--reps 30] [--m 8]
+    .venv/bin/python benchmarks/fidelity.py --smoke    # 1F1B, a small model, 1 round: the format (tests)
 
 The model is benchmarks/blocks_model.py (16 blocks of Linear(256, 256) + GELU in float64, 32 rows per
 micro-batch). For each schedule and round, exactly what a user would type:
@@ -27,7 +28,8 @@ run on two processes: pipec.runtime.profile.insitu), whose runs are separate fro
 `--transfer`, `partner_*` are those of a simulation with the in-situ costs of another schedule with the same
 stages and kind of backward (GPipe for 1F1B, looped BFS for interleaved 1F1B, ZB-H2 for ZB-H1): whether
 costs measured in one schedule predict another.
-The 1-minute load average is reported because other processes on the machine stretch the measured times.
+The load average (at the start and end, `sidebyside.emit`) is reported because other processes on the machine
+stretch the measured times.
 """
 
 from __future__ import annotations
@@ -43,12 +45,14 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+from sidebyside import emit, load_average, smoke_flag
 
 from pipec.formats.trace import read_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 PIPEC = [sys.executable, "-m", "pipec.cli.app"]
 MODEL = "benchmarks/blocks_model.py"
+MODEL_TEXT = "{BLOCKS} x (Linear({BLOCKS_WIDTH}, {BLOCKS_WIDTH}) + GELU), float64, {BLOCKS_ROWS} rows per micro-batch"
 CASES = {"1f1b": {}, "interleaved-1f1b": {"v": 2}, "zb-h1": {}}
 # --transfer: a schedule with the same stages and kind of backward, whose in-situ costs predict the case's
 PARTNER = {"1f1b": "gpipe", "interleaved-1f1b": "looped-bfs", "zb-h1": "zb-h2"}
@@ -150,63 +154,64 @@ def main() -> None:
         action="store_true",
         help="also simulate each schedule with the in-situ costs of a partner (" + ", ".join(PARTNER.values()) + ")",
     )
+    smoke_flag(ap)
     args = ap.parse_args()
+    small = {}
+    if args.smoke:  # 1F1B on a small model, one round of 3 steps, a short profile: the format, not the figure
+        args.rounds, args.steps, args.reps, args.m, args.schedules = 1, 3, 2, 2, "1f1b"
+        small = {"BLOCKS": "4", "BLOCKS_WIDTH": "32", "BLOCKS_ROWS": "4"}
     if args.steps < 3:
         ap.error("--steps must be at least 3")
-    env = dict(os.environ, BLOCKS_M=str(args.m), PYTHONPATH=str(ROOT))
+    env = dict(os.environ, BLOCKS_M=str(args.m), PYTHONPATH=str(ROOT), **small)
     names = [s for s in args.schedules.split(",") if s]
     results: dict[str, list[dict]] = {n: [] for n in names}
-    loads = []
+    load_start = load_average()
     with tempfile.TemporaryDirectory(prefix="pipec-fidelity-") as tmp:
-        for _ in range(args.rounds):
-            for name in names:  # schedules alternate within a round, so a load spike hits them all alike
-                loads.append(os.getloadavg()[0])
+        for r in range(args.rounds):  # schedules alternate within a round, so a load spike hits them all alike;
+            for name in names if r % 2 == 0 else names[::-1]:  # ABBA: every other round in reverse
                 results[name].append(one_round(name, CASES[name], args, tmp, env))
     for name in names:
         rows = results[name]
         med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if rows[0][k] is not None}
         sim, mea = med["simulated_s"], med["measured_s"]
-        print(
-            json.dumps(
-                {
-                    "benchmark": "fidelity",
-                    "schedule": name,
-                    "params": {"p": 2, **CASES[name], "m": args.m},
-                    "model": "16 x (Linear(256, 256) + GELU), float64, 32 rows per micro-batch",
-                    "backend": "gloo",
-                    "rounds": args.rounds,
-                    "simulated_s": sim,
-                    "measured_s": mea,
-                    "error": (sim - mea) / mea,
-                    "within_15pct": abs(sim - mea) <= 0.15 * mea,
-                    "overhead_us": round(med["overhead_us"], 1),
-                    "error_without_overhead": (med["simulated_without_overhead_s"] - mea) / mea,
-                    "error_per_round": [round((r["simulated_s"] - r["measured_s"]) / r["measured_s"], 4) for r in rows],
-                    "in_situ_simulated_s": med["in_situ_simulated_s"],
-                    "in_situ_error": (med["in_situ_simulated_s"] - mea) / mea,
-                    "in_situ_within_15pct": abs(med["in_situ_simulated_s"] - mea) <= 0.15 * mea,
-                    "in_situ_error_per_round": [
-                        round((r["in_situ_simulated_s"] - r["measured_s"]) / r["measured_s"], 4) for r in rows
-                    ],
-                    "in_situ_overhead_us": round(med["in_situ_overhead_us"], 1),
-                    **(
-                        {
-                            "partner": PARTNER[name],
-                            "partner_simulated_s": med["partner_simulated_s"],
-                            "partner_error": (med["partner_simulated_s"] - mea) / mea,
-                        }
-                        if args.transfer
-                        else {}
-                    ),
-                    "compute_ratio": round(med["compute_ratio"], 3),
-                    "idle_ms": round(med["idle_ms"], 3),
-                    "simulated_idle_ms": round(med["simulated_idle_ms"], 3),
-                    "send_to_use_ms": round(med["send_to_use_ms"], 3),
-                    "simulated_send_to_use_ms": round(med["simulated_send_to_use_ms"], 3),
-                    "loadavg_1min": round(statistics.median(loads), 2),
-                }
-            ),
-            flush=True,
+        emit(
+            {
+                "benchmark": "fidelity",
+                "schedule": name,
+                "params": {"p": 2, **CASES[name], "m": args.m},
+                "model": MODEL_TEXT.format(**{"BLOCKS": "16", "BLOCKS_WIDTH": "256", "BLOCKS_ROWS": "32", **small}),
+                "backend": "gloo",
+                "rounds": args.rounds,
+                "simulated_s": sim,
+                "measured_s": mea,
+                "error": (sim - mea) / mea,
+                "within_15pct": abs(sim - mea) <= 0.15 * mea,
+                "overhead_us": round(med["overhead_us"], 1),
+                "error_without_overhead": (med["simulated_without_overhead_s"] - mea) / mea,
+                "error_per_round": [round((r["simulated_s"] - r["measured_s"]) / r["measured_s"], 4) for r in rows],
+                "in_situ_simulated_s": med["in_situ_simulated_s"],
+                "in_situ_error": (med["in_situ_simulated_s"] - mea) / mea,
+                "in_situ_within_15pct": abs(med["in_situ_simulated_s"] - mea) <= 0.15 * mea,
+                "in_situ_error_per_round": [
+                    round((r["in_situ_simulated_s"] - r["measured_s"]) / r["measured_s"], 4) for r in rows
+                ],
+                "in_situ_overhead_us": round(med["in_situ_overhead_us"], 1),
+                **(
+                    {
+                        "partner": PARTNER[name],
+                        "partner_simulated_s": med["partner_simulated_s"],
+                        "partner_error": (med["partner_simulated_s"] - mea) / mea,
+                    }
+                    if args.transfer
+                    else {}
+                ),
+                "compute_ratio": round(med["compute_ratio"], 3),
+                "idle_ms": round(med["idle_ms"], 3),
+                "simulated_idle_ms": round(med["simulated_idle_ms"], 3),
+                "send_to_use_ms": round(med["send_to_use_ms"], 3),
+                "simulated_send_to_use_ms": round(med["simulated_send_to_use_ms"], 3),
+                "load_avg_start": load_start,
+            }
         )
 
 

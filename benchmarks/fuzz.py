@@ -4,6 +4,7 @@
     python benchmarks/fuzz.py --count 2000 --kind program-text --kind cost-toml
     python benchmarks/fuzz.py --count 500 --properties-only mutations   # as before: properties named *mutations*
     python benchmarks/fuzz.py 500 mutations                              # the same (the old form)
+    python benchmarks/fuzz.py --smoke           # 3 inputs of one kind, 2 examples of one property (tests)
 
 Input kinds (`KINDS` in tests/unit/testing/test_fuzz.py): pipe, cost-toml, cost-json, topology, torch-csv, program-json,
 program-text. Input i of a kind is made from (kind, --seed, i) alone, so any one can be made again
@@ -11,7 +12,7 @@ program-text. Input i of a kind is made from (kind, --seed, i) alone, so any one
 (its own watchdog; the worker also has a SIGALRM one), kills a worker that overruns, counts a hang and
 starts a new worker at the next input. One JSON line per kind: inputs, accepted, diagnostics by code,
 tracebacks, wrong (accepted where a later stage refuses it with the wrong code), hangs (all three must be
-0), seconds and the load average (`benchmarks/sidebyside`). Each failing input is written to
+0), seconds and `benchmarks/sidebyside`'s shared fields (load average, CPU time). Each failing input is written to
 `--failures` (default fuzz-failures/ in the current folder) with its traceback, and the exit status is 1.
 
 Properties: one JSON line per property, {"property", "examples", "seconds", "failures"}; on a failure
@@ -36,7 +37,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sidebyside import emit, load_average  # noqa: E402
+from sidebyside import emit, smoke_flag  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CHUNK = 1_000
@@ -45,8 +46,12 @@ FAILED = ("traceback", "wrong", "hang")
 
 def _test_module(examples: int = 100):
     os.environ["PIPEC_FUZZ_EXAMPLES"] = str(examples)  # read when the test module is imported
-    sys.path.insert(0, str(ROOT))
-    spec = importlib.util.spec_from_file_location("pipec_test_fuzz", ROOT / "tests" / "test_fuzz.py")
+    for path in (ROOT, ROOT / "tests" / "support"):  # the test module imports the suite's helpers (`repo`)
+        if str(path) not in sys.path:
+            sys.path.insert(0, str(path))
+    spec = importlib.util.spec_from_file_location(
+        "pipec_test_fuzz", ROOT / "tests" / "unit" / "testing" / "test_fuzz.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -128,7 +133,6 @@ def fuzz_kind(kind: str, count: int, seed: int, timeout: float, failures: Path) 
         "seconds": round(time.perf_counter() - start, 2),
         "seed": seed,
         "timeout_s": timeout,
-        "load_average": load_average(),
     }
 
 
@@ -166,7 +170,7 @@ def properties(examples: int, wanted: str) -> int:
             done += chunk
         seconds = round(time.perf_counter() - start, 2)
         record = {"property": name, "examples": done, "seconds": seconds, "failures": failures}
-        emit({**record, "load_average": load_average()})
+        emit({"benchmark": "fuzz_property", **record})
     return status
 
 
@@ -184,20 +188,31 @@ def main(argv: list[str]) -> int:
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--start", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--stop", type=int, default=0, help=argparse.SUPPRESS)
+    smoke_flag(p)
     args = p.parse_args(argv)
+    if args.smoke:  # 3 inputs of one kind, then 2 examples of one property: the format, in seconds
+        args.count, args.kind = 3, ["pipe"]
+        status = _kinds(args)
+        return status | properties(2, "token_soup")
     if args.worker:
         return worker(args.worker, args.seed, args.start, args.stop, args.timeout)
     if args.properties_only is not None:
         return properties(args.count, args.properties_only)
+    status = _kinds(args)
+    if not args.kinds_only and not args.kind:
+        status |= properties(args.count, "")
+    return status
+
+
+def _kinds(args: argparse.Namespace) -> int:
+    """Fuzz the input kinds, one JSON line each; 1 if any input failed."""
     kinds = args.kind or list(_test_module().KINDS)
     status = 0
     for kind in kinds:
         record = fuzz_kind(kind, args.count, args.seed, args.timeout, args.failures)
-        emit(record)
+        emit({"benchmark": "fuzz_kind", **record})
         if record["tracebacks"] or record["wrong"] or record["hangs"]:
             status = 1
-    if not args.kinds_only and not args.kind:
-        status |= properties(args.count, "")
     return status
 
 

@@ -2,6 +2,7 @@
 and most code do) against pipec's split, messages to a lower rank over a second group.
 
     .venv/bin/python benchmarks/gloo_exchange.py [--reps 60] [--compute-ms 0.5] [--kib 64] [--sessions 2]
+    .venv/bin/python benchmarks/gloo_exchange.py --smoke    # 1 session per layout, 3 exchanges (tests)
 
 Two processes on this machine, one thread each. Each repetition: both post their receive, meet at a
 barrier, compute `--compute-ms` (a 1F1B step's op, shortened), then send each other a message at the
@@ -20,7 +21,7 @@ import statistics
 import sys
 import time
 
-from sidebyside import alternate, emit, load_average, summarize
+from sidebyside import alternate, emit, load_average, smoke_flag, summarize
 
 from pipec.runtime.host import spawned
 
@@ -65,7 +66,10 @@ def main() -> None:
     ap.add_argument("--compute-ms", type=float, default=0.5, help="compute before each exchange (default 0.5)")
     ap.add_argument("--kib", type=int, default=64, help="message size in KiB (default 64)")
     ap.add_argument("--sessions", type=int, default=2, help="sessions per layout, alternating (default 2)")
+    smoke_flag(ap)
     args = ap.parse_args()
+    if args.smoke:  # one session per layout of 3 exchanges: the format, in seconds
+        args.reps, args.sessions = 3, 1
     sessions = {False: 0, True: 0}
 
     def session(split: bool):
@@ -86,7 +90,6 @@ def main() -> None:
                     "p90_us": round(lat[int(0.9 * (len(lat) - 1))] * 1e6, 1),
                     "max_us": round(lat[-1] * 1e6, 1),
                     "over_1ms": sum(x > 1e-3 for x in lat),
-                    "loadavg_1min": load_average()[0],
                 }
             )
             sessions[split] += 1
@@ -94,7 +97,8 @@ def main() -> None:
 
         return run
 
-    # Sessions alternate (one group, split, one group, ...); the last line compares the sessions' medians.
+    # Sessions alternate in ABBA order (one group, split, split, one group, ...); the last line compares the
+    # sessions' medians.
     start = load_average()
     medians = alternate({"one_group": session(False), "split": session(True)}, args.sessions)
     emit(

@@ -2,6 +2,7 @@
 machine (this project's `device` tool), where a session has minutes of GPU time, not hours.
 
     python3 benchmarks/gpu_check.py [--out DIR] [--device cuda]     # --device cpu: a dry run without a GPU
+    python3 benchmarks/gpu_check.py --smoke     # the cpu dry run, the local check on 1F1B alone (tests)
 
 1. Every library schedule with p=2 (m=4, v=2 where declared) in `--local` mode on the device, float64
    MLP, 3 steps: the largest relative error of the loss, the gradients and the parameters against the
@@ -27,14 +28,17 @@ import tempfile
 import time
 from pathlib import Path
 
+import sidebyside
+
 ROOT = Path(__file__).resolve().parents[1]
 MLP = {"MLP_WIDTH": "64", "MLP_DEPTH": "8", "MLP_BATCH": "32", "MLP_DTYPE": "float64"}
+SCHEDULES: list[str] = []  # the library schedules the local check runs (empty: all; --smoke: 1f1b)
 
 
 def emit(out, **row) -> bool:
-    line = json.dumps({"benchmark": "gpu_check", **row})
-    print(line, flush=True)
-    out.write(line + "\n")
+    """One line on stdout (`sidebyside.emit`: the shared fields) and the same in DIR/gpu_check.jsonl."""
+    rec = sidebyside.emit({"benchmark": "gpu_check", **row})
+    out.write(json.dumps(rec) + "\n")
     out.flush()
     return bool(row.get("ok", True))
 
@@ -51,7 +55,7 @@ def local_schedules(device: str, out) -> bool:
     os.environ.update(MLP)
     model = load_model(str(ROOT / "examples" / "mlp.py"))
     ok = True
-    for name in library.names():
+    for name in SCHEDULES or library.names():
         params = {"p": 2, "m": 4, **({"v": 2} if "v" in dict(load(name).params) else {})}
         row = {"check": "local", "device": device, "schedule": name, "params": params}
         try:
@@ -118,7 +122,11 @@ def main() -> int:
     ap.add_argument(
         "--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a dry run on a machine without a GPU"
     )
+    sidebyside.smoke_flag(ap)
     args = ap.parse_args()
+    if args.smoke:  # a dry run on the CPU, the local check on 1F1B alone: the format (tests)
+        args.device = "cpu"
+        SCHEDULES[:] = ["1f1b"]
     import torch
 
     os.makedirs(args.out, exist_ok=True)

@@ -4,6 +4,7 @@ JSON lines, or docs/memory.md's "Predicted against measured" tables with --markd
     .venv/bin/python benchmarks/memory_measured.py peaks [--markdown]      # every library schedule, p=4
     .venv/bin/python benchmarks/memory_measured.py peaks --model examples/hf_gpt2.py --markdown
     .venv/bin/python benchmarks/memory_measured.py time [--rounds 3] [--steps 6] [--markdown]
+    .venv/bin/python benchmarks/memory_measured.py --smoke   # both parts, 1F1B alone, 1 round (tests)
 
 `peaks`: every library schedule (`pipec list`) at p=4 (m=8; the default parameters otherwise) on
 examples/mlp.py, run in this process (`LocalPipeline`, the runtime's executor and saved-tensor holders,
@@ -33,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 
-from sidebyside import load_average
+from sidebyside import emit, load_average, smoke_flag
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = os.path.join(ROOT, "examples", "mlp.py")
@@ -65,7 +66,7 @@ def peaks_row(name: str, p: int = 4, m: int = 8, steps: int = 2, model_path: str
     try:
         sched, program = _compile(name, p, m)
     except Exception as e:  # noqa: BLE001 - reported in the row
-        return {"schedule": name, "skipped": str(e).splitlines()[0], "loadavg": _load()}
+        return {"schedule": name, "skipped": str(e).splitlines()[0]}
     model = load_model(model_path)
     options = StageOptions(optimizer=model.optimizer, dtype=model.dtype)
     pipe = LocalPipeline(program, model.build_stage, model.loss_fn, options=options)
@@ -92,7 +93,6 @@ def peaks_row(name: str, p: int = 4, m: int = 8, steps: int = 2, model_path: str
         "params": dict(program.params),
         "ranks": ranks,
         "worst_error": _worst(ranks),
-        "loadavg": _load(),
     }
 
 
@@ -155,13 +155,13 @@ def run_once(name: str, tmp: str, p: int = 4, m: int = 8, steps: int = 6) -> dic
 
 
 def time_rows(tmp: str, rounds: int, steps: int, names: tuple[str, ...] = TIMED) -> list[dict]:
-    """Every schedule profiled and simulated once, then run in `rounds` alternating rounds; per schedule the
+    """Every schedule profiled and simulated once, then run in `rounds` ABBA rounds; per schedule the
     median measured step over the rounds against the simulated makespan, and, side by side, its measured
     step over 1f1b's in the same round against the simulated ratio."""
     sims = {name: profile_and_simulate(name, tmp) for name in names}
     runs: dict[str, list[dict]] = {name: [] for name in names}
-    for _ in range(rounds):
-        for name in names:
+    for r in range(rounds):  # ABBA: every other round in reverse, so no schedule always runs first
+        for name in names if r % 2 == 0 else names[::-1]:
             if "error" not in sims[name]:
                 runs[name].append(run_once(name, tmp, steps=steps))
     rows = []
@@ -169,7 +169,7 @@ def time_rows(tmp: str, rounds: int, steps: int, names: tuple[str, ...] = TIMED)
     for name in names:
         bad = sims[name].get("error") or next((r["error"] for r in runs[name] if "error" in r), None)
         if bad:
-            rows.append({"schedule": name, "error": bad, "loadavg": _load()})
+            rows.append({"schedule": name, "error": bad})
             continue
         sim, state = sims[name]["sim"], sims[name]["rank_state"]
         step = statistics.median(r["step"] for r in runs[name])
@@ -193,11 +193,12 @@ def time_rows(tmp: str, rounds: int, steps: int, names: tuple[str, ...] = TIMED)
             "makespan_simulated_s": round(sim["makespan"], 6),
             "time_ratio": round(step / sim["makespan"], 3),
             "ranks": ranks,
-            "loadavg": [r["loadavg"] for r in runs[name]],
+            "load_avg_1min_per_round": [r["loadavg"] for r in runs[name]],
         }
         if base in runs and runs[base] and "error" not in sims[base] and all("step" in r for r in runs[base]):
             per_round = [a["step"] / b["step"] for a, b in zip(runs[name], runs[base])]
             row["vs_1f1b_measured"] = round(statistics.median(per_round), 3)
+            row["vs_1f1b_measured_range"] = [round(min(per_round), 3), round(max(per_round), 3)]
             row["vs_1f1b_simulated"] = round(sim["makespan"] / sims[base]["sim"]["makespan"], 3)
         rows.append(row)
     return rows
@@ -248,13 +249,22 @@ def time_markdown(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("part", choices=("peaks", "time"))
+    ap.add_argument("part", nargs="?", choices=("peaks", "time"), help="required unless --smoke")
     ap.add_argument("--steps", type=int, default=6, help="time: training steps per run (the first is dropped)")
     ap.add_argument("--rounds", type=int, default=3, help="time: alternating rounds of runs (default 3)")
     ap.add_argument("--markdown", action="store_true", help="print docs/memory.md's table instead of JSON lines")
     ap.add_argument("--model", default=MODEL, help="peaks: the model file (default examples/mlp.py)")
     ap.add_argument("--schedules", default=None, help="peaks: comma-separated library names (default: all)")
+    smoke_flag(ap)
     args = ap.parse_args(argv)
+    if args.smoke:  # both parts on 1F1B alone, the time part for one round of 2 steps: the format (tests)
+        peaks = main(["peaks", "--schedules", "1f1b"])
+        with tempfile.TemporaryDirectory(prefix="pipec-memory-") as tmp:
+            for row in time_rows(tmp, 1, 2, ("1f1b",)):
+                emit({"benchmark": "memory_measured_time", **row})
+        return peaks
+    if args.part is None:
+        ap.error("the part (peaks or time) is required")
     rows = []
     if args.part == "peaks":
         from pipec.frontend import library
@@ -262,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.schedules.split(",") if args.schedules else library.names():
             rows.append(peaks_row(name, model_path=os.path.abspath(args.model)))
             if not args.markdown:
-                print(json.dumps(rows[-1]), flush=True)
+                emit({"benchmark": "memory_measured_peaks", **rows[-1]})
         if args.markdown:
             print(peaks_markdown(rows))
         return 0 if all(r.get("worst_error", 0.0) <= 0.05 for r in rows) else 1
@@ -270,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = time_rows(tmp, args.rounds, args.steps)
     if not args.markdown:
         for row in rows:
-            print(json.dumps(row), flush=True)
+            emit({"benchmark": "memory_measured_time", **row})
     if args.markdown:
         print(time_markdown(rows))
     return 0

@@ -2,6 +2,7 @@
 was on the same stage (the weights still in cache) or on another (a chunk switch).
 
     .venv/bin/python benchmarks/op_order.py [--runs 3] [--schedules interleaved-1f1b,looped-bfs]
+    .venv/bin/python benchmarks/op_order.py --smoke   # one run of 2 steps on a small model (tests)
 
 Each schedule (p=2, v=2, m=8) runs `--runs` times through `pipec run --trace` on
 benchmarks/blocks_model.py (16 blocks of Linear(256, 256) + GELU in float64), and the traced steps are
@@ -14,7 +15,6 @@ same time; this measures by how much they differ.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -24,6 +24,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
+from sidebyside import emit, smoke_flag
 
 from pipec.formats.trace import read_trace
 
@@ -35,15 +36,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=3, help="traced runs per schedule (default 3)")
     ap.add_argument("--schedules", default="interleaved-1f1b,looped-bfs", help="comma-separated, with v=2")
+    smoke_flag(ap)
     args = ap.parse_args()
     env = dict(os.environ, BLOCKS_M="8", PYTHONPATH=str(ROOT))
+    steps = 6
+    if args.smoke:  # one traced run of 2 steps of interleaved 1F1B on a small model: the format (tests)
+        args.runs, args.schedules, steps = 1, "interleaved-1f1b", 2
+        env.update(BLOCKS="4", BLOCKS_WIDTH="32", BLOCKS_ROWS="4")
     for name in args.schedules.split(","):
         times: dict[tuple[int, int, bool], list[float]] = defaultdict(list)
         with tempfile.TemporaryDirectory() as tmp:
             for k in range(args.runs):
                 trace = os.path.join(tmp, f"{k}.json")
                 cmd = [sys.executable, "-m", "pipec.cli.app", "run", name, "-D", "p=2", "-D", "v=2", "-D", "m=8"]
-                cmd += ["--model", "benchmarks/blocks_model.py", "--nproc", "2", "--steps", "6", "--trace", trace]
+                cmd += ["--model", "benchmarks/blocks_model.py", "--nproc", "2", "--steps", str(steps)]
+                cmd += ["--trace", trace]
                 res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
                 if res.returncode != 0:
                     sys.exit(f"pipec run failed ({res.returncode}): {' '.join(cmd)}\n{res.stderr[-2000:]}")
@@ -72,9 +79,8 @@ def main() -> None:
                 "ratio_other_over_same": round(statistics.median(other) / statistics.median(same), 3)
                 if same and other
                 else None,
-                "loadavg_1min": round(os.getloadavg()[0], 2),
             }
-            print(json.dumps(row), flush=True)
+            emit(row)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """How long `pipec partition`'s search takes at 96 layers x 8 ranks x v=2 (the issue's target: 10 s).
 
     python benchmarks/partition_speed.py [--time-limit 10] [--layers 96] [--seed 0] [--table random|blocks]
+    python benchmarks/partition_speed.py --smoke   # one case, 16 layers x 4 ranks, 1 s: the format (tests)
 
 One JSON line per case: interleaved 1F1B (p=8, v=2) and ZB-V (p=8), m=16, on a random layer table of
 `--layers` layers (times uniform in 0.5..3 per pass, so no split is trivially best; `--table blocks`:
@@ -14,11 +15,10 @@ of simulations and the load average (the development machine is shared: times ar
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import numpy as np
-from sidebyside import load_average
+from sidebyside import emit, smoke_flag
 
 from pipec.api import load
 from pipec.formats.partition_files import Ranks, make_table
@@ -32,18 +32,24 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=96)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--table", choices=("random", "blocks"), default="random")
+    smoke_flag(ap)
     args = ap.parse_args()
-    table = make_table(_rows(args.table, args.layers, args.seed))
     cases = [("interleaved-1f1b", {"p": 8, "v": 2, "m": 16}), ("zb-v", {"p": 8, "m": 16}), ("1f1b", {"p": 8, "m": 16})]
+    speed_sets = ((1.0,), (1.0,) * 4 + (0.5,) * 4)
+    if args.smoke:  # one case, 16 layers on 4 ranks, 1 s: the format (tests)
+        args.layers, args.time_limit = 16, 1.0
+        cases, speed_sets = [("interleaved-1f1b", {"p": 4, "v": 2, "m": 8})], ((1.0,),)
+    table = make_table(_rows(args.table, args.layers, args.seed))
     for name, params in cases:
         sched = load(name, **params)
         prog = compile_schedule(sched).program
-        for speeds in ((1.0,), (1.0,) * 4 + (0.5,) * 4):
+        for speeds in speed_sets:
             t0, c0 = time.perf_counter(), time.process_time()
             out = partition(sched, prog, table, Ranks(speed=speeds), time_limit=args.time_limit)
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
             res = out.result
             doc = {
+                "benchmark": "partition_speed",
                 "schedule": name,
                 "params": params,
                 "layers": args.layers,
@@ -64,9 +70,8 @@ def main() -> None:
                 "paths": res.paths,
                 "nodes": res.nodes,
                 "time_limit": args.time_limit,
-                "loadavg": load_average(),
             }
-            print(json.dumps(doc), flush=True)
+            emit(doc)
 
 
 def _rows(kind: str, layers: int, seed: int) -> list[dict]:

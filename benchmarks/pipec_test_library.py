@@ -10,6 +10,7 @@ and the smallest largest-p over the files; every line carries the load average (
     python benchmarks/pipec_test_library.py --budget 5s --seed 3  # shorter, another seed
     python benchmarks/pipec_test_library.py --budget 10s --runtime  # also train small cases (torch)
     python benchmarks/pipec_test_library.py --budget 10s tests/seeded  # the seeded bugs fail, as they should
+    python benchmarks/pipec_test_library.py --smoke    # schedules/1f1b.pipe, 2 sets: the format (tests)
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from sidebyside import emit, load_average  # noqa: E402
+from sidebyside import emit, load_average, smoke_flag  # noqa: E402
 
 from pipec.options import duration  # noqa: E402
 
@@ -61,7 +62,10 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--runtime", action="store_true", help="also run small cases on the runtime's --local mode")
     ap.add_argument("--markdown", action="store_true", help="print the docs/testing.md table on stderr")
+    smoke_flag(ap)
     args = ap.parse_args()
+    if args.smoke:  # one file, 2 parameter sets: the format (tests)
+        args.paths, args.examples, args.budget = [str(ROOT / "schedules" / "1f1b.pipe")], 2, None
 
     from pipec.testing import check_file, default_budget, find_schedule_files
 
@@ -87,8 +91,7 @@ def main() -> int:
             "coverage": cov,
             "runtime_checked": res.runtime_checked,
             "seed": args.seed,
-            "load_start": load,
-            "load_end": load_average(),
+            "load_avg_start": load,
         }
         if not res.ok:
             f = res.failure
@@ -107,7 +110,6 @@ def main() -> int:
             "sets_per_second": round(checked / max(seconds, 1e-9), 2),
             "smallest_largest_p": min(reach, default=0),
             "budget": budget,
-            "load_end": load_average(),
         }
     )
     if args.markdown:

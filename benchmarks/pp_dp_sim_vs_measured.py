@@ -4,6 +4,7 @@ on 4 gloo processes, for 1F1B, interleaved 1F1B (v=2) and ZB-V, ddp and fsdp.
 
     .venv/bin/python benchmarks/pp_dp_sim_vs_measured.py [--rounds 2] [--steps 8] [--reps 10]
                                                         [--schedules 1f1b,interleaved-1f1b,zb-v] [--kinds ddp,fsdp]
+    .venv/bin/python benchmarks/pp_dp_sim_vs_measured.py --smoke   # 1F1B ddp, a small model, 1 round (tests)
 
 The model is benchmarks/blocks_model.py (16 blocks of Linear(256, 256) + GELU in float64), BLOCKS_ROWS=64
 rows per micro-batch of the global batch, so each replica's micro-batches have 32 rows (as in
@@ -50,7 +51,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from sidebyside import emit, load_average
+from sidebyside import emit, load_average, smoke_flag
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "benchmarks/blocks_model.py"
@@ -153,7 +154,11 @@ def main() -> None:
     ap.add_argument("--schedules", default=",".join(CASES), help="comma-separated (default: all three)")
     ap.add_argument("--kinds", default="ddp,fsdp", help="comma-separated (default ddp,fsdp)")
     ap.add_argument("--dp", type=int, default=DP, help="replicas (default 2; 1: the pipeline alone, ddp)")
+    smoke_flag(ap)
     args = ap.parse_args()
+    if args.smoke:  # 1F1B with ddp on a small model, one round of 3 steps, a short profile: the format (tests)
+        args.rounds, args.steps, args.reps, args.schedules, args.kinds = 1, 3, 2, "1f1b", "ddp"
+        os.environ.update(BLOCKS="4", BLOCKS_WIDTH="32", BLOCKS_ROWS="8")
     globals()["DP"] = args.dp
     os.environ.setdefault("BLOCKS_ROWS", "64")  # global rows per micro-batch: 32 per replica
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -216,7 +221,6 @@ def main() -> None:
                         "error_ops_one_at_a_time": rel(statistics.median(alone), mea),
                         "last_profile": extra,
                         "load_avg_start": load_start,
-                        "load_avg": load_average(),
                     }
                 )
 

@@ -1,6 +1,8 @@
 """pipec's runtime against torch.distributed.pipelining on the same model, the same data, in one run.
 
     .venv/bin/python benchmarks/runtime_vs_torch.py [--rounds 5] [--steps 4] [--schedules 1f1b,interleaved-1f1b,zb-v]
+    .venv/bin/python benchmarks/runtime_vs_torch.py --only-dispatch    # the empty-model runs alone
+    .venv/bin/python benchmarks/runtime_vs_torch.py --smoke            # 1 round of 1 step, small: the format
 
 The model: 16 blocks of Linear(256, 256) + GELU in float64, split evenly over the stages (4 stages of 4
 blocks for 1F1B; 8 stages of 2 blocks for interleaved 1F1B with v=2 and for ZB-V), the MSE loss against a
@@ -13,17 +15,22 @@ Before timing, each system runs one step from the same initial weights on the sa
 gradients are compared, parameter by parameter, in float64: the largest relative difference
 (max |pipec - torch| / max |torch| over each tensor) is in every line as `grad_max_rel_diff`, and the
 script exits with an error when it exceeds `grad_rtol` (1e-9). That step also holds the first-step
-shape inference. Each system then runs `--steps` steps per round (after two warm-up steps), rounds
-alternate between the two systems (`sidebyside.alternate`: torch, pipec, torch, ...) so both see the
-same load, and the median over all
-timed steps is reported: one JSON line per schedule with the ratio pipec/torch (target <= 1.0), and the
-CPU seconds per step of all four processes (all their threads: compute, Python, gloo's I/O threads),
-which other load on the machine disturbs less than wall time. Then the dispatch overhead on an empty
-model (y = w * x on one number per micro-batch, one scalar weight per stage), 1F1B: both systems' step
-times, pipec's step time per instruction of its busiest rank (mostly waiting for peers), and its main
-threads' CPU time per instruction (the executor's own cost: the instruction loop, posting and
-completing messages, the tiny autograd calls), next to torch's main-thread CPU per step. The load
-average before the run (other processes) and after it is in every line.
+shape inference. Then two warm-up steps each, and `--rounds` rounds in ABBA order (`sidebyside.alternate`:
+torch pipec, pipec torch, ...) of `--steps` steps; a round's figure is its mean per step. One JSON line per
+schedule (`sidebyside.summarize`): medians over the rounds of the step's wall time, of the CPU seconds of
+all ranks' processes (all threads: compute, Python, gloo's I/O threads; other load disturbs it less than
+wall time) and of all ranks' main threads, and the ratios pipec / torch (`ratio`, target <= 1.0;
+`ratio_cpu`; `ratio_main_cpu`) each with its spread over the rounds (`..._range`, `..._iqr`).
+
+The dispatch figure, on an empty model (y = w * x on one number per micro-batch, one scalar weight per
+stage), 1F1B at p=2 m=64 and at p=4 m=8 (issue 31's two configurations), one line each:
+`dispatch_cpu_us`, pipec's main-thread CPU per instruction = (the sum over ranks of the main threads' CPU
+time per step) / (the sum over ranks of the instructions per step), the executor's own cost (the
+instruction loop, posting and completing messages, the tiny autograd calls), median over the rounds with
+its spread; `pipec_over_torch_main_cpu_per_step`, pipec's main-thread CPU per step over torch's on the same
+empty model (target <= 0.5). `step_wall_per_instruction_us` (the step's wall time over the busiest rank's
+instructions) is mostly waiting for peers, not dispatch. Every line carries the load average at its start
+and end (`sidebyside.emit`).
 """
 
 from __future__ import annotations
@@ -33,15 +40,38 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 
-from sidebyside import alternate, emit, load_average
+from sidebyside import Timing, alternate, emit, load_average, smoke_flag, summarize
 
 P, M, ROWS, WIDTH, BLOCKS = 4, 8, 32, 256, 16
-SCHEDULES = {  # pipec library name -> (torch class name, stages, placement)
-    "1f1b": ("Schedule1F1B", P, lambda s: s),
-    "interleaved-1f1b": ("ScheduleInterleaved1F1B", 2 * P, lambda s: s % P),
-    "zb-v": ("ScheduleZBVZeroBubble", 2 * P, lambda s: s if s < P else 2 * P - 1 - s),
+SCHEDULES = {  # pipec library name -> (torch class name, stages per rank)
+    "1f1b": ("Schedule1F1B", 1),
+    "interleaved-1f1b": ("ScheduleInterleaved1F1B", 2),
+    "zb-v": ("ScheduleZBVZeroBubble", 2),
 }
+DISPATCH = ((2, 64), (4, 8))  # (p, m) of the empty-model runs: issue 31's two configurations
+
+
+def placement(name: str, stage: int, p: int) -> int:
+    """The rank of a stage: looped for 1F1B and interleaved 1F1B, a V for ZB-V."""
+    if name == "zb-v":
+        return stage if stage < p else 2 * p - 1 - stage
+    return stage % p
+
+
+@dataclass(frozen=True)
+class Case:
+    """One side-by-side run: `label` (the schedule, or "empty:1f1b"), the model, p ranks, m micro-batches."""
+
+    label: str
+    empty: bool
+    p: int
+    m: int
+
+    @property
+    def schedule(self) -> str:
+        return self.label.split(":")[-1]
 
 
 def build_stage(stage: int, num_stages: int, blocks: int = BLOCKS, width: int = WIDTH):
@@ -95,17 +125,18 @@ def make_modules(num_stages: int, mine: list[int], build) -> dict:
 
 
 class TorchSide:
-    def __init__(self, name: str, rank: int, build, rows: int) -> None:
+    def __init__(self, name: str, rank: int, build, p: int = P, m: int = M) -> None:
         import torch
         from torch.distributed.pipelining import schedules
         from torch.distributed.pipelining.stage import PipelineStage
 
-        cls_name, S, place = SCHEDULES[name]
-        self.mine = [s for s in range(S) if place(s) == rank]
+        cls_name, per_rank = SCHEDULES[name]
+        S = per_rank * p
+        self.mine = [s for s in range(S) if placement(name, s, p) == rank]
         self.modules = make_modules(S, self.mine, build)
         stages = [PipelineStage(self.modules[s], s, S, torch.device("cpu")) for s in self.mine]
         cls = getattr(schedules, cls_name)
-        self.schedule = cls(stages[0] if cls_name == "Schedule1F1B" else stages, M, loss_fn=loss_fn)
+        self.schedule = cls(stages[0] if cls_name == "Schedule1F1B" else stages, m, loss_fn=loss_fn)
         params = [p for mod in self.modules.values() for p in mod.parameters()]
         self.opt = torch.optim.SGD(params, lr=1e-3)
         self.first, self.last = 0 in self.mine, S - 1 in self.mine
@@ -118,14 +149,14 @@ class TorchSide:
 
 
 class PipecSide:
-    def __init__(self, name: str, rank: int, build, rows: int) -> None:
+    def __init__(self, name: str, rank: int, build, p: int = P, m: int = M) -> None:
         import torch
 
         from pipec.api import load
         from pipec.passes.compiler import compile_schedule
         from pipec.runtime import Runner, StageOptions
 
-        params = {"p": P, "m": M, **({"v": 2} if name == "interleaved-1f1b" else {})}
+        params = {"p": p, "m": m, **({"v": 2} if name == "interleaved-1f1b" else {})}
         self.program = compile_schedule(load(name, **params)).program
 
         def build_seeded(s: int, S: int):
@@ -170,6 +201,11 @@ def largest_rel_diff(ours: dict, theirs: dict) -> tuple[float, int]:
     return worst, compared
 
 
+def round_of(timed, side, x, y, steps: int):
+    """One round of a system: `steps` timed steps (its mean per step, a `Timing`)."""
+    return lambda: timed(side, x, y, steps)
+
+
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     os.environ.update(TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS="1")  # the store is the parent's
@@ -184,9 +220,10 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> N
     dist.init_process_group("gloo")
     rows = []
 
-    def timed(side, x, y, n: int) -> list[tuple[float, float, float]]:
-        """(wall s of the slowest rank, CPU s of all ranks' processes, CPU s of all ranks' main threads)."""
-        times = []
+    def timed(side, x, y, n: int) -> Timing:
+        """Mean per step over n steps: wall s of the slowest rank, CPU s of all ranks' processes, CPU s of
+        all ranks' main threads."""
+        total = [0.0, 0.0, 0.0]
         for _ in range(n):
             dist.barrier()
             t0, c0, h0 = time.perf_counter(), time.process_time(), time.thread_time()
@@ -196,20 +233,17 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> N
             cpu = torch.tensor([c1 - c0, h1 - h0], dtype=torch.float64)
             dist.all_reduce(wall, op=dist.ReduceOp.MAX)
             dist.all_reduce(cpu, op=dist.ReduceOp.SUM)
-            times.append((float(wall), *cpu.tolist()))
-        return times
+            for k, v in enumerate((float(wall), *cpu.tolist())):
+                total[k] += v
+        return Timing(total[0] / n, total[1] / n, total[2] / n)
 
-    cases = [(name, build_stage, ROWS, WIDTH) for name in args.schedules]
-    if args.empty:
-        cases.append(("empty:1f1b", Scale.build, 1, 1))
-    for name, build, rows_per_mb, width in cases:
-        sched = name.split(":")[-1]
-        x, y = data(rows_per_mb * M, width)
+    for case in args.cases:
+        build, rows_per_mb, width = (Scale.build, 1, 1) if case.empty else (build_stage, ROWS, WIDTH)
+        x, y = data(rows_per_mb * case.m, width)
         sides = {
-            "torch": TorchSide(sched, rank, build, rows_per_mb),
-            "pipec": PipecSide(sched, rank, build, rows_per_mb),
+            "torch": TorchSide(case.schedule, rank, build, case.p, case.m),
+            "pipec": PipecSide(case.schedule, rank, build, case.p, case.m),
         }
-        times: dict[str, list[tuple[float, float, float]]] = {"torch": [], "pipec": []}
         # Both start from the same weights and see the same batch: their first step's gradients must agree.
         for side in sides.values():
             side.step(x, y)
@@ -219,17 +253,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> N
         dist.all_reduce(count, op=dist.ReduceOp.SUM)
         for side in sides.values():
             timed(side, x, y, 2)  # warm-up: first allocations
-
-        def run(who: str, sides: dict = sides, times: dict = times, x=x, y=y):
-            def one_round() -> float:
-                steps = timed(sides[who], x, y, args.steps)
-                times[who] += steps
-                return sum(t[0] for t in steps)
-
-            return one_round
-
-        alternate({"torch": run("torch"), "pipec": run("pipec")}, args.rounds)
-        rows.append((name, times, sides["pipec"].instructions, (float(diff), int(count))))
+        rounds = alternate({who: round_of(timed, side, x, y, args.steps) for who, side in sides.items()}, args.rounds)
+        rows.append((case, rounds, sides["pipec"].instructions, (float(diff), int(count))))
         del sides
     if rank == 0:
         out.put(rows)
@@ -261,64 +286,81 @@ def run_ranks(target, world: int, args: argparse.Namespace) -> tuple[list, list[
     return rows, [p.exitcode for p in procs]
 
 
+def record(case: Case, rounds: dict, instrs: list[int], grad: tuple[float, int], args, load_start) -> dict:
+    """One JSON line: the side-by-side record, and for the empty model the dispatch figure."""
+    grad_diff, grad_tensors = grad
+    common = {
+        "schedule": case.schedule,
+        "p": case.p,
+        "m": case.m,
+        "backend": "gloo",
+        "steps_per_round": args.steps,
+        "grad_max_rel_diff": grad_diff,
+        "grad_rtol": GRAD_RTOL,
+        "grad_tensors_compared": grad_tensors,
+    }
+    if not case.empty:
+        model = f"{BLOCKS} x (Linear({WIDTH}, {WIDTH}) + GELU), float64, {ROWS} rows per micro-batch"
+        rec = summarize("runtime_vs_torch", rounds, ("pipec", "torch"), load_start, model=model, **common)
+        rec["torch_step_s"], rec["pipec_step_s"] = rec["median_s"]["torch"], rec["median_s"]["pipec"]
+        return rec
+    rec = summarize(
+        "dispatch",
+        rounds,
+        ("pipec", "torch"),
+        load_start,
+        model="empty (y = w * x, one scalar per micro-batch)",
+        **common,
+        instructions_per_rank=instrs,
+    )
+    main_cpu = [t.main_cpu for t in rounds["pipec"]]  # per step, summed over ranks, one per round
+    per_instr = [1e6 * c / sum(instrs) for c in main_cpu]
+    rec["dispatch_cpu_us"] = round(statistics.median(per_instr), 2)
+    rec["dispatch_cpu_us_range"] = [round(min(per_instr), 2), round(max(per_instr), 2)]
+    rec["dispatch_cpu_us_rounds"] = [round(x, 2) for x in per_instr]
+    rec["dispatch_cpu_us_target"] = 20
+    torch_main = [t.main_cpu for t in rounds["torch"]]
+    rec["pipec_over_torch_main_cpu_per_step"] = rec["ratio_main_cpu"]  # summarize's ratio_main_cpu, named
+    rec["pipec_over_torch_main_cpu_per_step_range"] = rec["ratio_main_cpu_range"]
+    rec["pipec_over_torch_main_cpu_per_step_target"] = 0.5
+    rec["pipec_main_cpu_per_step_s"] = round(statistics.median(main_cpu), 6)
+    rec["torch_main_cpu_per_step_s"] = round(statistics.median(torch_main), 6)
+    # the step's wall time over the busiest rank's instructions: mostly waiting for peers, not dispatch
+    rec["step_wall_per_instruction_us"] = round(1e6 * rec["median_s"]["pipec"] / max(instrs), 2)
+    return rec
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=5, help="alternating rounds per system (default 5)")
+    ap.add_argument("--rounds", type=int, default=5, help="ABBA rounds per system (default 5)")
     ap.add_argument("--steps", type=int, default=4, help="timed steps per round (default 4)")
     ap.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated (default: all three)")
     ap.add_argument("--timeout", type=float, default=1800, help="give up after this many seconds")
-    ap.add_argument("--no-empty", dest="empty", action="store_false", help="skip the dispatch-overhead run")
+    ap.add_argument("--no-empty", dest="empty", action="store_false", help="skip the empty-model dispatch runs")
+    ap.add_argument("--only-dispatch", action="store_true", help="only the empty-model dispatch runs")
+    smoke_flag(ap)
     args = ap.parse_args()
-    args.schedules = [s for s in args.schedules.split(",") if s]
-    load_before = load_average()[0]  # other processes on the machine, before this run adds its own
-    rows, codes = run_ranks(worker, P, args)
-    load = {"loadavg_1min_before": round(load_before, 2), "loadavg_1min_after": load_average()[0]}
+    dispatch, p_full = DISPATCH, P
+    if args.smoke:  # 1F1B, 1 round of 1 step, both models on 2 processes (one spawn): the format (tests)
+        args.rounds, args.steps, args.schedules, dispatch, p_full = 1, 1, "1f1b", ((2, 8),), 2
+    schedules = [] if args.only_dispatch else [s for s in args.schedules.split(",") if s]
+    cases = [Case(s, False, p_full, M) for s in schedules]
+    if args.empty or args.only_dispatch:
+        cases += [Case("empty:1f1b", True, p, m) for p, m in dispatch]
+    runs: dict[int, list[Case]] = {}  # one spawn of p processes runs every case with that p
+    for case in cases:
+        runs.setdefault(case.p, []).append(case)
     disagree = []
-    for name, times, instrs, (grad_diff, grad_tensors) in rows:
-        med = {who: [statistics.median(t[k] for t in ts) for k in range(3)] for who, ts in times.items()}
-        (t, t_cpu, t_main), (q, q_cpu, q_main) = med["torch"], med["pipec"]
-        common = {
-            "p": P,
-            "m": M,
-            "backend": "gloo",
-            "steps": len(times["pipec"]),
-            "grad_max_rel_diff": grad_diff,
-            "grad_rtol": GRAD_RTOL,
-            "grad_tensors_compared": grad_tensors,
-            **load,
-        }
-        if not grad_diff <= GRAD_RTOL or grad_tensors == 0:
-            disagree.append(f"{name}: {grad_diff:.3g}")
-        if name.startswith("empty:"):
-            line = {
-                "benchmark": "dispatch_overhead",
-                "schedule": name.split(":")[1],
-                "model": "empty (y = w * x, one scalar per micro-batch)",
-                **common,
-                "pipec_step_s": q,
-                "torch_step_s": t,
-                "instructions_per_rank": instrs,
-                "pipec_per_instruction_us": q / max(instrs) * 1e6,
-                "pipec_main_thread_cpu_per_instruction_us": q_main / sum(instrs) * 1e6,
-                "torch_main_thread_cpu_per_step_s": t_main,
-                "pipec_main_thread_cpu_per_step_s": q_main,
-            }
-        else:
-            line = {
-                "benchmark": "runtime_vs_torch",
-                "schedule": name,
-                "model": f"{BLOCKS} x (Linear({WIDTH}, {WIDTH}) + GELU), float64, {ROWS} rows per micro-batch",
-                **common,
-                "torch_step_s": t,
-                "pipec_step_s": q,
-                "ratio": q / t,
-                "torch_cpu_s": t_cpu,
-                "pipec_cpu_s": q_cpu,
-                "cpu_ratio": q_cpu / t_cpu,
-            }
-        emit(line)
-    if any(codes):  # after the results were sent: reported, not fatal
-        print(f"note: worker exit codes {codes}", file=sys.stderr)
+    for world, cases in runs.items():
+        args.cases = cases
+        load_start = load_average()  # other processes on the machine, before this run adds its own
+        rows, codes = run_ranks(worker, world, args)
+        for case, rounds, instrs, grad in rows:
+            emit(record(case, rounds, instrs, grad, args, load_start))
+            if not grad[0] <= GRAD_RTOL or grad[1] == 0:
+                disagree.append(f"{case.label} p={case.p}: {grad[0]:.3g}")
+        if any(codes):  # after the results were sent: reported, not fatal
+            print(f"note: worker exit codes {codes}", file=sys.stderr)
     if disagree:  # the timings mean nothing if the two systems do not compute the same thing
         sys.exit(
             f"error: pipec's and torch's gradients disagree (largest relative difference, float64): "

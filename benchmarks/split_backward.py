@@ -3,10 +3,11 @@ against one full backward, per stage of the example MLP. One JSON line per stage
 
     .venv/bin/python benchmarks/split_backward.py [--width 256] [--blocks 4] [--rows 32] [--reps 30]
                                                     [--threads 1] [--clock cpu]
+    .venv/bin/python benchmarks/split_backward.py --smoke   # one round, width 32: the format (tests)
 
 Target (issue 4): ratio (bwd + wgrad) / full <= 1.2. A middle stage is measured (its input needs a
 gradient); the first stage's split is trivially 1.0 (its BWD does nothing, its WGRAD is the full backward).
-Full and split backwards alternate round by round (`sidebyside`), and the medians are compared.
+Full and split backwards alternate round by round in ABBA order (`sidebyside`), and the medians are compared.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import statistics
 import time
 
 import torch
-from sidebyside import alternate, emit, load_average, summarize
+from sidebyside import alternate, emit, load_average, smoke_flag, summarize
 from torch import nn
 
 from pipec.runtime.exec.stage import Stage
@@ -48,7 +49,7 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--blocks", type=int, default=4)
     ap.add_argument("--rows", type=int, default=32)
-    ap.add_argument("--reps", type=int, default=30, help="alternating rounds (full, split, full, ...)")
+    ap.add_argument("--reps", type=int, default=30, help="ABBA rounds (full split, split full, ...)")
     ap.add_argument("--dtype", default="float64")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1, as each rank runs)")
     ap.add_argument(
@@ -58,7 +59,10 @@ def main() -> None:
         help="cpu: this thread's CPU time (default; with one thread it holds all the work, and other load "
         "on the machine barely moves it); wall: elapsed time",
     )
+    smoke_flag(ap)
     args = ap.parse_args()
+    if args.smoke:  # one round on a narrow stack: the format (tests)
+        args.width, args.rows, args.reps = 32, 4, 1
     if args.clock == "cpu" and args.threads != 1:
         ap.error("--clock cpu counts the main thread only: use it with --threads 1")
     clock = CLOCKS[args.clock]

@@ -11,6 +11,7 @@ The V schedules hold half a micro-batch per chunk (two chunks per rank: the memo
 
     .venv/bin/python benchmarks/synth_memory.py            # every case (several minutes on 2 cores)
     .venv/bin/python benchmarks/synth_memory.py --quick    # p=4 only, shorter solver limits
+    .venv/bin/python benchmarks/synth_memory.py --smoke    # the first case, 1 s: the format (tests)
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from sidebyside import emit, load_average
+from sidebyside import emit, load_average, smoke_flag
 
 from pipec.sim.cost_files import normalize
 from pipec.synth import Spec, library_comparison, synthesize
@@ -64,7 +65,7 @@ def case(name: str, p: int, m: int, costs: dict, limit: float, time_limit: float
         "seconds": secs,
         "seconds_heuristic": res.seconds_heuristic,
         "seconds_solver": res.seconds_solver,
-        "load_average": [load_start, load_average()],
+        "load_avg_start": load_start,
     }
 
 
@@ -72,7 +73,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="p=4 only, shorter solver limits")
     ap.add_argument("--time-limit", type=float, default=None, help="solver seconds per case (default 30; quick 10)")
+    smoke_flag(ap)
     args = ap.parse_args()
+    if args.smoke:  # the first case, a 1 s solver limit: the format (tests)
+        args.quick, args.time_limit = True, 1.0
     tl = args.time_limit if args.time_limit is not None else (10.0 if args.quick else 30.0)
     cases = [
         ("equal costs, half of 1F1B's memory, p=4", 4, 8, EQUAL, 2.0),
@@ -85,7 +89,7 @@ def main() -> None:
             ("equal costs, half of 1F1B's memory, p=8", 8, 16, EQUAL, 4.0),
             ("recompute expensive, offload cheap, half of 1F1B's memory, p=8", 8, 16, DEAR_RECOMPUTE, 4.0),
         ]
-    for name, p, m, costs, limit in cases:
+    for name, p, m, costs, limit in cases[:1] if args.smoke else cases:
         emit(case(name, p, m, costs, limit, tl))
 
 

@@ -7,6 +7,7 @@ A "beat X" target also has a verdict: "beat" (met: a strictly shorter step at no
 
     .venv/bin/python benchmarks/synth_targets.py            # every case (a few minutes on 2 cores)
     .venv/bin/python benchmarks/synth_targets.py --quick    # p=4 and p=8 only, shorter solver limits
+    .venv/bin/python benchmarks/synth_targets.py --smoke    # the first case at p=4 m=8, 1 s: the format (tests)
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sys
 import time
 from dataclasses import replace
 
-from sidebyside import emit, load_average
+from sidebyside import emit, load_average, smoke_flag
 
 from pipec.sim.cost_files import normalize
 from pipec.synth import Spec, comparison_text, library_comparison, peak_of, synthesize, topology_of
@@ -82,7 +83,7 @@ def case(name, p, m, costs, limit_text, target, time_limit, v=1, place="loop", c
         "met": met,
         **({"verdict": verdict} if isinstance(verdict, str) else {}),
         "table": comparison_text(res, rows, "synth"),
-        "load_average": {"start": load_start, "end": load_average()},
+        "load_avg_start": load_start,
     }
 
 
@@ -109,9 +110,12 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--case", default=None, help="only the cases whose name contains this")
+    smoke_flag(ap)
     args = ap.parse_args()
     sizes = [(8, 24)] if args.quick else [(8, 24), (16, 48)]
     tl = 20 if args.quick else 30  # pipec synth's default: p=8, m=24 searches in about 32 s
+    if args.smoke:  # the first case at p=4 m=8, a 1 s search: the format (tests)
+        sizes, tl = [(4, 8)], 1
     cases = []
     for p, m in sizes:
         cases.append(
@@ -187,7 +191,7 @@ def main() -> int:
             (("east", 0, 4), ("west", 4, 8)),
         )
     )
-    for c in cases:
+    for c in cases[:1] if args.smoke else cases:
         if args.case and args.case not in c[0]:
             continue
         emit(case(*c))

@@ -3,6 +3,7 @@ slicing, with one or two sequences per step: simulated steps and their ratios, a
 profiled case run on p gloo processes beside them.
 
     python benchmarks/terapipe.py [--p 2|4] [--cost FILE] [--sequences 1,2] [--measured --rounds 5]
+    python benchmarks/terapipe.py --smoke   # profiled costs, one sequence, simulated, tables on stderr
 
 Three cost models, each a JSON line per number of sequences m:
 
@@ -24,15 +25,15 @@ the best uniform count, each simulated on the schedule file written for it. Ever
 average (the simulator's figures do not depend on it; `--measured`'s do). A markdown table of the simulated
 step-time ratios ends the output.
 
-`--measured` also runs the profiled case on p gloo processes (`pipec run FILE --model examples/gpt.py
---nproc P --steps S --json`, GPT_CONTEXT = the profile's L, float32, one thread and one CPU per rank as
-`pipec run` gives them: OMP_NUM_THREADS = CPUs / P, `--cpu-bind auto`): micro-batch gpipe, uniform slices
-at the DP's count, and the DP's slices, in alternating rounds (A B C A B C ...) so that a change of load
-falls on all three alike. A run's figure is the median of its steps 2.. (step 1 exchanges shapes); a
-schedule's, the median over rounds. Before the rounds each schedule runs once with `--check` (float64, a
-short run at the same L, so the exact same slices) against the single-process reference. A second table
-puts each measured ratio beside the simulated one; p processes need p free CPUs to pipeline at all (on
-fewer, any pipelining gains at most CPUs-fold), which the line's `cpus` says.
+`--measured` also runs the profiled case on p gloo processes (`pipec run FILE --model examples/gpt.py --nproc
+P --steps S --json`, GPT_CONTEXT = the profile's L, float32, one thread and one CPU per rank as `pipec run`
+gives them: OMP_NUM_THREADS = CPUs / P, `--cpu-bind auto`): micro-batch gpipe, uniform slices at the DP's
+count, and the DP's slices, in alternating rounds (`sidebyside.alternate`: A B C C B A ...) so that a change
+of load falls on all three alike. A run's figure is the median of its steps 2.. (step 1 exchanges shapes); a
+schedule's, the median over rounds. Before the rounds each schedule runs once with `--check` (float64, a short
+run at the same L, so the exact same slices) against the single-process reference. A second table puts each
+measured ratio beside the simulated one; p processes need p free CPUs to pipeline at all (on fewer, any
+pipelining gains at most CPUs-fold), which the line's `cpus` says.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ import tempfile
 import tomllib
 from pathlib import Path
 
-from sidebyside import load_average
+from sidebyside import alternate, emit, load_average, ratio_fields, smoke_flag
 
 from pipec.api import simulate
 from pipec.frontend.library import read
@@ -56,6 +57,13 @@ from pipec.sim.cost_files import cost_spec
 from pipec.slicing import slice_schedule, uniform, write_schedule
 
 ROOT = Path(__file__).resolve().parent.parent
+TABLE_OUT = [sys.stdout]  # where the markdown tables go (--smoke: standard error, so stdout is JSON lines)
+
+
+def _table(*parts: object) -> None:
+    print(*parts, file=TABLE_OUT[0])
+
+
 PROFILES = ROOT / "benchmarks" / "profiles"
 MODEL = ROOT / "examples" / "gpt.py"
 LAYERS = 4  # examples/gpt.py's default; every gpt-L*-p*.toml profile was measured with it
@@ -132,10 +140,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4, help="steps of each measured run (the first is left out)")
     ap.add_argument("--rounds", type=int, default=3, help="measured rounds of the three schedules in turn")
     ap.add_argument("--no-check", action="store_true", help="--measured: skip the --check runs")
+    smoke_flag(ap)
     args = ap.parse_args()
+    if args.smoke:  # the profiled costs, one sequence, simulated only; the tables on standard error (tests)
+        args.sequences, args.measured = "1", False
+        TABLE_OUT[0] = sys.stderr
     cost = args.cost or default_profile(args.p)
     table = []
-    for name, L, docs, about in cases(cost, args.p):
+    for name, L, docs, about in cases(cost, args.p)[: 1 if args.smoke else None]:
         for m in (int(x) for x in args.sequences.split(",")):
             params = {"p": args.p, "m": m, "L": L}
             micro = simulate("gpipe", {"p": args.p, "m": m}, cost=docs).stats.makespan
@@ -143,7 +155,7 @@ def main() -> None:
             rows = {r["slicing"].split(" (")[0]: r for r in res.rows}
             dp = rows["TeraPipe DP"]
             line = {
-                "bench": "terapipe",
+                "benchmark": "terapipe",
                 "costs": name,
                 **about,
                 "p": args.p,
@@ -160,21 +172,19 @@ def main() -> None:
                 "microbatch_over_dp": micro / dp["step"],
                 "uniform_same_over_dp": rows["uniform, same count"]["step"] / dp["step"],
                 "uniform_best_over_dp": rows["uniform, best count"]["step"] / dp["step"],
-                "loadavg": load_average(),
             }
             if args.measured and name == "profiled":
                 line.update(measured(res.text, args, m, L, len(dp["tokens"])))
-            print(json.dumps(line), flush=True)
-            table.append(line)
-    print()
-    print(
+            table.append(emit(line))
+    _table()
+    _table(
         f"| costs | m | L | micro-batch (gpipe) | uniform, same n | uniform, best n | TeraPipe DP (n) "
         f"| micro-batch / DP | uniform same / DP | uniform best / DP |   (simulated, p = {args.p})"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    _table("|---|---|---|---|---|---|---|---|---|---|")
     for t in table:
         n = len(t["dp_tokens"])
-        print(
+        _table(
             f"| {t['costs']} | {t['sequences']} | {t['L']} | {t['step_microbatch']:.4g} | "
             f"{t['step_uniform_same']:.4g} | {t['step_uniform_best']:.4g} ({t['uniform_best_slices']}) | "
             f"{t['step_dp']:.4g} ({n}) | {t['microbatch_over_dp']:.2f}x | {t['uniform_same_over_dp']:.3f}x | "
@@ -186,17 +196,17 @@ def main() -> None:
 
 def measured_table(lines: list[dict], p: int) -> None:
     """Each schedule's simulated and measured step, and the ratios side by side."""
-    print()
-    print(
+    _table()
+    _table(
         f"| m | n (DP) | micro-batch sim / meas s | uniform sim / meas s | DP sim / meas s "
         f"| micro-batch / DP sim / meas | uniform / DP sim / meas | load (1 min) |   (p = {p} gloo processes)"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    _table("|---|---|---|---|---|---|---|---|")
     for t in lines:
         sim = {"microbatch": t["step_microbatch"], "uniform": t["step_uniform_same"], "dp": t["step_dp"]}
         meas = t["measured"]
         loads = [x for k in KINDS for x in meas[k]["loadavg"]]
-        print(
+        _table(
             f"| {t['sequences']} | {len(t['dp_tokens'])} | "
             + " | ".join(f"{sim[k]:.3f} / {meas[k]['median_s']:.3f}" for k in KINDS)
             + f" | {sim['microbatch'] / sim['dp']:.2f}x / {meas['microbatch_over_dp']:.2f}x"
@@ -218,10 +228,16 @@ def measured(text: str, args: argparse.Namespace, m: int, L: int, n: int) -> dic
         sched["dp"] = [files["dp"]]
         checks = {} if args.no_check else {k: check_run(sched[k], p, L, m) for k in KINDS}
         runs: dict[str, dict[str, list[float]]] = {k: {"steps_s": [], "loadavg": []} for k in KINDS}
-        for _ in range(args.rounds):
-            for k in KINDS:
+
+        def one(k: str):
+            def run() -> float:
                 runs[k]["loadavg"].append(load_average()[0])
-                runs[k]["steps_s"].append(run_steps(sched[k], p, L, m, args.steps))
+                return run_steps(sched[k], p, L, m, args.steps)
+
+            return run
+
+        for k, steps in alternate({k: one(k) for k in KINDS}, args.rounds).items():
+            runs[k]["steps_s"] = steps
     for k in KINDS:
         runs[k]["median_s"] = statistics.median(runs[k]["steps_s"])
     med = {k: runs[k]["median_s"] for k in KINDS}
@@ -233,6 +249,11 @@ def measured(text: str, args: argparse.Namespace, m: int, L: int, n: int) -> dic
             "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
             "microbatch_over_dp": med["microbatch"] / med["dp"],
             "uniform_over_dp": med["uniform"] / med["dp"],
+            # each ratio's spread over the rounds (a round's three runs are side by side)
+            "microbatch_over_dp_range": ratio_fields(runs["microbatch"]["steps_s"], runs["dp"]["steps_s"])[
+                "ratio_range"
+            ],
+            "uniform_over_dp_range": ratio_fields(runs["uniform"]["steps_s"], runs["dp"]["steps_s"])["ratio_range"],
             "loadavg_after_runs": load_average(),
         }
     }

@@ -26,6 +26,7 @@ packages it imports). Nothing in torchtitan's files is edited; the worker (this 
     python3 benchmarks/torchtitan_train.py --setup            # once: /tmp/tt-venv
     python3 benchmarks/torchtitan_train.py --steps 5          # the three pairs
     python3 benchmarks/torchtitan_train.py --steps 5 --more   # and five pipec-only schedules
+    python3 benchmarks/torchtitan_train.py --smoke            # 1F1B, 2 steps: the format
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ import tempfile
 import time
 import tomllib
 from pathlib import Path
+
+from sidebyside import emit, smoke_flag  # stdlib only: it imports in the torchtitan environment too
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -311,7 +314,10 @@ def main() -> None:
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("tt_args", nargs="*", help=argparse.SUPPRESS)
+    smoke_flag(ap)
     args = ap.parse_args()
+    if args.smoke:  # 1F1B, 2 steps (needs the --setup environment; not in the test suite's smoke run)
+        args.case, args.steps = ["1f1b"], 2
     if args.worker:
         worker(args.out, args.seed, args.tt_args)
         return
@@ -343,41 +349,36 @@ def main() -> None:
         }
         for who, run in runs.items():
             for step, (loss, norm) in enumerate(zip(run["loss"], run["grad_norm"]), 1):
-                print(json.dumps({"case": case, "schedule": who, "step": step, "loss": loss, "grad_norm": norm}))
-            print(
-                json.dumps(
-                    {
-                        "case": case,
-                        "schedule": who,
-                        "class": run["class"],
-                        "stages": run["stages"],
-                        "seconds": run["seconds"],
-                    }
-                )
+                emit({"case": case, "schedule": who, "step": step, "loss": loss, "grad_norm": norm})
+            emit(
+                {
+                    "case": case,
+                    "schedule": who,
+                    "class": run["class"],
+                    "stages": run["stages"],
+                    "seconds": run["seconds"],
+                }
             )
         t, p = runs["torch"], runs["pipec"]
         diff = max(abs(a - b) for a, b in zip(t["loss"] + t["grad_norm"], p["loss"] + p["grad_norm"]))
         rel = max(abs(a - b) / abs(a) for a, b in zip(t["loss"] + t["grad_norm"], p["loss"] + p["grad_norm"]))
         ok = len(t["loss"]) == len(p["loss"]) == args.steps and t["stages"] == p["stages"] and rel <= args.rtol
         all_ok &= ok
-        print(
-            json.dumps(
-                {
-                    "case": case,
-                    "torch_class": cls,
-                    "pipec_csv": f"{files}.csv",
-                    "steps": len(p["loss"]),
-                    "losses_equal": t["loss"] == p["loss"],
-                    "max_abs_diff": diff,
-                    "max_rel_diff": rel,
-                    "rtol": args.rtol,
-                    "same_stages": t["stages"] == p["stages"],
-                    # whether pipec's CSV is torch's own order of actions (null: a single-stage class)
-                    "same_order": None if None in t["order"].values() else t["order"] == p["order"],
-                    "ok": ok,
-                    "loadavg": os.getloadavg(),
-                }
-            )
+        emit(
+            {
+                "case": case,
+                "torch_class": cls,
+                "pipec_csv": f"{files}.csv",
+                "steps": len(p["loss"]),
+                "losses_equal": t["loss"] == p["loss"],
+                "max_abs_diff": diff,
+                "max_rel_diff": rel,
+                "rtol": args.rtol,
+                "same_stages": t["stages"] == p["stages"],
+                # whether pipec's CSV is torch's own order of actions (null: a single-stage class)
+                "same_order": None if None in t["order"].values() else t["order"] == p["order"],
+                "ok": ok,
+            }
         )
     sys.exit(0 if all_ok else 1)
 

@@ -2,6 +2,7 @@
 inside a real run.
 
     .venv/bin/python benchmarks/transfer_calls.py [--schedule interleaved-1f1b] [-D v=2] [--steps 10]
+    .venv/bin/python benchmarks/transfer_calls.py --smoke   # 1F1B, 1 step, a small model (tests)
 
 Two gloo processes, bound as `pipec run` binds them, run the schedule (p=2, m=8) on
 benchmarks/blocks_model.py (16 blocks of Linear(256, 256) + GELU in float64, 64 KiB messages) through
@@ -23,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from sidebyside import emit, load_average
+from sidebyside import emit, smoke_flag
 
 from pipec.runtime.host import spawned
 
@@ -59,7 +60,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> N
     for cls in (comm.DistComm, executor.Executor):
         for name in WRAPPED[cls.__name__]:
             timed(cls, name)
-    program = load_program(args.schedule, ["p=2", "m=8", *args.define])
+    program = load_program(args.schedule, [tuple(d.split("=", 1)) for d in ["p=2", "m=8", *args.define]])
     model = load_model(str(ROOT / "benchmarks" / "blocks_model.py"))
     options = StageOptions(optimizer=model.optimizer, dtype=model.dtype)
     runner = Runner(program, model.build_stage, model.loss_fn, rank=rank, options=options)
@@ -91,7 +92,11 @@ def main() -> None:
     ap.add_argument("--schedule", default="interleaved-1f1b", help="a library schedule (default interleaved-1f1b)")
     ap.add_argument("-D", dest="define", action="append", default=None, help="more parameters (default v=2)")
     ap.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
+    smoke_flag(ap)
     args = ap.parse_args()
+    if args.smoke:  # 1F1B, one timed step on a small model: the format (tests)
+        args.schedule, args.steps = "1f1b", 1
+        os.environ.update(BLOCKS="4", BLOCKS_WIDTH="32", BLOCKS_ROWS="4")
     if args.define is None:
         args.define = ["v=2"] if args.schedule.startswith("interleaved") else []
     per_rank = spawned.run_gloo(worker, 2, args, timeout=600)
@@ -99,7 +104,7 @@ def main() -> None:
         sys.exit(f"transfer_calls: {per_rank}")
     rows = [row for per in per_rank for row in per]
     for row in sorted(rows, key=lambda r: (r["rank"], r["call"])):
-        emit({**row, "loadavg_1min": load_average()[0]})
+        emit(row)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 against `zb-v` and `1f1b`, as p grows: one JSON line per p, or the Markdown table of docs/memory.md.
 
     .venv/bin/python benchmarks/v_memory.py [--ps 2,4,8,16,32] [--mult 2] [--markdown]
+    .venv/bin/python benchmarks/v_memory.py --smoke    # p=2 and 4: the format (tests)
 
 Each figure is `pipec simulate NAME -D p=P -D m=M --json` with its defaults (T_F = T_B = T_W = 1 per rank's
 share of the model, free communication, one micro-batch's activations for a rank's share = 1): `peak` is
@@ -13,7 +14,8 @@ m >= 2p - 1). Issue 19's target: the ratios v-half / 1f1b and v-min / 1f1b appro
 from __future__ import annotations
 
 import argparse
-import json
+
+from sidebyside import emit, smoke_flag
 
 from pipec.api import simulate
 
@@ -47,7 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ps", default="2,4,8,16,32", help="comma-separated numbers of ranks")
     ap.add_argument("--mult", type=int, default=2, help="micro-batches per rank: m = mult * p (>= 2)")
     ap.add_argument("--markdown", action="store_true", help="print docs/memory.md's table instead of JSON lines")
+    smoke_flag(ap)
     args = ap.parse_args(argv)
+    if args.smoke:  # p=2 and 4: the format (tests)
+        args.ps = "2,4"
     if args.mult < 2:
         ap.error("--mult must be at least 2 (zb-v needs m >= 2p - 1)")
     rows = []
@@ -55,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         r = row(p, args.mult * p)
         rows.append(r)
         if not args.markdown:
-            print(json.dumps(r), flush=True)
+            emit({"benchmark": "v_memory", **r})
     if args.markdown:
         print(markdown(rows))
     return 0

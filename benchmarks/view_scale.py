@@ -3,21 +3,22 @@ Chromium, the time to first paint and to redraw after a pan and a zoom (measured
 performance.now). Prints one JSON line per figure, each with the load average (the machine is shared).
 
     python benchmarks/view_scale.py [--schedule 1f1b] [-D p=8] [-D m=62500] [--no-browser]
+    python benchmarks/view_scale.py --smoke   # p=2 m=8 (the browser part where Chromium is installed; tests)
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import sidebyside
+
 
 def emit(**fields: object) -> None:
-    print(json.dumps({**fields, "loadavg": [round(x, 2) for x in os.getloadavg()]}), flush=True)
+    sidebyside.emit({"benchmark": "view_scale", **fields})
 
 
 def main() -> int:
@@ -25,8 +26,11 @@ def main() -> int:
     ap.add_argument("--schedule", default="1f1b")
     ap.add_argument("-D", dest="defines", action="append", default=[])
     ap.add_argument("--no-browser", action="store_true")
+    sidebyside.smoke_flag(ap)
     args = ap.parse_args()
     defines = [tuple(d.split("=", 1)) for d in args.defines] or [("p", "8"), ("m", "62500")]
+    if args.smoke:  # p=2 m=8; the browser part only where Chromium is installed: the format (tests)
+        defines = [("p", "2"), ("m", "8")]
 
     from pipec.view.html import op_count, page, view_document
 
@@ -53,6 +57,10 @@ def main() -> int:
         return 0
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
     import browser
+
+    if args.smoke and browser._missing():
+        print(f"view_scale --smoke: no browser part ({browser._missing()})", file=sys.stderr)
+        return 0
 
     chrome = browser.launch()
     try:

@@ -25,6 +25,7 @@ sharded fp32 state (12 bytes per parameter / N) is the same for every schedule a
     python benchmarks/zeropp_sim.py                  # the default sweep (about a minute on one core)
     python benchmarks/zeropp_sim.py --model 2.7b     # a model whose parameters dominate memory
     python benchmarks/zeropp_sim.py --bandwidth 100 --m 16 --quiet   # one condition, summaries only
+    python benchmarks/zeropp_sim.py --smoke          # one condition, v=2, one budget: the format (tests)
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ import json
 import sys
 import time
 from dataclasses import dataclass
+
+from sidebyside import emit, smoke_flag
 
 from pipec.api import load
 from pipec.errors import PipecError
@@ -221,7 +224,7 @@ def run(args: argparse.Namespace) -> None:
                 }
                 rows.append(row)
                 if not args.quiet:
-                    print(json.dumps(row), flush=True)
+                    emit(row)
     summarize(rows, args)
 
 
@@ -249,25 +252,21 @@ def summarize(rows: list[dict], args: argparse.Namespace) -> None:
                 else:
                     best[fam] = None
             z, i = best["zeropp"], best["interleaved"]
-            print(
-                json.dumps(
-                    {
-                        "summary": "zeropp_sim",
-                        "model": base["model"],
-                        "m": m,
-                        "dp": base["dp"],
-                        bw_key: bw,
-                        "budget_gb": round(budget, 4),
-                        "budget_x_1f1b": scale,
-                        "1f1b": {"step_ms": base["step_ms"], "peak_memory_gb": base["peak_memory_gb"]},
-                        "interleaved": i,
-                        "zeropp": z,
-                        "zeropp_gain_vs_interleaved": None
-                        if not (z and i)
-                        else round(1 - z["step_ms"] / i["step_ms"], 4),
-                    }
-                ),
-                flush=True,
+            emit(
+                {
+                    "benchmark": "zeropp_sim_summary",
+                    "summary": "zeropp_sim",
+                    "model": base["model"],
+                    "m": m,
+                    "dp": base["dp"],
+                    bw_key: bw,
+                    "budget_gb": round(budget, 4),
+                    "budget_x_1f1b": scale,
+                    "1f1b": {"step_ms": base["step_ms"], "peak_memory_gb": base["peak_memory_gb"]},
+                    "interleaved": i,
+                    "zeropp": z,
+                    "zeropp_gain_vs_interleaved": None if not (z and i) else round(1 - z["step_ms"] / i["step_ms"], 4),
+                }
             )
 
 
@@ -294,7 +293,10 @@ def main() -> None:
         help="take the model from a `pipec profile --dp N --dp-kind fsdp` cost file; --bandwidth is then a "
         "multiple of the measured DP bandwidth (default 1), --p the pipeline ranks",
     )
+    smoke_flag(ap)
     args = ap.parse_args()
+    if args.smoke:  # one condition (m=8, 100 Gbit/s), v=2, one budget: the format (tests)
+        args.m, args.v, args.bandwidth, args.budgets = [8], [2], [100.0], [1.0]
     if args.profiled and args.bandwidth == ap.get_default("bandwidth"):
         args.bandwidth = [1.0]
     run(args)
