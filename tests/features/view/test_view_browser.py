@@ -12,6 +12,7 @@ import pytest
 
 from pipec import driver as pipeline
 from pipec.formats.trace import write_trace
+from pipec.sim.cost_files import normalize
 from pipec.view.html import page, view_document
 
 
@@ -65,7 +66,9 @@ def test_measured_over_simulated_shows_both(chrome, tmp_path):
     tl = sim.timeline
     write_trace(replace(tl, start=tl.start * 1.2, end=tl.end * 1.2 + 0.1, origin="measured"), tmp_path / "run.json")
     out = tmp_path / "overlay.html"
-    out.write_text(page(view_document("1f1b", [("p", 2), ("m", 4)], measured=str(tmp_path / "run.json"))))
+    # given costs (the defaults): the simulation is theirs, so each measured op is longer than its twin
+    given = [normalize({"F": 1})]
+    out.write_text(page(view_document("1f1b", [("p", 2), ("m", 4)], given, measured=str(tmp_path / "run.json"))))
     _open(chrome, out)
     assert browser.console_errors(chrome) == []
     summary = chrome.execute_script("return document.querySelector('[data-role=summary]').innerText")
