@@ -40,12 +40,25 @@ def _env(**extra: str) -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1", **extra)
 
 
-def model_fault(kind: str, timeout: float) -> dict:
+def job(dp: int) -> tuple[list[str], int]:
+    """The job's arguments and the rank the fault hits: stage 1 of replica 0. Without data parallelism
+    that is rank 1 of JOB; with `--dp` (1F1B p=2 on a ("pp", "dp") mesh) replica 0's pipeline holds the
+    global ranks 0, dp, 2 dp, ..., so rank dp, and only that rank fails (PIPEC_FAULT_RANK)."""
+    if dp == 1:
+        return JOB, 1
+    model = ["--model", "tests/models/faulty.py"]
+    return ["1f1b", "-D", "p=2", "-D", "m=3", *model, "--nproc", str(2 * dp), "--dp", str(dp)], dp
+
+
+def model_fault(kind: str, timeout: float, dp: int = 1) -> dict:
     fault = {"raise": "raise", "dead": "exit", "hung": "hang", "stopped": "stop"}[kind]
+    argv, culprit = job(dp)
     with tempfile.TemporaryDirectory() as tmp:
         mark = Path(tmp) / "mark"
         env = _env(PIPEC_FAULT=fault, PIPEC_FAULT_STAGE="1", PIPEC_FAULT_CALL="4", PIPEC_FAULT_MARK=str(mark))
-        cmd = [sys.executable, "-m", "pipec", "run", *JOB, "--steps", "5", "--timeout", str(timeout)]
+        if dp > 1:
+            env["PIPEC_FAULT_RANK"] = str(culprit)
+        cmd = [sys.executable, "-m", "pipec", "run", *argv, "--steps", "5", "--timeout", str(timeout)]
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         workers: list[int] = []
         while proc.poll() is None and not mark.exists():
@@ -57,9 +70,9 @@ def model_fault(kind: str, timeout: float) -> dict:
             time.sleep(0.02)
         end = max(end, time.time())
         at = float(mark.read_text()) if mark.exists() else float("nan")
-    names = bool(re.search(r"rank 1 (failed|stopped responding or died|exited with status)", err))
-    blames_other = bool(re.search(r"rank [02] (failed|stopped responding or died)", err))
-    return {"seconds": end - at, "exit": proc.returncode, "names_rank_1": names and not blames_other, "stderr": err}
+    names = bool(re.search(rf"rank {culprit} (failed|stopped responding or died|exited with status)", err))
+    blames_other = bool(re.search(rf"rank (?!{culprit}\b)\d+ (failed|stopped responding or died)", err))
+    return {"seconds": end - at, "exit": proc.returncode, "names_culprit": names and not blames_other, "stderr": err}
 
 
 def _start_training(tmp: str) -> subprocess.Popen:
@@ -118,6 +131,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=10.0, help="the job's --timeout (hung ranks)")
     ap.add_argument("--only", nargs="*", default=None)
+    ap.add_argument("--dp", type=int, default=1, help="the model faults on a PP x DP job of 2 x DP ranks (default 1)")
     smoke_flag(ap)
     args = ap.parse_args()
     kinds = ["raise", "dead", "hung", "stopped", "sigterm", "sigint", "sigkill", "mismatched"]
@@ -128,7 +142,7 @@ def main() -> None:
         runs = []
         for _ in range(args.rounds):
             if kind in ("raise", "dead", "hung", "stopped"):
-                runs.append(model_fault(kind, args.timeout))
+                runs.append(model_fault(kind, args.timeout, args.dp))
             elif kind == "mismatched":
                 runs.append(mismatched(60.0))
             else:
@@ -140,10 +154,12 @@ def main() -> None:
             "median_s": round(statistics.median(r[key] for r in runs), 3),
             "max_s": round(max(r[key] for r in runs), 3),
             "exit": [r["exit"] for r in runs],
-            "timeout": args.timeout if kind == "hung" else None,
+            "timeout": args.timeout,
+            "dp": args.dp if kind in ("raise", "dead", "hung", "stopped") else 1,
+            "culprit": job(args.dp)[1] if kind in ("raise", "dead", "hung", "stopped") else None,
             "load_avg_start": load,
         }
-        for flag in ("names_rank_1", "says_signal", "temporary_left", "names_both"):
+        for flag in ("names_culprit", "says_signal", "temporary_left", "names_both"):
             if flag in runs[0]:
                 rec[flag] = [r[flag] for r in runs]
         emit(rec)

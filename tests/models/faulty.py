@@ -18,6 +18,8 @@ WIDTH = 8
 FAULT = os.environ.get("PIPEC_FAULT", "")
 FAULT_STAGE = int(os.environ.get("PIPEC_FAULT_STAGE", "-1"))
 FAULT_CALL = int(os.environ.get("PIPEC_FAULT_CALL", "0"))
+# with data parallelism every replica holds stage s: PIPEC_FAULT_RANK=r limits the fault to the job's rank r
+FAULT_RANK = os.environ.get("PIPEC_FAULT_RANK")
 dtype = torch.float64
 
 
@@ -37,7 +39,7 @@ class Faulty(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "meta" and torch.is_grad_enabled():
-            if self.stage == FAULT_STAGE and self.calls == FAULT_CALL:
+            if self.stage == FAULT_STAGE and self.calls == FAULT_CALL and FAULT_RANK in (None, os.environ.get("RANK")):
                 if FAULT == "raise":
                     _mark()
                     raise RuntimeError("injected failure")
