@@ -4,8 +4,8 @@
     python benchmarks/faults.py --smoke    # one fault (raise), one round: the format (the test suite's)
 
 Faults, on `pipec run` (torchrun, gloo) of 1F1B p=3 m=3 with tests/models/faulty.py, injected in stage 1's
-fifth forward (step 2): `raise` (an exception), `dead` (os._exit), `hung` (sleeps in its forward: given up
-on after --timeout), `stopped` (SIGSTOP: its heartbeat stops). Then signals to `pipec run` during
+fifth forward (step 2): `raise` (an exception), `dead` (os._exit), `killed` (SIGKILL), `hung` (sleeps in
+its forward: given up on after --timeout), `stopped` (SIGSTOP: its heartbeat stops). Then signals to `pipec run` during
 training: `sigterm`, `sigint`, and `sigkill` (an orphan check: how long its ranks outlive it, and whether
 its temporary folder is removed). Last, `mismatched`: two torchrun agents on 127.0.0.1 (two "nodes")
 given 1f1b and gpipe. Each line gives the median seconds from the fault (the moment the model file marks,
@@ -51,7 +51,7 @@ def job(dp: int) -> tuple[list[str], int]:
 
 
 def model_fault(kind: str, timeout: float, dp: int = 1) -> dict:
-    fault = {"raise": "raise", "dead": "exit", "hung": "hang", "stopped": "stop"}[kind]
+    fault = {"raise": "raise", "dead": "exit", "killed": "kill", "hung": "hang", "stopped": "stop"}[kind]
     argv, culprit = job(dp)
     with tempfile.TemporaryDirectory() as tmp:
         mark = Path(tmp) / "mark"
@@ -70,7 +70,8 @@ def model_fault(kind: str, timeout: float, dp: int = 1) -> dict:
             time.sleep(0.02)
         end = max(end, time.time())
         at = float(mark.read_text()) if mark.exists() else float("nan")
-    names = bool(re.search(rf"rank {culprit} (failed|stopped responding or died|exited with status)", err))
+    said = "failed|stopped responding or died|exited with status|was killed by SIGKILL"
+    names = bool(re.search(rf"rank {culprit} ({said})", err))
     blames_other = bool(re.search(rf"rank (?!{culprit}\b)\d+ (failed|stopped responding or died)", err))
     return {"seconds": end - at, "exit": proc.returncode, "names_culprit": names and not blames_other, "stderr": err}
 
@@ -134,14 +135,14 @@ def main() -> None:
     ap.add_argument("--dp", type=int, default=1, help="the model faults on a PP x DP job of 2 x DP ranks (default 1)")
     smoke_flag(ap)
     args = ap.parse_args()
-    kinds = ["raise", "dead", "hung", "stopped", "sigterm", "sigint", "sigkill", "mismatched"]
+    kinds = ["raise", "dead", "killed", "hung", "stopped", "sigterm", "sigint", "sigkill", "mismatched"]
     if args.smoke:  # one fault (an exception in stage 1), one round
         args.rounds, args.only = 1, ["raise"]
     for kind in args.only or kinds:
         load = load_average()
         runs = []
         for _ in range(args.rounds):
-            if kind in ("raise", "dead", "hung", "stopped"):
+            if kind in ("raise", "dead", "killed", "hung", "stopped"):
                 runs.append(model_fault(kind, args.timeout, args.dp))
             elif kind == "mismatched":
                 runs.append(mismatched(60.0))
@@ -155,8 +156,8 @@ def main() -> None:
             "max_s": round(max(r[key] for r in runs), 3),
             "exit": [r["exit"] for r in runs],
             "timeout": args.timeout,
-            "dp": args.dp if kind in ("raise", "dead", "hung", "stopped") else 1,
-            "culprit": job(args.dp)[1] if kind in ("raise", "dead", "hung", "stopped") else None,
+            "dp": args.dp if kind in ("raise", "dead", "killed", "hung", "stopped") else 1,
+            "culprit": job(args.dp)[1] if kind in ("raise", "dead", "killed", "hung", "stopped") else None,
             "load_avg_start": load,
         }
         for flag in ("names_culprit", "says_signal", "temporary_left", "names_both"):

@@ -1,8 +1,9 @@
 """A small MLP model file that fails on purpose, for the runtime's fault tests.
 
-PIPEC_FAULT=raise|exit|hang|stop, PIPEC_FAULT_STAGE=s, PIPEC_FAULT_CALL=k: stage s's k-th real forward
-(counted from 0 over all steps, not counting shape inference) raises, kills its process (after a short
-pause, so the rank has published where it is), hangs, or stops its process (SIGSTOP).
+PIPEC_FAULT=raise|exit|kill|hang|stop, PIPEC_FAULT_STAGE=s, PIPEC_FAULT_CALL=k: stage s's k-th real forward
+(counted from 0 over all steps, not counting shape inference) raises, ends its process (`exit`: status 3;
+`kill`: SIGKILL; after a short pause, so the rank has published where it is), hangs, or stops its process
+(SIGSTOP).
 PIPEC_FAULT=exit-in-allreduce: the process of stage s exits (status 3) inside its k-th job-wide all-reduce
 (counted from 0; the runtime's per-step statistics are one a step), outside every instruction.
 """
@@ -47,6 +48,10 @@ class Faulty(nn.Module):
                     time.sleep(0.5)
                     _mark()
                     os._exit(3)
+                if FAULT == "kill":
+                    time.sleep(0.5)
+                    _mark()
+                    os.kill(os.getpid(), signal.SIGKILL)
                 if FAULT == "hang":
                     _mark()
                     time.sleep(3600)
