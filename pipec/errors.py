@@ -44,6 +44,23 @@ class Diagnostic:
     notes: tuple[str, ...] = field(default=())
     severity: str = "error"
 
+    def to_json(self) -> dict:
+        """The diagnostic as a document reports it (`--json`, the playground): its code, place and text
+        (`text` is what stderr shows)."""
+        sp = self.span
+        return {
+            "code": self.code,
+            "severity": self.severity,
+            "message": self.message,
+            "path": self.source.path if self.source else None,
+            "line": sp.line if sp else None,
+            "col": sp.col if sp else None,
+            "end_line": sp.end_line if sp else None,
+            "end_col": sp.end_col if sp else None,
+            "notes": list(self.notes),
+            "text": self.format(),
+        }
+
     def format(self) -> str:
         where = self.source.path if self.source else "<input>"
         if self.span is not None:

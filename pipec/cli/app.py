@@ -18,7 +18,7 @@ from typing import NoReturn
 from pipec import __version__
 from pipec.cli import check, interop, partition, run, serve, show, simulate, slice, synth, test, view
 from pipec.cli.args import Command
-from pipec.cli.envelope import MISUSE, Misuse, command_of, diagnostic_json, fail_json
+from pipec.cli.envelope import MISUSE, Misuse, command_of, fail_json
 from pipec.errors import PipecError
 from pipec.frontend import library
 from pipec.options import OptionError
@@ -98,7 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for d in e.diagnostics:
             print(d.format(), file=sys.stderr)
         if args.json:
-            fail_json(command_of(args), 1, [diagnostic_json(d) for d in e.diagnostics])
+            fail_json(command_of(args), 1, [d.to_json() for d in e.diagnostics])
         return 1
     except BrokenPipeError:  # `pipec show ... | head`
         return 0

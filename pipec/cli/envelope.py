@@ -13,8 +13,6 @@ import json
 import sys
 from typing import IO
 
-from pipec.errors import Diagnostic
-
 MISUSE = 2
 JSON_VERSION = 1  # of the documents `--json` prints; a field renamed or removed bumps it (docs/cli.md)
 
@@ -47,23 +45,6 @@ def emit(args: argparse.Namespace, doc: dict, ok: bool = True) -> None:
     out = stdout()
     out.write(json.dumps({**envelope(command_of(args), ok), **doc}) + "\n")
     out.flush()
-
-
-def diagnostic_json(d: Diagnostic) -> dict:
-    """A diagnostic as --json reports it: its code, place and text (`text` is what stderr shows)."""
-    sp = d.span
-    return {
-        "code": d.code,
-        "severity": d.severity,
-        "message": d.message,
-        "path": d.source.path if d.source else None,
-        "line": sp.line if sp else None,
-        "col": sp.col if sp else None,
-        "end_line": sp.end_line if sp else None,
-        "end_col": sp.end_col if sp else None,
-        "notes": list(d.notes),
-        "text": d.format(),
-    }
 
 
 def fail_json(command: str | None, status: int, diagnostics: list[dict]) -> None:

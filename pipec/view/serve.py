@@ -63,23 +63,9 @@ def _json(obj: object, status: int = 200) -> Answer:
 
 
 def diagnostics_json(err: Exception) -> list[dict[str, Any]]:
-    """A PipecError's diagnostics as the page shows them: code, message, line and column, the formatted text."""
-    out = []
-    for d in getattr(err, "diagnostics", ()):
-        span = d.span
-        out.append(
-            {
-                "code": d.code,
-                "message": d.message,
-                "line": span.line if span else None,
-                "col": span.col if span else None,
-                "end_line": span.end_line if span else None,
-                "end_col": span.end_col if span else None,
-                "notes": list(d.notes),
-                "text": d.format(),
-            }
-        )
-    return out
+    """A PipecError's diagnostics as the page shows them (`Diagnostic.to_json`: code, message, line and
+    column, the formatted text)."""
+    return [d.to_json() for d in getattr(err, "diagnostics", ())]
 
 
 def _request(body: object) -> tuple[str, list[tuple[str, str]], list[dict]]:
