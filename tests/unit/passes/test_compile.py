@@ -7,6 +7,7 @@ import re
 import networkx as nx
 import pytest
 from cli_helpers import run_cli
+from deadlocks import DEADLOCK_1F1B
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from repo import ROOT
@@ -22,21 +23,6 @@ from pipec.passes.compiler import compile_schedule
 from pipec.passes.dryrun import dry_run
 from pipec.passes.lower import lower
 from pipec.sim.memory import rank_memory
-
-DEADLOCK_1F1B = """\
-# 1F1B, p = 2, where rank 0 runs B(0) before F(1): rank 1 needs F(1) before it sends B(0)'s gradient.
-schedule "1f1b-deadlock" (p: int = 2, m: int = 4) {
-    stages p
-    ops F, B
-    rank r {
-        if r == 0 {
-            F(0)  B(0)  F(1)  B(1)  F(2)  B(2)  F(3)  B(3)
-        } else {
-            F(0)  F(1)  B(0)  B(1)  F(2)  B(2)  F(3)  B(3)
-        }
-    }
-}
-"""
 
 
 def test_hand_written_deadlock_is_explained_as_a_chain_of_waits():

@@ -6,26 +6,12 @@ import json
 
 import numpy as np
 import pytest
+from deadlocks import DEADLOCK_1F1B
 
 from pipec import driver
 from pipec.formats.trace import read_trace, write_trace
 from pipec.sim.cost_files import costs_of_timeline, normalize
 from pipec.view.html import CRITICAL, IN_CYCLE, PAIR_FIRST, decode, encode, page, view_document
-
-# 1F1B where rank 0 runs B(0) before F(1): rank 1 needs F(1) before it sends B(0)'s gradient.
-DEADLOCK = """\
-schedule "1f1b-deadlock" (p: int = 2, m: int = 4) {
-    stages p
-    ops F, B
-    rank r {
-        if r == 0 {
-            F(0)  B(0)  F(1)  B(1)  F(2)  B(2)  F(3)  B(3)
-        } else {
-            F(0)  F(1)  B(0)  B(1)  F(2)  B(2)  F(3)  B(3)
-        }
-    }
-}
-"""
 
 
 @pytest.mark.parametrize(
@@ -63,7 +49,7 @@ def test_a_view_holds_the_ops_sorted_with_their_source_lines_pairs_and_critical_
 
 def test_a_deadlocked_schedule_is_drawn_with_its_chain_of_waits(tmp_path):
     src = tmp_path / "dead.pipe"
-    src.write_text(DEADLOCK)
+    src.write_text(DEADLOCK_1F1B)
     doc = view_document(str(src))
     (panel,) = doc["panels"]
     assert panel["kind"] == "deadlock" and "E401" in panel["diagnostic"]
