@@ -69,12 +69,12 @@ def cmd_synth(args: argparse.Namespace) -> int:
     exact improvement with OR-Tools CP-SAT warm-started from it. Writes a .pipe file with the per-rank
     orders and prints a comparison with the library schedules. See docs/synth.md."""
     import os
-
-    writable(args.output, "-o")
     import shlex
 
     from pipec import synth
     from pipec.sim.cost_files import cost_spec
+
+    writable(args.output, "-o")
 
     if args.p < 1 or args.m < 1 or args.v < 1:
         raise Misuse("-p, -m and -v must be at least 1")
