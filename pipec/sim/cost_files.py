@@ -271,12 +271,12 @@ def costs_of_timeline(tl: Timeline, what: str = "the measured run") -> dict:
     differs is what the machine model leaves out (messages, waits, dispatch)."""
     import numpy as np
 
-    from pipec.ir.opcodes import OPCODES
+    from pipec.ir.opcodes import COMPUTE_OF_KIND, OP_KINDS
 
     S = int(tl.stage.max()) + 1 if len(tl.stage) else 0
     doc: dict = {}
-    for kind, name in (("F", "FWD"), ("B", "BWD"), ("W", "WGRAD")):
-        sel = np.asarray(tl.op) == OPCODES.index(name)
+    for kind, code in zip(OP_KINDS, COMPUTE_OF_KIND.tolist()):
+        sel = np.asarray(tl.op) == code
         if not sel.any():
             continue
         dur = (np.asarray(tl.end) - np.asarray(tl.start))[sel]

@@ -167,8 +167,7 @@ def timeline_panel(
         "src": encode(src[order], "i4"),
         "flags": encode(flags[order], "u1"),
     }
-    new_index = np.empty(len(order), np.int64)
-    new_index[order] = np.arange(len(order))
+    new_index = _inverse(order)
     panel: dict[str, object] = {
         "title": title,
         "kind": "timeline",
@@ -193,8 +192,7 @@ def timeline_panel(
         panel["mean_abs_error"] = float(np.abs(dur_err[ok]).mean()) if ok.any() else None
     # Messages: sends on their sender's lane (sorted by sender, send time), receives by receiver.
     m_order = np.lexsort((tl.msg_send, tl.msg_src))
-    m_new = np.empty(len(m_order), np.int64)
-    m_new[m_order] = np.arange(len(m_order))
+    m_new = _inverse(m_order)
     m_flags = att.on_path(MESSAGE, len(tl.msg_send)) * CRITICAL
     r_order = np.lexsort((tl.msg_arrival, tl.msg_dst))
     panel["msgs"] = {
@@ -300,15 +298,15 @@ def deadlock_panel(sched: Schedule, err: PipecError, sources: _Sources) -> dict:
     """A schedule refused for a deadlock: each rank's ops in their order (one slot each: nothing can be
     timed), the ops of the wait cycle flagged, the chain of waits as (waiting op, the op it needs) pairs,
     and the diagnostic."""
-    from pipec.ir.opcodes import BWD, WGRAD
+    from pipec.ir.opcodes import COMPUTE_OF_KIND, OP_KINDS
     from pipec.passes.deadlock import find_deadlock
 
-    opcode = {"F": FWD, "B": BWD, "W": WGRAD}
+    opcode = COMPUTE_OF_KIND[[OP_KINDS.index(k) for k in sched.kinds]]  # the schedule's kind -> its opcode
     rank, op, mb, stage, start = [], [], [], [], []
     for r, ops in enumerate(sched.ranks):
         n = len(ops)
         rank.append(np.full(n, r))
-        op.append(np.array([opcode[sched.kinds[int(k)]] for k in ops.kind], np.int64))
+        op.append(opcode[ops.kind])
         mb.append(ops.mb)
         stage.append(ops.stage)
         start.append(np.arange(n, dtype=float))
