@@ -108,7 +108,7 @@ def _target(text: str, params: list[tuple[str, str]]):
     sched = driver.build(source, [(k, v) for k, v in params if k in names], check=False)
     if sched.num_ops > MAX_OPS:
         raise RequestError(413, f"{sched.num_ops:,} ops: the playground simulates at most {MAX_OPS:,} (use pipec view)")
-    return driver.build(source, [(k, v) for k, v in params if k in names]), names
+    return driver.checked(sched), names  # checked once it is known to be small, not evaluated twice
 
 
 def simulate(body: object) -> dict[str, Any]:
@@ -157,7 +157,6 @@ def download(body: object) -> Answer:
     from pipec.errors import PipecError
     from pipec.formats import program_file
     from pipec.formats.torch_csv_writer import export_csv
-    from pipec.ir.program import Program
     from pipec.view.html import page
 
     what = body.get("what") if isinstance(body, dict) else None
@@ -177,8 +176,7 @@ def download(body: object) -> Answer:
         c = driver.compiled(obj, driver.memory_overrides(docs))
         if what == "program":
             return Answer(200, ctype, program_file.to_text(c.program).encode(), name)
-        sched = c.schedule if not isinstance(obj, Program) else c.schedule
-        return Answer(200, ctype, export_csv(sched, c.program).encode(), name)
+        return Answer(200, ctype, export_csv(c.schedule, c.program).encode(), name)
     except PipecError as e:
         raise RequestError(422, "\n".join(d["text"] for d in diagnostics_json(e))) from None
 
