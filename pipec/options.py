@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from pipec.errors import PipecError, brief
 from pipec.ir.dataparallel import KINDS, DataParallel
+from pipec.ir.experts import Experts
 
 # A command-line number: ASCII digits, an optional sign, point and exponent. float() would also take `1_0`,
 # `٤`, `nan` and `inf`; int() `1_0` and `٤`.
@@ -161,6 +162,11 @@ def add_dp_arguments(p: argparse.ArgumentParser) -> None:
         metavar="K",
         help="fsdp: at most K stages of a rank gathered at once",
     )
+    g = p.add_argument_group("expert parallelism (pipec/ir/experts.py)")
+    g.add_argument(
+        "--ep", type=integer, default=1, metavar="N", help="ranks each MoE layer's experts are sharded over (in --dp)"
+    )
+    g.add_argument("--experts", type=integer, default=0, metavar="N", help="experts per MoE layer (default 0: none)")
 
 
 def dp_of(ns: argparse.Namespace | RunOptions) -> DataParallel:
@@ -171,6 +177,11 @@ def dp_of(ns: argparse.Namespace | RunOptions) -> DataParallel:
         prefetch=getattr(ns, "prefetch", 1),
         max_gathered=getattr(ns, "max_gathered", None),
     )
+
+
+def experts_of(ns: argparse.Namespace | RunOptions) -> Experts:
+    """The expert parallelism `add_dp_arguments` parsed (E425 for a value out of range)."""
+    return Experts(size=getattr(ns, "ep", 1), num=getattr(ns, "experts", 0))
 
 
 def dp_given(ns: argparse.Namespace | RunOptions) -> bool:
@@ -218,6 +229,8 @@ class RunOptions:
     prefetch: int = 1
     max_gathered: int | None = None
     dp_unit: str = "stage"
+    ep: int = 1
+    experts: int = 0
     # files the launcher names for its workers
     links: str | None = None
     memory_out: str | None = None

@@ -1,0 +1,108 @@
+"""Expert parallelism (mixture of experts) on the pipeline: the options, and the one rule that orders an
+overlapped pair's all-to-alls.
+
+Where the experts live. Expert parallelism is folded into the "dp" mesh dim, as torchtitan does (its
+`dp_shard_in_ep`): the `size` ranks of an expert group are consecutive replicas of one pipeline rank in the
+"dp" dim, so they run the same Program on different shards of the batch. Non-expert parameters stay
+data-parallel over the whole "dp" dim; each MoE layer's `num` experts are sharded over the expert group
+(`num / size` per rank), and its tokens travel to their experts and back by two all-to-alls (dispatch and
+combine) over that group. Folding costs no processes: ranks that see different tokens (which is what
+makes expert parallelism pay) are data-parallel for everything else anyway.
+
+Where the all-to-alls are. An MoE layer's forward issues two all-to-alls (dispatch, combine) and its
+backward their two gradients, in reverse order; a weight-gradient op (W) issues none. So an op of a stage
+with `L` MoE layers is `all_to_alls(kind, L) + 1` compute segments with an all-to-all after every one but
+the last. The executor, the simulator and the checks all read the segment counts from here.
+
+How a pair overlaps (`F & B`, DualPipe's overlapped forward-backward). The two ops take turns on the
+compute resource, passing a baton at their all-to-alls: the pair's first op runs its first segment, issues
+its first all-to-all asynchronously and hands over; the second op runs a segment while that all-to-all
+travels, issues its own and hands back; and so on. An op with no all-to-all left runs its remaining
+segment when its turn comes and is done; the other then runs alone. `pair_order` is that rule, and it fixes
+the order in which a rank issues its all-to-alls, which every rank of an expert group must share (a
+collective issued in different orders on one group deadlocks, the bug of an odd MoE layer count in
+Megatron-LM's overlapped 1F1B).
+
+Stdlib only, like pipec.ir.dataparallel: the runtime's argument parser imports it without numpy or torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipec.errors import brief, error
+
+MAX_SIZE = 1_000_000  # ranks per expert group; the dp size bounds it anyway (pipec.ir.dataparallel)
+A2A_PER_LAYER = 2  # an MoE layer's forward: dispatch, combine; its backward: their gradients
+
+
+@dataclass(frozen=True)
+class Experts:
+    """How a Program's MoE layers are spread.
+
+    size: ranks of an expert group (`--ep`), consecutive replicas in the "dp" dim; 1 is no expert
+        parallelism (every rank holds every expert and no all-to-all is issued).
+    num: experts per MoE layer (`--experts`), a multiple of `size`; 0 when the model has no MoE layer.
+    """
+
+    size: int = 1
+    num: int = 0
+
+    def __post_init__(self) -> None:
+        def bad(message: str) -> None:
+            raise error("E425", f"expert parallelism: {message}")
+
+        if not _is_int(self.size) or not 1 <= self.size <= MAX_SIZE:
+            bad(f"the expert group size (--ep) must be an integer from 1 to {MAX_SIZE:,}, got {brief(self.size)}")
+        if not _is_int(self.num) or self.num < 0:
+            bad(f"the expert count (--experts) must be an integer >= 0, got {brief(self.num)}")
+        if self.size > 1 and self.num % self.size:
+            bad(
+                f"{self.num} experts cannot be sharded evenly over an expert group of {self.size} ranks "
+                f"(--experts must be a multiple of --ep)"
+            )
+
+    @property
+    def per_rank(self) -> int:
+        """Experts of each MoE layer that one rank of the group holds."""
+        return self.num // self.size
+
+    def fits(self, dp_size: int) -> str | None:
+        """Why this expert group cannot fold into `dp_size` data-parallel replicas, or None when it can."""
+        if dp_size % self.size:
+            return (
+                f"an expert group of {self.size} ranks (--ep) must divide the data-parallel replicas (--dp "
+                f"{dp_size}): expert parallelism is folded into the dp dim"
+            )
+        return None
+
+
+def all_to_alls(kind: str, moe_layers: int) -> int:
+    """All-to-alls an op of `kind` ("F", "B", "W") issues on a stage with `moe_layers` MoE layers: a
+    forward and a backward (input gradient or full) two per layer, a weight gradient none."""
+    return 0 if kind == "W" else A2A_PER_LAYER * moe_layers
+
+
+def pair_order(first: int, second: int) -> tuple[tuple[int, int], ...]:
+    """The compute segments of an overlapped pair in the order they run, as (op, segment): op 0 is the
+    pair's first op (with `first` all-to-alls, so `first + 1` segments), op 1 its second. After segment k
+    of an op with more than k all-to-alls, that op issues its k-th all-to-all and the other op's next
+    segment runs while it travels; so the all-to-alls are issued in this order too."""
+    if first < 0 or second < 0:
+        raise ValueError(f"all-to-all counts must be >= 0, got {first} and {second}")
+    order: list[tuple[int, int]] = []
+    left = [first + 1, second + 1]
+    nxt = [0, 0]
+    op = 0
+    while left[0] or left[1]:
+        if not left[op]:
+            op = 1 - op
+        order.append((op, nxt[op]))
+        nxt[op] += 1
+        left[op] -= 1
+        op = 1 - op
+    return tuple(order)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
