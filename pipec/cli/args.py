@@ -142,17 +142,12 @@ def dp(args: argparse.Namespace, program_file: bool = False) -> DataParallel | N
     return None if program_file and not options.dp_given(args) else given
 
 
-def compiled(args: argparse.Namespace, simulates: bool = False) -> tuple[CompiledSchedule, bool]:
+def compiled(args: argparse.Namespace) -> tuple[CompiledSchedule, bool]:
     """Every check but the `expect` lines, then the Program (a Program file: validated and dry-run);
-    and whether the input was a Program file. `simulates`: the caller simulates it next (a schedule's
-    `expect` lines, say), so the simulator's memory is checked before the compile's work."""
+    and whether the input was a Program file."""
     from pipec.driver import check_program
 
     obj, where = target(args)
-    if simulates and isinstance(obj, Schedule) and obj.expects:
-        from pipec.sim.costs import require_links
-
-        require_links(obj.num_ranks)
     if isinstance(obj, Program):
         return check_program(obj, memory(args), where, dp(args, True)), True
     return compile_schedule(obj, memory(args), dp(args)), False

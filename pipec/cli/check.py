@@ -56,7 +56,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     from pipec.driver import check_expectations
     from pipec.passes.memcheck import format_table
 
-    c, program_file = compiled(args, simulates=True)
+    c, program_file = compiled(args)
     s = c.schedule
     check_expectations(s, c.program)
     if args.json:

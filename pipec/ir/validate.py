@@ -202,7 +202,7 @@ def _rank(prog: Program, r: int, rp) -> list[tuple[int, int, str]]:
     last = np.full(S, -1, dtype=np.int64)
     if len(comps):  # the last compute of each stage: the final index of each stage's run, stably sorted
         by = comps[np.argsort(st_c[comps], kind="stable")]
-        ends = np.r_[st_c[by][1:] != st_c[by][:-1], True]
+        ends = np.append(st_c[by][1:] != st_c[by][:-1], True)
         last[st_c[by][ends]] = by[ends]
     once = 0 if prog.forward_only else 1  # a forward-only program reduces and steps nothing
     for code, name in ((STEP, "STEP"), (REDUCE_GRAD, "REDUCE_GRAD")):
@@ -326,8 +326,8 @@ def _windows(
     at = np.flatnonzero(windows)
     by = at[np.argsort(st[at], kind="stable")]  # by stage, in stream order within a stage
     bst, opens = st[by], op[by] == UNSHARD
-    start = np.r_[True, bst[1:] != bst[:-1]] if len(by) else np.zeros(0, dtype=bool)
-    end = np.r_[start[1:], True] if len(by) else np.zeros(0, dtype=bool)
+    start = np.concatenate(([True], bst[1:] != bst[:-1])) if len(by) else np.zeros(0, dtype=bool)
+    end = np.append(start[1:], True) if len(by) else np.zeros(0, dtype=bool)
     run_start = np.maximum.accumulate(np.where(start, np.arange(len(by)), 0)) if len(by) else by
     even = (np.arange(len(by)) - run_start) % 2 == 0  # an UNSHARD must come at even places in its stage's run
     for x in np.flatnonzero(opens != even)[: _SHOWN + 1].tolist():
@@ -395,8 +395,8 @@ def _messages(prog: Program) -> list[tuple[int, int, str]]:
     S, m = prog.num_stages, prog.num_microbatches
     placement = prog.placement_array
     # needed[(msg * S + sending stage) * m + mb]: act leaves s towards s + 1, grad leaves s towards s - 1.
-    cross_up = np.r_[placement[:-1] != placement[1:], False]
-    cross_down = np.r_[False, placement[1:] != placement[:-1]]
+    cross_up = np.append(placement[:-1] != placement[1:], False)
+    cross_down = np.concatenate(([False], placement[1:] != placement[:-1]))
     needed = np.concatenate([np.repeat(cross_up, m), np.repeat(cross_down & (not prog.forward_only), m)])
     sends = np.zeros(2 * S * m, dtype=np.int64)
     recvs = np.zeros(2 * S * m, dtype=np.int64)

@@ -331,11 +331,11 @@ def _points(ops: RankOps, step: np.ndarray, code: np.ndarray, src: np.ndarray, g
     n_base = len(code)
     comp = np.flatnonzero(IS_COMPUTE[code])
     comp_step = step[src[comp]]
-    first = np.r_[True, comp_step[1:] != comp_step[:-1]] if len(comp) else np.zeros(0, dtype=bool)
-    before_step = np.r_[comp[first], n_base]  # position right before step g's first compute; n_base: the end
+    first = np.concatenate(([True], comp_step[1:] != comp_step[:-1])) if len(comp) else np.zeros(0, dtype=bool)
+    before_step = np.append(comp[first], n_base)  # position right before step g's first compute; n_base: the end
     body = np.flatnonzero(~IS_RECV[code])  # computes and sends, which belong to the step that produced them
     body_step = step[src[body]]
-    last = np.r_[body_step[1:] != body_step[:-1], True] if len(body) else np.zeros(0, dtype=bool)
+    last = np.append(body_step[1:] != body_step[:-1], True) if len(body) else np.zeros(0, dtype=bool)
     end = body[last]
     after_step = end + 1 + group[end]  # past the receive a step's last send may be batched with
     return before_step, after_step

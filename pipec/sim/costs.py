@@ -80,6 +80,7 @@ from pipec.errors import error
 from pipec.ir.opcodes import ACT_MSG, COST_KIND
 from pipec.ir.schedule import STAGE_COST_KEYS, Schedule, Topology
 from pipec.ir.units import MAX_QUANTITY
+from pipec.sim.pairs import PairTable
 
 # Per-stage keys whose absence means "compute it" (NaN in the model), not zero: the collectives' direct times.
 _DIRECT = ("reduce_grad", "unshard", "offload")
@@ -108,15 +109,16 @@ class CostModel:
     comm: np.ndarray
     act_bytes: np.ndarray
     grad_bytes: np.ndarray
-    latency: np.ndarray  # (ranks, ranks) seconds
-    bandwidth: np.ndarray  # (ranks, ranks) bytes per second; inf: no size term
-    link_class: np.ndarray  # (ranks, ranks) index into LINK_CLASSES (-1 on the diagonal)
+    # Per rank pair, indexed [src, dst] (pipec.sim.pairs: held per pair of datacenters and node sharing).
+    latency: PairTable  # seconds
+    bandwidth: PairTable  # bytes per second; inf: no size term
+    link_class: PairTable  # index into LINK_CLASSES (-1 on the diagonal)
     split_backward: bool
     origin: tuple[str, ...] = field(default=())  # what contributed, for the report
     # (ranks, ranks): the shared link a message between the pair crosses, -1 for none. Every pair from
     # datacenter A to datacenter B crosses one link (one per direction: links are full duplex), and
     # concurrent messages on it share its bandwidth; links inside a datacenter are not shared.
-    link_group: np.ndarray | None = None
+    link_group: PairTable | None = None
     overhead: float = 0.0  # seconds of the rank's time per send or receive instruction (LogP's o)
     # Data parallelism (the module docstring): per stage, its parameters' bytes and the direct times of its
     # reduction and all-gather (NaN where not given: the ring formula's); per rank, (latency s, bandwidth
@@ -248,7 +250,7 @@ class CostModel:
 
     def _size_term(self) -> bool:
         sized = (self.act_bytes > 0).any() or (self.grad_bytes > 0).any()
-        return bool(sized and np.isfinite(self.bandwidth).any())
+        return bool(sized and np.isfinite(self.bandwidth.values()).any())
 
     def compute_time(self, op: np.ndarray, stage: np.ndarray, mb: np.ndarray | None = None) -> np.ndarray:
         """Durations of compute instructions on these stages (of these micro-batches, or units): the cost of
@@ -357,13 +359,14 @@ class CostModel:
             return vals[0] if vals and all(v == vals[0] for v in vals) else vals
 
         links = {}
+        pairs = self.link_class.pairs()
         for c, name in enumerate(LINK_CLASSES):
-            sel = self.link_class == c
+            sel = (self.link_class.table == c) & (pairs > 0)
             if sel.any():
-                lat = sorted(set(self.latency[sel].tolist()))
-                bw = sorted(set((self.bandwidth[sel] * 8).tolist()))
+                lat = sorted(set(self.latency.table[sel].tolist()))
+                bw = sorted(set((self.bandwidth.table[sel] * 8).tolist()))
                 links[name] = {
-                    "pairs": int(sel.sum()) // 2,
+                    "pairs": int(pairs[sel].sum()) // 2,
                     "latency_s": lat[0] if len(lat) == 1 else lat,
                     "bandwidth_bps": _json_num(bw[0]) if len(bw) == 1 else [_json_num(b) for b in bw],
                 }
@@ -411,20 +414,9 @@ def _json_num(x: float):
 # ---- building the model -------------------------------------------------------
 
 
-def require_links(R: int) -> None:
-    """E902 when the per-rank-pair link tables of R ranks would not fit in memory: five (ranks, ranks)
-    tables of 8 bytes and their temporaries, so 10,000 ranks take 8 GB. A caller that will simulate asks
-    first, before the work that comes before the simulation (a check of 20,000 ranks compiled for 39 s
-    before it learned the links could not fit)."""
-    from pipec.files import require_memory
-
-    require_memory(10 * 8 * float(R) ** 2, f"the cost model's per-rank-pair links of {R:,} ranks")
-
-
 def cost_model(sched: Schedule, overrides: Sequence[Mapping] = ()) -> CostModel:
     """The cost model of a schedule: defaults, its declarations, then each override document in order."""
     S, R = sched.num_stages, sched.num_ranks
-    require_links(R)
     vals = {k: np.full(S, R / S) for k in ("F", "B", "W")}
     vals.update({k: np.zeros(S) for k in ("comm", "act_bytes", "param_bytes", "step")})
     vals.update({k: np.zeros(S) for k in ("saved_bytes", "wsaved_bytes", "input_bytes", "state_bytes")})
@@ -456,6 +448,7 @@ def cost_model(sched: Schedule, overrides: Sequence[Mapping] = ()) -> CostModel:
     dc = _datacenter_of(sched, R)
     cls = _link_classes(dc, ranks_per_node)
     latency, bandwidth = _topology_links(sched, dc, cls)
+    lat_t, bw_t, cls_t = latency.table, bandwidth.table, cls.table
     if sched.topology is not None:
         origin.append("schedule: topology")
     for ov in overrides:
@@ -480,11 +473,11 @@ def cost_model(sched: Schedule, overrides: Sequence[Mapping] = ()) -> CostModel:
             else:
                 vals[k] = arr
         for c, spec in ov.get("links", {}).items():
-            sel = cls == LINK_CLASSES.index(c)
+            sel = cls_t == LINK_CLASSES.index(c)
             if "latency" in spec:
-                latency[sel] = spec["latency"]
+                lat_t[sel] = spec["latency"]
             if "bandwidth" in spec:
-                bandwidth[sel] = spec["bandwidth"] / 8.0
+                bw_t[sel] = spec["bandwidth"] / 8.0
     if grad is None:
         grad = np.concatenate([[0.0], vals["act_bytes"][:-1]])
     if not sched.split_backward and "B" in given and "W" not in given:
@@ -498,8 +491,6 @@ def cost_model(sched: Schedule, overrides: Sequence[Mapping] = ()) -> CostModel:
             raise error("E801", f"cost `{k}` is out of range (at most {MAX_QUANTITY:g}) on some stage")
     class_specs = [(c, spec) for ov in overrides for c, spec in ov.get("links", {}).items()]
     dp_link, replica_names, replica_links = _dp_links(sched.topology, dc, class_specs, dp_given)
-    np.fill_diagonal(latency, 0.0)
-    np.fill_diagonal(bandwidth, np.inf)
     return CostModel(
         F=vals["F"],
         B=vals["B"],
@@ -597,32 +588,62 @@ def _datacenter_of(sched: Schedule, R: int) -> np.ndarray:
     return dc
 
 
-def _link_groups(dc: np.ndarray, cls: np.ndarray) -> np.ndarray | None:
+def _link_groups(dc: np.ndarray, cls: PairTable) -> PairTable | None:
     """Per rank pair, the shared cross-datacenter link it uses (one per ordered pair of datacenters), or -1."""
-    cross = cls == LINK_CLASSES.index("cross")
-    if not cross.any():
+    cross = cls.table == LINK_CLASSES.index("cross")
+    if not (cross & (cls.pairs() > 0)).any():
         return None
-    ids = np.unique(dc, return_inverse=True)[1]
-    n = int(ids.max()) + 1
-    return np.where(cross, ids[:, None] * n + ids[None, :], -1)
+    D = cls.table.shape[0]
+    ids = np.arange(D)[:, None] * D + np.arange(D)[None, :]
+    return cls.with_table(np.where(cross, ids[:, :, None], -1))
 
 
-def _link_classes(dc: np.ndarray, ranks_per_node: int | None) -> np.ndarray:
-    R = len(dc)
-    cls = np.where(dc[:, None] == dc[None, :], 1, 2)
+def _link_classes(dc: np.ndarray, ranks_per_node: int | None) -> PairTable:
+    """Each rank pair's LINK_CLASSES index: "node" for two ranks of one node (with a node size), "dc" for
+    two of one datacenter, "cross" between datacenters."""
+    dense = np.unique(dc, return_inverse=True)[1].astype(np.int64)
+    D = int(dense.max()) + 1 if len(dense) else 0
+    node = np.arange(len(dc)) // ranks_per_node if ranks_per_node else np.arange(len(dc))
+    table = np.full((D, D, 2), 2, dtype=np.int64)
+    idx = np.arange(D)
+    table[idx, idx, :] = 1
     if ranks_per_node:
-        node = np.arange(R) // ranks_per_node
-        cls = np.where((cls == 1) & (node[:, None] == node[None, :]), 0, cls)
-    np.fill_diagonal(cls, -1)
-    return cls
+        table[idx, idx, 1] = 0
+    return PairTable(dense, node.astype(np.int64), table, -1)
 
 
-def _topology_links(sched: Schedule, dc: np.ndarray, cls: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    R = len(dc)
-    latency, bandwidth = np.zeros((R, R)), np.full((R, R), np.inf)
+def _topology_links(sched: Schedule, dc: np.ndarray, cls: PairTable) -> tuple[PairTable, PairTable]:
+    """Latency and bandwidth per rank pair from the schedule's topology: free without one, else each
+    class's default, `default link` over every pair, then `link "A" <-> "B"` in declaration order."""
+    latency = PairTable(cls.dc, cls.node, np.zeros(cls.table.shape), 0.0)
+    bandwidth = PairTable(cls.dc, cls.node, np.full(cls.table.shape, np.inf), np.inf)
     topo = sched.topology
     if topo is None:
         return latency, bandwidth
+    lat_t, bw_t = latency.table, bandwidth.table
+    for c, name in enumerate(LINK_CLASSES):
+        lat, bps = LINK_DEFAULTS[name]
+        lat_t[cls.table == c] = lat
+        bw_t[cls.table == c] = bps / 8.0
+    names = {d.name: i for i, d in enumerate(topo.datacenters)}
+    declared = np.unique(dc)  # the topology's datacenter index of each dense index (-1: undeclared ranks)
+    dense = {int(x): i for i, x in enumerate(declared.tolist())}
+    for link in sorted(topo.links, key=lambda lk: lk.a is not None):
+        sel = np.zeros(cls.table.shape, dtype=bool)
+        if link.a is None:
+            sel[:] = True
+        elif link.a in names and link.b in names:
+            a, b = dense.get(names[link.a]), dense.get(names[link.b])
+            if a is None or b is None:
+                continue  # a datacenter without ranks: no rank pair crosses this link
+            sel[a, b, :] = sel[b, a, :] = True
+        else:
+            continue  # a link between datacenters of replicas only (`replica_dcs`): no rank pair crosses it
+        if link.latency_s is not None:
+            lat_t[sel] = link.latency_s
+        if link.bandwidth_bps is not None:
+            bw_t[sel] = link.bandwidth_bps / 8.0
+    return latency, bandwidth
     for c, name in enumerate(LINK_CLASSES):
         lat, bps = LINK_DEFAULTS[name]
         latency[cls == c] = lat

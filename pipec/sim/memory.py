@@ -268,10 +268,14 @@ DEVICE_AT_START = _when(("FWD", "RECOMPUTE", "RELOAD"))
 HOST_AT_START = _when(("OFFLOAD",))
 
 
-def resident(placement: tuple[int, ...] | np.ndarray, model: Mapping[str, np.ndarray], rank: int, dp: int = 1) -> float:
-    """What the rank's device pool holds throughout: its stages' params (fsdp over dp replicas: a shard)."""
-    own = np.asarray(placement) == rank
-    return float(np.asarray(model["params"], float)[own].sum() / dp) if own.any() else 0.0
+def resident(
+    placement: tuple[int, ...] | np.ndarray, model: Mapping[str, np.ndarray], num_ranks: int, dp: int = 1
+) -> np.ndarray:
+    """Per rank, what its device pool holds throughout: its stages' params (fsdp over dp replicas: a shard).
+    All ranks at once: one rank at a time read the whole placement each, quadratic in p."""
+    place = np.asarray(placement, dtype=np.int64)
+    params = np.asarray(model["params"], float)
+    return np.bincount(place, weights=params, minlength=num_ranks)[:num_ranks] / dp
 
 
 def _fsdp(prog: Program) -> int:
@@ -282,8 +286,16 @@ def instruction_deltas(prog: Program, model: Mapping[str, np.ndarray]) -> list[t
     """Per rank of a Program, each instruction's change to the device pool and to the host pool (the
     pools start at `resident` and 0). `program_memory`'s peaks and `pipec.sim.memtime`'s curves are
     their running sums, in instruction order and in time order."""
-    n = _fsdp(prog)
-    return [deltas(rp.op, rp.mb, rp.stage, model, prog.split_backward, n) for rp in prog.ranks]
+    cols = [np.concatenate([getattr(rp, k) for rp in prog.ranks]) for k in ("op", "mb", "stage")]
+    return _per_rank(deltas(*cols, model, prog.split_backward, _fsdp(prog)), [len(rp.op) for rp in prog.ranks])
+
+
+def _per_rank(both: tuple[np.ndarray, np.ndarray], sizes: Sequence[int]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """`deltas` of every rank's stream at once, cut back into ranks: the rule is per instruction (a
+    RECOMPUTE's (micro-batch, stage) is on one rank), and one call instead of one per rank keeps a check
+    of many short ranks linear with a small constant."""
+    cut = np.cumsum(sizes)[:-1]
+    return list(zip(np.split(both[0], cut), np.split(both[1], cut)))
 
 
 def schedule_stream(sched: Schedule, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -341,12 +353,16 @@ class Walk:
 def walk(sched: Schedule, model: Mapping[str, np.ndarray], ranks: Sequence[int] | None = None) -> list[Walk]:
     """Per rank (of `ranks`, default all), the walk of a Schedule under a `memory_model` (ddp, or no data
     parallelism: every replica holds its params whole); `rank_memory` reports it."""
-    out = []
-    for r in range(sched.num_ranks) if ranks is None else ranks:
-        op, mb, st, src = schedule_stream(sched, r)
-        dev, host = deltas(op, mb, st, model, sched.split_backward)
-        out.append(Walk(op, mb, st, src, dev, host, resident(sched.placement_array, model, r)))
-    return out
+    rs = list(range(sched.num_ranks) if ranks is None else ranks)
+    streams = [schedule_stream(sched, r) for r in rs]
+    if not streams:
+        return []
+    cols = [np.concatenate([x[k] for x in streams]) for k in range(3)]
+    both = _per_rank(deltas(*cols, model, sched.split_backward), [len(x[0]) for x in streams])
+    base = resident(sched.placement_array, model, sched.num_ranks)
+    return [
+        Walk(op, mb, st, src, dev, host, float(base[r])) for r, (op, mb, st, src), (dev, host) in zip(rs, streams, both)
+    ]
 
 
 def counting_model(num_stages: int) -> dict[str, np.ndarray]:
@@ -527,11 +543,11 @@ def program_memory(prog: Program, sched: Schedule, overrides: Mapping[str, objec
     stream when they are the same, in order)."""
     model = memory_model(sched, overrides)
     n = _fsdp(prog)
+    base = resident(prog.placement_array, model, prog.num_ranks, n)
     reports = []
     for r, ((dev, host), rp) in enumerate(zip(instruction_deltas(prog, model), prog.ranks)):
         memop_of = _memop_index(rp, sched.memops[r] if r < len(sched.memops) else ())
-        base = resident(prog.placement_array, model, r, n)
-        reports.append(_walk(sched, r, rp.op, rp.mb, rp.stage, memop_of, dev, host, base, model, n))
+        reports.append(_walk(sched, r, rp.op, rp.mb, rp.stage, memop_of, dev, host, float(base[r]), model, n))
     return reports
 
 

@@ -70,9 +70,9 @@ def _occurrence(key: np.ndarray) -> np.ndarray:
     """For each row, how many earlier rows have its key (0 for the first)."""
     o = np.argsort(key, kind="stable")
     k = key[o]
-    starts = np.flatnonzero(np.r_[True, k[1:] != k[:-1]]) if len(k) else np.zeros(0, np.int64)
+    starts = np.flatnonzero(np.concatenate(([True], k[1:] != k[:-1]))) if len(k) else np.zeros(0, np.int64)
     out = np.empty(len(k), dtype=np.int64)
-    out[o] = np.arange(len(k)) - np.repeat(starts, np.diff(np.r_[starts, len(k)]))
+    out[o] = np.arange(len(k)) - np.repeat(starts, np.diff(np.append(starts, len(k))))
     return out
 
 
@@ -128,7 +128,11 @@ def _times(tl: Timeline, prog: Program) -> tuple[list[np.ndarray], list[np.ndarr
     out_d, out_h, lo = [], [], 0
     for rp in prog.ranks:  # everything else at its issue: the end of the last compute before it, 0 before any
         hi = lo + len(rp)
-        issue = np.maximum(np.maximum.accumulate(np.r_[0.0, c_end[lo:hi]])[:-1], 0.0) if hi > lo else np.zeros(0)
+        issue = (
+            np.maximum(np.maximum.accumulate(np.concatenate(([0.0], c_end[lo:hi])))[:-1], 0.0)
+            if hi > lo
+            else np.zeros(0)
+        )
         out_d.append(np.where(np.isnan(dev_t[lo:hi]), issue, dev_t[lo:hi]))
         out_h.append(np.where(np.isnan(host_t[lo:hi]), issue, host_t[lo:hi]))
         lo = hi
@@ -140,9 +144,9 @@ def _curve(times: np.ndarray, delta: np.ndarray, base: float, collapse: bool) ->
     t = np.concatenate([[0.0], times[o]])
     v = base + np.concatenate([[0.0], np.cumsum(delta[o])])
     if collapse and len(t) > 1:
-        last = np.r_[t[1:] != t[:-1], True]
+        last = np.append(t[1:] != t[:-1], True)
         t, v = t[last], v[last]
-        moved = np.r_[True, v[1:] != v[:-1]]
+        moved = np.concatenate(([True], v[1:] != v[:-1]))
         t, v = t[moved], v[moved]
     return t, v
 
@@ -154,8 +158,9 @@ def memory_curves(tl: Timeline, prog: Program, model: Mapping[str, np.ndarray]) 
     dev_t, host_t = _times(tl, prog)
     n = prog.dp if prog.dp_kind == "fsdp" else 1
     dev, host, dpk, hpk = [], [], [], []
+    bases = resident(prog.placement_array, model, prog.num_ranks, n)
     for r, (d, h) in enumerate(deltas):
-        base = resident(prog.placement_array, model, r, n)
+        base = float(bases[r])
         dpk.append(float(_curve(dev_t[r], d, base, False)[1].max()))
         hpk.append(max(float(_curve(host_t[r], h, 0.0, False)[1].max()), 0.0))
         dev.append(_curve(dev_t[r], d, base, True))

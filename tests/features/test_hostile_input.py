@@ -292,17 +292,31 @@ def test_a_schedule_too_large_for_the_machine_is_refused_naming_its_size(argv, m
     assert "Traceback" not in err
 
 
-def test_a_check_whose_links_would_not_fit_is_refused_before_compiling(monkeypatch, capsys):
-    """As `check 1f1b -D p=100000` (links of 745 GiB; it compiled for minutes, then ran out): the link tables'
-    estimate comes before the compile when the check will simulate its `expect` lines. The machine is made
-    small here (memory for the ops, not for 300 ranks' links) and the compile must not start."""
-    from pipec.cli import args as cli_args
+def test_the_links_of_many_ranks_are_held_per_datacenter_pair(tmp_path):
+    """As `check 1f1b -D p=100000` (its (ranks, ranks) link tables needed 745 GiB and the check time per op
+    grew with p): the cost model holds a link per pair of datacenters and node sharing (pipec.sim.pairs), so
+    10,000 ranks in two datacenters hold a few numbers, and a pair reads what the matrix held."""
+    import numpy as np
 
-    monkeypatch.setattr(files, "available_memory", lambda: 5 * 2**20)
-    monkeypatch.setattr(cli_args, "compile_schedule", lambda *a, **k: pytest.fail("compiled before refusing"))
-    assert cli.main(["check", "1f1b", "-D", "p=300", "-D", "m=2"]) == 1
-    err = capsys.readouterr().err
-    assert "error[E902]" in err and "per-rank-pair links of 300 ranks needs about 6.87 MiB" in err
+    from pipec.api import load
+    from pipec.sim.costs import LINK_CLASSES, LINK_DEFAULTS, cost_model
+
+    f = tmp_path / "big.pipe"
+    f.write_text(
+        'schedule "big" (p: int = 10000, m: int = 2) {\n stages p\n place s -> s\n ops F, B\n'
+        ' topology {\n  dc "a" ranks 0 .. 5000\n  dc "b" ranks 5000 .. 10000\n'
+        '  link "a" <-> "b" latency 40ms bandwidth 10Gbps\n }\n'
+        " rank r { for i in 0 .. 2 { F(mb: i) } for i in 0 .. 2 { B(mb: i) } }\n}\n"
+    )
+    cm = cost_model(load(f))
+    assert cm.latency.table.size <= 8 and cm.link_class.table.size <= 8
+    a, b = np.array([0, 1, 4999, 5000, 7]), np.array([1, 5001, 5000, 9999, 7])
+    inside = LINK_DEFAULTS["dc"][0]
+    assert cm.latency[a, b].tolist() == [inside, 0.04, 0.04, inside, 0.0]
+    assert cm.bandwidth[1, 5001] * 8 == 10e9 and cm.bandwidth[7, 7] == np.inf
+    classes = [LINK_CLASSES[c] if c >= 0 else None for c in cm.link_class[a, b].tolist()]
+    assert classes == ["dc", "cross", "cross", "dc", None]
+    assert cm.describe()["links"]["cross"]["pairs"] == 5000 * 5000
 
 
 # ---- the front end ----------------------------------------------------------------------

@@ -174,7 +174,7 @@ def test_deltas_match_the_peaks_and_the_curves():
         peaks = [r.peak for r in program_memory(c.program, s)]
         assert peaks == [r.peak for r in rank_memory(s)]
         walked = [
-            resident(c.program.placement, model, r) + max(float(np.cumsum(d).max()), 0.0)
+            resident(c.program.placement, model, c.program.num_ranks)[r] + max(float(np.cumsum(d).max()), 0.0)
             for r, (d, _) in enumerate(instruction_deltas(c.program, model))
         ]
         assert walked == pytest.approx(peaks)
