@@ -80,8 +80,11 @@ def validate(prog: Program, source: Source | None = None, locate: Locate | None 
     """Raise E502 unless `prog` is well formed (see the module docstring); return None when it is."""
     problems = _header(prog)
     if not problems:
+        pl = prog.placement_array
+        by_rank = np.argsort(pl, kind="stable")  # each rank's stages, found once (not one pass over S per rank)
+        cut = np.searchsorted(pl[by_rank], np.arange(prog.num_ranks + 1))
         for r, rp in enumerate(prog.ranks):
-            problems += _rank(prog, r, rp)
+            problems += _rank(prog, r, rp, by_rank[cut[r] : cut[r + 1]])
             if len(problems) > _SHOWN:
                 break
     if not problems:
@@ -148,7 +151,9 @@ def _header(prog: Program) -> list[tuple[int, int, str]]:
     return out
 
 
-def _rank(prog: Program, r: int, rp) -> list[tuple[int, int, str]]:
+def _rank(prog: Program, r: int, rp, own: np.ndarray) -> list[tuple[int, int, str]]:
+    """One rank's problems; `own` its stages. Per-stage tables cover only the stages the rank names or
+    owns (`u`), so a rank costs its own length, not the number of stages."""
     S, m = prog.num_stages, prog.num_microbatches
     placement = prog.placement_array
     n = len(rp.op)
@@ -197,35 +202,38 @@ def _rank(prog: Program, r: int, rp) -> list[tuple[int, int, str]]:
         flag(bad, lambda j: "cannot be grouped with the next instruction")
         flag(group[:-1] & group[1:], lambda j: "a group holds at most 2 instructions")
     # Each stage reduces its gradients once and steps once, in that order, after its last compute.
-    own = np.flatnonzero(placement == r)
+    u = np.union1d(st_c, own)  # the stages this rank names or owns; `loc` indexes them
+    loc, own_l = np.searchsorted(u, st_c), np.searchsorted(u, own)
     comps = np.flatnonzero(IS_COMPUTE[op])
-    last = np.full(S, -1, dtype=np.int64)
+    last = np.full(len(u), -1, dtype=np.int64)
     if len(comps):  # the last compute of each stage: the final index of each stage's run, stably sorted
-        by = comps[np.argsort(st_c[comps], kind="stable")]
-        ends = np.append(st_c[by][1:] != st_c[by][:-1], True)
-        last[st_c[by][ends]] = by[ends]
+        by = comps[np.argsort(loc[comps], kind="stable")]
+        ends = np.append(loc[by][1:] != loc[by][:-1], True)
+        last[loc[by][ends]] = by[ends]
     once = 0 if prog.forward_only else 1  # a forward-only program reduces and steps nothing
     for code, name in ((STEP, "STEP"), (REDUCE_GRAD, "REDUCE_GRAD")):
         at = np.flatnonzero(op == code)
-        count = np.bincount(st_c[at], minlength=S)
-        for s in own[count[own] != once].tolist():
+        count = np.bincount(loc[at], minlength=len(u))[own_l]
+        for s, c in zip(own[count != once].tolist(), count[count != once].tolist()):
             need = "none (the program is forward only)" if prog.forward_only else "exactly one"
-            out.append((r, -1, f"stage {s} has {int(count[s])} {name} instructions; it needs {need}"))
-    steps, reduces = np.full(S, -1, dtype=np.int64), np.full(S, -1, dtype=np.int64)
+            out.append((r, -1, f"stage {s} has {c} {name} instructions; it needs {need}"))
+    steps, reduces = np.full(len(u), -1, dtype=np.int64), np.full(len(u), -1, dtype=np.int64)
     at = np.flatnonzero(op == STEP)
-    steps[st_c[at]] = at
+    steps[loc[at]] = at
     at = np.flatnonzero(op == REDUCE_GRAD)
-    reduces[st_c[at]] = at
-    for s in own.tolist():
-        if steps[s] >= 0 and steps[s] < last[s]:
-            out.append((r, int(steps[s]), f"steps stage {s} before its last compute (#{int(last[s])})"))
-        if reduces[s] >= 0 and (reduces[s] < last[s] or (steps[s] >= 0 and reduces[s] > steps[s])):
-            out.append((r, int(reduces[s]), f"must come after stage {s}'s last compute and before its STEP"))
+    reduces[loc[at]] = at
+    for s, x in zip(own.tolist(), own_l.tolist()):
+        if steps[x] >= 0 and steps[x] < last[x]:
+            out.append((r, int(steps[x]), f"steps stage {s} before its last compute (#{int(last[x])})"))
+        if reduces[x] >= 0 and (reduces[x] < last[x] or (steps[x] >= 0 and reduces[x] > steps[x])):
+            out.append((r, int(reduces[x]), f"must come after stage {s}'s last compute and before its STEP"))
     windows = _IS_WINDOW[op]
     if prog.dp_kind != "fsdp":
         flag(windows, lambda j: "UNSHARD and RESHARD belong to fsdp programs; this one is ddp (replicated)")
     else:  # a RECOMPUTE computes on the stage's parameters too
-        out += _windows(r, op, st_c, np.flatnonzero(ON_COMPUTE[op]), windows, own, steps, S)
+        by_stage = np.full(S, -1, dtype=np.int64)  # fsdp's window rules read the STEPs by stage
+        by_stage[u] = steps
+        out += _windows(r, op, st_c, np.flatnonzero(ON_COMPUTE[op]), windows, own, by_stage, S)
     sliced = prog.slicing is not None and prog.slicing.slices > 1
     if sliced:
         flag(IS_MEMOP[op], lambda j: "memory ops of token slices are not supported (docs/terapipe.md)")
@@ -357,28 +365,68 @@ def _windows(
     return out
 
 
+def _all_ranks(prog: Program, which: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Every rank's instructions that `which` (a column by opcode) selects, in rank order then stream
+    order, as (rank, index in its stream): the checks over the whole Program take one pass over these,
+    where a loop over ranks that updated a table of every op was quadratic in p."""
+    sel = [np.flatnonzero(which[rp.op]) for rp in prog.ranks]
+    rank = np.repeat(np.arange(len(sel)), [len(x) for x in sel])
+    return rank, np.concatenate(sel) if sel else np.zeros(0, dtype=np.int64)
+
+
+def _column(prog: Program, name: str, rank: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """One column (op, mb, stage, ...) of the instructions `_all_ranks` chose."""
+    whole = np.concatenate([getattr(rp, name) for rp in prog.ranks])
+    starts = np.concatenate(([0], np.cumsum([len(rp.op) for rp in prog.ranks])[:-1]))
+    return whole[starts[rank] + index]
+
+
+def _repeats(key: np.ndarray, rank: np.ndarray) -> np.ndarray:
+    """Per instruction (in rank order, then stream order), whether a walk over the ranks has seen its key
+    twice once it has taken in the instruction's whole rank: every occurrence of a key but its first, and
+    the first too when the second is on the same rank."""
+    out = np.zeros(len(key), dtype=bool)
+    if not len(key):
+        return out
+    o = np.argsort(key, kind="stable")
+    k = o[1:][key[o][1:] == key[o][:-1]]  # each occurrence but a key's first
+    out[k] = True
+    prev = o[:-1][key[o][1:] == key[o][:-1]]  # the occurrence before each of those
+    out[prev[rank[prev] == rank[k]]] = True
+    return out
+
+
+def _first_per_rank(mask: np.ndarray, rank: np.ndarray) -> list[tuple[int, int]]:
+    """(rank, position) of the first selected instruction of each rank that has one, in rank order."""
+    at = np.flatnonzero(mask)
+    ranks, first = np.unique(rank[at], return_index=True)
+    return list(zip(ranks.tolist(), at[first].tolist()))
+
+
 def _exactly_once(prog: Program) -> list[tuple[int, int, str]]:
     """Every (kind, micro-batch, stage) of the Program's kinds exactly once: W only when backward is split,
     F alone when the program is forward only."""
     S, m = prog.num_stages, prog.num_microbatches
     kinds = 1 if prog.forward_only else 3 if prog.split_backward else 2
-    count = np.zeros(len(OP_KINDS) * S * m, dtype=np.int64)
+    rank, index = _all_ranks(prog, IS_COMPUTE)
+    op, st, mb = (_column(prog, k, rank, index) for k in ("op", "stage", "mb"))
+    kind = KIND_OF[op]
     out: list[tuple[int, int, str]] = []
-    for r, rp in enumerate(prog.ranks):
-        comp = np.flatnonzero(IS_COMPUTE[rp.op])
-        kind = KIND_OF[rp.op[comp]]
-        if not prog.split_backward:
-            for j in comp[kind == 2][:1].tolist():
-                out.append((r, j, "a WGRAD in a program whose backward is not split"))
-        if prog.forward_only:
-            for j in comp[kind > 0][:1].tolist():
-                out.append((r, j, "a backward in a forward-only program"))
-        key = (kind * S + rp.stage[comp]) * m + rp.mb[comp]
-        count += np.bincount(key, minlength=len(count))  # (np.add.at is many times slower)
-        twice = np.flatnonzero(count[key] > 1)
-        if len(twice) and not out:
-            j = int(comp[twice[0]])
-            out.append((r, j, "this op was already executed (each op happens exactly once)"))
+    bad = np.zeros(len(kind), dtype=bool)
+    for wrong, what in (
+        (kind == 2 if not prog.split_backward else None, "a WGRAD in a program whose backward is not split"),
+        (kind > 0 if prog.forward_only else None, "a backward in a forward-only program"),
+    ):
+        if wrong is not None:
+            out += [(r, int(index[j]), what) for r, j in _first_per_rank(wrong, rank)]
+            bad |= wrong
+    key = (kind * S + st) * m + mb
+    twice = np.flatnonzero(_repeats(key, rank))
+    if len(twice) and not (bad & (rank <= rank[twice[0]])).any():  # the walk stopped at the first report
+        j = twice[0]
+        out.append((int(rank[j]), int(index[j]), "this op was already executed (each op happens exactly once)"))
+        out.sort(key=lambda x: x[0])  # in rank order, as the walk over ranks reported them
+    count = np.bincount(key, minlength=len(OP_KINDS) * S * m)
     if out:
         return out
     missing = np.flatnonzero(count[: kinds * S * m] == 0)
@@ -398,18 +446,18 @@ def _messages(prog: Program) -> list[tuple[int, int, str]]:
     cross_up = np.append(placement[:-1] != placement[1:], False)
     cross_down = np.concatenate(([False], placement[1:] != placement[:-1]))
     needed = np.concatenate([np.repeat(cross_up, m), np.repeat(cross_down & (not prog.forward_only), m)])
-    sends = np.zeros(2 * S * m, dtype=np.int64)
-    recvs = np.zeros(2 * S * m, dtype=np.int64)
-    out: list[tuple[int, int, str]] = []
-    for r, rp in enumerate(prog.ranks):
-        comm = np.flatnonzero(IS_P2P[rp.op])
-        keys = message_key(rp.op[comm], rp.mb[comm], rp.stage[comm], S, m)
-        is_send = IS_SEND[rp.op[comm]]
-        sends += np.bincount(keys[is_send], minlength=len(sends))
-        recvs += np.bincount(keys[~is_send], minlength=len(recvs))
-        extra = np.flatnonzero(~needed[keys] | (np.where(is_send, sends[keys], recvs[keys]) > 1))
-        for x in extra[:1].tolist():
-            out.append((r, int(comm[x]), "sends or receives a message that is sent once and only between ranks"))
+    rank, index = _all_ranks(prog, IS_P2P)
+    op, st, mb = (_column(prog, k, rank, index) for k in ("op", "stage", "mb"))
+    keys = message_key(op, mb, st, S, m)
+    is_send = IS_SEND[op]
+    sends = np.bincount(keys[is_send], minlength=2 * S * m)
+    recvs = np.bincount(keys[~is_send], minlength=2 * S * m)
+    flagged = ~needed[keys]
+    for side in (is_send, ~is_send):  # a message its side already had, up to the end of this rank
+        at = np.flatnonzero(side)
+        flagged[at] |= _repeats(keys[at], rank[at])
+    what = "sends or receives a message that is sent once and only between ranks"
+    out = [(r, int(index[x]), what) for r, x in _first_per_rank(flagged, rank)]
     if out:
         return out
     for count, side in ((sends, "sent"), (recvs, "received")):
