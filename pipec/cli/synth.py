@@ -49,7 +49,13 @@ def synth_arguments(p: argparse.ArgumentParser) -> None:
         default=[],
         help="a datacenter of ranks LO..HI-1",
     )
-    p.add_argument("--time-limit", type=options.finite, default=30.0, metavar="S", help="solver seconds (default 30)")
+    p.add_argument(
+        "--time-limit",
+        type=options.finite,
+        default=30.0,
+        metavar="S",
+        help="seconds for the heuristic, then for the solver (default 30 each)",
+    )
     solver = p.add_mutually_exclusive_group()
     solver.add_argument("--no-solver", action="store_true", help="the heuristic only")
     solver.add_argument("--solver", action="store_true", help="run the solver even on a large case")

@@ -37,7 +37,9 @@ rank number, so the result is a pure function of the inputs.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import functools
 import heapq
 import math
 from collections.abc import Sequence
@@ -243,12 +245,17 @@ class _ListScheduler:
 
         # Candidates per rank: ops whose inputs are all known, with their ready time; those needing none first.
         self.cand: list[dict[tuple[int, int, int], float]] = [{} for _ in range(R)]
+        # The same candidates by (kind, stage), their micro-batches in order: `_choose` walks each only until
+        # its first op that could run now, so a choice costs the kinds and stages, not the ops (m = 1,000 took
+        # minutes when every choice scanned every ready forward).
+        self.buckets: list[dict[tuple[int, int], list[int]]] = [{} for _ in range(R)]
+        self.need_uniform = [len({self.delta[0][i][s] for i in range(m)}) <= 1 for s in range(S)]
         self.pending: dict[tuple[int, int, int], list] = {}  # op -> [inputs still missing, ready time]
         for s in range(S):
             for i in range(m):
                 for k in range(self.kinds):
                     if not needs(k, i, s, S, self.rules, self.slices):
-                        self.cand[self.place[s]][(k, i, s)] = 0.0
+                        self._candidate((k, i, s), 0.0)
         self.ranks = Ranks([0.0] * R if overheads is None else list(overheads.head))  # the machine's step
         self.live = [0] * R  # activations on the rank
         self.live_stage = [0] * S
@@ -340,7 +347,13 @@ class _ListScheduler:
             st[1] = t
         if st[0] == 0:
             del self.pending[op]
-            self.cand[self.place[s]][op] = st[1]
+            self._candidate(op, st[1])
+
+    def _candidate(self, op: tuple[int, int, int], ready: float) -> None:
+        k, i, s = op
+        r = self.place[s]
+        self.cand[r][op] = ready
+        bisect.insort(self.buckets[r].setdefault((k, s), []), i)
 
     def _w_allowed(self, r: int, i: int, s: int) -> bool:
         g = self.lag[r]
@@ -353,21 +366,41 @@ class _ListScheduler:
         c = self.cand[r]
         if not c:
             return math.inf, None
-        need, pr = self.delta[0], self.pr
+        need, pr, clock, buckets = self.delta[0], self.pr, self.ranks.clock[r], self.buckets[r]
         room = self.limit[r] - self.params[r] + 1e-9 - self.mem[r]
         f_live_ok = self.live[r] < self.inflight[r]
         # Memory pressure: a forward is held back by memory and a W could free some: W passes run
         # whatever the W mode and lag say.
-        pressure = any(op[0] == 2 for op in c) and any(op[0] == 0 and need[op[1]][op[2]] > room for op in c)
+        pressure = any(k == 2 for k, _ in buckets) and any(
+            k == 0 and any(need[i][s] > room for i in (mbs[:1] if self.need_uniform[s] else mbs))
+            for (k, s), mbs in buckets.items()
+        )
+        # The eligible ops that could matter: in each bucket, in micro-batch order, those ready earlier than
+        # every eligible one before them (a later micro-batch ready no earlier loses every tie and never sets
+        # the time), up to the first ready by the rank's clock.
         elig = []
-        for op, ready in c.items():
-            k, i, s = op
+        for (k, s), mbs in buckets.items():
+            ok = None
             if k == 0:
-                if not (f_live_ok and self.live_stage[s] < self.st_inflight[s] and need[i][s] <= room):
+                if not (f_live_ok and self.live_stage[s] < self.st_inflight[s]):
                     continue
-            elif k == 2 and not pressure and not self._w_allowed(r, i, s):
-                continue
-            elig.append((ready, op))
+                if self.need_uniform[s]:
+                    if need[mbs[0]][s] > room:
+                        continue
+                else:
+                    ok = functools.partial(_fits, need, s, room)
+            elif k == 2 and not pressure and self.lag[r] > 0:
+                ok = functools.partial(self._w_allowed, r, s=s)
+            low = math.inf
+            for i in mbs:
+                if ok is not None and not ok(i):
+                    continue
+                ready = c[(k, i, s)]
+                if ready < low:
+                    elig.append((ready, (k, i, s)))
+                    low = ready
+                    if low <= clock:
+                        break
         if not elig:
             return math.inf, None
         t = max(self.ranks.clock[r], min(x[0] for x in elig))
@@ -385,6 +418,10 @@ class _ListScheduler:
         """Rank r runs op from `start`: its effects on memory and on the ops it feeds; the ranks touched."""
         k, i, s = op
         del self.cand[r][op]
+        mbs = self.buckets[r][k, s]
+        del mbs[bisect.bisect_left(mbs, i)]
+        if not mbs:
+            del self.buckets[r][k, s]
         ov = self.overheads
         start, end = self.ranks.run(r, start, self.dur[k][s], 0.0 if ov is None else ov.after.get(op, 0.0))
         self.orders[r].append(op)
@@ -443,6 +480,10 @@ class _ListScheduler:
             stuck[0],
             tuple(notes),
         )
+
+
+def _fits(need: list[list[float]], s: int, room: float, i: int) -> bool:
+    return need[i][s] <= room
 
 
 def _tie(pr: list[int]):

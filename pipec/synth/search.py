@@ -38,7 +38,8 @@ def synthesize(
     progress: Progress | None = None,
     max_solver_ops: int = 2000,
 ) -> Result:
-    """Heuristic, then (unless told not to, or the case is too large) CP-SAT from its result.
+    """Heuristic, then (unless told not to, or the case is too large) CP-SAT from its result; each phase has
+    `time_limit` seconds.
 
     Under a memory limit with memory ops allowed (`Spec.memops`), a limit below the floor (`memory_floor`) is
     E703; the plain policies may all fail (E701 only without memory ops); recomputation seeds join the
@@ -52,7 +53,7 @@ def synthesize(
     floor = check_floor(spec) if memory_ops else None
     cands: list[Candidate] = []
     try:
-        cands.append(heuristic(spec, progress))
+        cands.append(heuristic(spec, progress, budget_s=max(time_limit, 0.0)))
     except PipecError as e:
         if not memory_ops or e.code != "E701":
             raise

@@ -62,19 +62,25 @@ def policy_grid(spec: Spec) -> list[Policy]:
 
 
 def heuristic(spec: Spec, progress: Progress | None = None, budget_s: float = 30.0) -> Candidate:
-    """The best policy of the grid, then per-rank in-flight limits tuned one rank at a time."""
+    """The best policy of the grid, then per-rank in-flight limits tuned one rank at a time; both stop after
+    `budget_s` seconds (the grid once some policy fits), so a large m answers in the time asked for."""
     mc = spec_machine(spec)
     t0 = time.monotonic()
     best: Candidate | None = None
     tried = 0
-    for pol in policy_grid(spec):
+    grid = policy_grid(spec)
+    for pol in grid:
+        if best is not None and time.monotonic() - t0 > budget_s:
+            if progress:
+                progress(f"heuristic: time limit {budget_s:g} s reached after {tried} of {len(grid)} policies")
+            break
         c = _try(mc, pol)
         tried += 1
         if c is not None and (best is None or c.key < best.key):
             best = c
             if progress:
                 progress(f"heuristic: makespan {_g(c.derived.makespan)} with policy {pol.describe()}")
-    for seed in library_seeds(spec):
+    for seed in library_seeds(spec, t0 + budget_s, progress):
         tried += 1
         if best is None or seed.key < best.key:
             best = seed
@@ -116,16 +122,21 @@ def heuristic(spec: Spec, progress: Progress | None = None, budget_s: float = 30
 SEED_NAMES = ("1f1b", "zb-h1", "zb-h2", "zb-v", "v-half", "v-min", "interleaved-1f1b", "crossdc-1f1b", "crossdc-zb")
 
 
-def library_seeds(spec: Spec) -> list[Candidate]:
+def library_seeds(spec: Spec, until: float | None = None, progress: Progress | None = None) -> list[Candidate]:
     """The library schedules of the spec's shape (sizes, placement, op kinds) that fit its memory limit,
-    with their simulated times: the search starts no worse than the hand-written schedules."""
+    with their simulated times: the search starts no worse than the hand-written schedules. `until`: a
+    `time.monotonic()` after which the rest are left out (said through `progress`)."""
     from pipec.driver import build, param_names, simulation
     from pipec.errors import PipecError
     from pipec.frontend import library
 
     out = []
     want = shape(spec)
-    for name in SEED_NAMES:
+    for k, name in enumerate(SEED_NAMES):
+        if until is not None and time.monotonic() > until:
+            if progress:
+                progress(f"heuristic: time limit reached; library seeds {', '.join(SEED_NAMES[k:])} not tried")
+            break
         try:
             source = library.read(name)
             known = set(param_names(source))
