@@ -43,6 +43,7 @@ def check_arguments(p: argparse.ArgumentParser) -> None:
     schedule_args(p)
     memory_args(p)
     options.add_dp_arguments(p)
+    options.add_moe_layers_argument(p)
     p.add_argument("--memory", action="store_true", help="print the per-rank memory table")
     cost_args(p)  # measured bytes (saved_bytes, ...) put the memory model in bytes
     json_arg(p, "the summary")
@@ -74,6 +75,7 @@ def compile_arguments(p: argparse.ArgumentParser) -> None:
     schedule_args(p)
     memory_args(p)
     options.add_dp_arguments(p)
+    options.add_moe_layers_argument(p)
     p.add_argument("-o", "--output", metavar="OUT", help="write here instead of standard output")
     p.add_argument(
         "--format",

@@ -28,6 +28,10 @@ P2P_RES = "p2p"
 LOCAL_RES = "local"
 COLL_RES = "collective"  # data-parallel collectives: a stream of their own that overlaps compute
 HOST_RES = "host"  # the rank's link to host memory (offload/reload of saved activations), overlapping compute
+# The expert group's all-to-alls (dispatch, combine and their gradients: phases of FWD and BWD, column `a2a`,
+# not instructions): a communication stream of their own per rank, overlapping the compute of the other op of
+# an overlapped pair (pipec.ir.experts.pair_order).
+EXPERT_RES = "expert"
 
 # What a message carries: index into MESSAGES; MESSAGE_NOUNS says it in words.
 MESSAGES = ("act", "grad")
@@ -60,6 +64,10 @@ class Opcode:
     group: the group class it may join, or None.
     cost: for an instruction on the compute resource that is not an op of the Schedule (RECOMPUTE), the op
         kind whose cost it takes.
+    a2a: for a compute, the op kind whose all-to-alls it issues on EXPERT_RES on a stage with MoE layers
+        (`pipec.ir.experts.all_to_alls`: a forward dispatch and combine per layer, a backward their
+        gradients), cutting it into compute segments; None: it issues none (WGRAD, RECOMPUTE: a
+        recomputed forward with expert parallelism is refused, pipec.passes.experts).
     doc: one line for docs/program.md and `pipec compile` readers.
     """
 
@@ -77,6 +85,7 @@ class Opcode:
     after: str | None = None
     group: str | None = None
     cost: str | None = None
+    a2a: str | None = None
 
 
 TABLE: tuple[Opcode, ...] = (
@@ -89,6 +98,7 @@ TABLE: tuple[Opcode, ...] = (
         needs=("act", -1),
         sends="SEND_ACT",
         group=OVERLAP,
+        a2a="F",
     ),
     Opcode(
         "BWD",
@@ -100,6 +110,7 @@ TABLE: tuple[Opcode, ...] = (
         sends="SEND_GRAD",
         after="F",
         group=OVERLAP,
+        a2a="B",
     ),
     Opcode(
         "WGRAD", ("mb", "stage"), COMPUTE_RES, "weight gradient of a split backward", kind="W", after="B", group=OVERLAP
@@ -235,6 +246,7 @@ PEER_STAGE = _column(lambda o: o.peer_stage)
 NEEDS_MSG = _column(lambda o: MESSAGES.index(o.needs[0]) if o.needs else -1)
 NEEDS_STAGE = _column(lambda o: o.needs[1] if o.needs else 0)
 GROUP_CLASS = tuple(o.group for o in TABLE)
+A2A_KIND = _column(lambda o: OP_KINDS.index(o.a2a) if o.a2a else -1)  # whose all-to-alls it issues, -1: none
 
 COMPUTE = tuple(CODE[n] for n in OPCODES if BY_NAME[n].kind is not None)
 SENDS = tuple(CODE[n] for n in OPCODES if BY_NAME[n].side == "send")
