@@ -96,7 +96,9 @@ def layers_problem(layers: Sequence[object], num_stages: int) -> str | None:
     return None
 
 
-def experts_mismatch(prog: Program, experts: Experts, layers: Sequence[int] = (), asked: str | None = None) -> str | None:
+def experts_mismatch(
+    prog: Program, experts: Experts, layers: Sequence[int] = (), asked: str | None = None
+) -> str | None:
     """Why a Program cannot run with these experts and per-stage MoE layers, or None when it can: its
     all-to-alls (how many each op issues, in which order) were fixed when it was compiled, as its
     collectives were for its data parallelism (`pipec.ir.dataparallel.dp_mismatch`). `layers` empty: the
@@ -118,9 +120,7 @@ def layers_text(layers: Sequence[int]) -> str:
     return str(layers[0]) if len(set(layers)) == 1 else ",".join(map(str, layers))
 
 
-def a2a_sequence(
-    ops: Iterable[tuple[str, int, int, bool]], layers: Sequence[int]
-) -> list[tuple[str, int, int, int]]:
+def a2a_sequence(ops: Iterable[tuple[str, int, int, bool]], layers: Sequence[int]) -> list[tuple[str, int, int, int]]:
     """The all-to-alls a rank issues, in issue order, as (kind, micro-batch, stage, index within its op):
     its ops (kind, micro-batch, stage, bound to the next op) in stream order on stages with these MoE
     layers, an overlapped pair's in `pair_order`. Two ranks of one expert group must issue equal sequences

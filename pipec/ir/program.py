@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pipec.ir.experts import Experts
 from pipec.ir.opcodes import (
     BWD,
     BY_NAME,
@@ -42,8 +43,6 @@ from pipec.ir.opcodes import (
     UNSHARD,
     WGRAD,
 )
-
-from pipec.ir.experts import Experts
 
 # The vocabulary lives in pipec.ir.opcodes; these names stay importable from here for readers of a Program.
 from pipec.ir.schedule import Slicing, frozen_array
