@@ -379,7 +379,7 @@ def metrics(sched: Schedule, program: Program | None = None, stats: Stats | None
     the schedule's own costs and memory (`measure`), only when an expectation names one."""
     from pipec.passes.expect import Metrics
 
-    return Metrics(sched, program, stats, _own_stats)
+    return Metrics(sched, program, stats, _own_stats, _own_overlap_gain)
 
 
 def check_expectations(sched: Schedule, program: Program | None = None, stats: Stats | None = None) -> int:
@@ -387,7 +387,7 @@ def check_expectations(sched: Schedule, program: Program | None = None, stats: S
     (`pipec.passes.expect.check_expectations`, its times from `measure`)."""
     from pipec.passes.expect import check_expectations as check
 
-    return check(sched, program, stats, _own_stats)
+    return check(sched, program, stats, _own_stats, _own_overlap_gain)
 
 
 def _own_stats(sched: Schedule, prog: Program | None) -> Stats:
@@ -399,3 +399,26 @@ def _own_stats(sched: Schedule, prog: Program | None) -> Stats:
 
         prog = lower(sched)
     return measure(CompiledSchedule(sched, prog, ())).stats
+
+
+def _own_overlap_gain(sched: Schedule) -> float:
+    """`overlap_gain` (pipec.passes.expect): 1 - makespan / makespan with each pair run one op after the other,
+    with the schedule's MoE layers (else 1 per stage) over an expert group of 2, each all-to-all its `a2a`
+    (else one forward segment of its stage)."""
+    from pipec.ir.experts import all_to_alls
+    from pipec.passes.compiler import CompiledSchedule
+    from pipec.passes.lower import lower
+    from pipec.sim.costs import cost_model
+
+    if not any(r.paired.any() for r in sched.ranks):
+        return 0.0
+    layers = moe_layers_of(sched) or (1,) * sched.num_stages
+    prog = replace(lower(sched), experts=Experts(2, 2), moe_layers=tuple(layers))
+    doc: dict[str, object] = {"_from": "overlap_gain"}
+    if "a2a" not in sched.costs:
+        F = cost_model(sched).F
+        doc["a2a"] = [float(f) / (all_to_alls("F", L) + 1) for f, L in zip(F.tolist(), layers)]
+    c = CompiledSchedule(sched, prog, ())
+    with_overlap = measure(c, [doc]).stats.makespan
+    without = measure(c, [doc], overlap=False).stats.makespan
+    return 1.0 - with_overlap / without if without > 0 else 0.0
