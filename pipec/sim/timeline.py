@@ -9,7 +9,7 @@ events (OFFLOAD, RELOAD) when the link moved a micro-batch's activations.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -113,24 +113,31 @@ class Timeline:
             last = max(last, float(self.step_end.max()))
         return last - first
 
+    def computed(self) -> Timeline:
+        """This Timeline with each op cut at its all-to-alls drawn as its segments: one compute row per
+        interval the rank computed (itself when nothing is cut). What the pictures draw and `busy` sums."""
+        if not len(self.seg_rank):
+            return self
+        S1, M1, K = int(self.stage.max()) + 1, int(self.mb.max()) + 1, len(OPCODES)
+
+        def key(r, st, m, op):
+            return ((r * S1 + st) * M1 + m) * K + op
+
+        keep = ~np.isin(
+            key(self.rank, self.stage, self.mb, self.op), key(self.seg_rank, self.seg_stage, self.seg_mb, self.seg_op)
+        )
+        cols = {
+            c: np.concatenate([getattr(self, c)[keep], getattr(self, f"seg_{c}")])
+            for c in ("rank", "op", "mb", "stage", "start", "end")
+        }
+        order = np.lexsort((cols["start"], cols["rank"]))
+        return replace(self, **{c: v[order] for c, v in cols.items()})
+
     def busy(self) -> np.ndarray:
         """Per rank, the time it computed: its ops' rows, where an op was cut at its all-to-alls its
-        segments instead (the row of a cut op also spans the waits and the other op of its pair)."""
-        R = self.num_ranks
-        dur = self.end - self.start
-        if len(self.seg_rank):
-            S1, M1, K = int(self.stage.max()) + 1, int(self.mb.max()) + 1, len(OPCODES)
-
-            def key(r, st, m, op):
-                return ((r * S1 + st) * M1 + m) * K + op
-
-            cut = np.isin(
-                key(self.rank, self.stage, self.mb, self.op),
-                key(self.seg_rank, self.seg_stage, self.seg_mb, self.seg_op),
-            )
-            seg = np.bincount(self.seg_rank, weights=self.seg_end - self.seg_start, minlength=R)
-            return np.bincount(self.rank[~cut], weights=dur[~cut], minlength=R) + seg
-        return np.bincount(self.rank, weights=dur, minlength=R)
+        segments instead (the row of a cut op also spans its waits and the other op of its pair)."""
+        tl = self.computed()
+        return np.bincount(tl.rank, weights=tl.end - tl.start, minlength=self.num_ranks)
 
     def rank_events(self, rank: int) -> list[tuple[str, int, int, float, float]]:
         """(opcode name, micro-batch, stage, start, end) of one rank, in start order."""
