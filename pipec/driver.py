@@ -61,6 +61,7 @@ class Simulation:
     timeline: Timeline
     stats: Stats
     curves: MemoryCurves | None = None
+    overlap: bool = True  # whether overlapped pairs ran their segments in turns (False: one op after the other)
 
     @property
     def schedule(self) -> Schedule:
@@ -332,7 +333,7 @@ def measure(
     mem = memory_model(sched, memory)
     tl = simulate(prog, costs, overlap=overlap)
     curves = memory_curves(tl, prog, mem)
-    return Simulation(c, costs, mem, tl, with_peaks(stats(tl), curves), curves)
+    return Simulation(c, costs, mem, tl, with_peaks(stats(tl), curves), curves, overlap)
 
 
 def with_peaks(st: Stats, curves: MemoryCurves) -> Stats:
