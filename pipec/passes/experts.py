@@ -54,8 +54,8 @@ def check_experts(sched: Schedule, dp: DataParallel, experts: Experts, layers: S
         raise error("E425", f"expert parallelism: {problem}", source=COMMAND_LINE)
     if experts.size < 2 or not any(layers):
         return
-    for mo in sched.memops:
-        if mo.op == "RECOMPUTE" and layers[mo.stage]:
+    for mo in (x for row in sched.memops for x in row):
+        if mo.op == "RECOMPUTE" and 0 <= mo.stage < len(layers) and layers[mo.stage]:
             raise error(
                 "E425",
                 f"expert parallelism: RECOMPUTE {mo.mb} {mo.stage} would run the forward of a stage with "
