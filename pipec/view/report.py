@@ -141,10 +141,13 @@ def _experts_text(sim: Simulation) -> str | None:
         return None
     from pipec.ir.experts import layers_text
 
-    how = "overlapped pairs" if e["overlap"] else "pairs one op after the other (--no-overlap)"
+    from pipec.ir.opcodes import IS_COMPUTE
+
+    pairs = any(rp.group[IS_COMPUTE[rp.op]].any() for rp in sim.compiled.program.ranks)
+    how = "" if not pairs else ", overlapped pairs" if e["overlap"] else ", pairs one op after the other (--no-overlap)"
     return (
         f"experts: {e['experts']} over an expert group of {e['ep']}, MoE layers {layers_text(e['moe_layers'])}, "
-        f"{e['all_to_alls']} all-to-alls (busiest expert link {_g(e['a2a_busy'])}), {how}"
+        f"{e['all_to_alls']} all-to-alls (busiest expert link {_g(e['a2a_busy'])}){how}"
     )
 
 
