@@ -140,7 +140,6 @@ def _experts_text(sim: Simulation) -> str | None:
     if e is None:
         return None
     from pipec.ir.experts import layers_text
-
     from pipec.ir.opcodes import IS_COMPUTE
 
     pairs = any(rp.group[IS_COMPUTE[rp.op]].any() for rp in sim.compiled.program.ranks)
