@@ -28,10 +28,6 @@ P2P_RES = "p2p"
 LOCAL_RES = "local"
 COLL_RES = "collective"  # data-parallel collectives: a stream of their own that overlaps compute
 HOST_RES = "host"  # the rank's link to host memory (offload/reload of saved activations), overlapping compute
-# The expert group's all-to-alls (dispatch, combine and their gradients: phases of FWD and BWD, column `a2a`,
-# not instructions): a communication stream of their own per rank, overlapping the compute of the other op of
-# an overlapped pair (pipec.ir.experts.pair_order).
-EXPERT_RES = "expert"
 
 # What a message carries: index into MESSAGES; MESSAGE_NOUNS says it in words.
 MESSAGES = ("act", "grad")
@@ -64,7 +60,8 @@ class Opcode:
     group: the group class it may join, or None.
     cost: for an instruction on the compute resource that is not an op of the Schedule (RECOMPUTE), the op
         kind whose cost it takes.
-    a2a: for a compute, the op kind whose all-to-alls it issues on EXPERT_RES on a stage with MoE layers
+    a2a: for a compute, the op kind whose all-to-alls it issues on a stage with MoE layers, each on the
+        rank's expert link (a communication stream of its own, overlapping the other op of its pair)
         (`pipec.ir.experts.all_to_alls`: a forward dispatch and combine per layer, a backward their
         gradients), cutting it into compute segments; None: it issues none (WGRAD, RECOMPUTE: a
         recomputed forward with expert parallelism is refused, pipec.passes.experts).
