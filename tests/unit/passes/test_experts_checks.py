@@ -157,3 +157,39 @@ def test_the_simulation_refuses_a_program_for_other_experts_through_the_driver()
     with pytest.raises(PipecError, match="E426"):
         compiled(prog, None, "p.json", DataParallel(2), None, Experts(2, 2))
     assert compiled(replace(prog), None, "p.json", DataParallel(2), None, Experts(2, 4)).program == prog
+
+
+# ---- the `overlap_gain` expect metric
+
+
+def test_overlap_gain_is_the_simulated_gain_of_the_pairs():
+    from pipec.driver import metrics, simulation
+
+    assert metrics(load("1f1b", p=2, m=4)).overlap_gain == 0.0  # no pair
+    s = load("combined-1f1b", p=2, v=1, m=4)
+    doc = [{"a2a": 1.0 / 3, "_from": "t"}]  # one forward segment of a stage's F = 1 (T_F = 1, one stage a rank)
+    on, off = (simulation(s, doc, None, None, None, DataParallel(2), Experts(2, 2), (1,), ov) for ov in (True, False))
+    assert metrics(s).overlap_gain == pytest.approx(1 - on.stats.makespan / off.stats.makespan)
+    assert metrics(s).overlap_gain > 0
+
+
+def test_overlap_gain_reads_the_schedules_moe_layers_and_a2a():
+    from pipec.driver import metrics, simulation
+
+    text = read("combined-1f1b").text.replace(
+        "    stages p * v\n", "    stages p * v\n    cost moe_layers = 2\n    cost a2a = 5\n"
+    )
+    s = build(Source("c.pipe", text), {"p": 2, "v": 1, "m": 4})
+    on, off = (simulation(s, [], None, None, None, DataParallel(2), Experts(2, 2), None, ov) for ov in (True, False))
+    assert metrics(s).overlap_gain == pytest.approx(1 - on.stats.makespan / off.stats.makespan)
+
+
+def test_a_broken_overlap_promise_is_E405():
+    text = read("combined-1f1b").text.replace(
+        "    stages p * v\n", '    stages p * v\n    expect overlap_gain > 0.9, "too much"\n'
+    )
+    with pytest.raises(PipecError, match="E405") as e:
+        from pipec.driver import check_expectations
+
+        check_expectations(build(Source("c.pipe", text), {"p": 2, "v": 1, "m": 4}))
+    assert "too much" in e.value.diagnostics[0].message
