@@ -136,3 +136,19 @@ def open_library(name: str) -> str:
     from pipec.frontend.library import read
 
     return read(name).text
+
+
+def test_the_pictures_and_the_viewer_have_an_all_to_all_lane(tmp_path):
+    from pipec.view.html import view_document
+    from pipec.view.render import Panel, plot_timelines, text_gantt
+
+    tl = sim(PAIR, 0.5).timeline
+    text = text_gantt(tl, width=400)
+    assert " a2a" in text and text.count("F1") >= 3  # F1 drawn as its three segments
+    plot_timelines([Panel(tl, "moe")], tmp_path / "g.png")
+    assert (tmp_path / "g.png").stat().st_size > 1000
+    sched = build(Source("pair.pipe", PAIR), {})
+    doc = view_document(
+        sched, (), [{"a2a": 0.5, "_from": "t"}], None, None, DataParallel(2), None, None, Experts(2, 2), (1,)
+    )
+    assert doc["panels"][0]["a2a_off"][-1] == 8
