@@ -274,20 +274,24 @@ def moe_layers_of(obj: Schedule | Program, docs: Sequence[Mapping] = (), given: 
     """The MoE layers of each stage, in one place: `given` (`--moe-layers`: one count for every stage, or
     one per stage), else the last cost document's `moe_layers` (what `pipec profile` writes for a model
     with MoE layers), else the schedule's own `cost moe_layers` declaration; empty when none says (a
-    Program: its own). E425 for a list of the wrong length, E801 for a count that is not an integer."""
+    Program: its own). E425 for a `given` list of the wrong length; E801 for a cost file's or the schedule's
+    (or a count that is not an integer)."""
     from pipec.passes.experts import layers_for
 
     S = obj.num_stages
     if given is not None:
         return layers_for(S, given)
-    found = next((d["moe_layers"] for d in reversed(docs) if "moe_layers" in d), None)
+    doc = next((d for d in reversed(docs) if "moe_layers" in d), None)
+    found, where = (doc["moe_layers"], str(doc.get("_from", "the cost file"))) if doc else (None, "")
     if found is None and isinstance(obj, Schedule) and "moe_layers" in obj.costs:
-        found = list(np.asarray(obj.costs["moe_layers"], dtype=float).ravel())
+        found, where = list(np.asarray(obj.costs["moe_layers"], dtype=float).ravel()), "the schedule"
     if found is None:
         return ()
     values = found if isinstance(found, list | tuple) else [found]
     if any(float(v) != int(v) for v in values):
-        raise error("E801", f"cost `moe_layers` must be a whole number of layers per stage, got {brief(values)}")
+        raise error("E801", f"{where}: `moe_layers` must be a whole number of layers per stage, got {brief(values)}")
+    if len(values) not in (1, S):
+        raise error("E801", f"{where}: `moe_layers` lists {len(values)} values but the schedule has {S} stages")
     return layers_for(S, [int(v) for v in values])
 
 

@@ -219,17 +219,45 @@ class CostModel:
                 out[sel] = t
         return out
 
-    def a2a_time(self, stage: np.ndarray, rank: np.ndarray, ep: int) -> np.ndarray:
-        """Seconds of one all-to-all of these stages' ops on these ranks over an expert group of `ep` ranks:
-        the stage's given `a2a`, else the expert link's latency plus `a2a_bytes` over its bandwidth; nothing
-        with ep = 1 (no token leaves its rank)."""
+    def a2a_links(self, rank: int, ep: int, dp: int) -> list[tuple[float, float]]:
+        """The links (latency s, bandwidth bytes/s) an all-to-all of rank's expert groups crosses: between
+        two replicas of a group (`ep` consecutive replicas of the `dp`) in one datacenter the rank's expert
+        link (`ep_latency`/`ep_bandwidth`, else the data-parallel hop), between two datacenters of the
+        topology's `replica_dcs` the link between them (as the rings of `ring_hops`)."""
+        own = FREE if self.ep_link is None else (float(self.ep_link[rank, 0]), float(self.ep_link[rank, 1]))
+        if not self.replica_names:
+            return [own]
+        names = self.replica_names[:dp]
+        if len(names) < dp or None in names:
+            lost = next(i for i in range(dp) if i >= len(names) or names[i] is None)
+            raise error(
+                "E801",
+                f"the program runs {dp} data-parallel replicas of each rank, but the topology's replica "
+                f"datacenters leave replica {lost} out",
+            )
+        pairs = {
+            (names[i], names[j])
+            for g in range(0, dp - dp % ep, ep)
+            for i in range(g, g + ep)
+            for j in range(g, g + ep)
+            if i != j
+        }
+        return [own if a == b else self.replica_links.get((a, b), own) for a, b in sorted(pairs)] or [own]
+
+    def a2a_time(self, stage: np.ndarray, rank: np.ndarray, ep: int, dp: int | None = None) -> np.ndarray:
+        """Seconds of one all-to-all of these stages' ops on these ranks over an expert group of `ep` ranks
+        (of `dp` replicas, default ep): the stage's given `a2a`, else the slowest of its links
+        (`a2a_links`): latency plus the `a2a_bytes` one rank sends over the bandwidth; nothing with ep = 1
+        (no token leaves its rank)."""
         out = np.zeros(len(stage))
         if ep <= 1 or not len(stage):
             return out
-        if self.ep_link is not None:
-            lat, bw = self.ep_link[rank, 0], self.ep_link[rank, 1]
-            size = np.zeros(len(stage)) if self.a2a_bytes is None else self.a2a_bytes[stage]
-            out = lat + np.where(np.isfinite(bw) & (size > 0), size / np.where(np.isfinite(bw), bw, 1.0), 0.0)
+        size = np.zeros(len(stage)) if self.a2a_bytes is None else self.a2a_bytes[stage].astype(float)
+        for r in np.unique(rank).tolist():
+            sel = rank == r
+            for lat, bw in self.a2a_links(r, ep, dp or ep):
+                wire = size[sel] / bw if math.isfinite(bw) else np.zeros(int(sel.sum()))
+                out[sel] = np.maximum(out[sel], lat + wire)
         if self.a2a is not None:
             given = self.a2a[stage]
             out = np.where(np.isnan(given), out, given)

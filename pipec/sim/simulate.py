@@ -453,7 +453,7 @@ def plan(prog: Program, costs: CostModel, overlap: bool = True) -> Plan:
         all_txd[is_k] = k_txd
         a_ids = np.flatnonzero(is_a)
         if len(a_ids):  # the all-to-alls on each rank's expert link
-            all_txd[a_ids] = costs.a2a_time(stage[midx[a_ids]], rank[midx[a_ids]], prog.experts.size)
+            all_txd[a_ids] = costs.a2a_time(stage[midx[a_ids]], rank[midx[a_ids]], prog.experts.size, prog.dp)
         h_ids = np.flatnonzero(is_h)
         if len(h_ids):  # OFFLOAD/RELOAD: what the F keeps over the host link (its input when recomputed)
             h_pos = midx[h_ids]

@@ -152,3 +152,21 @@ def test_the_pictures_and_the_viewer_have_an_all_to_all_lane(tmp_path):
         sched, (), [{"a2a": 0.5, "_from": "t"}], None, None, DataParallel(2), None, None, Experts(2, 2), (1,)
     )
     assert doc["panels"][0]["a2a_off"][-1] == 8
+
+
+def test_an_expert_group_across_replica_datacenters_takes_the_link_between_them():
+    from pipec.frontend.topology import read_topology, with_topology
+    from pipec.sim.costs import cost_model
+
+    sched = build(Source("pair.pipe", PAIR), {})
+    text = 'dc "east" replicas 0 .. 1  dc "west" replicas 1 .. 2  link "east" <-> "west" latency 5ms bandwidth 1Gbps'
+    across = with_topology(sched, read_topology(text, sched))
+    doc = [{"a2a_bytes": 2048, "ep_latency": 1e-4, "ep_bandwidth": 8e12, "_from": "t"}]
+    stage, rank = np.array([0]), np.array([0])
+    assert cost_model(across, doc).a2a_time(stage, rank, 2, 2)[0] == pytest.approx(5e-3 + 2048 * 8 / 1e9)
+    assert cost_model(sched, doc).a2a_time(stage, rank, 2, 2)[0] == pytest.approx(1e-4 + 2048 * 8 / 8e12)
+    # 4 replicas in groups of 2 inside each datacenter: the expert link inside one
+    text4 = 'dc "east" replicas 0 .. 2  dc "west" replicas 2 .. 4  link "east" <-> "west" latency 5ms'
+    inside = with_topology(sched, read_topology(text4, sched))
+    assert cost_model(inside, doc).a2a_time(stage, rank, 2, 4)[0] == pytest.approx(1e-4 + 2048 * 8 / 8e12)
+    assert cost_model(inside, doc).a2a_time(stage, rank, 4, 4)[0] > 5e-3  # a group of 4 spans both
