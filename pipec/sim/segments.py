@@ -8,18 +8,24 @@ take turns in `pair_order`, so one op's all-to-all travels while the other compu
 waiting for its own all-to-alls. `cut` rewrites a rank stream's columns into that order: segment rows keep
 their op's opcode (each takes an equal share of its cost), all-to-all rows are marked apart (`a2a` >= 0), and
 every other row is copied as it is. The machine (`pipec.sim.machine`) then runs segments as compute ops and
-all-to-alls as messages on a channel of their own per rank, as it runs the collectives.
+all-to-alls as messages on a channel of their own per rank, as it runs the collectives. The rest of this
+module is the simulator's expert bookkeeping: the Plan's fields (`a2a_plan`), each later segment's wait for
+its all-to-all (`a2a_needs`), and the Timeline's rows (`a2a_rows`, `merge_segments`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pipec.ir.experts import A2A_PER_LAYER, pair_order
 from pipec.ir.opcodes import A2A_KIND, ON_COMPUTE
+
+if TYPE_CHECKING:
+    from pipec.sim.simulate import Plan
 
 
 @dataclass(frozen=True, eq=False)
@@ -104,3 +110,70 @@ def cut(
         w = wait_for[src]
         wf = np.where((w >= 0) & (a2a < 0) & (seg <= 0), new_of[np.maximum(w, 0)], -1)
     return Cut(op[src], mb[src], stage[src], peer[src], rank[src], wf, a2a, seg, nseg, src)
+
+
+def a2a_rows(pl: Plan, start: np.ndarray, end: np.ndarray, send: np.ndarray, arr: np.ndarray) -> dict:
+    """The Timeline's all-to-all rows (each from when its expert link took it, its issue or the end of the
+    one before it, to its arrival) and compute segment rows (the intervals of cut ops that compute)."""
+    a = pl.a_ids
+    prev = np.asarray(pl.prev, dtype=np.int64)[a]
+    began = np.where(prev >= 0, np.maximum(send[a], arr[np.maximum(prev, 0)]), send[a])
+    cutrow = pl.real & (pl.c_seg >= 0)
+    return {
+        "a2a_rank": pl.a_rank,
+        "a2a_op": pl.a_op,
+        "a2a_mb": pl.a_mb,
+        "a2a_stage": pl.a_stage,
+        "a2a_index": pl.a_index,
+        "a2a_start": began,
+        "a2a_end": arr[a],
+        "seg_rank": pl.c_rank[cutrow],
+        "seg_op": pl.c_op[cutrow],
+        "seg_mb": pl.c_mb[cutrow],
+        "seg_stage": pl.c_stage[cutrow],
+        "seg_start": start[cutrow],
+        "seg_end": end[cutrow],
+    }
+
+
+def merge_segments(seg, src, c_rank, c_op, c_mb, c_stage, start, end):
+    """Compute rows with each cut op's segments folded into one row (its first segment's), ending when its
+    last segment ends."""
+    first = seg <= 0
+    last_end = np.zeros(int(src.max()) + 1 if len(src) else 0)
+    np.maximum.at(last_end, src, end)
+    end = np.where(seg >= 0, last_end[src], end)
+    return (a[first] for a in (c_rank, c_op, c_mb, c_stage, start, end))
+
+
+def a2a_plan(cutting: Cut, cidx: np.ndarray, midx: np.ndarray, a_ids: np.ndarray) -> dict:
+    """Plan's expert fields (see `Plan`)."""
+    pos = midx[a_ids]
+    return {
+        "c_seg": cutting.seg[cidx],
+        "c_src": cutting.src[cidx],
+        "a_ids": a_ids,
+        "a_op": cutting.op[pos],
+        "a_mb": cutting.mb[pos],
+        "a_stage": cutting.stage[pos],
+        "a_rank": cutting.rank[pos],
+        "a_index": cutting.a2a[pos],
+    }
+
+
+def a2a_needs(need: np.ndarray, cutting: Cut, cidx: np.ndarray, midx: np.ndarray) -> np.ndarray:
+    """`need` with each later segment of a cut op waiting for the all-to-all its op issued before it (a
+    message id among `midx`)."""
+    seg = cutting.seg[cidx]
+    later = np.flatnonzero(seg > 0)
+    if not len(later):
+        return need
+    apos = np.flatnonzero(cutting.a2a >= 0)
+    width = int(cutting.nseg.max()) + 1
+    akey = cutting.src[apos] * width + cutting.a2a[apos]
+    o = np.argsort(akey, kind="stable")
+    want = cutting.src[cidx[later]] * width + seg[later] - 1
+    at = np.searchsorted(akey[o], want)
+    need = need.copy()
+    need[later] = np.searchsorted(midx, apos[o][at])
+    return need

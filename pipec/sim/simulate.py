@@ -80,7 +80,7 @@ from pipec.ir.opcodes import (
 from pipec.ir.program import Program
 from pipec.sim.costs import CostModel
 from pipec.sim.machine import run, run_events, shared_links
-from pipec.sim.segments import Cut, counts, cut
+from pipec.sim.segments import a2a_needs, a2a_plan, a2a_rows, counts, cut, merge_segments
 from pipec.sim.timeline import Timeline
 
 
@@ -113,12 +113,12 @@ def simulate(prog: Program, costs: CostModel, *, overlap: bool = True, _events: 
             coll.update(step_rank=c_rank[costly], step_stage=c_stage[costly])
             coll.update(step_start=start[costly], step_end=end[costly])
         if pl.a_ids is not None:
-            coll.update(_a2a_rows(pl, start, end, send, arr))
+            coll.update(a2a_rows(pl, start, end, send, arr))
         real = pl.real
         c_rank, c_op, c_mb, c_stage, start, end = (a[real] for a in (c_rank, c_op, c_mb, c_stage, start, end))
         send, arr, post = send[pl.p2p], arr[pl.p2p], post[pl.p2p]
         if pl.a_ids is not None:  # one row per op again: from its first segment's start to its last's end
-            c_rank, c_op, c_mb, c_stage, start, end = _merge_segments(
+            c_rank, c_op, c_mb, c_stage, start, end = merge_segments(
                 pl.c_seg[real], pl.c_src[real], c_rank, c_op, c_mb, c_stage, start, end
             )
     if pl.step_overhead:  # every rank starts its instructions that much later: every time moves by it
@@ -166,40 +166,6 @@ def simulate(prog: Program, costs: CostModel, *, overlap: bool = True, _events: 
         schedule=prog.name,
         params=prog.params,
     )
-
-
-def _a2a_rows(pl: Plan, start: np.ndarray, end: np.ndarray, send: np.ndarray, arr: np.ndarray) -> dict:
-    """The Timeline's all-to-all rows (each from when its expert link took it, its issue or the end of the
-    one before it, to its arrival) and compute segment rows (the intervals of cut ops that compute)."""
-    a = pl.a_ids
-    prev = np.asarray(pl.prev, dtype=np.int64)[a]
-    began = np.where(prev >= 0, np.maximum(send[a], arr[np.maximum(prev, 0)]), send[a])
-    cutrow = pl.real & (pl.c_seg >= 0)
-    return {
-        "a2a_rank": pl.a_rank,
-        "a2a_op": pl.a_op,
-        "a2a_mb": pl.a_mb,
-        "a2a_stage": pl.a_stage,
-        "a2a_index": pl.a_index,
-        "a2a_start": began,
-        "a2a_end": arr[a],
-        "seg_rank": pl.c_rank[cutrow],
-        "seg_op": pl.c_op[cutrow],
-        "seg_mb": pl.c_mb[cutrow],
-        "seg_stage": pl.c_stage[cutrow],
-        "seg_start": start[cutrow],
-        "seg_end": end[cutrow],
-    }
-
-
-def _merge_segments(seg, src, c_rank, c_op, c_mb, c_stage, start, end):
-    """Compute rows with each cut op's segments folded into one row (its first segment's), ending when its
-    last segment ends."""
-    first = seg <= 0
-    last_end = np.zeros(int(src.max()) + 1 if len(src) else 0)
-    np.maximum.at(last_end, src, end)
-    end = np.where(seg >= 0, last_end[src], end)
-    return (a[first] for a in (c_rank, c_op, c_mb, c_stage, start, end))
 
 
 def _collective_rows(pl: Plan, start: np.ndarray, end: np.ndarray, send: np.ndarray, arr: np.ndarray) -> dict:
@@ -481,7 +447,7 @@ def plan(prog: Program, costs: CostModel, overlap: bool = True) -> Plan:
             need = np.where(need >= 0, p2p[np.maximum(need, 0)], -1)
         need = _collective_needs(need, op, stage, rank, cidx, midx, wait_for, S)
         if cutting is not None:
-            need = _a2a_needs(need, cutting, cidx, midx)
+            need = a2a_needs(need, cutting, cidx, midx)
         txd, lat, chan = all_txd, all_lat, all_chan
         M = len(midx)
     s_src_all = rank[midx]
@@ -561,41 +527,8 @@ def plan(prog: Program, costs: CostModel, overlap: bool = True) -> Plan:
         h_mb=None if h_ids is None else mb[midx[h_ids]],
         h_stage=None if h_ids is None else stage[midx[h_ids]],
         h_rank=None if h_ids is None else rank[midx[h_ids]],
-        **({} if cutting is None else _a2a_plan(cutting, cidx, midx, a_ids)),
+        **({} if cutting is None else a2a_plan(cutting, cidx, midx, a_ids)),
     )
-
-
-def _a2a_plan(cutting: Cut, cidx: np.ndarray, midx: np.ndarray, a_ids: np.ndarray) -> dict:
-    """Plan's expert fields (see `Plan`)."""
-    pos = midx[a_ids]
-    return {
-        "c_seg": cutting.seg[cidx],
-        "c_src": cutting.src[cidx],
-        "a_ids": a_ids,
-        "a_op": cutting.op[pos],
-        "a_mb": cutting.mb[pos],
-        "a_stage": cutting.stage[pos],
-        "a_rank": cutting.rank[pos],
-        "a_index": cutting.a2a[pos],
-    }
-
-
-def _a2a_needs(need: np.ndarray, cutting: Cut, cidx: np.ndarray, midx: np.ndarray) -> np.ndarray:
-    """`need` with each later segment of a cut op waiting for the all-to-all its op issued before it (a
-    message id among `midx`)."""
-    seg = cutting.seg[cidx]
-    later = np.flatnonzero(seg > 0)
-    if not len(later):
-        return need
-    apos = np.flatnonzero(cutting.a2a >= 0)
-    width = int(cutting.nseg.max()) + 1
-    akey = cutting.src[apos] * width + cutting.a2a[apos]
-    o = np.argsort(akey, kind="stable")
-    want = cutting.src[cidx[later]] * width + seg[later] - 1
-    at = np.searchsorted(akey[o], want)
-    need = need.copy()
-    need[later] = np.searchsorted(midx, apos[o][at])
-    return need
 
 
 def _with_waits(op, mb, stage, peer, rank, S: int, m: int, blocking: bool = False, group=None):
