@@ -170,3 +170,24 @@ def test_an_expert_group_across_replica_datacenters_takes_the_link_between_them(
     inside = with_topology(sched, read_topology(text4, sched))
     assert cost_model(inside, doc).a2a_time(stage, rank, 2, 4)[0] == pytest.approx(1e-4 + 2048 * 8 / 8e12)
     assert cost_model(inside, doc).a2a_time(stage, rank, 4, 4)[0] > 5e-3  # a group of 4 spans both
+
+
+@pytest.mark.parametrize(
+    ("name", "params"),
+    [("dualpipe-v", {"p": 3, "m": 6}), ("combined-1f1b", {"p": 3, "v": 2, "m": 6}), ("zb-v", {"p": 3, "m": 6})],
+)
+def test_free_all_to_alls_change_nothing(name, params):
+    # Cut ops whose all-to-alls take no time compute what uncut ones do: the same makespan and busy time,
+    # and one op after the other the same op ends (overlapped, a pair's two ops end at other times inside
+    # the same span).
+    sched = build(Source("x", open_library(name)), params)
+    plain = simulation(sched, [], None, None, None, DataParallel(2))
+    for overlap in (True, False):
+        cut = simulation(
+            sched, [{"a2a": 0.0, "_from": "t"}], None, None, None, DataParallel(2), Experts(2, 2), (2,), overlap
+        )
+        assert len(cut.timeline.a2a_rank) > 0
+        assert cut.stats.makespan == pytest.approx(plain.stats.makespan)
+        if not overlap:
+            assert np.allclose(np.sort(cut.timeline.end), np.sort(plain.timeline.end))
+        assert np.allclose(cut.timeline.busy(), plain.timeline.busy())
