@@ -32,6 +32,7 @@ from pipec.formats.torch_csv_reader import is_torch_csv, read_csv
 from pipec.frontend.library import read
 from pipec.frontend.load import compile_source, evaluate_source
 from pipec.ir.dataparallel import DataParallel, dp_mismatch
+from pipec.ir.experts import Experts
 from pipec.ir.program import Program
 from pipec.ir.schedule import RankOps, Schedule
 from pipec.passes.checks import check_schedule
@@ -60,6 +61,7 @@ class Simulation:
     timeline: Timeline
     stats: Stats
     curves: MemoryCurves | None = None
+    overlap: bool = True  # whether overlapped pairs ran their segments in turns (False: one op after the other)
 
     @property
     def schedule(self) -> Schedule:
@@ -194,18 +196,24 @@ def check_program(
     memory: Mapping[str, object] | None = None,
     path: str | None = None,
     data_parallel: DataParallel | None = None,
+    experts: Experts | None = None,
+    moe_layers: Sequence[int] = (),
 ) -> CompiledSchedule:
     """A Program's checks, the ones a compiled schedule passes: validated, no deadlock when sends block
     until the receive is posted, and memory within the limit (under `memory`, as a Program holds no
     memory declarations; fsdp Programs count their own windows). `path` names the file in diagnostics.
     `data_parallel`, when given, must agree with the Program's own `dp` and `dp_kind` (E422): a Program
-    was lowered for its data parallelism and is run as it stands."""
+    was lowered for its data parallelism and is run as it stands; so were its all-to-alls for its `experts`
+    and `moe_layers`, which must agree with these when given (E426)."""
     from pipec.passes.compiler import CompiledSchedule, program_deadlock_error
     from pipec.passes.dryrun import dry_run
+    from pipec.passes.experts import check_program_experts
     from pipec.passes.memcheck import check_memory
     from pipec.sim.memory import program_memory
 
     run = dry_run(prog)  # validates first
+    if experts is not None or len(moe_layers):
+        check_program_experts(prog, experts or prog.experts, moe_layers, path)
     if data_parallel is not None:
         problem = dp_mismatch(prog, data_parallel.size, data_parallel.kind)
         if problem is not None:
@@ -229,17 +237,20 @@ def compiled(
     where: str | None = None,
     data_parallel: DataParallel | None = None,
     topology: str | None = None,
+    experts: Experts | None = None,
+    moe_layers: Sequence[int] = (),
 ) -> CompiledSchedule:
-    """A Schedule checked and lowered (with `data_parallel`'s collectives), or a Program checked as it
-    stands; on the network `topology` names (`--topology`), if given, in place of the schedule's own."""
+    """A Schedule checked and lowered (with `data_parallel`'s collectives and `experts` over its stages'
+    `moe_layers`, see `moe_layers_of`), or a Program checked as it stands; on the network `topology`
+    names (`--topology`), if given, in place of the schedule's own."""
     from pipec.frontend.topology import read_topology, with_topology
     from pipec.passes.compiler import compile_schedule
 
     if isinstance(obj, Schedule):
         if topology:
             obj = with_topology(obj, read_topology(topology, obj))
-        return compile_schedule(obj, memory, data_parallel)
-    c = check_program(obj, memory, where, data_parallel)
+        return compile_schedule(obj, memory, data_parallel, experts, moe_layers)
+    c = check_program(obj, memory, where, data_parallel, experts, moe_layers)
     if topology:
         c = replace(c, schedule=with_topology(c.schedule, read_topology(topology, c.schedule)))
     return c
@@ -250,10 +261,38 @@ def compile_target(
     params: Params | None = None,
     memory: Mapping[str, object] | None = None,
     data_parallel: DataParallel | None = None,
+    experts: Experts | None = None,
+    moe_layers: Sequence[int] | None = None,
+    docs: Sequence[Mapping] = (),
 ) -> CompiledSchedule:
     """`pipec.compile`'s and `pipec.check`'s pipeline: the target read and built, then compiled."""
     obj, where = target_of(target, params)
-    return compiled(obj, memory, where, data_parallel)
+    return compiled(obj, memory, where, data_parallel, None, experts, moe_layers_of(obj, docs, moe_layers))
+
+
+def moe_layers_of(obj: Schedule | Program, docs: Sequence[Mapping] = (), given: Sequence[int] | None = None):
+    """The MoE layers of each stage, in one place: `given` (`--moe-layers`: one count for every stage, or
+    one per stage), else the last cost document's `moe_layers` (what `pipec profile` writes for a model
+    with MoE layers), else the schedule's own `cost moe_layers` declaration; empty when none says (a
+    Program: its own). E425 for a `given` list of the wrong length; E801 for a cost file's or the schedule's
+    (or a count that is not an integer)."""
+    from pipec.passes.experts import layers_for
+
+    S = obj.num_stages
+    if given is not None:
+        return layers_for(S, given)
+    doc = next((d for d in reversed(docs) if "moe_layers" in d), None)
+    found, where = (doc["moe_layers"], str(doc.get("_from", "the cost file"))) if doc else (None, "")
+    if found is None and isinstance(obj, Schedule) and "moe_layers" in obj.costs:
+        found, where = list(np.asarray(obj.costs["moe_layers"], dtype=float).ravel()), "the schedule"
+    if found is None:
+        return ()
+    values = found if isinstance(found, list | tuple) else [found]
+    if any(float(v) != int(v) for v in values):
+        raise error("E801", f"{where}: `moe_layers` must be a whole number of layers per stage, got {brief(values)}")
+    if len(values) not in (1, S):
+        raise error("E801", f"{where}: `moe_layers` lists {len(values)} values but the schedule has {S} stages")
+    return layers_for(S, [int(v) for v in values])
 
 
 # ---- 3. the memory overrides --------------------------------------------------------------------------
@@ -280,10 +319,14 @@ def cost_docs(cost: str | Mapping[str, object] | Sequence[str | Mapping[str, obj
 
 
 def measure(
-    c: CompiledSchedule, docs: Sequence[Mapping] = (), memory: Mapping[str, object] | None = None
+    c: CompiledSchedule,
+    docs: Sequence[Mapping] = (),
+    memory: Mapping[str, object] | None = None,
+    overlap: bool = True,
 ) -> Simulation:
     """A compiled schedule simulated under these cost documents, with its memory curves and peaks (the two
-    pools, memory ops included; `pipec.sim.memtime`). `memory`: the overrides as `memory_overrides` made them."""
+    pools, memory ops included; `pipec.sim.memtime`). `memory`: the overrides as `memory_overrides` made them.
+    `overlap` False runs each overlapped pair one op after the other (`pipec simulate --no-overlap`)."""
     from pipec.sim.costs import cost_model
     from pipec.sim.memory import memory_model
     from pipec.sim.memtime import memory_curves
@@ -292,9 +335,9 @@ def measure(
     sched, prog = c.schedule, c.program
     costs = cost_model(sched, docs)
     mem = memory_model(sched, memory)
-    tl = simulate(prog, costs)
+    tl = simulate(prog, costs, overlap=overlap)
     curves = memory_curves(tl, prog, mem)
-    return Simulation(c, costs, mem, tl, with_peaks(stats(tl), curves), curves)
+    return Simulation(c, costs, mem, tl, with_peaks(stats(tl), curves), curves, overlap)
 
 
 def with_peaks(st: Stats, curves: MemoryCurves) -> Stats:
@@ -310,12 +353,18 @@ def simulation(
     topology: str | None = None,
     where: str | None = None,
     data_parallel: DataParallel | None = None,
+    experts: Experts | None = None,
+    moe_layers: Sequence[int] | None = None,
+    overlap: bool = True,
 ) -> Simulation:
-    """Simulate a Schedule (checked and lowered first, with `data_parallel`'s collectives) or a Program
-    (checked, then run as it stands) under these cost documents (see `cost_docs`) and memory overrides
-    (over the documents' measured bytes), on `topology` if given."""
+    """Simulate a Schedule (checked and lowered first, with `data_parallel`'s collectives and `experts`'
+    all-to-alls over `moe_layers_of` its stages) or a Program (checked, then run as it stands) under these
+    cost documents (see `cost_docs`) and memory overrides (over the documents' measured bytes), on
+    `topology` if given; `overlap` False runs each overlapped pair one op after the other."""
     memory = memory_overrides(docs, memory)
-    return measure(compiled(obj, memory, where, data_parallel, topology), docs, memory)
+    layers = moe_layers_of(obj, docs, moe_layers)
+    c = compiled(obj, memory, where, data_parallel, topology, experts, layers)
+    return measure(c, docs, memory, overlap)
 
 
 def timeline(sched: Schedule, prog: Program, docs: Sequence[Mapping] = ()) -> Timeline:
@@ -335,7 +384,7 @@ def metrics(sched: Schedule, program: Program | None = None, stats: Stats | None
     the schedule's own costs and memory (`measure`), only when an expectation names one."""
     from pipec.passes.expect import Metrics
 
-    return Metrics(sched, program, stats, _own_stats)
+    return Metrics(sched, program, stats, _own_stats, _own_overlap_gain)
 
 
 def check_expectations(sched: Schedule, program: Program | None = None, stats: Stats | None = None) -> int:
@@ -343,7 +392,7 @@ def check_expectations(sched: Schedule, program: Program | None = None, stats: S
     (`pipec.passes.expect.check_expectations`, its times from `measure`)."""
     from pipec.passes.expect import check_expectations as check
 
-    return check(sched, program, stats, _own_stats)
+    return check(sched, program, stats, _own_stats, _own_overlap_gain)
 
 
 def _own_stats(sched: Schedule, prog: Program | None) -> Stats:
@@ -355,3 +404,26 @@ def _own_stats(sched: Schedule, prog: Program | None) -> Stats:
 
         prog = lower(sched)
     return measure(CompiledSchedule(sched, prog, ())).stats
+
+
+def _own_overlap_gain(sched: Schedule) -> float:
+    """`overlap_gain` (pipec.passes.expect): 1 - makespan / makespan with each pair run one op after the other,
+    with the schedule's MoE layers (else 1 per stage) over an expert group of 2, each all-to-all its `a2a`
+    (else one forward segment of its stage)."""
+    from pipec.ir.experts import all_to_alls
+    from pipec.passes.compiler import CompiledSchedule
+    from pipec.passes.lower import lower
+    from pipec.sim.costs import cost_model
+
+    if not any(r.paired.any() for r in sched.ranks):
+        return 0.0
+    layers = moe_layers_of(sched) or (1,) * sched.num_stages
+    prog = replace(lower(sched), experts=Experts(2, 2), moe_layers=tuple(layers))
+    doc: dict[str, object] = {"_from": "overlap_gain"}
+    if "a2a" not in sched.costs:
+        F = cost_model(sched).F
+        doc["a2a"] = [float(f) / (all_to_alls("F", L) + 1) for f, L in zip(F.tolist(), layers)]
+    c = CompiledSchedule(sched, prog, ())
+    with_overlap = measure(c, [doc]).stats.makespan
+    without = measure(c, [doc], overlap=False).stats.makespan
+    return 1.0 - with_overlap / without if without > 0 else 0.0

@@ -184,6 +184,30 @@ def experts_of(ns: argparse.Namespace | RunOptions) -> Experts:
     return Experts(size=getattr(ns, "ep", 1), num=getattr(ns, "experts", 0))
 
 
+def moe_layers(text: str) -> tuple[int, ...]:
+    """`--moe-layers`: the MoE layers of every stage (`2`), or of each stage in order (`1,2,2,1`): integers
+    from 0 to pipec.ir.experts.MAX_LAYERS. Whether a list has one count per stage is the compiler's (E425)."""
+    from pipec.ir.experts import MAX_LAYERS
+
+    parse = count(0, MAX_LAYERS)
+    parts = text.split(",")
+    if len(parts) > 10_000_000:
+        raise argparse.ArgumentTypeError("too many MoE layer counts")
+    return tuple(parse(x) for x in parts)
+
+
+def add_moe_layers_argument(p: argparse.ArgumentParser) -> None:
+    """`--moe-layers L` or `L0,L1,...` into `moe_layers` (None: not given), for the commands that compile a
+    schedule (`pipec run` counts a model's MoE layers itself); `moe_layers_of` reads it."""
+    p.add_argument(
+        "--moe-layers",
+        type=moe_layers,
+        default=None,
+        metavar="L|L0,L1,..",
+        help="MoE layers of every stage, or of each stage (default: the cost file's `moe_layers`, else none)",
+    )
+
+
 def dp_given(ns: argparse.Namespace | RunOptions) -> bool:
     """Whether the command line set any data-parallel option (a Program file then must agree with them)."""
     return (

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 from pipec import options
 from pipec.cli.envelope import Misuse, stdout
-from pipec.errors import Source, brief
+from pipec.errors import PipecError, Source, brief, error
 from pipec.frontend import library
 from pipec.ir.dataparallel import DataParallel
+from pipec.ir.experts import Experts
 from pipec.ir.program import Program
 from pipec.ir.schedule import Schedule
 from pipec.passes.compiler import CompiledSchedule, compile_schedule
@@ -142,15 +143,38 @@ def dp(args: argparse.Namespace, program_file: bool = False) -> DataParallel | N
     return None if program_file and not options.dp_given(args) else given
 
 
+def experts(args: argparse.Namespace, program_file: bool = False) -> Experts | None:
+    """The expert options of the command line (E425 at the command line when out of range); for a Program
+    file None unless given (it was compiled for its own, and must agree with any given: E426)."""
+    try:
+        given = options.experts_of(args)
+    except PipecError as e:
+        d = e.diagnostics[0]
+        raise error(d.code, d.message, source=Source("<command line>", ""), notes=d.notes) from None
+    return None if program_file and given == Experts() else given
+
+
+def moe_layers(args: argparse.Namespace, obj: Schedule | Program, docs: list[dict] | None = None) -> tuple[int, ...]:
+    """The MoE layers of each stage: `--moe-layers`, else the cost documents' or the schedule's
+    (pipec.driver.moe_layers_of)."""
+    from pipec.driver import moe_layers_of
+    from pipec.sim.cost_files import cost_spec
+
+    if docs is None:
+        docs = [cost_spec(t) for t in getattr(args, "cost", [])]
+    return moe_layers_of(obj, docs, getattr(args, "moe_layers", None))
+
+
 def compiled(args: argparse.Namespace) -> tuple[CompiledSchedule, bool]:
     """Every check but the `expect` lines, then the Program (a Program file: validated and dry-run);
     and whether the input was a Program file."""
     from pipec.driver import check_program
 
     obj, where = target(args)
+    layers = moe_layers(args, obj)
     if isinstance(obj, Program):
-        return check_program(obj, memory(args), where, dp(args, True)), True
-    return compile_schedule(obj, memory(args), dp(args)), False
+        return check_program(obj, memory(args), where, dp(args, True), experts(args, True), layers), True
+    return compile_schedule(obj, memory(args), dp(args), experts(args), layers), False
 
 
 def dp_json(prog: Program) -> dict:

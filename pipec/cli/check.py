@@ -9,7 +9,15 @@ from pipec import options
 from pipec.cli.args import Command, compiled, cost_args, dp_json, json_arg, memory_args, schedule_args
 from pipec.cli.envelope import Misuse, emit, envelope, stdout
 from pipec.frontend import library
+from pipec.ir.experts import layers_text
 from pipec.passes.compiler import CompiledSchedule
+
+
+def _experts_json(prog) -> dict:
+    """`experts` of the summary, only for a Program with expert parallelism or MoE layers."""
+    if prog.experts.size == 1 and not any(prog.moe_layers):
+        return {}
+    return {"experts": {"ep": prog.experts.size, "experts": prog.experts.num, "moe_layers": list(prog.moe_layers)}}
 
 
 def summary(c: CompiledSchedule, program_file: bool = False) -> dict:
@@ -29,6 +37,7 @@ def summary(c: CompiledSchedule, program_file: bool = False) -> dict:
         "placement": list(s.placement),
         "instructions": c.program.num_instructions,
         **dp_json(c.program),
+        **_experts_json(c.program),
         "memory": [
             {"rank": m.rank, "peak": m.peak, "limit": m.limit, "at": m.at_text}
             | ({"params": m.params, "gathered": list(m.gathered)} if c.program.dp_kind == "fsdp" else {})
@@ -43,6 +52,7 @@ def check_arguments(p: argparse.ArgumentParser) -> None:
     schedule_args(p)
     memory_args(p)
     options.add_dp_arguments(p)
+    options.add_moe_layers_argument(p)
     p.add_argument("--memory", action="store_true", help="print the per-rank memory table")
     cost_args(p)  # measured bytes (saved_bytes, ...) put the memory model in bytes
     json_arg(p, "the summary")
@@ -64,6 +74,9 @@ def cmd_check(args: argparse.Namespace) -> int:
         return 0
     params = " ".join(f"{k}={v}" for k, v in s.params)
     dp = "" if not dp_json(c.program) else f", data parallelism {c.program.dp} x {c.program.dp_kind}"
+    e = _experts_json(c.program).get("experts")
+    if e:
+        dp += f", {e['experts']} experts over {e['ep']} ranks, MoE layers {layers_text(e['moe_layers'])}"
     print(f"{s.name} ({params}): {s.num_stages} stages, {s.num_ranks} ranks, {s.num_ops} ops{dp}: OK")
     if args.memory:
         print(format_table(list(c.memory)))
@@ -74,6 +87,7 @@ def compile_arguments(p: argparse.ArgumentParser) -> None:
     schedule_args(p)
     memory_args(p)
     options.add_dp_arguments(p)
+    options.add_moe_layers_argument(p)
     p.add_argument("-o", "--output", metavar="OUT", help="write here instead of standard output")
     p.add_argument(
         "--format",

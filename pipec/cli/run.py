@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from pipec import options
-from pipec.cli.args import Command, build, dp, json_arg, on_network, schedule_args, target, topology_arg, write
+from pipec.cli.args import Command, build, dp, experts, json_arg, on_network, schedule_args, target, topology_arg, write
 from pipec.cli.envelope import Misuse, emit, stdout
 from pipec.ir.program import Program
 from pipec.options import RunOptions
@@ -149,7 +149,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     sizes of a model file on this machine, the way the runtime runs them, plus a gloo link's latency and
     bandwidth, and with --dp the data-parallel collectives (each stage's, and the DP link's latency and
     bandwidth); write the cost file `pipec simulate --cost` reads. See docs/runtime.md."""
-    program = compile_schedule(build(args), None, dp(args)).program  # with --dp: the collectives too
+    program = compile_schedule(build(args), None, dp(args), experts(args)).program  # --dp, --ep: collectives too
     if args.reps < 1 or args.warmup < 0:
         raise Misuse("--reps must be at least 1 and --warmup at least 0")
     try:
@@ -196,6 +196,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
             defines = "".join(f" -D {k}={v}" for k, v in args.defines)
             if program.dp > 1 or program.dp_kind != "ddp":
                 defines += f" --dp {program.dp} --dp-kind {program.dp_kind}"
+            if program.experts.size > 1:
+                defines += f" --ep {program.experts.size} --experts {program.experts.num}"
             print(f"wrote {args.output}; simulate with: pipec simulate {args.schedule}{defines} --cost {args.output}")
     elif not args.json:
         sys.stdout.write(text)

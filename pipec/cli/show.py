@@ -5,9 +5,22 @@ from __future__ import annotations
 import argparse
 
 from pipec import options
-from pipec.cli.args import Command, cost_args, dp, dp_json, json_arg, on_network, schedule_args, target, topology_arg
+from pipec.cli.args import (
+    Command,
+    cost_args,
+    dp,
+    dp_json,
+    experts,
+    json_arg,
+    moe_layers,
+    on_network,
+    schedule_args,
+    target,
+    topology_arg,
+)
 from pipec.cli.envelope import Misuse, emit
 from pipec.errors import Source, brief
+from pipec.ir.experts import Experts
 from pipec.ir.program import Program
 from pipec.ir.schedule import Schedule
 from pipec.passes.compiler import compile_schedule
@@ -23,6 +36,7 @@ def show_arguments(p: argparse.ArgumentParser) -> None:
         "--width", type=options.count(1, 100_000), default=None, help="columns for --timeline (default: the terminal's)"
     )
     options.add_dp_arguments(p)
+    options.add_moe_layers_argument(p)
     json_arg(p, "the grid (and with --timeline the simulated spans)")
 
 
@@ -39,8 +53,8 @@ def cmd_show(args: argparse.Namespace) -> int:
         prog = check_program(obj, None, where, dp(args, True)).program
     elif isinstance(obj, Program) and options.dp_given(args):
         prog = check_program(obj, None, where, dp(args, True)).program  # E422: it has none
-    elif options.dp_given(args):
-        prog = compile_schedule(obj, None, dp(args)).program
+    elif options.dp_given(args) or experts(args) != Experts():  # experts: the all-to-alls under --timeline
+        prog = compile_schedule(obj, None, dp(args), experts(args), moe_layers(args, obj)).program
     ranks = None
     if args.ranks:
         try:

@@ -10,9 +10,11 @@ from pipec.cli.args import (
     complete_schedule,
     cost_args,
     dp,
+    experts,
     json_arg,
     memory,
     memory_args,
+    moe_layers,
     read_source,
     topology_arg,
 )
@@ -32,6 +34,12 @@ def simulate_arguments(p: argparse.ArgumentParser) -> None:
     topology_arg(p)
     memory_args(p)
     options.add_dp_arguments(p)
+    options.add_moe_layers_argument(p)
+    p.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="run each overlapped pair (F & B) one op after the other: what overlapping its all-to-alls gains",
+    )
     json_arg(p, "every figure")
     p.add_argument("--trace", metavar="OUT.json", help="write a Chrome/Perfetto trace (one schedule)")
     p.add_argument("--plot", metavar="OUT.png", help="draw a Gantt chart (.png, .svg or .pdf), one panel per schedule")
@@ -62,7 +70,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             defines = [(k, v) for k, v in args.defines if k in known]
             used |= known
         obj, where = target_of(name, defines)
-        sims.append(simulation(obj, docs, overrides, args.topology, where, dp(args, isinstance(obj, Program))))
+        is_prog = isinstance(obj, Program)
+        layers = moe_layers(args, obj, docs)
+        ep = experts(args, is_prog)
+        sims.append(
+            simulation(obj, docs, overrides, args.topology, where, dp(args, is_prog), ep, layers, not args.no_overlap)
+        )
     unused = [k for k, _ in args.defines if len(args.schedule) > 1 and k not in used]
     if unused:
         takes = "; ".join(f"{n}: {', '.join(param_names(read_source(n))) or 'none'}" for n in args.schedule)

@@ -5,7 +5,17 @@ from __future__ import annotations
 import argparse
 
 from pipec import options
-from pipec.cli.args import Command, complete_schedule, cost_args, dp, json_arg, memory, memory_args, topology_arg
+from pipec.cli.args import (
+    Command,
+    complete_schedule,
+    cost_args,
+    dp,
+    experts,
+    json_arg,
+    memory,
+    memory_args,
+    topology_arg,
+)
 from pipec.cli.envelope import Misuse, emit
 
 
@@ -18,6 +28,7 @@ def view_arguments(p: argparse.ArgumentParser) -> None:
     topology_arg(p)
     memory_args(p)
     options.add_dp_arguments(p)
+    options.add_moe_layers_argument(p)
     p.add_argument("--compare", metavar="FILE|NAME", help="a second schedule, drawn on the same time axis")
     p.add_argument("--measured", metavar="TRACE.json", help="a run's trace (`pipec run --trace`) over the simulation")
     json_arg(p, "what was written")
@@ -26,7 +37,8 @@ def view_arguments(p: argparse.ArgumentParser) -> None:
 
 def cmd_view(args: argparse.Namespace) -> int:
     """Write one HTML file that opens offline in a browser (docs/view.md): a lane per rank for compute, one
-    for sends and receives (arrows from each send to its receive), collectives and the host link; the memory
+    for sends and receives (arrows from each send to its receive), collectives, the host link and the
+    all-to-alls of expert parallelism; the memory
     of both pools with the limit; hover for an op's micro-batch, stage, times and source line; wheel to zoom,
     drag to pan; the critical path in red and each idle gap attributed to what it waited for. A schedule
     refused for a deadlock is drawn with its chain of waits."""
@@ -48,6 +60,8 @@ def cmd_view(args: argparse.Namespace) -> int:
         dp(args),
         args.compare,
         args.measured,
+        experts(args),
+        args.moe_layers,
     )
     text = page(doc)
     try:

@@ -17,6 +17,7 @@ import numpy as np
 
 from pipec.errors import PipecError, Source, Span, brief, error
 from pipec.formats import rowtext
+from pipec.ir.experts import Experts
 from pipec.ir.opcodes import BY_NAME, CODE, OPCODES
 from pipec.ir.program import Instr, Program, RankProgram
 from pipec.ir.schedule import Slicing
@@ -63,12 +64,38 @@ def _dp_head(prog: Program) -> dict[str, object]:
         out["dp_kind"] = prog.dp_kind
     if prog.slicing is not None:
         out["slicing"] = prog.slicing.describe()
+    if prog.experts != Experts():
+        out["experts"] = {"size": prog.experts.size, "num": prog.experts.num}
+    if prog.moe_layers:
+        out["moe_layers"] = list(prog.moe_layers)
     return out
+
+
+def _experts(doc: object) -> Experts:
+    """The `experts` header (`{"size": N, "num": E}`) back as Experts; ValueError (E501) when malformed or
+    out of range (E425's rule, said in the reader's words)."""
+    if doc is None:
+        return Experts()
+    if not isinstance(doc, dict) or set(doc) != {"size", "num"}:
+        raise ValueError("`experts` must hold size and num")
+    try:
+        return Experts(doc["size"], doc["num"])
+    except PipecError as e:
+        raise ValueError(e.diagnostics[0].message) from None
+
+
+def _moe_layers(doc: object) -> tuple[int, ...]:
+    """The `moe_layers` header (a list, one count per stage) as a tuple; whether it fits is validate's."""
+    if doc is None:
+        return ()
+    if not isinstance(doc, list):
+        raise ValueError("`moe_layers` must be a list with one MoE layer count per stage")
+    return tuple(doc)
 
 
 def _head_value(v: object) -> str:
     """A header line's value in the text form: a word, or the slicing's JSON object on one line."""
-    return json.dumps(v, separators=(",", ":")) if isinstance(v, dict) else str(v)
+    return json.dumps(v, separators=(",", ":")) if isinstance(v, dict | list) else str(v)
 
 
 def _slicing(doc: object, units: int) -> Slicing | None:
@@ -147,6 +174,8 @@ def from_json(text: str, path: str = "<program>") -> Program:
             dp=doc.get("dp", 1),
             dp_kind=doc.get("dp_kind", "ddp"),
             slicing=_slicing(doc.get("slicing"), _size(doc["num_microbatches"], "num_microbatches")),
+            experts=_experts(doc.get("experts")),
+            moe_layers=_moe_layers(doc.get("moe_layers")),
         )
     except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError, RecursionError) as e:
         raise error("E501", f"malformed program JSON: {e}", source=Source(path, "")) from None
@@ -273,8 +302,8 @@ def from_text(text: str, path: str = "<program>") -> Program:
         if words[0] != "place":
             raise ValueError("expected `place` and the rank of each stage")
         placement = tuple(int(x) for x in words[1:])
-        # optional header lines `dp N`, `dp_kind K`, `slicing {...}` (JSON)
-        dp: dict[str, object] = {"dp": 1, "dp_kind": "ddp", "slicing": None}
+        # optional header lines `dp N`, `dp_kind K`, `slicing {...}`, `experts {...}`, `moe_layers [...]` (JSON)
+        dp: dict[str, object] = {"dp": 1, "dp_kind": "ddp", "slicing": None, "experts": None, "moe_layers": None}
         body = 4
         while body < len(lines) and lines[body][1].split()[0] in dp:
             at = body
@@ -283,6 +312,8 @@ def from_text(text: str, path: str = "<program>") -> Program:
                 raise ValueError(f"expected `{words[0]} VALUE`")
             if words[0] == "slicing":
                 dp["slicing"] = _slicing(json.loads(words[1]), mbs)
+            elif words[0] in ("experts", "moe_layers"):
+                dp[words[0]] = json.loads(words[1])
             else:
                 dp[words[0]] = int(words[1]) if words[0] == "dp" else words[1]
             body += 1
@@ -326,6 +357,8 @@ def from_text(text: str, path: str = "<program>") -> Program:
             dp=dp["dp"],  # type: ignore[arg-type]  # checked by validate (E502)
             dp_kind=dp["dp_kind"],  # type: ignore[arg-type]
             slicing=dp["slicing"],  # type: ignore[arg-type]
+            experts=_experts(dp["experts"]),
+            moe_layers=_moe_layers(dp["moe_layers"]),
         )
     except (IndexError, ValueError, json.JSONDecodeError, AttributeError, OverflowError) as e:
         raise fail(f"malformed program text: {e}") from None

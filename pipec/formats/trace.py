@@ -6,7 +6,11 @@ thread must nest its slices), and with data parallelism `collectives` (each
 REDUCE_GRAD and UNSHARD from when its collective stream ran it to its end; a
 RESHARD as an instant) and `collective wait` (where the compute stream waited
 for one), and with memory ops `host link` (each OFFLOAD and RELOAD transfer;
-a RECOMPUTE is a compute slice). Durations are real, in microseconds. Each
+a RECOMPUTE is a compute slice), and with expert parallelism `all-to-all` (each
+dispatch, combine or their gradient from when the expert link ran it to its
+arrival, named `a2a F1#0`) and `segments` (the compute segments of ops cut at
+their all-to-alls; the op's own slice spans its first segment to its last, so
+an overlapped pair's two ops sit on two compute lanes). Durations are real, in microseconds. Each
 message is a slice on its sender (from the send until it arrives) and on its
 receiver (from when the receive was posted, or the send if later, until it
 arrives), joined by a flow arrow (flow events v2: `bind_id`, `flow_out`,
@@ -45,6 +49,7 @@ _SHORT = {"FWD": "F", "BWD": "B", "WGRAD": "W", "RECOMPUTE": "R"}
 _CNAME = {"FWD": "thread_state_runnable", "BWD": "thread_state_running", "WGRAD": "thread_state_iowait"}
 _CNAME["RECOMPUTE"] = "thread_state_sleeping"
 _COMPUTE_TID, _SEND_TID, _RECV_TID, _COLL_TID, _WAIT_TID, _HOST_TID = 0, 1000, 2000, 3000, 3500, 4000
+_SEG_TID, _A2A_TID = 4500, 5000
 _HOST_CNAME = {"OFFLOAD": "olive", "RELOAD": "yellow"}
 _COLL_CNAME = {"REDUCE_GRAD": "rail_response", "UNSHARD": "rail_load", "RESHARD": "rail_idle"}
 
@@ -70,6 +75,47 @@ def _lanes(starts: list[float], ends: list[float]) -> list[int]:
         lane[i] = k
         heapq.heappush(busy, (ends[i], k))
     return lane
+
+
+def _expert_events(tl: Timeline, threads: set, label, which) -> list[dict]:
+    """The `all-to-all` and `segments` lanes (module docstring); none without all-to-alls."""
+    out: list[dict] = []
+    cols = ("rank", "op", "mb", "stage", "index", "start", "end")
+    a = [getattr(tl, f"a2a_{c}").tolist() for c in cols]
+    for r, op, mb, st, k, t0, t1 in zip(*a):
+        name = OPCODES[op]
+        threads.add((r, _A2A_TID, "all-to-all"))
+        out.append(
+            {
+                "name": f"a2a {_SHORT.get(name, name)}{label(mb)}.{st}#{k}",
+                "cat": "a2a",
+                "ph": "X",
+                "pid": r,
+                "tid": _A2A_TID,
+                "ts": _us(t0),
+                "dur": _us(t1 - t0),
+                "cname": "rail_animation",
+                "args": {"op": name, **which(mb), "stage": st, "index": k, "start_s": t0, "end_s": t1},
+            }
+        )
+    g = [getattr(tl, f"seg_{c}").tolist() for c in ("rank", "op", "mb", "stage", "start", "end")]
+    for r, op, mb, st, t0, t1 in zip(*g):
+        name = OPCODES[op]
+        threads.add((r, _SEG_TID, "segments"))
+        out.append(
+            {
+                "name": f"{_SHORT.get(name, name)}{label(mb)}.{st}",
+                "cat": "segment",
+                "ph": "X",
+                "pid": r,
+                "tid": _SEG_TID,
+                "ts": _us(t0),
+                "dur": _us(t1 - t0),
+                "cname": _CNAME.get(name, "generic_work"),
+                "args": {"op": name, **which(mb), "stage": st, "start_s": t0, "end_s": t1},
+            }
+        )
+    return out
 
 
 def trace_events(tl: Timeline, memory: MemoryCurves | dict[str, np.ndarray] | None = None) -> dict:
@@ -222,6 +268,7 @@ def trace_events(tl: Timeline, memory: MemoryCurves | dict[str, np.ndarray] | No
                 "args": {"op": op, **which(h_mb[i]), "stage": h_st[i], "start_s": h_start[i], "end_s": h_end[i]},
             }
         )
+    events += _expert_events(tl, threads, label, which)
     w_rank, w_start, w_end = tl.wait_rank.tolist(), tl.wait_start.tolist(), tl.wait_end.tolist()
     for i in range(len(w_rank)):
         threads.add((w_rank[i], _WAIT_TID, "collective wait"))
@@ -325,6 +372,8 @@ def read_trace(path: str | Path) -> Timeline:
         colls: list[tuple] = []
         waits: list[tuple] = []
         hosts: list[tuple] = []
+        a2as: list[tuple] = []
+        segs: list[tuple] = []
         for ev in doc["traceEvents"]:
             if ev.get("ph") != "X":
                 continue
@@ -335,6 +384,12 @@ def read_trace(path: str | Path) -> Timeline:
                 comp.append((int(ev["pid"]), OPCODES.index(a["op"]), a["mb"], a["stage"], a["start_s"], a["end_s"]))
             elif ev["cat"] == "host":
                 hosts.append((int(ev["pid"]), OPCODES.index(a["op"]), a["mb"], a["stage"], a["start_s"], a["end_s"]))
+            elif ev["cat"] == "a2a":
+                a2as.append(
+                    (int(ev["pid"]), OPCODES.index(a["op"]), a["mb"], a["stage"], a["index"], a["start_s"], a["end_s"])
+                )
+            elif ev["cat"] == "segment":
+                segs.append((int(ev["pid"]), OPCODES.index(a["op"]), a["mb"], a["stage"], a["start_s"], a["end_s"]))
             elif ev["cat"] == "collective":
                 colls.append(
                     (
@@ -376,6 +431,14 @@ def read_trace(path: str | Path) -> Timeline:
             h = list(zip(*hosts))
             host = {f"host_{n}": ints(h[i]) for i, n in enumerate(("rank", "op", "mb", "stage"))}
             host.update(host_start=floats(h[4]), host_end=floats(h[5]))
+        if a2as:  # expert parallelism's rows, likewise only when there are some
+            x = list(zip(*a2as))
+            host.update({f"a2a_{n}": ints(x[i]) for i, n in enumerate(("rank", "op", "mb", "stage", "index"))})
+            host.update(a2a_start=floats(x[5]), a2a_end=floats(x[6]))
+        if segs:
+            x = list(zip(*segs))
+            host.update({f"seg_{n}": ints(x[i]) for i, n in enumerate(("rank", "op", "mb", "stage"))})
+            host.update(seg_start=floats(x[4]), seg_end=floats(x[5]))
         return Timeline(
             num_ranks=int(head["num_ranks"]),
             rank=ints(c[0]),

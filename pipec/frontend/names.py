@@ -32,7 +32,7 @@ MEMOP_NAMES = MEMOPS
 MEMORY_KEYS = MEMORY_STAGE_KEYS + MEMORY_RANK_KEYS
 NUMERIC = ("int", "float")
 # Names only an `expect` sees (pipec.passes.expect computes them): numbers, and functions of a rank.
-METRICS = {"bubble": "float", "bubble_time": "float", "makespan": "float", "ideal": "float"}
+METRICS = {"bubble": "float", "bubble_time": "float", "makespan": "float", "ideal": "float", "overlap_gain": "float"}
 METRIC_FUNCS = {"peak_memory": "float", "in_flight": "int"}
 MAX_CALLS = 1_000_000  # function calls one call may make: nesting must not hide exponential work
 

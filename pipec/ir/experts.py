@@ -28,11 +28,17 @@ Stdlib only, like pipec.ir.dataparallel: the runtime's argument parser imports i
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pipec.errors import brief, error
 
+if TYPE_CHECKING:
+    from pipec.ir.program import Program
+
 MAX_SIZE = 1_000_000  # ranks per expert group; the dp size bounds it anyway (pipec.ir.dataparallel)
+MAX_LAYERS = 100_000  # MoE layers of one stage (a Program's other sizes are bounded alike)
 A2A_PER_LAYER = 2  # an MoE layer's forward: dispatch, combine; its backward: their gradients
 
 
@@ -75,6 +81,64 @@ class Experts:
                 f"{dp_size}): expert parallelism is folded into the dp dim"
             )
         return None
+
+
+def layers_problem(layers: Sequence[object], num_stages: int) -> str | None:
+    """Why per-stage MoE layer counts (a Program's `moe_layers`) do not fit `num_stages` stages, or None:
+    one integer from 0 to MAX_LAYERS per stage, or none at all (no MoE layer anywhere)."""
+    if not len(layers):
+        return None
+    if len(layers) != num_stages:
+        return f"the MoE layers name {len(layers)} stages, the program has {num_stages}"
+    bad = next((x for x in layers if not _is_int(x) or not 0 <= x <= MAX_LAYERS), None)
+    if bad is not None:
+        return f"a stage's MoE layer count must be an integer from 0 to {MAX_LAYERS:,}, not {brief(bad)}"
+    return None
+
+
+def experts_mismatch(
+    prog: Program, experts: Experts, layers: Sequence[int] = (), asked: str | None = None
+) -> str | None:
+    """Why a Program cannot run with these experts and per-stage MoE layers, or None when it can: its
+    all-to-alls (how many each op issues, in which order) were fixed when it was compiled, as its
+    collectives were for its data parallelism (`pipec.ir.dataparallel.dp_mismatch`). `layers` empty: the
+    Program's own (not asked about)."""
+    same = prog.experts == experts and (not len(layers) or tuple(layers) == tuple(prog.moe_layers))
+    if same:
+        return None
+    have = f"--ep {prog.experts.size} --experts {prog.experts.num} --moe-layers {layers_text(prog.moe_layers)}"
+    want = f"--ep {experts.size} --experts {experts.num}" + (
+        f" --moe-layers {layers_text(layers)}" if len(layers) else ""
+    )
+    return f"the Program was compiled for experts {have}, not the {asked or want} asked for"
+
+
+def layers_text(layers: Sequence[int]) -> str:
+    """Per-stage MoE layers as `--moe-layers` takes them: one number when all stages agree, else a list."""
+    if not len(layers):
+        return "0"
+    return str(layers[0]) if len(set(layers)) == 1 else ",".join(map(str, layers))
+
+
+def a2a_sequence(ops: Iterable[tuple[str, int, int, bool]], layers: Sequence[int]) -> list[tuple[str, int, int, int]]:
+    """The all-to-alls a rank issues, in issue order, as (kind, micro-batch, stage, index within its op):
+    its ops (kind, micro-batch, stage, bound to the next op) in stream order on stages with these MoE
+    layers, an overlapped pair's in `pair_order`. Two ranks of one expert group must issue equal sequences
+    (each all-to-all is a collective over the group)."""
+    out: list[tuple[str, int, int, int]] = []
+    pending: tuple[str, int, int] | None = None
+    for kind, mb, stage, bound in ops:
+        if bound and pending is None:
+            pending = (kind, mb, stage)
+            continue
+        pair = [pending, (kind, mb, stage)] if pending else [(kind, mb, stage)]
+        pending = None
+        counts = [all_to_alls(k, layers[s] if s < len(layers) else 0) for k, _, s in pair]  # type: ignore[misc]
+        order = pair_order(*counts) if len(pair) == 2 else tuple((0, k) for k in range(counts[0] + 1))
+        for who, k in order:
+            if k < counts[who]:
+                out.append((*pair[who], k))  # type: ignore[arg-type]
+    return out
 
 
 def all_to_alls(kind: str, moe_layers: int) -> int:

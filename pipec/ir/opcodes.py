@@ -60,6 +60,11 @@ class Opcode:
     group: the group class it may join, or None.
     cost: for an instruction on the compute resource that is not an op of the Schedule (RECOMPUTE), the op
         kind whose cost it takes.
+    a2a: for a compute, the op kind whose all-to-alls it issues on a stage with MoE layers, each on the
+        rank's expert link (a communication stream of its own, overlapping the other op of its pair)
+        (`pipec.ir.experts.all_to_alls`: a forward dispatch and combine per layer, a backward their
+        gradients), cutting it into compute segments; None: it issues none (WGRAD, RECOMPUTE: a
+        recomputed forward with expert parallelism is refused, pipec.passes.experts).
     doc: one line for docs/program.md and `pipec compile` readers.
     """
 
@@ -77,6 +82,7 @@ class Opcode:
     after: str | None = None
     group: str | None = None
     cost: str | None = None
+    a2a: str | None = None
 
 
 TABLE: tuple[Opcode, ...] = (
@@ -89,6 +95,7 @@ TABLE: tuple[Opcode, ...] = (
         needs=("act", -1),
         sends="SEND_ACT",
         group=OVERLAP,
+        a2a="F",
     ),
     Opcode(
         "BWD",
@@ -100,6 +107,7 @@ TABLE: tuple[Opcode, ...] = (
         sends="SEND_GRAD",
         after="F",
         group=OVERLAP,
+        a2a="B",
     ),
     Opcode(
         "WGRAD", ("mb", "stage"), COMPUTE_RES, "weight gradient of a split backward", kind="W", after="B", group=OVERLAP
@@ -235,6 +243,7 @@ PEER_STAGE = _column(lambda o: o.peer_stage)
 NEEDS_MSG = _column(lambda o: MESSAGES.index(o.needs[0]) if o.needs else -1)
 NEEDS_STAGE = _column(lambda o: o.needs[1] if o.needs else 0)
 GROUP_CLASS = tuple(o.group for o in TABLE)
+A2A_KIND = _column(lambda o: OP_KINDS.index(o.a2a) if o.a2a else -1)  # whose all-to-alls it issues, -1: none
 
 COMPUTE = tuple(CODE[n] for n in OPCODES if BY_NAME[n].kind is not None)
 SENDS = tuple(CODE[n] for n in OPCODES if BY_NAME[n].side == "send")

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pipec.ir.experts import Experts
 from pipec.ir.opcodes import (
     BWD,
     BY_NAME,
@@ -138,6 +139,20 @@ class Program:
     # Forward only (an evaluation pass, pipec.passes.lower.forward_program): FWDs and their activations
     # alone; no backward, no gradient message, no REDUCE_GRAD or STEP.
     forward_only: bool = False
+    # Expert parallelism (pipec.ir.experts): how each MoE layer's experts are spread over an expert group of
+    # consecutive dp replicas, and per stage its MoE layers (empty: none). With a group of 2 ranks or more,
+    # each FWD and BWD of a stage with L MoE layers issues 2L all-to-alls (the opcode table's `a2a` column),
+    # an overlapped pair's in `pair_order`; the simulator charges them, the executor issues them.
+    experts: Experts = Experts()
+    moe_layers: tuple[int, ...] = ()
+
+    @property
+    def a2a_layers(self) -> tuple[int, ...]:
+        """Per stage, the MoE layers whose all-to-alls its ops issue: `moe_layers` with an expert group of 2
+        ranks or more, else none (every rank holds every expert; tokens never leave it)."""
+        if self.experts.size > 1 and any(self.moe_layers):
+            return tuple(self.moe_layers)
+        return (0,) * self.num_stages
 
     @property
     def num_sequences(self) -> int:
@@ -162,6 +177,8 @@ class Program:
             "dp_kind",
             "slicing",
             "forward_only",
+            "experts",
+            "moe_layers",
         )
         return all(getattr(self, f) == getattr(other, f) for f in head) and self.ranks == other.ranks
 

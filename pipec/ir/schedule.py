@@ -25,6 +25,9 @@ from pipec.errors import Source, Span
 # Token slices and sequence lengths (Slicing.weight, docs/terapipe.md): `attn`, the share (0..1) of a whole
 # sequence's F, B and W time that is causal attention; `op_fixed`, the seconds of every op that do not
 # shrink with its tokens (launches, the runtime's own work per op).
+# Experts (docs/moe.md): `moe_layers`, the stage's MoE layers (a count; `--moe-layers` wins over it); `a2a`,
+# the seconds of one of its all-to-alls; `a2a_bytes`, the bytes one rank sends to the others in one of them
+# (the time is then the expert link's latency plus these bytes over its bandwidth).
 STAGE_COST_KEYS = (
     "F",
     "B",
@@ -43,6 +46,9 @@ STAGE_COST_KEYS = (
     "offload",
     "attn",
     "op_fixed",
+    "moe_layers",
+    "a2a",
+    "a2a_bytes",
 )
 
 # The memory keys a schedule's `memory` declarations, `--mem` and the API may set (pipec.sim.memory says

@@ -22,7 +22,10 @@ run is order: whether the ranks can run these instructions without a deadlock.
 
 That every replica of a data-parallel group issues the same collectives in the
 same order needs no rule here: the replicas of a pipeline rank all run that
-rank's one Program (docs/program.md, "Data parallelism").
+rank's one Program (docs/program.md, "Data parallelism"); nor that the ranks of an
+expert group issue their all-to-alls in one order, for the same reason (they are
+replicas of one pipeline rank); experts: `moe_layers` is empty or one count per
+stage, and the expert group divides `dp` (pipec.ir.experts).
 
 Vectorised per rank (a Program reaches millions of instructions). A failure
 is one E502 diagnostic naming the first problems by rank and instruction.
@@ -38,6 +41,7 @@ import numpy as np
 from pipec.errors import PipecError, Source, Span, brief, error
 from pipec.ir.dataparallel import KINDS as DP_KINDS
 from pipec.ir.dataparallel import MAX_SIZE as DP_MAX
+from pipec.ir.experts import layers_problem
 from pipec.ir.opcodes import (
     BWD,
     FWD,
@@ -140,6 +144,12 @@ def _header(prog: Program) -> list[tuple[int, int, str]]:
         out.append((-1, -1, f"the data-parallel size must be a positive integer up to {DP_MAX:,}, not {brief(dp)}"))
     if getattr(prog, "dp_kind", "ddp") not in DP_KINDS:
         out.append((-1, -1, f"the data-parallel kind must be one of {', '.join(DP_KINDS)}, not {brief(prog.dp_kind)}"))
+    layers = getattr(prog, "moe_layers", ())
+    problem = layers_problem(layers, S) if isinstance(layers, tuple) else "the MoE layers must be a list"
+    if problem is None and isinstance(dp, int) and not isinstance(dp, bool):
+        problem = prog.experts.fits(dp)
+    if problem is not None:
+        out.append((-1, -1, problem))
     sl = getattr(prog, "slicing", None)
     if sl is not None:
         if sl.sequences * sl.slices != m or len(sl.lengths) != sl.sequences or len(sl.tokens) != sl.slices:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipec.errors import PipecError, error
+from pipec.errors import PipecError, Span, error
 from pipec.ir.rules import dependencies
 from pipec.ir.schedule import MemOp, Schedule
 
@@ -116,6 +116,7 @@ def check_schedule(sched: Schedule) -> None:
             more,
         )
     _check_order(sched, kind, mb, stage, sid, rank, gpos, key)
+    _check_pairs(sched, kind, mb, stage, sid, rank)
     if sched.memops:
         _check_memops(sched, sid, key)
 
@@ -136,6 +137,10 @@ def _check_order(sched: Schedule, kind, mb, stage, sid, rank, gpos, key) -> None
             together = gpos[d] == gpos[j]
             why = "is overlapped with it" if together else f"comes later (line {sched.spans[sid[d]].line})"
             notes = (rule.why.format(j=int(mb[j] % n), p=int(mb[d] % n)),) if rule.why else ()
+            if together:  # at the pair's `&`
+                pair = sorted((int(d), j))
+                span = _amp(sched, int(sid[pair[0]]), int(sid[pair[1]]))
+                raise error("E304", f"{op} on rank {rank[j]} needs {needed}, which {why}", span, sched.source, notes)
             raise _at(
                 sched,
                 "E304",
@@ -143,6 +148,54 @@ def _check_order(sched: Schedule, kind, mb, stage, sid, rank, gpos, key) -> None
                 sid[j],
                 notes,
             )
+
+
+def _check_pairs(sched: Schedule, kind, mb, stage, sid, rank) -> None:
+    """E304 at the `&` of an overlapped pair whose second op needs the first (or the first the second) through
+    other stages: both run at once (the executor interleaves their compute segments, pipec.ir.experts), so
+    neither may wait for the other's output however far it travels. Along one micro-batch the ops form a
+    chain, F(0) .. F(S-1), B(S-1) .. B(0), each W after its B: an op needs every op before it in that chain
+    but a W (nothing needs a W). The same-rank direct case is `_check_order`'s; this finds the rest (a V
+    placement's F(i, stage r) & B(i, stage 2p-1-r): the backward needs the forward through the other ranks)."""
+    paired = np.concatenate([r.paired for r in sched.ranks]) if sched.ranks else np.zeros(0, bool)
+    a = np.flatnonzero(paired[:-1] & (rank[:-1] == rank[1:]))
+    if not len(a):
+        return
+    b = a + 1
+    S = sched.num_stages
+    name = np.array([{"F": 0, "B": 1, "W": 2}[k] for k in sched.kinds])
+    pos = np.where(name[kind] == 0, 2 * stage, 2 * (2 * S - 1 - stage) + (name[kind] == 2))
+    w = name[kind] == 2
+    same = mb[a] == mb[b]
+    b_needs_a = same & ~w[a] & (pos[a] < pos[b])
+    a_needs_b = same & ~w[b] & (pos[b] < pos[a])
+    bad = np.flatnonzero(b_needs_a | a_needs_b)
+    if not len(bad):
+        return
+    x, y = int(a[bad[0]]), int(b[bad[0]])
+    if a_needs_b[bad[0]]:
+        x, y = y, x
+    op, needed = _op(sched, kind[y], mb[y], stage[y]), _op(sched, kind[x], mb[x], stage[x])
+    raise error(
+        "E304",
+        f"{op} on rank {rank[y]} needs {needed}, which is overlapped with it (`&`), through the stages between",
+        _amp(sched, int(sid[a[bad[0]]]), int(sid[b[bad[0]]])),
+        sched.source,
+        ("the two ops of an overlapped pair run at once: neither may need the other's output",),
+    )
+
+
+def _amp(sched: Schedule, first: int, second: int):
+    """The span of the `&` between a pair's two ops when both sit on one line, else the second op's."""
+    if not sched.spans:
+        return None
+    sa, sb = sched.spans[first], sched.spans[second]
+    if sched.source is not None and sa.end_line == sb.line:
+        text = sched.source.line(sb.line)
+        c = text.find("&", sa.end_col - 1, sb.col - 1)
+        if c >= 0:
+            return Span(sb.line, c + 1, sb.line, c + 2)
+    return sb
 
 
 def _mem_at(sched: Schedule, code: str, message: str, x: MemOp, notes: tuple[str, ...] = ()) -> PipecError:

@@ -11,14 +11,16 @@ and is over its limit then reports E401).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 
 from pipec.errors import PipecError
 from pipec.ir.dataparallel import DataParallel
+from pipec.ir.experts import Experts
 from pipec.ir.program import Program
 from pipec.ir.schedule import Schedule
 from pipec.passes.dryrun import DryRun, deadlock_error
+from pipec.passes.experts import check_experts
 from pipec.passes.lower import lower_with_proof
 from pipec.passes.memcheck import check_memory
 from pipec.sim.memory import RankMemory, program_memory, rank_memory
@@ -32,11 +34,26 @@ class CompiledSchedule:
 
 
 def compile_schedule(
-    sched: Schedule, memory: Mapping[str, float] | None = None, dp: DataParallel | None = None
+    sched: Schedule,
+    memory: Mapping[str, float] | None = None,
+    dp: DataParallel | None = None,
+    experts: Experts | None = None,
+    moe_layers: Sequence[int] = (),
 ) -> CompiledSchedule:
-    """Check memory and deadlock freedom and lower with the data-parallel options `dp` (default: none);
-    raises PipecError (E401/E402/E403, E421/E423 for data parallelism)."""
+    """Check memory and deadlock freedom and lower with the data-parallel options `dp` (default: none) and
+    the expert parallelism `experts` over stages with `moe_layers` MoE layers each (default: none; the
+    Program carries both, its all-to-alls are phases of its FWDs and BWDs); raises PipecError
+    (E401/E402/E403, E421/E423 for data parallelism, E425 for experts)."""
     dp = dp or DataParallel()
+    experts = experts or Experts()
+    check_experts(sched, dp, experts, moe_layers)
+    c = _compile(sched, memory, dp)
+    if experts != Experts() or any(moe_layers):
+        c = replace(c, program=replace(c.program, experts=experts, moe_layers=tuple(moe_layers)))
+    return c
+
+
+def _compile(sched: Schedule, memory: Mapping[str, float] | None, dp: DataParallel) -> CompiledSchedule:
     if dp.kind == "fsdp":
         prog, run = lower_with_proof(sched, dp)
         if not run.completed:

@@ -8,6 +8,11 @@ example `expect bubble <= (p - 1) / (m + p - 1)`, or in the rank block
 - `bubble`: the bubble rate, `(makespan - ideal) / makespan` (one definition,
   `pipec.sim.simulate.Stats`); `bubble_time`: `makespan - ideal`; `ideal`: the
   busiest rank's compute time, `m (T_F + T_B + T_W)` with uniform costs;
+- `overlap_gain`: what overlapping each pair's all-to-alls gains, `1 - makespan / makespan without
+  overlap` (each pair run one op after the other), simulated with the schedule's MoE layers (its
+  `cost moe_layers`, else 1 per stage) over an expert group of 2 ranks, each all-to-all taking its `cost
+  a2a` (else one forward segment of its stage, `F / (2 L + 1)`: what an overlap just hides); 0 for a
+  schedule without overlapped pairs (docs/moe.md);
 - `peak_memory(r)`: rank r's peak memory under the memory model;
 - `in_flight(r)`: the most micro-batches rank r holds at once, counted per
   stage: F done, and the last backward piece (B, or W when split) not yet
@@ -47,11 +52,19 @@ class Metrics:
         program: Program | None = None,
         stats: Stats | None = None,
         measure: Callable[[Schedule, Program | None], Stats] | None = None,
+        overlap: Callable[[Schedule], float] | None = None,
     ) -> None:
         self.sched = sched
         self._program = program
         self._given_stats = stats
         self._measure = measure
+        self._overlap = overlap
+
+    @functools.cached_property
+    def overlap_gain(self) -> float:
+        if self._overlap is None:
+            raise ValueError("`overlap_gain` needs the driver's simulation (pipec.driver.metrics)")
+        return self._overlap(self.sched)
 
     @functools.cached_property
     def stats(self) -> Stats:
@@ -179,6 +192,7 @@ def check_expectations(
     program: Program | None = None,
     stats: Stats | None = None,
     measure: Callable[[Schedule, Program | None], Stats] | None = None,
+    overlap: Callable[[Schedule], float] | None = None,
 ) -> int:
     """Raise E405 for the first expectation that does not hold; return how many were checked.
 
@@ -188,7 +202,7 @@ def check_expectations(
     """
     if not sched.expects:
         return 0
-    bad = failed(sched, Metrics(sched, program, stats, measure))
+    bad = failed(sched, Metrics(sched, program, stats, measure, overlap))
     if bad:
         raise bad[0][1]
     return len(sched.expects)

@@ -71,6 +71,8 @@ stage without a bound) and, with `max_gathered`, the Belady walk over steps.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from pipec.errors import PipecError, error
@@ -168,7 +170,7 @@ def forward_program(prog: Program) -> Program:
     out, run = lower_with_proof(sched)
     if not run.completed:  # cannot happen for a proven Program's FWDs; a lowering bug if it does
         raise deadlock_error(run)
-    return out
+    return replace(out, experts=prog.experts, moe_layers=prog.moe_layers)  # its FWDs' all-to-alls
 
 
 def _forward_only(sched: Schedule) -> bool:

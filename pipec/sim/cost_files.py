@@ -42,6 +42,7 @@ _KEY_KIND.update({"param_bytes": "bytes", "reduce_grad": "time", "unshard": "tim
 _KEY_KIND.update({k: "bytes" for k in ("saved_bytes", "wsaved_bytes", "input_bytes", "state_bytes")})
 _KEY_KIND["offload"] = "time"
 _KEY_KIND.update({"attn": "number", "op_fixed": "time"})
+_KEY_KIND.update({"moe_layers": "number", "a2a": "time", "a2a_bytes": "bytes"})
 
 # ---- reading overrides --------------------------------------------------------
 
@@ -112,6 +113,10 @@ def normalize(doc: Mapping, what: str = "costs") -> dict:
             out["dp_latency"] = quantity(value, "time", f"{what}: dp_latency")
         elif key == "dp_bandwidth":
             out["dp_bandwidth"] = quantity(value, "bandwidth", f"{what}: dp_bandwidth")
+        elif key == "ep_latency":
+            out["ep_latency"] = quantity(value, "time", f"{what}: ep_latency")
+        elif key == "ep_bandwidth":
+            out["ep_bandwidth"] = quantity(value, "bandwidth", f"{what}: ep_bandwidth")
         elif key == "latency":
             for c in LINK_CLASSES:
                 links.setdefault(c, {})["latency"] = quantity(value, "time", f"{what}: latency")
@@ -140,6 +145,7 @@ def normalize(doc: Mapping, what: str = "costs") -> dict:
                 STAGE_COST_KEYS
                 + ("T_F", "T_B", "T_W", "bytes", "overhead", "latency", "bandwidth", "links", "ranks_per_node")
                 + ("dp_latency", "dp_bandwidth", "step_overhead", "dp_blocking", "host_latency", "host_bandwidth")
+                + ("ep_latency", "ep_bandwidth")
             )
             raise error("E801", f"{what}: unknown cost `{brief(key)}` (known: {known})")
     if links:

@@ -83,7 +83,7 @@ from pipec.ir.units import MAX_QUANTITY
 from pipec.sim.pairs import PairTable
 
 # Per-stage keys whose absence means "compute it" (NaN in the model), not zero: the collectives' direct times.
-_DIRECT = ("reduce_grad", "unshard", "offload")
+_DIRECT = ("reduce_grad", "unshard", "offload", "a2a")
 LINK_CLASSES = ("node", "dc", "cross")
 # Built-in links when a topology is declared but a class is not: NVLink-like inside a node,
 # InfiniBand-like inside a datacenter, a long-haul link between datacenters. (latency s, bandwidth bit/s)
@@ -155,6 +155,14 @@ class CostModel:
     unit_weight: np.ndarray | None = None
     unit_share: np.ndarray | None = None
     op_fixed: np.ndarray | None = None
+    # Experts (docs/moe.md): per stage, its MoE layers as the documents give them (the Program's own win:
+    # `pipec.driver.moe_layers_of`), the seconds of one of its all-to-alls (NaN where not given) and the
+    # bytes one rank sends in one; per rank, (latency s, bandwidth bytes/s) of its expert link, the link
+    # between the replicas of an expert group (`ep_latency`/`ep_bandwidth`, else the data-parallel hop).
+    moe_layers: np.ndarray | None = None
+    a2a: np.ndarray | None = None
+    a2a_bytes: np.ndarray | None = None
+    ep_link: np.ndarray | None = None
 
     @property
     def num_stages(self) -> int:
@@ -211,6 +219,50 @@ class CostModel:
                     given = direct[stage[sel]]
                     t = np.where(np.isnan(given), t, given)
                 out[sel] = t
+        return out
+
+    def a2a_links(self, rank: int, ep: int, dp: int) -> list[tuple[float, float]]:
+        """The links (latency s, bandwidth bytes/s) an all-to-all of rank's expert groups crosses: between
+        two replicas of a group (`ep` consecutive replicas of the `dp`) in one datacenter the rank's expert
+        link (`ep_latency`/`ep_bandwidth`, else the data-parallel hop), between two datacenters of the
+        topology's `replica_dcs` the link between them (as the rings of `ring_hops`)."""
+        own = FREE if self.ep_link is None else (float(self.ep_link[rank, 0]), float(self.ep_link[rank, 1]))
+        if not self.replica_names:
+            return [own]
+        names = self.replica_names[:dp]
+        if len(names) < dp or None in names:
+            lost = next(i for i in range(dp) if i >= len(names) or names[i] is None)
+            raise error(
+                "E801",
+                f"the program runs {dp} data-parallel replicas of each rank, but the topology's replica "
+                f"datacenters leave replica {lost} out",
+            )
+        pairs = {
+            (names[i], names[j])
+            for g in range(0, dp - dp % ep, ep)
+            for i in range(g, g + ep)
+            for j in range(g, g + ep)
+            if i != j
+        }
+        return [own if a == b else self.replica_links.get((a, b), own) for a, b in sorted(pairs)] or [own]
+
+    def a2a_time(self, stage: np.ndarray, rank: np.ndarray, ep: int, dp: int | None = None) -> np.ndarray:
+        """Seconds of one all-to-all of these stages' ops on these ranks over an expert group of `ep` ranks
+        (of `dp` replicas, default ep): the stage's given `a2a`, else the slowest of its links
+        (`a2a_links`): latency plus the `a2a_bytes` one rank sends over the bandwidth; nothing with ep = 1
+        (no token leaves its rank)."""
+        out = np.zeros(len(stage))
+        if ep <= 1 or not len(stage):
+            return out
+        size = np.zeros(len(stage)) if self.a2a_bytes is None else self.a2a_bytes[stage].astype(float)
+        for r in np.unique(rank).tolist():
+            sel = rank == r
+            for lat, bw in self.a2a_links(r, ep, dp or ep):
+                wire = size[sel] / bw if math.isfinite(bw) else np.zeros(int(sel.sum()))
+                out[sel] = np.maximum(out[sel], lat + wire)
+        if self.a2a is not None:
+            given = self.a2a[stage]
+            out = np.where(np.isnan(given), out, given)
         return out
 
     def collective_wire(self, op: np.ndarray, stage: np.ndarray, rank: np.ndarray, n: int, dp_kind: str) -> np.ndarray:
@@ -421,7 +473,7 @@ def cost_model(sched: Schedule, overrides: Sequence[Mapping] = ()) -> CostModel:
     vals.update({k: np.zeros(S) for k in ("comm", "act_bytes", "param_bytes", "step")})
     vals.update({k: np.zeros(S) for k in ("saved_bytes", "wsaved_bytes", "input_bytes", "state_bytes")})
     vals.update({k: np.full(S, np.nan) for k in _DIRECT})
-    vals.update({k: np.zeros(S) for k in ("attn", "op_fixed")})
+    vals.update({k: np.zeros(S) for k in ("attn", "op_fixed", "moe_layers", "a2a_bytes")})
     grad: np.ndarray | None = None  # default: the activation size across the same boundary
     origin = ["defaults"]
     if sched.costs:
@@ -437,6 +489,7 @@ def cost_model(sched: Schedule, overrides: Sequence[Mapping] = ()) -> CostModel:
     host_bandwidth = math.inf  # bit/s, as cost documents give it
     dp_blocking = False
     dp_given: dict[str, float] = {}
+    ep_given: dict[str, float] = {}
     for ov in overrides:
         ranks_per_node = ov.get("ranks_per_node", ranks_per_node)
         overhead = ov.get("overhead", overhead)
@@ -445,6 +498,7 @@ def cost_model(sched: Schedule, overrides: Sequence[Mapping] = ()) -> CostModel:
         host_bandwidth = ov.get("host_bandwidth", host_bandwidth)
         dp_blocking = ov.get("dp_blocking", dp_blocking)
         dp_given.update({k[3:]: ov[k] for k in ("dp_latency", "dp_bandwidth") if k in ov})
+        ep_given.update({k[3:]: ov[k] for k in ("ep_latency", "ep_bandwidth") if k in ov})
     dc = _datacenter_of(sched, R)
     cls = _link_classes(dc, ranks_per_node)
     latency, bandwidth = _topology_links(sched, dc, cls)
@@ -522,7 +576,23 @@ def cost_model(sched: Schedule, overrides: Sequence[Mapping] = ()) -> CostModel:
         host_latency=float(host_latency),
         host_bandwidth=float(host_bandwidth) / 8.0,
         **_unit_costs(sched, vals),
+        moe_layers=vals["moe_layers"],
+        a2a=vals["a2a"],
+        a2a_bytes=vals["a2a_bytes"],
+        ep_link=_ep_link(dp_link, ep_given),
     )
+
+
+def _ep_link(dp_link: np.ndarray, given: Mapping[str, float]) -> np.ndarray:
+    """Per rank, its expert link (latency s, bandwidth bytes/s): `ep_latency`/`ep_bandwidth` (bit/s) where
+    given, else the hop between two of its data-parallel replicas in one datacenter (an expert group is
+    consecutive replicas, pipec.ir.experts)."""
+    out = dp_link.copy()
+    if "latency" in given:
+        out[:, 0] = given["latency"]
+    if "bandwidth" in given:
+        out[:, 1] = given["bandwidth"] / 8.0
+    return out
 
 
 def _unit_costs(sched: Schedule, vals: Mapping[str, np.ndarray]) -> dict:

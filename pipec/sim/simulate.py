@@ -80,15 +80,18 @@ from pipec.ir.opcodes import (
 from pipec.ir.program import Program
 from pipec.sim.costs import CostModel
 from pipec.sim.machine import run, run_events, shared_links
+from pipec.sim.segments import a2a_needs, a2a_plan, a2a_rows, counts, cut, merge_segments
 from pipec.sim.timeline import Timeline
 
 
-def simulate(prog: Program, costs: CostModel, *, _events: bool = False) -> Timeline:
+def simulate(prog: Program, costs: CostModel, *, overlap: bool = True, _events: bool = False) -> Timeline:
     """Run the Program on the modelled machine; raises E403 if it cannot finish (a malformed Program).
 
-    `_events` forces the event-driven pass even without contention (for tests: both passes agree).
+    `overlap` False runs the two ops of each overlapped pair one after the other (their all-to-alls then
+    hide behind nothing). `_events` forces the event-driven pass even without contention (for tests: both
+    passes agree).
     """
-    pl = plan(prog, costs)
+    pl = plan(prog, costs, overlap)
     if pl.group is None and not _events:
         start_t, end_t, send_t, arrival = run(pl)
     else:
@@ -109,9 +112,15 @@ def simulate(prog: Program, costs: CostModel, *, _events: bool = False) -> Timel
         if costly.any():
             coll.update(step_rank=c_rank[costly], step_stage=c_stage[costly])
             coll.update(step_start=start[costly], step_end=end[costly])
+        if pl.a_ids is not None:
+            coll.update(a2a_rows(pl, start, end, send, arr))
         real = pl.real
         c_rank, c_op, c_mb, c_stage, start, end = (a[real] for a in (c_rank, c_op, c_mb, c_stage, start, end))
         send, arr, post = send[pl.p2p], arr[pl.p2p], post[pl.p2p]
+        if pl.a_ids is not None:  # one row per op again: from its first segment's start to its last's end
+            c_rank, c_op, c_mb, c_stage, start, end = merge_segments(
+                pl.c_seg[real], pl.c_src[real], c_rank, c_op, c_mb, c_stage, start, end
+            )
     if pl.step_overhead:  # every rank starts its instructions that much later: every time moves by it
         o = pl.step_overhead
         start, end, send, arr, post = start + o, end + o, send + o, arr + o, post + o
@@ -125,6 +134,10 @@ def simulate(prog: Program, costs: CostModel, *, _events: bool = False) -> Timel
             "step_end",
             "host_start",
             "host_end",
+            "a2a_start",
+            "a2a_end",
+            "seg_start",
+            "seg_end",
         ):
             if k in coll:
                 coll[k] = coll[k] + o
@@ -265,6 +278,17 @@ class Plan:
     h_mb: np.ndarray | None = None
     h_stage: np.ndarray | None = None
     h_rank: np.ndarray | None = None
+    # Experts (None without all-to-alls): per stream op, its segment index (-1: not cut) and the instruction
+    # it comes from (pipec.sim.segments); the all-to-alls' message ids, opcodes (FWD, BWD), micro-batches,
+    # stages, ranks and index within their op.
+    c_seg: np.ndarray | None = None
+    c_src: np.ndarray | None = None
+    a_ids: np.ndarray | None = None
+    a_op: np.ndarray | None = None
+    a_mb: np.ndarray | None = None
+    a_stage: np.ndarray | None = None
+    a_rank: np.ndarray | None = None
+    a_index: np.ndarray | None = None
 
     def posted(self, end: list[float]) -> np.ndarray:
         """When each message's receive was posted: the end of the compute op before it (else 0); NaN: none."""
@@ -275,7 +299,7 @@ class Plan:
         return post
 
 
-def plan(prog: Program, costs: CostModel) -> Plan:
+def plan(prog: Program, costs: CostModel, overlap: bool = True) -> Plan:
     """The Program's compute ops and messages as the passes read them; E403 for a malformed Program.
 
     With data parallelism (dp > 1 and collectives in the Program), the passes see collectives as messages
@@ -289,7 +313,10 @@ def plan(prog: Program, costs: CostModel) -> Plan:
     the collective before it on its rank has arrived (`hold`). With dp = 1 none of this exists. OFFLOAD
     and RELOAD are messages on a third channel per rank (R * R + 2R + rank), the host link, each
     `CostModel.host_time`; a wait inserted before the BWD (or RECOMPUTE) of a RELOAD's micro-batch and
-    stage waits for it.
+    stage waits for it. All-to-alls (a Program whose expert group has 2 ranks or more and stages with MoE
+    layers): each op that issues them is cut into segments (`pipec.sim.segments`, an overlapped pair's in
+    `pair_order` unless `overlap` is False), and each all-to-all is a message on a fourth channel per rank
+    (R * R + 3R + rank), the expert link, taking `CostModel.a2a_time`; the segment after it waits for it.
     """
     S, m, R = prog.num_stages, prog.num_microbatches, prog.num_ranks
     if costs.num_stages != S or costs.latency.shape != (R, R):
@@ -307,20 +334,34 @@ def plan(prog: Program, costs: CostModel) -> Plan:
     # optimizer steps with a cost: the STEPs become stream ops (as with data parallelism) that take it
     stepping = costs.step is not None and bool((costs.step > 0).any()) and bool((op == STEP).any())
     host = bool(IS_HOST[op].any())  # OFFLOAD/RELOAD: a host-link stream per rank, as the collectives' stream
+    layers = prog.a2a_layers
+    moe = bool(counts(op, stage, layers).any())  # some op issues all-to-alls
     wait_for = None
-    if dp or stepping or host:
-        op, mb, stage, peer, rank, wait_for = _with_waits(op, mb, stage, peer, rank, S, m, blocking)
+    group = np.concatenate([rp.group for rp in prog.ranks]) if sum(lengths) else np.zeros(0, dtype=bool)
+    if dp or stepping or host or moe:
+        op, mb, stage, peer, rank, wait_for, group = _with_waits(op, mb, stage, peer, rank, S, m, blocking, group)
+        lengths = np.bincount(rank, minlength=R).tolist()
+    cutting = None
+    is_a2a = np.zeros(len(op), dtype=bool)
+    if moe:
+        cutting = cut(op, mb, stage, peer, rank, wait_for, group, layers, overlap)
+        op, mb, stage, peer, rank = cutting.op, cutting.mb, cutting.stage, cutting.peer, cutting.rank
+        wait_for = cutting.wait_for
+        is_a2a = cutting.a2a >= 0
         lengths = np.bincount(rank, minlength=R).tolist()
 
     # Compute ops: duration and the message each one waits for (the table's `needs`, when its sender
     # is on another rank; one on the same rank hands over locally, earlier on the same stream). With
     # data parallelism the stream's ops also hold STEPs and the inserted waits (zero cost, `real` False).
     # A RECOMPUTE is a compute op of the stream too (its stage's F; no message to wait for).
-    streamed = dp or stepping or host
+    streamed = dp or stepping or host or moe
     cidx = np.flatnonzero(ON_COMPUTE[op] | (op == STEP)) if streamed else np.flatnonzero(ON_COMPUTE[op])
+    cidx = cidx[~is_a2a[cidx]]
     n = len(cidx)
     c_op, c_mb, c_s, c_rank = op[cidx], mb[cidx], stage[cidx], rank[cidx]
     cost = costs.compute_time(c_op, c_s, c_mb) if n else np.zeros(0)
+    if cutting is not None:  # a segment takes an equal share of its op
+        cost = cost / cutting.nseg[cidx]
     real = ON_COMPUTE[c_op] if streamed else None
     is_step = None
     if real is not None:
@@ -329,6 +370,8 @@ def plan(prog: Program, costs: CostModel) -> Plan:
         cost = np.where(real, cost, np.where(is_step, step_cost, 0.0))
     msg, sender = NEEDS_MSG[c_op], c_s + NEEDS_STAGE[c_op]
     remote = (msg >= 0) & (sender >= 0) & (sender < S) & (placement[np.clip(sender, 0, S - 1)] != c_rank)
+    if cutting is not None:  # a later segment waits for its all-to-all instead (below)
+        remote &= cutting.seg[cidx] <= 0
     want = np.where(remote, (msg * S + sender) * m + c_mb, -1)
 
     # Messages, one per send, in issue order; the compute just before each send gives its clock.
@@ -357,21 +400,26 @@ def plan(prog: Program, costs: CostModel) -> Plan:
     size, txd, lat = costs.wire(s_kind, s_stage, s_src, s_dst, s_mb)
     chan = s_src * R + s_dst
     group = shared_links(costs, s_src, s_dst, txd) if M else None
-    p2p = k_pos = hold = h_ids = None
+    p2p = k_pos = hold = h_ids = a_ids = None
     midx = sidx  # every message's instruction, in issue order (with data parallelism: collectives too)
     if streamed:
-        midx = np.flatnonzero(IS_SEND[op] | IS_COLLECTIVE[op] | (op == RESHARD) | IS_HOST[op])
+        midx = np.flatnonzero(IS_SEND[op] | IS_COLLECTIVE[op] | (op == RESHARD) | IS_HOST[op] | is_a2a)
         p2p = np.searchsorted(midx, sidx)  # each p2p message's id among all messages
-        is_h = IS_HOST[op[midx]]
-        is_k = ~IS_SEND[op[midx]] & ~is_h
+        is_a = is_a2a[midx]
+        is_h = IS_HOST[op[midx]] & ~is_a
+        is_k = ~IS_SEND[op[midx]] & ~is_h & ~is_a
         k_pos = midx[is_k]
         k_op = op[k_pos]
         k_txd = costs.collective_time(k_op, stage[k_pos], rank[k_pos], prog.dp, prog.dp_kind)
         all_txd, all_lat = np.zeros(len(midx)), np.zeros(len(midx))
         # Channels past the R * R of rank pairs: each rank's collective stream, its RESHARDs, its host link.
         all_chan = R * R + rank[midx] + np.where(op[midx] == RESHARD, R, 0) + np.where(is_h, 2 * R, 0)
+        all_chan = np.where(is_a, R * R + 3 * R + rank[midx], all_chan)
         all_txd[p2p], all_lat[p2p], all_chan[p2p] = txd, lat, chan
         all_txd[is_k] = k_txd
+        a_ids = np.flatnonzero(is_a)
+        if len(a_ids):  # the all-to-alls on each rank's expert link
+            all_txd[a_ids] = costs.a2a_time(stage[midx[a_ids]], rank[midx[a_ids]], prog.experts.size, prog.dp)
         h_ids = np.flatnonzero(is_h)
         if len(h_ids):  # OFFLOAD/RELOAD: what the F keeps over the host link (its input when recomputed)
             h_pos = midx[h_ids]
@@ -398,6 +446,8 @@ def plan(prog: Program, costs: CostModel) -> Plan:
         if len(p2p):
             need = np.where(need >= 0, p2p[np.maximum(need, 0)], -1)
         need = _collective_needs(need, op, stage, rank, cidx, midx, wait_for, S)
+        if cutting is not None:
+            need = a2a_needs(need, cutting, cidx, midx)
         txd, lat, chan = all_txd, all_lat, all_chan
         M = len(midx)
     s_src_all = rank[midx]
@@ -477,10 +527,11 @@ def plan(prog: Program, costs: CostModel) -> Plan:
         h_mb=None if h_ids is None else mb[midx[h_ids]],
         h_stage=None if h_ids is None else stage[midx[h_ids]],
         h_rank=None if h_ids is None else rank[midx[h_ids]],
+        **({} if cutting is None else a2a_plan(cutting, cidx, midx, a_ids)),
     )
 
 
-def _with_waits(op, mb, stage, peer, rank, S: int, m: int, blocking: bool = False):
+def _with_waits(op, mb, stage, peer, rank, S: int, m: int, blocking: bool = False, group=None):
     """The instruction columns with a zero-cost wait (coded STEP, stage s) inserted right before the next
     compute of stage s on its rank after each UNSHARD s, right before the BWD i s after each RELOAD i s (the
     RECOMPUTE i s when there is one: it computes from what comes back), and with `blocking` (collectives
@@ -529,6 +580,8 @@ def _with_waits(op, mb, stage, peer, rank, S: int, m: int, blocking: bool = Fals
     ]
     wait_for = np.full(N + K, -1, dtype=np.int64)
     wait_for[inv[N:]] = inv[src]
+    if group is not None:  # the pair flags, an inserted wait binding nothing
+        return (*cols, wait_for, np.concatenate([group, np.zeros(K, dtype=bool)])[order])
     return (*cols, wait_for)
 
 
@@ -655,7 +708,7 @@ class Stats:
 def stats(tl: Timeline, memory: dict[str, np.ndarray] | None = None) -> Stats:
     """The numbers of a Timeline (simulated or measured); peak memory per rank when a memory model is given."""
     R = tl.num_ranks
-    busy = np.bincount(tl.rank, weights=tl.end - tl.start, minlength=R)
+    busy = tl.busy()
     first = np.full(R, np.inf)
     last = np.full(R, -np.inf)
     np.minimum.at(first, tl.rank, tl.start)

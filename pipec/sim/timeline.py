@@ -9,7 +9,7 @@ events (OFFLOAD, RELOAD) when the link moved a micro-batch's activations.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -69,6 +69,24 @@ class Timeline:
     host_stage: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     host_start: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=float))
     host_end: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=float))
+    # Expert parallelism (docs/moe.md; empty without all-to-alls): each all-to-all, one row each (its rank,
+    # the opcode that issued it, FWD or BWD, its micro-batch and stage, its index within that op, and when
+    # the rank's expert link ran it); and the compute segments of ops cut at their all-to-alls (an op's row
+    # above spans from its first segment's start to its last's end, the other op of an overlapped pair and
+    # its own all-to-alls running in between), which are what the rank computed.
+    a2a_rank: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    a2a_op: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    a2a_mb: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    a2a_stage: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    a2a_index: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    a2a_start: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=float))
+    a2a_end: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=float))
+    seg_rank: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    seg_op: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    seg_mb: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    seg_stage: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    seg_start: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=float))
+    seg_end: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=float))
     # The replicas per rank and how they share parameters (the Program's dp, dp_kind): fsdp's memory is
     # sharded, with the gathered windows on top.
     dp: int = 1
@@ -94,6 +112,32 @@ class Timeline:
         if len(self.step_end):
             last = max(last, float(self.step_end.max()))
         return last - first
+
+    def computed(self) -> Timeline:
+        """This Timeline with each op cut at its all-to-alls drawn as its segments: one compute row per
+        interval the rank computed (itself when nothing is cut). What the pictures draw and `busy` sums."""
+        if not len(self.seg_rank):
+            return self
+        S1, M1, K = int(self.stage.max()) + 1, int(self.mb.max()) + 1, len(OPCODES)
+
+        def key(r, st, m, op):
+            return ((r * S1 + st) * M1 + m) * K + op
+
+        keep = ~np.isin(
+            key(self.rank, self.stage, self.mb, self.op), key(self.seg_rank, self.seg_stage, self.seg_mb, self.seg_op)
+        )
+        cols = {
+            c: np.concatenate([getattr(self, c)[keep], getattr(self, f"seg_{c}")])
+            for c in ("rank", "op", "mb", "stage", "start", "end")
+        }
+        order = np.lexsort((cols["start"], cols["rank"]))
+        return replace(self, **{c: v[order] for c, v in cols.items()})
+
+    def busy(self) -> np.ndarray:
+        """Per rank, the time it computed: its ops' rows, where an op was cut at its all-to-alls its
+        segments instead (the row of a cut op also spans its waits and the other op of its pair)."""
+        tl = self.computed()
+        return np.bincount(tl.rank, weights=tl.end - tl.start, minlength=self.num_ranks)
 
     def rank_events(self, rank: int) -> list[tuple[str, int, int, float, float]]:
         """(opcode name, micro-batch, stage, start, end) of one rank, in start order."""

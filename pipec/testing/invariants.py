@@ -622,7 +622,7 @@ def check_invariants(
     is compiled with `data_parallel` (default: none); an fsdp Program's memory is recomputed from its
     windows.
     """
-    from pipec.passes.expect import check_expectations
+    from pipec.driver import check_expectations  # the driver's: its simulations for `overlap_gain`
     from pipec.sim.costs import cost_model
     from pipec.sim.memory import memory_model
     from pipec.sim.simulate import simulate, stats

@@ -226,6 +226,15 @@ def timeline_panel(
         "end": encode(tl.host_end[h_order] - t0, "f4"),
     }
     panel["host_off"] = _offsets(tl.host_rank[h_order], tl.num_ranks)
+    a_order = np.lexsort((tl.a2a_start, tl.a2a_rank))  # expert parallelism's all-to-alls, a lane like the host's
+    panel["a2a"] = {
+        "op": encode(tl.a2a_op[a_order], "u1"),
+        "mb": encode(tl.a2a_mb[a_order], "i4"),
+        "stage": encode(tl.a2a_stage[a_order], "i2"),
+        "start": encode(tl.a2a_start[a_order] - t0, "f4"),
+        "end": encode(tl.a2a_end[a_order] - t0, "f4"),
+    }
+    panel["a2a_off"] = _offsets(tl.a2a_rank[a_order], tl.num_ranks)
     # Gaps, by rank and start; what each waited for, as (kind, index in the page's order of that kind).
     remap = {COMPUTE: new_index, MESSAGE: m_new, COLLECTIVE: _inverse(c_order), HOST: _inverse(h_order)}
     widx = att.gap_index.copy()
@@ -415,11 +424,14 @@ def view_document(
     data_parallel: object = None,
     compare: object = None,
     measured: str | None = None,
+    experts: object = None,
+    moe_layers: Sequence[int] | None = None,
 ) -> dict[str, object]:
     """The document `pipec view` writes: a trace file's run; or the target simulated (beside `compare`'s, each
     taking the parameters it declares), with the `measured` run laid over it (simulated, without `docs`, in
     the run's median op times per stage, `costs_of_timeline`); a schedule refused for a deadlock
-    (E401) drawn with its chain of waits instead of failing. Other refusals raise their diagnostics."""
+    (E401) drawn with its chain of waits instead of failing. Other refusals raise their diagnostics.
+    `experts` and `moe_layers` (`pipec.driver.simulation`'s) draw each rank's all-to-alls in a lane of their own."""
     from pipec import driver
     from pipec.errors import PipecError
     from pipec.formats.trace import read_trace
@@ -448,7 +460,9 @@ def view_document(
         obj, where = driver.target_of(t, given)
         dp = None if isinstance(obj, Program) else data_parallel
         try:
-            sim = driver.simulation(obj, docs, driver.memory_overrides(docs, memory), topology, where, dp)
+            ep = None if isinstance(obj, Program) else experts
+            overrides = driver.memory_overrides(docs, memory)
+            sim = driver.simulation(obj, docs, overrides, topology, where, dp, ep, moe_layers)  # type: ignore[arg-type]
         except PipecError as e:
             if e.code != "E401" or not isinstance(obj, Schedule):
                 raise

@@ -31,6 +31,9 @@ WAIT_COLOR = "#e9a3a3"
 # Memory ops on the host link (the Timeline's `host_*` rows): a lane of their own at the bottom of each row.
 HOST_COLORS = {OFFLOAD: "#b07aa1", RELOAD: "#59a14f"}
 HOST_NAMES = {OFFLOAD: "offload", RELOAD: "reload"}
+# Expert parallelism's all-to-alls (the Timeline's `a2a_*` rows), by the op that issues them: a lane too.
+A2A_COLORS = {FWD: "#d65f5f", BWD: "#c4ad66"}
+A2A_NAMES = {FWD: "all-to-all (F)", BWD: "all-to-all (B)"}
 
 
 @dataclass(frozen=True)
@@ -131,7 +134,8 @@ def plot_timelines(panels: Sequence[Panel], path: str | Path, *, width: float | 
     plot_w_in = width * 0.86  # inches of axis width, for fitting labels
     ai = 0
     for p in panels:
-        tl = p.timeline
+        full = p.timeline
+        tl = full.computed()  # ops cut at their all-to-alls as their segments
         ax = axes[ai]
         ai += 1
         R = tl.num_ranks
@@ -143,7 +147,8 @@ def plot_timelines(panels: Sequence[Panel], path: str | Path, *, width: float | 
         has_coll = len(tl.coll_rank) > 0
         h_rank = getattr(tl, "host_rank", np.zeros(0, np.int64))
         has_host = len(h_rank) > 0
-        low = -0.2 if has_coll or has_host else -0.42  # collectives and host transfers: lanes at the bottom
+        has_a2a = len(full.a2a_rank) > 0
+        low = -0.2 if has_coll or has_host or has_a2a else -0.42  # collectives and host transfers: lanes at the bottom
         for j in range(len(tl.rank)):
             s, e, y = float(tl.start[j]), float(tl.end[j]), R - 1 - y0[j]
             boxes.append([(s, y + low), (s, y + 0.42), (e, y + 0.42), (e, y + low)])
@@ -169,6 +174,11 @@ def plot_timelines(panels: Sequence[Panel], path: str | Path, *, width: float | 
             s, e, y = float(tl.host_start[j]), float(tl.host_end[j]), R - 1 - float(h_rank[j])
             lane.append([(s, y + h_bot), (s, y - 0.22), (e, y - 0.22), (e, y + h_bot)])
             lane_colors.append(HOST_COLORS.get(int(tl.host_op[j]), "#999999"))
+        a_bot = -0.31 if has_coll or has_host else -0.42  # all-to-alls: a lane of their own, like the host link
+        for j in range(len(full.a2a_rank)):
+            s, e, y = float(full.a2a_start[j]), float(full.a2a_end[j]), R - 1 - float(full.a2a_rank[j])
+            lane.append([(s, y + a_bot), (s, y - 0.22), (e, y - 0.22), (e, y + a_bot)])
+            lane_colors.append(A2A_COLORS.get(int(full.a2a_op[j]), "#999999"))
         if lane:
             ax.add_collection(PolyCollection(lane, facecolors=lane_colors, edgecolors="none"))
         # Micro-batch numbers: font size from the narrowest box, skipped when boxes are too thin.
@@ -217,6 +227,8 @@ def plot_timelines(panels: Sequence[Panel], path: str | Path, *, width: float | 
             handles.append(Patch(color=HOST_COLORS.get(k, "#999999"), label=HOST_NAMES.get(k, str(k))))
         if len(tl.wait_rank):
             handles.append(Patch(color=WAIT_COLOR, label="wait for collective"))
+        for k in sorted(set(full.a2a_op.tolist())):
+            handles.append(Patch(color=A2A_COLORS.get(k, "#999999"), label=A2A_NAMES.get(k, str(k))))
         ax.legend(
             handles=handles,
             loc="upper left",
@@ -280,7 +292,11 @@ def text_gantt(tl: Timeline, width: int = 120, ranks: Sequence[int] | None = Non
     lower-case letters mark a rank's second (odd) chunk. The time
     scale gives the shortest op room for its label; a long schedule wraps into bands of `width` columns.
     With data parallelism each rank's row has a `coll` row under it: `R1` where stage 1's gradient
-    reduction runs, `U1` its all-gather, `|` a reshard; `~` in the rank's row where it waits for one."""
+    reduction runs, `U1` its all-gather, `|` a reshard; `~` in the rank's row where it waits for one. With
+    expert parallelism ops cut at their all-to-alls show as their segments, and an `a2a` row under each
+    rank shows its all-to-alls (`F3=` while one of F3's runs on the expert link)."""
+    full = tl
+    tl = tl.computed()
     R = tl.num_ranks
     shown = list(range(R)) if ranks is None else list(ranks)
     label_w = len(f"rank {max(shown, default=0)}") + 1
@@ -329,6 +345,21 @@ def text_gantt(tl: Timeline, width: int = 120, ranks: Sequence[int] | None = Non
                 continue
             label = (label if len(label) <= b - a else letter).ljust(b - a, "=")
             row[a : min(b, total)] = list(label[: total - a])
+    a2a = None
+    if len(full.a2a_rank):
+        total = max(total, int(math.ceil(float(full.a2a_end.max()) * scale - 1e-9)))
+        for row in lines:
+            row.extend(["."] * (total - len(row)))
+        if coll is not None:
+            for row in coll:
+                row.extend([" "] * (total - len(row)))
+        a2a = [[" "] * total for _ in range(R)]
+        for j in range(len(full.a2a_rank)):
+            a = int(math.floor(full.a2a_start[j] * scale + 1e-9))
+            b = max(int(math.floor(full.a2a_end[j] * scale + 1e-9)), a + 1)
+            label = f"{LETTER.get(int(full.a2a_op[j]), '?')}{int(full.a2a_mb[j])}"
+            label = (label if len(label) <= b - a else label[0]).ljust(b - a, "=")
+            a2a[int(full.a2a_rank[j])][a : min(b, total)] = list(label[: total - a])
     # Time ticks every ~10 columns, at round times.
     ticks = [" "] * (total + 16)
     step = _nice_step(10 / scale)
@@ -347,6 +378,8 @@ def text_gantt(tl: Timeline, width: int = 120, ranks: Sequence[int] | None = Non
             out.append((f"rank {r}".ljust(label_w) + "".join(lines[r][lo : lo + cols])).rstrip())
             if coll is not None:
                 out.append((" coll".ljust(label_w) + "".join(coll[r][lo : lo + cols])).rstrip())
+            if a2a is not None:
+                out.append((" a2a".ljust(label_w) + "".join(a2a[r][lo : lo + cols])).rstrip())
     return "\n".join(out)
 
 

@@ -93,6 +93,7 @@ def to_json(sim: Simulation) -> dict:
         "collectives": int(len(tl.coll_rank)),
         "collective_busy": _num(sum(r.collective_busy for r in st.ranks)),
         "collective_exposed": _num(max((r.collective_exposed for r in st.ranks), default=0.0)),
+        **experts_json(sim),
         "per_rank": [
             {
                 "rank": r.rank,
@@ -112,6 +113,41 @@ def to_json(sim: Simulation) -> dict:
             for r in st.ranks
         ],
     }
+
+
+def experts_json(sim: Simulation) -> dict:
+    """`experts` of a JSON summary, only for a Program with expert parallelism or MoE layers: the expert
+    group, the experts and MoE layers per stage, whether pairs overlapped, and the all-to-alls (how many,
+    the busiest expert link's time)."""
+    prog, tl = sim.compiled.program, sim.timeline
+    if prog.experts.size == 1 and not any(prog.moe_layers):
+        return {}
+    busy = np.bincount(tl.a2a_rank, weights=tl.a2a_end - tl.a2a_start, minlength=tl.num_ranks)
+    return {
+        "experts": {
+            "ep": prog.experts.size,
+            "experts": prog.experts.num,
+            "moe_layers": list(prog.moe_layers),
+            "overlap": sim.overlap,
+            "all_to_alls": int(len(tl.a2a_rank)),
+            "a2a_busy": _num(float(busy.max()) if len(busy) else 0.0),
+        }
+    }
+
+
+def _experts_text(sim: Simulation) -> str | None:
+    e = experts_json(sim).get("experts")
+    if e is None:
+        return None
+    from pipec.ir.experts import layers_text
+    from pipec.ir.opcodes import IS_COMPUTE
+
+    pairs = any(rp.group[IS_COMPUTE[rp.op]].any() for rp in sim.compiled.program.ranks)
+    how = "" if not pairs else ", overlapped pairs" if e["overlap"] else ", pairs one op after the other (--no-overlap)"
+    return (
+        f"experts: {e['experts']} over an expert group of {e['ep']}, MoE layers {layers_text(e['moe_layers'])}, "
+        f"{e['all_to_alls']} all-to-alls (busiest expert link {_g(e['a2a_busy'])}){how}"
+    )
 
 
 def _g(x: float) -> str:
@@ -151,6 +187,9 @@ def summary_text(sim: Simulation) -> str:
     sliced = slices_text(s)
     if sliced:
         costs += "\n" + sliced
+    moe = _experts_text(sim)
+    if moe:
+        costs += "\n" + moe
     rows = [("rank", "first", "last", "busy", "idle", "peak memory")]
     mc = curves_of(sim)
     if mc.offloads:

@@ -54,6 +54,7 @@ from pipec.runtime.host.affinity import allowed_cpus, bind_local_rank
 from pipec.runtime.model.contract import Model, default_optimizer
 from pipec.runtime.profile.collectives import DP_KINDS, Collectives, measure_collectives
 from pipec.runtime.profile.common import rounded, stage_modules
+from pipec.runtime.profile.experts import AllToAll, measure_all_to_all, moe_layout
 from pipec.runtime.profile.links import measure_link
 from pipec.runtime.profile.slices import SliceFit, measure_slices
 
@@ -83,6 +84,10 @@ class Profile:
     # per stage, from `stage_bytes`: saved_bytes, wsaved_bytes, input_bytes, state_bytes, offload (seconds)
     memory: dict[str, list] = field(default_factory=dict)
     slices: SliceFit | None = None  # `measure_slices`: the (length, context) grid and the fit of attn, op_fixed
+    # expert parallelism (pipec.runtime.profile.experts): per stage `moe_layers` and, with an expert group,
+    # `a2a_bytes` (empty: no MoE layer); the group's timed all-to-all and its fitted link (None: not timed)
+    moe: dict[str, list] = field(default_factory=dict)
+    a2a: AllToAll | None = None
 
     def cost_doc(self) -> dict:
         """The cost file's document (for `pipec.sim.cost_files.dump_costs`)."""
@@ -127,6 +132,10 @@ class Profile:
             doc["comment"] += f"; attn and op_fixed fitted to {fitted}"
             doc["attn"] = rounded(self.slices.attn)
             doc["op_fixed"] = rounded(self.slices.op_fixed)
+        doc.update(self.moe)
+        if self.a2a is not None:
+            doc["comment"] += f"; all-to-all on an expert group of {self.a2a.size}"
+            doc.update(self.a2a.cost_keys())
         if self.collectives is not None:
             doc["comment"] += f"; collectives on a data-parallel group of {self.collectives.size}"
             doc.update(self.collectives.cost_keys(self.param_bytes))
@@ -144,6 +153,8 @@ class Profile:
         }
         if self.collectives is not None:
             doc["measured"]["collectives"] = self.collectives.measured()
+        if self.a2a is not None:
+            doc["measured"]["all_to_all"] = self.a2a.measured()
         if self.slices is not None:
             doc["measured"]["slices"] = self.slices.measured()
         if self.in_situ is not None:
@@ -212,8 +223,11 @@ def profile(
     the Program's own, `program.dp` and `program.dp_kind`): with `dp` > 1 and `comm`, the collectives of a
     data-parallel group of `dp` processes are timed too (`measure_collectives`), and the file gets the
     ring model's `dp_latency` and `dp_bandwidth`, each stage's `param_bytes`, and its measured
-    `reduce_grad` (and, for fsdp, `unshard`) times. With `slices` N, the stages are also timed on token
-    slices of N-ths of the sequence (`measure_slices`) and the file gets the fitted `attn` and `op_fixed`."""
+    `reduce_grad` (and, for fsdp, `unshard`) times. A model with MoE layers gets each stage's `moe_layers`
+    and, for a Program with an expert group of `ep` > 1 ranks, its `a2a_bytes` and (with `comm`) the expert
+    link's `ep_latency` and `ep_bandwidth` from timed all-to-alls (pipec.runtime.profile.experts). With
+    `slices` N, the stages are also timed on token slices of N-ths of the sequence (`measure_slices`) and the
+    file gets the fitted `attn` and `op_fixed`."""
     say = progress or (lambda _: None)
     if slices is not None and slices < 2:
         raise PipelineError(f"--slices {slices}: time slices of at least halves of the sequence (2 or more)")
@@ -311,6 +325,16 @@ def profile(
                 world=program.num_ranks * dp,
             )
             prof.info["collectives"] = prof.collectives.how
+    ep = program.experts.size
+    layout = moe_layout(program, model, ep, seed=seed, device=device, dp=dp)
+    prof.moe = {k: v for k, v in layout.items() if k != "a2a_bytes" or ep > 1}
+    if comm and ep > 1:
+        if device.type != "cpu" or backend != "gloo":
+            prof.info["all_to_all"] = f"not measured ({backend} on {device.type}: profile measures gloo on CPU only)"
+        else:
+            say(f"timing all_to_all_single on an expert group of {ep} gloo processes")
+            prof.a2a = measure_all_to_all(ep, reps=max(reps, 3), warmup=max(warmup, 1), world=procs)
+            prof.info["all_to_all"] = prof.a2a.how
     return prof
 
 
@@ -601,6 +625,17 @@ def summary_lines(prof: Profile) -> list[str]:
             f"param bytes {c.stage_bytes}, reduce_grad ms "
             f"{[round(x * 1e3, 3) for x in c.stage_times('all_reduce' if c.kind == 'ddp' else 'reduce_scatter')]}"
             + (f", unshard ms {[round(x * 1e3, 3) for x in c.stage_times('all_gather')]}" if c.kind == "fsdp" else "")
+        )
+    if prof.moe:
+        lines.append(
+            f"MoE layers per stage {prof.moe['moe_layers']}"
+            + (f", bytes one rank sends per all-to-all {prof.moe['a2a_bytes']}" if "a2a_bytes" in prof.moe else "")
+        )
+    if prof.a2a is not None:
+        a = prof.a2a
+        lines.append(
+            f"all-to-all ({a.how}): latency {a.latency * 1e6:.1f} us, bandwidth {a.bandwidth / 1e9:.3g} Gbit/s "
+            f"(worst error {a.worst_fit_error():.0%})"
         )
     if prof.in_situ is not None:
         situ = prof.in_situ

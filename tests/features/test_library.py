@@ -31,6 +31,8 @@ MAIN_CONFIGS: dict[str, list[dict[str, int]]] = {
     "zb-h2": [dict(p=4, m=8), dict(p=8, m=24)],
     "zb-v": [dict(p=4, m=8), dict(p=4, m=7), dict(p=8, m=32)],
     "dualpipe-v": [dict(p=4, m=8), dict(p=4, m=20), dict(p=8, m=32)],
+    # Megatron-LM's combined 1F1B (--overlap-moe-expert-parallel-comm) over the interleaved configurations.
+    "combined-1f1b": [dict(p=4, v=2, m=8), dict(p=4, v=4, m=16), dict(p=8, v=2, m=32)],
     # Pipeline Parallelism with Controllable Memory (NeurIPS 2024): the issue-19 reference points.
     "v-half": [dict(p=4, m=8), dict(p=8, m=16)],
     "v-min": [dict(p=4, m=8), dict(p=8, m=16)],

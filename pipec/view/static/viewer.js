@@ -152,6 +152,7 @@ const PipecView = (() => {
         this.lanes.push({ P, type: "title", y, h: 18 });
         y += 18;
         const hasColl = P.colls.op.length > 0, hasHost = P.host.op.length > 0;
+        const hasA2a = !!P.a2a && P.a2a.op.length > 0;
         const hasMem = this.show.memory && P.memory;
         P.maxMsg = [];
         for (let r = 0; r < P.ranks; r++) {
@@ -162,6 +163,7 @@ const PipecView = (() => {
           if (P.kind !== "deadlock") { this.lanes.push({ P, r, type: "p2p", y, h: 11 }); y += 11; }
           if (hasColl) { this.lanes.push({ P, r, type: "coll", y, h: 9 }); y += 9; }
           if (hasHost) { this.lanes.push({ P, r, type: "host", y, h: 9 }); y += 9; }
+          if (hasA2a) { this.lanes.push({ P, r, type: "a2a", y, h: 9 }); y += 9; }
           if (hasMem) { this.lanes.push({ P, r, type: "mem", y, h: 30 }); y += 30; }
           y += 5;
         }
@@ -204,6 +206,7 @@ const PipecView = (() => {
         else if (L.type === "p2p") this.drawMsgs(L);
         else if (L.type === "coll") this.drawSpans(L, L.P.colls, L.P.coll_off);
         else if (L.type === "host") this.drawSpans(L, L.P.host, L.P.host_off);
+        else if (L.type === "a2a") this.drawSpans(L, L.P.a2a, L.P.a2a_off);
         else if (L.type === "mem") this.drawMem(L);
       }
       if (this.show.arrows) this.drawArrows();
@@ -241,7 +244,7 @@ const PipecView = (() => {
           ctx.fillText(L.P.title, 4, L.y + 13);
           ctx.font = "10px system-ui, sans-serif";
         } else {
-          const name = L.type === "ops" ? `rank ${L.r}` : { p2p: "send/recv", coll: "collective", host: "host link", mem: "memory" }[L.type];
+          const name = L.type === "ops" ? `rank ${L.r}` : { p2p: "send/recv", coll: "collective", host: "host link", a2a: "all-to-all", mem: "memory" }[L.type];
           ctx.fillStyle = L.type === "ops" ? "#222" : "#778";
           ctx.font = L.h < 12 ? "8px system-ui, sans-serif" : "10px system-ui, sans-serif";
           ctx.fillText(name, 4, L.y + Math.min(L.h - 1, 15));
@@ -559,8 +562,9 @@ const PipecView = (() => {
         }
         return null;
       }
-      if (L.type === "coll" || L.type === "host") {
-        const S = L.type === "coll" ? P.colls : P.host, off = L.type === "coll" ? P.coll_off : P.host_off;
+      if (L.type === "coll" || L.type === "host" || L.type === "a2a") {
+        const S = { coll: P.colls, host: P.host, a2a: P.a2a }[L.type];
+        const off = { coll: P.coll_off, host: P.host_off, a2a: P.a2a_off }[L.type];
         for (let i = off[r]; i < off[r + 1]; i++) {
           if (S.start[i] - slack <= tm && tm <= S.end[i] + slack) {
             const mb = S.mb ? ` micro-batch ${this.mbLabel(P, S.mb[i])}` : "";

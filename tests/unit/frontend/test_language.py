@@ -781,7 +781,7 @@ def test_cost_and_memory_errors():
     assert (
         fails(body + "cost X = 1", "E108").message
         == "unknown cost `X`; known: F, B, W, comm, act_bytes, grad_bytes, param_bytes, reduce_grad, unshard, step, "
-        "saved_bytes, wsaved_bytes, input_bytes, state_bytes, offload, attn, op_fixed"
+        "saved_bytes, wsaved_bytes, input_bytes, state_bytes, offload, attn, op_fixed, moe_layers, a2a, a2a_bytes"
     )
     known = "act, wact, ckpt, params, limit, host_limit"
     assert fails(body + "memory foo = 1", "E108").message == f"unknown memory `foo`; known: {known}"

@@ -390,7 +390,9 @@ def report_json(sched, prog, c) -> dict:
 
     tl = simulate(prog, c)
     mem = memory_model(sched, None)
-    compiled = type("C", (), {"schedule": sched})()
+    from pipec.passes.compiler import CompiledSchedule
+
+    compiled = CompiledSchedule(sched, prog, ())
     return report.to_json(Simulation(compiled, c, mem, tl, stats(tl, mem)))
 
 
