@@ -119,7 +119,10 @@ class ExpertGroup:
         return getattr(self.local, "op", None)
 
     def _who(self, op: OpRun | None) -> str:
-        me = f"rank {self.rank} (replica {self.dp_rank}, member {self.index} of its expert group)"
+        me = (
+            f"pipeline rank {self.rank}, replica {self.dp_rank} (job rank {self.members[self.index]}, member "
+            f"{self.index} of its expert group)"
+        )
         if op is None:
             return f"{me} at {self.where()}"
         return f"{me} at step {self.step + 1}, instruction #{op.index} `{op.label}` (stage {op.stage})"
