@@ -149,7 +149,8 @@ class ExpertGroup:
         if len(counts) % n:
             raise PipelineError(f"{self._who(self._op())}: {len(counts)} expert counts do not split over {n} ranks")
         held = len(counts) // n
-        send_counts = torch.tensor(counts, dtype=torch.int64).view(n, held)  # [destination, its expert]
+        # [destination, its expert], on the tokens' device (NCCL exchanges device tensors only)
+        send_counts = torch.tensor(counts, dtype=torch.int64, device=tokens.device).view(n, held)
         recv_counts = torch.empty_like(send_counts)  # [source, my expert]
         op = self._op()
         try:
@@ -161,7 +162,7 @@ class ExpertGroup:
         recv = recv_counts.sum(1).tolist()
         got = AllToAll.apply(tokens, self, send, recv, "dispatch")  # rows grouped [source][expert]
         # regroup by my expert ([expert][source]), run them, and put the rows back
-        order = _regroup(recv_counts)
+        order = _regroup(recv_counts.cpu()).to(tokens.device)
         out = local(got[order], recv_counts.sum(0).tolist())
         back = torch.empty_like(out).index_copy(0, order, out) if len(order) else out
         return AllToAll.apply(back, self, recv, send, "combine")
@@ -196,16 +197,16 @@ class ExpertGroup:
         stage = op.stage if op is not None else -1
         parts, at = [], 0
         for i, k in enumerate(send):
-            head = torch.zeros(rows * width, dtype=x.dtype)
+            head = torch.zeros(rows * width, dtype=x.dtype, device=x.device)
             t = arrival[i]
             whole = math.floor(t)
             head[:HEADER] = torch.tensor(
                 [self.step, index, number, stage, opcode, whole, t - whole, 0.0], dtype=x.dtype
-            )[: min(HEADER, rows * width)]
+            ).to(x.device)  # rows * width >= HEADER
             parts += [head.view(rows, width), x[at : at + k]]
             at += k
         buf = torch.cat(parts)
-        out = torch.empty(sum(recv) + rows * self.size, width, dtype=x.dtype)
+        out = torch.empty(sum(recv) + rows * self.size, width, dtype=x.dtype, device=x.device)
         try:
             work = torch.distributed.all_to_all_single(
                 out,

@@ -122,6 +122,14 @@ class Links:
                 if lat or math.isfinite(bw)
             ]
             seen.append("data-parallel ring " + ", ".join(hops))
+        pairs = [
+            f"{a}->{b} {_fmt(*hop)}"
+            for a, row in enumerate(self.replica)
+            for b, hop in enumerate(row)
+            if hop is not None
+        ]
+        if pairs:
+            seen.append("between replicas (expert all-to-alls) " + ", ".join(pairs))
         return "emulated links: " + ("; ".join(seen) if seen else "none (nothing crosses two datacenters)")
 
 
