@@ -16,7 +16,8 @@ its spread, and `gain` = 1 - overlap / serial (the goal: >= 0.20).
 `predicted_gain` beside the measured gain, when `pipec simulate` has `--no-overlap` (else `predicted` says
 why not).
 
-    python benchmarks/moe_overlap.py                  # dualpipe-v (+ combined-1f1b), 4 rounds
+    python benchmarks/moe_overlap.py                  # dualpipe-v (+ combined-1f1b), 4 rounds, the small model
+    python benchmarks/moe_overlap.py --size large     # 4x the tokens, 2x the width: more compute per all-to-all
     python benchmarks/moe_overlap.py --predict        # and the simulator's prediction
     python benchmarks/moe_overlap.py --smoke          # one round of 3 steps, dualpipe-v: the format (tests)
 """
@@ -39,7 +40,8 @@ ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 PIPEC = str(BIN / "pipec") if (BIN / "pipec").exists() else "pipec"
 MODEL = str(ROOT / "examples" / "moe.py")
-ENV = {"MOE_BATCH": "32", "MOE_CONTEXT": "16", "MOE_WIDTH": "32", "MOE_HIDDEN": "64", "OMP_NUM_THREADS": "1"}
+ENV = {"OMP_NUM_THREADS": "1"}  # examples/moe.py at its defaults (--size small)
+LARGE = {"MOE_BATCH": "32", "MOE_CONTEXT": "16", "MOE_WIDTH": "32", "MOE_HIDDEN": "64"}  # --size large
 LATENCY_MS, BANDWIDTH_GBPS = 5.0, 1.0
 TOPOLOGY = (
     'dc "east" replicas 0 .. 1  dc "west" replicas 1 .. 2  '
@@ -99,13 +101,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=7, help="steps per run (default 7; the first two are dropped)")
     ap.add_argument("--rounds", type=int, default=4, help="ABBA rounds (default 4)")
     ap.add_argument("--predict", action="store_true", help="also the simulator's prediction of the gain")
+    ap.add_argument(
+        "--size",
+        choices=("small", "large"),
+        default="small",
+        help="examples/moe.py at its defaults (small), or 4x the tokens and 2x the width (large)",
+    )
     smoke_flag(ap)
     a = ap.parse_args()
     names = schedules()
-    if a.smoke:  # one schedule, one round of 3 steps, the default small model
-        names, a.m, a.steps, a.rounds = names[:1], 4, 3, 1
-        for k in ("MOE_BATCH", "MOE_CONTEXT", "MOE_WIDTH", "MOE_HIDDEN"):
-            ENV.pop(k)
+    if a.smoke:  # one schedule, one round of 3 steps, the small model
+        names, a.m, a.steps, a.rounds, a.size = names[:1], 4, 3, 1, "small"
+    if a.size == "large":
+        ENV.update(LARGE)
     with tempfile.TemporaryDirectory(prefix="pipec-moe-") as tmp:
         for name in names:
             extra = predict(name, a.m, tmp) if a.predict else {}
@@ -122,7 +130,7 @@ def main() -> None:
                 schedule=name,
                 params={"p": 2, "m": a.m, "dp": 2, "ep": 2, "experts": 4},
                 link={"latency_ms": LATENCY_MS, "bandwidth_gbps": BANDWIDTH_GBPS},
-                model=ENV,
+                model={"size": a.size, **ENV},
                 **extra,
             )
             rec["gain"] = round(1 - rec["median_s"]["overlap"] / rec["median_s"]["serial"], 4)

@@ -43,7 +43,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -67,7 +67,7 @@ class OpRun:
     baton: Any = None  # pipec.runtime.exec.pairs.Baton when it runs in an overlapped pair
     slot: int = 0  # its place in the pair (0: the first op)
     count: int = 0  # all-to-alls issued so far
-    issued: list[float] = field(default_factory=list)  # issue times (for traces)
+    mb: int = -1  # its micro-batch (for the measured record)
 
 
 class ExpertGroup:
@@ -97,6 +97,9 @@ class ExpertGroup:
         self.local = threading.local()
         self.step = 0
         self.issued = 0  # all-to-alls this process issued (every step)
+        # the executor's measured events of this step, when recording: ("alltoall", opcode, mb, stage, number,
+        # issued, done, bytes sent) per all-to-all, on time.perf_counter() like the others (exec/measure.py)
+        self.record: list[tuple] | None = None
 
     # ---- which op is running on this thread -----------------------------------------------------
     @contextmanager
@@ -190,7 +193,7 @@ class ExpertGroup:
         rows = max(1, math.ceil(HEADER / width)) if width else 0
         if not width:
             raise PipelineError(f"{self._who(op)}: cannot send tokens of width 0 ({what})")
-        now = time.monotonic()
+        now, t_issue = time.monotonic(), time.perf_counter()
         arrival = self._arrivals(now, send, width * x.element_size())
         opcode = op.opcode if op is not None else -1
         index = op.index if op is not None else -1
@@ -220,7 +223,6 @@ class ExpertGroup:
             raise self._fail(f"issuing the {what} all-to-all", op, e) from e
         self.issued += 1
         if op is not None:
-            op.issued.append(now)
             if op.baton is not None:  # the pair's other op computes while this one travels
                 op.baton.handoff(op.slot)
         self._wait(work, f"the {what} all-to-all", op)
@@ -232,6 +234,10 @@ class ExpertGroup:
             pieces.append(out[at + rows : at + rows + r])
             at += rows + r
         self._hold(latest, op, what)
+        if self.record is not None:
+            sent = (sum(send) - (send[self.index] if self.index < len(send) else 0)) * width * x.element_size()
+            mb = op.mb if op is not None else -1
+            self.record.append(("alltoall", opcode, mb, stage, number, t_issue, time.perf_counter(), sent))
         return torch.cat(pieces)
 
     def _arrivals(self, now: float, send: list[int], row_bytes: int) -> list[float]:

@@ -200,7 +200,7 @@ class Executor:
         self._post_upto(self.recv_ahead)
         moe = self.moe
         if moe is not None:
-            moe.step = step
+            moe.step, moe.record = step, rec
         j = 0
         while j < n:
             self.at = j
@@ -401,7 +401,7 @@ class Executor:
     def _counted(self, j: int, got: Any, baton: Baton | None, slot: int) -> int:
         """Instruction j with its all-to-alls counted (and, in a pair, its turns taken from the baton)."""
         op, mb, s, _, _ = self.instrs[j]
-        run = OpRun(j, str(self.instr(j)), s, op, self._expected(j), baton, slot)
+        run = OpRun(j, str(self.instr(j)), s, op, self._expected(j), baton, slot, mb=mb)
         with self.moe.running(run):
             if baton is not None:
                 baton.start(slot)
