@@ -57,16 +57,7 @@ from pipec.runtime.exec.replicas import (
 from pipec.runtime.exec.shapes import KV, Specs, TensorSpec, fmt, handshake
 from pipec.runtime.exec.stage import Stage
 from pipec.runtime.model.contract import build_stage_module, default_optimizer
-from pipec.runtime.model.moe import (
-    ExpertGrads,
-    by_stage,
-    check_experts,
-    check_same_layers,
-    expert_groups,
-    is_expert,
-    layer_counts,
-    shard,
-)
+from pipec.runtime.model.moe import ExpertGrads, by_stage, expert_parallel, is_expert, layer_counts
 
 _IDS = itertools.count()
 # gloo: how many receives ahead of the Program's placement a rank posts (pipec.runtime.exec.executor says why).
@@ -318,43 +309,17 @@ class Runner:
     def _expert_parallel(
         self, modules: dict[int, torch.nn.Module], experts: Any, timeout: float, links: Any, where: str
     ) -> set[torch.nn.Parameter]:
-        """Shard the experts of this rank's stages over its expert group (pipec.runtime.model.moe), after
-        checking, before any step, that the run can have expert parallelism at all."""
-        import torch.distributed as dist
-
-        from pipec.runtime.exec.alltoall import ExpertGroup
-
-        rm = self.replicas
-        if rm is None:
+        """Shard the experts of this rank's stages over its expert group (pipec.runtime.model.moe.expert_parallel,
+        which checks first, before any step, that the run can have expert parallelism)."""
+        if self.replicas is None:
             raise PipelineError(
                 f"expert parallelism (--ep {experts.size}) is folded into data parallelism: it needs --dp of at "
                 f"least {experts.size} (a multiple of it) and torch.distributed"
             )
-        problem = experts.fits(rm.dp_size)
-        if problem:
-            raise PipelineError(f"expert parallelism: {problem}")
-        check_experts(modules, experts.size, experts.num, where)
-        total = torch.tensor([sum(layer_counts(modules).values())], dtype=torch.int64)
-        dist.all_reduce(total, group=rm.pp_group)  # over the pipeline's ranks: does the model have any?
-        if not int(total):
-            raise PipelineError(
-                f"--ep {experts.size}: the model has no MoE layer (no experts module, a module with an integer "
-                '`num_experts`; see docs/runtime.md, "Mixture of experts"), so there is nothing to shard'
-            )
-        pg, members, index, self.expert_replicas = expert_groups(rm, experts.size, timeout)
-        check_same_layers(modules, pg, members, index)
-        link = links.replica_link(rm.dp_rank, experts.size) if links is not None else None
-        self.expert_group = ExpertGroup(
-            pg,
-            members,
-            index,
-            rank=self.rank,
-            dp_rank=rm.dp_rank,
-            timeout=timeout,
-            where=lambda: self.executor.where(),
-            link=link,
+        self.expert_group, self.expert_replicas, held = expert_parallel(
+            modules, experts, self.replicas, timeout, links, where, self.rank, lambda: self.executor.where()
         )
-        return shard(modules, self.expert_group)
+        return held
 
     @property
     def has_first(self) -> bool:

@@ -163,3 +163,42 @@ def _layers(layers: list[tuple[str, int]] | None) -> str:
     if not layers:
         return "no MoE layer"
     return f"{len(layers)} MoE layer(s) (" + ", ".join(f"`{n}`: {e} experts" for n, e in layers) + ")"
+
+
+def expert_parallel(
+    modules: dict[int, torch.nn.Module],
+    experts: Any,
+    rm: Any,
+    timeout: float,
+    links: Any,
+    where: str,
+    rank: int,
+    position: Any,
+) -> tuple[Any, Any, set[torch.nn.Parameter]]:
+    """Expert parallelism for this rank's stages `modules` (before FSDP2 wraps them and before the
+    optimizers): the checks (the group fits the dp size, the experts modules fit the group and `--experts`,
+    the model has MoE layers at all, the group's members build the same ones), then the expert group
+    (pipec.runtime.exec.alltoall.ExpertGroup, with its emulated link when `links` has one) and the sharding.
+    Returns (the group, the process group over the groups' members at this place or None, the shards).
+    `experts` is a pipec.ir.experts.Experts, `rm` the ReplicaMesh, `position()` names where the rank is."""
+    import torch.distributed as dist
+
+    from pipec.runtime.exec.alltoall import ExpertGroup
+
+    problem = experts.fits(rm.dp_size)
+    if problem:
+        raise PipelineError(f"expert parallelism: {problem}")
+    check_experts(modules, experts.size, experts.num, where)
+    device = next((p.device for m in modules.values() for p in m.parameters()), torch.device("cpu"))
+    total = torch.tensor([sum(layer_counts(modules).values())], dtype=torch.int64, device=device)
+    dist.all_reduce(total, group=rm.pp_group)  # over the pipeline's ranks: does the model have any?
+    if not int(total):
+        raise PipelineError(
+            f"--ep {experts.size}: the model has no MoE layer (no experts module, a module with an integer "
+            '`num_experts`; see docs/runtime.md, "Mixture of experts"), so there is nothing to shard'
+        )
+    pg, members, index, replicas = expert_groups(rm, experts.size, timeout)
+    check_same_layers(modules, pg, members, index)
+    link = links.replica_link(rm.dp_rank, experts.size) if links is not None else None
+    group = ExpertGroup(pg, members, index, rank=rank, dp_rank=rm.dp_rank, timeout=timeout, where=position, link=link)
+    return group, replicas, shard(modules, group)
