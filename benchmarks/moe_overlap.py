@@ -19,6 +19,7 @@ why not).
     python benchmarks/moe_overlap.py                  # dualpipe-v (+ combined-1f1b), 4 rounds, the small model
     python benchmarks/moe_overlap.py --size large     # 4x the tokens, 2x the width: more compute per all-to-all
     python benchmarks/moe_overlap.py --predict        # and the simulator's prediction
+    python benchmarks/moe_overlap.py --control        # and the same pair without the emulated link
     python benchmarks/moe_overlap.py --smoke          # one round of 3 steps, dualpipe-v: the format (tests)
 """
 
@@ -63,10 +64,10 @@ def pipec(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([PIPEC, *args], capture_output=True, text=True, env={**os.environ, **ENV}, cwd=ROOT)
 
 
-def step_time(schedule: str, m: int, steps: int, overlap: bool) -> float:
-    """One `pipec run`: the median of its step times after the first two."""
+def step_time(schedule: str, m: int, steps: int, overlap: bool, link: bool = True) -> float:
+    """One `pipec run`: the median of its step times after the first two (`link`: the expert link emulated)."""
     argv = ["run", schedule, "-D", "p=2", "-D", f"m={m}", "--model", MODEL, *EP, "--steps", str(steps)]
-    argv += ["--emulate-links", "--topology", TOPOLOGY] + ([] if overlap else ["--no-overlap"])
+    argv += (["--emulate-links", "--topology", TOPOLOGY] if link else []) + ([] if overlap else ["--no-overlap"])
     out = pipec(*argv)
     if out.returncode != 0:
         raise SystemExit(f"pipec {' '.join(argv)} failed:\n{out.stdout}{out.stderr[-3000:]}")
@@ -102,6 +103,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4, help="ABBA rounds (default 4)")
     ap.add_argument("--predict", action="store_true", help="also the simulator's prediction of the gain")
     ap.add_argument(
+        "--control",
+        action="store_true",
+        help="also the same pair without the emulated link (the gain should vanish: it is the link's hiding)",
+    )
+    ap.add_argument(
         "--size",
         choices=("small", "large"),
         default="small",
@@ -115,11 +121,12 @@ def main() -> None:
     if a.size == "large":
         ENV.update(LARGE)
     with tempfile.TemporaryDirectory(prefix="pipec-moe-") as tmp:
-        for name in names:
-            extra = predict(name, a.m, tmp) if a.predict else {}
+        cases = [(name, link) for name in names for link in ((True, False) if a.control else (True,))]
+        for name, link in cases:
+            extra = predict(name, a.m, tmp) if a.predict and link else {}
             systems = {
-                "overlap": lambda n=name: step_time(n, a.m, a.steps, True),
-                "serial": lambda n=name: step_time(n, a.m, a.steps, False),
+                "overlap": lambda n=name, k=link: step_time(n, a.m, a.steps, True, k),
+                "serial": lambda n=name, k=link: step_time(n, a.m, a.steps, False, k),
             }
             start = load_average()
             rec = summarize(
@@ -129,7 +136,7 @@ def main() -> None:
                 start,
                 schedule=name,
                 params={"p": 2, "m": a.m, "dp": 2, "ep": 2, "experts": 4},
-                link={"latency_ms": LATENCY_MS, "bandwidth_gbps": BANDWIDTH_GBPS},
+                link={"latency_ms": LATENCY_MS, "bandwidth_gbps": BANDWIDTH_GBPS} if link else "not emulated",
                 model={"size": a.size, **ENV},
                 **extra,
             )
