@@ -17,6 +17,7 @@ members' layer mismatch); the rest is behind `-m slow`:
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
@@ -39,6 +40,7 @@ MODEL = str(ROOT / "examples" / "moe.py")
 PAIRS = str(ROOT / "tests" / "runtime" / "data" / "pairs-1f1b.pipe")
 EP = ["--dp", "2", "--ep", "2", "--experts", "4"]
 SMALL = {"MOE_BATCH": "8", "MOE_CONTEXT": "6"}
+COMPUTES = ("FWD", "BWD", "WGRAD")
 STEP = re.compile(r"^step (\d+)/\d+: loss (\S+),", re.M)
 
 
@@ -58,15 +60,29 @@ def losses(out: str) -> list[str]:
     return [m.group(2) for m in STEP.finditer(out)]
 
 
-def test_dualpipe_v_odd_layers_exact_overlapped_and_not():
+def overlapping_ops(trace: str, rank: int = 0) -> int:
+    """Pairs of compute ops of one rank whose measured spans intersect (a --trace file, Chrome format)."""
+    with open(trace) as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    computes = [e for e in events if e.get("ph") == "X" and e.get("pid") == rank and e.get("cat") in COMPUTES]
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in computes)
+    return sum(1 for a, b in zip(spans, spans[1:]) if b[0] < a[1])
+
+
+def test_dualpipe_v_odd_layers_exact_overlapped_and_not(tmp_path):
     """3 MoE layers over 4 stages (1, 1, 1, 0): dualpipe-v's pairs join ops with 2 and 0 all-to-alls as well
-    as 2 and 2. Both runs equal the reference, and each other step by step."""
+    as 2 and 2. Both runs equal the reference, and each other step by step. Overlapped, the two ops of a
+    pair run at once (their spans intersect, as the baton makes them: the second starts at the first's
+    first all-to-all); with --no-overlap no two ops of a rank do."""
     env = {"MOE_LAYERS": "3"}
-    over = run_check("dualpipe-v", env=env)
+    over = run_check("dualpipe-v", "--trace", str(tmp_path / "over.json"), env=env)
     assert "(pairs overlapped)" in over
-    plain = run_check("dualpipe-v", "--no-overlap", env=env)
+    plain = run_check("dualpipe-v", "--no-overlap", "--trace", str(tmp_path / "plain.json"), env=env)
     assert "(pairs one op after the other)" in plain
     assert losses(over) == losses(plain) and len(losses(over)) == 3, (over, plain)
+    assert overlapping_ops(str(tmp_path / "over.json")) > 0
+    assert overlapping_ops(str(tmp_path / "plain.json")) == 0
 
 
 def test_members_building_different_moe_layers_are_refused_before_any_step():
