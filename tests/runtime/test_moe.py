@@ -112,6 +112,17 @@ def test_interleaved_pairs_odd_layers_exact_overlapped_and_not():
 
 
 @pytest.mark.slow  # the default twin: test_dualpipe_v_odd_layers_exact_overlapped_and_not
+def test_two_expert_groups_exact():
+    """--dp 4 --ep 2 (8 processes): two expert groups per pipeline rank, whose members at one place sum
+    their expert gradients (ExpertGrads' replica group) before the division by the dp size."""
+    argv = ["1f1b", "-D", "p=2", "-D", "m=2", "--model", MODEL, "--dp", "4", "--ep", "2", "--experts", "4"]
+    results, _, _ = launch(8, "launch", [*argv, "--steps", "2", "--check"], env=SMALL, timeout=300)
+    for r in results:
+        assert r.returncode == 0, f"rank {r.rank}:\n{r.stdout}\n{r.stderr[-3000:]}"
+    assert re.search(r"OK: largest relative error \S+ \(tolerance 1e-10\)", results[0].stdout), results[0].stdout
+
+
+@pytest.mark.slow  # the default twin: test_dualpipe_v_odd_layers_exact_overlapped_and_not
 def test_dualpipe_v_fsdp_exact():
     """FSDP composes: the non-expert parameters fully sharded over "dp", the experts left to the group."""
     out = run_check("dualpipe-v", "--dp-kind", "fsdp")
