@@ -96,7 +96,6 @@ class ExpertGroup:
         self.free: dict[int, float] = {}  # per destination member: when the emulated wire to it is free
         self.local = threading.local()
         self.step = 0
-        self.issued = 0  # all-to-alls this process issued (every step)
         # the executor's measured events of this step, when recording: ("alltoall", opcode, mb, stage, number,
         # issued, done, bytes sent) per all-to-all, on time.perf_counter() like the others (exec/measure.py)
         self.record: list[tuple] | None = None
@@ -113,8 +112,7 @@ class ExpertGroup:
             self.local.op = prev
         if op.count != op.expected:
             raise PipelineError(
-                f"rank {self.rank} (replica {self.dp_rank}): instruction #{op.index} `{op.label}` (stage {op.stage}) "
-                f"issued {op.count} all-to-all(s), but its stage's MoE layers imply {op.expected} "
+                f"{self._who(op)} issued {op.count} all-to-all(s), but its stage's MoE layers imply {op.expected} "
                 "(does the model call its experts a different number of times than it has MoE layers?)"
             )
 
@@ -221,7 +219,6 @@ class ExpertGroup:
             )
         except Exception as e:
             raise self._fail(f"issuing the {what} all-to-all", op, e) from e
-        self.issued += 1
         if op is not None:
             if op.baton is not None:  # the pair's other op computes while this one travels
                 op.baton.handoff(op.slot)
