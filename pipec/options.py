@@ -255,6 +255,7 @@ class RunOptions:
     dp_unit: str = "stage"
     ep: int = 1
     experts: int = 0
+    no_overlap: bool = False
     # files the launcher names for its workers
     links: str | None = None
     memory_out: str | None = None
@@ -359,6 +360,11 @@ class RunOptions:
             help="each micro-batch's loss is multiplied by X (default 1/m: the mean)",
         )
         add_dp_arguments(ap)
+        ap.add_argument(
+            "--no-overlap",
+            action="store_true",
+            help="run an overlapped pair (F & B) one op after the other, its all-to-alls not hidden (the baseline)",
+        )
         ap.add_argument(
             "--dp-unit",
             choices=("stage", "block"),

@@ -57,6 +57,7 @@ from pipec.runtime.exec.replicas import (
 from pipec.runtime.exec.shapes import KV, Specs, TensorSpec, fmt, handshake
 from pipec.runtime.exec.stage import Stage
 from pipec.runtime.model.contract import build_stage_module, default_optimizer
+from pipec.runtime.model.moe import ExpertGrads, by_stage, expert_parallel, is_expert, layer_counts
 
 _IDS = itertools.count()
 # gloo: how many receives ahead of the Program's placement a rank posts (pipec.runtime.exec.executor says why).
@@ -97,7 +98,10 @@ class Transport:
     pipeline's ranks; mesh: the ("pp", "dp") DeviceMesh or a (pp, dp) pair of 1-D meshes, for dp > 1;
     dp_unit: "stage" or "block", what FSDP shards as one unit; links: emulated links between datacenters
     (pipec.runtime.exec.links.Links); recv_ahead: receives posted ahead of the Program's placement (gloo
-    only; default 4 on gloo, 0 on NCCL); on_reduce_grad: called with (stage, module) at each REDUCE_GRAD."""
+    only; default 4 on gloo, 0 on NCCL); on_reduce_grad: called with (stage, module) at each REDUCE_GRAD;
+    experts: expert parallelism (pipec.ir.experts.Experts; size > 1 shards the model's experts over groups of
+    that many "dp" replicas, pipec.runtime.model.moe); overlap: run an overlapped pair's two ops together,
+    their all-to-alls hidden behind each other's compute (False: one after the other, `--no-overlap`)."""
 
     timeout: float = 60.0
     comm: Any = None
@@ -108,6 +112,8 @@ class Transport:
     links: Any = None
     recv_ahead: int | None = None
     on_reduce_grad: Callable[[int, torch.nn.Module], None] | None = None
+    experts: Any = None
+    overlap: bool = True
 
 
 class StoreKV(KV):
@@ -246,8 +252,14 @@ class Runner:
             # The first step's shape handshake runs the plain modules (a sharded one has its shards' shapes);
             # the copies go once it is done.
             self.shape_modules = {s: copy.deepcopy(m) for s, m in modules.items()}
-            for m in modules.values():
-                wrap(m, program.dp_kind, self.replicas, dp_unit)  # before the optimizer: it steps the shards
+        self.expert_group: Any = None  # expert parallelism (pipec.runtime.exec.alltoall.ExpertGroup)
+        self.expert_replicas: Any = None  # the process group over the expert groups' members at this place
+        experts_held: set[torch.nn.Parameter] = set()
+        if transport.experts is not None and transport.experts.size > 1:
+            experts_held = self._expert_parallel(modules, transport.experts, timeout, links, where)
+        if self.replicas is not None:
+            for m in modules.values():  # before the optimizer: it steps the shards
+                wrap(m, program.dp_kind, self.replicas, dp_unit, ignored=experts_held)
         self.stages: dict[int, Stage] = {}
         for s in own:
             module = modules[s]
@@ -264,6 +276,15 @@ class Runner:
             )
             self.stages[s].live_params = self.replicas is not None
         self.executor = Executor(program, rank, self.stages, comm, on_reduce_grad, recv_ahead or 0)
+        self.executor.timeout, self.executor.overlap = timeout, transport.overlap
+        if self.expert_group is not None:
+            self.executor.moe = self.expert_group
+            self.executor.moe_layers = layer_counts(modules)
+            self.executor.expert_grads = ExpertGrads(by_stage(modules), self.replicas.dp_size, self.expert_replicas)
+            if program.split_backward and self.executor.moe_layers.get(0):
+                # the first stage's split BWD would defer its whole backward, all-to-alls included, to WGRAD;
+                # they belong to B (pipec.ir.experts.all_to_alls), so it runs it whole at BWD
+                self.stages[0].whole_backward = True
         if self.replicas is not None:
             peers = replica_peers(self.replicas)
             self.executor.dp = StageDP(modules, rank, self.replicas.dp_rank, self.executor.where, peers)
@@ -284,6 +305,21 @@ class Runner:
         self.exchanges = 0  # shape exchanges this runner has run
         self.mb_targets: list | None = None  # the last step's micro-batch targets (last stage's rank)
         self.lengths_warned = False  # a LengthWarning was given (slices.length_mismatch)
+
+    def _expert_parallel(
+        self, modules: dict[int, torch.nn.Module], experts: Any, timeout: float, links: Any, where: str
+    ) -> set[torch.nn.Parameter]:
+        """Shard the experts of this rank's stages over its expert group (pipec.runtime.model.moe.expert_parallel,
+        which checks first, before any step, that the run can have expert parallelism)."""
+        if self.replicas is None:
+            raise PipelineError(
+                f"expert parallelism (--ep {experts.size}) is folded into data parallelism: it needs --dp of at "
+                f"least {experts.size} (a multiple of it) and torch.distributed"
+            )
+        self.expert_group, self.expert_replicas, held = expert_parallel(
+            modules, experts, self.replicas, timeout, links, where, self.rank, lambda: self.executor.where()
+        )
+        return held
 
     @property
     def has_first(self) -> bool:
@@ -440,12 +476,25 @@ class Runner:
         """Each parameter's gradient; with data parallelism the whole (gathered) one: under fsdp that is an
         all-gather over "dp", so every replica must call it, in the same order."""
         named = [((s, n), p.grad) for s, st in self.stages.items() for n, p in st.module.named_parameters()]
-        return named_full(named) if self.replicas is not None else dict(named)
+        return self._whole(named)
 
     def named_parameters(self) -> dict[tuple[int, str], torch.Tensor]:
         """Each parameter; whole (gathered) with data parallelism, as named_gradients."""
         named = [((s, n), p) for s, st in self.stages.items() for n, p in st.module.named_parameters()]
-        return named_full(named) if self.replicas is not None else dict(named)
+        return self._whole(named)
+
+    def _whole(self, named: list[tuple[tuple[int, str], torch.Tensor | None]]) -> dict:
+        """Whole tensors: shards gathered over "dp" (fsdp) and experts over the expert group (in order, on
+        every replica)."""
+        if self.replicas is None:
+            return dict(named)
+        out = named_full(named)
+        if self.expert_group is not None:
+            experts = {(s, n) for s, st in self.stages.items() for n, p in st.module.named_parameters() if is_expert(p)}
+            for k, v in named:
+                if k in experts and v is not None:
+                    out[k] = self.expert_group.gather(v.detach())
+        return out
 
 
 def given_modules(

@@ -26,6 +26,13 @@ RELOAD move the saved tensors of a (micro-batch, stage) through the rank's `Pool
 (pipec.runtime.exec.saved), which exists when the Program offloads or when `measure_memory` asked for the
 peak saved bytes of each step (`peaks`, per pool).
 
+Expert parallelism (`moe`, a pipec.runtime.exec.alltoall.ExpertGroup, with each stage's MoE layer count in
+`moe_layers`): every compute runs inside `ExpertGroup.running`, which counts its all-to-alls against what
+its kind and its stage imply (pipec.ir.experts.all_to_alls); an overlapped pair (two computes bound by the
+group bit, class OVERLAP of the table) runs on two threads passing a baton at their all-to-alls
+(pipec.runtime.exec.pairs), unless `overlap` is off (`--no-overlap`: one op after the other, the baseline).
+Both ops' input messages are taken before the pair starts.
+
 Token slices: the instructions' micro-batch is a unit (slice j of sequence i; the inputs and targets lists
 are per unit), and everything above holds per unit; the cache of keys and values across the slices of a
 sequence lives in each Stage (pipec.runtime.exec.slices). Messages name their unit as `where` does.
@@ -40,16 +47,21 @@ from typing import Any
 
 import torch
 
+from pipec.ir.experts import all_to_alls
 from pipec.ir.opcodes import (
     BWD,
     FWD,
+    GROUP_CLASS,
     IS_RECV,
     KEY_STAGE,
+    KIND_OF,
     MSG_OF,
     NEEDS_MSG,
     NEEDS_STAGE,
     OFFLOAD,
+    OP_KINDS,
     OPCODES,
+    OVERLAP,
     RECOMPUTE,
     REDUCE_GRAD,
     RELOAD,
@@ -59,7 +71,9 @@ from pipec.ir.opcodes import (
 from pipec.ir.program import Instr, Program
 from pipec.ir.validate import validate
 from pipec.runtime.errors import PipelineError, ShapeError
+from pipec.runtime.exec.alltoall import OpRun
 from pipec.runtime.exec.comm import ACT, GRAD, Key, Recv, key_str
+from pipec.runtime.exec.pairs import Baton, PairRunner
 from pipec.runtime.exec.saved import Peaks, Pool
 from pipec.runtime.exec.shapes import Specs, TensorSpec, fmt
 from pipec.runtime.exec.stage import Stage
@@ -114,6 +128,13 @@ class Executor:
         offloaded = {(mb, s) for op, mb, s, _, _ in self.instrs if op in (OFFLOAD, RELOAD)}
         self.pool: Pool | None = None
         self.peaks: Peaks | None = None  # the last step's peak saved bytes, when a pool exists
+        # expert parallelism: the expert group (None without), MoE layers per stage, whether pairs overlap
+        self.moe: Any = None
+        self.moe_layers: dict[int, int] = {}
+        self.expert_grads: Any = None  # pipec.runtime.model.moe.ExpertGrads: expert gradients at REDUCE_GRAD
+        self.overlap = True
+        self.timeout = 60.0  # the run's, for a pair's waits
+        self.pairs = PairRunner()
         if offloaded:
             self._use_pool()
 
@@ -177,13 +198,23 @@ class Executor:
         if pool is not None:
             pool.reset_peaks()
         self._post_upto(self.recv_ahead)
+        moe = self.moe
+        if moe is not None:
+            moe.step, moe.record = step, rec
         j = 0
         while j < n:
             self.at = j
-            op, mb, s, _, _ = instrs[j]
+            op, mb, s, _, g = instrs[j]
             key = needs[j]
             got = None if key is None else (yield from self._take(key))
-            j += handlers[op](j, mb, s, got)
+            if moe is None:
+                j += handlers[op](j, mb, s, got)
+            elif g and GROUP_CLASS[op] == OVERLAP and self.overlap:
+                key = needs[j + 1]
+                other = None if key is None else (yield from self._take(key))
+                j += self._pair(j, got, other)
+            else:
+                j += self._counted(j, got, None, 0)
         self.at = n
         self.inputs = self.targets = None
         self.comm.finish_sends()  # every send of the step has completed (after STEP's, none is left)
@@ -268,6 +299,8 @@ class Executor:
         t0 = time.perf_counter() if rec is not None else 0.0
         if self.dp is not None:
             self.dp.reduce_grad(s)
+        if self.expert_grads is not None:
+            self.expert_grads.reduce(s)
         if self.on_reduce_grad is not None:
             self.on_reduce_grad(s, self.stages[s].module)
         if rec is not None:
@@ -355,6 +388,35 @@ class Executor:
             if self.record is not None:
                 self.record.append(("recv", *key, peer, time.perf_counter()))
         return v
+
+    # ---- expert parallelism: counted ops and overlapped pairs ------------------------------------------
+    def _expected(self, j: int) -> int:
+        """All-to-alls instruction j issues: by its kind and its stage's MoE layers (a RECOMPUTE is a forward)."""
+        op, _, s, _, _ = self.instrs[j]
+        k = int(KIND_OF[op])
+        if op == RECOMPUTE:
+            k = OP_KINDS.index("F")
+        return all_to_alls(OP_KINDS[k], self.moe_layers.get(s, 0)) if k >= 0 else 0
+
+    def _counted(self, j: int, got: Any, baton: Baton | None, slot: int) -> int:
+        """Instruction j with its all-to-alls counted (and, in a pair, its turns taken from the baton)."""
+        op, mb, s, _, _ = self.instrs[j]
+        run = OpRun(j, str(self.instr(j)), s, op, self._expected(j), baton, slot, mb=mb)
+        with self.moe.running(run):
+            if baton is not None:
+                baton.start(slot)
+            used = self.handlers[op](j, mb, s, got)
+            if baton is not None:
+                baton.finish(slot)
+        return used
+
+    def _pair(self, j: int, first: Any, second: Any) -> int:
+        """The overlapped pair j, j + 1 (pipec.runtime.exec.pairs): j on this thread, j + 1 on the pair
+        thread, taking turns at their all-to-alls in pipec.ir.experts.pair_order."""
+        who = f"rank {self.rank}, step {self.step + 1}, pair #{j} `{self.instr(j)}` & #{j + 1} `{self.instr(j + 1)}`"
+        baton = Baton(self._expected(j), self._expected(j + 1), self.timeout, lambda: who)
+        self.pairs.run(lambda: self._counted(j, first, baton, 0), lambda: self._counted(j + 1, second, baton, 1), baton)
+        return 2
 
     def _needed(self, op: int, mb: int, s: int) -> Key | None:
         """The message a compute consumes (the instruction table's `needs`), None when it consumes none or

@@ -32,6 +32,12 @@ the real collective: one extra small blocking collective each (a fraction of a m
 one machine). A hold longer than the run's --timeout fails at once, naming the rank and instruction.
 Not emulated: FSDP2's own gathers where a Program has no UNSHARD, and --check's gathers after the step.
 
+Expert parallelism (`--ep N`): the members of an expert group are replicas too, so an all-to-all between
+two of them in different replica datacenters crosses the link between those (`Links.replica`, per pair of
+replicas, scaled like the rest). pipec.runtime.exec.alltoall holds each all-to-all's result until its
+slowest source's emulated arrival (issue, or when the wire to that member is free again, + bytes /
+bandwidth + latency); the arrival travels in the all-to-all's own header rows, so no extra collective.
+
 Clocks: the arrival time is read on `time.monotonic()`, one clock for every process of one machine. Over
 several machines the clocks are not synchronised, so emulation is for single-machine runs. Links inside a
 datacenter are not emulated, nor is bandwidth shared between several pairs of ranks crossing one link.
@@ -64,6 +70,18 @@ class Links:
     latency: tuple[tuple[float | None, ...], ...]
     bandwidth: tuple[tuple[float | None, ...], ...]
     dp_ring: tuple[tuple[float, float], ...] = ()
+    # per ordered pair of replicas (a, b): the emulated (latency s, bandwidth bytes/s) between their
+    # datacenters, scaled; None inside one datacenter; empty when the replicas are in none
+    replica: tuple[tuple[tuple[float, float] | None, ...], ...] = ()
+
+    def replica_link(self, dp_rank: int, size: int) -> tuple[tuple[tuple[float, float] | None, ...], ...] | None:
+        """The links between the members of dp_rank's expert group of `size` consecutive replicas (member i
+        to member j), or None when none of them is emulated."""
+        if not self.replica:
+            return None
+        lo = dp_rank - dp_rank % size
+        rows = tuple(tuple(self.replica[lo + i][lo + j] for j in range(size)) for i in range(size))
+        return rows if any(x is not None for row in rows for x in row) else None
 
     def emulated(self, a: int, b: int) -> bool:
         return self.latency[a][b] is not None
@@ -74,6 +92,7 @@ class Links:
                 "latency": self.latency,
                 "bandwidth": [[_enc(x) for x in row] for row in self.bandwidth],
                 "dp_ring": [[lat, _enc(bw)] for lat, bw in self.dp_ring],
+                "replica": [[None if x is None else [x[0], _enc(x[1])] for x in row] for row in self.replica],
             }
         )
 
@@ -84,6 +103,10 @@ class Links:
             tuple(tuple(row) for row in d["latency"]),
             tuple(tuple(_dec(x) for x in row) for row in d["bandwidth"]),
             tuple((float(lat), float(_dec(bw))) for lat, bw in d.get("dp_ring", ())),
+            tuple(
+                tuple(None if x is None else (float(x[0]), float(_dec(x[1]))) for x in row)
+                for row in d.get("replica", ())
+            ),
         )
 
     def describe(self) -> str:
@@ -99,6 +122,14 @@ class Links:
                 if lat or math.isfinite(bw)
             ]
             seen.append("data-parallel ring " + ", ".join(hops))
+        pairs = [
+            f"{a}->{b} {_fmt(*hop)}"
+            for a, row in enumerate(self.replica)
+            for b, hop in enumerate(row)
+            if hop is not None
+        ]
+        if pairs:
+            seen.append("between replicas (expert all-to-alls) " + ", ".join(pairs))
         return "emulated links: " + ("; ".join(seen) if seen else "none (nothing crosses two datacenters)")
 
 
@@ -148,7 +179,17 @@ def links_of(sched: Any, scale: float = 1.0, dp: int = 1) -> Links:
         ring = tuple(
             (lt * scale, b / scale) if names[i] != names[(i + 1) % dp] else FREE for i, (lt, b) in enumerate(hops)
         )
-    return Links(tuple(map(tuple, lat)), tuple(map(tuple, bw)), ring)
+    replica: tuple[tuple[tuple[float, float] | None, ...], ...] = ()
+    if dp > 1 and len({x for x in names if x is not None}) > 1:
+        rows = []
+        for a in range(dp):
+            row: list[tuple[float, float] | None] = []
+            for b in range(dp):
+                hop = cm.replica_links.get((names[a], names[b])) if names[a] != names[b] else None
+                row.append(None if hop is None else (hop[0] * scale, hop[1] / scale))
+            rows.append(tuple(row))
+        replica = tuple(rows)
+    return Links(tuple(map(tuple, lat)), tuple(map(tuple, bw)), ring, replica)
 
 
 class EmulatedComm:

@@ -188,21 +188,29 @@ def _units(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     return kids + ([("", module)] if own or not kids else [])
 
 
-def wrap(module: torch.nn.Module, kind: str, rm: ReplicaMesh, unit: str = "stage") -> torch.nn.Module:
-    """The stage's module under FSDP2 on the "dp" mesh (in place; returns it), gradient sync off."""
+def wrap(
+    module: torch.nn.Module,
+    kind: str,
+    rm: ReplicaMesh,
+    unit: str = "stage",
+    ignored: set[torch.nn.Parameter] | None = None,
+) -> torch.nn.Module:
+    """The stage's module under FSDP2 on the "dp" mesh (in place; returns it), gradient sync off. `ignored`
+    parameters (expert shards: pipec.runtime.model.moe) stay plain tensors, left out of every collective."""
+    ignored = {p for p in module.parameters() if p in ignored} if ignored else None
     from torch.distributed.fsdp import fully_shard
 
     if kind == "ddp":
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
-        replicate(module, mesh=rm.dp_mesh)
+        replicate(module, mesh=rm.dp_mesh, ignored_params=ignored)
     elif kind == "fsdp":
         if unit == "block":
             for _, child in module.named_children():
                 if any(True for _ in child.parameters()):
-                    fully_shard(child, mesh=rm.dp_mesh, reshard_after_forward=False)
+                    fully_shard(child, mesh=rm.dp_mesh, reshard_after_forward=False, ignored_params=ignored)
         # Gathered parameters stay gathered until the Program's RESHARD (or STEP) frees them.
-        fully_shard(module, mesh=rm.dp_mesh, reshard_after_forward=False)
+        fully_shard(module, mesh=rm.dp_mesh, reshard_after_forward=False, ignored_params=ignored)
     else:
         raise PipelineError(f"unknown dp kind {kind!r}; expected one of {', '.join(KINDS)}")
     _accumulate(module)

@@ -71,6 +71,9 @@ class Stage:
         self.loss_fn = loss_fn
         self.loss_scale = loss_scale
         self.split_backward = split_backward
+        # the first stage of a split backward runs its whole backward at BWD, not WGRAD (expert parallelism:
+        # its all-to-alls belong to B; pipec.runtime.runner sets it), and WGRAD does nothing
+        self.whole_backward = False
         self.optimizer = optimizer
         self.params = [p for p in module.parameters() if p.requires_grad]
         # Under FSDP2 the module's parameters change between the sharded ones (the optimizer's) and the
@@ -199,7 +202,7 @@ class Stage:
             if own:
                 grads = [None] * len(outs) if grads is None else list(grads)
                 outs, grads = (*outs, *(t for t, _ in own)), (*grads, *(g for _, g in own))
-        if self.split_backward:
+        if self.split_backward and not (self.first and self.whole_backward):
             if self.first:  # no input gradient to compute: WGRAD does the whole weight backward
                 if read:  # but the earlier slices' kv gradients are due now
                     self.kv.add_grads(read, slices.leaf_grads(outs, grads, read))
@@ -216,6 +219,8 @@ class Stage:
                 run_backward([o for o, _ in pairs], [g for _, g in pairs])
             if self.pool is not None:
                 self.pool.release(mb, self.index)
+            if self.split_backward:  # whole_backward: WGRAD finds nothing left to do
+                self.deferred[mb] = None
             if self.first:
                 return None
             dargs = tuple(x.grad for x in args)
@@ -224,6 +229,8 @@ class Stage:
     def wgrad(self, mb: int) -> None:
         """WGRAD: accumulate the weight gradients of micro-batch mb from what BWD kept."""
         state = self.deferred.pop(mb)
+        if state is None:  # done at BWD (whole_backward)
+            return
         if isinstance(state, tuple):  # the first stage's whole backward, deferred by its BWD
             outs, grads = state
             pairs = [(o, None if grads is None else grads[k]) for k, o in enumerate(outs) if o.requires_grad]

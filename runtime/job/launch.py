@@ -18,7 +18,7 @@ import traceback
 from collections.abc import Sequence
 
 from pipec.ir.dataparallel import dp_mismatch
-from pipec.options import OptionError, RunOptions, add_define_argument, dp_of
+from pipec.options import OptionError, RunOptions, add_define_argument, dp_of, experts_of
 from pipec.runtime.host.affinity import bind_local_rank
 from pipec.runtime.job.monitor import BEAT_EVERY, block_sigterm, die_with_parent, say
 
@@ -71,8 +71,36 @@ def load_program(spec: str, defines: Sequence[tuple[str, str]], opts: RunOptions
     return compile_schedule(sched, None, dp_of(opts)).program  # E421 for a value out of range
 
 
+def experts_problem(program, opts: RunOptions) -> str | None:
+    """Why this run's expert parallelism (--ep, --experts: pipec.ir.experts) cannot start, None when it can:
+    said before any process starts (pipec run) and by every worker before any communication."""
+    from pipec.errors import PipecError
+    from pipec.options import experts_of
+
+    try:
+        experts = experts_of(opts)  # E425: sizes out of range, experts not a multiple of --ep
+    except PipecError as e:
+        return "; ".join(d.message for d in e.diagnostics)
+    if experts.size == 1:
+        return None
+    if program.dp == 1:
+        return (
+            f"expert parallelism (--ep {experts.size}) is folded into data parallelism: it needs --dp {experts.size} "
+            "or a multiple of it"
+        )
+    problem = experts.fits(program.dp)
+    if problem:
+        return f"expert parallelism: {problem}"
+    if opts.checkpoint:
+        return "--checkpoint does not save expert shards yet (each rank holds different experts): leave out --ep"
+    return None
+
+
 def dp_problem(program, opts: RunOptions, world: int | None) -> str | None:
     """Why this data-parallel run cannot start (None when it can): the world, and what dp does not support."""
+    problem = experts_problem(program, opts)
+    if problem:
+        return problem
     if world is not None:
         from pipec.runtime.exec.replicas import check_world
 
@@ -109,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     from pipec.runtime.errors import wrong_world_size
 
-    if program.dp > 1:  # before any communication
+    if program.dp > 1 or opts.ep != 1:  # before any communication
         problem = dp_problem(program, opts, world)
         if problem:
             say(f"pipec: rank {rank}: error: {problem}")
@@ -277,7 +305,12 @@ class Worker:
                 where=f"{m.path}: build_stage",
             ),
             transport=Transport(
-                timeout=args.timeout, links=self._links(), recv_ahead=args.recv_ahead, dp_unit=args.dp_unit
+                timeout=args.timeout,
+                links=self._links(),
+                recv_ahead=args.recv_ahead,
+                dp_unit=args.dp_unit,
+                experts=experts_of(args) if args.ep > 1 else None,
+                overlap=not args.no_overlap,
             ),
         )
 
@@ -337,6 +370,9 @@ class Worker:
             if self.program.dp > 1:
                 unit = f" per {args.dp_unit}" if self.program.dp_kind == "fsdp" else ""
                 how += f" ({self.program.num_ranks} ranks x {self.program.dp} {self.program.dp_kind} replicas{unit})"
+            if args.ep > 1:
+                pairs = "one op after the other" if args.no_overlap else "overlapped"
+                how += f", experts over groups of {args.ep} replicas (pairs {pairs})"
             show(header(self.program, how, m.path))
             binding = describe(self.cpus, self.local_world, args.cpu_bind, args.backend)
             if binding:

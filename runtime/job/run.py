@@ -27,12 +27,15 @@ def run(opts: RunOptions, program: Program, links=None, schedule=None) -> int:
     `links` (pipec.runtime.exec.links.Links) are the emulated links of --emulate-links; `schedule` is what
     the --memory prediction is made for (None: a Program file's, none to predict from). Options that do
     not fit the Program are an OptionError (misuse) before any process starts."""
-    from pipec.runtime.job.launch import dp_problem, with_dp
+    from pipec.runtime.job.launch import dp_problem, experts_problem, with_dp
 
     try:
         program = with_dp(program, opts)
     except ValueError as e:
         raise OptionError(str(e)) from None
+    problem = experts_problem(program, opts)  # --ep, --experts (pipec.ir.experts), before anything starts
+    if problem:
+        raise OptionError(problem)
     if program.dp > 1:
         if opts.local:
             raise OptionError(

@@ -154,6 +154,7 @@ def _worker_parser() -> argparse.ArgumentParser:
             prefetch=0,
             max_gathered=1,
             dp_unit="block",
+            no_overlap=True,
             links="/t/links.json",
             memory_out="/t/memory.json",
             records="/t/records.jsonl",

@@ -1,0 +1,148 @@
+"""Overlapped forward-backward pairs under expert parallelism: measured step, overlapped vs `--no-overlap`.
+
+examples/moe.py (one MoE layer per stage, 4 experts, top 2) on 2 pipeline ranks x 2 data-parallel replicas
+that form one expert group (`--dp 2 --ep 2 --experts 4`, 4 gloo processes), the replicas in two
+datacenters with the expert link emulated slow (`--emulate-links`, 5 ms one way, 1 Gbps: every dispatch
+and combine all-to-all, and its gradient, is held until issue + bytes / bandwidth + latency). For each
+schedule with `F & B` pairs (dualpipe-v; schedules/combined-1f1b.pipe when the library has it), one `pipec
+run` per round and system, alternating in ABBA rounds (benchmarks/sidebyside.py): "overlap" (each pair's
+two ops on two threads, an all-to-all of one in flight while the other computes) against "serial"
+(`--no-overlap`, one op after the other). A round's figure is the median step time of the run's steps after
+the first two (start-up, shape handshake). The record: medians, every round, the ratio serial / overlap and
+its spread, and `gain` = 1 - overlap / serial (the goal: >= 0.20).
+
+`--predict`: the same pair through the simulator, `pipec simulate SCHED --cost FILE --ep 2 --experts 4
+[--no-overlap] --json` with costs from `pipec profile` on this machine and the same link, reported as
+`predicted_gain` beside the measured gain, when `pipec simulate` has `--no-overlap` (else `predicted` says
+why not).
+
+    python benchmarks/moe_overlap.py                  # dualpipe-v (+ combined-1f1b), 4 rounds, the small model
+    python benchmarks/moe_overlap.py --size large     # 4x the tokens, 2x the width: more compute per all-to-all
+    python benchmarks/moe_overlap.py --predict        # and the simulator's prediction
+    python benchmarks/moe_overlap.py --control        # and the same pair without the emulated link
+    python benchmarks/moe_overlap.py --smoke          # one round of 3 steps, dualpipe-v: the format (tests)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from sidebyside import alternate, emit, load_average, smoke_flag, summarize
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+PIPEC = str(BIN / "pipec") if (BIN / "pipec").exists() else "pipec"
+MODEL = str(ROOT / "examples" / "moe.py")
+ENV = {"OMP_NUM_THREADS": "1"}  # examples/moe.py at its defaults (--size small)
+LARGE = {"MOE_BATCH": "32", "MOE_CONTEXT": "16", "MOE_WIDTH": "32", "MOE_HIDDEN": "64"}  # --size large
+LATENCY_MS, BANDWIDTH_GBPS = 5.0, 1.0
+TOPOLOGY = (
+    'dc "east" replicas 0 .. 1  dc "west" replicas 1 .. 2  '
+    f'link "east" <-> "west" latency {LATENCY_MS:g}ms bandwidth {BANDWIDTH_GBPS:g}Gbps'
+)
+EP = ["--dp", "2", "--ep", "2", "--experts", "4"]
+STEP = re.compile(r"^step (\d+)/\d+: loss \S+, ([0-9.]+) s", re.M)
+
+
+def schedules() -> list[str]:
+    """dualpipe-v, and the combined 1F1B where the library has it."""
+    names = ["dualpipe-v"]
+    if (ROOT / "schedules" / "combined-1f1b.pipe").exists():
+        names.append("combined-1f1b")
+    return names
+
+
+def pipec(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([PIPEC, *args], capture_output=True, text=True, env={**os.environ, **ENV}, cwd=ROOT)
+
+
+def step_time(schedule: str, m: int, steps: int, overlap: bool, link: bool = True) -> float:
+    """One `pipec run`: the median of its step times after the first two (`link`: the expert link emulated)."""
+    argv = ["run", schedule, "-D", "p=2", "-D", f"m={m}", "--model", MODEL, *EP, "--steps", str(steps)]
+    argv += (["--emulate-links", "--topology", TOPOLOGY] if link else []) + ([] if overlap else ["--no-overlap"])
+    out = pipec(*argv)
+    if out.returncode != 0:
+        raise SystemExit(f"pipec {' '.join(argv)} failed:\n{out.stdout}{out.stderr[-3000:]}")
+    times = [float(t) for k, t in STEP.findall(out.stdout) if int(k) > min(2, steps - 1)]
+    return statistics.median(times)
+
+
+def predict(schedule: str, m: int, tmp: str) -> dict:
+    """The simulator's overlapped and serial step with profiled costs and the same link, or why not."""
+    if "--no-overlap" not in pipec("simulate", "--help").stdout:
+        return {"predicted": "skipped: `pipec simulate` has no --no-overlap (the simulator's pair overlap, issue 28)"}
+    defines = ["-D", "p=2", "-D", f"m={m}"]
+    cost = os.path.join(tmp, f"{schedule}.toml")
+    prof = pipec("profile", schedule, *defines, "--model", MODEL, *EP, "-o", cost)
+    if prof.returncode != 0:
+        return {"predicted": f"skipped: pipec profile failed: {(prof.stderr or prof.stdout).strip()[-400:]}"}
+    sims = {}
+    for name, flag in (("overlap", []), ("serial", ["--no-overlap"])):
+        out = pipec("simulate", schedule, *defines, *EP, "--cost", cost, "--topology", TOPOLOGY, *flag, "--json")
+        if out.returncode != 0:
+            return {"predicted": f"skipped: pipec simulate failed: {(out.stderr or out.stdout).strip()[-400:]}"}
+        sims[name] = json.loads(out.stdout)["results"][0]["makespan"]
+    return {
+        "predicted_s": {k: round(v, 5) for k, v in sims.items()},
+        "predicted_gain": round(1 - sims["overlap"] / sims["serial"], 4),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("-m", type=int, default=8, help="micro-batches (default 8)")
+    ap.add_argument("--steps", type=int, default=7, help="steps per run (default 7; the first two are dropped)")
+    ap.add_argument("--rounds", type=int, default=4, help="ABBA rounds (default 4)")
+    ap.add_argument("--predict", action="store_true", help="also the simulator's prediction of the gain")
+    ap.add_argument(
+        "--control",
+        action="store_true",
+        help="also the same pair without the emulated link (the gain should vanish: it is the link's hiding)",
+    )
+    ap.add_argument(
+        "--size",
+        choices=("small", "large"),
+        default="small",
+        help="examples/moe.py at its defaults (small), or 4x the tokens and 2x the width (large)",
+    )
+    smoke_flag(ap)
+    a = ap.parse_args()
+    names = schedules()
+    if a.smoke:  # one schedule, one round of 3 steps, the small model
+        names, a.m, a.steps, a.rounds, a.size = names[:1], 4, 3, 1, "small"
+    if a.size == "large":
+        ENV.update(LARGE)
+    with tempfile.TemporaryDirectory(prefix="pipec-moe-") as tmp:
+        cases = [(name, link) for name in names for link in ((True, False) if a.control else (True,))]
+        for name, link in cases:
+            extra = predict(name, a.m, tmp) if a.predict and link else {}
+            systems = {
+                "overlap": lambda n=name, k=link: step_time(n, a.m, a.steps, True, k),
+                "serial": lambda n=name, k=link: step_time(n, a.m, a.steps, False, k),
+            }
+            start = load_average()
+            rec = summarize(
+                "moe_overlap",
+                alternate(systems, a.rounds),
+                ("serial", "overlap"),
+                start,
+                schedule=name,
+                params={"p": 2, "m": a.m, "dp": 2, "ep": 2, "experts": 4},
+                link={"latency_ms": LATENCY_MS, "bandwidth_gbps": BANDWIDTH_GBPS} if link else "not emulated",
+                model={"size": a.size, **ENV},
+                **extra,
+            )
+            rec["gain"] = round(1 - rec["median_s"]["overlap"] / rec["median_s"]["serial"], 4)
+            emit(rec)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,323 @@
+"""Expert parallelism's all-to-alls: the expert group, the dispatch and combine of an MoE layer's tokens,
+and every check and emulated delay on them.
+
+The expert group (pipec.ir.experts says why it is folded into "dp"): `size` consecutive data-parallel
+replicas of one pipeline rank, each holding `num / size` experts of every MoE layer. An experts module
+(pipec.runtime.model.moe finds and shards them) is called with the tokens grouped by expert and the count
+of each; `ExpertGroup.forward` then
+
+1. exchanges the counts (a small blocking all-to-all of int64, inside the current compute segment),
+2. dispatches the tokens to the ranks holding their experts (`all_to_all_single`, asynchronous),
+3. runs the local experts on what arrived, regrouped by local expert,
+4. combines: sends each result back where its token came from (the reverse all-to-all).
+
+2 and 4 are `AllToAll`, an autograd Function whose backward is the reverse all-to-all of the gradient, so
+the backward of an MoE layer issues two all-to-alls as well, in reverse order (on the thread that calls
+backward: for CPU tensors autograd runs the graph on the calling thread). These are the all-to-alls that
+pipec.ir.experts.all_to_alls counts and pair_order orders.
+
+Each all-to-all goes through `ExpertGroup.exchange`, which
+
+- counts it against the op that issues it (`running`: the executor names the instruction, its stage and
+  how many all-to-alls its kind and the stage's MoE layers imply); one too many is an error naming the
+  rank, instruction and stage, and so is one too few when the op ends (`OpRun.close`);
+- prefixes each destination's rows with a header (step, instruction index, all-to-all number, stage,
+  opcode, emulated arrival time) and checks the headers it receives: a peer of the expert group that
+  issued a different all-to-all at this place (a model whose layers differ between replicas, a Program
+  that differs) is an error naming both ranks and both instructions, instead of mixed-up tokens;
+- with an overlapped pair (`running(..., baton=...)`), hands the baton to the pair's other op right after
+  issuing and waits for its turn before waiting on the transfer (pipec.runtime.exec.pairs);
+- waits with the run's timeout, and an error naming the rank and the instruction;
+- with an emulated expert link (pipec.runtime.exec.links, `Links.replica`), holds the result until the
+  slowest source's emulated arrival: issue (or when the wire to that peer is free again) + bytes /
+  bandwidth + latency, as `EmulatedComm` does for pipeline messages.
+
+Header rows travel in the payload's dtype, so only float32 and float64 payloads are supported (the time
+stamp is cut in a whole and a fractional part so float32 keeps it to a microsecond).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from pipec.runtime.errors import CollectiveError, PipelineError
+
+HEADER = 8  # values: step, instruction, all-to-all number, stage, opcode, arrival (whole, fraction), spare
+DTYPES = (torch.float32, torch.float64)
+
+
+@dataclass
+class OpRun:
+    """The op (one compute instruction) a thread is running: what its all-to-alls are counted against."""
+
+    index: int  # instruction index in the rank's stream
+    label: str  # the instruction as text, e.g. `FWD 3 1`
+    stage: int
+    opcode: int
+    expected: int  # all-to-alls its kind and its stage's MoE layers imply (pipec.ir.experts.all_to_alls)
+    baton: Any = None  # pipec.runtime.exec.pairs.Baton when it runs in an overlapped pair
+    slot: int = 0  # its place in the pair (0: the first op)
+    count: int = 0  # all-to-alls issued so far
+    mb: int = -1  # its micro-batch (for the measured record)
+
+
+class ExpertGroup:
+    """This rank's expert group: the process group of its `size` members (consecutive "dp" replicas of one
+    pipeline rank), its place in it, and the state of the all-to-alls in flight.
+
+    `rank`, `dp_rank` and `where()` name this process in errors; `members` are the job ranks of the group
+    (in group order); `link`: per (source, destination) member pair the emulated (latency s, bandwidth
+    bytes/s) or None (pipec.runtime.exec.links.Links.replica, the replicas' datacenters)."""
+
+    def __init__(
+        self,
+        pg: Any,
+        members: list[int],
+        index: int,
+        *,
+        rank: int,
+        dp_rank: int,
+        timeout: float,
+        where: Callable[[], str],
+        link: tuple[tuple[tuple[float, float] | None, ...], ...] | None = None,
+    ) -> None:
+        self.pg, self.members, self.index, self.size = pg, members, index, len(members)
+        self.rank, self.dp_rank, self.timeout, self.where = rank, dp_rank, timeout, where
+        self.link = link
+        self.free: dict[int, float] = {}  # per destination member: when the emulated wire to it is free
+        self.local = threading.local()
+        self.step = 0
+        # the executor's measured events of this step, when recording: ("alltoall", opcode, mb, stage, number,
+        # issued, done, bytes sent) per all-to-all, on time.perf_counter() like the others (exec/measure.py)
+        self.record: list[tuple] | None = None
+
+    # ---- which op is running on this thread -----------------------------------------------------
+    @contextmanager
+    def running(self, op: OpRun) -> Iterator[OpRun]:
+        """Count the all-to-alls of `op` on this thread while it runs; error when they fall short."""
+        prev = getattr(self.local, "op", None)
+        self.local.op = op
+        try:
+            yield op
+        finally:
+            self.local.op = prev
+        if op.count != op.expected:
+            raise PipelineError(
+                f"{self._who(op)} issued {op.count} all-to-all(s), but its stage's MoE layers imply {op.expected} "
+                "(does the model call its experts a different number of times than it has MoE layers?)"
+            )
+
+    def _op(self) -> OpRun | None:
+        return getattr(self.local, "op", None)
+
+    def _who(self, op: OpRun | None) -> str:
+        me = (
+            f"pipeline rank {self.rank}, replica {self.dp_rank} (job rank {self.members[self.index]}, member "
+            f"{self.index} of its expert group)"
+        )
+        if op is None:
+            return f"{me} at {self.where()}"
+        return f"{me} at step {self.step + 1}, instruction #{op.index} `{op.label}` (stage {op.stage})"
+
+    def _fail(self, what: str, op: OpRun | None, e: BaseException) -> CollectiveError:
+        from pipec.runtime.exec.comm import short_error
+
+        msg = short_error(e, self.timeout)
+        peers = [m for i, m in enumerate(self.members) if i != self.index]
+        return CollectiveError(f"{self._who(op)}: {what} failed: {msg}", peers)
+
+    def _wait(self, work: Any, what: str, op: OpRun | None) -> None:
+        try:
+            work.wait(timedelta(seconds=self.timeout))
+        except Exception as e:
+            raise self._fail(what, op, e) from e
+
+    # ---- the MoE layer's forward through the group ----------------------------------------------
+    def forward(self, local: Callable[[torch.Tensor, list[int]], torch.Tensor], tokens: torch.Tensor, counts: Any):
+        """An experts module's forward under expert parallelism: `tokens` grouped by (global) expert with
+        `counts` per expert; `local(tokens, counts)` the module's own forward over the experts it holds."""
+        counts = [int(c) for c in (counts.tolist() if isinstance(counts, torch.Tensor) else counts)]
+        n = self.size
+        if len(counts) % n:
+            raise PipelineError(f"{self._who(self._op())}: {len(counts)} expert counts do not split over {n} ranks")
+        held = len(counts) // n
+        # [destination, its expert], on the tokens' device (NCCL exchanges device tensors only)
+        send_counts = torch.tensor(counts, dtype=torch.int64, device=tokens.device).view(n, held)
+        recv_counts = torch.empty_like(send_counts)  # [source, my expert]
+        op = self._op()
+        try:
+            work = torch.distributed.all_to_all_single(recv_counts, send_counts, group=self.pg, async_op=True)
+        except Exception as e:
+            raise self._fail("the token counts' all-to-all", op, e) from e
+        self._wait(work, "the token counts' all-to-all", op)
+        send = send_counts.sum(1).tolist()
+        recv = recv_counts.sum(1).tolist()
+        got = AllToAll.apply(tokens, self, send, recv, "dispatch")  # rows grouped [source][expert]
+        # regroup by my expert ([expert][source]), run them, and put the rows back
+        order = _regroup(recv_counts.cpu()).to(tokens.device)
+        out = local(got[order], recv_counts.sum(0).tolist())
+        back = torch.empty_like(out).index_copy(0, order, out) if len(order) else out
+        return AllToAll.apply(back, self, recv, send, "combine")
+
+    # ---- one all-to-all ---------------------------------------------------------------------------
+    def exchange(self, x: torch.Tensor, send: list[int], recv: list[int], what: str) -> torch.Tensor:
+        """Rows of `x` (send[i] to member i) to their destinations; the rows received (recv[i] from i)."""
+        op = self._op()
+        if x.dtype not in DTYPES:
+            raise PipelineError(
+                f"{self._who(op)}: expert parallelism sends float32 or float64 tokens, got {x.dtype} ({what})"
+            )
+        if op is not None:
+            if op.count >= op.expected:
+                raise PipelineError(
+                    f"{self._who(op)} issues all-to-all #{op.count + 1} ({what}), but its stage's MoE layers imply "
+                    f"{op.expected} for this instruction"
+                )
+            number = op.count
+            op.count += 1
+        else:
+            number = -1
+        x = x.reshape(x.shape[0], -1).contiguous()
+        width = x.shape[1]
+        rows = max(1, math.ceil(HEADER / width)) if width else 0
+        if not width:
+            raise PipelineError(f"{self._who(op)}: cannot send tokens of width 0 ({what})")
+        now, t_issue = time.monotonic(), time.perf_counter()
+        arrival = self._arrivals(now, send, width * x.element_size())
+        opcode = op.opcode if op is not None else -1
+        index = op.index if op is not None else -1
+        stage = op.stage if op is not None else -1
+        parts, at = [], 0
+        for i, k in enumerate(send):
+            head = torch.zeros(rows * width, dtype=x.dtype, device=x.device)
+            t = arrival[i]
+            whole = math.floor(t)
+            head[:HEADER] = torch.tensor(
+                [self.step, index, number, stage, opcode, whole, t - whole, 0.0], dtype=x.dtype
+            ).to(x.device)  # rows * width >= HEADER
+            parts += [head.view(rows, width), x[at : at + k]]
+            at += k
+        buf = torch.cat(parts)
+        out = torch.empty(sum(recv) + rows * self.size, width, dtype=x.dtype, device=x.device)
+        try:
+            work = torch.distributed.all_to_all_single(
+                out,
+                buf,
+                output_split_sizes=[r + rows for r in recv],
+                input_split_sizes=[s + rows for s in send],
+                group=self.pg,
+                async_op=True,
+            )
+        except Exception as e:
+            raise self._fail(f"issuing the {what} all-to-all", op, e) from e
+        if op is not None:
+            if op.baton is not None:  # the pair's other op computes while this one travels
+                op.baton.handoff(op.slot)
+        self._wait(work, f"the {what} all-to-all", op)
+        pieces, at, latest = [], 0, 0.0
+        for i, r in enumerate(recv):
+            head = out[at : at + rows].reshape(-1)[:HEADER].tolist()
+            self._check(head, i, op, number, what)
+            latest = max(latest, head[5] + head[6])
+            pieces.append(out[at + rows : at + rows + r])
+            at += rows + r
+        self._hold(latest, op, what)
+        if self.record is not None:
+            sent = (sum(send) - (send[self.index] if self.index < len(send) else 0)) * width * x.element_size()
+            mb = op.mb if op is not None else -1
+            self.record.append(("alltoall", opcode, mb, stage, number, t_issue, time.perf_counter(), sent))
+        return torch.cat(pieces)
+
+    def _arrivals(self, now: float, send: list[int], row_bytes: int) -> list[float]:
+        """Per destination member: the emulated arrival of its rows (0 where its link is not emulated)."""
+        out = [0.0] * self.size
+        if self.link is None:
+            return out
+        for i, k in enumerate(send):
+            hop = self.link[self.index][i]
+            if i == self.index or hop is None:
+                continue
+            lat, bw = hop
+            start = max(now, self.free.get(i, 0.0))
+            end = start + k * row_bytes / bw
+            self.free[i] = end
+            out[i] = end + lat
+        return out
+
+    def _check(self, head: list[float], src: int, op: OpRun | None, number: int, what: str) -> None:
+        mine = (self.step, op.index if op is not None else -1, number)
+        theirs = (int(head[0]), int(head[1]), int(head[2]))
+        if theirs == mine:
+            return
+        peer = self.members[src]
+        their_label = f"instruction #{theirs[1]}" if theirs[1] >= 0 else "no instruction"
+        raise CollectiveError(
+            f"{self._who(op)}: the all-to-all orders of the expert group differ: this rank issued its "
+            f"all-to-all #{number + 1} ({what}) of step {self.step + 1}, but job rank {peer} (member {src}) "
+            f"issued all-to-all #{theirs[2] + 1} of {their_label} (stage {int(head[3])}) of step {theirs[0] + 1} "
+            "at the same place (every rank of an expert group must issue the same all-to-alls in the same order: "
+            "do the replicas build the same MoE layers?)",
+            [peer],
+        )
+
+    def _hold(self, arrival: float, op: OpRun | None, what: str) -> None:
+        if arrival <= 0:
+            return
+        delay = arrival - time.monotonic()
+        if delay > self.timeout:
+            raise PipelineError(
+                f"{self._who(op)}: the {what} all-to-all would arrive {delay:.1f} s from now over the emulated "
+                f"expert link, past the run's timeout of {self.timeout:g} s"
+            )
+        if delay > 0:
+            time.sleep(delay)
+
+    # ---- gradients and gathers --------------------------------------------------------------------
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """The whole tensor of an expert parameter (or its gradient) sharded over the group along dim 0."""
+        parts = [torch.empty_like(t) for _ in range(self.size)]
+        try:
+            work = torch.distributed.all_gather(parts, t.contiguous(), group=self.pg, async_op=True)
+        except Exception as e:
+            raise self._fail("gathering an expert parameter", None, e) from e
+        self._wait(work, "gathering an expert parameter", None)
+        return torch.cat(parts)
+
+
+class AllToAll(torch.autograd.Function):
+    """One all-to-all of an MoE layer (dispatch or combine): forward sends rows `send[i]` to member i and
+    receives `recv[i]` from it; backward sends the gradient back the same way reversed."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: ExpertGroup, send: list[int], recv: list[int], what: str):
+        ctx.group, ctx.send, ctx.recv, ctx.what, ctx.shape = group, send, recv, what, x.shape[1:]
+        return group.exchange(x, send, recv, what).reshape(-1, *x.shape[1:])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        g = ctx.group.exchange(grad, ctx.recv, ctx.send, f"{ctx.what} gradient")
+        return g.reshape(-1, *ctx.shape), None, None, None, None
+
+
+def _regroup(recv_counts: torch.Tensor) -> torch.Tensor:
+    """Row indices that reorder rows grouped [source][expert] (recv_counts[source, expert] rows each) into
+    rows grouped [expert][source]."""
+    n, held = recv_counts.shape
+    starts = torch.cumsum(recv_counts.reshape(-1), 0) - recv_counts.reshape(-1)
+    starts = starts.view(n, held)
+    idx = [
+        torch.arange(int(starts[s, e]), int(starts[s, e] + recv_counts[s, e]))
+        for e in range(held)
+        for s in range(n)
+        if int(recv_counts[s, e])
+    ]
+    return torch.cat(idx) if idx else torch.zeros(0, dtype=torch.int64)
