@@ -78,7 +78,8 @@ def test_a_limit_no_plan_meets_is_e830_with_the_excess(tmp_path):
 
 def test_ranks_that_disagree_with_p_are_e831(tmp_path):
     table = _table(tmp_path)
-    rc, _, stderr = run_cli("plan", "--layers-cost", table, "-p", "2", "--global-batch", "8", "--ranks", "speed=1,1,0.5")
+    args = ("plan", "--layers-cost", table, "-p", "2", "--global-batch", "8")
+    rc, _, stderr = run_cli(*args, "--ranks", "speed=1,1,0.5")
     assert rc == 1 and "error[E831]: --ranks gives 3 values for `speed`, but -p is 2: 1 too many" in stderr
     ranks = tmp_path / "ranks.toml"
     ranks.write_text("speed = [1, 0.5]\nmem = ['1GiB', '1GiB', '1GiB']\n")
@@ -98,5 +99,6 @@ def test_a_layer_table_of_another_model_is_e833(tmp_path):
     model = os.path.join(ROOT, "examples", "uneven.py")
     rc, _, stderr = run_cli("plan", "--layers-cost", table, "--model", model, "-p", "2", "--global-batch", "8")
     assert rc == 1
-    assert f"{table}: error[E833]: the layer table is not of `{model}`: its layer 0 is `l0`, the model's `embed`" in stderr
+    want = f"{table}: error[E833]: the layer table is not of `{model}`: its layer 0 is `l0`, the model's `embed`"
+    assert want in stderr
     assert "Traceback" not in stderr
