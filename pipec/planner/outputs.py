@@ -22,8 +22,7 @@ from pipec.planner.report import (
     report_lines,
     torchtitan_settings,
 )
-from pipec.planner.search import Inputs, Plan
-from pipec.planner.space import has_memops
+from pipec.planner.search import Inputs, Plan, Point
 
 
 @dataclass
@@ -45,11 +44,14 @@ class Outputs:
     def pb(self):
         return self.plan.problems[self.plan.best.candidate]
 
+    def named(self, pt: Point) -> bool:
+        """True when a point's schedule is a library schedule as it stands (named with -D), False when it
+        needs a written `.pipe` (memory ops chosen per stage)."""
+        return pt.candidate.memop == ""
+
     @property
     def library_named(self) -> bool:
-        """True when the plan is a library schedule as it stands (named with -D), False when it needs a
-        written `.pipe` (memory ops chosen per stage)."""
-        return not has_memops(self.pb.sched) or self.plan.best.candidate.memop == ""
+        return self.named(self.plan.best)
 
     def limit_text(self) -> str:
         lim = [x for x in self.inputs.limit if not math.isnan(x)]
@@ -57,28 +59,32 @@ class Outputs:
             return "none"
         return fmt_bytes(lim[0]) if len(set(lim)) == 1 else ", ".join(fmt_bytes(x) for x in self.inputs.limit)
 
-    def target(self, folder: str | None) -> list[str]:
-        cand = self.plan.best.candidate
-        if self.library_named:
+    def target(self, folder: str | None, pt: Point | None = None, prefix: str = "plan") -> list[str]:
+        pt = pt or self.plan.best
+        cand = pt.candidate
+        if self.named(pt):
             out = [cand.schedule, "-D", f"p={self.inputs.p}", "-D", f"m={cand.m}"]
             return out + (["-D", f"v={cand.v}"] if cand.v else [])
-        return [os.path.join(folder or ".", "plan.pipe")]
+        return [os.path.join(folder or ".", f"{prefix}.pipe")]
 
-    def run_command(self, folder: str | None) -> str:
-        part = os.path.join(folder or ".", "partition.json")
-        cmd = ["pipec", "run", *self.target(folder), "--model", self.model or "MODEL.py", "--partition", part]
+    def run_command(self, folder: str | None, pt: Point | None = None, prefix: str = "plan") -> str:
+        name = "partition.json" if prefix == "plan" else f"{prefix}-partition.json"
+        part = os.path.join(folder or ".", name)
+        target = self.target(folder, pt, prefix)
+        cmd = ["pipec", "run", *target, "--model", self.model or "MODEL.py", "--partition", part]
         return " ".join(shlex.quote(x) for x in cmd + ["--nproc", str(self.inputs.p), "--check"])
 
-    def partition_doc(self) -> dict:
+    def partition_doc(self, pt: Point | None = None) -> dict:
         from pipec.formats.partition_files import partition_doc
 
-        pb, best = self.pb, self.plan.best
+        best = pt or self.plan.best
+        pb = self.plan.problems[best.candidate]
         names = pb.table.names
         stages = [list(names[a:b]) for a, b in zip(best.split.bounds, best.split.bounds[1:])]
         params = {"p": self.inputs.p, **best.candidate.params}
         return partition_doc(
             pb.table,
-            pb.sched.name if not self.library_named else best.candidate.schedule,
+            best.candidate.schedule if self.named(best) else pb.sched.name,
             params,
             stages,
             placement=list(pb.sched.placement),
@@ -86,22 +92,38 @@ class Outputs:
             predicted={
                 "step": best.step,
                 "memory": list(best.split.memory),
-                "lower_bound": self.plan.lower_bound,
-                "optimal": self.plan.lower_bound >= best.step,
+                "lower_bound": self.plan.lower_bound if best is self.plan.best else best.lower_bound,
+                "optimal": best is self.plan.best and self.plan.lower_bound >= best.step,
                 "layers_per_stage": [b - a for a, b in zip(best.split.bounds, best.split.bounds[1:])],
                 "plan": best.candidate.label,
             },
         )
 
-    def pipe_text(self) -> str:
+    def pipe_text(self, pt: Point | None = None) -> str:
         from pipec.formats.torch_csv_reader import to_pipe
 
-        text = to_pipe(self.pb.sched)
+        pt = pt or self.plan.best
+        text = to_pipe(self.plan.problems[pt.candidate].sched)
         head = [
-            f"# Written by `pipec plan`: {self.plan.best.candidate.label}, the memory ops chosen per stage.",
-            f"# Simulated step {self.plan.best.step:.6g} s with the split of partition.json; run it with that file.",
+            f"# Written by `pipec plan`: {pt.candidate.label}, the memory ops chosen per stage.",
+            f"# Simulated step {pt.step:.6g} s with the split of its partition file; run it with that file.",
         ]
         return "\n".join(head) + "\n" + text
+
+    def write_point(self, folder: str, pt: Point, prefix: str) -> list[str]:
+        """The point's `.pipe` (when it needs one) and partition file."""
+        from pipec.files import write_text
+        from pipec.formats.partition_files import write_json
+
+        out = []
+        if not self.named(pt):
+            path = os.path.join(folder, f"{prefix}.pipe")
+            write_text(path, self.pipe_text(pt))
+            out.append(path)
+        path = os.path.join(folder, "partition.json" if prefix == "plan" else f"{prefix}-partition.json")
+        write_json(path, self.partition_doc(pt))
+        out.append(path)
+        return out
 
     def write(self, folder: str) -> list[str]:
         """Every file into `folder` (made if missing); returns their paths."""
@@ -110,23 +132,23 @@ class Outputs:
         from pipec.planner.figure import write_pareto
 
         os.makedirs(folder, exist_ok=True)
-        out = []
-        if not self.library_named:
-            path = os.path.join(folder, "plan.pipe")
-            write_text(path, self.pipe_text())
-            out.append(path)
-        path = os.path.join(folder, "partition.json")
-        write_json(path, self.partition_doc())
-        out.append(path)
+        out = self.write_point(folder, self.plan.best, "plan")
+        for prefix, pt in (("megatron", self.plan.megatron), ("library", self.plan.library)):
+            if pt is not None:
+                out += self.write_point(folder, pt, prefix)
         mflags, mcannot = megatron_settings(self.plan, self.pb, self.inputs.global_batch)
         path = os.path.join(folder, "megatron.txt")
         text = mflags + "\n" + "".join(f"# cannot express: {x}\n" for x in mcannot)
         write_text(path, text)
         out.append(path)
-        ttext, tcannot = torchtitan_settings(self.plan, self.pb, self.inputs.global_batch)
+        ttext, tcsv, tcannot = torchtitan_settings(self.plan, self.pb, self.inputs.global_batch)
         path = os.path.join(folder, "torchtitan.toml")
         write_text(path, "".join(f"# cannot express: {x}\n" for x in tcannot) + ttext)
         out.append(path)
+        if tcsv:
+            path = os.path.join(folder, "plan.csv")
+            write_text(path, tcsv)
+            out.append(path)
         out += write_pareto(self.plan, folder)
         path = os.path.join(folder, "plan.json")
         write_json(path, self.to_json(out))
@@ -141,7 +163,7 @@ class Outputs:
         mflags, mcannot = megatron_settings(self.plan, self.pb, self.inputs.global_batch)
         lines.append("Megatron-LM: " + mflags)
         lines += [f"  Megatron-LM cannot express {x}" for x in mcannot]
-        _, tcannot = torchtitan_settings(self.plan, self.pb, self.inputs.global_batch)
+        _, _, tcannot = torchtitan_settings(self.plan, self.pb, self.inputs.global_batch)
         lines.append("torchtitan: " + ("torchtitan.toml" if written else "with -o DIR, torchtitan.toml"))
         lines += [f"  torchtitan cannot express {x}" for x in tcannot]
         if written:
@@ -151,7 +173,7 @@ class Outputs:
     def to_json(self, written: list[str] = ()) -> dict:
         folder = os.path.dirname(written[0]) if written else None
         mflags, mcannot = megatron_settings(self.plan, self.pb, self.inputs.global_batch)
-        ttext, tcannot = torchtitan_settings(self.plan, self.pb, self.inputs.global_batch)
+        ttext, _, tcannot = torchtitan_settings(self.plan, self.pb, self.inputs.global_batch)
         doc = {
             "command": "plan",
             "p": self.inputs.p,
@@ -171,6 +193,9 @@ class Outputs:
         doc["candidates"] = len(self.plan.points)
         doc["not_tried"] = list(self.plan.skipped)
         doc["run"] = self.run_command(folder)
+        for key, pt in (("megatron", self.plan.megatron), ("library", self.plan.library)):
+            if doc[key] is not None:
+                doc[key]["run"] = self.run_command(folder, pt, key)
         doc["megatron_lm"] = {"flags": mflags, "cannot": mcannot}
         doc["torchtitan"] = {"toml": ttext, "cannot": tcannot}
         doc["files"] = list(written)

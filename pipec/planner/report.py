@@ -182,7 +182,8 @@ def megatron_settings(plan: Plan, pb: Problem, global_batch: int) -> tuple[str, 
         ranks = cand.memop_ranks if cand.memop else p
         flags.append("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
         if ranks < p:
-            cannot.append(f"recomputation on ranks 0-{ranks - 1} only: Megatron-LM recomputes on every stage alike")
+            which = f"ranks 0-{ranks - 1}" if ranks > 1 else "rank 0"
+            cannot.append(f"recomputation on {which} only: Megatron-LM recomputes on every stage alike")
     if cand.memop == "offload" or "offload" in cand.schedule:
         cannot.append("offloading chosen forwards' activations: Megatron-LM's --cpu-offloading is per layer, for all")
     if any(x not in "Lt" for s in stages[1:] for x in s) or any(x not in "Et" for s in stages[:-1] for x in s):
@@ -192,7 +193,7 @@ def megatron_settings(plan: Plan, pb: Problem, global_batch: int) -> tuple[str, 
     return " ".join(flags), cannot
 
 
-def torchtitan_settings(plan: Plan, pb: Problem, global_batch: int) -> tuple[str, list[str]]:
+def torchtitan_settings(plan: Plan, pb: Problem, global_batch: int) -> tuple[str, str, list[str]]:
     """torchtitan's settings for the plan: the schedule class and CSV (`pipec.formats.torchtitan`, memory ops
     dropped), the micro-batch size and each stage's modules (`module_fqns_per_model_part`); and what it
     cannot express."""
@@ -203,18 +204,17 @@ def torchtitan_settings(plan: Plan, pb: Problem, global_batch: int) -> tuple[str
     cannot = []
     try:
         exp = export_torchtitan(pb.sched, "plan.csv", microbatch_size=global_batch // cand.m, drop_memops=True)
-        text = exp.toml
     except PipecError as e:
-        return "", [f"the schedule: {e.diagnostics[0].message}"]
+        return "", "", [f"the schedule: {e.diagnostics[0].message}"]
     names = pb.table.names
     parts = [[q for n in names[a:b] for q in n.split("+")] for a, b in zip(split.bounds, split.bounds[1:])]
-    text += "module_fqns_per_model_part = [\n" + "".join(f"  {parts_text(x)},\n" for x in parts) + "]\n"
-    text = text.replace("[training]", "[training]", 1)
+    fqns = "module_fqns_per_model_part = [\n" + "".join(f"  {parts_text(x)},\n" for x in parts) + "]\n"
+    text = exp.toml.replace("\n[training]", "\n" + fqns + "\n[training]", 1)
     if pb.sched.memops and any(pb.sched.memops):
         cannot.append(
             "per-stage recomputation or offload: torchtitan's [activation_checkpoint] mode applies to every layer"
         )
-    return text, cannot
+    return text, exp.csv, cannot
 
 
 def parts_text(names: Sequence[str]) -> str:

@@ -134,7 +134,7 @@ def with_memops(sched: Schedule, kind: str, ranks: int) -> Schedule:
                 mem.append(MemOp("OFFLOAD", i, s, off))
                 mem.append(MemOp("RELOAD", i, s, back))
         out.append(tuple(sorted(mem, key=lambda x: (x.before, x.op != "OFFLOAD"))))
-    return replace(sched, memops=tuple(out), name=f"{sched.name}-{kind}")
+    return replace(sched, memops=tuple(out), name=f"{sched.name}-{kind}-ranks{ranks}")
 
 
 def has_memops(sched: Schedule) -> bool:
