@@ -74,11 +74,13 @@ def rows_of(pb: Problem, splits: Iterable[Sequence[int]]) -> _Rows:
     return rows
 
 
-def path_bound(pb: Problem, rows: _Rows, upper: float | None, steps: int = 10) -> tuple[float, bool]:
+def path_bound(
+    pb: Problem, rows: _Rows, upper: float | None, steps: int = 10, floor: float = 0.0
+) -> tuple[float, bool]:
     """(a lower bound in seconds on every split's step within the limits, proven that no split fits): the
-    module docstring's bisection, `steps` halvings between the work bound and `upper` (seconds; None: a
-    budget no split exceeds)."""
-    lo = _work_bound(pb)
+    module docstring's bisection, `steps` halvings between the work bound (or `floor`, seconds, a bound
+    already proven) and `upper` (seconds; None: a budget no split exceeds)."""
+    lo = max(_work_bound(pb), int(math.floor(floor / pb.unit)))
     top = _slowest(pb)
     hi = min(int(math.ceil(upper / pb.unit)), top) if upper is not None else top
     root = _root(pb)

@@ -34,7 +34,6 @@ import numpy as np
 from pipec.errors import PipecError, error
 from pipec.formats.partition_files import LayerTable
 from pipec.ir.units import fmt_bytes
-from pipec.partition.bounds import _work_bound
 from pipec.partition.local_search import _balanced, _neighbours
 from pipec.partition.problem import Problem, Split
 from pipec.partition.search import search
@@ -149,8 +148,10 @@ def _memory_descent(pb: Problem, bounds: Sequence[int], deadline: float) -> tupl
     return cur
 
 
-def _screen(pb: Problem, cand: Candidate, deadline: float, extra: Sequence[tuple[int, ...]] = ()) -> Point:
-    """A candidate's first look (the module docstring, phase 1)."""
+def _screen(
+    pb: Problem, cand: Candidate, deadline: float, floor: float, extra: Sequence[tuple[int, ...]] = ()
+) -> Point:
+    """A candidate's first look (the module docstring, phase 1); `floor`, its `layer_bound`."""
     tried = [pb.evaluate(b) for b in dict.fromkeys([pb.uniform(), _balanced(pb), *extra])]
     fit = [x for x in tried if x.fits]
     if not fit:
@@ -162,9 +163,10 @@ def _screen(pb: Problem, cand: Candidate, deadline: float, extra: Sequence[tuple
     least = min(tried, key=lambda x: _excess(pb, np.asarray(x.memory)))
     best = min(fit, key=lambda x: x.step) if fit else None
     if pb.graph.kind.size <= SEARCH_OPS or best is None:  # at scale the bound waits for the refinement
-        bound, infeasible = path_bound(pb, rows_of(pb, [x.bounds for x in tried]), best.step if best else None, 6)
+        rows = rows_of(pb, [x.bounds for x in tried])
+        bound, infeasible = path_bound(pb, rows, best.step if best else None, 6, floor)
     else:
-        bound, infeasible = _work_bound(pb) * pb.unit, False
+        bound, infeasible = floor, False
     return Point(
         cand,
         best,
@@ -254,7 +256,7 @@ def plan(inputs: Inputs, time_limit: float = 30.0, progress: Progress | None = N
         except PipecError as e:
             skipped.append(f"{cand.label}: {e.diagnostics[0].message}")
             return None
-        pt = _screen(pb, cand, screen_end, extra)
+        pt = _screen(pb, cand, screen_end, layer_bound(inputs, cand.m, pb.sched.split_backward), extra)
         points[cand] = pt
         return pt
 
@@ -310,7 +312,7 @@ def plan(inputs: Inputs, time_limit: float = 30.0, progress: Progress | None = N
             better, bound, optimal = (res.best if res.best.step < pt.step else pt.split), res.lower_bound, res.optimal
         else:
             better, seen = improve(pb, pt.split, end - 0.2 * share)
-            bound, _ = path_bound(pb, rows_of(pb, seen), better.step)
+            bound, _ = path_bound(pb, rows_of(pb, seen), better.step, floor=pt.lower_bound)
             bound = max(bound, pt.lower_bound)
             optimal = bound >= better.step
         refined = Point(
@@ -339,7 +341,7 @@ def plan(inputs: Inputs, time_limit: float = 30.0, progress: Progress | None = N
     open_ = [p for p in allp if not p.infeasible]
     lower = min([p.lower_bound for p in open_] + [best.step])
     if any("not screened" in s for s in skipped):  # those not looked at: the work bound holds for them
-        lower = min(lower, work_bound(inputs))
+        lower = min(lower, universal_bound(inputs))
     return Plan(
         best,
         tuple(sorted(allp, key=lambda p: (p.step, p.peak))),
@@ -369,7 +371,7 @@ def _tighten(builder: _Builder, points: dict, incumbent: float, deadline: float,
             break
         pb = builder.problems[pt.candidate]
         splits = [pb.uniform(), _balanced(pb)] + ([pt.split.bounds] if pt.split else [])
-        bound, infeasible = path_bound(pb, rows_of(pb, splits), incumbent, 12)
+        bound, infeasible = path_bound(pb, rows_of(pb, splits), incumbent, 12, pt.lower_bound)
         bound = max(bound, pt.lower_bound) if not infeasible else math.inf
         if pt.split is not None:
             bound = min(bound, pt.split.step)
@@ -379,11 +381,37 @@ def _tighten(builder: _Builder, points: dict, incumbent: float, deadline: float,
 
 
 def work_bound(inputs: Inputs) -> float:
-    """Seconds no plan beats, whatever its schedule, m or split: the whole step's work (every layer's F, B and
-    W for the global batch) over the ranks' speeds together, as if no rank ever waited."""
+    """Seconds no plan beats, whatever its schedule, m or split: the whole step's work (every layer's F and
+    its backward, split or not, for the global batch) over the ranks' speeds together, as if no rank ever
+    waited."""
     t = inputs.table
     work = float((t.F + np.minimum(t.B + t.W, t.full_backward)).sum()) * inputs.global_batch / inputs.table_mbs
     return work / float(np.sum(inputs.speed))
+
+
+def layer_bound(inputs: Inputs, m: int, split: bool) -> float:
+    """Seconds no plan with m micro-batches (and a split backward or not) beats, whatever its schedule or
+    split: a layer lives on one rank, which runs its m forwards and m backwards one at a time at most at the
+    fastest speed, and its first forward waits for micro-batch 0's forwards through every layer before it
+    (in order, on ranks no faster); without a split backward its last backward is followed by that
+    micro-batch's backwards through every layer before it (with one, a W may end the step instead). The most
+    over the layers, and at least the work bound."""
+    t = inputs.table
+    s = float(np.max(inputs.speed))
+    f = t.F * inputs.global_batch / (m * inputs.table_mbs) / s
+    b = (t.B + t.W if split else t.full_backward) * inputs.global_batch / (m * inputs.table_mbs) / s
+    before_f = np.concatenate([[0.0], np.cumsum(f)[:-1]])
+    before_b = (
+        np.concatenate([[0.0], np.cumsum(t.full_backward)[:-1]]) * inputs.global_batch / (m * inputs.table_mbs) / s
+    )
+    per = before_f + m * (f + b) + (0.0 if split else before_b)
+    return max(float(per.max()), work_bound(inputs))
+
+
+def universal_bound(inputs: Inputs) -> float:
+    """`layer_bound` at its least over the micro-batch counts tried and both kinds of backward: below every
+    candidate, screened or not."""
+    return min(layer_bound(inputs, m, split) for m in inputs.microbatches for split in (False, True))
 
 
 def _megatron(inputs: Inputs, builder: _Builder, points: Mapping, say: Progress) -> Point | None:

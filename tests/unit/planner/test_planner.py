@@ -19,7 +19,7 @@ from pipec.passes.compiler import compile_schedule
 from pipec.planner import Candidate, Inputs, microbatch_counts, plan, prove
 from pipec.planner.bounds import path_bound, rows_of
 from pipec.planner.report import explain, megatron_settings, pareto
-from pipec.planner.search import _Builder, work_bound
+from pipec.planner.search import _Builder, layer_bound, universal_bound, work_bound
 from pipec.planner.space import layer_kinds, megatron_split, scaled, with_memops
 
 pytest.importorskip("ortools")
@@ -137,11 +137,17 @@ def test_path_bound_proves_no_split_fits_when_a_memory_row_cannot():
     assert infeasible
 
 
-def test_work_bound_holds_for_every_plan():
-    table = random_layer_table(np.random.default_rng(4), 5)
-    inputs = _inputs(table)
-    got = plan(inputs, time_limit=20)
-    assert work_bound(inputs) <= min(p.step for p in got.points if p.split is not None) + 1e-12
+@pytest.mark.parametrize("seed", [4, 8])
+def test_work_and_layer_bounds_hold_for_every_split_of_every_candidate(seed):
+    """Brute force: every split of every candidate steps at least its m's `layer_bound` and the work bound."""
+    table = random_layer_table(np.random.default_rng(seed), 5)
+    inputs = _inputs(table, speed=(1.0, 0.5), schedules=("1f1b", "zb-h1", "interleaved-1f1b"))
+    b = _Builder(inputs)
+    floor = universal_bound(inputs)
+    for s, m in itertools.product(inputs.schedules, inputs.microbatches):
+        pb = b.problem(Candidate(s, m, 2 if s == "interleaved-1f1b" else 0))
+        least = min(pb.evaluate(x).step for x in _splits(pb.L, pb.S))
+        assert work_bound(inputs) <= floor <= layer_bound(inputs, m, pb.sched.split_backward) <= least + 1e-12
 
 
 def test_no_fit_names_the_closest_and_how_far_over():
