@@ -7,7 +7,8 @@ examples/hf_gpt2.py with GPT-2's vocabulary of 50257, width 768, 12 blocks, floa
 tokens; benchmarks/profiles/uneven-layers.json: examples/uneven.py, 256 samples), at p = 4 and p = 8, on ranks
 of one speed and of two (the second half at speed 0.5), each at equal memory: the memory limit is the peak of
 (a) Megatron-LM's default (interleaved 1F1B, uniform split, no recomputation) found by a first, short
-`pipec plan` run, so neither the plan nor (b) may use more. Then `pipec plan --layers-cost TABLE -p P
+`pipec plan` run, so neither the plan nor (b) may use more; and at 0.75 of it (`--shares`), where (a) must
+recompute and the limit binds the others too. Then `pipec plan --layers-cost TABLE -p P
 --global-batch G [--ranks speed=...] --memory-limit PEAK --time-limit T --json`. One JSON line per case: the
 plan's, (a)'s and (b)'s simulated steps, the gains, the bound and the seconds the search took.
 
@@ -48,13 +49,13 @@ def plan_json(args: list[str]) -> dict:
     return json.loads(proc.stdout)
 
 
-def simulated(case: str, p: int, two_speeds: bool, time_limit: float) -> dict:
+def simulated(case: str, p: int, two_speeds: bool, time_limit: float, share: float = 1.0) -> dict:
     table, batch = TABLES[case]
     base = ["--layers-cost", table, "-p", str(p), "--global-batch", str(batch)]
     if two_speeds:
         base += ["--ranks", "speed=" + ",".join(["1"] * (p // 2) + ["0.5"] * (p - p // 2))]
     first = plan_json([*base, "--time-limit", "1", "--schedules", "1f1b"])
-    peak = first["megatron"]["peak"]
+    peak = first["megatron"]["peak"] * share
     t0, load0, c0 = time.perf_counter(), load_average(), os.times()
     doc = plan_json([*base, "--memory-limit", f"{int(peak)}B", "--time-limit", str(time_limit)])
     wall, c1 = time.perf_counter() - t0, os.times()
@@ -64,6 +65,7 @@ def simulated(case: str, p: int, two_speeds: bool, time_limit: float) -> dict:
         "p": p,
         "speeds": "1 and 0.5" if two_speeds else "1",
         "memory_limit": int(peak),
+        "limit_share_of_megatron_peak": share,
         "command": " ".join(
             ["pipec", "plan", *base, "--memory-limit", f"{int(peak)}B", "--time-limit", str(time_limit)]
         ),
@@ -144,6 +146,7 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=20.0)
     ap.add_argument("--cases", default="gpt2,uneven")
     ap.add_argument("--ps", default="4,8")
+    ap.add_argument("--shares", default="1,0.75", help="memory limits as shares of (a)'s peak without a limit")
     ap.add_argument("--measure", action="store_true")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--steps", type=int, default=4)
@@ -154,9 +157,10 @@ def main() -> None:
     for case in args.cases.split(","):
         for p in (int(x) for x in args.ps.split(",")):
             for two in (False, True):
-                emit(simulated(case, p, two, args.time_limit))
-                if args.smoke:
-                    return
+                for share in (float(x) for x in args.shares.split(",")):
+                    emit(simulated(case, p, two, args.time_limit, share))
+                    if args.smoke:
+                        return
     if args.measure:
         measured(args.rounds, args.steps, args.time_limit)
 

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import math
 import os
 import sys
 
 from pipec import options
 from pipec.cli.args import Command, cost_args
-from pipec.cli.envelope import Misuse
+from pipec.cli.envelope import Misuse, emit
 from pipec.errors import Source, error
 
 
@@ -106,7 +105,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     out = Outputs(result, inputs, args.model, args.layers_cost)
     written = out.write(args.output) if args.output else []
     if args.json:
-        sys.stdout.write(json.dumps(out.to_json(written)) + "\n")
+        emit(args, out.to_json(written))
     else:
         print("\n".join(out.lines(written)))
     if args.save_layers and args.model and not args.layers_cost:

@@ -175,7 +175,6 @@ class Outputs:
         mflags, mcannot = megatron_settings(self.plan, self.pb, self.inputs.global_batch)
         ttext, _, tcannot = torchtitan_settings(self.plan, self.pb, self.inputs.global_batch)
         doc = {
-            "command": "plan",
             "p": self.inputs.p,
             "global_batch": self.inputs.global_batch,
             "memory_limit": _limits(self.inputs.limit),
