@@ -101,7 +101,9 @@ def measured(rounds: int, steps: int, time_limit: float) -> None:
     out = tempfile.mkdtemp(prefix="plan-gain-")
     table, batch = TABLES["uneven"]
     args = ["--layers-cost", table, "--model", "examples/uneven.py", "-p", "2", "--global-batch", str(batch)]
-    doc = plan_json([*args, "--microbatches", "8", "--time-limit", str(time_limit), "-o", out])
+    args += ["--microbatches", "8"]  # the profile's: what the table measured, so the runs are what was simulated
+    peak = plan_json([*args, "--time-limit", "1", "--schedules", "1f1b"])["megatron"]["peak"]  # equal memory
+    doc = plan_json([*args, "--memory-limit", f"{int(peak)}B", "--time-limit", str(time_limit), "-o", out])
     systems, sim = {}, {}
     for key in ("plan", "megatron", "library"):
         pt = doc[key]

@@ -22,12 +22,15 @@ def write_pareto(plan: Plan, directory: str, title: str = "") -> list[str]:
     ax.scatter([p.peak / 2**20 for p in pts], [p.step for p in pts], s=12, c="#999999", label="candidates")
     front = pareto(pts)
     ax.plot([p.peak / 2**20 for p in front], [p.step for p in front], "-o", c="#1f77b4", ms=4, label="Pareto front")
-    marks = [("plan", plan.best, "*", "#d62728"), ("(a) Megatron-LM default", plan.megatron, "s", "#2ca02c")]
-    marks.append(("(b) best library + partition", plan.library, "^", "#ff7f0e"))
-    for name, pt, marker, color in marks:
+    marks = [("(a) Megatron-LM default", plan.megatron, "s", "#2ca02c", 120)]
+    marks += [
+        ("(b) best library + partition", plan.library, "^", "#ff7f0e", 120),
+        ("plan", plan.best, "*", "#d62728", 90),
+    ]
+    for name, pt, marker, color, size in marks:  # the plan last, on top of a baseline it may coincide with
         if pt is not None:
             label = f"{name}: {pt.candidate.label}"
-            ax.scatter([pt.peak / 2**20], [pt.step], marker=marker, s=120, c=color, label=label)
+            ax.scatter([pt.peak / 2**20], [pt.step], marker=marker, s=size, c=color, label=label, zorder=3)
     ax.set_xlabel("peak memory on the fullest rank (MiB)")
     ax.set_ylabel("simulated step (s)")
     ax.set_title(title or "pipec plan: step time against peak bytes")
