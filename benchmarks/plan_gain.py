@@ -54,7 +54,7 @@ def simulated(case: str, p: int, two_speeds: bool, time_limit: float, share: flo
     base = ["--layers-cost", table, "-p", str(p), "--global-batch", str(batch)]
     if two_speeds:
         base += ["--ranks", "speed=" + ",".join(["1"] * (p // 2) + ["0.5"] * (p - p // 2))]
-    first = plan_json([*base, "--time-limit", "1", "--schedules", "1f1b"])
+    first = plan_json([*base, "--time-limit", "3", "--schedules", "1f1b"])
     peak = first["megatron"]["peak"] * share
     t0, load0, c0 = time.perf_counter(), load_average(), os.times()
     doc = plan_json([*base, "--memory-limit", f"{int(peak)}B", "--time-limit", str(time_limit)])
@@ -102,7 +102,7 @@ def measured(rounds: int, steps: int, time_limit: float) -> None:
     table, batch = TABLES["uneven"]
     args = ["--layers-cost", table, "--model", "examples/uneven.py", "-p", "2", "--global-batch", str(batch)]
     args += ["--microbatches", "8"]  # the profile's: what the table measured, so the runs are what was simulated
-    peak = plan_json([*args, "--time-limit", "1", "--schedules", "1f1b"])["megatron"]["peak"]  # equal memory
+    peak = plan_json([*args, "--time-limit", "3", "--schedules", "1f1b"])["megatron"]["peak"]  # equal memory
     doc = plan_json([*args, "--memory-limit", f"{int(peak)}B", "--time-limit", str(time_limit), "-o", out])
     systems, sim = {}, {}
     for key in ("plan", "megatron", "library"):

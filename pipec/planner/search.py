@@ -262,7 +262,7 @@ def plan(inputs: Inputs, time_limit: float = 30.0, progress: Progress | None = N
 
     plain: list[Point] = []
     for n, cand in enumerate(fams):
-        if time.perf_counter() > screen_end:
+        if n and time.perf_counter() > screen_end:  # the first is screened whatever the limit
             skipped.append(f"{len(fams) - n} schedule and m pairs not screened: time limit")
             break
         pt = screen(cand)
