@@ -30,6 +30,7 @@ def plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--microbatches", metavar="M,M,...", help="the micro-batch counts to try (default: from the batch)")
     p.add_argument("--schedules", metavar="NAME,...", help="library schedules to try (default: every pipeline one)")
     p.add_argument("--memops", default="recompute,offload", metavar="KINDS", help="recompute,offload or none")
+    p.add_argument("--no-synth", action="store_true", help="leave out the synthesized schedule (pipec synth)")
     p.add_argument("--time-limit", type=options.finite, default=30.0, metavar="S", help="search seconds (default 30)")
     p.add_argument("--reps", type=options.count(1, 1_000_000), default=5, metavar="N", help="timed runs per layer")
     p.add_argument("-o", "--output", metavar="DIR", help="write the plan's files (.pipe, partition, picture) here")
@@ -97,6 +98,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         tuple(cost_docs),
         tuple(schedules),
         tuple(memops),
+        not args.no_synth,
     )
     # the search takes 85% of the limit: the proof, the why and the files take the rest (docs/plan.md)
     result = plan(inputs, 0.85 * args.time_limit, say)

@@ -47,7 +47,9 @@ class Outputs:
     def named(self, pt: Point) -> bool:
         """True when a point's schedule is a library schedule as it stands (named with -D), False when it
         needs a written `.pipe` (memory ops chosen per stage)."""
-        return pt.candidate.memop == ""
+        from pipec.planner.synthesized import SYNTH
+
+        return pt.candidate.memop == "" and pt.candidate.schedule != SYNTH
 
     @property
     def library_named(self) -> bool:

@@ -59,6 +59,7 @@ class Inputs:
     cost_docs: tuple[Mapping, ...] = ()
     schedules: tuple[str, ...] = LIBRARY
     memops: tuple[str, ...] = MEMOPS
+    synth: bool = True  # one synthesized schedule on the incumbent's stage costs (`pipec.planner.synthesized`)
 
 
 @dataclass(frozen=True)
@@ -330,6 +331,8 @@ def plan(inputs: Inputs, time_limit: float = 30.0, progress: Progress | None = N
             f"refined {pt.candidate.label}: {refined.step:.4g} s (bound {refined.lower_bound:.4g} s"
             f"{', optimal' if refined.optimal else ''}), {time.perf_counter() - t0:.1f} s"
         )
+    if inputs.synth:
+        best_step = min(best_step, _synthesize(inputs, builder, points, t0 + time_limit, say))
     _tighten(builder, points, best_step, t0 + time_limit, say)
     allp = list(points.values())
     best = min((p for p in allp if p.split is not None), key=lambda p: (p.step, p.peak))
@@ -352,6 +355,38 @@ def plan(inputs: Inputs, time_limit: float = 30.0, progress: Progress | None = N
         tuple(skipped),
         builder.problems,
     )
+
+
+def _synthesize(inputs: Inputs, builder: _Builder, points: dict, deadline: float, say: Progress) -> float:
+    """The synthesized candidate (`pipec.planner.synthesized`) on the incumbent's split, where p is small
+    and time is left; returns the best step now."""
+    from pipec.planner.synthesized import MAX_P, refine_synthesized, synthesized
+
+    best = min((p for p in points.values() if p.split is not None), key=lambda p: p.step)
+    left = deadline - time.perf_counter()
+    if inputs.p > MAX_P or left < 1.0:
+        return best.step
+    got = synthesized(builder.problems[best.candidate], best.split.bounds, best.candidate.m, inputs.limit, left / 3)
+    if got is None:
+        return best.step
+    cand, pb = got
+    split = refine_synthesized(pb, best.split.bounds, time.perf_counter() + (deadline - time.perf_counter()) / 2)
+    if split is None:
+        return best.step
+    builder.problems[cand] = pb
+    floor = layer_bound(inputs, cand.m, True)
+    bound, _ = path_bound(pb, rows_of(pb, [split.bounds]), split.step, 12, floor)
+    points[cand] = Point(
+        cand,
+        split,
+        min(bound, split.step),
+        bound >= split.step,
+        True,
+        _excess(pb, np.asarray(split.memory)),
+        tuple(split.memory),
+    )
+    say(f"synthesized ({cand.label}) on the best split: {split.step:.4g} s")
+    return min(best.step, split.step)
 
 
 def _binds(pb: Problem, pt: Point) -> bool:

@@ -173,3 +173,21 @@ def test_report_why_and_pareto_and_megatron_layout():
     layout = flags.split('--pipeline-model-parallel-layout "')[1].split('"')[0]
     assert layout.startswith("E") and layout.endswith("L")
     assert layout.count("|") == got.problems[got.best.candidate].S - 1
+
+
+def test_the_synthesized_candidate_is_simulated_and_written_as_a_schedule():
+    """pipec.synth's heuristic on the incumbent's stage costs joins the candidates (p <= 8), and its .pipe,
+    written by the plan's outputs, builds back to the same orders."""
+    from pipec.errors import Source
+    from pipec.frontend.load import evaluate_source
+    from pipec.planner.outputs import Outputs
+
+    table = random_layer_table(np.random.default_rng(9), 6)
+    got = plan(_inputs(table, schedules=("1f1b", "zb-h1")), time_limit=20)
+    synth = [p for p in got.points if p.candidate.schedule == "synth"]
+    assert len(synth) == 1 and synth[0].split is not None and synth[0].lower_bound <= synth[0].step + 1e-12
+    out = Outputs(got, _inputs(table, schedules=("1f1b", "zb-h1")))
+    text = out.pipe_text(synth[0])
+    sched = evaluate_source(Source("synth.pipe", text), [])
+    want = got.problems[synth[0].candidate].sched
+    assert all(np.array_equal(a.kind, b.kind) and np.array_equal(a.mb, b.mb) for a, b in zip(sched.ranks, want.ranks))
