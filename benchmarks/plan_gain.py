@@ -7,9 +7,11 @@ examples/hf_gpt2.py with GPT-2's vocabulary of 50257, width 768, 12 blocks, floa
 tokens; benchmarks/profiles/uneven-layers.json: examples/uneven.py, 256 samples), at p = 4 and p = 8, on ranks
 of one speed and of two (the second half at speed 0.5), each at equal memory: the memory limit is the peak of
 (a) Megatron-LM's default (interleaved 1F1B, uniform split, no recomputation) found by a first, short
-`pipec plan` run, so neither the plan nor (b) may use more; and at 0.75 of it (`--shares`), where (a) must
-recompute and the limit binds the others too. Then `pipec plan --layers-cost TABLE -p P
---global-batch G [--ranks speed=...] --memory-limit PEAK --time-limit T --json`. One JSON line per case: the
+`pipec plan` run, so neither the plan nor (b) may use more; and (`--limits a,recompute`) at the peak of (a)
+with full recomputation on every rank, what Megatron-LM's default falls back to when its plain peak does not
+fit (found by a run with the limit one byte below (a)'s plain peak), where the limit binds the others too.
+Then `pipec plan --layers-cost TABLE -p P --global-batch G [--ranks speed=...] --memory-limit PEAK
+--time-limit T --json`. One JSON line per case: the
 plan's, (a)'s and (b)'s simulated steps, the gains, the bound and the seconds the search took.
 
 Measured (`--measure`): at p = 2 on gloo, examples/uneven.py with m = 8 (the profile's): `pipec plan -o DIR`
@@ -49,13 +51,16 @@ def plan_json(args: list[str]) -> dict:
     return json.loads(proc.stdout)
 
 
-def simulated(case: str, p: int, two_speeds: bool, time_limit: float, share: float = 1.0) -> dict:
+def simulated(case: str, p: int, two_speeds: bool, time_limit: float, tight: bool = False) -> dict:
     table, batch = TABLES[case]
     base = ["--layers-cost", table, "-p", str(p), "--global-batch", str(batch)]
     if two_speeds:
         base += ["--ranks", "speed=" + ",".join(["1"] * (p // 2) + ["0.5"] * (p - p // 2))]
     first = plan_json([*base, "--time-limit", "3", "--schedules", "1f1b"])
-    peak = first["megatron"]["peak"] * share
+    peak = first["megatron"]["peak"]
+    if tight:  # just below (a)'s peak, (a) recomputes on every rank: its peak then is the limit
+        below = plan_json([*base, "--memory-limit", f"{int(peak) - 1}B", "--time-limit", "3", "--schedules", "1f1b"])
+        peak = below["megatron"]["peak"]
     t0, load0, c0 = time.perf_counter(), load_average(), os.times()
     doc = plan_json([*base, "--memory-limit", f"{int(peak)}B", "--time-limit", str(time_limit)])
     wall, c1 = time.perf_counter() - t0, os.times()
@@ -65,7 +70,7 @@ def simulated(case: str, p: int, two_speeds: bool, time_limit: float, share: flo
         "p": p,
         "speeds": "1 and 0.5" if two_speeds else "1",
         "memory_limit": int(peak),
-        "limit_share_of_megatron_peak": share,
+        "limit": "(a) with full recomputation's peak" if tight else "(a)'s peak",
         "command": " ".join(
             ["pipec", "plan", *base, "--memory-limit", f"{int(peak)}B", "--time-limit", str(time_limit)]
         ),
@@ -148,7 +153,7 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=20.0)
     ap.add_argument("--cases", default="gpt2,uneven")
     ap.add_argument("--ps", default="4,8")
-    ap.add_argument("--shares", default="1,0.75", help="memory limits as shares of (a)'s peak without a limit")
+    ap.add_argument("--limits", default="a,recompute", help="a: (a)'s peak; recompute: (a)'s with recomputation")
     ap.add_argument("--measure", action="store_true")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--steps", type=int, default=4)
@@ -159,8 +164,8 @@ def main() -> None:
     for case in args.cases.split(","):
         for p in (int(x) for x in args.ps.split(",")):
             for two in (False, True):
-                for share in (float(x) for x in args.shares.split(",")):
-                    emit(simulated(case, p, two, args.time_limit, share))
+                for limit in args.limits.split(","):
+                    emit(simulated(case, p, two, args.time_limit, limit == "recompute"))
                     if args.smoke:
                         return
     if args.measure:
