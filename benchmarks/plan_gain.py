@@ -72,7 +72,7 @@ def simulated(case: str, p: int, two_speeds: bool, time_limit: float, tight: boo
         "memory_limit": int(peak),
         "limit": "(a) with full recomputation's peak" if tight else "(a)'s peak",
         "command": " ".join(
-            ["pipec", "plan", *base, "--memory-limit", f"{int(peak)}B", "--time-limit", str(time_limit)]
+            ["pipec", "plan", *base, "--memory-limit", f"{int(peak)}B", "--time-limit", f"{time_limit:g}"]
         ),
         "plan": doc["plan"]["label"],
         "plan_layers": doc["plan"]["layers_per_stage"],
@@ -161,7 +161,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.smoke:  # one case, a short search: the format (tests)
         args.cases, args.ps, args.time_limit = "uneven", "4", 3.0
-    for case in args.cases.split(","):
+    for case in filter(None, args.cases.split(",")):  # --cases "" --measure: the measured part alone
         for p in (int(x) for x in args.ps.split(",")):
             for two in (False, True):
                 for limit in args.limits.split(","):
