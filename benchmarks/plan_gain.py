@@ -60,6 +60,14 @@ def simulated(case: str, p: int, two_speeds: bool, time_limit: float, tight: boo
     peak = first["megatron"]["peak"]
     if tight:  # just below (a)'s peak, (a) recomputes on every rank: its peak then is the limit
         below = plan_json([*base, "--memory-limit", f"{int(peak) - 1}B", "--time-limit", "3", "--schedules", "1f1b"])
+        if below["megatron"] is None:  # its peak is its parameters': recomputation frees nothing that counts
+            return {
+                "case": case,
+                "p": p,
+                "speeds": "1 and 0.5" if two_speeds else "1",
+                "limit": "recompute",
+                "skipped": "(a) with full recomputation does not fit below (a)'s own peak",
+            }
         peak = below["megatron"]["peak"]
     t0, load0, c0 = time.perf_counter(), load_average(), os.times()
     doc = plan_json([*base, "--memory-limit", f"{int(peak)}B", "--time-limit", str(time_limit)])
