@@ -26,6 +26,15 @@ from pipec.partition.graph import KINDS
 from pipec.partition.local_search import _kick, _local_search
 from pipec.partition.problem import Problem, Split
 
+# Above this many stages the local search moves one boundary at a time (`_single_moves`): the partition
+# search's neighbourhood (pairs of boundaries too) is about S^2 splits, whose longest paths it computes as one
+# (ops x splits) array: 1.5 GB at p = 64, m = 128.
+LOCAL_SEARCH_STAGES = 16
+
+# Rows x stages x boundaries above which `path_bound` does not propagate (one pass over them would take
+# tens of seconds and gigabytes: DualPipe-V at p = 64, m = 256, 200 layers) and returns its floor instead.
+MAX_ROW_CELLS = 20_000_000
+
 # Above this many ops a candidate is refined by `improve` and bounded by `path_bound` instead of
 # `pipec.partition.search` (whose fluid bound's linear program grows too slow beyond it).
 SEARCH_OPS = 1500
@@ -47,13 +56,15 @@ def _slowest(pb: Problem) -> int:
     )
 
 
-def rows_of(pb: Problem, splits: Iterable[Sequence[int]]) -> _Rows:
+def rows_of(pb: Problem, splits: Iterable[Sequence[int]], deadline: float = math.inf) -> _Rows:
     """The rows: each rank's order, the paths of these splits, and the memory positions. Stacked once
     (`_Rows.add` concatenates row by row, quadratic in the rows at p = 64)."""
     paths: dict[tuple[int, bytes], tuple[int, np.ndarray]] = {}
     for const, counts in pb.graph.rank_chains(pb.R):
         paths.setdefault((const, counts.tobytes()), (const, counts))
-    for bounds in splits:
+    for n, bounds in enumerate(splits):
+        if n and time.perf_counter() > deadline:  # each split's paths walk the whole graph in Python
+            break
         for const, counts in pb.graph.paths(pb.stage_units(bounds))[1]:
             paths.setdefault((const, counts.tobytes()), (const, counts))
     wq, weight, const = [], [], []
@@ -75,12 +86,14 @@ def rows_of(pb: Problem, splits: Iterable[Sequence[int]]) -> _Rows:
 
 
 def path_bound(
-    pb: Problem, rows: _Rows, upper: float | None, steps: int = 10, floor: float = 0.0
+    pb: Problem, rows: _Rows, upper: float | None, steps: int = 10, floor: float = 0.0, deadline: float = math.inf
 ) -> tuple[float, bool]:
     """(a lower bound in seconds on every split's step within the limits, proven that no split fits): the
     module docstring's bisection, `steps` halvings between the work bound (or `floor`, seconds, a bound
     already proven) and `upper` (seconds; None: a budget no split exceeds)."""
     lo = max(_work_bound(pb), int(math.floor(floor / pb.unit)))
+    if rows.wq.size > MAX_ROW_CELLS or time.perf_counter() > deadline:  # one propagation would take too long
+        return lo * pb.unit, False
     top = _slowest(pb)
     hi = min(int(math.ceil(upper / pb.unit)), top) if upper is not None else top
     root = _root(pb)
@@ -91,7 +104,7 @@ def path_bound(
     if _propagate(rows, root.copy(), lo) is None:
         lo += 1
     for _ in range(steps):
-        if hi - lo <= 1:
+        if hi - lo <= 1 or time.perf_counter() > deadline:
             break
         mid = (lo + hi) // 2
         if _propagate(rows, root.copy(), mid) is None:
@@ -111,14 +124,48 @@ def improve(pb: Problem, start: Split, deadline: float) -> tuple[Split, list[tup
         if len(seen) < 64:
             seen.append(tuple(bounds))
 
-    best = _local_search(pb, start, cut, deadline)
+    descend = _local_search if pb.S <= LOCAL_SEARCH_STAGES else _single_moves
+    best = descend(pb, start, cut, deadline)
     rng, stall = np.random.default_rng(0), 0
     while stall < 30 and time.perf_counter() < deadline:
         kicked = _kick(best.bounds, rng)
         if kicked is None:
             break
-        found = _local_search(pb, pb.evaluate(kicked), cut, deadline)
+        found = descend(pb, pb.evaluate(kicked), cut, deadline)
         better = found.fits and found.step < best.step
         stall = 0 if better else stall + 1
         best = found if better else best
     return best, seen
+
+
+def _single_moves(pb: Problem, start: Split, cut, deadline: float) -> Split:
+    """Steepest descent over the splits one boundary moved by one or two layers: the graph's longest path of
+    all of them at once (a lower bound on each one's step), then those below the incumbent simulated, the
+    shortest first, until one is faster (`pipec.partition.local_search._local_search`'s rule, on fewer
+    neighbours)."""
+    best = start
+    while time.perf_counter() < deadline:
+        c = np.asarray(best.bounds, dtype=np.int64)
+        moves = [(t, d) for t in range(1, pb.S) for d in (-2, -1, 1, 2)]
+        cands = np.repeat(c[None, :], len(moves), axis=0)
+        for row, (t, d) in zip(cands, moves):
+            row[t] += d
+        cands = cands[np.all(np.diff(cands, axis=1) > 0, axis=1)]
+        if not len(cands):
+            break
+        lengths = pb.graph.lengths(pb.batch_units(cands))
+        improved = False
+        for i in np.argsort(lengths, kind="stable").tolist():
+            if lengths[i] * pb.unit >= best.step or time.perf_counter() > deadline:
+                break
+            b = tuple(int(x) for x in cands[i])
+            if not bool(np.all(np.isnan(pb.limit) | (pb.memory(b) <= pb.limit + 1e-9))):
+                continue
+            cand = pb.evaluate(b)
+            cut(cand.bounds)
+            if cand.fits and cand.step < best.step:
+                best, improved = cand, True
+                break
+        if not improved:
+            break
+    return best

@@ -313,7 +313,8 @@ def plan(inputs: Inputs, time_limit: float = 30.0, progress: Progress | None = N
             better, bound, optimal = (res.best if res.best.step < pt.step else pt.split), res.lower_bound, res.optimal
         else:
             better, seen = improve(pb, pt.split, end - 0.2 * share)
-            bound, _ = path_bound(pb, rows_of(pb, seen), better.step, floor=pt.lower_bound)
+            rows = rows_of(pb, [better.bounds, *reversed(seen)], end)  # the best's paths first
+            bound, _ = path_bound(pb, rows, better.step, floor=pt.lower_bound, deadline=end)
             bound = max(bound, pt.lower_bound)
             optimal = bound >= better.step
         refined = Point(
@@ -406,7 +407,8 @@ def _tighten(builder: _Builder, points: dict, incumbent: float, deadline: float,
             break
         pb = builder.problems[pt.candidate]
         splits = [pb.uniform(), _balanced(pb)] + ([pt.split.bounds] if pt.split else [])
-        bound, infeasible = path_bound(pb, rows_of(pb, splits), incumbent, 12, pt.lower_bound)
+        rows = rows_of(pb, splits, deadline)
+        bound, infeasible = path_bound(pb, rows, incumbent, 12, pt.lower_bound, deadline)
         bound = max(bound, pt.lower_bound) if not infeasible else math.inf
         if pt.split is not None:
             bound = min(bound, pt.split.step)
