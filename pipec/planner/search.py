@@ -336,7 +336,11 @@ def plan(inputs: Inputs, time_limit: float = 30.0, progress: Progress | None = N
         best_step = min(best_step, _synthesize(inputs, builder, points, t0 + time_limit, say))
     _tighten(builder, points, best_step, t0 + time_limit, say)
     allp = list(points.values())
-    best = min((p for p in allp if p.split is not None), key=lambda p: (p.step, p.peak))
+    # ties: the plainer plan (no memory ops: what other systems express) first, then the smaller peak
+    best = min(
+        (p for p in allp if p.split is not None),
+        key=lambda p: (p.step, has_memops(builder.problems[p.candidate].sched), p.peak),
+    )
     library = min(
         (p for p in allp if p.split is not None and not p.candidate.memop and p.candidate.schedule in LIBRARY),
         key=lambda p: p.step,
