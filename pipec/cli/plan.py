@@ -45,7 +45,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     it beside Megatron-LM's default and the best library schedule with `pipec partition`'s split, with the
     Pareto front of step time against peak bytes; writes the .pipe, the partition file, the picture and
     the Megatron-LM and torchtitan settings with -o. See docs/plan.md."""
-    from pipec.formats.partition_files import Ranks, parse_ranks, read_table, write_json
+    from pipec.formats.partition_files import Ranks, parse_ranks, write_json
     from pipec.planner import Inputs, microbatch_counts, plan
     from pipec.planner.space import LIBRARY, MEMOPS
     from pipec.sim.cost_files import cost_spec
@@ -112,7 +112,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print("\n".join(out.lines(written)))
     if args.save_layers and args.model and not args.layers_cost:
         write_json(args.save_layers, table.to_json())
-    _ = read_table  # the table reader is `_table`'s
     return 0
 
 
