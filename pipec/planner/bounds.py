@@ -10,6 +10,9 @@ position held to its limit. When propagation empties a boundary's domain at budg
 limits has every row at most T, so every split's step exceeds T. Bisection keeps the largest T proven so.
 The work bound (`pipec.partition.bounds._work_bound`) is its floor. When the rows are infeasible even at a
 budget no split exceeds, no split fits the limits at all.
+
+The bounds on every candidate, built or not (`work_bound`, `layer_bound`, `universal_bound`), need only the
+layer table and the ranks: they hold for the schedule and m pairs a short time limit never screened.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -25,6 +29,9 @@ from pipec.partition.branch import _propagate, _Rows
 from pipec.partition.graph import KINDS
 from pipec.partition.local_search import _kick, _local_search
 from pipec.partition.problem import Problem, Split
+
+if TYPE_CHECKING:
+    from pipec.planner.search import Inputs
 
 # Above this many stages the local search moves one boundary at a time (`_single_moves`): the partition
 # search's neighbourhood (pairs of boundaries too) is about S^2 splits, whose longest paths it computes as one
@@ -169,3 +176,40 @@ def _single_moves(pb: Problem, start: Split, cut, deadline: float) -> Split:
         if not improved:
             break
     return best
+
+
+# ---- bounds on every candidate, built or not ----------------------------------------------------------
+
+
+def work_bound(inputs: Inputs) -> float:
+    """Seconds no plan beats, whatever its schedule, m or split: the whole step's work (every layer's F and
+    its backward, split or not, for the global batch) over the ranks' speeds together, as if no rank ever
+    waited."""
+    t = inputs.table
+    work = float((t.F + np.minimum(t.B + t.W, t.full_backward)).sum()) * inputs.global_batch / inputs.table_mbs
+    return work / float(np.sum(inputs.speed))
+
+
+def layer_bound(inputs: Inputs, m: int, split: bool) -> float:
+    """Seconds no plan with m micro-batches (and a split backward or not) beats, whatever its schedule or
+    split: a layer lives on one rank, which runs its m forwards and m backwards one at a time at most at the
+    fastest speed, and its first forward waits for micro-batch 0's forwards through every layer before it
+    (in order, on ranks no faster); without a split backward its last backward is followed by that
+    micro-batch's backwards through every layer before it (with one, a W may end the step instead). The most
+    over the layers, and at least the work bound."""
+    t = inputs.table
+    s = float(np.max(inputs.speed))
+    f = t.F * inputs.global_batch / (m * inputs.table_mbs) / s
+    b = (t.B + t.W if split else t.full_backward) * inputs.global_batch / (m * inputs.table_mbs) / s
+    before_f = np.concatenate([[0.0], np.cumsum(f)[:-1]])
+    before_b = (
+        np.concatenate([[0.0], np.cumsum(t.full_backward)[:-1]]) * inputs.global_batch / (m * inputs.table_mbs) / s
+    )
+    per = before_f + m * (f + b) + (0.0 if split else before_b)
+    return max(float(per.max()), work_bound(inputs))
+
+
+def universal_bound(inputs: Inputs) -> float:
+    """`layer_bound` at its least over the micro-batch counts tried and both kinds of backward: below every
+    candidate, screened or not."""
+    return min(layer_bound(inputs, m, split) for m in inputs.microbatches for split in (False, True))

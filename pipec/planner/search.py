@@ -37,7 +37,7 @@ from pipec.ir.units import fmt_bytes
 from pipec.partition.local_search import _balanced, _neighbours
 from pipec.partition.problem import Problem, Split
 from pipec.partition.search import search
-from pipec.planner.bounds import SEARCH_OPS, improve, path_bound, rows_of
+from pipec.planner.bounds import SEARCH_OPS, improve, layer_bound, path_bound, rows_of, universal_bound
 from pipec.planner.space import LIBRARY, MEMOPS, Candidate, has_memops, megatron_split, memop_ranks, scaled, with_memops
 
 Progress = Callable[[str], None]
@@ -419,40 +419,6 @@ def _tighten(builder: _Builder, points: dict, incumbent: float, deadline: float,
         points[pt.candidate] = replace(pt, lower_bound=bound, infeasible=infeasible or pt.infeasible)
         closed += bound >= incumbent
     say(f"bounds: {closed} of {len(todo)} candidates cannot beat {incumbent:.4g} s")
-
-
-def work_bound(inputs: Inputs) -> float:
-    """Seconds no plan beats, whatever its schedule, m or split: the whole step's work (every layer's F and
-    its backward, split or not, for the global batch) over the ranks' speeds together, as if no rank ever
-    waited."""
-    t = inputs.table
-    work = float((t.F + np.minimum(t.B + t.W, t.full_backward)).sum()) * inputs.global_batch / inputs.table_mbs
-    return work / float(np.sum(inputs.speed))
-
-
-def layer_bound(inputs: Inputs, m: int, split: bool) -> float:
-    """Seconds no plan with m micro-batches (and a split backward or not) beats, whatever its schedule or
-    split: a layer lives on one rank, which runs its m forwards and m backwards one at a time at most at the
-    fastest speed, and its first forward waits for micro-batch 0's forwards through every layer before it
-    (in order, on ranks no faster); without a split backward its last backward is followed by that
-    micro-batch's backwards through every layer before it (with one, a W may end the step instead). The most
-    over the layers, and at least the work bound."""
-    t = inputs.table
-    s = float(np.max(inputs.speed))
-    f = t.F * inputs.global_batch / (m * inputs.table_mbs) / s
-    b = (t.B + t.W if split else t.full_backward) * inputs.global_batch / (m * inputs.table_mbs) / s
-    before_f = np.concatenate([[0.0], np.cumsum(f)[:-1]])
-    before_b = (
-        np.concatenate([[0.0], np.cumsum(t.full_backward)[:-1]]) * inputs.global_batch / (m * inputs.table_mbs) / s
-    )
-    per = before_f + m * (f + b) + (0.0 if split else before_b)
-    return max(float(per.max()), work_bound(inputs))
-
-
-def universal_bound(inputs: Inputs) -> float:
-    """`layer_bound` at its least over the micro-batch counts tried and both kinds of backward: below every
-    candidate, screened or not."""
-    return min(layer_bound(inputs, m, split) for m in inputs.microbatches for split in (False, True))
 
 
 def _megatron(inputs: Inputs, builder: _Builder, points: Mapping, say: Progress) -> Point | None:

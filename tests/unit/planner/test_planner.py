@@ -17,9 +17,9 @@ from pipec.errors import PipecError
 from pipec.partition.problem import Problem
 from pipec.passes.compiler import compile_schedule
 from pipec.planner import Candidate, Inputs, microbatch_counts, plan, prove
-from pipec.planner.bounds import path_bound, rows_of
+from pipec.planner.bounds import layer_bound, path_bound, rows_of, universal_bound, work_bound
 from pipec.planner.report import explain, megatron_settings, pareto
-from pipec.planner.search import _Builder, layer_bound, universal_bound, work_bound
+from pipec.planner.search import _Builder
 from pipec.planner.space import layer_kinds, megatron_split, scaled, with_memops
 
 pytest.importorskip("ortools")
