@@ -102,7 +102,6 @@ class Plan:
     seconds: float
     skipped: tuple[str, ...] = ()
     problems: Mapping[Candidate, Problem] = field(default_factory=dict)
-    synthesized: bool = False
 
 
 def _excess(pb: Problem, mem: np.ndarray) -> float:
@@ -438,12 +437,12 @@ def _megatron(inputs: Inputs, builder: _Builder, points: Mapping, say: Progress)
             except PipecError:
                 break
             split = pb.evaluate(megatron_split(L, pb.S))
-            pt = Point(cand, split if split.fits else None, split.step, excess=_excess(pb, np.asarray(split.memory)))
-            pt = Point(cand, pt.split, split.step, True, False, pt.excess, tuple(split.memory), note="Megatron-LM")
-            if split.fits:
-                if best is None or split.step < best.step:
-                    best = pt
-                break
+            if not split.fits:
+                continue  # without recomputation: with it next
+            excess = _excess(pb, np.asarray(split.memory))
+            if best is None or split.step < best.step:  # a fixed split: its bound is its step
+                best = Point(cand, split, split.step, True, False, excess, tuple(split.memory), note="Megatron-LM")
+            break
     if best is not None:
         say(f"baseline (a) Megatron-LM default: {best.candidate.label}: {best.step:.4g} s")
     return best
