@@ -31,7 +31,8 @@ that drift apart; untied, each weight lives on one stage and `pipec run --check`
 Tokens are bytes (vocabulary 256). Each step samples HF_BATCH windows of HF_CONTEXT + 1 bytes of the
 corpus, seeded by the step, so every process draws the same batch. Environment knobs: HF_LAYERS (8),
 HF_WIDTH (64), HF_HEADS (4), HF_CONTEXT (64), HF_BATCH (16 sequences per step), HF_LR (AdamW, 1e-3),
-HF_DTYPE (float64; float32 for speed), HF_SEED (0), HF_TEXT (another UTF-8 text file).
+HF_DTYPE (float64; float32 for speed), HF_SEED (0), HF_TEXT (another UTF-8 text file), HF_VOCAB (256; 50257
+is GPT-2's vocabulary, for its real embedding and head sizes: `pipec plan`'s figures, docs/plan.md).
 """
 
 import os
@@ -55,7 +56,9 @@ SEED = int(os.environ.get("HF_SEED", "0"))
 dtype = getattr(torch, os.environ.get("HF_DTYPE", "float64"))
 
 CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "stdlib_docstrings.txt")
-VOCAB = 256  # bytes
+# The vocabulary: bytes (256) unless HF_VOCAB asks for more, e.g. GPT-2's real 50257, whose embedding and head
+# outweigh narrow blocks many times over (the tokens stay bytes; the rest of the rows are never indexed).
+VOCAB = max(256, int(os.environ.get("HF_VOCAB", "256")))
 
 
 # ---- the text ---------------------------------------------------------------------------------------

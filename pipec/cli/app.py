@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from pipec import __version__
-from pipec.cli import check, interop, partition, run, serve, show, simulate, slice, synth, test, view
+from pipec.cli import check, interop, partition, plan, run, serve, show, simulate, slice, synth, test, view
 from pipec.cli.args import Command
 from pipec.cli.envelope import MISUSE, Misuse, command_of, fail_json
 from pipec.errors import PipecError
@@ -37,6 +37,7 @@ COMMANDS: tuple[Command, ...] = (
     interop.IMPORT,
     synth.SYNTH,
     partition.PARTITION,
+    plan.PLAN,
     slice.SLICE,
     test.TEST,
     check.LIST,
