@@ -152,9 +152,11 @@ def check_same_layers(modules: dict[int, torch.nn.Module], pg: Any, members: lis
         if theirs != mine:
             stages = sorted(set(mine) | set(theirs))
             s = next(s for s in stages if mine.get(s) != theirs.get(s))
+            # Said the same way by every member that sees it (the lower rank first), whichever reports first.
+            (a, la), (b, lb) = sorted([(members[index], mine.get(s)), (members[i], theirs.get(s))], key=lambda x: x[0])
             raise PipelineError(
-                f"the expert group's members build different MoE layers: job rank {members[index]} builds stage {s} "
-                f"with {_layers(mine.get(s))}, job rank {members[i]} with {_layers(theirs.get(s))} (every member of "
+                f"the expert group's members build different MoE layers: job rank {a} builds stage {s} "
+                f"with {_layers(la)}, job rank {b} with {_layers(lb)} (every member of "
                 "an expert group runs the same stages, and must issue the same all-to-alls in the same order)"
             )
 

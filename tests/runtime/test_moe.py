@@ -91,8 +91,8 @@ def test_members_building_different_moe_layers_are_refused_before_any_step():
     results, _, _ = launch(4, "launch", argv, env=env, timeout=120)
     assert all(r.returncode != 0 for r in results)
     text = "".join(r.stdout + r.stderr for r in results)
-    assert "the expert group's members build different MoE layers: job rank 1 builds stage 0 with 2 MoE" in text
-    assert "job rank 0 with 1 MoE layer(s)" in text
+    assert "the expert group's members build different MoE layers: job rank 0 builds stage 0 with 1 MoE" in text
+    assert "job rank 1 with 2 MoE layer(s)" in text
     assert "step 1/" not in text, text
 
 
