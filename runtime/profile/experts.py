@@ -27,6 +27,7 @@ import torch
 from pipec.ir.program import Program
 from pipec.runtime.errors import PipelineError
 from pipec.runtime.model.contract import Model
+from pipec.runtime.model.moe import expert_modules
 from pipec.runtime.profile.common import rounded, stage_modules
 
 # 4 KiB .. 16 MiB per process, by factors of 4, as the collectives are timed
@@ -144,11 +145,6 @@ def _a2a_rank(rank: int, world: int, port: int, spec: dict, out) -> None:
         spawned.leave_gloo(dist, barrier=True)
 
 
-def experts_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
-    """A stage's MoE layers: its modules with an integer `num_experts` (the model contract's experts modules)."""
-    return [m for m in module.modules() if isinstance(getattr(m, "num_experts", None), int)]
-
-
 def moe_layout(
     program: Program, model: Model, ep: int, *, seed: int = 0, device: str | torch.device = "cpu", dp: int = 1
 ) -> dict[str, list]:
@@ -160,13 +156,13 @@ def moe_layout(
     device = torch.device(device)
     S, m = program.num_stages, program.num_sequences
     modules = stage_modules(model, S, seed, device)
-    layers = [len(experts_modules(mod)) for mod in modules]
+    layers = [len(expert_modules(mod)) for mod in modules]
     if not any(layers):
         return {}
     rows: list[list[int]] = [[] for _ in range(S)]
     hooks = []
     for s, mod in enumerate(modules):
-        for e in experts_modules(mod):
+        for _, e in expert_modules(mod):
             hooks.append(e.register_forward_pre_hook(lambda _m, args, s=s: rows[s].append(_bytes(args[0]))))
     inputs, _ = batch_of(model.batch(0), f"{model.path}: batch(0)")
     if dp > 1:
