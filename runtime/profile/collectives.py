@@ -52,7 +52,15 @@ def fit_ring(samples: list[tuple[str, int, float, float]]) -> tuple[float, float
     if not rows:
         raise ValueError("no timed collective to fit (each needs n > 1 processes and a positive time)")
     A = np.array([[ring_terms(k, n)[0], ring_terms(k, n)[1] * b * 8] for k, n, b, _ in rows], dtype=float)
-    t = np.array([r[3] for r in rows], dtype=float)
+    return fit_relative(A, np.array([r[3] for r in rows], dtype=float))
+
+
+def fit_relative(A, t) -> tuple[float, float]:
+    """(latency s, bandwidth bit/s) of `t = A @ (latency, 1 / bandwidth)` by least squares on relative errors
+    (each row weighted by 1 / its time); a fit that makes either term negative keeps it at 0 and fits the
+    other alone (bandwidth inf: no size term). The ring fit and the all-to-all fit share it."""
+    import numpy as np
+
     A, y = A / t[:, None], np.ones_like(t)
     (a, inv_b), *_ = np.linalg.lstsq(A, y, rcond=None)
     if a < 0 or inv_b <= 0:  # one term alone, the better of the two that are not negative

@@ -28,6 +28,7 @@ from pipec.ir.program import Program
 from pipec.runtime.errors import PipelineError
 from pipec.runtime.model.contract import Model
 from pipec.runtime.model.moe import expert_modules
+from pipec.runtime.profile.collectives import fit_relative
 from pipec.runtime.profile.common import rounded, stage_modules
 
 # 4 KiB .. 16 MiB per process, by factors of 4, as the collectives are timed
@@ -47,17 +48,7 @@ def fit_link(samples: list[tuple[float, float]]) -> tuple[float, float]:
     if not rows:
         raise ValueError("no timed all-to-all to fit")
     t = np.array([r[1] for r in rows])
-    A = np.array([[1.0, r[0] * 8] for r in rows]) / t[:, None]
-    y = np.ones(len(rows))
-    (a, inv_b), *_ = np.linalg.lstsq(A, y, rcond=None)
-    if a < 0 or inv_b <= 0:
-        fits = []
-        for col in (0, 1):
-            x = float(A[:, col] @ y / (A[:, col] @ A[:, col])) if A[:, col].any() else 0.0
-            fits.append((float(np.sum((A[:, col] * x - y) ** 2)), col, max(x, 0.0)))
-        _, col, x = min(fits)
-        a, inv_b = (x, 0.0) if col == 0 else (0.0, x)
-    return float(a), (1.0 / float(inv_b) if inv_b > 0 else math.inf)
+    return fit_relative(np.array([[1.0, r[0] * 8] for r in rows]), t)
 
 
 @dataclass
