@@ -38,15 +38,16 @@ def _balanced(pb: Problem) -> tuple[int, ...]:
     return tuple([0, *reversed(bounds)])
 
 
-def _local_search(pb: Problem, start: Split, cut, deadline: float) -> Split:
+def _local_search(pb: Problem, start: Split, cut, deadline: float, neighbours=None) -> Split:
     """Steepest descent over the neighbours of the split (one boundary moved by one or two layers, or two
     boundaries by one each), until none fits and simulates faster (or the deadline). Why the batch: the
     dependency graph's longest path, a lower bound on the simulated step (equal with free messages), is
     computed for every neighbour at once; only those it puts below the incumbent are simulated, the
-    shortest first, and every split simulated adds its paths to the branch and bound's rows."""
+    shortest first, and every split simulated adds its paths to the branch and bound's rows. `neighbours`:
+    another neighbourhood (bounds -> (n, S + 1) array), as the planner's single moves."""
     best = start
     while time.perf_counter() < deadline:
-        cands = _neighbours(best.bounds)
+        cands = (neighbours or _neighbours)(best.bounds)
         if not len(cands):
             break
         lengths = pb.graph.lengths(pb.batch_units(cands))
@@ -77,6 +78,16 @@ def _kick(bounds: Sequence[int], rng: np.random.Generator) -> tuple[int, ...] | 
     for t in rng.choice(np.arange(1, S), size=min(3, S - 1), replace=False).tolist():
         b[t] += int(rng.choice([-3, -2, -1, 1, 2, 3]))
     return tuple(b) if all(x < y for x, y in zip(b, b[1:])) and b[0] == 0 and b[-1] == bounds[-1] else None
+
+
+def single_moves(bounds: Sequence[int]) -> np.ndarray:
+    """The splits one boundary moved by one or two layers (a neighbourhood for `_local_search`)."""
+    c = np.asarray(bounds, dtype=np.int64)
+    moves = [(t, d) for t in range(1, len(c) - 1) for d in (-2, -1, 1, 2)]
+    out = np.repeat(c[None, :], len(moves), axis=0)
+    for row, (t, d) in zip(out, moves):
+        row[t] += d
+    return out[np.all(np.diff(out, axis=1) > 0, axis=1)]
 
 
 def _neighbours(bounds: Sequence[int]) -> np.ndarray:

@@ -27,7 +27,7 @@ import numpy as np
 from pipec.partition.bounds import _work_bound
 from pipec.partition.branch import _propagate, _Rows
 from pipec.partition.graph import KINDS
-from pipec.partition.local_search import _kick, _local_search
+from pipec.partition.local_search import _kick, _local_search, single_moves
 from pipec.partition.problem import Problem, Split
 
 if TYPE_CHECKING:
@@ -146,36 +146,9 @@ def improve(pb: Problem, start: Split, deadline: float) -> tuple[Split, list[tup
 
 
 def _single_moves(pb: Problem, start: Split, cut, deadline: float) -> Split:
-    """Steepest descent over the splits one boundary moved by one or two layers: the graph's longest path of
-    all of them at once (a lower bound on each one's step), then those below the incumbent simulated, the
-    shortest first, until one is faster (`pipec.partition.local_search._local_search`'s rule, on fewer
-    neighbours)."""
-    best = start
-    while time.perf_counter() < deadline:
-        c = np.asarray(best.bounds, dtype=np.int64)
-        moves = [(t, d) for t in range(1, pb.S) for d in (-2, -1, 1, 2)]
-        cands = np.repeat(c[None, :], len(moves), axis=0)
-        for row, (t, d) in zip(cands, moves):
-            row[t] += d
-        cands = cands[np.all(np.diff(cands, axis=1) > 0, axis=1)]
-        if not len(cands):
-            break
-        lengths = pb.graph.lengths(pb.batch_units(cands))
-        improved = False
-        for i in np.argsort(lengths, kind="stable").tolist():
-            if lengths[i] * pb.unit >= best.step or time.perf_counter() > deadline:
-                break
-            b = tuple(int(x) for x in cands[i])
-            if not bool(np.all(np.isnan(pb.limit) | (pb.memory(b) <= pb.limit + 1e-9))):
-                continue
-            cand = pb.evaluate(b)
-            cut(cand.bounds)
-            if cand.fits and cand.step < best.step:
-                best, improved = cand, True
-                break
-        if not improved:
-            break
-    return best
+    """Steepest descent over the splits one boundary moved by one or two layers
+    (`pipec.partition.local_search._local_search`'s rule, on fewer neighbours)."""
+    return _local_search(pb, start, cut, deadline, neighbours=single_moves)
 
 
 # ---- bounds on every candidate, built or not ----------------------------------------------------------
