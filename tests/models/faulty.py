@@ -6,8 +6,11 @@ PIPEC_FAULT=raise|exit|kill|hang|stop, PIPEC_FAULT_STAGE=s, PIPEC_FAULT_CALL=k: 
 (SIGSTOP).
 PIPEC_FAULT=exit-in-allreduce: the process of stage s exits (status 3) inside its k-th job-wide all-reduce
 (counted from 0; the runtime's per-step statistics are one a step), outside every instruction.
+PIPEC_FAULT=enospc-at-save: from its k-th checkpoint save on (counted from 0), every process (or only the job's
+rank PIPEC_FAULT_RANK) finds the disk full: each fsync fails with ENOSPC, as on a file system that filled up.
 """
 
+import errno
 import os
 import signal
 import time
@@ -22,6 +25,7 @@ FAULT_CALL = int(os.environ.get("PIPEC_FAULT_CALL", "0"))
 # with data parallelism every replica holds stage s: PIPEC_FAULT_RANK=r limits the fault to the job's rank r
 FAULT_RANK = os.environ.get("PIPEC_FAULT_RANK")
 dtype = torch.float64
+_patched: list[int] = []  # build_stage runs once per stage a rank holds: the disk fills once
 
 
 def _mark() -> None:
@@ -63,7 +67,28 @@ class Faulty(nn.Module):
         return torch.tanh(self.layer(x))
 
 
+def _full_disk_from_save(k: int) -> None:
+    """os.fsync fails with ENOSPC during and after the k-th torch.distributed.checkpoint.save of this process."""
+    import torch.distributed.checkpoint as dcp
+
+    real_save, real_fsync, saves = dcp.save, os.fsync, [0]
+
+    def fsync(fd):
+        if saves[0] > k:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_fsync(fd)
+
+    def save(*args, **kwargs):
+        saves[0] += 1
+        return real_save(*args, **kwargs)
+
+    dcp.save, os.fsync = save, fsync
+
+
 def build_stage(stage: int, num_stages: int) -> nn.Module:
+    if FAULT == "enospc-at-save" and FAULT_RANK in (None, os.environ.get("RANK")) and not _patched:
+        _patched.append(stage)
+        _full_disk_from_save(FAULT_CALL)
     if FAULT == "exit-in-allreduce" and stage == FAULT_STAGE:
         import torch.distributed as dist
 

@@ -21,6 +21,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as hs
 
 torch = pytest.importorskip("torch")
 
@@ -367,6 +369,159 @@ def test_partial_folders_are_removed_before_any_step(folder):
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Fuzzing: a checkpoint folder damaged at random, as a crash, a full disk, a hand edit or a merge of two
+# folders would leave it. Whatever was done, --resume either refuses with a PipelineError or resumes the
+# newest checkpoint whose files are all as saved, with the parameters of exactly that step.
+
+
+def _entries(root: Path) -> list[str]:
+    """Every file, folder and link under `root` (links not followed), relative, `root` itself as ''."""
+    out = [""]
+    for here, dirs, files in os.walk(root):
+        rel = os.path.relpath(here, root)
+        out += [os.path.normpath(os.path.join(rel, n)) for n in dirs + files]
+    return sorted(set(out))
+
+
+def _snapshot(folder: Path) -> dict[int, dict[str, bytes]]:
+    """step -> {file name: content} of every step folder as saved."""
+    return {
+        int(d.name.removeprefix("step-")): {f.name: f.read_bytes() for f in d.iterdir()}
+        for d in folder.iterdir()
+        if d.name.startswith("step-")
+    }
+
+
+def _as_saved(folder: Path, step: int, files: dict[str, bytes]) -> bool:
+    """Whether step's folder holds exactly its saved files, each with its saved content (links followed)."""
+    d = folder / f"step-{step:06d}"
+    try:
+        return d.is_dir() and {f.name: f.read_bytes() for f in d.iterdir()} == files
+    except OSError:
+        return False
+
+
+def _damage(root: Path, data, times: int) -> bool:
+    """Apply `times` random damages under `root`; whether `latest` was touched (other than deleted)."""
+    touched_latest = False
+    for _ in range(times):
+        if not os.path.lexists(root):
+            break
+        entries = _entries(root)
+        files = [e for e in entries if e.startswith("step-") and os.path.isfile(root / e)]
+        rel = data.draw(hs.sampled_from(files) if files and data.draw(hs.booleans()) else hs.sampled_from(entries))
+        p = root / rel if rel else root
+        how = data.draw(
+            hs.sampled_from(
+                [
+                    "flip",
+                    "flip",
+                    "truncate",
+                    "delete",
+                    "truncate",
+                    "flip",
+                    "append",
+                    "random",
+                    "folder",
+                    "loop",
+                    "dangling",
+                    "copy",
+                    "rename",
+                    "partial",
+                    "stray",
+                ]
+            ),
+        )
+        is_file = p.is_file() and not p.is_symlink()
+        if how in ("truncate", "flip", "append") and not is_file:
+            how = "random"
+        if rel == "latest" and how != "delete":
+            touched_latest = True
+        if how == "delete":
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+            continue
+        if how == "truncate":
+            n = len(p.read_bytes())
+            p.write_bytes(p.read_bytes()[: data.draw(hs.integers(0, max(n - 1, 0)), label="length")])
+        elif how == "flip":
+            raw = bytearray(p.read_bytes())
+            if raw:
+                raw[data.draw(hs.integers(0, len(raw) - 1), label="at")] ^= 1 << data.draw(hs.integers(0, 7))
+            p.write_bytes(bytes(raw))
+        elif how == "append":
+            with open(p, "ab") as f:
+                f.write(data.draw(hs.binary(min_size=1, max_size=16), label="tail"))
+        elif how in ("partial", "stray"):
+            parent = p if p.is_dir() and not p.is_symlink() else p.parent
+            name = (
+                "step-000009.partial"
+                if how == "partial"
+                else data.draw(
+                    hs.sampled_from(["step-000004", "step-1", "x", "__0_0.distcp", "latest.tmp"]), label="name"
+                )
+            )
+            if not os.path.lexists(parent / name):
+                (parent / name).write_bytes(data.draw(hs.binary(max_size=32), label="stray"))
+        else:
+            copy_of = data.draw(hs.sampled_from(_entries(root)), label="source") if how == "copy" else None
+            src = root / copy_of if copy_of else None
+            if how == "rename" and p != root and p.name.startswith("step-"):
+                target = p.parent / f"step-{data.draw(hs.integers(1, 5), label='step'):06d}"
+                if not os.path.lexists(target):
+                    p.rename(target)
+                continue
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+            if how == "random":
+                p.write_bytes(data.draw(hs.binary(max_size=64), label="bytes"))
+            elif how == "folder":
+                p.mkdir()
+            elif how == "loop":
+                p.symlink_to(p.name)
+            elif how == "dangling":
+                p.symlink_to("no-such-file")
+            elif src is not None and src.is_file() and src != p:
+                shutil.copy(src, p)  # a stale file from another place of the folder
+            else:
+                p.write_bytes(b"")
+    return touched_latest
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
+@given(hs.data(), hs.integers(1, 3))
+def test_a_randomly_damaged_folder_resumes_its_newest_checkpoint_as_saved_or_is_refused(saved, data, times):
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "ck"
+        shutil.copytree(saved[0], folder, symlinks=True)
+        as_saved = _snapshot(folder)
+        touched_latest = _damage(folder, data, times)
+        intact = [s for s, files in as_saved.items() if _as_saved(folder, s, files)]
+        r = runner(seed=1)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                start = ck.prepare(str(folder), r, resume=True)
+        except PipelineError as e:
+            event("refused")
+            assert str(e).strip(), "an empty message"
+            if not touched_latest and folder.is_dir() and not folder.is_symlink():
+                assert not intact, f"refused ({e}) although step {max(intact)} is as saved"
+            return
+        restored = start.restored
+        if restored is None:  # nothing to resume: only when no checkpoint is left
+            assert not any(n.startswith("step-") and not n.endswith(".partial") for n in os.listdir(folder))
+            return
+        event(f"resumed step {restored.step}" + (" past a damaged newer one" if restored.skipped else ""))
+        assert _as_saved(folder, restored.step, as_saved[restored.step]), "resumed a checkpoint not as saved"
+        want = saved[1][restored.step]
+        got = params(r)
+        assert got.keys() == want.keys() and all(torch.equal(want[k], got[k]) for k in want)
+        if not touched_latest:
+            assert restored.step == max(intact), (restored, intact)
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Jobs: two ranks through pipec.runtime.job.launch, as `pipec run --nproc 2` starts them
 
 MLP = {"MLP_DEPTH": "4", "MLP_WIDTH": "16", "MLP_BATCH": "8"}
@@ -420,3 +575,42 @@ def test_job_a_checkpoint_of_another_model_is_refused_on_every_rank_before_any_s
     assert all(x.returncode != 0 for x in r)
     assert all(want in x.stderr and "Traceback" not in x.stderr for x in r), [x.stderr for x in r]
     assert all("step 1/" not in x.stdout for x in r)
+
+
+FAULTY = ["-D", "p=2", "-D", "m=2", "--model", "tests/models/faulty.py"]
+
+
+def test_job_a_full_disk_on_every_rank_at_the_second_save_stops_all_and_keeps_the_first(tmp_path):
+    """Both ranks' writes fail (ENOSPC) at the save after step 2: every rank stops with the message, the
+    checkpoint of step 1 stays the newest and intact, and a resume from it trains steps 2 and 3 to the
+    losses of a run that never stopped, bit for bit."""
+    from runtime_harness import launch
+
+    def run(folder: Path, records: Path, *args: str, env: dict[str, str] | None = None):
+        argv = ["1f1b", *FAULTY, "--steps", "3", "--checkpoint", str(folder), "--records", str(records), *args]
+        return launch(2, "launch", argv, env=env, timeout=120.0)[0]
+
+    straight = run(tmp_path / "straight", tmp_path / "straight.jsonl", "--checkpoint-every", "3")
+    assert all(x.returncode == 0 for x in straight), [x.stderr for x in straight]
+    folder = tmp_path / "ck"
+    full = run(
+        folder,
+        tmp_path / "full.jsonl",
+        "--checkpoint-every",
+        "1",
+        env={"PIPEC_FAULT": "enospc-at-save", "PIPEC_FAULT_CALL": "1"},
+    )
+    want = (
+        f"cannot save the checkpoint of step 2 in {folder}: No space left on device; "
+        f"the previous checkpoint {folder / 'step-000001'} is intact"
+    )
+    assert all(x.returncode != 0 and want in x.stderr and "Traceback" not in x.stderr for x in full), [
+        x.stderr for x in full
+    ]
+    assert sorted(os.listdir(folder)) == ["latest", "step-000001"]
+    assert ck.verify(str(folder / "step-000001")).step == 1
+    resumed = run(folder, tmp_path / "resumed.jsonl", "--resume")
+    assert all(x.returncode == 0 for x in resumed), [x.stderr for x in resumed]
+    assert f"resumed from {folder}/step-000001: steps 2 to 3" in resumed[0].stdout
+    want_losses = losses(tmp_path / "straight.jsonl")
+    assert losses(tmp_path / "resumed.jsonl") == {2: want_losses[2], 3: want_losses[3]}
