@@ -8,7 +8,9 @@ Layout of a checkpoint folder DIR:
         pipec-manifest.json           written last: the size and sha256 of each of those files, the model's
                                       structure (each stage's parameter names and shapes), the schedule,
                                       the step, the run id, and a sha256 of its own
-    DIR/latest                        the name of the newest complete checkpoint ("step-000010")
+    DIR/latest                        the name of the newest complete checkpoint ("step-000010") and, on
+                                      a second line, its run id ("run 3f2a..."): the lineage stays known
+                                      even when that checkpoint's manifest is damaged
 
 A save writes `step-N.partial` (all ranks, collectively), waits for every rank, then rank 0 digests every
 file in it, writes the manifest, renames the folder to `step-N` and replaces `latest`: a checkpoint is
@@ -183,6 +185,9 @@ def _fsync_dir(path: str) -> None:
 
 
 def _atomic_text(path: str, text: str) -> None:
+    """Replace `path` (the folder's `latest`) with `text` atomically. Not `pipec.files.atomic_write`: that
+    one follows a symbolic link to its target, and a `latest` that is a link must be replaced, never let a
+    save write through it to a file outside the checkpoint folder."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, "w", encoding="utf-8") as f:
@@ -235,9 +240,13 @@ def check_folder(folder: str) -> None:
         )
 
 
-def read_latest(folder: str) -> str | None:
-    """The checkpoint name `latest` records (None without the file); PipelineError when it is unreadable,
-    not UTF-8, or names anything but a checkpoint of this folder (`..`, a path, another name)."""
+RUN_LINE = re.compile(r"run (\S{1,64})")
+
+
+def read_latest(folder: str) -> tuple[str, str | None] | None:
+    """The checkpoint name `latest` records and the run id beside it (None for a `latest` of one line, as
+    pipec wrote before it recorded runs); None without the file. PipelineError when it is unreadable, not
+    UTF-8, or names anything but a checkpoint of this folder (`..`, a path, another name)."""
     path = os.path.join(folder, LATEST)
     if not os.path.lexists(path):
         return None
@@ -248,12 +257,16 @@ def read_latest(folder: str) -> str | None:
     except OSError as e:
         raise PipelineError(f"{shown(path)}: cannot be read ({_why(e)}); {fix}") from None
     try:
-        name = raw.decode("utf-8").strip()
+        lines = raw.decode("utf-8").strip().split("\n")
     except UnicodeDecodeError:
         raise PipelineError(f"{shown(path)}: not UTF-8 text, so it names no checkpoint; {fix}") from None
+    name = lines[0].strip()
     if not STEP.fullmatch(name):
         raise PipelineError(f"{shown(path)} names {name[:80]!r}, not a checkpoint of this folder (step-NNNNNN); {fix}")
-    return name
+    run = RUN_LINE.fullmatch(lines[1].strip()) if len(lines) == 2 else None
+    if len(lines) > 2 or (len(lines) == 2 and run is None):
+        raise PipelineError(f"{shown(path)}: not what a save writes (a checkpoint name and its run id); {fix}")
+    return name, run.group(1) if run else None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -376,7 +389,7 @@ def choose(folder: str) -> tuple[str, Manifest, tuple[str, ...]] | None:
     `latest` bounds the choice because a run started afresh in a folder (without --resume) leaves the
     earlier run's checkpoints there: one of a later step, or one that a fallback would reach, belongs to
     another training run, and resuming it would be a silently different run. Its run id says which."""
-    recorded = read_latest(folder)
+    recorded, lineage = read_latest(folder) or (None, None)
     found = []
     for entry in os.listdir(folder):
         m = STEP.fullmatch(entry)
@@ -384,12 +397,12 @@ def choose(folder: str) -> tuple[str, Manifest, tuple[str, ...]] | None:
             found.append((int(m.group(1)), entry))
     found.sort(reverse=True)
     skipped: list[str] = []
-    bound, lineage = None, None
+    bound = None
     if recorded is not None:
         bound = int(recorded.removeprefix("step-"))
         if recorded not in {e for _, e in found}:
             skipped.append(f"skipped {shown(os.path.join(folder, recorded))} (named by {LATEST}): missing")
-        else:
+        elif lineage is None:  # a `latest` written before runs were recorded there: its manifest says
             try:
                 lineage = _manifest(os.path.join(folder, recorded)).run
             except Damaged:
@@ -487,7 +500,7 @@ def _rng_key(runner) -> str:
 
 def _previous(folder: str) -> str:
     try:
-        name = read_latest(folder)
+        name = (read_latest(folder) or (None, None))[0]
     except PipelineError:
         name = None
     if name and os.path.isdir(os.path.join(folder, name)):
@@ -544,7 +557,7 @@ def save(folder: str, runner, steps_done: int, run: str) -> str:
                 raise
             shutil.rmtree(old, ignore_errors=True)
             _fsync_dir(folder)
-            _atomic_text(os.path.join(folder, LATEST), _name(steps_done) + "\n")
+            _atomic_text(os.path.join(folder, LATEST), f"{_name(steps_done)}\nrun {run}\n")
         except Exception as e:  # noqa: BLE001 - the partial folder goes, whatever stopped it
             shutil.rmtree(partial, ignore_errors=True)
             raise PipelineError(failed(_why(e))) from None

@@ -239,6 +239,10 @@ def test_a_run_started_afresh_in_the_folder_never_resumes_the_earlier_runs_check
     flip(shard(folder / "step-000002"))
     text = refused(folder)
     assert f"skipped {folder / 'step-000001'}: written by another run than step-000002 (one started afresh" in text
+    (folder / "step-000002" / ck.MANIFEST).write_bytes(b"")  # B's lineage now only in latest
+    assert (folder / "latest").read_text() == f"step-000002\nrun {start.run}\n"
+    text = refused(folder)
+    assert f"skipped {folder / 'step-000001'}: written by another run than step-000002 (one started afresh" in text
 
 
 def resume_as(folder: Path, run: str) -> tuple[ck.Restored | None, SimpleNamespace]:
@@ -254,6 +258,8 @@ LATEST = {
     "..": (lambda p: p.write_text("..\n"), "names '..', not a checkpoint of this folder"),
     "a path": (lambda p: p.write_text("/etc\n"), "names '/etc', not a checkpoint of this folder"),
     "a symlink loop": (lambda p: p.symlink_to(p.name), "cannot be read (Too many levels of symbolic links"),
+    "three lines": (lambda p: p.write_text("step-000003\nrun a\nrun b\n"), "not what a save writes"),
+    "a second line that is no run": (lambda p: p.write_text("step-000003\nstep-000002\n"), "not what a save writes"),
 }
 
 
