@@ -4,7 +4,8 @@ A check of 1F1B with m=2 at each p, in a fresh process (`pipec check 1f1b -D p=P
 evaluate, every check, the lowering with its rendezvous dry run, and the simulation of its `expect`
 lines), so its ops grow as 4p. One JSON line per p with the wall and CPU seconds of the process (import
 included), the same less a bare `pipec check` at p=2 (the start-up), and that per op: flat per op means
-linear in p. The issue's case: the check was quadratic in p (p=1,000 1.5 s, p=3,000 13 s, p=10,000 63 s).
+linear in p. Beside it, the marginal CPU per op: the CPU added from one depth to the next over the ops added,
+which the start-up's run-to-run noise does not swamp at small p. The issue's case: the check was quadratic in p (p=1,000 1.5 s, p=3,000 13 s, p=10,000 63 s).
 
     python benchmarks/check_scale.py                       # p = 100, 300, 1000, 3000, 10000
     python benchmarks/check_scale.py --smoke               # p = 100, 300: the format (the test suite's)
@@ -36,6 +37,7 @@ def main() -> None:
     base = [run_process(check(2)) for _ in range(rounds)]
     start_wall = statistics.median(t.wall for t in base)
     start_cpu = statistics.median(t.cpu for t in base)
+    prev: tuple[int, float] | None = None  # the previous depth's ops and CPU seconds
     for p in ps:
         load = load_average()
         runs = [run_process(check(p)) for _ in range(rounds)]
@@ -53,9 +55,13 @@ def main() -> None:
                 "start_up_wall_s": round(start_wall, 3),
                 "us_per_op_wall": round((wall - start_wall) / ops * 1e6, 1),
                 "us_per_op_cpu": round((cpu - start_cpu) / ops * 1e6, 1),
+                # the CPU of the ops added since the previous depth, per op: free of the start-up's noise,
+                # which dominates the small depths' figure above (0.4 s of start-up against 0.02 s of ops)
+                "marginal_us_per_op_cpu": None if prev is None else round((cpu - prev[1]) / (ops - prev[0]) * 1e6, 1),
                 "load_avg_start": load,
             }
         )
+        prev = (ops, cpu)
 
 
 if __name__ == "__main__":
