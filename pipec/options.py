@@ -35,12 +35,12 @@ class OptionError(Exception):
     CLI reports it as misuse, exit status 2, with the subcommand's usage."""
 
 
-def finite(text: str) -> float:
+def finite(text: str, least: str = ">= 0") -> float:
     """A number >= 0 given on the command line, in ASCII digits (with an optional point and exponent),
-    finite and at most 1e300."""
+    finite and at most 1e300. `least` is the bound the refusal names (`positive` passes "> 0")."""
     t = text.strip()
     if not _FLOAT.fullmatch(t):
-        raise argparse.ArgumentTypeError(f"expected a number >= 0 (ASCII digits), got `{brief(text)}`")
+        raise argparse.ArgumentTypeError(f"expected a number {least} (ASCII digits), got `{brief(text)}`")
     value = float(t)
     if not math.isfinite(value) or value > 1e300:
         raise argparse.ArgumentTypeError(f"`{brief(text)}` is out of range")
@@ -49,7 +49,7 @@ def finite(text: str) -> float:
 
 def positive(text: str) -> float:
     """A finite number > 0 (`--tol`, `--loss-scale`, `--timeout`)."""
-    value = finite(text)
+    value = finite(text, "> 0")
     if not value > 0:
         raise argparse.ArgumentTypeError(f"expected a number > 0, got `{brief(text)}`")
     return value

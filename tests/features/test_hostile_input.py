@@ -192,6 +192,8 @@ def test_define_values_are_the_languages_own_integers(value):
         (["check", "1f1b", "--memory-limit", "inf"], "argument --memory-limit: expected a number >= 0"),
         (["check", "1f1b", "--memory-limit", "1_0"], "argument --memory-limit: expected a number >= 0"),
         (["check", "1f1b", "--mem", "act=nan"], "argument --mem: expected a number >= 0"),
+        (["run", "1f1b", "--timeout", "-1"], "argument --timeout: expected a number > 0 (ASCII digits)"),
+        (["run", "1f1b", "--timeout", "0"], "argument --timeout: expected a number > 0, got `0`"),
         (["synth", "-p", "1000000000", "-m", "4"], "argument -p: expected an integer from 1 to 10,000,000"),
         (["synth", "-p", "100000", "-m", "1000"], "make 300,000,000 ops, above the limit of 50,000,000"),
         (["synth", "-p", "٤", "-m", "4"], "argument -p: expected an integer (ASCII digits)"),
