@@ -136,14 +136,16 @@ def normalize(doc: Mapping, what: str = "costs") -> dict:
                 if cls not in LINK_CLASSES:
                     raise error("E801", f"{what}: unknown link class `{cls}` (known: {', '.join(LINK_CLASSES)})")
                 links.setdefault(cls, {}).update(_link(spec, f"{what}: links.{cls}"))
-        elif key == "ranks_per_node":
-            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 10_000_000:
-                raise error("E801", f"{what}: ranks_per_node must be a positive integer, got `{brief(value)}`")
-            out["ranks_per_node"] = value
+        elif key in ("ranks_per_node", "cores_per_node"):
+            whole = isinstance(value, float) and value.is_integer()  # `--cost ranks_per_node=4` reads 4.0
+            if isinstance(value, bool) or not isinstance(value, int) and not whole or not 1 <= value <= 10_000_000:
+                raise error("E801", f"{what}: {key} must be a positive integer, got `{brief(value)}`")
+            out[key] = int(value)
         else:
             known = ", ".join(
                 STAGE_COST_KEYS
                 + ("T_F", "T_B", "T_W", "bytes", "overhead", "latency", "bandwidth", "links", "ranks_per_node")
+                + ("cores_per_node",)
                 + ("dp_latency", "dp_bandwidth", "step_overhead", "dp_blocking", "host_latency", "host_bandwidth")
                 + ("ep_latency", "ep_bandwidth")
             )

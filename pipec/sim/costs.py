@@ -163,6 +163,16 @@ class CostModel:
     a2a: np.ndarray | None = None
     a2a_bytes: np.ndarray | None = None
     ep_link: np.ndarray | None = None
+    # Cores (docs/simulate.md, "Ranks that share cores"): the ranks of a node (`ranks_per_node`, 0: each rank
+    # a node of its own) compute on its `cores_per_node` cores (0: as many as it has ranks); more of them
+    # computing at once than it has cores share them, each at cores / computing of its speed.
+    ranks_per_node: int = 0
+    cores_per_node: int = 0
+
+    @property
+    def shares_cores(self) -> bool:
+        """Whether some node has more ranks than cores, so that ranks computing at once slow each other."""
+        return 0 < self.cores_per_node < self.ranks_per_node
 
     @property
     def num_stages(self) -> int:
@@ -484,7 +494,7 @@ def cost_model(sched: Schedule, overrides: Sequence[Mapping] = ()) -> CostModel:
         else:
             vals[k] = np.asarray(per, dtype=float)
     given = set(sched.costs)
-    ranks_per_node = None
+    ranks_per_node = cores_per_node = None
     overhead = step_overhead = host_latency = 0.0
     host_bandwidth = math.inf  # bit/s, as cost documents give it
     dp_blocking = False
@@ -492,6 +502,7 @@ def cost_model(sched: Schedule, overrides: Sequence[Mapping] = ()) -> CostModel:
     ep_given: dict[str, float] = {}
     for ov in overrides:
         ranks_per_node = ov.get("ranks_per_node", ranks_per_node)
+        cores_per_node = ov.get("cores_per_node", cores_per_node)
         overhead = ov.get("overhead", overhead)
         step_overhead = ov.get("step_overhead", step_overhead)
         host_latency = ov.get("host_latency", host_latency)
@@ -575,6 +586,8 @@ def cost_model(sched: Schedule, overrides: Sequence[Mapping] = ()) -> CostModel:
         offload=vals["offload"],
         host_latency=float(host_latency),
         host_bandwidth=float(host_bandwidth) / 8.0,
+        ranks_per_node=int(ranks_per_node or 0),
+        cores_per_node=int(cores_per_node or 0),
         **_unit_costs(sched, vals),
         moe_layers=vals["moe_layers"],
         a2a=vals["a2a"],

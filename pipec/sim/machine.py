@@ -114,6 +114,33 @@ def run(pl) -> tuple[list[float], list[float], list[float], list[float]]:
     return start, end, send_t, arrival
 
 
+def core_sharing(
+    rank: np.ndarray, start: np.ndarray, end: np.ndarray, ranks_per_node: int, cores: int
+) -> np.ndarray:
+    """Per op, how much slower it ran for sharing its node's cores: max(1, k / cores), with k the mean over
+    the op's span of the number of the node's ranks computing (the op's own rank included).
+
+    Processor sharing, as an operating system gives ranks that outnumber their cores: each of k computing
+    ranks gets cores / k of a core's speed. `pipec.sim.simulate` stretches each op's cost by this factor
+    and runs the machine again until the times settle (a fixed point), since the stretched ops change
+    which ops overlap. Per node, the count of computing ranks is a step function of time; its integral over
+    an op's span, from one cumulative sum at the breakpoints, gives the mean."""
+    factor = np.ones(len(start))
+    busy = end > start
+    node = rank // ranks_per_node
+    for n in np.unique(node[busy]).tolist():
+        ops = np.flatnonzero(busy & (node == n))
+        s, e = start[ops], end[ops]
+        t = np.concatenate([s, e])
+        order = np.argsort(t, kind="stable")
+        t = t[order]
+        k = np.cumsum(np.concatenate([np.ones(len(ops)), -np.ones(len(ops))])[order])  # computing after t[i]
+        area = np.concatenate([[0.0], np.cumsum(k[:-1] * np.diff(t))])  # its integral up to t[i]
+        mean = (np.interp(e, t, area) - np.interp(s, t, area)) / (e - s)
+        factor[ops] = np.maximum(1.0, mean / cores)
+    return factor
+
+
 def _no_event(*_: object) -> None:
     """`Links`' callbacks in the uncontended pass: no event is ever scheduled, arrivals are read directly."""
 

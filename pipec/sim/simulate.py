@@ -53,7 +53,7 @@ and a rank that waits for a message sleeps until the message's sender reaches it
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -79,7 +79,7 @@ from pipec.ir.opcodes import (
 )
 from pipec.ir.program import Program
 from pipec.sim.costs import CostModel
-from pipec.sim.machine import run, run_events, shared_links
+from pipec.sim.machine import core_sharing, run, run_events, shared_links
 from pipec.sim.segments import a2a_needs, a2a_plan, a2a_rows, counts, cut, merge_segments
 from pipec.sim.timeline import Timeline
 
@@ -92,10 +92,10 @@ def simulate(prog: Program, costs: CostModel, *, overlap: bool = True, _events: 
     passes agree).
     """
     pl = plan(prog, costs, overlap)
-    if pl.group is None and not _events:
-        start_t, end_t, send_t, arrival = run(pl)
-    else:
-        start_t, end_t, send_t, arrival = run_events(pl)
+    passes = run if pl.group is None and not _events else run_events
+    start_t, end_t, send_t, arrival = passes(pl)
+    if costs.shares_cores:
+        pl, (start_t, end_t, send_t, arrival) = _share_cores(pl, costs, passes, (start_t, end_t, send_t, arrival))
     start, end = np.asarray(start_t, dtype=float), np.asarray(end_t, dtype=float)
     send, arr, post = np.asarray(send_t, dtype=float), np.asarray(arrival, dtype=float), pl.posted(end_t)
     coll: dict[str, np.ndarray] = {}
@@ -211,6 +211,27 @@ def _collective_rows(pl: Plan, start: np.ndarray, end: np.ndarray, send: np.ndar
         sel &= ~on_host[np.maximum(need[zero], 0)] | (need[zero] < 0)
     rows.update(wait_rank=r[sel].astype(np.int64), wait_start=lo[sel], wait_end=start[zero][sel])
     return rows
+
+
+_SHARING_ROUNDS = 60  # at most; the stretched costs usually settle within 10 to 20
+
+
+def _share_cores(pl: Plan, costs: CostModel, passes, times: tuple) -> tuple[Plan, tuple]:
+    """The machine's times when ranks share their node's cores (`pipec.sim.machine.core_sharing`): each
+    op's cost is its own stretched by how many of its node's ranks computed beside it, and the machine is
+    run again until the costs settle. Damped (half the old costs, half the new): undamped, two ops that
+    overlap less once stretched, and so are stretched less, can swap forever."""
+    base = np.asarray(pl.cost, dtype=float)
+    cost = base
+    for _ in range(_SHARING_ROUNDS):
+        start, end = np.asarray(times[0], dtype=float), np.asarray(times[1], dtype=float)
+        new = base * core_sharing(pl.c_rank, start, end, costs.ranks_per_node, costs.cores_per_node)
+        if np.allclose(new, cost, rtol=1e-6, atol=1e-12):
+            break
+        cost = 0.5 * (cost + new)
+        pl = replace(pl, cost=cost.tolist())
+        times = passes(pl)
+    return pl, times
 
 
 @dataclass(frozen=True, eq=False)

@@ -178,6 +178,8 @@ def summary_text(sim: Simulation) -> str:
     link = "free communication" if c.free_comm else "communication as costed"
     if len(sim.timeline.coll_rank):
         link += ", free collectives" if c.free_collectives else ", collectives as costed"
+    if c.shares_cores:
+        link += f", {c.ranks_per_node} ranks per node share its {c.cores_per_node} cores"
     desc = sim.costs.describe()
 
     def short(v) -> str:

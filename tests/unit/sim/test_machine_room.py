@@ -13,6 +13,7 @@ from strategies import library_schedules
 from tables import random_layer_table
 
 from pipec import synth
+from pipec.driver import target_of
 from pipec.ir.schedule import Datacenter, Link, Policy, Schedule, Topology
 from pipec.partition.problem import Problem
 from pipec.passes.compiler import compile_schedule
@@ -146,3 +147,58 @@ def test_partition_evaluates_with_the_machine(sched, seed, comm):
         assert longest <= split.step + 1e-9
     else:
         assert longest == pytest.approx(split.step, rel=1e-12)
+
+
+# ---- ranks that share cores (machine.core_sharing, the simulator's fixed point) ------------------------------
+
+
+def test_core_sharing_is_the_mean_count_of_computing_ranks_over_the_cores():
+    from pipec.sim.machine import core_sharing
+
+    rank = np.array([0, 1, 2, 3])
+    start, end = np.array([0.0, 0.0, 1.0, 0.0]), np.array([2.0, 2.0, 3.0, 2.0])
+    # ranks 0 and 1 share node 0 all along; ranks 2 and 3 (node 1) overlap for half of each one's span
+    f = core_sharing(rank, start, end, ranks_per_node=2, cores=1)
+    assert f.tolist() == [2.0, 2.0, 1.5, 1.5]
+    assert core_sharing(rank, start, end, ranks_per_node=2, cores=2).tolist() == [1.0] * 4
+    assert core_sharing(rank, start, end, ranks_per_node=1, cores=1).tolist() == [1.0] * 4
+
+
+def _sharing(name: str, cores: int | None, **params: int) -> tuple[float, float]:
+    """The makespan of `name` with F=1, B=2 when its ranks share `cores` cores on one node, and its work."""
+    sched, _ = target_of(name, params)
+    doc = {"F": 1.0, "B": 2.0, "W": 1.0}
+    if cores is not None:
+        doc.update(ranks_per_node=sched.num_ranks, cores_per_node=cores)
+    costs = cost_model(sched, [normalize(doc)])
+    tl = simulate(compile_schedule(sched).program, costs)
+    work = float(np.sum(tl.end - tl.start))
+    return float(tl.makespan), work
+
+
+@pytest.mark.parametrize(
+    ("name", "params"),
+    [("1f1b", {"p": 4, "m": 8}), ("zb-h1", {"p": 4, "m": 8}), ("interleaved-1f1b", {"p": 2, "v": 2, "m": 8})],
+)
+def test_ranks_sharing_cores_take_at_least_their_work_over_the_cores_and_no_more_than_it(name, params):
+    alone, _ = _sharing(name, None, **params)
+    assert _sharing(name, params["p"], **params)[0] == alone  # as many cores as ranks: nothing shared
+    for cores in (1, 2):
+        if cores >= params["p"]:
+            continue
+        shared, work = _sharing(name, cores, **params)
+        unstretched = _sharing(name, None, **params)[1]
+        assert shared > alone
+        assert shared >= unstretched / cores * (1 - 1e-9)  # the node does at most `cores` seconds a second
+        if cores == 1:  # one core: the ranks take turns, and nothing but computing happens here
+            assert shared <= unstretched * 1.02, (shared, unstretched)
+
+
+def test_cores_per_node_is_a_positive_integer():
+    from pipec.errors import PipecError
+
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(PipecError) as e:
+            normalize({"cores_per_node": bad})
+        assert e.value.code == "E801" and "cores_per_node must be a positive integer" in str(e.value)
+    assert normalize({"cores_per_node": 2.0, "ranks_per_node": 4})["cores_per_node"] == 2  # `--cost` reads 2.0
