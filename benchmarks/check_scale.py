@@ -5,7 +5,8 @@ evaluate, every check, the lowering with its rendezvous dry run, and the simulat
 lines), so its ops grow as 4p. One JSON line per p with the wall and CPU seconds of the process (import
 included), the same less a bare `pipec check` at p=2 (the start-up), and that per op: flat per op means
 linear in p. Beside it, the marginal CPU per op: the CPU added from one depth to the next over the ops added,
-which the start-up's run-to-run noise does not swamp at small p. The issue's case: the check was quadratic in p (p=1,000 1.5 s, p=3,000 13 s, p=10,000 63 s).
+which the start-up's run-to-run noise does not swamp at small p. The issue's case: the check was quadratic
+in p (p=1,000 1.5 s, p=3,000 13 s, p=10,000 63 s).
 
     python benchmarks/check_scale.py                       # p = 100, 300, 1000, 3000, 10000
     python benchmarks/check_scale.py --smoke               # p = 100, 300: the format (the test suite's)
