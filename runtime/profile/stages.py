@@ -88,6 +88,10 @@ class Profile:
     # `a2a_bytes` (empty: no MoE layer); the group's timed all-to-all and its fitted link (None: not timed)
     moe: dict[str, list] = field(default_factory=dict)
     a2a: AllToAll | None = None
+    # processes that shared this machine's cores in a run of the schedule, and those cores (0: not shared);
+    # the ops were then timed in turns of `cores_per_node` processes, so the simulator charges the sharing
+    ranks_per_node: int = 0
+    cores_per_node: int = 0
 
     def cost_doc(self) -> dict:
         """The cost file's document (for `pipec.sim.cost_files.dump_costs`)."""
@@ -127,6 +131,12 @@ class Profile:
             doc["step"] = rounded([self.in_situ["step"].get(s, 0.0) for s in range(len(self.forward))])
         if self.in_situ is not None and self.in_situ.get("outside_s") is not None:
             doc["step_overhead"] = float(f"{self.in_situ['outside_s']:.6g}")
+        if self.cores_per_node and self.in_situ is None:  # in situ, the op times hold the sharing already
+            doc["ranks_per_node"], doc["cores_per_node"] = self.ranks_per_node, self.cores_per_node
+            doc["comment"] += (
+                f"; {self.ranks_per_node} processes share {self.cores_per_node} cores, timed "
+                f"{self.cores_per_node} at a time"
+            )
         if self.slices is not None:
             fitted = f"{len(self.slices.points)} token slices ({self.slices.how})"
             doc["comment"] += f"; attn and op_fixed fitted to {fitted}"
@@ -270,7 +280,10 @@ def profile(
         threads=threads,
         reps=reps,
         warmup=warmup,
-        timing=f"{procs} processes at once, one per rank{' of each replica' if dp > 1 else ''}"
+        timing=(
+            f"{procs} processes, one per rank{' of each replica' if dp > 1 else ''}, "
+            + (f"in turns of {prof.cores_per_node} (the CPUs)" if prof.cores_per_node else "at once")
+        )
         if concurrent
         else "one process",
         **({"replica_rows": f"1/{dp} of batch(0) per replica, as a run's replicas split it"} if dp > 1 else {}),
@@ -533,17 +546,30 @@ def _measure_concurrently(
     bandwidth and, beyond one per CPU, its CPUs), each bound as `pipec run` binds its ranks; stage s's
     times are those measured by the process of its rank. With `dp` replicas, one process per rank of every
     replica (process r * dp + d: rank r of replica d, as the ("pp", "dp") mesh numbers them), each on its
-    replica's share of the batch; the times are replica 0's."""
+    replica's share of the batch; the times are replica 0's.
+
+    With more processes than CPUs, all of them timing at once would time each op slowed by the others
+    (4 processes on 2 cores: every op about twice its time), though in a run a rank shares its core only
+    while others compute beside it. They take turns instead, as many at once as there are CPUs, and the
+    profile records the sharing (`ranks_per_node`, `cores_per_node`) for the simulator to charge
+    (docs/simulate.md, "Ranks that share cores")."""
     from pipec.formats.program_file import to_json
     from pipec.runtime.host import spawned
+    from pipec.runtime.host.affinity import allowed_cpus
 
-    spec = dict(program=to_json(program), model=model_path, reps=reps, warmup=warmup, threads=threads)
-    spec.update(seed=seed, loss_scale=loss_scale, dp=dp)
     procs = program.num_ranks * dp
+    cpus = allowed_cpus()
+    cores = len(cpus) if cpus is not None else (os.cpu_count() or procs)
+    at_once = min(procs, cores)
+    spec = dict(program=to_json(program), model=model_path, reps=reps, warmup=warmup, threads=threads)
+    spec.update(seed=seed, loss_scale=loss_scale, dp=dp, at_once=at_once)
     per_rank = spawned.run(_timing_rank, procs, procs, spec, timeout=3600, barrier=True)
     if isinstance(per_rank, str):
         raise PipelineError(f"timing the ops of {program.name} failed: {per_rank}")
-    return merge_by_owner(per_rank[::dp], program.placement)
+    merged = merge_by_owner(per_rank[::dp], program.placement)
+    if at_once < procs:
+        merged.ranks_per_node, merged.cores_per_node = procs, at_once
+    return merged
 
 
 def merge_by_owner(per_rank: list[Profile], placement: tuple[int, ...]) -> Profile:
@@ -563,17 +589,23 @@ def _timing_rank(rank: int, world: int, spec: dict, barrier, out) -> None:
     torch.set_num_threads(spec["threads"])
     try:
         program, model = from_json(spec["program"]), load_model(spec["model"])
-        barrier.wait(timeout=600)  # every rank starts timing at once
-        prof = _measure(
-            program,
-            model,
-            spec["reps"],
-            spec["warmup"],
-            torch.device("cpu"),
-            spec["seed"],
-            spec["loss_scale"],
-            spec.get("dp", 1),
-        )
+        barrier.wait(timeout=600)  # every rank starts timing at once, or in turns of `at_once` ranks
+        at_once = spec.get("at_once", world)
+        prof = None
+        for turn in range(-(-world // at_once)):
+            if rank // at_once == turn:
+                prof = _measure(
+                    program,
+                    model,
+                    spec["reps"],
+                    spec["warmup"],
+                    torch.device("cpu"),
+                    spec["seed"],
+                    spec["loss_scale"],
+                    spec.get("dp", 1),
+                )
+            if at_once < world:
+                barrier.wait(timeout=3600)  # this turn's ranks are done; the next ones start
         out.put(("result", rank, prof))
     except Exception as e:  # noqa: BLE001 - reported by the parent, which names the profile
         if not isinstance(e, PipelineError):  # the model's own code: where it failed

@@ -19,7 +19,7 @@ from pipec.passes.compiler import compile_schedule  # noqa: E402
 from pipec.runtime import load_model  # noqa: E402
 from pipec.runtime.profile.links import measure_link  # noqa: E402
 from pipec.runtime.profile.stages import profile  # noqa: E402
-from pipec.sim.cost_files import read_cost_file  # noqa: E402
+from pipec.sim.cost_files import dump_costs, read_cost_file  # noqa: E402
 from pipec.sim.costs import cost_model  # noqa: E402
 
 MODEL = str(ROOT / "examples" / "mlp.py")
@@ -240,5 +240,35 @@ def test_concurrent_timing_keeps_each_stages_times_from_its_owner(small_mlp):
     prof = profile(prog, load_model(MODEL), reps=2, warmup=0, comm=False, concurrent=True, progress=said.append)
     assert said == ["timing each op of 4 stages in 2 processes at once, 0 + 2 rounds"]
     doc = prof.cost_doc()
-    assert doc["measured"]["run"]["timing"] == "2 processes at once, one per rank"
+    assert doc["measured"]["run"]["timing"] == "2 processes, one per rank, at once"
     assert len(doc["F"]) == 4 and all(x > 0 for x in doc["F"] + doc["W"])
+
+
+def test_a_profile_taken_in_turns_says_the_ranks_share_the_cores_and_one_taken_at_once_does_not():
+    from pipec.runtime.profile.stages import Profile
+
+    t = [0.01, 0.02]
+    prof = Profile("1f1b", (("p", 2),), False, t, t, t, t, t, [1, 0], [0, 1], {}, ranks_per_node=4, cores_per_node=2)
+    doc = prof.cost_doc()
+    assert (doc["ranks_per_node"], doc["cores_per_node"]) == (4, 2) and "4 processes share 2 cores" in doc["comment"]
+    alone = Profile("1f1b", (("p", 2),), False, t, t, t, t, t, [1, 0], [0, 1], {})
+    assert "cores_per_node" not in alone.cost_doc()
+
+
+@pytest.mark.slow  # 4 spawned processes; the concurrent default runs in test_profile_json_and_measured_tables
+def test_more_processes_than_cpus_time_in_turns_and_the_file_says_they_share_the_cores(
+    small_mlp, monkeypatch, tmp_path
+):
+    """4 ranks on 2 CPUs: two processes time at once, then the other two (not four slowed by each other);
+    the cost file records the sharing for the simulator (docs/simulate.md, "Ranks that share cores")."""
+    from pipec.runtime.host import affinity
+
+    monkeypatch.setattr(affinity, "allowed_cpus", lambda: [0, 1])  # this machine's 2, whatever runs the test
+    sched = load("1f1b", p=4, m=4)
+    prof = profile(compile_schedule(sched).program, load_model(MODEL), reps=2, warmup=0, comm=False, concurrent=True)
+    doc = prof.cost_doc()
+    assert doc["measured"]["run"]["timing"] == "4 processes, one per rank, in turns of 2 (the CPUs)"
+    assert (doc["ranks_per_node"], doc["cores_per_node"]) == (4, 2)
+    (tmp_path / "costs.toml").write_text(dump_costs(doc))
+    costs = cost_model(sched, [read_cost_file(tmp_path / "costs.toml")])
+    assert costs.shares_cores and (costs.ranks_per_node, costs.cores_per_node) == (4, 2)
