@@ -1,5 +1,6 @@
 """Simulator fidelity: the step time `pipec simulate` predicts from `pipec profile`'s costs, against the step
-time `pipec run` measures, on p=2 gloo processes, for 1F1B, interleaved 1F1B (v=2) and ZB-H1.
+time `pipec run` measures, on p=2 (or `--p 4`, `--dp 2`) gloo processes, for 1F1B, interleaved 1F1B (v=2), ZB-H1
+and ZB-V.
 
     .venv/bin/python benchmarks/fidelity.py [--rounds 3] [--steps 12] [--reps 30] [--m 8]
     .venv/bin/python benchmarks/fidelity.py --smoke    # 1F1B, a small model, 1 round: the format (tests)
@@ -21,6 +22,9 @@ measured compute time over the simulated one (how well the profiled op times hel
 `idle_ms` a rank's time between the step's first and last op not spent computing (mean over ranks),
 and `send_to_use_ms` the median time from sending a message to the start of the op that uses it,
 each measured and simulated.
+`measured_over_simulated_per_kind` is the residual per op kind: the traced step's F (B, W) time on all ranks,
+measured over simulated. `shares_cores`: the profile timed more processes than CPUs in turns and the cost file
+says so (docs/simulate.md, "Ranks that share cores").
 `overhead_us` is the per-instruction overhead `pipec profile` measured, and `error_without_overhead`
 the error of a simulation that leaves it out (`--cost overhead=0`). The `in_situ_*` fields are the same
 for the costs of `pipec profile --in-situ` (F, B, W and the overhead measured in steps of the schedule
@@ -53,9 +57,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PIPEC = [sys.executable, "-m", "pipec.cli.app"]
 MODEL = "benchmarks/blocks_model.py"
 MODEL_TEXT = "{BLOCKS} x (Linear({BLOCKS_WIDTH}, {BLOCKS_WIDTH}) + GELU), float64, {BLOCKS_ROWS} rows per micro-batch"
-CASES = {"1f1b": {}, "interleaved-1f1b": {"v": 2}, "zb-h1": {}}
+CASES = {"1f1b": {}, "interleaved-1f1b": {"v": 2}, "zb-h1": {}, "zb-v": {}}
 # --transfer: a schedule with the same stages and kind of backward, whose in-situ costs predict the case's
-PARTNER = {"1f1b": "gpipe", "interleaved-1f1b": "looped-bfs", "zb-h1": "zb-h2"}
+PARTNER = {"1f1b": "gpipe", "interleaved-1f1b": "looped-bfs", "zb-h1": "zb-h2", "zb-v": "zb-v"}
 STEP = re.compile(r"^step\s+(\d+)/\d+: loss \S+, ([0-9.]+) s", re.M)
 
 
@@ -64,11 +68,11 @@ def sim_result(text: str) -> dict:
     return json.loads(text)["results"][0]
 
 
-def defines(extra: dict, m: int) -> list[str]:
+def defines(extra: dict, m: int, p: int = 2, dp: int = 1) -> list[str]:
     out = []
-    for k, v in {"p": 2, **extra, "m": m}.items():
+    for k, v in {"p": p, **extra, "m": m}.items():
         out += ["-D", f"{k}={v}"]
-    return out
+    return out + (["--dp", str(dp)] if dp > 1 else [])
 
 
 def sh(args: list[str], env: dict, tries: int = 2) -> str:
@@ -82,7 +86,7 @@ def sh(args: list[str], env: dict, tries: int = 2) -> str:
 
 
 def one_round(name: str, extra: dict, args: argparse.Namespace, tmp: str, env: dict) -> dict:
-    d = defines(extra, args.m)
+    d = defines(extra, args.m, args.p, args.dp)
     cost, sim_trace, run_trace = (os.path.join(tmp, f"{name}.{x}") for x in ("toml", "sim.json", "run.json"))
     sh([*PIPEC, "profile", name, *d, "--model", MODEL, "-o", cost, "--reps", str(args.reps)], env)
     sim = sim_result(sh([*PIPEC, "simulate", name, *d, "--cost", cost, "--json", "--trace", sim_trace], env))
@@ -96,7 +100,7 @@ def one_round(name: str, extra: dict, args: argparse.Namespace, tmp: str, env: d
         profile = [*PIPEC, "profile", PARTNER[name], *d, "--model", MODEL, "-o", moved_cost, "--reps", str(args.reps)]
         sh([*profile, "--in-situ"], env)
         moved = sim_result(sh([*PIPEC, "simulate", name, *d, "--cost", moved_cost, "--json"], env))["makespan"]
-    run = [*PIPEC, "run", name, *d, "--model", MODEL, "--nproc", "2", "--steps", str(args.steps)]
+    run = [*PIPEC, "run", name, *d, "--model", MODEL, "--nproc", str(args.p * args.dp), "--steps", str(args.steps)]
     out = sh([*run, "--trace", run_trace], env)
     steps = [float(t) for _, t in STEP.findall(out)]
     if len(steps) != args.steps:
@@ -116,7 +120,24 @@ def one_round(name: str, extra: dict, args: argparse.Namespace, tmp: str, env: d
         "simulated_idle_ms": 1e3 * idle(simulated),
         "send_to_use_ms": 1e3 * send_to_use(measured),
         "simulated_send_to_use_ms": 1e3 * send_to_use(simulated),
+        "kind_ratio": kind_ratio(measured, simulated),
+        "shares_cores": "cores_per_node" in open(cost).read(),
     }
+
+
+KINDS = {0: "F", 1: "B", 2: "W"}  # the traces' op codes of the compute kinds
+
+
+def kind_ratio(measured, simulated) -> dict[str, float]:
+    """Per op kind, the traced step's measured time over the simulated one (all ranks' ops of the kind):
+    the residual of each kind's cost, 1.0 where the simulator charged it exactly."""
+    out = {}
+    for code, kind in KINDS.items():
+        sim = float((simulated.end - simulated.start)[simulated.op == code].sum())
+        mea = float((measured.end - measured.start)[measured.op == code].sum())
+        if sim > 0:
+            out[kind] = mea / sim
+    return out
 
 
 def busiest(tl) -> float:
@@ -148,6 +169,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12, help="steps per pipec run (default 12; the first 2 dropped)")
     ap.add_argument("--reps", type=int, default=30, help="pipec profile --reps (default 30)")
     ap.add_argument("--m", type=int, default=8, help="micro-batches (default 8)")
+    ap.add_argument("--p", type=int, default=2, help="pipeline ranks (default 2; 4 on 2 cores: ranks share them)")
+    ap.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default 1)")
     ap.add_argument("--schedules", default=",".join(CASES), help="comma-separated subset of " + ",".join(CASES))
     ap.add_argument(
         "--transfer",
@@ -172,20 +195,28 @@ def main() -> None:
                 results[name].append(one_round(name, CASES[name], args, tmp, env))
     for name in names:
         rows = results[name]
-        med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if rows[0][k] is not None}
+        med = {
+            k: statistics.median(r[k] for r in rows)
+            for k in rows[0]
+            if rows[0][k] is not None and not isinstance(rows[0][k], dict)
+        }
+        kinds = {k: round(statistics.median(r["kind_ratio"][k] for r in rows), 3) for k in rows[0]["kind_ratio"]}
         sim, mea = med["simulated_s"], med["measured_s"]
         emit(
             {
                 "benchmark": "fidelity",
                 "schedule": name,
-                "params": {"p": 2, **CASES[name], "m": args.m},
+                "params": {"p": args.p, **CASES[name], "m": args.m, **({"dp": args.dp} if args.dp > 1 else {})},
+                "shares_cores": rows[0]["shares_cores"],
                 "model": MODEL_TEXT.format(**{"BLOCKS": "16", "BLOCKS_WIDTH": "256", "BLOCKS_ROWS": "32", **small}),
                 "backend": "gloo",
                 "rounds": args.rounds,
                 "simulated_s": sim,
                 "measured_s": mea,
                 "error": (sim - mea) / mea,
+                "within_10pct": abs(sim - mea) <= 0.10 * mea,
                 "within_15pct": abs(sim - mea) <= 0.15 * mea,
+                "measured_over_simulated_per_kind": kinds,
                 "overhead_us": round(med["overhead_us"], 1),
                 "error_without_overhead": (med["simulated_without_overhead_s"] - mea) / mea,
                 "error_per_round": [round((r["simulated_s"] - r["measured_s"]) / r["measured_s"], 4) for r in rows],

@@ -114,9 +114,7 @@ def run(pl) -> tuple[list[float], list[float], list[float], list[float]]:
     return start, end, send_t, arrival
 
 
-def core_sharing(
-    rank: np.ndarray, start: np.ndarray, end: np.ndarray, ranks_per_node: int, cores: int
-) -> np.ndarray:
+def core_sharing(rank: np.ndarray, start: np.ndarray, end: np.ndarray, ranks_per_node: int, cores: int) -> np.ndarray:
     """Per op, how much slower it ran for sharing its node's cores: max(1, k / cores), with k the mean over
     the op's span of the number of the node's ranks computing (the op's own rank included).
 

@@ -88,8 +88,9 @@ class Profile:
     # `a2a_bytes` (empty: no MoE layer); the group's timed all-to-all and its fitted link (None: not timed)
     moe: dict[str, list] = field(default_factory=dict)
     a2a: AllToAll | None = None
-    # processes that shared this machine's cores in a run of the schedule, and those cores (0: not shared);
-    # the ops were then timed in turns of `cores_per_node` processes, so the simulator charges the sharing
+    # processes that will share this machine's cores in a run of the schedule, and those cores (0: not
+    # shared); the ops were timed without sharing (alone, or in turns of `cores_per_node` processes), so the
+    # simulator charges it
     ranks_per_node: int = 0
     cores_per_node: int = 0
 
@@ -273,6 +274,9 @@ def profile(
             prof = _measure(program, model, reps, warmup, device, seed, loss_scale, dp)
     finally:
         torch.set_num_threads(old_threads)
+    cpus = allowed_cpus()
+    if device.type == "cpu" and cpus and procs > len(cpus):  # a run's ranks will share the CPUs; its ops
+        prof.ranks_per_node, prof.cores_per_node = procs, len(cpus)  # were timed without sharing them
     prof.info.update(
         model=model.path,
         dtype=str(next(iter(prof.info.pop("dtypes")), "none")),
@@ -551,11 +555,10 @@ def _measure_concurrently(
     With more processes than CPUs, all of them timing at once would time each op slowed by the others
     (4 processes on 2 cores: every op about twice its time), though in a run a rank shares its core only
     while others compute beside it. They take turns instead, as many at once as there are CPUs, and the
-    profile records the sharing (`ranks_per_node`, `cores_per_node`) for the simulator to charge
-    (docs/simulate.md, "Ranks that share cores")."""
+    profile records the sharing (`ranks_per_node`, `cores_per_node`, in `profile`) for the simulator to
+    charge (docs/simulate.md, "Ranks that share cores")."""
     from pipec.formats.program_file import to_json
     from pipec.runtime.host import spawned
-    from pipec.runtime.host.affinity import allowed_cpus
 
     procs = program.num_ranks * dp
     cpus = allowed_cpus()
@@ -566,10 +569,7 @@ def _measure_concurrently(
     per_rank = spawned.run(_timing_rank, procs, procs, spec, timeout=3600, barrier=True)
     if isinstance(per_rank, str):
         raise PipelineError(f"timing the ops of {program.name} failed: {per_rank}")
-    merged = merge_by_owner(per_rank[::dp], program.placement)
-    if at_once < procs:
-        merged.ranks_per_node, merged.cores_per_node = procs, at_once
-    return merged
+    return merge_by_owner(per_rank[::dp], program.placement)
 
 
 def merge_by_owner(per_rank: list[Profile], placement: tuple[int, ...]) -> Profile:

@@ -261,9 +261,9 @@ def test_more_processes_than_cpus_time_in_turns_and_the_file_says_they_share_the
 ):
     """4 ranks on 2 CPUs: two processes time at once, then the other two (not four slowed by each other);
     the cost file records the sharing for the simulator (docs/simulate.md, "Ranks that share cores")."""
-    from pipec.runtime.host import affinity
+    from pipec.runtime.profile import stages
 
-    monkeypatch.setattr(affinity, "allowed_cpus", lambda: [0, 1])  # this machine's 2, whatever runs the test
+    monkeypatch.setattr(stages, "allowed_cpus", lambda: [0, 1])  # this machine's 2, whatever runs the test
     sched = load("1f1b", p=4, m=4)
     prof = profile(compile_schedule(sched).program, load_model(MODEL), reps=2, warmup=0, comm=False, concurrent=True)
     doc = prof.cost_doc()
