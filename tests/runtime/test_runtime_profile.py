@@ -168,7 +168,10 @@ def test_in_situ_profile_takes_the_ops_from_runs_of_the_schedule(tmp_path, capsy
     assert situ["steps"] == 3 and situ["step"] > 0
     assert all(x > 0 for x in doc["F"] + doc["B"] + doc["W"])  # the first stage's BWD is tiny, but timed
     assert doc["measured"]["stages"]["forward"] != doc["F"]  # the one-op-at-a-time tables are kept apart
-    assert 0 < doc["overhead"] < 0.1 and "latency" not in doc  # the overhead comes from the runs themselves
+    assert 0 < doc["overhead"] < 0.1  # the overhead comes from the runs themselves
+    # and the latency from the messages the run sent to a waiting receiver (no bandwidth measured: all of it)
+    assert situ["deliveries"] > 0 and doc["latency"] == pytest.approx(situ["delivery_s"], rel=1e-5)
+    assert "latency from" in doc["comment"]
     assert "in situ, medians over 3 steps" in doc["comment"]
     assert read_cost_file(out)["F"] == doc["F"]  # what the simulator reads
     sim = _simulate(capsys, ["zb-h1", "-D", "p=2", "-D", "m=4", "--cost", str(out)])
@@ -272,3 +275,28 @@ def test_more_processes_than_cpus_time_in_turns_and_the_file_says_they_share_the
     (tmp_path / "costs.toml").write_text(dump_costs(doc))
     costs = cost_model(sched, [read_cost_file(tmp_path / "costs.toml")])
     assert costs.shares_cores and (costs.ranks_per_node, costs.cores_per_node) == (4, 2)
+
+
+def test_a_delivery_counts_only_when_the_receiver_was_waiting():
+    """Rank 1 computes until 1.0: a message sent at 0.5 and received at 1.2 says nothing about the link (it
+    waited for the receiver); one sent at 2.0 and received at 2.5 took 0.5 to arrive."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from pipec.runtime.profile.insitu import deliveries
+
+    a = lambda *x: np.array(x, dtype=float)  # noqa: E731
+    tl = SimpleNamespace(
+        num_ranks=2,
+        rank=np.array([0, 1, 1]),
+        start=a(0.0, 0.0, 2.5),
+        end=a(0.4, 1.0, 3.0),
+        msg_dst=np.array([1, 1]),
+        msg_send=a(0.5, 2.0),
+        msg_arrival=a(1.2, 2.5),
+        msg_bytes=a(100, 300),
+    )
+    assert deliveries([tl]) == {"median_s": 0.5, "bytes": 300.0, "count": 1}
+    tl.msg_send = a(1.1, 2.0)  # sent after rank 1's compute ended: both count
+    assert deliveries([tl])["count"] == 2
