@@ -226,3 +226,49 @@ def test_the_docs_list_every_opcode_as_the_table_declares_it():
     for r in rows:
         words = r.split("|")[1].strip("` ").split()
         assert len(words) == 1 + len(BY_NAME[words[0]].operands)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_the_one_pass_over_all_ranks_never_passes_what_the_walk_over_ranks_refuses(data):
+    """`_plainly_sound` (one pass over every rank's instructions at once) decides plain Programs without
+    the walk over ranks; it must say False wherever `_rank_problems` finds anything, for any corruption of
+    one or two instructions: an opcode, an operand or a group flag changed, an instruction dropped, two
+    near ones swapped."""
+    from pipec.ir.validate import _plainly_sound, _rank_problems
+
+    name, params = data.draw(
+        st.sampled_from(
+            [
+                ("1f1b", {"p": 3, "m": 4}),
+                ("zb-h1", {"p": 3, "m": 4}),
+                ("interleaved-1f1b", {"p": 2, "v": 2, "m": 4}),
+                ("dualpipe-v", {"p": 2, "m": 4}),
+                ("gpipe", {"p": 2, "m": 2}),
+            ]
+        )
+    )
+    prog = _prog(name, **params)
+    assert _plainly_sound(prog) and not _rank_problems(prog)
+    for _ in range(data.draw(st.integers(1, 2))):
+        r = data.draw(st.integers(0, prog.num_ranks - 1))
+        rp = prog.ranks[r]
+        j = data.draw(st.integers(0, len(rp) - 1))
+        col = data.draw(st.sampled_from(["op", "mb", "stage", "peer", "group", "drop", "swap", "swap"]))
+        if col == "drop":
+            prog = _drop(prog, r, j)
+            continue
+        if col == "swap":  # two instructions of the rank change places (the tail's REDUCE_GRADs and STEPs too)
+            k = data.draw(st.integers(max(j - 3, 0), min(j + 3, len(rp) - 1)))
+            order = np.arange(len(rp))
+            order[[j, k]] = order[[k, j]]
+            prog = _edit(prog, r, **{f: getattr(rp, f)[order] for f in ("op", "mb", "stage", "peer", "group")})
+            continue
+        values = getattr(rp, col).copy()
+        if col == "group":
+            values[j] = not values[j]
+        else:
+            values[j] = data.draw(st.integers(-2, len(TABLE) + 1 if col == "op" else 6))
+        prog = _edit(prog, r, **{col: values})
+    if _rank_problems(prog):
+        assert not _plainly_sound(prog)
