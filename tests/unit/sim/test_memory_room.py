@@ -269,3 +269,42 @@ def test_every_consumer_agrees_at_p4_m8(name):
     _expect_agrees(sched)
     if sched.slicing is None or sched.slicing.slices == 1:  # an `order` block derives no token slices yet
         _policy_agrees(sched, rng)
+
+
+def _one_rank_curve(times, delta, base):
+    """The curve of one rank as memory_curves defined it before it took all ranks at once: by time, at one
+    instant in instruction order, from (0, base); its peak; then collapsed to the last value at each
+    instant and to the points where the value moves."""
+    o = np.lexsort((np.arange(len(times)), times))
+    t = np.concatenate([[0.0], times[o]])
+    v = base + np.concatenate([[0.0], np.cumsum(delta[o])])
+    peak = v.max()
+    if len(t) > 1:
+        last = np.append(t[1:] != t[:-1], True)
+        t, v = t[last], v[last]
+        moved = np.concatenate(([True], v[1:] != v[:-1]))
+        t, v = t[moved], v[moved]
+    return t, v, peak
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.lists(
+            st.tuples(st.sampled_from([0.0, 0.5, 1.0, 1.5, 3.0]), st.sampled_from([-2.0, -1.0, 0.0, 1.0, 0.125, 2.0]))
+        ),
+        min_size=1,
+        max_size=5,
+    )
+)
+def test_the_curves_of_all_ranks_at_once_are_each_ranks_own_exactly(ranks):
+    from pipec.sim.memtime import _curves
+
+    times = [np.array([t for t, _ in r], dtype=float) for r in ranks]
+    deltas = [np.array([d for _, d in r], dtype=float) for r in ranks]
+    bases = np.arange(len(ranks), dtype=float) * 0.3
+    curves, peaks = _curves(times, deltas, bases)
+    for r in range(len(ranks)):
+        t, v, peak = _one_rank_curve(times[r], deltas[r], bases[r])
+        assert curves[r][0].tolist() == t.tolist() and curves[r][1].tolist() == v.tolist()
+        assert peaks[r] == peak
