@@ -62,7 +62,7 @@ class Diagnostic:
         }
 
     def format(self) -> str:
-        where = self.source.path if self.source else "<input>"
+        where = self.source.path if self.source else "pipec"  # no file to point at: the program speaks, as cc does
         if self.span is not None:
             where = f"{where}:{self.span.line}:{self.span.col}"
         out = [f"{where}: {self.severity}[{self.code}]: {self.message}"]

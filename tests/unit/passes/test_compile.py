@@ -278,7 +278,7 @@ def test_errors_doc_python_examples_run(code, capsys):
         with pytest.raises(PipecError) as info:
             exec(program, {})
         assert info.value.code == "E404"
-        assert info.value.diagnostics[0].format().splitlines() == ["<input>: " + expected[0]] + expected[1:]
+        assert info.value.diagnostics[0].format().splitlines() == ["pipec: " + expected[0]] + expected[1:]
     else:
         exec(program, {})
         assert capsys.readouterr().out.splitlines() == expected
