@@ -304,10 +304,7 @@ def plan(inputs: Inputs, time_limit: float = 30.0, progress: Progress | None = N
         end = time.perf_counter() + share
         res = None
         if sum(len(r) for r in pb.sched.ranks) <= SEARCH_OPS:
-            try:
-                res = search(pb, share)
-            except PipecError:  # E806 when its own starts fit nowhere and its time ends first: ours does
-                end = time.perf_counter() + share / 2
+            res = search(pb, share, starts=[pt.split.bounds])  # it fits: the search never raises E806
         if res is not None:
             better, bound, optimal = (res.best if res.best.step < pt.step else pt.split), res.lower_bound, res.optimal
         else:
