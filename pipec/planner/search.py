@@ -38,7 +38,17 @@ from pipec.partition.local_search import _balanced, _neighbours
 from pipec.partition.problem import Problem, Split
 from pipec.partition.search import search
 from pipec.planner.bounds import SEARCH_OPS, improve, layer_bound, path_bound, rows_of, universal_bound
-from pipec.planner.space import LIBRARY, MEMOPS, Candidate, has_memops, megatron_split, memop_ranks, scaled, with_memops
+from pipec.planner.space import (
+    LIBRARY,
+    MEMOPS,
+    Candidate,
+    has_memops,
+    megatron_split,
+    memop_ranks,
+    rank_orders,
+    scaled,
+    with_memops,
+)
 
 Progress = Callable[[str], None]
 
@@ -215,16 +225,20 @@ class _Builder:
             program = compile_schedule(sched).program
             inp = self.inputs
             table = scaled(inp.table, inp.global_batch / (cand.m * inp.table_mbs))
-            self.problems[cand] = Problem(
-                sched, program, table, np.asarray(inp.speed), np.asarray(inp.limit, dtype=float), inp.cost_docs
-            )
+            order = list(cand.ranks or range(inp.p))  # pipeline rank k runs on the given rank order[k]
+            speed, limit = np.asarray(inp.speed)[order], np.asarray(inp.limit, dtype=float)[order]
+            self.problems[cand] = Problem(sched, program, table, speed, limit, inp.cost_docs)
         return self.problems[cand]
 
 
 def _families(inputs: Inputs, builder: _Builder) -> tuple[list[Candidate], list[str]]:
     """The plain candidates (schedule, m, v), those the schedules' parameters allow, in screening order:
-    every schedule at the largest m first, then the smaller m."""
+    every schedule at the largest m first, then the smaller m; each in every order of the ranks tried
+    (`rank_orders`; as given only when the links name nodes, `ranks_per_node`, which an order would move)."""
     out, skipped = [], []
+    orders = [()]
+    if not any("ranks_per_node" in doc for doc in inputs.cost_docs):
+        orders = rank_orders(inputs.speed, inputs.limit)
     order = sorted(inputs.microbatches, reverse=True)  # smaller micro-batches, smaller bubbles: likelier winners
     for m in order:
         for name in inputs.schedules:
@@ -236,7 +250,7 @@ def _families(inputs: Inputs, builder: _Builder) -> tuple[list[Candidate], list[
             vs = [2] if "v" in names else [0]
             if "v" in names and inputs.table.num_layers >= 4 * inputs.p:
                 vs.append(4)
-            out += [Candidate(name, m, v) for v in vs]
+            out += [Candidate(name, m, v, ranks=o) for v in vs for o in orders]
     return out, skipped
 
 
@@ -254,7 +268,8 @@ def plan(inputs: Inputs, time_limit: float = 30.0, progress: Progress | None = N
         try:
             pb = builder.problem(cand)
         except PipecError as e:
-            skipped.append(f"{cand.label}: {e.diagnostics[0].message}")
+            if not cand.ranks:  # the same schedule on the ranks reordered fails alike: said once
+                skipped.append(f"{cand.label}: {e.diagnostics[0].message}")
             return None
         pt = _screen(pb, cand, screen_end, layer_bound(inputs, cand.m, pb.sched.split_backward), extra)
         points[cand] = pt
@@ -278,7 +293,7 @@ def plan(inputs: Inputs, time_limit: float = 30.0, progress: Progress | None = N
             for k in memop_ranks(inputs.p):
                 if time.perf_counter() > screen_end:
                     break
-                var = Candidate(cand.schedule, cand.m, cand.v, kind, k)
+                var = Candidate(cand.schedule, cand.m, cand.v, kind, k, cand.ranks)
                 vp = screen(var, [pt.split.bounds] if pt.split else [])
                 if vp is not None:
                     say(f"screened {var.label}: " + (f"{vp.step:.4g} s" if vp.split else "does not fit"))
@@ -337,8 +352,15 @@ def plan(inputs: Inputs, time_limit: float = 30.0, progress: Progress | None = N
         (p for p in allp if p.split is not None),
         key=lambda p: (p.step, has_memops(builder.problems[p.candidate].sched), p.peak),
     )
-    library = min(
-        (p for p in allp if p.split is not None and not p.candidate.memop and p.candidate.schedule in LIBRARY),
+    library = min(  # `pipec partition` on the ranks as given
+        (
+            p
+            for p in allp
+            if p.split is not None
+            and not p.candidate.memop
+            and not p.candidate.ranks
+            and p.candidate.schedule in LIBRARY
+        ),
         key=lambda p: p.step,
         default=None,
     )
@@ -367,10 +389,11 @@ def _synthesize(inputs: Inputs, builder: _Builder, points: dict, deadline: float
     left = deadline - time.perf_counter()
     if inputs.p > MAX_P or left < 1.0:
         return best.step
-    got = synthesized(builder.problems[best.candidate], best.split.bounds, best.candidate.m, inputs.limit, left / 3)
+    base = builder.problems[best.candidate]
+    got = synthesized(base, best.split.bounds, best.candidate.m, tuple(base.limit.tolist()), left / 3)
     if got is None:
         return best.step
-    cand, pb = got
+    cand, pb = replace(got[0], ranks=best.candidate.ranks), got[1]
     split = refine_synthesized(pb, best.split.bounds, time.perf_counter() + (deadline - time.perf_counter()) / 2)
     if split is None:
         return best.step
@@ -452,7 +475,8 @@ def _no_fit(inputs: Inputs, points: Sequence[Point]) -> PipecError:
         return error("E830", "no candidate plan could be built for these inputs")
     close = min(tried, key=lambda p: p.excess)
     lim = np.asarray(inputs.limit, dtype=float)
-    peaks = np.asarray(close.peaks)
+    peaks = np.empty(inputs.p)
+    peaks[list(close.candidate.ranks or range(inputs.p))] = close.peaks  # on the ranks as given
     r = int(np.nanargmax(np.where(np.isnan(lim), -np.inf, peaks - lim)))
     return error(
         "E830",

@@ -20,7 +20,7 @@ from pipec.planner import Candidate, Inputs, microbatch_counts, plan, prove
 from pipec.planner.bounds import layer_bound, path_bound, rows_of, universal_bound, work_bound
 from pipec.planner.report import explain, megatron_settings, pareto
 from pipec.planner.search import _Builder
-from pipec.planner.space import layer_kinds, megatron_split, scaled, with_memops
+from pipec.planner.space import layer_kinds, megatron_split, rank_orders, scaled, with_memops
 
 pytest.importorskip("ortools")
 
@@ -191,3 +191,30 @@ def test_the_synthesized_candidate_is_simulated_and_written_as_a_schedule():
     sched = evaluate_source(Source("synth.pipe", text), [])
     want = got.problems[synth[0].candidate].sched
     assert all(np.array_equal(a.kind, b.kind) and np.array_equal(a.mb, b.mb) for a, b in zip(sched.ranks, want.ranks))
+
+
+def test_rank_orders_only_where_the_ranks_differ():
+    assert rank_orders((1.0, 1.0, 1.0), (math.nan,) * 3) == [()]
+    assert rank_orders((1.0, 1.0, 0.5, 0.5), (math.nan,) * 4) == [(), (3, 2, 1, 0)]  # fastest first: as given
+    assert rank_orders((0.5, 1.0, 0.5, 1.0), (math.nan,) * 4) == [(), (3, 2, 1, 0), (1, 3, 0, 2), (2, 0, 3, 1)]
+    assert rank_orders((0.5, 1.0), (math.nan,) * 2) == [(), (1, 0)]  # reversed is the fastest first
+    assert rank_orders((1.0, 1.0), (8.0, 16.0)) == [(), (1, 0)]  # memory alone differs
+
+
+def test_a_heavy_last_layer_goes_to_the_fast_rank_by_reordering_the_ranks():
+    """Ranks of two speeds, the last layer ten times heavier than the rest: every library schedule here keeps
+    the last stage on pipeline rank p - 1, the slow one as given; the plan runs the pipeline on the ranks in
+    the other order, at least as fast as every split of every candidate in both orders (brute force),
+    while (b) stays on the ranks as given (`pipec partition` does not reorder them)."""
+    rng = np.random.default_rng(12)
+    t = random_layer_table(rng, 5)
+    heavy = replace(t, F=t.F * np.r_[1, 1, 1, 1, 10], B=t.B * np.r_[1, 1, 1, 1, 10], W=t.W * np.r_[1, 1, 1, 1, 10])
+    heavy = replace(heavy, full_backward=t.full_backward * np.r_[1, 1, 1, 1, 10])
+    inputs = _inputs(heavy, speed=(1.0, 0.5), schedules=("1f1b", "zb-h1"))
+    got = plan(inputs, time_limit=30)
+    assert got.best.candidate.ranks == (1, 0)
+    assert got.problems[got.best.candidate].speed.tolist() == [0.5, 1.0]
+    assert got.library is not None and got.library.candidate.ranks == () and got.library.step > got.best.step
+    cands = [Candidate(s, m, ranks=o) for s in inputs.schedules for m in inputs.microbatches for o in ((), (1, 0))]
+    assert got.best.step <= _brute(inputs, cands) + 1e-12
+    assert universal_bound(inputs) <= got.lower_bound <= got.best.step + 1e-12
