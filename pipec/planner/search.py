@@ -308,11 +308,14 @@ def plan(inputs: Inputs, time_limit: float = 30.0, progress: Progress | None = N
     _tighten(builder, points, best_step, t0 + 0.55 * time_limit, say)
     # phase 2: refine, fastest first
     fitting = sorted((p for p in points.values() if p.split is not None), key=lambda p: p.step)
+    library_step = min((p.step for p in fitting if _is_library(p.candidate)), default=math.inf)
     for n, pt in enumerate(fitting):
         left = t0 + 0.85 * time_limit - time.perf_counter()
         if left <= 0.05:
             break
-        if pt.lower_bound >= best_step:
+        # one that cannot beat the plan is still refined when it may be baseline (b): (b) is `pipec partition`'s
+        # best split of the schedule, not the screen's (on reordered ranks the plan is often far below (b))
+        if pt.lower_bound >= best_step and not (_is_library(pt.candidate) and pt.lower_bound < library_step):
             continue
         share = max(left / max(min(len(fitting) - n, 6), 1), min(0.5, left))
         pb = builder.problems[pt.candidate]
@@ -339,6 +342,7 @@ def plan(inputs: Inputs, time_limit: float = 30.0, progress: Progress | None = N
         )
         points[pt.candidate] = refined
         best_step = min(best_step, refined.step)
+        library_step = min(library_step, refined.step) if _is_library(pt.candidate) else library_step
         say(
             f"refined {pt.candidate.label}: {refined.step:.4g} s (bound {refined.lower_bound:.4g} s"
             f"{', optimal' if refined.optimal else ''}), {time.perf_counter() - t0:.1f} s"
@@ -352,15 +356,8 @@ def plan(inputs: Inputs, time_limit: float = 30.0, progress: Progress | None = N
         (p for p in allp if p.split is not None),
         key=lambda p: (p.step, has_memops(builder.problems[p.candidate].sched), p.peak),
     )
-    library = min(  # `pipec partition` on the ranks as given
-        (
-            p
-            for p in allp
-            if p.split is not None
-            and not p.candidate.memop
-            and not p.candidate.ranks
-            and p.candidate.schedule in LIBRARY
-        ),
+    library = min(
+        (p for p in allp if p.split is not None and _is_library(p.candidate)),
         key=lambda p: p.step,
         default=None,
     )
@@ -411,6 +408,12 @@ def _synthesize(inputs: Inputs, builder: _Builder, points: dict, deadline: float
     )
     say(f"synthesized ({cand.label}) on the best split: {split.step:.4g} s")
     return min(best.step, split.step)
+
+
+def _is_library(cand: Candidate) -> bool:
+    """A candidate baseline (b) may be: a library schedule as it stands (no memory ops added) on the ranks as
+    given (`pipec partition` neither adds memory ops nor reorders the ranks)."""
+    return not cand.memop and not cand.ranks and cand.schedule in LIBRARY
 
 
 def _binds(pb: Problem, pt: Point) -> bool:

@@ -215,6 +215,10 @@ def test_a_heavy_last_layer_goes_to_the_fast_rank_by_reordering_the_ranks():
     assert got.best.candidate.ranks == (1, 0)
     assert got.problems[got.best.candidate].speed.tolist() == [0.5, 1.0]
     assert got.library is not None and got.library.candidate.ranks == () and got.library.step > got.best.step
+    # (b) is refined (or proven by its bound) although it cannot beat the plan: it is a baseline
+    assert got.library.refined or got.library.lower_bound >= got.library.step
+    lib = [Candidate(s, m) for s in inputs.schedules for m in inputs.microbatches]
+    assert got.library.step == pytest.approx(_brute(inputs, lib), rel=1e-9)
     cands = [Candidate(s, m, ranks=o) for s in inputs.schedules for m in inputs.microbatches for o in ((), (1, 0))]
     assert got.best.step <= _brute(inputs, cands) + 1e-12
     assert universal_bound(inputs) <= got.lower_bound <= got.best.step + 1e-12
