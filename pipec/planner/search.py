@@ -221,8 +221,12 @@ class _Builder:
         from pipec.passes.compiler import compile_schedule
 
         if cand not in self.problems:
-            sched = self.schedule(cand)
-            program = compile_schedule(sched).program
+            same = replace(cand, ranks=())  # the ranks' order changes their speeds, not the schedule
+            if same in self.problems:
+                sched, program = self.problems[same].sched, self.problems[same].program
+            else:
+                sched = self.schedule(cand)
+                program = compile_schedule(sched).program
             inp = self.inputs
             table = scaled(inp.table, inp.global_batch / (cand.m * inp.table_mbs))
             order = list(cand.ranks or range(inp.p))  # pipeline rank k runs on the given rank order[k]
