@@ -280,9 +280,11 @@ def plan(inputs: Inputs, time_limit: float = 30.0, progress: Progress | None = N
         return pt
 
     plain: list[Point] = []
+    pairs_left, unexpanded = False, []  # what the time limit left out: pairs, bases of memory-op variants
     for n, cand in enumerate(fams):
         if n and time.perf_counter() > screen_end:  # the first is screened whatever the limit
             skipped.append(f"{len(fams) - n} schedule and m pairs not screened: time limit")
+            pairs_left = True
             break
         pt = screen(cand)
         if pt is not None:
@@ -291,7 +293,7 @@ def plan(inputs: Inputs, time_limit: float = 30.0, progress: Progress | None = N
     # memory ops where the limits bind (the bottleneck split does not fit), the closest to fitting first
     binding = [pt for pt in plain if _binds(builder.problems[pt.candidate], pt)]
     binding.sort(key=lambda pt: (pt.step, pt.excess))
-    for pt in binding:
+    for i, pt in enumerate(binding):
         cand = pt.candidate
         for kind in inputs.memops:
             for k in memop_ranks(inputs.p):
@@ -303,6 +305,7 @@ def plan(inputs: Inputs, time_limit: float = 30.0, progress: Progress | None = N
                     say(f"screened {var.label}: " + (f"{vp.step:.4g} s" if vp.split else "does not fit"))
         if time.perf_counter() > screen_end:
             skipped.append("memory-op variants of some candidates not screened: time limit")
+            unexpanded = [p.candidate for p in binding[i:]]
             break
     megatron = _megatron(inputs, builder, points, say)
     fitting = sorted((p for p in points.values() if p.split is not None), key=lambda p: p.step)
@@ -367,8 +370,10 @@ def plan(inputs: Inputs, time_limit: float = 30.0, progress: Progress | None = N
     )
     open_ = [p for p in allp if not p.infeasible]
     lower = min([p.lower_bound for p in open_] + [best.step])
-    if any("not screened" in s for s in skipped):  # those not looked at: the work bound holds for them
+    if pairs_left:  # those not looked at: the universal layer bound holds for them
         lower = min(lower, universal_bound(inputs))
+    elif unexpanded:
+        lower = min(lower, _variants_bound(inputs, builder, unexpanded, best.step, t0 + time_limit))
     return Plan(
         best,
         tuple(sorted(allp, key=lambda p: (p.step, p.peak))),
@@ -412,6 +417,23 @@ def _synthesize(inputs: Inputs, builder: _Builder, points: dict, deadline: float
     )
     say(f"synthesized ({cand.label}) on the best split: {split.step:.4g} s")
     return min(best.step, split.step)
+
+
+def _variants_bound(
+    inputs: Inputs, builder: _Builder, bases: Sequence[Candidate], top: float, deadline: float
+) -> float:
+    """A bound on the memory-op variants of `bases` the time limit left unscreened: each base's `path_bound`
+    on its paths alone, without its memory rows. A variant keeps every op and dependency of its base and adds
+    work (a RECOMPUTE is a forward more, a RELOAD a wait more), so each of its base's paths is at most its step;
+    its memory differs (the splits it lets fit are others), so the base's memory rows do not hold for it."""
+    out = top
+    for cand in bases:
+        pb = builder.problems[cand]
+        floor = layer_bound(inputs, cand.m, pb.sched.split_backward)
+        rows = rows_of(pb, [pb.uniform(), _balanced(pb)], deadline, memory=False)
+        bound, _ = path_bound(pb, rows, top, 12, floor, deadline)
+        out = min(out, bound)
+    return out
 
 
 def _is_library(cand: Candidate) -> bool:

@@ -222,3 +222,29 @@ def test_a_heavy_last_layer_goes_to_the_fast_rank_by_reordering_the_ranks():
     cands = [Candidate(s, m, ranks=o) for s in inputs.schedules for m in inputs.microbatches for o in ((), (1, 0))]
     assert got.best.step <= _brute(inputs, cands) + 1e-12
     assert universal_bound(inputs) <= got.lower_bound <= got.best.step + 1e-12
+
+
+@pytest.mark.parametrize("seed", [3, 10])
+def test_the_bound_on_unscreened_memory_op_variants_is_below_their_every_split(seed):
+    """`_variants_bound` (a base's paths without its memory rows) is at most the step of every split, fitting
+    or not, of every recompute and offload variant of the base (brute force)."""
+    from pipec.planner.search import _variants_bound
+
+    table = random_layer_table(np.random.default_rng(seed), 5)
+    free = _inputs(table, schedules=("1f1b", "zb-h1"))
+    peaks = [max(_Builder(free).problem(Candidate("1f1b", 4)).evaluate(b).memory) for b in _splits(5, 2)]
+    inputs = _inputs(table, limit=float(np.median(peaks)), schedules=("1f1b", "zb-h1"))
+    b = _Builder(inputs)
+    bases = [Candidate("1f1b", 4), Candidate("zb-h1", 2)]
+    for c in bases:
+        b.problem(c)
+    steps = [
+        b.problem(Candidate(c.schedule, c.m, 0, kind, k)).evaluate(x).step
+        for c in bases
+        for kind in ("recompute", "offload")
+        for k in (1, 2)
+        for x in _splits(5, 2)
+    ]
+    bound = _variants_bound(inputs, b, bases, max(steps), math.inf)
+    assert 0 < bound <= min(steps) + 1e-12
+    assert bound >= min(layer_bound(inputs, c.m, b.problem(c).sched.split_backward) for c in bases) - 1e-12
