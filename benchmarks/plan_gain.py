@@ -1,6 +1,7 @@
 """`pipec plan` against the baselines a user would pick by hand, simulated and measured.
 
-    python benchmarks/plan_gain.py [--time-limit 20] [--cases gpt2,uneven] [--measure] [--rounds 4] [--steps 4]
+    python benchmarks/plan_gain.py [--time-limit 20] [--cases gpt2,uneven] [--ps 4,8] [--limits a,recompute]
+                                   [--global-batch N] [--measure] [--rounds 4] [--steps 4]
 
 Simulated (every case): on the committed profiled layer tables (benchmarks/profiles/gpt2-small-layers.json:
 examples/hf_gpt2.py with GPT-2's vocabulary of 50257, width 768, 12 blocks, float32, 16 sequences of 64
@@ -51,8 +52,8 @@ def plan_json(args: list[str]) -> dict:
     return json.loads(proc.stdout)
 
 
-def simulated(case: str, p: int, two_speeds: bool, time_limit: float, tight: bool = False) -> dict:
-    table, batch = TABLES[case]
+def simulated(case: str, p: int, two_speeds: bool, time_limit: float, tight: bool = False, batch: int = 0) -> dict:
+    table, batch = TABLES[case][0], batch or TABLES[case][1]
     base = ["--layers-cost", table, "-p", str(p), "--global-batch", str(batch)]
     if two_speeds:
         base += ["--ranks", "speed=" + ",".join(["1"] * (p // 2) + ["0.5"] * (p - p // 2))]
@@ -77,6 +78,7 @@ def simulated(case: str, p: int, two_speeds: bool, time_limit: float, tight: boo
         "case": case,
         "p": p,
         "speeds": "1 and 0.5" if two_speeds else "1",
+        "global_batch": batch,
         "memory_limit": int(peak),
         "limit": "(a) with full recomputation's peak" if tight else "(a)'s peak",
         "command": " ".join(
@@ -162,6 +164,7 @@ def main() -> None:
     ap.add_argument("--cases", default="gpt2,uneven")
     ap.add_argument("--ps", default="4,8")
     ap.add_argument("--limits", default="a,recompute", help="a: (a)'s peak; recompute: (a)'s with recomputation")
+    ap.add_argument("--global-batch", type=int, default=0, help="instead of each table's (gpt2 16, uneven 256)")
     ap.add_argument("--measure", action="store_true")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--steps", type=int, default=4)
@@ -173,7 +176,7 @@ def main() -> None:
         for p in (int(x) for x in args.ps.split(",")):
             for two in (False, True):
                 for limit in args.limits.split(","):
-                    emit(simulated(case, p, two, args.time_limit, limit == "recompute"))
+                    emit(simulated(case, p, two, args.time_limit, limit == "recompute", args.global_batch))
                     if args.smoke:
                         return
     if args.measure:

@@ -10,6 +10,13 @@ JSON line: the wall seconds beside the time limit, the candidates screened, the 
 the lower bound and the gap to it.
 
     python benchmarks/plan_scale.py --smoke    # p = 8, 40 layers, a 5 s limit: the format (tests)
+
+    python benchmarks/plan_scale.py --positions [--reps 3]
+
+times what building one candidate at this scale cost most, `pipec.sim.memory.positions` (each rank's memory
+positions, dominated ones left out), on each (schedule, v) the planner screens at p = 64, m = 256: one JSON line
+per schedule with the main thread's CPU seconds (the least and the median of `--reps`) and the positions kept,
+and a last line with their sum. To compare two versions of pipec run it with `PYTHONPATH=OTHER_TREE`.
 """
 
 from __future__ import annotations
@@ -41,6 +48,54 @@ def table(layers: int, head: float = 10.0) -> dict:
     return {"format": "pipec-layer-costs", "version": 1, "microbatches": 256, "unit": "s", "layers": rows}
 
 
+def positions_times(p: int, m: int, reps: int) -> None:
+    """`--positions`: the module docstring."""
+    import statistics
+
+    import pipec
+    from pipec.driver import build, read_source
+    from pipec.sim.memory import positions
+
+    total = []
+    for name, v in (
+        ("1f1b", 0),
+        ("zb-h1", 0),
+        ("interleaved-1f1b", 2),
+        ("interleaved-1f1b", 4),
+        ("zb-v", 0),
+        ("zb-h2", 0),
+        ("1f1b-recompute", 0),
+        ("v-half", 0),
+        ("v-min", 0),
+        ("dualpipe-v", 0),
+        ("gpipe", 0),
+        ("looped-bfs", 2),
+        ("1f1b-offload", 0),
+        ("zb-v-recompute", 0),
+    ):
+        sched = build(read_source(name), {"p": p, "m": m, **({"v": v} if v else {})})
+        cpu = []
+        for _ in range(reps):
+            t0 = time.thread_time()
+            pos = positions(sched)
+            cpu.append(time.thread_time() - t0)
+        total.append(statistics.median(cpu))
+        emit(
+            {
+                "schedule": name + (f" v={v}" if v else ""),
+                "p": p,
+                "m": m,
+                "ops": sum(len(r) for r in sched.ranks),
+                "positions_kept": sum(len(x.act) for x in pos),
+                "cpu_s_min": min(cpu),
+                "cpu_s_median": total[-1],
+                "reps": reps,
+                "pipec": os.path.dirname(pipec.__file__),
+            }
+        )
+    emit({"schedules": len(total), "p": p, "m": m, "cpu_s_median_sum": sum(total), "load_avg": load_average()})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--p", type=int, default=64)
@@ -48,8 +103,12 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=60.0)
     ap.add_argument("--memory-limit", default="80GiB")
     ap.add_argument("--head", type=float, default=10.0, help="the head's time in blocks' (default 10)")
+    ap.add_argument("--positions", action="store_true", help="time pipec.sim.memory.positions instead")
+    ap.add_argument("--reps", type=int, default=3)
     smoke_flag(ap)
     args = ap.parse_args()
+    if args.positions:
+        return positions_times(8 if args.smoke else args.p, 16 if args.smoke else 256, 1 if args.smoke else args.reps)
     if args.smoke:
         args.p, args.layers, args.time_limit = 8, 40, 5.0
     path = os.path.join(tempfile.mkdtemp(prefix="plan-scale-"), "layers.json")

@@ -150,8 +150,10 @@ class Master:
         return ("optimal" if st == self.cp.OPTIMAL else "feasible"), bound, tuple(bounds)
 
 
-def no_fit(pb: Problem):
-    """E806: no split fits; names the split that comes closest (the least excess over any rank's limit)."""
+def closest(pb: Problem, time_limit: float = 10.0) -> tuple[tuple[int, ...], bool]:
+    """The split with the least excess of any rank's memory over its limit (CP-SAT over the memory rows), and
+    whether the solver proved it least. Its excess at most 0: a split that fits (the search starts from it
+    when its own starts do not fit); above 0 and proven: no split fits (the rows are exact, or a relaxation)."""
     master = Master(pb, memory=False)
     M = master.model
     worst_bytes = (int(sum(int(v[-1]) for v in pb.P.values())) * max(pb.m, 1) + 1) * MEM_SCALE + pb.S
@@ -161,13 +163,23 @@ def no_fit(pb: Problem):
             M.Add(excess >= const + expr - lim)
     M.Minimize(excess)
     solver = master.cp.CpSolver()
-    solver.parameters.max_time_in_seconds = 10.0
+    solver.parameters.max_time_in_seconds = time_limit
     solver.parameters.num_workers = 2
-    solver.Solve(M)
+    status = solver.Solve(M)
+    if status not in (master.cp.OPTIMAL, master.cp.FEASIBLE):  # out of time before any split: the uniform one
+        return pb.uniform(), False
     bounds = [0] + [sum(int(solver.Value(x)) for x in master.v[t]) for t in range(1, pb.S)] + [pb.L]
+    return tuple(bounds), status == master.cp.OPTIMAL
+
+
+def no_fit(pb: Problem, near: tuple[tuple[int, ...], bool] | None = None):
+    """E806: no split fits; names the split that comes closest (`closest`, or `near` when already found).
+    When that is not proven (the solver's or the search's time ended first), a note says so."""
+    bounds, proven = near or closest(pb)
     mem = pb.memory(bounds)
     worst = int(np.nanargmax(np.where(np.isnan(pb.limit), -np.inf, mem - pb.limit)))
     sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+    unproven = () if proven else ("not proven: the search's time ended first; a longer time limit may find a split",)
     return error(
         "E806",
         f"no split of the {pb.L} layers into {pb.S} stages fits the memory limits: the closest, layers per stage "
@@ -175,6 +187,7 @@ def no_fit(pb: Problem):
         f"(limit {fmt_bytes(pb.limit[worst])})",
         notes=(
             "per rank: " + ", ".join(f"{fmt_bytes(x)}" for x in mem.tolist()),
+            *unproven,
             "raise the limits, take a schedule that holds fewer micro-batches, or more ranks",
         ),
     )

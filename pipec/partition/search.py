@@ -44,7 +44,7 @@ import numpy as np
 
 from pipec.partition.bounds import _work_bound, fluid_bound
 from pipec.partition.branch import _branch, _Rows
-from pipec.partition.closest import no_fit
+from pipec.partition.closest import closest, no_fit
 from pipec.partition.graph import KINDS
 from pipec.partition.local_search import _balanced, _kick, _local_search
 from pipec.partition.problem import Problem, Split
@@ -64,12 +64,13 @@ class Result:
     fluid_bound: float = 0.0  # seconds: the fluid bound alone (`fluid_bound`), part of lower_bound
 
 
-def search(pb: Problem, time_limit: float = 10.0) -> Result:
+def search(pb: Problem, time_limit: float = 10.0, starts: Sequence[Sequence[int]] = ()) -> Result:
     """The best contiguous split (module docstring), with the uniform split for comparison; E806 when no
     split fits the memory limits. First the fluid bound (`fluid_bound`) and local searches (`_local_search`,
-    then kicks) from its rounded split, the uniform split and the bottleneck split give a bound, a good
-    incumbent and many paths; then the branch and bound (`_branch`) proves it
-    optimal or improves it, until `time_limit` seconds have passed (then the bound reached is reported,
+    then kicks) from its rounded split, the uniform split, the bottleneck split and `starts` (more splits to
+    start from) give a bound, a good incumbent and many paths (when none of them fits, from the split closest
+    to fitting, `closest`: E806 at once when that is proven not to fit); then the branch and bound (`_branch`)
+    proves it optimal or improves it, until `time_limit` seconds have passed (then the bound reached is reported,
     `Result.optimal` False)."""
     t0, c0 = time.perf_counter(), time.process_time()
     paths: dict[tuple[int, bytes], tuple[int, np.ndarray]] = {}  # every path the simulated splits had
@@ -82,7 +83,16 @@ def search(pb: Problem, time_limit: float = 10.0) -> Result:
     uniform = pb.evaluate(pb.uniform())
     cut(uniform.bounds)
     best = None
+    given = [pb.evaluate(tuple(int(x) for x in b)) for b in starts]
     starts = [pb.evaluate(b) for b in (fluid.rounded,) if b is not None] + [uniform, pb.evaluate(_balanced(pb))]
+    starts += given
+    near = None
+    if not any(x.fits for x in starts):  # the branch and bound alone may not find a split that fits in its time
+        near = closest(pb, max(1.0, time_limit / 4))
+        start = pb.evaluate(near[0])
+        if not start.fits and near[1]:
+            raise no_fit(pb, near)  # proven: the least excess over every split is above 0
+        starts.append(start)
     # half the time left to the local searches, shared out as they go, the rest to the branch and bound
     phase_end = t0 + (time_limit + time.perf_counter() - t0) / 2
     for n, start in enumerate(starts):
@@ -107,8 +117,8 @@ def search(pb: Problem, time_limit: float = 10.0) -> Result:
         rows.add([(1, const, counts)])
     rows.add_memory()
     best, proven, nodes, open_bound = _branch(pb, best, rows, t0 + time_limit)
-    if best is None:
-        raise no_fit(pb)
+    if best is None:  # the tree exhausted (proven: none fits), or out of time with the closest split unproven
+        raise no_fit(pb, (near[0], near[1] or proven) if near else None)
     # a bound of the tree's open nodes, the fluid bound and the work bound all hold for every split
     lower = best.step if proven else min(max(fluid.bound, open_bound, _work_bound(pb)) * pb.unit, best.step)
     return Result(

@@ -63,8 +63,8 @@ def _slowest(pb: Problem) -> int:
     )
 
 
-def rows_of(pb: Problem, splits: Iterable[Sequence[int]], deadline: float = math.inf) -> _Rows:
-    """The rows: each rank's order, the paths of these splits, and the memory positions. Stacked once
+def rows_of(pb: Problem, splits: Iterable[Sequence[int]], deadline: float = math.inf, memory: bool = True) -> _Rows:
+    """The rows: each rank's order, the paths of these splits, and (`memory`) the memory positions. Stacked once
     (`_Rows.add` concatenates row by row, quadratic in the rows at p = 64)."""
     paths: dict[tuple[int, bytes], tuple[int, np.ndarray]] = {}
     for const, counts in pb.graph.rank_chains(pb.R):
@@ -79,7 +79,7 @@ def rows_of(pb: Problem, splits: Iterable[Sequence[int]], deadline: float = math
         wq.append(sum(k[i].astype(np.int64)[:, None] * pb.Q[kind] for i, kind in enumerate(KINDS)))
         weight.append(1)
         const.append(c)
-    for r in range(pb.R):
+    for r in range(pb.R if memory else 0):
         for w, lim in pb.memory_rows(r):
             wq.append(w)
             weight.append(0)

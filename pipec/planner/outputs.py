@@ -76,6 +76,18 @@ class Outputs:
         cmd = ["pipec", "run", *target, "--model", self.model or "MODEL.py", "--partition", part]
         return " ".join(shlex.quote(x) for x in cmd + ["--nproc", str(self.inputs.p), "--check"])
 
+    def launch_order(self) -> str:
+        """When the plan reorders the ranks: which of the given ranks each pipeline rank runs on (the
+        launcher's rank order, e.g. the hosts' order for torchrun or Megatron-LM), else ""."""
+        order = self.plan.best.candidate.ranks
+        if not order:
+            return ""
+        given = ",".join(map(str, order))
+        return (
+            f"launch order: pipeline ranks 0-{len(order) - 1} on the ranks given (their index in --ranks) {given}: "
+            "start the processes in that order (the launcher's rank order, for Megatron-LM and torchtitan too)"
+        )
+
     def partition_doc(self, pt: Point | None = None) -> dict:
         from pipec.formats.partition_files import partition_doc
 
@@ -90,7 +102,7 @@ class Outputs:
             params,
             stages,
             placement=list(pb.sched.placement),
-            ranks={"speed": list(self.inputs.speed), "memory_limit": _limits(self.inputs.limit)},
+            ranks={"speed": pb.speed.tolist(), "memory_limit": _limits(pb.limit.tolist())},  # the pipeline's order
             predicted={
                 "step": best.step,
                 "memory": list(best.split.memory),
@@ -162,6 +174,8 @@ class Outputs:
         lines = report_lines(self.plan, self.whys, self.limit_text())
         lines.append("")
         lines.append("run it: " + self.run_command(folder))
+        if self.launch_order():
+            lines.append("  " + self.launch_order())
         mflags, mcannot = megatron_settings(self.plan, self.pb, self.inputs.global_batch)
         lines.append("Megatron-LM: " + mflags)
         lines += [f"  Megatron-LM cannot express {x}" for x in mcannot]
@@ -194,6 +208,7 @@ class Outputs:
         doc["candidates"] = len(self.plan.points)
         doc["not_tried"] = list(self.plan.skipped)
         doc["run"] = self.run_command(folder)
+        doc["launch_order"] = self.launch_order() or None
         for key, pt in (("megatron", self.plan.megatron), ("library", self.plan.library)):
             if doc[key] is not None:
                 doc[key]["run"] = self.run_command(folder, pt, key)

@@ -232,6 +232,7 @@ def point_json(pt: Point | None, gain_: float = math.nan) -> dict | None:
         "v": c.v or None,
         "memop": c.memop or None,
         "memop_ranks": c.memop_ranks or None,
+        "ranks": list(c.ranks) or None,
         "layers_per_stage": stage_layers(pt.split.bounds).tolist() if pt.split else None,
         "step": pt.step if pt.split else None,
         "peak": pt.peak if pt.split else None,

@@ -38,7 +38,17 @@ from pipec.partition.local_search import _balanced, _neighbours
 from pipec.partition.problem import Problem, Split
 from pipec.partition.search import search
 from pipec.planner.bounds import SEARCH_OPS, improve, layer_bound, path_bound, rows_of, universal_bound
-from pipec.planner.space import LIBRARY, MEMOPS, Candidate, has_memops, megatron_split, memop_ranks, scaled, with_memops
+from pipec.planner.space import (
+    LIBRARY,
+    MEMOPS,
+    Candidate,
+    has_memops,
+    megatron_split,
+    memop_ranks,
+    rank_orders,
+    scaled,
+    with_memops,
+)
 
 Progress = Callable[[str], None]
 
@@ -211,20 +221,28 @@ class _Builder:
         from pipec.passes.compiler import compile_schedule
 
         if cand not in self.problems:
-            sched = self.schedule(cand)
-            program = compile_schedule(sched).program
+            same = replace(cand, ranks=())  # the ranks' order changes their speeds, not the schedule
+            if same in self.problems:
+                sched, program = self.problems[same].sched, self.problems[same].program
+            else:
+                sched = self.schedule(cand)
+                program = compile_schedule(sched).program
             inp = self.inputs
             table = scaled(inp.table, inp.global_batch / (cand.m * inp.table_mbs))
-            self.problems[cand] = Problem(
-                sched, program, table, np.asarray(inp.speed), np.asarray(inp.limit, dtype=float), inp.cost_docs
-            )
+            order = list(cand.ranks or range(inp.p))  # pipeline rank k runs on the given rank order[k]
+            speed, limit = np.asarray(inp.speed)[order], np.asarray(inp.limit, dtype=float)[order]
+            self.problems[cand] = Problem(sched, program, table, speed, limit, inp.cost_docs)
         return self.problems[cand]
 
 
 def _families(inputs: Inputs, builder: _Builder) -> tuple[list[Candidate], list[str]]:
     """The plain candidates (schedule, m, v), those the schedules' parameters allow, in screening order:
-    every schedule at the largest m first, then the smaller m."""
+    every schedule at the largest m first, then the smaller m; each in every order of the ranks tried
+    (`rank_orders`; as given only when the links name nodes, `ranks_per_node`, which an order would move)."""
     out, skipped = [], []
+    orders = [()]
+    if not any("ranks_per_node" in doc for doc in inputs.cost_docs):
+        orders = rank_orders(inputs.speed, inputs.limit)
     order = sorted(inputs.microbatches, reverse=True)  # smaller micro-batches, smaller bubbles: likelier winners
     for m in order:
         for name in inputs.schedules:
@@ -236,7 +254,7 @@ def _families(inputs: Inputs, builder: _Builder) -> tuple[list[Candidate], list[
             vs = [2] if "v" in names else [0]
             if "v" in names and inputs.table.num_layers >= 4 * inputs.p:
                 vs.append(4)
-            out += [Candidate(name, m, v) for v in vs]
+            out += [Candidate(name, m, v, ranks=o) for v in vs for o in orders]
     return out, skipped
 
 
@@ -254,16 +272,19 @@ def plan(inputs: Inputs, time_limit: float = 30.0, progress: Progress | None = N
         try:
             pb = builder.problem(cand)
         except PipecError as e:
-            skipped.append(f"{cand.label}: {e.diagnostics[0].message}")
+            if not cand.ranks:  # the same schedule on the ranks reordered fails alike: said once
+                skipped.append(f"{cand.label}: {e.diagnostics[0].message}")
             return None
         pt = _screen(pb, cand, screen_end, layer_bound(inputs, cand.m, pb.sched.split_backward), extra)
         points[cand] = pt
         return pt
 
     plain: list[Point] = []
+    pairs_left, unexpanded = False, []  # what the time limit left out: pairs, bases of memory-op variants
     for n, cand in enumerate(fams):
         if n and time.perf_counter() > screen_end:  # the first is screened whatever the limit
             skipped.append(f"{len(fams) - n} schedule and m pairs not screened: time limit")
+            pairs_left = True
             break
         pt = screen(cand)
         if pt is not None:
@@ -272,18 +293,19 @@ def plan(inputs: Inputs, time_limit: float = 30.0, progress: Progress | None = N
     # memory ops where the limits bind (the bottleneck split does not fit), the closest to fitting first
     binding = [pt for pt in plain if _binds(builder.problems[pt.candidate], pt)]
     binding.sort(key=lambda pt: (pt.step, pt.excess))
-    for pt in binding:
+    for i, pt in enumerate(binding):
         cand = pt.candidate
         for kind in inputs.memops:
             for k in memop_ranks(inputs.p):
                 if time.perf_counter() > screen_end:
                     break
-                var = Candidate(cand.schedule, cand.m, cand.v, kind, k)
+                var = Candidate(cand.schedule, cand.m, cand.v, kind, k, cand.ranks)
                 vp = screen(var, [pt.split.bounds] if pt.split else [])
                 if vp is not None:
                     say(f"screened {var.label}: " + (f"{vp.step:.4g} s" if vp.split else "does not fit"))
         if time.perf_counter() > screen_end:
             skipped.append("memory-op variants of some candidates not screened: time limit")
+            unexpanded = [p.candidate for p in binding[i:]]
             break
     megatron = _megatron(inputs, builder, points, say)
     fitting = sorted((p for p in points.values() if p.split is not None), key=lambda p: p.step)
@@ -293,21 +315,21 @@ def plan(inputs: Inputs, time_limit: float = 30.0, progress: Progress | None = N
     _tighten(builder, points, best_step, t0 + 0.55 * time_limit, say)
     # phase 2: refine, fastest first
     fitting = sorted((p for p in points.values() if p.split is not None), key=lambda p: p.step)
+    library_step = min((p.step for p in fitting if _is_library(p.candidate)), default=math.inf)
     for n, pt in enumerate(fitting):
         left = t0 + 0.85 * time_limit - time.perf_counter()
         if left <= 0.05:
             break
-        if pt.lower_bound >= best_step:
+        # one that cannot beat the plan is still refined when it may be baseline (b): (b) is `pipec partition`'s
+        # best split of the schedule, not the screen's (on reordered ranks the plan is often far below (b))
+        if pt.lower_bound >= best_step and not (_is_library(pt.candidate) and pt.lower_bound < library_step):
             continue
         share = max(left / max(min(len(fitting) - n, 6), 1), min(0.5, left))
         pb = builder.problems[pt.candidate]
         end = time.perf_counter() + share
         res = None
         if sum(len(r) for r in pb.sched.ranks) <= SEARCH_OPS:
-            try:
-                res = search(pb, share)
-            except PipecError:  # E806 when its own starts fit nowhere and its time ends first: ours does
-                end = time.perf_counter() + share / 2
+            res = search(pb, share, starts=[pt.split.bounds])  # it fits: the search never raises E806
         if res is not None:
             better, bound, optimal = (res.best if res.best.step < pt.step else pt.split), res.lower_bound, res.optimal
         else:
@@ -327,6 +349,7 @@ def plan(inputs: Inputs, time_limit: float = 30.0, progress: Progress | None = N
         )
         points[pt.candidate] = refined
         best_step = min(best_step, refined.step)
+        library_step = min(library_step, refined.step) if _is_library(pt.candidate) else library_step
         say(
             f"refined {pt.candidate.label}: {refined.step:.4g} s (bound {refined.lower_bound:.4g} s"
             f"{', optimal' if refined.optimal else ''}), {time.perf_counter() - t0:.1f} s"
@@ -341,14 +364,16 @@ def plan(inputs: Inputs, time_limit: float = 30.0, progress: Progress | None = N
         key=lambda p: (p.step, has_memops(builder.problems[p.candidate].sched), p.peak),
     )
     library = min(
-        (p for p in allp if p.split is not None and not p.candidate.memop and p.candidate.schedule in LIBRARY),
+        (p for p in allp if p.split is not None and _is_library(p.candidate)),
         key=lambda p: p.step,
         default=None,
     )
     open_ = [p for p in allp if not p.infeasible]
     lower = min([p.lower_bound for p in open_] + [best.step])
-    if any("not screened" in s for s in skipped):  # those not looked at: the work bound holds for them
+    if pairs_left:  # those not looked at: the universal layer bound holds for them
         lower = min(lower, universal_bound(inputs))
+    elif unexpanded:
+        lower = min(lower, _variants_bound(inputs, builder, unexpanded, best.step, t0 + time_limit))
     return Plan(
         best,
         tuple(sorted(allp, key=lambda p: (p.step, p.peak))),
@@ -370,10 +395,11 @@ def _synthesize(inputs: Inputs, builder: _Builder, points: dict, deadline: float
     left = deadline - time.perf_counter()
     if inputs.p > MAX_P or left < 1.0:
         return best.step
-    got = synthesized(builder.problems[best.candidate], best.split.bounds, best.candidate.m, inputs.limit, left / 3)
+    base = builder.problems[best.candidate]
+    got = synthesized(base, best.split.bounds, best.candidate.m, tuple(base.limit.tolist()), left / 3)
     if got is None:
         return best.step
-    cand, pb = got
+    cand, pb = replace(got[0], ranks=best.candidate.ranks), got[1]
     split = refine_synthesized(pb, best.split.bounds, time.perf_counter() + (deadline - time.perf_counter()) / 2)
     if split is None:
         return best.step
@@ -391,6 +417,29 @@ def _synthesize(inputs: Inputs, builder: _Builder, points: dict, deadline: float
     )
     say(f"synthesized ({cand.label}) on the best split: {split.step:.4g} s")
     return min(best.step, split.step)
+
+
+def _variants_bound(
+    inputs: Inputs, builder: _Builder, bases: Sequence[Candidate], top: float, deadline: float
+) -> float:
+    """A bound on the memory-op variants of `bases` the time limit left unscreened: each base's `path_bound`
+    on its paths alone, without its memory rows. A variant keeps every op and dependency of its base and adds
+    work (a RECOMPUTE is a forward more, a RELOAD a wait more), so each of its base's paths is at most its step;
+    its memory differs (the splits it lets fit are others), so the base's memory rows do not hold for it."""
+    out = top
+    for cand in bases:
+        pb = builder.problems[cand]
+        floor = layer_bound(inputs, cand.m, pb.sched.split_backward)
+        rows = rows_of(pb, [pb.uniform(), _balanced(pb)], deadline, memory=False)
+        bound, _ = path_bound(pb, rows, top, 12, floor, deadline)
+        out = min(out, bound)
+    return out
+
+
+def _is_library(cand: Candidate) -> bool:
+    """A candidate baseline (b) may be: a library schedule as it stands (no memory ops added) on the ranks as
+    given (`pipec partition` neither adds memory ops nor reorders the ranks)."""
+    return not cand.memop and not cand.ranks and cand.schedule in LIBRARY
 
 
 def _binds(pb: Problem, pt: Point) -> bool:
@@ -455,7 +504,8 @@ def _no_fit(inputs: Inputs, points: Sequence[Point]) -> PipecError:
         return error("E830", "no candidate plan could be built for these inputs")
     close = min(tried, key=lambda p: p.excess)
     lim = np.asarray(inputs.limit, dtype=float)
-    peaks = np.asarray(close.peaks)
+    peaks = np.empty(inputs.p)
+    peaks[list(close.candidate.ranks or range(inputs.p))] = close.peaks  # on the ranks as given
     r = int(np.nanargmax(np.where(np.isnan(lim), -np.inf, peaks - lim)))
     return error(
         "E830",

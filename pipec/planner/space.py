@@ -16,6 +16,7 @@ not modelled; profile at the chosen m to check). Parameters, gradients and optim
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -47,13 +48,16 @@ MEMOPS = ("recompute", "offload")
 @dataclass(frozen=True)
 class Candidate:
     """One point of the plan space (the module docstring): `memop` is "" (none added), "recompute" or
-    "offload", on the stages of ranks 0 .. `memop_ranks` - 1. `v` is 0 for a schedule without a `v`."""
+    "offload", on the stages of ranks 0 .. `memop_ranks` - 1. `v` is 0 for a schedule without a `v`.
+    `ranks`: which of the given ranks (their index in `--ranks`) runs each pipeline rank, () as given
+    (`rank_orders`)."""
 
     schedule: str
     m: int
     v: int = 0
     memop: str = ""
     memop_ranks: int = 0
+    ranks: tuple[int, ...] = ()
 
     @property
     def params(self) -> dict[str, int]:
@@ -64,6 +68,8 @@ class Candidate:
         text = f"{self.schedule} m={self.m}" + (f" v={self.v}" if self.v else "")
         if self.memop:
             text += f" {self.memop} on rank{'s 0-' + str(self.memop_ranks - 1) if self.memop_ranks > 1 else ' 0'}"
+        if self.ranks:
+            text += " ranks " + ",".join(map(str, self.ranks))
         return text
 
 
@@ -80,6 +86,21 @@ def microbatch_counts(global_batch: int, p: int, given: Sequence[int] | None = N
         if m >= 2 * chosen[-1]:
             chosen.append(m)
     return chosen[:most]
+
+
+def rank_orders(speed: Sequence[float], limit: Sequence[float]) -> list[tuple[int, ...]]:
+    """The orders of the given ranks tried as the pipeline's ranks 0 .. p-1, () first (as given): where the
+    ranks differ in speed or memory, also reversed and the fastest (then the largest memory) first and last.
+    Why: a library schedule keeps its first stage on pipeline rank 0 and its last (a V: both) on rank p-1
+    (rank 0), so which ranks those are decides where a heavy embedding or head can run fast; every order is
+    a relabelling of the same machines (links as given are uniform over them, `--cost`)."""
+    p = len(speed)
+    lim = [math.inf if math.isnan(x) else float(x) for x in limit]
+    if len(set(speed)) <= 1 and len(set(lim)) <= 1:
+        return [()]
+    fast = tuple(sorted(range(p), key=lambda r: (-speed[r], -lim[r], r)))
+    out = [tuple(range(p)), tuple(range(p - 1, -1, -1)), fast, fast[::-1]]
+    return [() if o == tuple(range(p)) else o for o in dict.fromkeys(out)]
 
 
 def memop_ranks(p: int) -> list[int]:

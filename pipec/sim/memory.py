@@ -398,7 +398,9 @@ class Positions:
 
 def positions(sched: Schedule) -> list[Positions]:
     """Per rank, `Positions`: the walk (`schedule_stream`, `deltas`) run once per pool kind with that kind's
-    size 1 and the others 0 (the rule is linear in the sizes), summed per stage along the order."""
+    size 1 and the others 0 (the rule is linear in the sizes), summed per stage along the order, its
+    dominated positions left out by `_undominated` (n log n in the rank's entries, not quadratic: at
+    p = 64 a schedule's thousands of positions per rank made the pairwise filter the build's cost)."""
     S = sched.num_stages
     out = []
     for r in range(sched.num_ranks):
@@ -416,11 +418,40 @@ def positions(sched: Schedule) -> list[Positions]:
             per[np.arange(len(op)), col] = dev
             cols.append(np.cumsum(per, axis=0))
         start = np.zeros((1, 3 * n))  # before any entry: nothing live
-        rows = np.unique(np.round(np.concatenate([start, np.hstack(cols)]), 12), axis=0)
-        keep = [i for i, row in enumerate(rows) if not np.any(np.all(rows >= row, axis=1) & np.any(rows > row, axis=1))]
-        rows = rows[keep]
+        rows = _undominated(np.round(np.concatenate([start, np.hstack(cols)]), 12))
         out.append(Positions(stages, rows[:, :n], rows[:, n : 2 * n], rows[:, 2 * n :]))
     return out
+
+
+def _undominated(walk_rows: np.ndarray, block: int = 256) -> np.ndarray:
+    """The distinct rows of a walk (in `np.unique`'s order) that no other row dominates (another row at
+    least as large in every column and larger in one). Three steps, none pairwise over all rows:
+    a row dominated by its neighbour along the walk goes first (linear: a rising or falling run keeps only
+    its ends); the rest are sorted and made unique; then, in descending lexicographic order (every dominating
+    row comes before the rows it dominates), each block of rows is checked against the front kept so far and
+    against the block's earlier rows, so the work is rows x (front + block), the front being the few
+    positions that can be a peak."""
+    x = walk_rows
+    if len(x) > 1:
+        up = np.all(x[1:] >= x[:-1], axis=1) & np.any(x[1:] > x[:-1], axis=1)  # row j+1 dominates row j
+        down = np.all(x[1:] <= x[:-1], axis=1) & np.any(x[1:] < x[:-1], axis=1)  # row j dominates row j+1
+        x = x[~(np.append(up, False) | np.insert(down, 0, False))]
+    x = x[np.lexsort(x.T[::-1])]  # ascending lexicographic order, the first column first (`np.unique`'s)
+    rows = x[np.append(True, np.any(x[1:] != x[:-1], axis=1))] if len(x) > 1 else x
+    live = np.flatnonzero(np.any(rows != rows[0], axis=0))  # columns constant over the rows decide nothing
+    y = rows[:, live]
+    order = np.arange(len(rows))[::-1]
+    keep = np.zeros(len(rows), dtype=bool)
+    front = np.zeros((0, len(live)))
+    for a in range(0, len(order), block):
+        idx = order[a : a + block]
+        b = y[idx]
+        beaten = np.all(front[None, :, :] >= b[:, None, :], axis=2).any(axis=1)
+        inner = np.all(b[None, :, :] >= b[:, None, :], axis=2) & np.tri(len(b), k=-1, dtype=bool)
+        ok = ~(beaten | inner.any(axis=1))
+        keep[idx[ok]] = True
+        front = np.concatenate([front, b[ok]])
+    return rows[keep]
 
 
 def compute_deltas(model: Mapping[str, np.ndarray], num_microbatches: int, split: bool) -> np.ndarray:

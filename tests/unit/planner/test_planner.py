@@ -20,7 +20,7 @@ from pipec.planner import Candidate, Inputs, microbatch_counts, plan, prove
 from pipec.planner.bounds import layer_bound, path_bound, rows_of, universal_bound, work_bound
 from pipec.planner.report import explain, megatron_settings, pareto
 from pipec.planner.search import _Builder
-from pipec.planner.space import layer_kinds, megatron_split, scaled, with_memops
+from pipec.planner.space import layer_kinds, megatron_split, rank_orders, scaled, with_memops
 
 pytest.importorskip("ortools")
 
@@ -191,3 +191,60 @@ def test_the_synthesized_candidate_is_simulated_and_written_as_a_schedule():
     sched = evaluate_source(Source("synth.pipe", text), [])
     want = got.problems[synth[0].candidate].sched
     assert all(np.array_equal(a.kind, b.kind) and np.array_equal(a.mb, b.mb) for a, b in zip(sched.ranks, want.ranks))
+
+
+def test_rank_orders_only_where_the_ranks_differ():
+    assert rank_orders((1.0, 1.0, 1.0), (math.nan,) * 3) == [()]
+    assert rank_orders((1.0, 1.0, 0.5, 0.5), (math.nan,) * 4) == [(), (3, 2, 1, 0)]  # fastest first: as given
+    assert rank_orders((0.5, 1.0, 0.5, 1.0), (math.nan,) * 4) == [(), (3, 2, 1, 0), (1, 3, 0, 2), (2, 0, 3, 1)]
+    assert rank_orders((0.5, 1.0), (math.nan,) * 2) == [(), (1, 0)]  # reversed is the fastest first
+    assert rank_orders((1.0, 1.0), (8.0, 16.0)) == [(), (1, 0)]  # memory alone differs
+
+
+def test_a_heavy_last_layer_goes_to_the_fast_rank_by_reordering_the_ranks():
+    """Ranks of two speeds, the last layer ten times heavier than the rest: every library schedule here keeps
+    the last stage on pipeline rank p - 1, the slow one as given; the plan runs the pipeline on the ranks in
+    the other order, at least as fast as every split of every candidate in both orders (brute force),
+    while (b) stays on the ranks as given (`pipec partition` does not reorder them)."""
+    rng = np.random.default_rng(12)
+    t = random_layer_table(rng, 5)
+    heavy = replace(t, F=t.F * np.r_[1, 1, 1, 1, 10], B=t.B * np.r_[1, 1, 1, 1, 10], W=t.W * np.r_[1, 1, 1, 1, 10])
+    heavy = replace(heavy, full_backward=t.full_backward * np.r_[1, 1, 1, 1, 10])
+    inputs = _inputs(heavy, speed=(1.0, 0.5), schedules=("1f1b", "zb-h1"))
+    got = plan(inputs, time_limit=30)
+    assert got.best.candidate.ranks == (1, 0)
+    assert got.problems[got.best.candidate].speed.tolist() == [0.5, 1.0]
+    assert got.library is not None and got.library.candidate.ranks == () and got.library.step > got.best.step
+    # (b) is refined (or proven by its bound) although it cannot beat the plan: it is a baseline
+    assert got.library.refined or got.library.lower_bound >= got.library.step
+    lib = [Candidate(s, m) for s in inputs.schedules for m in inputs.microbatches]
+    assert got.library.step == pytest.approx(_brute(inputs, lib), rel=1e-9)
+    cands = [Candidate(s, m, ranks=o) for s in inputs.schedules for m in inputs.microbatches for o in ((), (1, 0))]
+    assert got.best.step <= _brute(inputs, cands) + 1e-12
+    assert universal_bound(inputs) <= got.lower_bound <= got.best.step + 1e-12
+
+
+@pytest.mark.parametrize("seed", [3, 10])
+def test_the_bound_on_unscreened_memory_op_variants_is_below_their_every_split(seed):
+    """`_variants_bound` (a base's paths without its memory rows) is at most the step of every split, fitting
+    or not, of every recompute and offload variant of the base (brute force)."""
+    from pipec.planner.search import _variants_bound
+
+    table = random_layer_table(np.random.default_rng(seed), 5)
+    free = _inputs(table, schedules=("1f1b", "zb-h1"))
+    peaks = [max(_Builder(free).problem(Candidate("1f1b", 4)).evaluate(b).memory) for b in _splits(5, 2)]
+    inputs = _inputs(table, limit=float(np.median(peaks)), schedules=("1f1b", "zb-h1"))
+    b = _Builder(inputs)
+    bases = [Candidate("1f1b", 4), Candidate("zb-h1", 2)]
+    for c in bases:
+        b.problem(c)
+    steps = [
+        b.problem(Candidate(c.schedule, c.m, 0, kind, k)).evaluate(x).step
+        for c in bases
+        for kind in ("recompute", "offload")
+        for k in (1, 2)
+        for x in _splits(5, 2)
+    ]
+    bound = _variants_bound(inputs, b, bases, max(steps), math.inf)
+    assert 0 < bound <= min(steps) + 1e-12
+    assert bound >= min(layer_bound(inputs, c.m, b.problem(c).sched.split_backward) for c in bases) - 1e-12

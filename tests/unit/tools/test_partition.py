@@ -131,6 +131,35 @@ def test_no_split_fits_names_the_closest():
     assert "the closest" in str(e.value) and "on rank" in str(e.value)
 
 
+def test_a_split_that_fits_is_found_when_the_starts_do_not_fit():
+    """Rank 0 holds one layer's weights and gradients at most: the uniform, bottleneck and fluid splits give
+    it three, so none of the search's starts fits. With no time for the branch and bound the search used to
+    say E806 and name a split that fits as the closest; it starts from that split instead."""
+    rows = [
+        {"name": f"l{i}", "F": 1.0, "B": 2.0, "W": 1.0, "full_backward": 3.0, "param_bytes": 1000} for i in range(12)
+    ]
+    sched = load("1f1b", p=4, m=8)
+    pb = Problem(
+        sched, compile_schedule(sched).program, make_table(rows), np.ones(4), np.array([2000.0, 1e9, 1e9, 1e9])
+    )
+    assert not pb.evaluate(pb.uniform()).fits
+    res = search(pb, time_limit=0.001)
+    assert res.best.fits and res.best.sizes[0] == 1
+    assert search(pb, time_limit=30).best.step <= res.best.step
+
+
+def test_no_split_fits_is_proven_before_the_branch_and_bound():
+    """One layer's weights alone are over rank 0's limit: E806 at once, from the closest split proven."""
+    rows = [
+        {"name": f"l{i}", "F": 1.0, "B": 2.0, "W": 1.0, "full_backward": 3.0, "param_bytes": 1000} for i in range(6)
+    ]
+    sched = load("1f1b", p=2, m=4)
+    pb = Problem(sched, compile_schedule(sched).program, make_table(rows), np.ones(2), np.array([1500.0, 1e9]))
+    with pytest.raises(PipecError) as e:
+        search(pb, time_limit=0.001)
+    assert e.value.code == "E806" and "rank 0" in str(e.value) and "not proven" not in str(e.value)
+
+
 def test_more_stages_than_layers():
     sched = load("1f1b", p=4, m=4)
     with pytest.raises(PipecError) as e:
