@@ -11,16 +11,22 @@ two ops on two threads, an all-to-all of one in flight while the other computes)
 the first two (start-up, shape handshake). The record: medians, every round, the ratio serial / overlap and
 its spread, and `gain` = 1 - overlap / serial (the goal: >= 0.20).
 
-`--predict`: the same pair through the simulator, `pipec simulate SCHED --cost FILE --ep 2 --experts 4
-[--no-overlap] --json` with costs from `pipec profile` on this machine and the same link, reported as
-`predicted_gain` beside the measured gain, when `pipec simulate` has `--no-overlap` (else `predicted` says
-why not).
+`--predict`: the same pair through the simulator. `pipec profile SCHED ... --model examples/moe.py --dp 2 --ep 2
+--experts 4` times this model's ops on this machine as a run's 4 processes do (all at once) and writes the
+cost file; then `pipec simulate SCHED ... --ep 2 --experts 4 --cost FILE --cost latency.cross=5ms,
+bandwidth.cross=1Gbps --topology TOPOLOGY [--no-overlap] --json` on the run's topology. The second `--cost`
+is the emulated link: a cost file's `latency`/`bandwidth` (the profile's gloo ping-pong) apply to every
+link class, the one between the replica datacenters included (the cost model's rule: cost documents win
+over the topology), so the link this run emulates is given after it. The record gets `predicted_s`
+(overlap, serial), `predicted_gain` and `difference_points` = 100 (gain - predicted_gain), the goal
+|difference| <= 10 points, and `predict_commands`.
 
     python benchmarks/moe_overlap.py                  # dualpipe-v (+ combined-1f1b), 4 rounds, the small model
     python benchmarks/moe_overlap.py --size large     # 4x the tokens, 2x the width: more compute per all-to-all
     python benchmarks/moe_overlap.py --predict        # and the simulator's prediction
     python benchmarks/moe_overlap.py --control        # and the same pair without the emulated link
     python benchmarks/moe_overlap.py --smoke          # one round of 3 steps, dualpipe-v: the format (tests)
+    python benchmarks/moe_overlap.py --smoke --predict  # and a profile of 1 rep: the prediction's format
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -75,24 +82,31 @@ def step_time(schedule: str, m: int, steps: int, overlap: bool, link: bool = Tru
     return statistics.median(times)
 
 
-def predict(schedule: str, m: int, tmp: str) -> dict:
-    """The simulator's overlapped and serial step with profiled costs and the same link, or why not."""
-    if "--no-overlap" not in pipec("simulate", "--help").stdout:
-        return {"predicted": "skipped: `pipec simulate` has no --no-overlap (the simulator's pair overlap, issue 28)"}
+def predict(schedule: str, m: int, tmp: str, reps: int = 20) -> dict:
+    """The simulator's overlapped and serial step with this machine's profiled costs and the emulated link."""
     defines = ["-D", "p=2", "-D", f"m={m}"]
     cost = os.path.join(tmp, f"{schedule}.toml")
-    prof = pipec("profile", schedule, *defines, "--model", MODEL, *EP, "-o", cost)
+    argv = ["profile", schedule, *defines, "--model", MODEL, *EP, "--reps", str(reps), "-o", cost]
+    prof = pipec(*argv)
     if prof.returncode != 0:
-        return {"predicted": f"skipped: pipec profile failed: {(prof.stderr or prof.stdout).strip()[-400:]}"}
-    sims = {}
+        raise SystemExit(f"pipec {' '.join(argv)} failed:\n{prof.stdout}{prof.stderr[-3000:]}")
+    link = f"latency.cross={LATENCY_MS:g}ms,bandwidth.cross={BANDWIDTH_GBPS:g}Gbps"
+
+    def shown(v: list[str]) -> str:
+        return shlex.join(["pipec", *(("COSTS.toml" if x == cost else x) for x in v)])
+
+    sims, commands = {}, [shown(argv)]
     for name, flag in (("overlap", []), ("serial", ["--no-overlap"])):
-        out = pipec("simulate", schedule, *defines, *EP, "--cost", cost, "--topology", TOPOLOGY, *flag, "--json")
+        argv = ["simulate", schedule, *defines, *EP, "--cost", cost, "--cost", link, "--topology", TOPOLOGY, *flag]
+        out = pipec(*argv, "--json")
         if out.returncode != 0:
-            return {"predicted": f"skipped: pipec simulate failed: {(out.stderr or out.stdout).strip()[-400:]}"}
+            raise SystemExit(f"pipec {' '.join(argv)} failed:\n{out.stdout}{out.stderr[-3000:]}")
         sims[name] = json.loads(out.stdout)["results"][0]["makespan"]
+        commands.append(shown(argv))
     return {
         "predicted_s": {k: round(v, 5) for k, v in sims.items()},
         "predicted_gain": round(1 - sims["overlap"] / sims["serial"], 4),
+        "predict_commands": commands,
     }
 
 
@@ -123,7 +137,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="pipec-moe-") as tmp:
         cases = [(name, link) for name in names for link in ((True, False) if a.control else (True,))]
         for name, link in cases:
-            extra = predict(name, a.m, tmp) if a.predict and link else {}
+            extra = predict(name, a.m, tmp, 1 if a.smoke else 20) if a.predict and link else {}
             systems = {
                 "overlap": lambda n=name, k=link: step_time(n, a.m, a.steps, True, k),
                 "serial": lambda n=name, k=link: step_time(n, a.m, a.steps, False, k),
@@ -141,6 +155,8 @@ def main() -> None:
                 **extra,
             )
             rec["gain"] = round(1 - rec["median_s"]["overlap"] / rec["median_s"]["serial"], 4)
+            if "predicted_gain" in rec:
+                rec["difference_points"] = round(100 * (rec["gain"] - rec["predicted_gain"]), 1)
             emit(rec)
 
 
