@@ -50,25 +50,40 @@ def with_dp(program, opts: RunOptions):
 
 
 def load_program(spec: str, defines: Sequence[tuple[str, str]], opts: RunOptions | None = None):
-    """A Program from a compiled file (JSON or text), or by compiling a schedule with its parameters (and
-    the data parallelism of `opts`, when the lowering places its collectives)."""
-    from pipec.driver import build
-    from pipec.formats.program_file import is_program_text, read_program
-    from pipec.frontend import library
-    from pipec.passes.compiler import compile_schedule
-    from pipec.passes.dryrun import prove
+    """A Program from a compiled file (JSON or text), or by compiling a schedule with its parameters, as
+    `run_program` builds it for `opts` (None: no flag given)."""
+    from pipec.driver import target_of
 
-    if os.path.isfile(spec):
-        with open(spec, errors="replace") as f:
-            head = f.read(200)
-        if is_program_text(head):  # read and validated (E501, E502), then proven (E404, E403)
-            program = read_program(spec)
-            prove(program)
-            return program
-    sched = build(library.read(spec), list(defines))
-    if opts is None:
-        return compile_schedule(sched).program
-    return compile_schedule(sched, None, dp_of(opts)).program  # E421 for a value out of range
+    obj, where = target_of(spec, list(defines))
+    return run_program(obj, where, opts).program
+
+
+def run_program(obj, where: str | None, opts: RunOptions | None = None):
+    """The Program a run executes (a CompiledSchedule), built here for every entry: `pipec run` before any
+    process starts, a worker torchrun starts on a schedule, a worker reading the launcher's Program file.
+    A schedule (on the network `opts.topology` names, if any) is lowered with the command line's data
+    parallelism and experts (--dp, --ep, --experts: E421, E425 at the command line) over the MoE layers it
+    declares (`pipec.driver.moe_layers_of`: the model's own are counted at start-up); a Program file is
+    checked as it stands and must agree with the flags given (E422, E426). `opts` None: no flag given."""
+    from pipec.driver import compiled, moe_layers_of
+    from pipec.errors import PipecError, error
+    from pipec.ir.experts import Experts
+    from pipec.ir.program import Program
+    from pipec.options import dp_given
+    from pipec.passes.experts import COMMAND_LINE
+
+    file = isinstance(obj, Program)
+    dp = experts = None
+    if opts is not None:
+        dp = dp_of(opts) if not file or dp_given(opts) else None
+        try:
+            experts = experts_of(opts)
+        except PipecError as e:  # a value out of range: E425, said of the command line
+            d = e.diagnostics[0]
+            raise error(d.code, d.message, source=COMMAND_LINE, notes=d.notes) from None
+        experts = None if file and experts == Experts() else experts
+    topology = opts.topology if opts is not None else None
+    return compiled(obj, None, where, dp, topology, experts, moe_layers_of(obj))
 
 
 def experts_problem(program, opts: RunOptions) -> str | None:
@@ -81,6 +96,8 @@ def experts_problem(program, opts: RunOptions) -> str | None:
         experts = experts_of(opts)  # E425: sizes out of range, experts not a multiple of --ep
     except PipecError as e:
         return "; ".join(d.message for d in e.diagnostics)
+    if experts.size == 1:  # no flag: the Program's own (a Program file compiled with --ep)
+        experts = program.experts
     if experts.size == 1:
         return None
     if program.dp == 1:
@@ -137,7 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     from pipec.runtime.errors import wrong_world_size
 
-    if program.dp > 1 or opts.ep != 1:  # before any communication
+    if program.dp > 1 or program.experts.size > 1:  # before any communication
         problem = dp_problem(program, opts, world)
         if problem:
             say(f"pipec: rank {rank}: error: {problem}")
@@ -309,7 +326,7 @@ class Worker:
                 links=self._links(),
                 recv_ahead=args.recv_ahead,
                 dp_unit=args.dp_unit,
-                experts=experts_of(args) if args.ep > 1 else None,
+                experts=self.program.experts if self.program.experts.size > 1 else None,
                 overlap=not args.no_overlap,
             ),
         )

@@ -195,6 +195,34 @@ def test_pipec_run_refuses_expert_options_before_any_process(flags, words):
         run(opts, program)
 
 
+def test_every_entry_builds_the_same_program_with_its_experts(tmp_path, monkeypatch):
+    """`pipec run` (the launcher), a worker torchrun starts on the schedule, and a worker reading the
+    launcher's Program file all build the Program in `run_program`: its experts included (the start-up
+    check of the group's all-to-all order reads them), and a Program file against other flags is E426."""
+    import pipec.runtime.job.run as job_run
+    from pipec.cli.app import main
+    from pipec.errors import PipecError
+    from pipec.formats.program_file import write_json
+    from pipec.ir.experts import Experts
+    from pipec.runtime.job.launch import load_program
+
+    seen = []
+    monkeypatch.setattr(job_run, "run", lambda opts, program, links=None, sched=None: seen.append(program) or 0)
+    argv = ["dualpipe-v", "-D", "p=2", "-D", "m=4", "--model", MODEL, *EP]
+    assert main(["run", *argv]) == 0
+    launcher = seen[0]
+    assert launcher.experts == Experts(2, 4) and launcher.dp == 2
+    opts = RunOptions(model=MODEL, dp=2, ep=2, experts=4)
+    assert load_program("dualpipe-v", [("p", "2"), ("m", "4")], opts) == launcher  # torchrun on the schedule
+    path = tmp_path / "program.json"
+    with open(path, "w") as f:
+        write_json(launcher, f)
+    assert load_program(str(path), [], opts) == launcher  # what `pipec run` hands its workers
+    assert load_program(str(path), [], RunOptions(model=MODEL)).experts == Experts(2, 4)  # no flag: its own
+    with pytest.raises(PipecError, match=r"E426.*compiled for experts --ep 2 --experts 4"):
+        load_program(str(path), [], RunOptions(model=MODEL, dp=2, ep=2, experts=8))
+
+
 def test_experts_modules_are_checked_against_the_group_and_the_flag(monkeypatch):
     from pipec.runtime.model.contract import load_model
 
