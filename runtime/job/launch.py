@@ -86,6 +86,34 @@ def run_program(obj, where: str | None, opts: RunOptions | None = None):
     return compiled(obj, None, where, dp, topology, experts, moe_layers_of(obj))
 
 
+def write_source(schedule, path: str) -> bool:
+    """Write the source of the Schedule a Program was compiled from (its text and parameters) for the
+    workers to `path`, so that their start-up diagnostics name its lines (`read_source`); False when it has
+    none (a Program file)."""
+    import json
+
+    if schedule is None or schedule.source is None or not schedule.source.text:
+        return False
+    with open(path, "w") as f:
+        json.dump({"path": schedule.source.path, "text": schedule.source.text, "params": schedule.params}, f)
+    return True
+
+
+def read_source(path: str | None, rank: int):
+    """The Schedule `write_source` wrote, evaluated for pipeline rank `rank` alone (its source lines, for
+    diagnostics); None without one."""
+    import json
+
+    from pipec.driver import build
+    from pipec.errors import Source
+
+    if path is None:
+        return None
+    with open(path) as f:
+        doc = json.load(f)
+    return build(Source(doc["path"], doc["text"]), [tuple(p) for p in doc["params"]], ranks=[rank])
+
+
 def experts_problem(program, opts: RunOptions) -> str | None:
     """Why this run's expert parallelism (--ep, --experts: pipec.ir.experts) cannot start, None when it can:
     said before any process starts (pipec run) and by every worker before any communication."""
@@ -145,7 +173,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from pipec.errors import PipecError
 
     try:
-        program = with_dp(load_program(ns.schedule, ns.defines, opts), opts)
+        from pipec.driver import target_of
+
+        c = run_program(*target_of(ns.schedule, list(ns.defines)), opts)
+        program, schedule = with_dp(c.program, opts), c.schedule if c.schedule.spans else None
     except PipecError as e:
         say("\n".join(d.format() for d in e.diagnostics))
         return 1
@@ -173,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PipelineError as e:
         say(f"pipec: rank {rank}: error: {e}")
         return 1
-    return Worker(program, model, opts, rank, world, local_rank, torch, cpus, local_world).run()
+    return Worker(program, model, opts, rank, world, local_rank, torch, cpus, local_world, schedule).run()
 
 
 class Worker:
@@ -181,9 +212,20 @@ class Worker:
     (None: unbound), of `local_world` processes on this machine (torchrun's, None without it)."""
 
     def __init__(
-        self, program, model, args: RunOptions, rank: int, world: int, local_rank: int, torch, cpus, local_world
+        self,
+        program,
+        model,
+        args: RunOptions,
+        rank: int,
+        world: int,
+        local_rank: int,
+        torch,
+        cpus,
+        local_world,
+        schedule=None,
     ) -> None:
         self.program, self.model, self.args = program, model, args
+        self.schedule = schedule  # the Schedule it was lowered from, when known (else the launcher's --source)
         self.cpus, self.local_world = cpus, local_world
         self.rank, self.world, self.local_rank = rank, world, local_rank
         self.torch = torch
@@ -328,8 +370,16 @@ class Worker:
                 dp_unit=args.dp_unit,
                 experts=self.program.experts if self.program.experts.size > 1 else None,
                 overlap=not args.no_overlap,
+                schedule=self._schedule(),
             ),
         )
+
+    def _schedule(self):
+        """The Schedule whose source lines locate a start-up diagnostic (expert parallelism's E427), if any:
+        the one this worker compiled, else the launcher's (`read_source`), for this pipeline rank."""
+        if self.schedule is not None or self.program.experts.size < 2:
+            return self.schedule
+        return read_source(self.args.source, self.rank // self.program.dp)
 
     def _links(self):
         if not getattr(self.args, "links", None):

@@ -91,8 +91,10 @@ def test_members_building_different_moe_layers_are_refused_before_any_step():
     results, _, _ = launch(4, "launch", argv, env=env, timeout=120)
     assert all(r.returncode != 0 for r in results)
     text = "".join(r.stdout + r.stderr for r in results)
-    assert "the expert group's members build different MoE layers: job rank 0 builds stage 0 with 1 MoE" in text
-    assert "job rank 1 with 2 MoE layer(s)" in text
+    # the compile-time check's diagnostic (pipec.passes.experts.order_error), located at the op of 1f1b's
+    # source that issues the first all-to-all where the replicas part
+    assert re.search(r"<library>/1f1b\.pipe:\d+:\d+: error\[E427\]: the ranks of an expert group would issue", text)
+    assert "ranks 0 and 1 (replicas of pipeline rank 0)" in text and "rank 0 [1], rank 1 [2]" in text, text
     assert "step 1/" not in text, text
 
 
@@ -221,6 +223,30 @@ def test_every_entry_builds_the_same_program_with_its_experts(tmp_path, monkeypa
     assert load_program(str(path), [], RunOptions(model=MODEL)).experts == Experts(2, 4)  # no flag: its own
     with pytest.raises(PipecError, match=r"E426.*compiled for experts --ep 2 --experts 4"):
         load_program(str(path), [], RunOptions(model=MODEL, dp=2, ep=2, experts=8))
+
+
+def test_the_start_up_layer_exchange_says_what_the_compile_time_check_says(tmp_path):
+    """`layers_error` (the start-up exchange's verdict) is order_error's E427 word for word, located in the
+    schedule the launcher hands its workers (`write_source`, `read_source`); other names or expert counts
+    at the same layer counts are said naming both job ranks; equal digests pass."""
+    from pipec.driver import target_of
+    from pipec.passes.experts import order_error
+    from pipec.runtime.job.launch import read_source, run_program, write_source
+    from pipec.runtime.model.moe import layers_error
+
+    c = run_program(*target_of("dualpipe-v", [("p", "2"), ("m", "4")]), RunOptions(model=MODEL, dp=2, ep=2, experts=4))
+    assert write_source(c.schedule, str(tmp_path / "source.json"))
+    sched = read_source(str(tmp_path / "source.json"), 0)
+    one, two = [("blocks.0.moe.experts", 4)], [("blocks.0.moe.experts", 4), ("blocks.1.moe.experts", 4)]
+    digests = {4: {0: one, 3: one}, 5: {0: one, 3: two}}  # job ranks 4 and 5: pipeline rank 0's stages 0 and 3
+    said = layers_error(c.program, 0, digests, sched)
+    assert said == order_error(c.program, 0, {4: (1, 0, 0, 1), 5: (1, 0, 0, 2)}, c.schedule).diagnostics[0].format()
+    assert re.match(r"<library>/dualpipe-v\.pipe:\d+:\d+: error\[E427\]: .* ranks 4 and 5", said), said
+    assert "MoE layers of its stages [0, 3]: rank 4 [1, 1], rank 5 [1, 2]" in said
+    assert layers_error(c.program, 0, {4: {0: one}, 5: {0: one}}, sched) == ""
+    other = layers_error(c.program, 0, {5: {0: [("x", 4)], 3: one}, 4: {0: one, 3: one}}, None)
+    assert other.startswith("the expert group's members build different MoE layers: job rank 4 builds stage 0 ")
+    assert not write_source(run_program(c.program, "p.json", None).schedule, str(tmp_path / "none.json"))
 
 
 def test_experts_modules_are_checked_against_the_group_and_the_flag(monkeypatch):
