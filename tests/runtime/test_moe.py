@@ -3,7 +3,7 @@ folded into --dp 2) x a pipeline of 2 ranks, 4 gloo processes, examples/moe.py (
 
 After 3 steps, gradients (every step) and parameters must equal a single-process float64 run of the same
 MoE model over the whole batch to 1e-10 (`--check`), for 1F1B, dualpipe-v (overlapped F & B pairs) and an
-interleaved 1F1B with pairs (tests/runtime/data/pairs-1f1b.pipe), with odd MoE layer counts (stages with
+combined 1F1B (schedules/combined-1f1b.pipe: interleaved 1F1B with pairs), with odd MoE layer counts (stages with
 different counts, so a pair's two ops issue different numbers of all-to-alls). Overlapped and --no-overlap
 runs give the same losses. Refusals come before any step, naming what is wrong. Unit cases check the baton
 (pipec.runtime.exec.pairs) against pipec.ir.experts.pair_order with real threads, and the pieces of
@@ -37,7 +37,6 @@ from pipec.runtime.exec.pairs import Baton, PairRunner  # noqa: E402
 from pipec.runtime.model.moe import check_experts, digest, expert_modules  # noqa: E402
 
 MODEL = str(ROOT / "examples" / "moe.py")
-PAIRS = str(ROOT / "tests" / "runtime" / "data" / "pairs-1f1b.pipe")
 EP = ["--dp", "2", "--ep", "2", "--experts", "4"]
 SMALL = {"MOE_BATCH": "8", "MOE_CONTEXT": "6"}
 COMPUTES = ("FWD", "BWD", "WGRAD")
@@ -104,12 +103,12 @@ def test_1f1b_exact():
 
 
 @pytest.mark.slow  # the default twin: test_dualpipe_v_odd_layers_exact_overlapped_and_not
-def test_interleaved_pairs_odd_layers_exact_overlapped_and_not():
-    """An interleaved 1F1B whose steady state pairs F & B (Megatron's combined 1F1B), 5 MoE layers over 4
-    stages (2, 1, 1, 1)."""
+def test_combined_1f1b_odd_layers_exact_overlapped_and_not():
+    """The library's combined 1F1B (interleaved 1F1B whose steady state pairs F & B, v = 2), 5 MoE layers
+    over 4 stages (2, 1, 1, 1)."""
     env = {"MOE_LAYERS": "5"}
-    over = run_check(PAIRS, env=env)
-    plain = run_check(PAIRS, "--no-overlap", env=env)
+    over = run_check("combined-1f1b", env=env)
+    plain = run_check("combined-1f1b", "--no-overlap", env=env)
     assert losses(over) == losses(plain)
 
 
