@@ -131,6 +131,28 @@ def test_dualpipe_v_fsdp_exact():
 
 
 @pytest.mark.slow  # the default twin: test_dualpipe_v_odd_layers_exact_overlapped_and_not
+def test_dualpipe_v_fsdp_per_block_exact():
+    """--dp-unit block: each Block of the stage's `blocks` ModuleList its own FSDP2 unit (a container has
+    no forward for FSDP2 to gather it by), the experts inside them left to the group."""
+    out = run_check("dualpipe-v", "--dp-kind", "fsdp", "--dp-unit", "block", env={"MOE_LAYERS": "3"})
+    assert "fsdp replicas" in out
+
+
+def test_per_block_units_are_a_containers_blocks():
+    """`--dp-unit block`'s units of an examples/moe.py stage: the embedding and each Block of its ModuleList
+    (fully_shard refuses a container without a forward), the stage keeping none of its own."""
+    from pipec.runtime.exec.replicas import _units
+    from pipec.runtime.model.contract import load_model
+
+    model = load_model(MODEL)
+    assert [n for n, _ in _units(model.build_stage(0, 2))] == ["embed", "blocks.0", "blocks.1"]
+    last = model.build_stage(1, 2)
+    assert [n for n, _ in _units(last)] == ["blocks.0", "blocks.1", "ln", "head"]
+    dense = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ModuleList([torch.nn.Linear(2, 2)]))
+    assert [u for u, _ in _units(dense)] == ["0", "1.0"]
+
+
+@pytest.mark.slow  # the default twin: test_dualpipe_v_odd_layers_exact_overlapped_and_not
 def test_emulated_expert_link_overlapped_and_not_stay_exact():
     topo = 'dc "east" replicas 0 .. 1  dc "west" replicas 1 .. 2  link "east" <-> "west" latency 5ms bandwidth 1Gbps'
     from pipec.api import load
