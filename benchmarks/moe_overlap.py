@@ -25,8 +25,7 @@ over the topology), so the link this run emulates is given after it. The record 
     python benchmarks/moe_overlap.py --size large     # 4x the tokens, 2x the width: more compute per all-to-all
     python benchmarks/moe_overlap.py --predict        # and the simulator's prediction
     python benchmarks/moe_overlap.py --control        # and the same pair without the emulated link
-    python benchmarks/moe_overlap.py --smoke          # one round of 3 steps, dualpipe-v: the format (tests)
-    python benchmarks/moe_overlap.py --smoke --predict  # and a profile of 1 rep: the prediction's format
+    python benchmarks/moe_overlap.py --smoke          # one round of 3 steps, dualpipe-v, a profile of 1 rep (tests)
 """
 
 from __future__ import annotations
@@ -130,8 +129,8 @@ def main() -> None:
     smoke_flag(ap)
     a = ap.parse_args()
     names = schedules()
-    if a.smoke:  # one schedule, one round of 3 steps, the small model
-        names, a.m, a.steps, a.rounds, a.size = names[:1], 4, 3, 1, "small"
+    if a.smoke:  # one schedule, one round of 3 steps, the small model, the prediction from a profile of 1 rep
+        names, a.m, a.steps, a.rounds, a.size, a.predict = names[:1], 4, 3, 1, "small", True
     if a.size == "large":
         ENV.update(LARGE)
     with tempfile.TemporaryDirectory(prefix="pipec-moe-") as tmp:
