@@ -1,15 +1,14 @@
 """Overlapped forward-backward pairs under expert parallelism: measured step, overlapped vs `--no-overlap`.
 
-examples/moe.py (one MoE layer per stage, 4 experts, top 2) on 2 pipeline ranks x 2 data-parallel replicas
-that form one expert group (`--dp 2 --ep 2 --experts 4`, 4 gloo processes), the replicas in two
-datacenters with the expert link emulated slow (`--emulate-links`, 5 ms one way, 1 Gbps: every dispatch
-and combine all-to-all, and its gradient, is held until issue + bytes / bandwidth + latency). For each
-schedule with `F & B` pairs (dualpipe-v; schedules/combined-1f1b.pipe when the library has it), one `pipec
-run` per round and system, alternating in ABBA rounds (benchmarks/sidebyside.py): "overlap" (each pair's
-two ops on two threads, an all-to-all of one in flight while the other computes) against "serial"
-(`--no-overlap`, one op after the other). A round's figure is the median step time of the run's steps after
-the first two (start-up, shape handshake). The record: medians, every round, the ratio serial / overlap and
-its spread, and `gain` = 1 - overlap / serial (the goal: >= 0.20).
+examples/moe.py (one MoE layer per stage, 4 experts, top 2) on 2 pipeline ranks x 2 data-parallel replicas that
+form one expert group (`--dp 2 --ep 2 --experts 4`, 4 gloo processes), the replicas in two datacenters with the
+expert link emulated slow (`--emulate-links`, 5 ms one way, 1 Gbps: every dispatch and combine all-to-all, and
+its gradient, is held until issue + bytes / bandwidth + latency). For each schedule with `F & B` pairs
+(dualpipe-v, combined-1f1b), one `pipec run` per round and system, alternating in ABBA rounds
+(benchmarks/sidebyside.py): "overlap" (each pair's two ops on two threads, an all-to-all of one in flight while
+the other computes) against "serial" (`--no-overlap`, one op after the other). A round's figure is the median
+step time of the run's steps after the first two (start-up, shape handshake). The record: medians, every round,
+the ratio serial / overlap and its spread, and `gain` = 1 - overlap / serial (the goal: >= 0.20).
 
 `--predict`: the same pair through the simulator. `pipec profile SCHED ... --model examples/moe.py --dp 2 --ep 2
 --experts 4` times this model's ops on this machine as a run's 4 processes do (all at once) and writes the
@@ -21,7 +20,7 @@ over the topology), so the link this run emulates is given after it. The record 
 (overlap, serial), `predicted_gain` and `difference_points` = 100 (gain - predicted_gain), the goal
 |difference| <= 10 points, and `predict_commands`.
 
-    python benchmarks/moe_overlap.py                  # dualpipe-v (+ combined-1f1b), 4 rounds, the small model
+    python benchmarks/moe_overlap.py                  # dualpipe-v and combined-1f1b, 4 rounds, the small model
     python benchmarks/moe_overlap.py --size large     # 4x the tokens, 2x the width: more compute per all-to-all
     python benchmarks/moe_overlap.py --predict        # and the simulator's prediction
     python benchmarks/moe_overlap.py --control        # and the same pair without the emulated link
@@ -56,14 +55,7 @@ TOPOLOGY = (
 )
 EP = ["--dp", "2", "--ep", "2", "--experts", "4"]
 STEP = re.compile(r"^step (\d+)/\d+: loss \S+, ([0-9.]+) s", re.M)
-
-
-def schedules() -> list[str]:
-    """dualpipe-v, and the combined 1F1B where the library has it."""
-    names = ["dualpipe-v"]
-    if (ROOT / "schedules" / "combined-1f1b.pipe").exists():
-        names.append("combined-1f1b")
-    return names
+SCHEDULES = ("dualpipe-v", "combined-1f1b")  # the library's schedules with `F & B` pairs
 
 
 def pipec(*args: str) -> subprocess.CompletedProcess:
@@ -128,7 +120,7 @@ def main() -> None:
     )
     smoke_flag(ap)
     a = ap.parse_args()
-    names = schedules()
+    names = list(SCHEDULES)
     if a.smoke:  # one schedule, one round of 3 steps, the small model, the prediction from a profile of 1 rep
         names, a.m, a.steps, a.rounds, a.size, a.predict = names[:1], 4, 3, 1, "small", True
     if a.size == "large":
