@@ -30,7 +30,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     CPU, nccl on CUDA), or every rank in this process with --local. Prints a line per step; --check
     compares the loss, gradients and parameters with a single-process run; --json gives each step's loss
     and seconds. See docs/runtime.md."""
-    from pipec.runtime.job.launch import run_program
+    from pipec.runtime.job.program import run_program
 
     opts = RunOptions.from_args(args)
     c = run_program(*target(args), opts)  # the Program every worker builds alike (--dp, --ep, --topology)

@@ -18,9 +18,10 @@ import traceback
 from collections.abc import Sequence
 
 from pipec.ir.dataparallel import dp_mismatch
-from pipec.options import OptionError, RunOptions, add_define_argument, dp_of, experts_of
+from pipec.options import OptionError, RunOptions, add_define_argument
 from pipec.runtime.host.affinity import bind_local_rank
 from pipec.runtime.job.monitor import BEAT_EVERY, block_sigterm, die_with_parent, say
+from pipec.runtime.job.program import read_source, run_program
 
 # A collective that timed out waits this long at most (or the timeout, if shorter) for another rank's report
 # before blaming the replica that never joined: that replica is usually waiting on its own pipeline.
@@ -56,62 +57,6 @@ def load_program(spec: str, defines: Sequence[tuple[str, str]], opts: RunOptions
 
     obj, where = target_of(spec, list(defines))
     return run_program(obj, where, opts).program
-
-
-def run_program(obj, where: str | None, opts: RunOptions | None = None):
-    """The Program a run executes (a CompiledSchedule), built here for every entry: `pipec run` before any
-    process starts, a worker torchrun starts on a schedule, a worker reading the launcher's Program file.
-    A schedule (on the network `opts.topology` names, if any) is lowered with the command line's data
-    parallelism and experts (--dp, --ep, --experts: E421, E425 at the command line) over the MoE layers it
-    declares (`pipec.driver.moe_layers_of`: the model's own are counted at start-up); a Program file is
-    checked as it stands and must agree with the flags given (E422, E426). `opts` None: no flag given."""
-    from pipec.driver import compiled, moe_layers_of
-    from pipec.errors import PipecError, error
-    from pipec.ir.experts import Experts
-    from pipec.ir.program import Program
-    from pipec.options import dp_given
-    from pipec.passes.experts import COMMAND_LINE
-
-    file = isinstance(obj, Program)
-    dp = experts = None
-    if opts is not None:
-        dp = dp_of(opts) if not file or dp_given(opts) else None
-        try:
-            experts = experts_of(opts)
-        except PipecError as e:  # a value out of range: E425, said of the command line
-            d = e.diagnostics[0]
-            raise error(d.code, d.message, source=COMMAND_LINE, notes=d.notes) from None
-        experts = None if file and experts == Experts() else experts
-    topology = opts.topology if opts is not None else None
-    return compiled(obj, None, where, dp, topology, experts, moe_layers_of(obj))
-
-
-def write_source(schedule, path: str) -> bool:
-    """Write the source of the Schedule a Program was compiled from (its text and parameters) for the
-    workers to `path`, so that their start-up diagnostics name its lines (`read_source`); False when it has
-    none (a Program file)."""
-    import json
-
-    if schedule is None or schedule.source is None or not schedule.source.text:
-        return False
-    with open(path, "w") as f:
-        json.dump({"path": schedule.source.path, "text": schedule.source.text, "params": schedule.params}, f)
-    return True
-
-
-def read_source(path: str | None, rank: int):
-    """The Schedule `write_source` wrote, evaluated for pipeline rank `rank` alone (its source lines, for
-    diagnostics); None without one."""
-    import json
-
-    from pipec.driver import build
-    from pipec.errors import Source
-
-    if path is None:
-        return None
-    with open(path) as f:
-        doc = json.load(f)
-    return build(Source(doc["path"], doc["text"]), [tuple(p) for p in doc["params"]], ranks=[rank])
 
 
 def experts_problem(program, opts: RunOptions) -> str | None:

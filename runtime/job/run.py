@@ -96,7 +96,7 @@ def worker_args(opts: RunOptions, folder: str, links=None, schedule=None) -> lis
     """The options of every worker (after the Program's path): `opts` with its paths made absolute and
     the files this run's folder holds for the workers (the emulated links, the --memory peaks, the source
     of the `schedule` the Program was compiled from)."""
-    from pipec.runtime.job.launch import write_source
+    from pipec.runtime.job.program import write_source
 
     files = {}
     if write_source(schedule, os.path.join(folder, "source.json")):

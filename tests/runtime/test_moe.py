@@ -252,7 +252,7 @@ def test_the_start_up_layer_exchange_says_what_the_compile_time_check_says(tmp_p
     at the same layer counts are said naming both job ranks; equal digests pass."""
     from pipec.driver import target_of
     from pipec.passes.experts import order_error
-    from pipec.runtime.job.launch import read_source, run_program, write_source
+    from pipec.runtime.job.program import read_source, run_program, write_source
     from pipec.runtime.model.moe import layers_error
 
     c = run_program(*target_of("dualpipe-v", [("p", "2"), ("m", "4")]), RunOptions(model=MODEL, dp=2, ep=2, experts=4))
