@@ -1,26 +1,30 @@
 """Overlapped forward-backward pairs under expert parallelism: measured step, overlapped vs `--no-overlap`.
 
-examples/moe.py (one MoE layer per stage, 4 experts, top 2) on 2 pipeline ranks x 2 data-parallel replicas
-that form one expert group (`--dp 2 --ep 2 --experts 4`, 4 gloo processes), the replicas in two
-datacenters with the expert link emulated slow (`--emulate-links`, 5 ms one way, 1 Gbps: every dispatch
-and combine all-to-all, and its gradient, is held until issue + bytes / bandwidth + latency). For each
-schedule with `F & B` pairs (dualpipe-v; schedules/combined-1f1b.pipe when the library has it), one `pipec
-run` per round and system, alternating in ABBA rounds (benchmarks/sidebyside.py): "overlap" (each pair's
-two ops on two threads, an all-to-all of one in flight while the other computes) against "serial"
-(`--no-overlap`, one op after the other). A round's figure is the median step time of the run's steps after
-the first two (start-up, shape handshake). The record: medians, every round, the ratio serial / overlap and
-its spread, and `gain` = 1 - overlap / serial (the goal: >= 0.20).
+examples/moe.py (one MoE layer per stage, 4 experts, top 2) on 2 pipeline ranks x 2 data-parallel replicas that
+form one expert group (`--dp 2 --ep 2 --experts 4`, 4 gloo processes), the replicas in two datacenters with the
+expert link emulated slow (`--emulate-links`, 5 ms one way, 1 Gbps: every dispatch and combine all-to-all, and
+its gradient, is held until issue + bytes / bandwidth + latency). For each schedule with `F & B` pairs
+(dualpipe-v, combined-1f1b), one `pipec run` per round and system, alternating in ABBA rounds
+(benchmarks/sidebyside.py): "overlap" (each pair's two ops on two threads, an all-to-all of one in flight while
+the other computes) against "serial" (`--no-overlap`, one op after the other). A round's figure is the median
+step time of the run's steps after the first two (start-up, shape handshake). The record: medians, every round,
+the ratio serial / overlap and its spread, and `gain` = 1 - overlap / serial (the goal: >= 0.20).
 
-`--predict`: the same pair through the simulator, `pipec simulate SCHED --cost FILE --ep 2 --experts 4
-[--no-overlap] --json` with costs from `pipec profile` on this machine and the same link, reported as
-`predicted_gain` beside the measured gain, when `pipec simulate` has `--no-overlap` (else `predicted` says
-why not).
+`--predict`: the same pair through the simulator. `pipec profile SCHED ... --model examples/moe.py --dp 2 --ep 2
+--experts 4` times this model's ops on this machine as a run's 4 processes do (all at once) and writes the
+cost file; then `pipec simulate SCHED ... --ep 2 --experts 4 --cost FILE --cost latency.cross=5ms,
+bandwidth.cross=1Gbps --topology TOPOLOGY [--no-overlap] --json` on the run's topology. The second `--cost`
+is the emulated link: a cost file's `latency`/`bandwidth` (the profile's gloo ping-pong) apply to every
+link class, the one between the replica datacenters included (the cost model's rule: cost documents win
+over the topology), so the link this run emulates is given after it. The record gets `predicted_s`
+(overlap, serial), `predicted_gain` and `difference_points` = 100 (gain - predicted_gain), the goal
+|difference| <= 10 points, and `predict_commands`.
 
-    python benchmarks/moe_overlap.py                  # dualpipe-v (+ combined-1f1b), 4 rounds, the small model
+    python benchmarks/moe_overlap.py                  # dualpipe-v and combined-1f1b, 4 rounds, the small model
     python benchmarks/moe_overlap.py --size large     # 4x the tokens, 2x the width: more compute per all-to-all
     python benchmarks/moe_overlap.py --predict        # and the simulator's prediction
     python benchmarks/moe_overlap.py --control        # and the same pair without the emulated link
-    python benchmarks/moe_overlap.py --smoke          # one round of 3 steps, dualpipe-v: the format (tests)
+    python benchmarks/moe_overlap.py --smoke          # one round of 3 steps, dualpipe-v, a profile of 1 rep (tests)
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -50,14 +55,7 @@ TOPOLOGY = (
 )
 EP = ["--dp", "2", "--ep", "2", "--experts", "4"]
 STEP = re.compile(r"^step (\d+)/\d+: loss \S+, ([0-9.]+) s", re.M)
-
-
-def schedules() -> list[str]:
-    """dualpipe-v, and the combined 1F1B where the library has it."""
-    names = ["dualpipe-v"]
-    if (ROOT / "schedules" / "combined-1f1b.pipe").exists():
-        names.append("combined-1f1b")
-    return names
+SCHEDULES = ("dualpipe-v", "combined-1f1b")  # the library's schedules with `F & B` pairs
 
 
 def pipec(*args: str) -> subprocess.CompletedProcess:
@@ -75,24 +73,31 @@ def step_time(schedule: str, m: int, steps: int, overlap: bool, link: bool = Tru
     return statistics.median(times)
 
 
-def predict(schedule: str, m: int, tmp: str) -> dict:
-    """The simulator's overlapped and serial step with profiled costs and the same link, or why not."""
-    if "--no-overlap" not in pipec("simulate", "--help").stdout:
-        return {"predicted": "skipped: `pipec simulate` has no --no-overlap (the simulator's pair overlap, issue 28)"}
+def predict(schedule: str, m: int, tmp: str, reps: int = 20) -> dict:
+    """The simulator's overlapped and serial step with this machine's profiled costs and the emulated link."""
     defines = ["-D", "p=2", "-D", f"m={m}"]
     cost = os.path.join(tmp, f"{schedule}.toml")
-    prof = pipec("profile", schedule, *defines, "--model", MODEL, *EP, "-o", cost)
+    argv = ["profile", schedule, *defines, "--model", MODEL, *EP, "--reps", str(reps), "-o", cost]
+    prof = pipec(*argv)
     if prof.returncode != 0:
-        return {"predicted": f"skipped: pipec profile failed: {(prof.stderr or prof.stdout).strip()[-400:]}"}
-    sims = {}
+        raise SystemExit(f"pipec {' '.join(argv)} failed:\n{prof.stdout}{prof.stderr[-3000:]}")
+    link = f"latency.cross={LATENCY_MS:g}ms,bandwidth.cross={BANDWIDTH_GBPS:g}Gbps"
+
+    def shown(v: list[str]) -> str:
+        return shlex.join(["pipec", *(("COSTS.toml" if x == cost else x) for x in v)])
+
+    sims, commands = {}, [shown(argv)]
     for name, flag in (("overlap", []), ("serial", ["--no-overlap"])):
-        out = pipec("simulate", schedule, *defines, *EP, "--cost", cost, "--topology", TOPOLOGY, *flag, "--json")
+        argv = ["simulate", schedule, *defines, *EP, "--cost", cost, "--cost", link, "--topology", TOPOLOGY, *flag]
+        out = pipec(*argv, "--json")
         if out.returncode != 0:
-            return {"predicted": f"skipped: pipec simulate failed: {(out.stderr or out.stdout).strip()[-400:]}"}
+            raise SystemExit(f"pipec {' '.join(argv)} failed:\n{out.stdout}{out.stderr[-3000:]}")
         sims[name] = json.loads(out.stdout)["results"][0]["makespan"]
+        commands.append(shown(argv))
     return {
         "predicted_s": {k: round(v, 5) for k, v in sims.items()},
         "predicted_gain": round(1 - sims["overlap"] / sims["serial"], 4),
+        "predict_commands": commands,
     }
 
 
@@ -115,15 +120,15 @@ def main() -> None:
     )
     smoke_flag(ap)
     a = ap.parse_args()
-    names = schedules()
-    if a.smoke:  # one schedule, one round of 3 steps, the small model
-        names, a.m, a.steps, a.rounds, a.size = names[:1], 4, 3, 1, "small"
+    names = list(SCHEDULES)
+    if a.smoke:  # one schedule, one round of 3 steps, the small model, the prediction from a profile of 1 rep
+        names, a.m, a.steps, a.rounds, a.size, a.predict = names[:1], 4, 3, 1, "small", True
     if a.size == "large":
         ENV.update(LARGE)
     with tempfile.TemporaryDirectory(prefix="pipec-moe-") as tmp:
         cases = [(name, link) for name in names for link in ((True, False) if a.control else (True,))]
         for name, link in cases:
-            extra = predict(name, a.m, tmp) if a.predict and link else {}
+            extra = predict(name, a.m, tmp, 1 if a.smoke else 20) if a.predict and link else {}
             systems = {
                 "overlap": lambda n=name, k=link: step_time(n, a.m, a.steps, True, k),
                 "serial": lambda n=name, k=link: step_time(n, a.m, a.steps, False, k),
@@ -141,6 +146,8 @@ def main() -> None:
                 **extra,
             )
             rec["gain"] = round(1 - rec["median_s"]["overlap"] / rec["median_s"]["serial"], 4)
+            if "predicted_gain" in rec:
+                rec["difference_points"] = round(100 * (rec["gain"] - rec["predicted_gain"]), 1)
             emit(rec)
 
 

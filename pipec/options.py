@@ -230,8 +230,8 @@ LOCAL_PROCESSES_PER_CPU = 16
 class RunOptions:
     """Every option of `pipec run`, read once (`from_args`) and written back as a worker's arguments
     (`to_argv`). `launcher` options are for `pipec run` alone (how to start the job, what to print
-    besides); the rest reach every rank. `memory_out`, `links` and `records` are files the launcher
-    names for its workers (hidden flags)."""
+    besides); the rest reach every rank. `memory_out`, `links`, `records` and `source` are files the
+    launcher names for its workers (hidden flags)."""
 
     model: str
     steps: int = 3
@@ -260,6 +260,7 @@ class RunOptions:
     links: str | None = None
     memory_out: str | None = None
     records: str | None = None
+    source: str | None = None  # the schedule the Program was compiled from (its source lines locate diagnostics)
     # launcher only
     nproc: int | None = None
     partition: str | None = None
@@ -380,6 +381,7 @@ class RunOptions:
             )
             ap.add_argument("--memory-out", default=None, help=argparse.SUPPRESS)  # `pipec run --memory`: peaks here
             ap.add_argument("--records", default=None, help=argparse.SUPPRESS)  # the run's JSON records (rank 0)
+            ap.add_argument("--source", default=None, help=argparse.SUPPRESS)  # launch.schedule_source's file
             return
         ap.add_argument(
             "--nproc",

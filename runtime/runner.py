@@ -101,7 +101,8 @@ class Transport:
     only; default 4 on gloo, 0 on NCCL); on_reduce_grad: called with (stage, module) at each REDUCE_GRAD;
     experts: expert parallelism (pipec.ir.experts.Experts; size > 1 shards the model's experts over groups of
     that many "dp" replicas, pipec.runtime.model.moe); overlap: run an overlapped pair's two ops together,
-    their all-to-alls hidden behind each other's compute (False: one after the other, `--no-overlap`)."""
+    their all-to-alls hidden behind each other's compute (False: one after the other, `--no-overlap`);
+    schedule: the Schedule the Program was lowered from, whose source lines locate a start-up diagnostic."""
 
     timeout: float = 60.0
     comm: Any = None
@@ -114,6 +115,7 @@ class Transport:
     on_reduce_grad: Callable[[int, torch.nn.Module], None] | None = None
     experts: Any = None
     overlap: bool = True
+    schedule: Any = None
 
 
 class StoreKV(KV):
@@ -256,7 +258,7 @@ class Runner:
         self.expert_replicas: Any = None  # the process group over the expert groups' members at this place
         experts_held: set[torch.nn.Parameter] = set()
         if transport.experts is not None and transport.experts.size > 1:
-            experts_held = self._expert_parallel(modules, transport.experts, timeout, links, where)
+            experts_held = self._expert_parallel(modules, transport.experts, timeout, links, where, transport.schedule)
         if self.replicas is not None:
             for m in modules.values():  # before the optimizer: it steps the shards
                 wrap(m, program.dp_kind, self.replicas, dp_unit, ignored=experts_held)
@@ -307,7 +309,7 @@ class Runner:
         self.lengths_warned = False  # a LengthWarning was given (slices.length_mismatch)
 
     def _expert_parallel(
-        self, modules: dict[int, torch.nn.Module], experts: Any, timeout: float, links: Any, where: str
+        self, modules: dict[int, torch.nn.Module], experts: Any, timeout: float, links: Any, where: str, schedule: Any
     ) -> set[torch.nn.Parameter]:
         """Shard the experts of this rank's stages over its expert group (pipec.runtime.model.moe.expert_parallel,
         which checks first, before any step, that the run can have expert parallelism)."""
@@ -317,7 +319,16 @@ class Runner:
                 f"least {experts.size} (a multiple of it) and torch.distributed"
             )
         self.expert_group, self.expert_replicas, held = expert_parallel(
-            modules, experts, self.replicas, timeout, links, where, self.rank, lambda: self.executor.where()
+            modules,
+            experts,
+            self.replicas,
+            timeout,
+            links,
+            where,
+            self.rank,
+            lambda: self.executor.where(),
+            self.program,
+            schedule,
         )
         return held
 

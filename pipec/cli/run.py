@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from pipec import options
-from pipec.cli.args import Command, build, dp, experts, json_arg, on_network, schedule_args, target, topology_arg, write
+from pipec.cli.args import Command, build, dp, experts, json_arg, schedule_args, target, topology_arg, write
 from pipec.cli.envelope import Misuse, emit, stdout
 from pipec.ir.program import Program
 from pipec.options import RunOptions
@@ -30,16 +30,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     CPU, nccl on CUDA), or every rank in this process with --local. Prints a line per step; --check
     compares the loss, gradients and parameters with a single-process run; --json gives each step's loss
     and seconds. See docs/runtime.md."""
-    from pipec.driver import check_program
+    from pipec.runtime.job.program import run_program
 
     opts = RunOptions.from_args(args)
-    obj, where = target(args)
-    if isinstance(obj, Program):
-        program = obj
-        sched = on_network(args, check_program(obj, None, where, dp(args, True)).schedule)
-    else:
-        sched = on_network(args, obj)
-        program = compile_schedule(sched, None, dp(args)).program
+    c = run_program(*target(args), opts)  # the Program every worker builds alike (--dp, --ep, --topology)
+    program, sched = c.program, c.schedule
     links = None
     if opts.emulate_links:
         try:

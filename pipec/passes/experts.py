@@ -99,10 +99,12 @@ def order_error(
     layers_by_rank: Mapping[int, Sequence[int]],
     sched: Schedule | None = None,
 ) -> PipecError | None:
-    """E427 when the replicas of pipeline rank `rank` in one expert group (global rank -> the per-stage MoE
-    layer counts of the model it built) would issue different all-to-all sequences; None when they agree.
-    `sched`, the Schedule the Program was lowered from, locates the op that issues the first all-to-all where
-    two replicas part (its source line); a Program file's diagnostic names the instruction instead."""
+    """E427 when the replicas of pipeline rank `rank` in one expert group (global rank -> the MoE layer
+    counts, indexed by stage, of the model it built; only the rank's own stages are read) would issue
+    different all-to-all sequences; None when they agree. `sched`, the Schedule the Program was lowered from,
+    locates the op that issues the first all-to-all where two replicas part (its source line); without it
+    the diagnostic names that op (kind, micro-batch, stage) only. The runtime's start-up exchange of layer
+    counts (pipec.runtime.model.moe.check_same_layers) reports through here."""
     seqs = {g: rank_sequence(prog, rank, layers) for g, layers in sorted(layers_by_rank.items())}
     if len(seqs) < 2:
         return None
@@ -113,6 +115,8 @@ def order_error(
         k = next((i for i, (a, b) in enumerate(zip(ref, seq)) if a != b), min(len(ref), len(seq)))
         shown = [f"rank {g0}: {_a2a(ref, k)}", f"rank {g}: {_a2a(seq, k)}"]
         span, source = _op_span(prog, rank, ref[k] if k < len(ref) else seq[k], sched)
+        rp = prog.ranks[rank]
+        held = sorted(set(rp.stage[IS_COMPUTE[rp.op]].tolist()))
         return error(
             "E427",
             f"the ranks of an expert group would issue their all-to-alls in different orders: ranks {g0} and {g} "
@@ -121,7 +125,8 @@ def order_error(
             source,
             (
                 *shown,
-                f"MoE layers per stage: rank {g0} {list(layers_by_rank[g0])}, rank {g} {list(layers_by_rank[g])}",
+                f"MoE layers of its stages {held}: rank {g0} {[layers_by_rank[g0][s] for s in held]}, rank {g} "
+                f"{[layers_by_rank[g][s] for s in held]}",
                 "every replica must build the same MoE layers on each stage (an odd count on one replica changes "
                 "how an overlapped pair's all-to-alls interleave)",
             ),

@@ -260,20 +260,32 @@ class CostModel:
         """Seconds of one all-to-all of these stages' ops on these ranks over an expert group of `ep` ranks
         (of `dp` replicas, default ep): the stage's given `a2a`, else the slowest of its links
         (`a2a_links`): latency plus the `a2a_bytes` one rank sends over the bandwidth; nothing with ep = 1
-        (no token leaves its rank)."""
-        out = np.zeros(len(stage))
+        (no token leaves its rank). `a2a_parts` splits it into its wire time and its latency."""
+        wire, lat = self.a2a_parts(stage, rank, ep, dp)
+        return wire + lat
+
+    def a2a_parts(
+        self, stage: np.ndarray, rank: np.ndarray, ep: int, dp: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """`a2a_time` as (wire, latency): the bytes over the bandwidth of the slowest link, which hold the
+        rank's expert link, and the latency after them, which does not (two all-to-alls in flight overlap
+        their latencies, as two messages on one channel do: pipec.sim.machine). A given `a2a` is all wire."""
+        wire, lat = np.zeros(len(stage)), np.zeros(len(stage))
         if ep <= 1 or not len(stage):
-            return out
+            return wire, lat
         size = np.zeros(len(stage)) if self.a2a_bytes is None else self.a2a_bytes[stage].astype(float)
         for r in np.unique(rank).tolist():
             sel = rank == r
-            for lat, bw in self.a2a_links(r, ep, dp or ep):
-                wire = size[sel] / bw if math.isfinite(bw) else np.zeros(int(sel.sum()))
-                out[sel] = np.maximum(out[sel], lat + wire)
+            for link_lat, bw in self.a2a_links(r, ep, dp or ep):
+                w = size[sel] / bw if math.isfinite(bw) else np.zeros(int(sel.sum()))
+                slower = link_lat + w > wire[sel] + lat[sel]
+                wire[sel] = np.where(slower, w, wire[sel])
+                lat[sel] = np.where(slower, link_lat, lat[sel])
         if self.a2a is not None:
             given = self.a2a[stage]
-            out = np.where(np.isnan(given), out, given)
-        return out
+            wire = np.where(np.isnan(given), wire, given)
+            lat = np.where(np.isnan(given), lat, 0.0)
+        return wire, lat
 
     def collective_wire(self, op: np.ndarray, stage: np.ndarray, rank: np.ndarray, n: int, dp_kind: str) -> np.ndarray:
         """The part of each collective's `collective_time` that is bytes on a link between two replica

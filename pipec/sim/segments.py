@@ -2,7 +2,8 @@
 
 A FWD or BWD on a stage with `L` MoE layers issues `all_to_alls(kind, L)` all-to-alls (the opcode table's
 `a2a` column, `pipec.ir.experts`), so it is that many plus one compute segments, each but the last followed
-by an all-to-all on the rank's expert link, the next segment waiting for it. An overlapped pair's segments
+by an all-to-all on the rank's expert link (its bytes one at a time, its latency overlapping the next one's),
+the next segment waiting for it. An overlapped pair's segments
 take turns in `pair_order`, so one op's all-to-all travels while the other computes; without overlap
 (`pipec simulate --no-overlap`, the executor's `--no-overlap`) the pair runs one op after the other, each
 waiting for its own all-to-alls. `cut` rewrites a rank stream's columns into that order: segment rows keep
@@ -113,11 +114,14 @@ def cut(
 
 
 def a2a_rows(pl: Plan, start: np.ndarray, end: np.ndarray, send: np.ndarray, arr: np.ndarray) -> dict:
-    """The Timeline's all-to-all rows (each from when its expert link took it, its issue or the end of the
-    one before it, to its arrival) and compute segment rows (the intervals of cut ops that compute)."""
+    """The Timeline's all-to-all rows (each from when its expert link took it, its issue or when the one
+    before it left the wire, to its arrival) and compute segment rows (the intervals of cut ops that compute).
+    A rank's all-to-alls share one latency (its slowest expert link), so the one before left the wire its
+    latency before it arrived."""
     a = pl.a_ids
     prev = np.asarray(pl.prev, dtype=np.int64)[a]
-    began = np.where(prev >= 0, np.maximum(send[a], arr[np.maximum(prev, 0)]), send[a])
+    p = np.maximum(prev, 0)
+    began = np.where(prev >= 0, np.maximum(send[a], arr[p] - np.asarray(pl.lat)[p]), send[a])
     cutrow = pl.real & (pl.c_seg >= 0)
     return {
         "a2a_rank": pl.a_rank,

@@ -337,7 +337,8 @@ def plan(prog: Program, costs: CostModel, overlap: bool = True) -> Plan:
     stage waits for it. All-to-alls (a Program whose expert group has 2 ranks or more and stages with MoE
     layers): each op that issues them is cut into segments (`pipec.sim.segments`, an overlapped pair's in
     `pair_order` unless `overlap` is False), and each all-to-all is a message on a fourth channel per rank
-    (R * R + 3R + rank), the expert link, taking `CostModel.a2a_time`; the segment after it waits for it.
+    (R * R + 3R + rank), the expert link: its bytes hold the link (one all-to-all on the wire at a time), its
+    latency does not (`CostModel.a2a_parts`); the segment after it waits for it.
     """
     S, m, R = prog.num_stages, prog.num_microbatches, prog.num_ranks
     if costs.num_stages != S or costs.latency.shape != (R, R):
@@ -440,7 +441,8 @@ def plan(prog: Program, costs: CostModel, overlap: bool = True) -> Plan:
         all_txd[is_k] = k_txd
         a_ids = np.flatnonzero(is_a)
         if len(a_ids):  # the all-to-alls on each rank's expert link
-            all_txd[a_ids] = costs.a2a_time(stage[midx[a_ids]], rank[midx[a_ids]], prog.experts.size, prog.dp)
+            parts = costs.a2a_parts(stage[midx[a_ids]], rank[midx[a_ids]], prog.experts.size, prog.dp)
+            all_txd[a_ids], all_lat[a_ids] = parts
         h_ids = np.flatnonzero(is_h)
         if len(h_ids):  # OFFLOAD/RELOAD: what the F keeps over the host link (its input when recomputed)
             h_pos = midx[h_ids]

@@ -182,10 +182,25 @@ def check_not_shared(modules: dict[int, torch.nn.Module], kind: str, unit: str) 
 
 
 def _units(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """Per-block sharding: each direct child holding parameters is a unit; the stage keeps the rest."""
-    kids = [(n, c) for n, c in module.named_children() if any(True for _ in c.parameters())]
+    """Per-block sharding: each direct child holding parameters is a unit, the blocks of a container child
+    (a ModuleList or ModuleDict: no forward of its own, so FSDP2 cannot gather it) each one unit; the stage
+    keeps the rest."""
+    kids = _blocks(module)
     own = [p for p in module.parameters(recurse=False)]
     return kids + ([("", module)] if own or not kids else [])
+
+
+def _blocks(module: torch.nn.Module, prefix: str = "") -> list[tuple[str, torch.nn.Module]]:
+    """The blocks of `module` that hold parameters: its children, a container's children in its place."""
+    out: list[tuple[str, torch.nn.Module]] = []
+    for n, c in module.named_children():
+        if not any(True for _ in c.parameters()):
+            continue
+        if isinstance(c, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            out += _blocks(c, f"{prefix}{n}.")
+        else:
+            out.append((f"{prefix}{n}", c))
+    return out
 
 
 def wrap(
@@ -206,9 +221,8 @@ def wrap(
         replicate(module, mesh=rm.dp_mesh, ignored_params=ignored)
     elif kind == "fsdp":
         if unit == "block":
-            for _, child in module.named_children():
-                if any(True for _ in child.parameters()):
-                    fully_shard(child, mesh=rm.dp_mesh, reshard_after_forward=False, ignored_params=ignored)
+            for _, child in _blocks(module):
+                fully_shard(child, mesh=rm.dp_mesh, reshard_after_forward=False, ignored_params=ignored)
         # Gathered parameters stay gathered until the Program's RESHARD (or STEP) frees them.
         fully_shard(module, mesh=rm.dp_mesh, reshard_after_forward=False, ignored_params=ignored)
     else:

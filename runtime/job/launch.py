@@ -18,9 +18,10 @@ import traceback
 from collections.abc import Sequence
 
 from pipec.ir.dataparallel import dp_mismatch
-from pipec.options import OptionError, RunOptions, add_define_argument, dp_of, experts_of
+from pipec.options import OptionError, RunOptions, add_define_argument
 from pipec.runtime.host.affinity import bind_local_rank
 from pipec.runtime.job.monitor import BEAT_EVERY, block_sigterm, die_with_parent, say
+from pipec.runtime.job.program import read_source, run_program
 
 # A collective that timed out waits this long at most (or the timeout, if shorter) for another rank's report
 # before blaming the replica that never joined: that replica is usually waiting on its own pipeline.
@@ -50,25 +51,12 @@ def with_dp(program, opts: RunOptions):
 
 
 def load_program(spec: str, defines: Sequence[tuple[str, str]], opts: RunOptions | None = None):
-    """A Program from a compiled file (JSON or text), or by compiling a schedule with its parameters (and
-    the data parallelism of `opts`, when the lowering places its collectives)."""
-    from pipec.driver import build
-    from pipec.formats.program_file import is_program_text, read_program
-    from pipec.frontend import library
-    from pipec.passes.compiler import compile_schedule
-    from pipec.passes.dryrun import prove
+    """A Program from a compiled file (JSON or text), or by compiling a schedule with its parameters, as
+    `run_program` builds it for `opts` (None: no flag given)."""
+    from pipec.driver import target_of
 
-    if os.path.isfile(spec):
-        with open(spec, errors="replace") as f:
-            head = f.read(200)
-        if is_program_text(head):  # read and validated (E501, E502), then proven (E404, E403)
-            program = read_program(spec)
-            prove(program)
-            return program
-    sched = build(library.read(spec), list(defines))
-    if opts is None:
-        return compile_schedule(sched).program
-    return compile_schedule(sched, None, dp_of(opts)).program  # E421 for a value out of range
+    obj, where = target_of(spec, list(defines))
+    return run_program(obj, where, opts).program
 
 
 def experts_problem(program, opts: RunOptions) -> str | None:
@@ -81,6 +69,8 @@ def experts_problem(program, opts: RunOptions) -> str | None:
         experts = experts_of(opts)  # E425: sizes out of range, experts not a multiple of --ep
     except PipecError as e:
         return "; ".join(d.message for d in e.diagnostics)
+    if experts.size == 1:  # no flag: the Program's own (a Program file compiled with --ep)
+        experts = program.experts
     if experts.size == 1:
         return None
     if program.dp == 1:
@@ -128,7 +118,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from pipec.errors import PipecError
 
     try:
-        program = with_dp(load_program(ns.schedule, ns.defines, opts), opts)
+        from pipec.driver import target_of
+
+        c = run_program(*target_of(ns.schedule, list(ns.defines)), opts)
+        program, schedule = with_dp(c.program, opts), c.schedule if c.schedule.spans else None
     except PipecError as e:
         say("\n".join(d.format() for d in e.diagnostics))
         return 1
@@ -137,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     from pipec.runtime.errors import wrong_world_size
 
-    if program.dp > 1 or opts.ep != 1:  # before any communication
+    if program.dp > 1 or program.experts.size > 1:  # before any communication
         problem = dp_problem(program, opts, world)
         if problem:
             say(f"pipec: rank {rank}: error: {problem}")
@@ -156,7 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PipelineError as e:
         say(f"pipec: rank {rank}: error: {e}")
         return 1
-    return Worker(program, model, opts, rank, world, local_rank, torch, cpus, local_world).run()
+    return Worker(program, model, opts, rank, world, local_rank, torch, cpus, local_world, schedule).run()
 
 
 class Worker:
@@ -164,9 +157,20 @@ class Worker:
     (None: unbound), of `local_world` processes on this machine (torchrun's, None without it)."""
 
     def __init__(
-        self, program, model, args: RunOptions, rank: int, world: int, local_rank: int, torch, cpus, local_world
+        self,
+        program,
+        model,
+        args: RunOptions,
+        rank: int,
+        world: int,
+        local_rank: int,
+        torch,
+        cpus,
+        local_world,
+        schedule=None,
     ) -> None:
         self.program, self.model, self.args = program, model, args
+        self.schedule = schedule  # the Schedule it was lowered from, when known (else the launcher's --source)
         self.cpus, self.local_world = cpus, local_world
         self.rank, self.world, self.local_rank = rank, world, local_rank
         self.torch = torch
@@ -309,10 +313,18 @@ class Worker:
                 links=self._links(),
                 recv_ahead=args.recv_ahead,
                 dp_unit=args.dp_unit,
-                experts=experts_of(args) if args.ep > 1 else None,
+                experts=self.program.experts if self.program.experts.size > 1 else None,
                 overlap=not args.no_overlap,
+                schedule=self._schedule(),
             ),
         )
+
+    def _schedule(self):
+        """The Schedule whose source lines locate a start-up diagnostic (expert parallelism's E427), if any:
+        the one this worker compiled, else the launcher's (`read_source`), for this pipeline rank."""
+        if self.schedule is not None or self.program.experts.size < 2:
+            return self.schedule
+        return read_source(self.args.source, self.rank // self.program.dp)
 
     def _links(self):
         if not getattr(self.args, "links", None):

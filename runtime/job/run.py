@@ -92,10 +92,15 @@ def run(opts: RunOptions, program: Program, links=None, schedule=None) -> int:
         return run_torchrun(opts, program, program.num_ranks * program.dp, links, schedule)
 
 
-def worker_args(opts: RunOptions, folder: str, links=None) -> list[str]:
+def worker_args(opts: RunOptions, folder: str, links=None, schedule=None) -> list[str]:
     """The options of every worker (after the Program's path): `opts` with its paths made absolute and
-    the files this run's folder holds for the workers (the emulated links, the --memory peaks)."""
+    the files this run's folder holds for the workers (the emulated links, the --memory peaks, the source
+    of the `schedule` the Program was compiled from)."""
+    from pipec.runtime.job.program import write_source
+
     files = {}
+    if write_source(schedule, os.path.join(folder, "source.json")):
+        files["source"] = os.path.join(folder, "source.json")
     if links is not None:
         files["links"] = os.path.join(folder, "links.json")
         with open(files["links"], "w") as f:
@@ -128,7 +133,7 @@ def run_torchrun(opts: RunOptions, program: Program, nproc: int, links=None, sch
         targv += ["--module", "pipec.runtime.job.launch"]
         try:
             with _stop_within_shutdown_timeout():
-                torchrun(get_args_parser().parse_args(targv + [path] + worker_args(opts, tmp, links)))
+                torchrun(get_args_parser().parse_args(targv + [path] + worker_args(opts, tmp, links, schedule)))
         except ChildFailedError as e:
             print(f"pipec run: failed: {failure_summary(e.failures)}", file=sys.stderr)
             return 1

@@ -140,25 +140,49 @@ def expert_groups(rm: Any, size: int, timeout: float) -> tuple[Any, list[int], i
     return pg, members, i, replica
 
 
-def check_same_layers(modules: dict[int, torch.nn.Module], pg: Any, members: list[int], index: int) -> None:
+def check_same_layers(
+    modules: dict[int, torch.nn.Module],
+    pg: Any,
+    members: list[int],
+    index: int,
+    program: Any,
+    rank: int,
+    schedule: Any = None,
+) -> None:
     """Every member of an expert group builds the same MoE layers on every stage (names and expert counts):
-    exchanged once before the first step (a small all-gather of objects), a mismatch said naming the ranks."""
+    exchanged once before the first step (a small all-gather of objects), a mismatch said by `layers_error`."""
     import torch.distributed as dist
 
-    mine = digest(modules)
     everyone: list[Any] = [None] * len(members)
-    dist.all_gather_object(everyone, mine, group=pg)
-    for i, theirs in enumerate(everyone):
-        if theirs != mine:
-            stages = sorted(set(mine) | set(theirs))
-            s = next(s for s in stages if mine.get(s) != theirs.get(s))
-            # Said the same way by every member that sees it (the lower rank first), whichever reports first.
-            (a, la), (b, lb) = sorted([(members[index], mine.get(s)), (members[i], theirs.get(s))], key=lambda x: x[0])
-            raise PipelineError(
+    dist.all_gather_object(everyone, digest(modules), group=pg)
+    problem = layers_error(program, rank, dict(zip(members, everyone)), schedule)
+    if problem:
+        raise PipelineError(problem)
+
+
+def layers_error(program: Any, rank: int, digests: dict[int, dict[int, list[tuple[str, int]]]], schedule: Any) -> str:
+    """Why the members of an expert group of pipeline rank `rank` (job rank -> its `digest`) cannot run
+    together ("" when they can). Layer counts that change the all-to-all order are E427, the diagnostic of
+    the compile-time check (pipec.passes.experts.order_error, located in `schedule` when given); the same
+    counts with other names or expert counts are said naming both job ranks. Every member says it the same
+    way (the lower rank first), whichever reports first."""
+    from pipec.passes.experts import order_error
+
+    S = program.num_stages
+    counts = {g: tuple(len(d.get(s, ())) for s in range(S)) for g, d in digests.items()}
+    e = order_error(program, rank, counts, schedule)
+    if e is not None:
+        return "\n".join(d.format() for d in e.diagnostics)
+    (a, da), *rest = sorted(digests.items())
+    for b, db in rest:
+        if db != da:
+            s = next(s for s in sorted(set(da) | set(db)) if da.get(s) != db.get(s))
+            return (
                 f"the expert group's members build different MoE layers: job rank {a} builds stage {s} "
-                f"with {_layers(la)}, job rank {b} with {_layers(lb)} (every member of "
+                f"with {_layers(da.get(s))}, job rank {b} with {_layers(db.get(s))} (every member of "
                 "an expert group runs the same stages, and must issue the same all-to-alls in the same order)"
             )
+    return ""
 
 
 def _layers(layers: list[tuple[str, int]] | None) -> str:
@@ -176,13 +200,16 @@ def expert_parallel(
     where: str,
     rank: int,
     position: Any,
+    program: Any,
+    schedule: Any = None,
 ) -> tuple[Any, Any, set[torch.nn.Parameter]]:
     """Expert parallelism for this rank's stages `modules` (before FSDP2 wraps them and before the
     optimizers): the checks (the group fits the dp size, the experts modules fit the group and `--experts`,
     the model has MoE layers at all, the group's members build the same ones), then the expert group
     (pipec.runtime.exec.alltoall.ExpertGroup, with its emulated link when `links` has one) and the sharding.
     Returns (the group, the process group over the groups' members at this place or None, the shards).
-    `experts` is a pipec.ir.experts.Experts, `rm` the ReplicaMesh, `position()` names where the rank is."""
+    `experts` is a pipec.ir.experts.Experts, `rm` the ReplicaMesh, `position()` names where the rank is,
+    `rank` the pipeline rank of `program`, lowered from `schedule` (when known: it locates a diagnostic)."""
     import torch.distributed as dist
 
     from pipec.runtime.exec.alltoall import ExpertGroup
@@ -200,7 +227,7 @@ def expert_parallel(
             '`num_experts`; see docs/runtime.md, "Mixture of experts"), so there is nothing to shard'
         )
     pg, members, index, replicas = expert_groups(rm, experts.size, timeout)
-    check_same_layers(modules, pg, members, index)
+    check_same_layers(modules, pg, members, index, program, rank, schedule)
     link = links.replica_link(rm.dp_rank, experts.size) if links is not None else None
     group = ExpertGroup(pg, members, index, rank=rank, dp_rank=rm.dp_rank, timeout=timeout, where=position, link=link)
     return group, replicas, shard(modules, group)

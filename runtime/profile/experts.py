@@ -173,5 +173,16 @@ def moe_layout(
     return {"moe_layers": layers, "a2a_bytes": a2a}
 
 
+def split_as_run(B: list[float], W: list[float], full: list[float], moe: dict) -> tuple[list[float], list[float]]:
+    """A split backward's per-stage B and W as a run with expert parallelism runs them: the first stage, when
+    it has MoE layers, runs its whole backward at BWD (its all-to-alls belong to B: pipec.runtime.runner), so
+    its B is its full backward and its W nothing. Unchanged without an expert group (`moe` without
+    `a2a_bytes`) or without MoE layers on stage 0."""
+    layers = moe.get("moe_layers") or [0]
+    if "a2a_bytes" not in moe or not layers[0] or not B:
+        return B, W
+    return [full[0], *B[1:]], [0.0, *W[1:]]
+
+
 def _bytes(x: Any) -> int:
     return int(x.numel() * x.element_size()) if isinstance(x, torch.Tensor) else 0

@@ -18,7 +18,8 @@ overhead come instead from steps of the schedule itself on its gloo processes (p
 
 What the cost file says depends on the schedule: with split backward, `B` and `W` are the input- and
 weight-gradient passes as the runtime runs them (the first stage's B is ~0: it needs no input gradient,
-its W is its whole backward); without, `B` is the full backward and `W` is left out (the cost model then
+its W is its whole backward; under expert parallelism with MoE layers on it, the other way round:
+`split_as_run`); without, `B` is the full backward and `W` is left out (the cost model then
 takes B as the full backward). Every measurement, including the optimizer step (which the simulator
 does not model), is also kept in the `[measured.*]` tables.
 
@@ -54,7 +55,7 @@ from pipec.runtime.host.affinity import allowed_cpus, bind_local_rank
 from pipec.runtime.model.contract import Model, default_optimizer
 from pipec.runtime.profile.collectives import DP_KINDS, Collectives, measure_collectives
 from pipec.runtime.profile.common import rounded, stage_modules
-from pipec.runtime.profile.experts import AllToAll, measure_all_to_all, moe_layout
+from pipec.runtime.profile.experts import AllToAll, measure_all_to_all, moe_layout, split_as_run
 from pipec.runtime.profile.links import measure_link
 from pipec.runtime.profile.slices import SliceFit, measure_slices
 
@@ -108,6 +109,8 @@ class Profile:
             "params": params,
         }
         F, B, W = self.forward, self.input_backward if self.split_backward else self.full_backward, self.weight_backward
+        if self.split_backward:  # under --ep the first stage's whole backward runs at BWD
+            B, W = split_as_run(B, W, self.full_backward, self.moe)
         if self.in_situ is not None:  # the ops as they ran in the schedule
             F, B, W = (self.situ(op) for op in (FWD, BWD, WGRAD))
             doc["comment"] += f"; F, B, W and overhead in situ, medians over {self.in_situ['steps']} steps"

@@ -41,7 +41,7 @@ SLOW = {  # script: its --smoke's wall seconds as measured (see the module docst
     "cpu_bind.py": (79, "two gloo sessions and two pipec runs on 2 processes"),
     "partition_gain.py": (65, "pipec partition's layer timing and two pipec runs on 4 processes"),
     "memory_measured.py": (47, "pipec profile and a torchrun job on 4 processes"),
-    "moe_overlap.py": (45, "two pipec runs on 4 gloo processes (2 ranks x 2 replicas, experts over both)"),
+    "moe_overlap.py": (62, "pipec profile and two pipec runs on 4 gloo processes (2 ranks x 2 replicas, experts)"),
     "faults.py": (32, "a pipec run on 3 processes that fails"),
     "api_vs_torch.py": (32, "2 gloo processes, three systems, transformers"),
     "pp_dp_vs_torch.py": (30, "4 gloo processes (the 2 x 2 mesh)"),

@@ -3,7 +3,7 @@ folded into --dp 2) x a pipeline of 2 ranks, 4 gloo processes, examples/moe.py (
 
 After 3 steps, gradients (every step) and parameters must equal a single-process float64 run of the same
 MoE model over the whole batch to 1e-10 (`--check`), for 1F1B, dualpipe-v (overlapped F & B pairs) and an
-interleaved 1F1B with pairs (tests/runtime/data/pairs-1f1b.pipe), with odd MoE layer counts (stages with
+combined 1F1B (schedules/combined-1f1b.pipe: interleaved 1F1B with pairs), with odd MoE layer counts (stages with
 different counts, so a pair's two ops issue different numbers of all-to-alls). Overlapped and --no-overlap
 runs give the same losses. Refusals come before any step, naming what is wrong. Unit cases check the baton
 (pipec.runtime.exec.pairs) against pipec.ir.experts.pair_order with real threads, and the pieces of
@@ -37,7 +37,6 @@ from pipec.runtime.exec.pairs import Baton, PairRunner  # noqa: E402
 from pipec.runtime.model.moe import check_experts, digest, expert_modules  # noqa: E402
 
 MODEL = str(ROOT / "examples" / "moe.py")
-PAIRS = str(ROOT / "tests" / "runtime" / "data" / "pairs-1f1b.pipe")
 EP = ["--dp", "2", "--ep", "2", "--experts", "4"]
 SMALL = {"MOE_BATCH": "8", "MOE_CONTEXT": "6"}
 COMPUTES = ("FWD", "BWD", "WGRAD")
@@ -91,8 +90,10 @@ def test_members_building_different_moe_layers_are_refused_before_any_step():
     results, _, _ = launch(4, "launch", argv, env=env, timeout=120)
     assert all(r.returncode != 0 for r in results)
     text = "".join(r.stdout + r.stderr for r in results)
-    assert "the expert group's members build different MoE layers: job rank 0 builds stage 0 with 1 MoE" in text
-    assert "job rank 1 with 2 MoE layer(s)" in text
+    # the compile-time check's diagnostic (pipec.passes.experts.order_error), located at the op of 1f1b's
+    # source that issues the first all-to-all where the replicas part
+    assert re.search(r"<library>/1f1b\.pipe:\d+:\d+: error\[E427\]: the ranks of an expert group would issue", text)
+    assert "ranks 0 and 1 (replicas of pipeline rank 0)" in text and "rank 0 [1], rank 1 [2]" in text, text
     assert "step 1/" not in text, text
 
 
@@ -102,12 +103,12 @@ def test_1f1b_exact():
 
 
 @pytest.mark.slow  # the default twin: test_dualpipe_v_odd_layers_exact_overlapped_and_not
-def test_interleaved_pairs_odd_layers_exact_overlapped_and_not():
-    """An interleaved 1F1B whose steady state pairs F & B (Megatron's combined 1F1B), 5 MoE layers over 4
-    stages (2, 1, 1, 1)."""
+def test_combined_1f1b_odd_layers_exact_overlapped_and_not():
+    """The library's combined 1F1B (interleaved 1F1B whose steady state pairs F & B, v = 2), 5 MoE layers
+    over 4 stages (2, 1, 1, 1)."""
     env = {"MOE_LAYERS": "5"}
-    over = run_check(PAIRS, env=env)
-    plain = run_check(PAIRS, "--no-overlap", env=env)
+    over = run_check("combined-1f1b", env=env)
+    plain = run_check("combined-1f1b", "--no-overlap", env=env)
     assert losses(over) == losses(plain)
 
 
@@ -127,6 +128,28 @@ def test_dualpipe_v_fsdp_exact():
     """FSDP composes: the non-expert parameters fully sharded over "dp", the experts left to the group."""
     out = run_check("dualpipe-v", "--dp-kind", "fsdp")
     assert "fsdp replicas" in out
+
+
+@pytest.mark.slow  # the default twin: test_dualpipe_v_odd_layers_exact_overlapped_and_not
+def test_dualpipe_v_fsdp_per_block_exact():
+    """--dp-unit block: each Block of the stage's `blocks` ModuleList its own FSDP2 unit (a container has
+    no forward for FSDP2 to gather it by), the experts inside them left to the group."""
+    out = run_check("dualpipe-v", "--dp-kind", "fsdp", "--dp-unit", "block", env={"MOE_LAYERS": "3"})
+    assert "fsdp replicas" in out
+
+
+def test_per_block_units_are_a_containers_blocks():
+    """`--dp-unit block`'s units of an examples/moe.py stage: the embedding and each Block of its ModuleList
+    (fully_shard refuses a container without a forward), the stage keeping none of its own."""
+    from pipec.runtime.exec.replicas import _units
+    from pipec.runtime.model.contract import load_model
+
+    model = load_model(MODEL)
+    assert [n for n, _ in _units(model.build_stage(0, 2))] == ["embed", "blocks.0", "blocks.1"]
+    last = model.build_stage(1, 2)
+    assert [n for n, _ in _units(last)] == ["blocks.0", "blocks.1", "ln", "head"]
+    dense = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ModuleList([torch.nn.Linear(2, 2)]))
+    assert [u for u, _ in _units(dense)] == ["0", "1.0"]
 
 
 @pytest.mark.slow  # the default twin: test_dualpipe_v_odd_layers_exact_overlapped_and_not
@@ -193,6 +216,58 @@ def test_pipec_run_refuses_expert_options_before_any_process(flags, words):
     program = compile_schedule(load("1f1b", p=2, m=2), None, dp_of(opts)).program
     with pytest.raises(OptionError, match=re.escape(words)):
         run(opts, program)
+
+
+def test_every_entry_builds_the_same_program_with_its_experts(tmp_path, monkeypatch):
+    """`pipec run` (the launcher), a worker torchrun starts on the schedule, and a worker reading the
+    launcher's Program file all build the Program in `run_program`: its experts included (the start-up
+    check of the group's all-to-all order reads them), and a Program file against other flags is E426."""
+    import pipec.runtime.job.run as job_run
+    from pipec.cli.app import main
+    from pipec.errors import PipecError
+    from pipec.formats.program_file import write_json
+    from pipec.ir.experts import Experts
+    from pipec.runtime.job.launch import load_program
+
+    seen = []
+    monkeypatch.setattr(job_run, "run", lambda opts, program, links=None, sched=None: seen.append(program) or 0)
+    argv = ["dualpipe-v", "-D", "p=2", "-D", "m=4", "--model", MODEL, *EP]
+    assert main(["run", *argv]) == 0
+    launcher = seen[0]
+    assert launcher.experts == Experts(2, 4) and launcher.dp == 2
+    opts = RunOptions(model=MODEL, dp=2, ep=2, experts=4)
+    assert load_program("dualpipe-v", [("p", "2"), ("m", "4")], opts) == launcher  # torchrun on the schedule
+    path = tmp_path / "program.json"
+    with open(path, "w") as f:
+        write_json(launcher, f)
+    assert load_program(str(path), [], opts) == launcher  # what `pipec run` hands its workers
+    assert load_program(str(path), [], RunOptions(model=MODEL)).experts == Experts(2, 4)  # no flag: its own
+    with pytest.raises(PipecError, match=r"E426.*compiled for experts --ep 2 --experts 4"):
+        load_program(str(path), [], RunOptions(model=MODEL, dp=2, ep=2, experts=8))
+
+
+def test_the_start_up_layer_exchange_says_what_the_compile_time_check_says(tmp_path):
+    """`layers_error` (the start-up exchange's verdict) is order_error's E427 word for word, located in the
+    schedule the launcher hands its workers (`write_source`, `read_source`); other names or expert counts
+    at the same layer counts are said naming both job ranks; equal digests pass."""
+    from pipec.driver import target_of
+    from pipec.passes.experts import order_error
+    from pipec.runtime.job.program import read_source, run_program, write_source
+    from pipec.runtime.model.moe import layers_error
+
+    c = run_program(*target_of("dualpipe-v", [("p", "2"), ("m", "4")]), RunOptions(model=MODEL, dp=2, ep=2, experts=4))
+    assert write_source(c.schedule, str(tmp_path / "source.json"))
+    sched = read_source(str(tmp_path / "source.json"), 0)
+    one, two = [("blocks.0.moe.experts", 4)], [("blocks.0.moe.experts", 4), ("blocks.1.moe.experts", 4)]
+    digests = {4: {0: one, 3: one}, 5: {0: one, 3: two}}  # job ranks 4 and 5: pipeline rank 0's stages 0 and 3
+    said = layers_error(c.program, 0, digests, sched)
+    assert said == order_error(c.program, 0, {4: (1, 0, 0, 1), 5: (1, 0, 0, 2)}, c.schedule).diagnostics[0].format()
+    assert re.match(r"<library>/dualpipe-v\.pipe:\d+:\d+: error\[E427\]: .* ranks 4 and 5", said), said
+    assert "MoE layers of its stages [0, 3]: rank 4 [1, 1], rank 5 [1, 2]" in said
+    assert layers_error(c.program, 0, {4: {0: one}, 5: {0: one}}, sched) == ""
+    other = layers_error(c.program, 0, {5: {0: [("x", 4)], 3: one}, 4: {0: one, 3: one}}, None)
+    assert other.startswith("the expert group's members build different MoE layers: job rank 4 builds stage 0 ")
+    assert not write_source(run_program(c.program, "p.json", None).schedule, str(tmp_path / "none.json"))
 
 
 def test_experts_modules_are_checked_against_the_group_and_the_flag(monkeypatch):

@@ -99,3 +99,22 @@ def test_a_real_all_to_all_on_two_gloo_processes():
     keys = a2a.cost_keys()
     assert set(keys) == {"ep_latency", "ep_bandwidth"} and math.isfinite(keys["ep_latency"])
     assert a2a.measured()["bytes"] == [4096, 262144]
+
+
+def test_the_cost_file_splits_the_first_stages_backward_as_an_expert_parallel_run_does():
+    """Under --ep with MoE layers on stage 0, the run computes its whole backward at BWD (its all-to-alls
+    belong to B), so the cost file's B[0] is its full backward and W[0] nothing; without an expert group, or
+    without layers on stage 0, the measured split stands."""
+    from pipec.runtime.profile.stages import Profile
+
+    def doc(moe: dict) -> dict:
+        prof = Profile(
+            "dualpipe-v", (("p", 1), ("m", 2)), True, [1.0, 1.0], [2.0, 2.0], [0.01, 1.2], [1.99, 0.8], [0.0, 0.0],
+            [8, 0], [0, 8], moe=moe,
+        )  # fmt: skip
+        d = prof.cost_doc()
+        return {"B": d["B"], "W": d["W"]}
+
+    assert doc({"moe_layers": [1, 1], "a2a_bytes": [64, 64]}) == {"B": [2.0, 1.2], "W": [0.0, 0.8]}
+    assert doc({"moe_layers": [1, 1]}) == {"B": [0.01, 1.2], "W": [1.99, 0.8]}  # no expert group
+    assert doc({"moe_layers": [0, 1], "a2a_bytes": [0, 64]}) == {"B": [0.01, 1.2], "W": [1.99, 0.8]}

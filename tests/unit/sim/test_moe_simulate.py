@@ -107,6 +107,26 @@ def test_bytes_over_the_expert_link():
     assert np.allclose(s.timeline.a2a_end - s.timeline.a2a_start, 1.5)
 
 
+def test_two_all_to_alls_in_flight_overlap_their_latencies_but_not_their_bytes():
+    # 2 s of latency and 0.25 s of bytes (250 kB at 8 Mbit/s) per all-to-all, 1 s segments. F(0): 0-1,
+    # wait 2.25, 3.25-4.25, wait 2.25, 6.5-7.5. The pair: F1 7.5-8.5
+    # (its all-to-all on the wire 8.5-8.75, arrives 10.75), B0 8.5-9.5 (wire 9.5-9.75, arrives 11.75): both
+    # in flight at once, each taking its full latency. Held one at a time (the latency holding the link),
+    # B0's would arrive 2.25 s after F1's, at 13.
+    sched = build(Source("pair.pipe", PAIR), {})
+    doc = [{"a2a_bytes": 2.5e5, "ep_latency": 2.0, "ep_bandwidth": 8e6, "_from": "t"}]
+    tl = simulation(sched, doc, None, None, None, DataParallel(2), Experts(2, 2), (1,)).timeline
+    assert spans(tl, FWD, 0) == pytest.approx((0.0, 7.5))
+    pair = np.argsort(tl.a2a_start)[2:4]  # after F(0)'s two, the pair's first two: F1's, then B0's
+    assert tl.a2a_start[pair].tolist() == pytest.approx([8.5, 9.5])
+    assert tl.a2a_end[pair].tolist() == pytest.approx([10.75, 11.75])
+    # a rank's later all-to-all waits for the wire, not for the one before it to arrive: 2.5 MB each (2.5 s)
+    slow = [{"a2a_bytes": 2.5e6, "ep_latency": 2.0, "ep_bandwidth": 8e6, "_from": "t"}]
+    tl = simulation(sched, slow, None, None, None, DataParallel(2), Experts(2, 2), (1,)).timeline
+    pair = np.argsort(tl.a2a_start)[2:4]
+    assert tl.a2a_start[pair[1]] == pytest.approx(tl.a2a_start[pair[0]] + 2.5)
+
+
 def test_the_trace_has_an_all_to_all_lane():
     tl = sim(PAIR, 0.5).timeline
     events = trace_events(tl)["traceEvents"]
