@@ -180,6 +180,9 @@ class Executor:
                 if s < self.S - 1:
                     self.send_specs[(ACT, mb, s)] = specs
                     self.recv_specs[(GRAD, mb, s + 1)] = specs
+        prepare = getattr(self.comm, "prepare", None)  # a transport that sizes its buffers from the shapes (shm)
+        if prepare is not None:
+            prepare(self.recv_specs, self.send_specs)
 
     # ---- the loop -------------------------------------------------------------------------------
     def run(self, step: int, inputs: list | None, targets: list | None) -> Generator[object, None, None]:
