@@ -178,10 +178,14 @@ class DistComm:
             raise CommError(f"{what} {self.name(peer)} failed: {why}", peer) from e
 
     def wait(self, recv: Recv) -> Generator[object, None, tuple[torch.Tensor, ...]]:
+        return self.take(recv)
+        yield  # a generator that never yields
+
+    def take(self, recv: Recv) -> tuple[torch.Tensor, ...]:
+        """`wait` as a plain call: the executor's loop takes messages this way from a blocking transport."""
         for w in recv.works:
             self._wait(w, recv.peer, recv.key, False)
         return recv.tensors
-        yield  # a generator that never yields
 
     def finish_sends(self) -> None:
         sends, self.sends = self.sends, []

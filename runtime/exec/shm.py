@@ -366,15 +366,20 @@ class ShmComm:
         return [self.send(key, peer, x) if what == "send" else self.post(key, peer, x) for what, key, peer, x in items]
 
     def wait(self, recv: Recv) -> Generator[object, None, tuple[torch.Tensor, ...]]:
+        return self.take(recv)
+        yield  # a generator that never yields
+
+    def take(self, recv: Recv) -> tuple[torch.Tensor, ...]:
+        """The message of a posted receive, copied out of its slot (blocking until it is there)."""
         ch, i, n = recv.chan, recv.slot, recv.want
         at = HEADER + 2 * i
         ctrl = ch.ctrl
         if ctrl[at] < n:
             self._block(ch, at, n, recv)
-        out = tuple(v.clone() for v in ch.views[i])
+        views = ch.views[i]
+        out = (views[0].clone(),) if len(views) == 1 else tuple(v.clone() for v in views)
         ctrl[at + 1] = n
         return out
-        yield  # a generator that never yields
 
     def finish_sends(self) -> None:
         """Every send completed in its call (the data is in the peer's segment)."""
