@@ -351,8 +351,12 @@ class ShmComm:
         at = HEADER + 2 * i
         if ctrl[at + 1] < n:  # the previous message of this key is not read yet
             self._wait_read(ch, at, n, key)
-        for v, t in zip(ch.views[i], tensors):
-            v.copy_(t)
+        views = ch.views[i]
+        if len(views) == 1:
+            views[0].copy_(tensors[0])
+        else:
+            for v, t in zip(views, tensors):
+                v.copy_(t)
         ctrl[at] = ch.count[i] = n + 1
         if ctrl[SLEEPING]:
             try:
