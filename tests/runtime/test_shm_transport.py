@@ -127,3 +127,29 @@ def test_a_peer_killed_mid_step_on_shm_is_named_and_nothing_is_left():
     assert "shared-memory channel" in results[0].stderr + results[2].stderr
     assert elapsed < 15
     assert leftovers() <= before
+
+
+class GrowsOffMeta(torch.nn.Module):
+    """Stage 0 outputs twice its input's rows when it really runs: its shape does not follow from the
+    handshake's inference (on meta tensors), which every transport's buffers were sized from."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x if x.device.type == "meta" else torch.cat([x, x])
+
+
+def test_a_send_whose_shape_differs_from_the_handshake_is_refused():
+    from pipec.api import load
+    from pipec.passes.compiler import compile_schedule
+    from pipec.runtime import LocalPipeline, StageOptions
+    from pipec.runtime.errors import ShapeError
+
+    prog = compile_schedule(load("1f1b", p=2, m=2)).program
+    build = {0: GrowsOffMeta(), 1: torch.nn.Linear(4, 4).double()}
+    pipe = LocalPipeline(prog, build, lambda out, y: ((out - y) ** 2).mean(), options=StageOptions())
+    x, y = torch.randn(4, 4, dtype=torch.float64), torch.randn(4, 4, dtype=torch.float64)
+    with pytest.raises(
+        ShapeError,
+        match=r"stage 0 produced float64 \[4, 4\] as the activation of micro-batch 0 .*"
+        r"established float64 \[2, 4\]",
+    ):
+        pipe.step(x, y)
