@@ -122,6 +122,7 @@ class Executor:
         self.tkeys = [self._key(op, mb, s) if MSG_OF[op] >= 0 else None for op, mb, s, _, _ in self.instrs]
         # a blocking transport's wait as a plain call (no generator per message); None: `wait`, which may yield
         self.take = getattr(comm, "take", None)
+        self.one_by_one = bool(getattr(comm, "one_by_one", False))
         table = Executor.FORWARD_ONLY if program.forward_only else Executor.HANDLERS
         self.handlers = [MethodType(table[name], self) for name in OPCODES]
         self.outputs: dict[int, Any] = {}  # a forward-only step's last-stage outputs, by micro-batch
@@ -364,11 +365,21 @@ class Executor:
 
     def _transfer(self, j: int, mb: int, s: int, got: Any) -> int:
         """A send or a receive; with its group bit, a batched exchange of it and the next instruction
-        (validate allows exactly two transfers with one peer)."""
-        op, _, s, peer, g = self.instrs[j]
-        if g:
-            self._exchange([j, j + 1])
+        (validate allows exactly two transfers with one peer). A transport that issues an exchange's
+        transfers one by one anyway (`one_by_one`: gloo, shared memory) takes them as two single ones."""
+        if self.instrs[j][4]:
+            if self.one_by_one:
+                self._one(j)
+                self._one(j + 1)
+            else:
+                self._exchange([j, j + 1])
             return 2
+        self._one(j)
+        return 1
+
+    def _one(self, j: int) -> None:
+        """One send or receive, alone."""
+        op, _, s, peer, _ = self.instrs[j]
         key = self.tkeys[j]
         if _IS_RECV[op]:
             k = self.recv_ord[j]
@@ -387,7 +398,6 @@ class Executor:
             self.comm.send(key, peer, tensors)
         if self.recv_ahead:
             self._post_upto(self.reached + self.recv_ahead)
-        return 1
 
     def _check_send(self, key: Key, s: int, tensors: tuple) -> None:
         """A stage's output must have the shapes the handshake established (a transport's buffers have them)."""

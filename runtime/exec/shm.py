@@ -214,6 +214,7 @@ class ShmComm:
     one pipeline on one host. `prepare` (called by the executor after each shape handshake) sizes the slots."""
 
     pg = None  # not gloo's process group: receives need no posting ahead
+    one_by_one = True  # an exchange is its transfers in any order: the executor hands them over singly
 
     def __init__(self, program: Program, rank: int, timeout: float, group: Any, store: Any) -> None:
         import torch.distributed as dist
@@ -390,17 +391,11 @@ class ShmComm:
 
     # ---- waiting ------------------------------------------------------------------------------------
     def _block(self, ch: Channel, at: int, n: int, recv: Recv) -> None:
-        ctrl, fd = ch.ctrl, ch.fd
+        ctrl, fd, poll = ch.ctrl, ch.fd, ch.poller.poll
         deadline = time.monotonic() + self.timeout
+        ctrl[SLEEPING] = 1
         try:
-            while True:
-                ctrl[SLEEPING] = 1
-                try:
-                    os.read(fd, 65536)  # drain old wake-ups (and a system call orders the store above)
-                except BlockingIOError:
-                    pass
-                if ctrl[at] >= n:
-                    return
+            while ctrl[at] < n:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise CommError(
@@ -408,8 +403,15 @@ class ShmComm:
                         f"{self.timeout:g} s",
                         recv.peer,
                     )
-                events = ch.poller.poll(1000 * min(left, TICK))
-                if events and events[0][1] & (select.POLLHUP | select.POLLERR) and ctrl[at] < n:
+                events = poll(1000 * min(left, TICK))
+                if not events:
+                    continue
+                if events[0][1] & select.POLLIN:
+                    try:
+                        os.read(fd, 65536)  # this wake-up and any stale ones (from waits that ended without one)
+                    except BlockingIOError:
+                        pass
+                elif ctrl[at] < n:  # a hang-up (POLLHUP, POLLERR) and no message: the sender is gone
                     raise CommError(
                         f"receiving {key_str(recv.key)} from {self.name(recv.peer)} failed: the peer closed "
                         "its end of the shared-memory channel (it exited or died)",
