@@ -9,11 +9,12 @@ Two gloo processes, bound as `pipec run` binds them, run the schedule (p=2, m=8)
 benchmarks/blocks_model.py (16 blocks of Linear(256, 256) + GELU in float64, 64 KiB messages) through
 the runtime's `Runner`, with the executor's and the transport's methods wrapped in timers: `send` (gloo
 writes the data in the call), `post` (a receive: its buffer, `_recv_ops`, and gloo's call, which sends
-the peer a "ready" notice), `_wait` (each work waited on), and the executor's `_exchange` and
-`_post_upto` around them. One JSON line per rank and call: calls per step, median and mean in us,
-after 3 untimed steps. The cost file's `overhead` (pipec.runtime.profile.overhead) is what these add up
-to between two compute ops. `--transport shm` times the shared-memory transport's calls instead (`send`:
-the copy into the peer's segment; `post`: a slot's counter; `take`: the copy out; `_block`: a wait).
+the peer a "ready" notice), `_wait` (each work waited on), and the executor's `_one` (one transfer),
+`_exchange` (a batched one, NCCL) and `_post_upto` around them. One JSON line per rank and call: calls
+per step, median and mean in us, after 3 untimed steps. The cost file's `overhead`
+(pipec.runtime.profile.overhead) is what these add up to between two compute ops. `--transport shm`
+times the shared-memory transport's calls instead (`send`: the copy into the peer's segment; `post`: a
+slot's counter; `take`: the copy out; `_block`: a wait).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WRAPPED = {
     "DistComm": ("post", "send", "_recv_ops", "_send_ops", "_issue", "_wait"),
     "ShmComm": ("post", "send", "take", "_block", "_wait_read"),
-    "Executor": ("_transfer", "_exchange", "_post_upto"),
+    "Executor": ("_one", "_exchange", "_post_upto"),
 }
 
 
