@@ -13,13 +13,15 @@ previous message of that key unread waits (with the run's timeout) for it. That 
 a slot's previous occupant is the same key of an earlier step, and the ranks in the earliest step never
 wait on a send (everything of the step before has been read), so they progress as the Program does.
 
-Notify: a reader whose message has not arrived sets the channel's `sleeping` word and blocks in
-`poll` on a FIFO from the sender, in slices of `TICK` seconds up to the timeout; a sender writes one
-byte to the FIFO after a message when it sees `sleeping` set. The sender is the FIFO's only writer, so
-a sender that exits or dies closes it and the reader's poll reports a hang-up at once: a named-rank
-CommError, not a wait for the timeout. (The check of `sleeping` after a store is not fenced: in the
-rare case both sides read the other's old word, the reader wakes at the next tick.) x86-64 only: the
-data-before-counter order relies on its store ordering.
+Notify: a reader whose message has not arrived sets the channel's `sleeping` word and sleeps on the
+channel's futex word (FUTEX_WAIT with the value it read, in slices of `TICK` seconds up to the timeout);
+a sender bumps that word after every message and, when it sees `sleeping` set, wakes the reader
+(FUTEX_WAKE). The kernel compares the word before sleeping, so a message sent after the reader's look is
+not slept through; only when both sides read the other's old `sleeping` at once (the check is not
+fenced) does the reader wake at its next tick. Each channel also has a FIFO from the sender that nothing
+is written to: the sender holds its only write end, so a sender that exits or dies hangs it up, and the
+reader, polling it at every tick, fails at once with a named-rank CommError, not at the timeout. x86-64
+only: the data-before-counter order relies on its store ordering (and the futex call number is its).
 
 Names: the receiver publishes its segment's and FIFO's names through the job's store; the sender opens
 both and acknowledges; the receiver then unlinks both names. From then on nothing is left in /dev/shm
@@ -31,6 +33,7 @@ slots makes a new segment for it (a new generation), between steps, when every e
 
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
 import os
@@ -50,11 +53,21 @@ from pipec.runtime.errors import CommError
 from pipec.runtime.exec.comm import ACT, GRAD, Key, Recv, key_str, short_error
 from pipec.runtime.exec.shapes import Specs
 
+_syscall = ctypes.CDLL(None, use_errno=True).syscall
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+_TICK = ctypes.byref(_Timespec(0, 10_000_000))  # TICK
 DIR = "/dev/shm"
 TICK = 0.01  # seconds a blocked reader sleeps before looking again (a missed wake-up costs at most this)
 ALIGN = 64
-HEADER = 16  # int64 words before the slots' counters: [layout hash, slots, .., sleeping at word 8]
+HEADER = 16  # int64 words before the slots' counters: [layout hash, slots, .., sleeping at word 8, futex word 12]
 SLEEPING = 8
+WAKE = 24  # the futex word, as an int32 index (int64 word 12): bumped by every message, waited on by the reader
+SYS_FUTEX, FUTEX_WAIT, FUTEX_WAKE = 202, 0, 1  # x86-64 Linux
 CHOICES = ("auto", "gloo", "shm")
 
 
@@ -103,7 +116,21 @@ def _hash(keys: list[Key], specs: dict[Key, Specs]) -> int:
 class Channel:
     """One direction between two ranks: the mapped segment, its counters, each slot's tensors, the FIFO."""
 
-    __slots__ = ("peer", "keys", "index", "mm", "ctrl", "views", "fd", "poller", "count", "gen", "specs")
+    __slots__ = (
+        "peer",
+        "keys",
+        "index",
+        "mm",
+        "ctrl",
+        "word",
+        "addr",
+        "views",
+        "fd",
+        "poller",
+        "count",
+        "gen",
+        "specs",
+    )
 
     def __init__(self, peer: int, keys: list[Key], specs: dict[Key, Specs], gen: int) -> None:
         self.peer, self.keys, self.gen = peer, keys, gen
@@ -119,6 +146,8 @@ class Channel:
     def map(self, fd: int, size: int) -> None:
         self.mm = mmap.mmap(fd, size)
         self.ctrl = memoryview(self.mm)[: (HEADER + 2 * len(self.keys)) * 8].cast("q")
+        self.word = memoryview(self.mm)[: HEADER * 8].cast("i")
+        self.addr = ctypes.c_void_p(ctypes.addressof(ctypes.c_char.from_buffer(self.mm)) + 4 * WAKE)
         offsets, _ = _layout(self.keys, self.specs)
         views = []
         for key, at in zip(self.keys, offsets):
@@ -137,7 +166,8 @@ class Channel:
         self.views = []
         if self.ctrl is not None:
             self.ctrl.release()
-            self.ctrl = None
+            self.word.release()
+            self.ctrl = self.word = self.addr = None
         if self.mm is not None:
             try:
                 self.mm.close()
@@ -359,13 +389,10 @@ class ShmComm:
             for v, t in zip(views, tensors):
                 v.copy_(t)
         ctrl[at] = ch.count[i] = n + 1
+        word = ch.word
+        word[WAKE] = (word[WAKE] + 1) & 0x3FFFFFFF
         if ctrl[SLEEPING]:
-            try:
-                os.write(ch.fd, b"\0")
-            except BlockingIOError:  # the FIFO is full of wake-ups: the reader will wake
-                pass
-            except OSError as e:
-                raise CommError(f"sending {key_str(key)} to {self.name(peer)} failed: {e}", peer) from e
+            _syscall(SYS_FUTEX, ch.addr, FUTEX_WAKE, 1, None, None, 0)
 
     def exchange(self, items: list[tuple[str, Key, int, Any]]) -> list[Recv | None]:
         return [self.send(key, peer, x) if what == "send" else self.post(key, peer, x) for what, key, peer, x in items]
@@ -391,27 +418,26 @@ class ShmComm:
 
     # ---- waiting ------------------------------------------------------------------------------------
     def _block(self, ch: Channel, at: int, n: int, recv: Recv) -> None:
-        ctrl, fd, poll = ch.ctrl, ch.fd, ch.poller.poll
+        """Sleep on the channel's futex word until the message is there: the kernel compares the word
+        with the value read before sleeping, so a message sent in between is not slept through. Every
+        `TICK` the FIFO is polled for a hang-up: a sender that died holds it no more."""
+        ctrl, word, addr = ch.ctrl, ch.word, ch.addr
         deadline = time.monotonic() + self.timeout
         ctrl[SLEEPING] = 1
         try:
             while ctrl[at] < n:
-                left = deadline - time.monotonic()
-                if left <= 0:
+                seen = word[WAKE]
+                if ctrl[at] >= n:
+                    break
+                if _syscall(SYS_FUTEX, addr, FUTEX_WAIT, seen, _TICK, None, 0) == 0 or ctrl[at] >= n:
+                    continue  # woken (or the word had changed): look again
+                if time.monotonic() > deadline:
                     raise CommError(
                         f"receiving {key_str(recv.key)} from {self.name(recv.peer)} failed: timed out after "
                         f"{self.timeout:g} s",
                         recv.peer,
                     )
-                events = poll(1000 * min(left, TICK))
-                if not events:
-                    continue
-                if events[0][1] & select.POLLIN:
-                    try:
-                        os.read(fd, 65536)  # this wake-up and any stale ones (from waits that ended without one)
-                    except BlockingIOError:
-                        pass
-                elif ctrl[at] < n:  # a hang-up (POLLHUP, POLLERR) and no message: the sender is gone
+                if ch.poller.poll(0):  # the sender never writes the FIFO: an event is its hang-up
                     raise CommError(
                         f"receiving {key_str(recv.key)} from {self.name(recv.peer)} failed: the peer closed "
                         "its end of the shared-memory channel (it exited or died)",
