@@ -153,3 +153,17 @@ def test_a_send_whose_shape_differs_from_the_handshake_is_refused():
         r"established float64 \[2, 4\]",
     ):
         pipe.step(x, y)
+
+
+@needs_shm
+def test_shapes_exchanged_again_remake_the_channels():
+    """examples/varlen.py changes its micro-batches' lengths at step 3: the shapes are exchanged again and
+    every channel gets a segment of the new size (a new generation), between steps; the run still equals
+    the reference, and nothing is left in /dev/shm."""
+    before = leftovers()
+    argv = ["1f1b", "-D", "p=2", "-D", "m=4", "--model", "examples/varlen.py", "--steps", "4", "--check"]
+    results, _, _ = launch(2, "launch", [*argv, "--transport", "shm"], env={}, timeout=120)
+    for r in results:
+        assert r.returncode == 0, f"rank {r.rank}:\n{r.stdout}\n{r.stderr[-3000:]}"
+    assert re.search(r"OK: largest relative error \S+ \(tolerance 1e-10\)", results[0].stdout), results[0].stdout
+    assert leftovers() <= before
