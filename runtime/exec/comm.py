@@ -85,9 +85,12 @@ class DistComm:
         # peer's message contend for the connection's lock; gloo's thread then leaves the arrival for its
         # next wake-up, which held both ranks of a 1F1B exchange idle for 1 to 9 ms (a few times a step).
         self.rank = pg.rank()
-        # gloo issues a batched exchange's transfers one by one: the executor may hand them over singly
-        self.one_by_one = self.pg is not None
         self.pg_down = _reverse_group(pg, self.timeout) if self.pg is not None and pg.size() > 1 else self.pg
+
+    @property
+    def one_by_one(self) -> bool:
+        """gloo issues a batched exchange's transfers one by one: the executor may hand them over singly."""
+        return self.pg is not None
 
     def tag(self, key: Key, j: int) -> int:
         kind, mb, stage = key

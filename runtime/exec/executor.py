@@ -81,6 +81,12 @@ from pipec.runtime.exec.stage import Stage
 _IS_RECV = IS_RECV.tolist()  # a list: indexing a numpy array per instruction costs more
 
 
+def _own(comm: Any, name: str, default: Any) -> Any:
+    """A transport's own attribute, not one a wrapper forwards from the transport inside it (EmulatedComm's
+    `__getattr__`): the inner transport's `take` would skip the wrapper's `wait`, which holds messages back."""
+    return getattr(comm, name) if hasattr(type(comm), name) else default
+
+
 class Executor:
     def __init__(
         self,
@@ -121,8 +127,8 @@ class Executor:
         # per transfer instruction, the message it names (None elsewhere): computed once, not per step
         self.tkeys = [self._key(op, mb, s) if MSG_OF[op] >= 0 else None for op, mb, s, _, _ in self.instrs]
         # a blocking transport's wait as a plain call (no generator per message); None: `wait`, which may yield
-        self.take = getattr(comm, "take", None)
-        self.one_by_one = bool(getattr(comm, "one_by_one", False))
+        self.take = _own(comm, "take", None)
+        self.one_by_one = bool(_own(comm, "one_by_one", False))
         table = Executor.FORWARD_ONLY if program.forward_only else Executor.HANDLERS
         self.handlers = [MethodType(table[name], self) for name in OPCODES]
         self.outputs: dict[int, Any] = {}  # a forward-only step's last-stage outputs, by micro-batch

@@ -167,3 +167,23 @@ def test_shapes_exchanged_again_remake_the_channels():
         assert r.returncode == 0, f"rank {r.rank}:\n{r.stdout}\n{r.stderr[-3000:]}"
     assert re.search(r"OK: largest relative error \S+ \(tolerance 1e-10\)", results[0].stdout), results[0].stdout
     assert leftovers() <= before
+
+
+def test_a_wrapper_s_forwarded_take_is_not_the_wrappers_own():
+    """The executor takes messages by a plain call only from a transport that has `take` itself: through a
+    wrapper that forwards attributes (EmulatedComm holds messages back in its `wait`), it must use `wait`."""
+    from pipec.runtime.exec.executor import _own
+    from pipec.runtime.exec.links import EmulatedComm
+
+    class Inner:
+        one_by_one = True
+
+        def take(self, recv):
+            return recv
+
+    wrapped = EmulatedComm.__new__(EmulatedComm)
+    wrapped.inner = Inner()
+    assert wrapped.take is not None  # forwarded by __getattr__ ...
+    assert _own(wrapped, "take", None) is None  # ... but not the wrapper's own
+    assert _own(wrapped, "one_by_one", False) is False
+    assert _own(Inner(), "take", None) is not None
