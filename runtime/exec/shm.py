@@ -286,6 +286,8 @@ class ShmComm:
                 self._wait_key(key + "/ok", ch.peer, "to attach the shared-memory channel")
                 for name in (path, fifo):
                     os.unlink(name)
+                for k in (key, key + "/ok"):  # read by both ends: the store needs them no more
+                    self.store.delete_key(k)
             made = []
         finally:
             for _, path, fifo in made:  # a failed set-up leaves nothing behind
