@@ -385,25 +385,34 @@ class Executor:
 
     def _one(self, j: int) -> None:
         """One send or receive, alone."""
+        item = self._item(j)
+        if item is not None:
+            what, key, peer, x = item
+            if what == "send":
+                self.comm.send(key, peer, x)
+            else:
+                self.values[key] = self.comm.post(key, peer, x)
+        if self.recv_ahead:
+            self._post_upto(self.reached + self.recv_ahead)
+
+    def _item(self, j: int) -> tuple[str, Key, int, Any] | None:
+        """Transfer j as ("send", key, peer, tensors) or ("recv", key, peer, specs); None for a receive
+        posted ahead already."""
         op, _, s, peer, _ = self.instrs[j]
-        key = self.tkeys[j]
         if _IS_RECV[op]:
             k = self.recv_ord[j]
             self.reached = k + 1
-            if k >= self.posted:  # not posted ahead: post it here
-                if self.record is not None:
-                    self.record.append(("post", *key, peer, time.perf_counter()))
-                self.values[key] = self.comm.post(key, peer, self.recv_specs[key])
-                self.posted = k + 1
-        else:
-            tensors = self.values.pop(key)
-            self._check_send(key, s, tensors)
-            if self.record is not None:
-                nbytes = sum(t.numel() * t.element_size() for t in tensors)
-                self.record.append(("send", *key, peer, time.perf_counter(), nbytes))
-            self.comm.send(key, peer, tensors)
-        if self.recv_ahead:
-            self._post_upto(self.reached + self.recv_ahead)
+            if k < self.posted:
+                return None
+            self.posted = k + 1  # not posted ahead: posted now
+            return self._recv_item(j)
+        key = self.tkeys[j]
+        tensors = self.values.pop(key)
+        self._check_send(key, s, tensors)
+        if self.record is not None:
+            nbytes = sum(t.numel() * t.element_size() for t in tensors)
+            self.record.append(("send", *key, peer, time.perf_counter(), nbytes))
+        return ("send", key, peer, tensors)
 
     def _check_send(self, key: Key, s: int, tensors: tuple) -> None:
         """A stage's output must have the shapes the handshake established (a transport's buffers have them)."""
@@ -518,23 +527,8 @@ class Executor:
             self.posted += 1
 
     def _exchange(self, js: list[int]) -> None:
-        items = []
-        for j in js:
-            op, mb, s, peer, _ = self.instrs[j]
-            if IS_RECV[op]:
-                k = self.recv_ord[j]
-                self.reached = k + 1
-                if k >= self.posted:  # not posted ahead: post it here, with the rest of the exchange
-                    items.append(self._recv_item(j))
-                    self.posted = k + 1
-            else:
-                key = self.tkeys[j]
-                tensors = self.values.pop(key)
-                self._check_send(key, s, tensors)
-                items.append(("send", key, peer, tensors))
-                if self.record is not None:
-                    nbytes = sum(t.numel() * t.element_size() for t in tensors)
-                    self.record.append(("send", *key, peer, time.perf_counter(), nbytes))
+        """Transfers js as one batched exchange (NCCL's batch_isend_irecv)."""
+        items = [item for item in map(self._item, js) if item is not None]
         if len(items) > 1:
             handles = self.comm.exchange(items)
         elif not items:
