@@ -149,12 +149,12 @@ class TorchSide:
 
 
 class PipecSide:
-    def __init__(self, name: str, rank: int, build, p: int = P, m: int = M) -> None:
+    def __init__(self, name: str, rank: int, build, p: int = P, m: int = M, p2p: str = "auto") -> None:
         import torch
 
         from pipec.api import load
         from pipec.passes.compiler import compile_schedule
-        from pipec.runtime import Runner, StageOptions
+        from pipec.runtime import Runner, StageOptions, Transport
 
         params = {"p": p, "m": m, **({"v": 2} if name == "interleaved-1f1b" else {})}
         self.program = compile_schedule(load(name, **params)).program
@@ -169,7 +169,9 @@ class PipecSide:
             loss_fn,
             rank=rank,
             options=StageOptions(optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3), dtype=torch.float64, seed=None),
+            transport=Transport(p2p=p2p),
         )
+        self.transport = type(self.runner.executor.comm).__name__
         self.instructions = [len(rp) for rp in self.program.ranks]
 
     def step(self, x, y) -> None:
@@ -242,8 +244,10 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> N
         x, y = data(rows_per_mb * case.m, width)
         sides = {
             "torch": TorchSide(case.schedule, rank, build, case.p, case.m),
-            "pipec": PipecSide(case.schedule, rank, build, case.p, case.m),
+            "pipec": PipecSide(case.schedule, rank, build, case.p, case.m, args.transport),
         }
+        if case.empty and sides["pipec"].transport != "DistComm":  # the dispatch figure on gloo beside it
+            sides["pipec-gloo"] = PipecSide(case.schedule, rank, build, case.p, case.m, "gloo")
         # Both start from the same weights and see the same batch: their first step's gradients must agree.
         for side in sides.values():
             side.step(x, y)
@@ -254,7 +258,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> N
         for side in sides.values():
             timed(side, x, y, 2)  # warm-up: first allocations
         rounds = alternate({who: round_of(timed, side, x, y, args.steps) for who, side in sides.items()}, args.rounds)
-        rows.append((case, rounds, sides["pipec"].instructions, (float(diff), int(count))))
+        rows.append((case, rounds, sides["pipec"].instructions, (float(diff), int(count)), sides["pipec"].transport))
         del sides
     if rank == 0:
         out.put(rows)
@@ -286,14 +290,16 @@ def run_ranks(target, world: int, args: argparse.Namespace) -> tuple[list, list[
     return rows, [p.exitcode for p in procs]
 
 
-def record(case: Case, rounds: dict, instrs: list[int], grad: tuple[float, int], args, load_start) -> dict:
-    """One JSON line: the side-by-side record, and for the empty model the dispatch figure."""
+def record(case: Case, rounds: dict, instrs: list[int], grad: tuple[float, int], comm: str, args, load_start) -> dict:
+    """One JSON line: the side-by-side record, and for the empty model the dispatch figure (with the same
+    figures for pipec on gloo, from the same rounds, under `gloo`, when pipec's own transport is another)."""
     grad_diff, grad_tensors = grad
     common = {
         "schedule": case.schedule,
         "p": case.p,
         "m": case.m,
         "backend": "gloo",
+        "transport": {"ShmComm": "shm", "DistComm": "gloo"}.get(comm, comm),
         "steps_per_round": args.steps,
         "grad_max_rel_diff": grad_diff,
         "grad_rtol": GRAD_RTOL,
@@ -313,12 +319,11 @@ def record(case: Case, rounds: dict, instrs: list[int], grad: tuple[float, int],
         **common,
         instructions_per_rank=instrs,
     )
-    main_cpu = [t.main_cpu for t in rounds["pipec"]]  # per step, summed over ranks, one per round
-    per_instr = [1e6 * c / sum(instrs) for c in main_cpu]
-    rec["dispatch_cpu_us"] = round(statistics.median(per_instr), 2)
-    rec["dispatch_cpu_us_range"] = [round(min(per_instr), 2), round(max(per_instr), 2)]
-    rec["dispatch_cpu_us_rounds"] = [round(x, 2) for x in per_instr]
+    rec.update(dispatch_figures(rounds["pipec"], rounds["torch"], instrs))
     rec["dispatch_cpu_us_target"] = 20
+    if "pipec-gloo" in rounds:
+        rec["gloo"] = dispatch_figures(rounds["pipec-gloo"], rounds["torch"], instrs)
+    main_cpu = [t.main_cpu for t in rounds["pipec"]]
     torch_main = [t.main_cpu for t in rounds["torch"]]
     rec["pipec_over_torch_main_cpu_per_step"] = rec["ratio_main_cpu"]  # summarize's ratio_main_cpu, named
     rec["pipec_over_torch_main_cpu_per_step_range"] = rec["ratio_main_cpu_range"]
@@ -330,6 +335,20 @@ def record(case: Case, rounds: dict, instrs: list[int], grad: tuple[float, int],
     return rec
 
 
+def dispatch_figures(pipec: list, torch: list, instrs: list[int]) -> dict:
+    """`dispatch_cpu_us` (main-thread CPU per instruction, median over the rounds, its range and every
+    round's) and the main-thread CPU per step against torch's (each round's ratio: median and range)."""
+    per_instr = [1e6 * t.main_cpu / sum(instrs) for t in pipec]  # per step, summed over ranks, one per round
+    ratios = [a.main_cpu / b.main_cpu for a, b in zip(pipec, torch)]
+    return {
+        "dispatch_cpu_us": round(statistics.median(per_instr), 2),
+        "dispatch_cpu_us_range": [round(min(per_instr), 2), round(max(per_instr), 2)],
+        "dispatch_cpu_us_rounds": [round(x, 2) for x in per_instr],
+        "main_cpu_ratio_rounds_median": round(statistics.median(ratios), 3),
+        "main_cpu_ratio_rounds_range": [round(min(ratios), 3), round(max(ratios), 3)],
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=5, help="ABBA rounds per system (default 5)")
@@ -338,6 +357,13 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=1800, help="give up after this many seconds")
     ap.add_argument("--no-empty", dest="empty", action="store_false", help="skip the empty-model dispatch runs")
     ap.add_argument("--only-dispatch", action="store_true", help="only the empty-model dispatch runs")
+    ap.add_argument(
+        "--transport",
+        choices=("auto", "gloo", "shm"),
+        default="auto",
+        help="pipec's point-to-point transport, as `pipec run --transport` (default auto: shm on one host); the "
+        "dispatch runs add pipec on gloo beside it when it is not gloo",
+    )
     smoke_flag(ap)
     args = ap.parse_args()
     dispatch, p_full = DISPATCH, P
@@ -355,8 +381,8 @@ def main() -> None:
         args.cases = cases
         load_start = load_average()  # other processes on the machine, before this run adds its own
         rows, codes = run_ranks(worker, world, args)
-        for case, rounds, instrs, grad in rows:
-            emit(record(case, rounds, instrs, grad, args, load_start))
+        for case, rounds, instrs, grad, comm in rows:
+            emit(record(case, rounds, instrs, grad, comm, args, load_start))
             if not grad[0] <= GRAD_RTOL or grad[1] == 0:
                 disagree.append(f"{case.label} p={case.p}: {grad[0]:.3g}")
         if any(codes):  # after the results were sent: reported, not fatal

@@ -2,16 +2,19 @@
 inside a real run.
 
     .venv/bin/python benchmarks/transfer_calls.py [--schedule interleaved-1f1b] [-D v=2] [--steps 10]
+    .venv/bin/python benchmarks/transfer_calls.py --transport shm   # the shared-memory transport's calls
     .venv/bin/python benchmarks/transfer_calls.py --smoke   # 1F1B, 1 step, a small model (tests)
 
 Two gloo processes, bound as `pipec run` binds them, run the schedule (p=2, m=8) on
 benchmarks/blocks_model.py (16 blocks of Linear(256, 256) + GELU in float64, 64 KiB messages) through
 the runtime's `Runner`, with the executor's and the transport's methods wrapped in timers: `send` (gloo
 writes the data in the call), `post` (a receive: its buffer, `_recv_ops`, and gloo's call, which sends
-the peer a "ready" notice), `_wait` (each work waited on), and the executor's `_exchange` and
-`_post_upto` around them. One JSON line per rank and call: calls per step, median and mean in us,
-after 3 untimed steps. The cost file's `overhead` (pipec.runtime.profile.overhead) is what these add up to
-between two compute ops.
+the peer a "ready" notice), `_wait` (each work waited on), and the executor's `_one` (one transfer),
+`_exchange` (a batched one, NCCL) and `_post_upto` around them. One JSON line per rank and call: calls
+per step, median and mean in us, after 3 untimed steps. The cost file's `overhead`
+(pipec.runtime.profile.overhead) is what these add up to between two compute ops. `--transport shm`
+times the shared-memory transport's calls instead (`send`: the copy into the peer's segment; `post`: a
+slot's counter; `take`: the copy out; `_block`: a wait).
 """
 
 from __future__ import annotations
@@ -31,17 +34,18 @@ from pipec.runtime.host import spawned
 ROOT = Path(__file__).resolve().parents[1]
 WRAPPED = {
     "DistComm": ("post", "send", "_recv_ops", "_send_ops", "_issue", "_wait"),
-    "Executor": ("_exchange", "_post_upto"),
+    "ShmComm": ("post", "send", "take", "_block", "_wait_read"),
+    "Executor": ("_one", "_exchange", "_post_upto"),
 }
 
 
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> None:
     os.environ["BLOCKS_M"] = "8"
     dist = spawned.join_gloo(rank, world, port)
-    from pipec.runtime.exec import comm, executor
+    from pipec.runtime.exec import comm, executor, shm
     from pipec.runtime.job.launch import load_program
     from pipec.runtime.model.contract import load_model
-    from pipec.runtime.runner import Runner, StageOptions
+    from pipec.runtime.runner import Runner, StageOptions, Transport
 
     times: dict[str, list[float]] = collections.defaultdict(list)
 
@@ -57,13 +61,14 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> N
 
         setattr(cls, name, wrapper)
 
-    for cls in (comm.DistComm, executor.Executor):
+    for cls in (comm.DistComm, shm.ShmComm, executor.Executor):
         for name in WRAPPED[cls.__name__]:
             timed(cls, name)
     program = load_program(args.schedule, [tuple(d.split("=", 1)) for d in ["p=2", "m=8", *args.define]])
     model = load_model(str(ROOT / "benchmarks" / "blocks_model.py"))
     options = StageOptions(optimizer=model.optimizer, dtype=model.dtype)
-    runner = Runner(program, model.build_stage, model.loss_fn, rank=rank, options=options)
+    transport = Transport(p2p=args.transport)
+    runner = Runner(program, model.build_stage, model.loss_fn, rank=rank, options=options, transport=transport)
     x, y = model.batch(0)
     for step in range(3 + args.steps):
         if step == 3:
@@ -75,6 +80,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> N
             "schedule": program.name,
             "params": " ".join(f"{k}={v}" for k, v in program.params),
             "rank": rank,
+            "transport": args.transport,
             "call": name,
             "calls_per_step": len(v) / args.steps,
             "median_us": round(1e6 * statistics.median(v), 1),
@@ -92,6 +98,7 @@ def main() -> None:
     ap.add_argument("--schedule", default="interleaved-1f1b", help="a library schedule (default interleaved-1f1b)")
     ap.add_argument("-D", dest="define", action="append", default=None, help="more parameters (default v=2)")
     ap.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
+    ap.add_argument("--transport", choices=("gloo", "shm"), default="gloo", help="whose calls are timed (default gloo)")
     smoke_flag(ap)
     args = ap.parse_args()
     if args.smoke:  # 1F1B, one timed step on a small model: the format (tests)

@@ -220,6 +220,7 @@ def dp_given(ns: argparse.Namespace | RunOptions) -> bool:
 
 # --- pipec run ----------------------------------------------------------------------------------------
 
+TRANSPORTS = ("auto", "gloo", "shm")  # = pipec.runtime.exec.shm.CHOICES
 CPU_BIND_MODES = ("auto", "none")  # = pipec.runtime.host.affinity.MODES (test_options.py holds them equal)
 MAX_STEPS = 10**9
 # More local processes than this per CPU is refused before any starts (a typo in --dp or -D p), unless --force.
@@ -243,6 +244,7 @@ class RunOptions:
     backend: str = "gloo"
     seed: int = 0
     recv_ahead: int | None = None
+    transport: str = "auto"
     cpu_bind: str = "auto"
     checkpoint: str | None = None
     checkpoint_every: int | None = None
@@ -328,6 +330,13 @@ class RunOptions:
             default=None,
             metavar="N",
             help="gloo: post each receive up to N receives before the Program places it (default 4; 0: where it says)",
+        )
+        ap.add_argument(
+            "--transport",
+            choices=TRANSPORTS,
+            default="auto",
+            help="gloo: messages between ranks through shared memory (shm) or gloo; auto (default): shm when every "
+            "rank of a pipeline is on one host",
         )
         ap.add_argument(
             "--cpu-bind",

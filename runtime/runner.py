@@ -36,7 +36,7 @@ import torch
 
 from pipec.ir.program import Program
 from pipec.runtime.errors import CommError, PipelineError, ShapeError, wrong_world_size
-from pipec.runtime.exec import slices
+from pipec.runtime.exec import shm, slices
 from pipec.runtime.exec.comm import DistComm
 from pipec.runtime.exec.executor import Executor
 from pipec.runtime.exec.microbatch import MicroBatches, as_args, split, to_device
@@ -102,7 +102,9 @@ class Transport:
     experts: expert parallelism (pipec.ir.experts.Experts; size > 1 shards the model's experts over groups of
     that many "dp" replicas, pipec.runtime.model.moe); overlap: run an overlapped pair's two ops together,
     their all-to-alls hidden behind each other's compute (False: one after the other, `--no-overlap`);
-    schedule: the Schedule the Program was lowered from, whose source lines locate a start-up diagnostic."""
+    schedule: the Schedule the Program was lowered from, whose source lines locate a start-up diagnostic;
+    p2p: the point-to-point transport, "auto" (shared memory when every rank of the pipeline is on this host
+    and tensors are on the CPU, pipec.runtime.exec.shm), "gloo" (torch.distributed, NCCL on CUDA) or "shm"."""
 
     timeout: float = 60.0
     comm: Any = None
@@ -116,6 +118,7 @@ class Transport:
     experts: Any = None
     overlap: bool = True
     schedule: Any = None
+    p2p: str = "auto"
 
 
 class StoreKV(KV):
@@ -202,10 +205,13 @@ class Runner:
             space = f"pipec/{next(_IDS)}/" + (f"dp{replicas.dp_rank}/" if replicas is not None else "")
             store = dist.PrefixStore(space, dist.distributed_c10d._get_default_store())
             kv = StoreKV(store, timeout) if kv is None else kv
-            comm = DistComm(program.num_stages, program.num_microbatches, torch.device(device), timeout, group)
+            if shm.choose(transport.p2p, torch.device(device), links is not None, store, rank, world, timeout) == "shm":
+                comm = shm.ShmComm(program, rank, timeout, group, store)
+            else:
+                comm = DistComm(program.num_stages, program.num_microbatches, torch.device(device), timeout, group)
             if recv_ahead is None:
                 recv_ahead = GLOO_RECV_AHEAD if comm.pg is not None else 0
-            elif recv_ahead and comm.pg is None:
+            elif recv_ahead and comm.pg is None and not isinstance(comm, shm.ShmComm):
                 raise PipelineError(
                     f"recv_ahead={recv_ahead}: receives can be posted ahead on gloo only; NCCL must post them "
                     "where the Program places them (a pending receive holds up the peer's later transfers)"

@@ -87,6 +87,11 @@ class DistComm:
         self.rank = pg.rank()
         self.pg_down = _reverse_group(pg, self.timeout) if self.pg is not None and pg.size() > 1 else self.pg
 
+    @property
+    def one_by_one(self) -> bool:
+        """gloo issues a batched exchange's transfers one by one: the executor may hand them over singly."""
+        return self.pg is not None
+
     def tag(self, key: Key, j: int) -> int:
         kind, mb, stage = key
         return (((kind * self.S) + stage) * self.m + mb) * MAX_TENSORS + j
@@ -178,10 +183,14 @@ class DistComm:
             raise CommError(f"{what} {self.name(peer)} failed: {why}", peer) from e
 
     def wait(self, recv: Recv) -> Generator[object, None, tuple[torch.Tensor, ...]]:
+        return self.take(recv)
+        yield  # a generator that never yields
+
+    def take(self, recv: Recv) -> tuple[torch.Tensor, ...]:
+        """`wait` as a plain call: the executor's loop takes messages this way from a blocking transport."""
         for w in recv.works:
             self._wait(w, recv.peer, recv.key, False)
         return recv.tensors
-        yield  # a generator that never yields
 
     def finish_sends(self) -> None:
         sends, self.sends = self.sends, []

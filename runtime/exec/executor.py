@@ -78,6 +78,14 @@ from pipec.runtime.exec.saved import Peaks, Pool
 from pipec.runtime.exec.shapes import Specs, TensorSpec, fmt
 from pipec.runtime.exec.stage import Stage
 
+_IS_RECV = IS_RECV.tolist()  # a list: indexing a numpy array per instruction costs more
+
+
+def _own(comm: Any, name: str, default: Any) -> Any:
+    """A transport's own attribute, not one a wrapper forwards from the transport inside it (EmulatedComm's
+    `__getattr__`): the inner transport's `take` would skip the wrapper's `wait`, which holds messages back."""
+    return getattr(comm, name) if hasattr(type(comm), name) else default
+
 
 class Executor:
     def __init__(
@@ -116,6 +124,11 @@ class Executor:
         self.recv_ord = {j: k for k, j in enumerate(self.recvs)}
         # per instruction, the message its compute consumes when the stage that sends it exists (else None)
         self.needs = [self._needed(op, mb, s) for op, mb, s, _, _ in self.instrs]
+        # per transfer instruction, the message it names (None elsewhere): computed once, not per step
+        self.tkeys = [self._key(op, mb, s) if MSG_OF[op] >= 0 else None for op, mb, s, _, _ in self.instrs]
+        # a blocking transport's wait as a plain call (no generator per message); None: `wait`, which may yield
+        self.take = _own(comm, "take", None)
+        self.one_by_one = bool(_own(comm, "one_by_one", False))
         table = Executor.FORWARD_ONLY if program.forward_only else Executor.HANDLERS
         self.handlers = [MethodType(table[name], self) for name in OPCODES]
         self.outputs: dict[int, Any] = {}  # a forward-only step's last-stage outputs, by micro-batch
@@ -125,6 +138,7 @@ class Executor:
         self.reached = 0  # receive instructions of this step the loop has reached
         # memory ops: the (mb, stage) pairs whose FWD keeps only its input, and the saved-tensor pool
         self.recomputed = {(mb, s) for op, mb, s, _, _ in self.instrs if op == RECOMPUTE}
+        self.keep_only = [op == FWD and (mb, s) in self.recomputed for op, mb, s, _, _ in self.instrs]
         offloaded = {(mb, s) for op, mb, s, _, _ in self.instrs if op in (OFFLOAD, RELOAD)}
         self.pool: Pool | None = None
         self.peaks: Peaks | None = None  # the last step's peak saved bytes, when a pool exists
@@ -180,6 +194,9 @@ class Executor:
                 if s < self.S - 1:
                     self.send_specs[(ACT, mb, s)] = specs
                     self.recv_specs[(GRAD, mb, s + 1)] = specs
+        prepare = getattr(self.comm, "prepare", None)  # a transport that sizes its buffers from the shapes (shm)
+        if prepare is not None:
+            prepare(self.recv_specs, self.send_specs)
 
     # ---- the loop -------------------------------------------------------------------------------
     def run(self, step: int, inputs: list | None, targets: list | None) -> Generator[object, None, None]:
@@ -201,12 +218,20 @@ class Executor:
         moe = self.moe
         if moe is not None:
             moe.step, moe.record = step, rec
+        take, values = self.take, self.values
         j = 0
         while j < n:
             self.at = j
             op, mb, s, _, g = instrs[j]
             key = needs[j]
-            got = None if key is None else (yield from self._take(key))
+            if key is None:
+                got = None
+            elif take is not None and rec is None:  # the common case inline: a blocking transport, no record
+                got = values.pop(key, None)
+                if got.__class__ is not tuple:
+                    got = take(got) if isinstance(got, Recv) else (yield from self._take(key, got))
+            else:
+                got = yield from self._take(key)
             if moe is None:
                 j += handlers[op](j, mb, s, got)
             elif g and GROUP_CLASS[op] == OVERLAP and self.overlap:
@@ -238,7 +263,7 @@ class Executor:
         rec = self.record
         t0 = time.perf_counter() if rec is not None else 0.0
         target = self.targets[mb] if s == self.S - 1 else None
-        out = self.stages[s].forward(mb, args, target, keep_input_only=(mb, s) in self.recomputed)
+        out = self.stages[s].forward(mb, args, target, keep_input_only=self.keep_only[j])
         if out is not None:
             self.values[(ACT, mb, s)] = out
         if rec is not None:
@@ -346,12 +371,67 @@ class Executor:
 
     def _transfer(self, j: int, mb: int, s: int, got: Any) -> int:
         """A send or a receive; with its group bit, a batched exchange of it and the next instruction
-        (validate allows exactly two transfers with one peer)."""
+        (validate allows exactly two transfers with one peer). A transport that issues an exchange's
+        transfers one by one anyway (`one_by_one`: gloo, shared memory) takes them as two single ones."""
         if self.instrs[j][4]:
-            self._exchange([j, j + 1])
+            if self.one_by_one:
+                self._one(j)
+                self._one(j + 1)
+            else:
+                self._exchange([j, j + 1])
             return 2
-        self._exchange([j])
+        self._one(j)
         return 1
+
+    def _one(self, j: int) -> None:
+        """One send or receive, alone."""
+        item = self._item(j)
+        if item is not None:
+            what, key, peer, x = item
+            if what == "send":
+                self.comm.send(key, peer, x)
+            else:
+                self.values[key] = self.comm.post(key, peer, x)
+        if self.recv_ahead:
+            self._post_upto(self.reached + self.recv_ahead)
+
+    def _item(self, j: int) -> tuple[str, Key, int, Any] | None:
+        """Transfer j as ("send", key, peer, tensors) or ("recv", key, peer, specs); None for a receive
+        posted ahead already."""
+        op, _, s, peer, _ = self.instrs[j]
+        if _IS_RECV[op]:
+            k = self.recv_ord[j]
+            self.reached = k + 1
+            if k < self.posted:
+                return None
+            self.posted = k + 1  # not posted ahead: posted now
+            return self._recv_item(j)
+        key = self.tkeys[j]
+        tensors = self.values.pop(key)
+        self._check_send(key, s, tensors)
+        if self.record is not None:
+            nbytes = sum(t.numel() * t.element_size() for t in tensors)
+            self.record.append(("send", *key, peer, time.perf_counter(), nbytes))
+        return ("send", key, peer, tensors)
+
+    def _check_send(self, key: Key, s: int, tensors: tuple) -> None:
+        """A stage's output must have the shapes the handshake established (a transport's buffers have them)."""
+        expected = self.send_specs.get(key)
+        if expected is None:
+            return
+        if len(tensors) == len(expected) == 1:  # the common case without a generator
+            if tensors[0].shape == expected[0].shape and tensors[0].dtype == expected[0].dtype:
+                return
+        elif len(tensors) == len(expected) and all(
+            t.shape == e.shape and t.dtype == e.dtype for t, e in zip(tensors, expected)
+        ):
+            return
+        got = tuple(TensorSpec.of(t) for t in tensors)
+        raise ShapeError(
+            f"stage {s} produced {fmt(got)} as {key_str(key)} at step {self.step + 1}, but the shape "
+            f"exchange established {fmt(expected)} (a stage's output shape must follow from its input "
+            "shape alone)"
+        )
 
     # The one dispatch table: opcode name -> the method that executes it (every opcode of
     # pipec.ir.opcodes has one; `handlers` is it indexed by opcode number, bound to this executor).
@@ -374,14 +454,15 @@ class Executor:
     # A forward-only Program (an evaluation pass, `Program.forward_only`) differs in one row.
     FORWARD_ONLY: dict[str, Callable[..., int]] = {**HANDLERS, "FWD": _infer}
 
-    def _take(self, key: Key) -> Generator[object, None, Any]:
-        try:
-            v = self.values.pop(key)
-        except KeyError:
+    def _take(self, key: Key, v: Any = None) -> Generator[object, None, Any]:
+        """The message `key` (popped from the table unless given as `v`), its receive completed."""
+        if v is None:
+            v = self.values.pop(key, None)
+        if v is None:
             raise PipelineError(
                 f"rank {self.rank}: {key_str(key)} is needed but was never received or produced here: "
                 "the Program is inconsistent"
-            ) from None
+            )
         if isinstance(v, Recv):
             peer = v.peer
             v = yield from self.comm.wait(v)
@@ -432,8 +513,7 @@ class Executor:
         return (int(MSG_OF[op]), mb, s + int(KEY_STAGE[op]))
 
     def _recv_item(self, j: int) -> tuple[str, tuple[int, int, int], int, Any]:
-        op, mb, s, peer, _ = self.instrs[j]
-        key = self._key(op, mb, s)
+        peer, key = self.instrs[j][3], self.tkeys[j]
         if self.record is not None:
             self.record.append(("post", *key, peer, time.perf_counter()))
         return ("recv", key, peer, self.recv_specs[key])
@@ -447,30 +527,8 @@ class Executor:
             self.posted += 1
 
     def _exchange(self, js: list[int]) -> None:
-        items = []
-        for j in js:
-            op, mb, s, peer, _ = self.instrs[j]
-            if IS_RECV[op]:
-                k = self.recv_ord[j]
-                self.reached = k + 1
-                if k >= self.posted:  # not posted ahead: post it here, with the rest of the exchange
-                    items.append(self._recv_item(j))
-                    self.posted = k + 1
-            else:
-                key = self._key(op, mb, s)
-                tensors = self.values.pop(key)
-                expected = self.send_specs.get(key)
-                got = tuple(TensorSpec.of(t) for t in tensors)
-                if expected is not None and got != expected:
-                    raise ShapeError(
-                        f"stage {s} produced {fmt(got)} as {key_str(key)} at step {self.step + 1}, but the shape "
-                        f"exchange established {fmt(expected)} (a stage's output shape must follow from its input "
-                        "shape alone)"
-                    )
-                items.append(("send", key, peer, tensors))
-                if self.record is not None:
-                    nbytes = sum(t.numel() * t.element_size() for t in tensors)
-                    self.record.append(("send", *key, peer, time.perf_counter(), nbytes))
+        """Transfers js as one batched exchange (NCCL's batch_isend_irecv)."""
+        items = [item for item in map(self._item, js) if item is not None]
         if len(items) > 1:
             handles = self.comm.exchange(items)
         elif not items:

@@ -312,6 +312,7 @@ class Worker:
                 timeout=args.timeout,
                 links=self._links(),
                 recv_ahead=args.recv_ahead,
+                p2p=args.transport,
                 dp_unit=args.dp_unit,
                 experts=self.program.experts if self.program.experts.size > 1 else None,
                 overlap=not args.no_overlap,

@@ -18,6 +18,18 @@ from datetime import timedelta
 from repo import ROOT
 
 
+def digest(tensors: dict) -> str:
+    """A hash of every tensor's bytes, by name: equal digests are bitwise-equal values."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in sorted(tensors, key=str):
+        t = tensors[name]
+        h.update(repr(name).encode())
+        h.update(b"none" if t is None else t.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     out_dir, steps, configs = argv[0], int(argv[1]), argv[2:]
@@ -46,7 +58,8 @@ def main(argv: list[str] | None = None) -> None:
         prog = compile_schedule(load(name, **params)).program
         kw = dict(optimizer=model.optimizer, dtype=model.dtype)
         ahead = 0 if i % 2 or sub is not None else None
-        transport = Transport(timeout=30, recv_ahead=ahead, group=sub)
+        p2p = os.environ.get("PIPEC_TEST_TRANSPORT", "gloo" if sub is not None else "auto")  # subgroup: P2POp
+        transport = Transport(timeout=30, recv_ahead=ahead, group=sub, p2p=p2p)
         runner = Runner(prog, model.build_stage, model.loss_fn, options=StageOptions(**kw), transport=transport)
         if sub is not None:
             runner.executor.comm.pg = None  # P2POp, as on NCCL
@@ -63,7 +76,10 @@ def main(argv: list[str] | None = None) -> None:
                 res["grad_err"] = max(grads.values())
                 res["grads"] = len(grads)
                 res["missing_grads"] = [f"{s}:{n}" for (s, n), g in runner.named_gradients().items() if g is None]
+                res["grad_digest"] = digest(runner.named_gradients())  # two transports compare bitwise
+                res["transport"] = type(runner.executor.comm).__name__
         res["param_err"] = max(compare(runner.named_parameters(), ref.named_parameters()).values())
+        res["param_digest"] = digest(runner.named_parameters())
         results[spec] = res
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)

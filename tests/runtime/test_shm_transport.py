@@ -1,0 +1,189 @@
+"""The shared-memory transport (pipec.runtime.exec.shm): which messages a channel carries, when it is
+chosen, that it computes bitwise what gloo computes, and that a peer dying mid-step is named, not waited
+on, with nothing left in /dev/shm."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from datetime import timedelta
+
+import pytest
+
+pytest.importorskip("torch")
+
+import torch  # noqa: E402
+from runtime_harness import launch  # noqa: E402
+
+from pipec import options  # noqa: E402
+from pipec.runtime.errors import CommError  # noqa: E402
+from pipec.runtime.exec import shm  # noqa: E402
+from pipec.runtime.exec.comm import ACT, GRAD  # noqa: E402
+
+MLP_ENV = {"MLP_WIDTH": "16", "MLP_DEPTH": "8", "MLP_BATCH": "16", "MLP_DTYPE": "float64"}
+needs_shm = pytest.mark.skipif(shm.supported() is not None, reason=f"shared memory: {shm.supported()}")
+
+
+def leftovers() -> set[str]:
+    return {n for n in os.listdir(shm.DIR) if n.startswith("pipec-")} if os.path.isdir(shm.DIR) else set()
+
+
+def test_a_channel_carries_every_message_between_its_two_ranks_and_no_other():
+    """A V placement (ZB-V, p=2): rank 0 holds stages 0 and 3, rank 1 stages 1 and 2."""
+    place = (0, 1, 1, 0)
+    assert shm.channel_keys(place, 2, 0, 1) == [(ACT, 0, 0), (ACT, 1, 0), (GRAD, 0, 3), (GRAD, 1, 3)]
+    assert shm.channel_keys(place, 2, 1, 0) == [(GRAD, 0, 1), (GRAD, 1, 1), (ACT, 0, 2), (ACT, 1, 2)]
+    # stage 1 -> 2 is a local hand-off: in no channel
+    assert all(k[2] != 1 or k[0] != ACT for k in shm.channel_keys(place, 2, 1, 0))
+
+
+class DictStore:
+    """The c10d store's calls `choose` makes, over a dict (the other ranks have published already)."""
+
+    def __init__(self, values: dict[str, str]) -> None:
+        self.values = dict(values)
+
+    def set(self, key: str, value: str) -> None:
+        self.values[key] = value
+
+    def wait(self, keys: list[str], timeout: timedelta) -> None:
+        if not all(k in self.values for k in keys):
+            raise RuntimeError("Socket Timeout")
+
+    def get(self, key: str) -> bytes:
+        return self.values[key].encode()
+
+
+def test_the_transport_flag_offers_what_the_runtime_chooses_from():
+    assert options.TRANSPORTS == shm.CHOICES
+
+
+@needs_shm
+def test_shm_is_chosen_on_one_host_with_cpu_tensors_and_gloo_otherwise():
+    cpu = torch.device("cpu")
+    here = DictStore({"shm/host/1": shm.host_id()})
+    assert shm.choose("auto", cpu, False, here, 0, 2, 1.0) == "shm"
+    assert shm.choose("gloo", cpu, False, here, 0, 2, 1.0) == "gloo"
+    assert shm.choose("auto", cpu, True, here, 0, 2, 1.0) == "gloo"  # emulated links stay on gloo
+    assert shm.choose("auto", torch.device("cuda"), False, here, 0, 2, 1.0) == "gloo"
+    elsewhere = DictStore({"shm/host/1": "another-host/0"})
+    assert shm.choose("auto", cpu, False, elsewhere, 0, 2, 1.0) == "gloo"
+    with pytest.raises(CommError, match="rank 1 is on another host"):
+        shm.choose("shm", cpu, False, elsewhere, 0, 2, 1.0)
+    with pytest.raises(CommError, match=r"reading rank 1's host"):  # a rank that never publishes: a timeout
+        shm.choose("auto", cpu, False, DictStore({}), 0, 2, 0.1)
+
+
+# 1F1B, interleaved, zero-bubble split backward, DualPipeV's overlapped pairs, recomputation, offload
+SPECS = [
+    "1f1b:p=2,m=4",
+    "interleaved-1f1b:p=2,m=4,v=2",
+    "zb-h1:p=2,m=4",
+    "dualpipe-v:p=2,m=4",
+    "1f1b-recompute:p=2,m=4",
+]
+
+
+@needs_shm
+def test_shm_and_gloo_compute_bitwise_the_same(tmp_path):
+    """The same job on both transports: the same losses, gradients and parameters to the bit (the
+    arithmetic is the same; only how the bytes travel differs), both equal to the reference, and nothing
+    left in /dev/shm."""
+    before = leftovers()
+    rows = {}
+    for p2p in ("gloo", "shm"):
+        out = tmp_path / p2p
+        out.mkdir()
+        env = {**MLP_ENV, "PIPEC_TEST_TRANSPORT": p2p}
+        results, _, _ = launch(2, "worker", [str(out), "2", *SPECS], env=env, timeout=240)
+        for r in results:
+            assert r.returncode == 0, f"{p2p} rank {r.rank} failed:\n{r.stderr[-3000:]}"
+        rows[p2p] = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    for spec in SPECS:
+        for rank in range(2):
+            g, s = rows["gloo"][rank][spec], rows["shm"][rank][spec]
+            assert (g["transport"], s["transport"]) == ("DistComm", "ShmComm")
+            assert g["loss"] == s["loss"], (spec, rank)
+            assert g["grad_digest"] == s["grad_digest"], (spec, rank)
+            assert g["param_digest"] == s["param_digest"], (spec, rank)
+            assert s["grad_err"] <= 1e-10 and s["param_err"] <= 1e-10, s
+    assert leftovers() <= before
+
+
+@needs_shm
+def test_a_peer_killed_mid_step_on_shm_is_named_and_nothing_is_left():
+    """Rank 1 is SIGKILLed in its FWD of step 2: its peers, blocked on its shared-memory channels, learn
+    it from the channel's hang-up (or the heartbeat), name it, and end well before the 20 s timeout."""
+    before = leftovers()
+    argv = ["1f1b", "-D", "p=3", "-D", "m=3", "--model", "tests/models/faulty.py", "--timeout", "20"]
+    env = {"PIPEC_FAULT": "kill", "PIPEC_FAULT_STAGE": "1", "PIPEC_FAULT_CALL": "4"}
+    results, elapsed, _ = launch(3, "launch", [*argv, "--transport", "shm"], env=env, timeout=60)
+    assert results[1].returncode == -9
+    dead = r"rank 1 stopped responding or died \((no heartbeat for [\d.]+ s; )?its last reported position: step 2, "
+    for r in (results[0], results[2]):
+        assert r.returncode != 0
+        assert re.search(dead, r.stderr), r.stderr
+    assert "shared-memory channel" in results[0].stderr + results[2].stderr
+    assert elapsed < 15
+    assert leftovers() <= before
+
+
+class GrowsOffMeta(torch.nn.Module):
+    """Stage 0 outputs twice its input's rows when it really runs: its shape does not follow from the
+    handshake's inference (on meta tensors), which every transport's buffers were sized from."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x if x.device.type == "meta" else torch.cat([x, x])
+
+
+def test_a_send_whose_shape_differs_from_the_handshake_is_refused():
+    from pipec.api import load
+    from pipec.passes.compiler import compile_schedule
+    from pipec.runtime import LocalPipeline, StageOptions
+    from pipec.runtime.errors import ShapeError
+
+    prog = compile_schedule(load("1f1b", p=2, m=2)).program
+    build = {0: GrowsOffMeta(), 1: torch.nn.Linear(4, 4).double()}
+    pipe = LocalPipeline(prog, build, lambda out, y: ((out - y) ** 2).mean(), options=StageOptions())
+    x, y = torch.randn(4, 4, dtype=torch.float64), torch.randn(4, 4, dtype=torch.float64)
+    with pytest.raises(
+        ShapeError,
+        match=r"stage 0 produced float64 \[4, 4\] as the activation of micro-batch 0 .*"
+        r"established float64 \[2, 4\]",
+    ):
+        pipe.step(x, y)
+
+
+@needs_shm
+def test_shapes_exchanged_again_remake_the_channels():
+    """examples/varlen.py changes its micro-batches' lengths at step 3: the shapes are exchanged again and
+    every channel gets a segment of the new size (a new generation), between steps; the run still equals
+    the reference, and nothing is left in /dev/shm."""
+    before = leftovers()
+    argv = ["1f1b", "-D", "p=2", "-D", "m=4", "--model", "examples/varlen.py", "--steps", "4", "--check"]
+    results, _, _ = launch(2, "launch", [*argv, "--transport", "shm"], env={}, timeout=120)
+    for r in results:
+        assert r.returncode == 0, f"rank {r.rank}:\n{r.stdout}\n{r.stderr[-3000:]}"
+    assert re.search(r"OK: largest relative error \S+ \(tolerance 1e-10\)", results[0].stdout), results[0].stdout
+    assert leftovers() <= before
+
+
+def test_a_wrapper_s_forwarded_take_is_not_the_wrappers_own():
+    """The executor takes messages by a plain call only from a transport that has `take` itself: through a
+    wrapper that forwards attributes (EmulatedComm holds messages back in its `wait`), it must use `wait`."""
+    from pipec.runtime.exec.executor import _own
+    from pipec.runtime.exec.links import EmulatedComm
+
+    class Inner:
+        one_by_one = True
+
+        def take(self, recv):
+            return recv
+
+    wrapped = EmulatedComm.__new__(EmulatedComm)
+    wrapped.inner = Inner()
+    assert wrapped.take is not None  # forwarded by __getattr__ ...
+    assert _own(wrapped, "take", None) is None  # ... but not the wrapper's own
+    assert _own(wrapped, "one_by_one", False) is False
+    assert _own(Inner(), "take", None) is not None
