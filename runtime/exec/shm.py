@@ -38,6 +38,7 @@ import math
 import mmap
 import os
 import platform
+import re
 import secrets
 import select
 import socket
@@ -239,6 +240,42 @@ def choose(kind: str, device: torch.device, emulated: bool, store: Any, rank: in
     return "gloo"
 
 
+LEFTOVER = re.compile(r"pipec-(\d+)-[0-9a-f]+-\d+to\d+-g\d+(\.fifo)?")
+
+
+def sweep_leftovers(folder: str = DIR) -> list[str]:
+    """Remove the segments and FIFOs that processes which no longer exist left in `folder`; the names
+    removed. A rank killed between making its channel and its peer attaching (a fault at start-up, a
+    launcher ending the others at once) cannot unlink what it made; the creator's PID in each name lets
+    the next job on the host, and `pipec run` when its job ends, find what is stale. A live process's
+    (this job's, another job's, or a reused PID's) is left alone."""
+    gone = []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return gone
+    for name in names:
+        m = LEFTOVER.fullmatch(name)
+        if m is None or _alive(int(m.group(1))):
+            continue
+        try:
+            os.unlink(os.path.join(folder, name))
+            gone.append(name)
+        except OSError:
+            pass  # another sweeper took it, or it is not ours to remove
+    return gone
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, another user's
+        return True
+    return True
+
+
 class ShmComm:
     """The DistComm interface (post, send, exchange, wait, finish_sends) over shared memory, for the ranks of
     one pipeline on one host. `prepare` (called by the executor after each shape handshake) sizes the slots."""
@@ -250,6 +287,7 @@ class ShmComm:
         import torch.distributed as dist
 
         self.program, self.rank, self.timeout, self.group, self.store = program, rank, timeout, group, store
+        sweep_leftovers()  # what earlier jobs' killed ranks could not remove
         self.peers = None if group is None else [dist.get_global_rank(group, r) for r in range(group.size())]
         place, m = program.placement, program.num_microbatches
         others = sorted({r for r in place if r != rank})

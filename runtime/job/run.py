@@ -89,6 +89,9 @@ def run(opts: RunOptions, program: Program, links=None, schedule=None) -> int:
             except PipelineError as e:
                 print(f"pipec run: error: {e}", file=sys.stderr)
                 return 1
+        from pipec.runtime.exec.shm import sweep_leftovers
+
+        cleanup.callback(sweep_leftovers)  # shared-memory channels of ranks killed before they could unlink
         return run_torchrun(opts, program, program.num_ranks * program.dp, links, schedule)
 
 

@@ -187,3 +187,26 @@ def test_a_wrapper_s_forwarded_take_is_not_the_wrappers_own():
     assert _own(wrapped, "take", None) is None  # ... but not the wrapper's own
     assert _own(wrapped, "one_by_one", False) is False
     assert _own(Inner(), "take", None) is not None
+
+
+def test_a_dead_ranks_leftover_channels_are_swept_and_a_live_ones_kept(tmp_path):
+    """A rank killed between making its channel and its peer attaching cannot unlink it: the next job's
+    ranks (and `pipec run` when its job ends) remove what processes that no longer exist left."""
+    import subprocess
+
+    from pipec.runtime.exec.shm import sweep_leftovers
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    names = {
+        f"pipec-{dead.pid}-0a1b2c3d-1to0-g0": "dead",
+        f"pipec-{dead.pid}-0a1b2c3d-1to0-g0.fifo": "dead",
+        f"pipec-{os.getpid()}-0a1b2c3d-0to1-g2": "live",
+        "pipec-notapid-x": "other",
+        "something-else": "other",
+    }
+    for name in names:
+        (tmp_path / name).write_bytes(b"")
+    gone = sweep_leftovers(str(tmp_path))
+    assert sorted(gone) == sorted(n for n, who in names.items() if who == "dead")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(n for n, who in names.items() if who != "dead")
