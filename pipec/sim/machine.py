@@ -114,9 +114,13 @@ def run(pl) -> tuple[list[float], list[float], list[float], list[float]]:
     return start, end, send_t, arrival
 
 
-def core_sharing(rank: np.ndarray, start: np.ndarray, end: np.ndarray, ranks_per_node: int, cores: int) -> np.ndarray:
+def core_sharing(
+    rank: np.ndarray, start: np.ndarray, end: np.ndarray, ranks_per_node: int, cores: int, replicas: int = 1
+) -> np.ndarray:
     """Per op, how much slower it ran for sharing its node's cores: max(1, k / cores), with k the mean over
-    the op's span of the number of the node's ranks computing (the op's own rank included).
+    the op's span of the number of the node's processes computing (the op's own included). With data
+    parallelism each pipeline rank stands for its `replicas` processes, which compute in step with it on its
+    node: `ranks_per_node` and `cores` count processes, pipeline rank r's are r * replicas onwards.
 
     Processor sharing, as an operating system gives ranks that outnumber their cores: each of k computing
     ranks gets cores / k of a core's speed. `pipec.sim.simulate` stretches each op's cost by this factor
@@ -125,7 +129,7 @@ def core_sharing(rank: np.ndarray, start: np.ndarray, end: np.ndarray, ranks_per
     an op's span, from one cumulative sum at the breakpoints, gives the mean."""
     factor = np.ones(len(start))
     busy = end > start
-    node = rank // ranks_per_node
+    node = rank * replicas // ranks_per_node
     for n in np.unique(node[busy]).tolist():
         ops = np.flatnonzero(busy & (node == n))
         s, e = start[ops], end[ops]
@@ -135,7 +139,7 @@ def core_sharing(rank: np.ndarray, start: np.ndarray, end: np.ndarray, ranks_per
         k = np.cumsum(np.concatenate([np.ones(len(ops)), -np.ones(len(ops))])[order])  # computing after t[i]
         area = np.concatenate([[0.0], np.cumsum(k[:-1] * np.diff(t))])  # its integral up to t[i]
         mean = (np.interp(e, t, area) - np.interp(s, t, area)) / (e - s)
-        factor[ops] = np.maximum(1.0, mean / cores)
+        factor[ops] = np.maximum(1.0, replicas * mean / cores)
     return factor
 
 

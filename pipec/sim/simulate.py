@@ -95,7 +95,8 @@ def simulate(prog: Program, costs: CostModel, *, overlap: bool = True, _events: 
     passes = run if pl.group is None and not _events else run_events
     start_t, end_t, send_t, arrival = passes(pl)
     if costs.shares_cores:
-        pl, (start_t, end_t, send_t, arrival) = _share_cores(pl, costs, passes, (start_t, end_t, send_t, arrival))
+        times = (start_t, end_t, send_t, arrival)
+        pl, (start_t, end_t, send_t, arrival) = _share_cores(pl, costs, passes, times, prog.dp)
     start, end = np.asarray(start_t, dtype=float), np.asarray(end_t, dtype=float)
     send, arr, post = np.asarray(send_t, dtype=float), np.asarray(arrival, dtype=float), pl.posted(end_t)
     coll: dict[str, np.ndarray] = {}
@@ -216,7 +217,7 @@ def _collective_rows(pl: Plan, start: np.ndarray, end: np.ndarray, send: np.ndar
 _SHARING_ROUNDS = 60  # at most; the stretched costs usually settle within 10 to 20
 
 
-def _share_cores(pl: Plan, costs: CostModel, passes, times: tuple) -> tuple[Plan, tuple]:
+def _share_cores(pl: Plan, costs: CostModel, passes, times: tuple, replicas: int = 1) -> tuple[Plan, tuple]:
     """The machine's times when ranks share their node's cores (`pipec.sim.machine.core_sharing`): each
     op's cost is its own stretched by how many of its node's ranks computed beside it, and the machine is
     run again until the costs settle. Damped (half the old costs, half the new): undamped, two ops that
@@ -225,7 +226,7 @@ def _share_cores(pl: Plan, costs: CostModel, passes, times: tuple) -> tuple[Plan
     cost = base
     for _ in range(_SHARING_ROUNDS):
         start, end = np.asarray(times[0], dtype=float), np.asarray(times[1], dtype=float)
-        new = base * core_sharing(pl.c_rank, start, end, costs.ranks_per_node, costs.cores_per_node)
+        new = base * core_sharing(pl.c_rank, start, end, costs.ranks_per_node, costs.cores_per_node, replicas)
         if np.allclose(new, cost, rtol=1e-6, atol=1e-12):
             break
         cost = 0.5 * (cost + new)

@@ -162,6 +162,9 @@ def test_core_sharing_is_the_mean_count_of_computing_ranks_over_the_cores():
     assert f.tolist() == [2.0, 2.0, 1.5, 1.5]
     assert core_sharing(rank, start, end, ranks_per_node=2, cores=2).tolist() == [1.0] * 4
     assert core_sharing(rank, start, end, ranks_per_node=1, cores=1).tolist() == [1.0] * 4
+    # with 2 replicas per pipeline rank, ranks 0 and 1 are processes 0 to 3 of one node of 4 with 2 cores
+    f = core_sharing(rank[:2], start[:2], end[:2], ranks_per_node=4, cores=2, replicas=2)
+    assert f.tolist() == [2.0, 2.0]
 
 
 def _sharing(name: str, cores: int | None, **params: int) -> tuple[float, float]:
