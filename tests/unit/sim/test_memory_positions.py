@@ -15,7 +15,7 @@ from pipec.errors import PipecError
 from pipec.frontend import library
 from pipec.ir.schedule import Schedule
 from pipec.planner.space import with_memops
-from pipec.sim.memory import STAGE_KEYS, _undominated, deltas, positions, schedule_stream
+from pipec.sim.memory import _undominated, positions
 
 
 def _pairwise(rows: np.ndarray) -> np.ndarray:
@@ -25,25 +25,14 @@ def _pairwise(rows: np.ndarray) -> np.ndarray:
     return rows[keep]
 
 
-def _reference(sched: Schedule) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """`positions` as it was: the same walk, the pairwise filter."""
-    S, out = sched.num_stages, []
-    for r in range(sched.num_ranks):
-        op, mb, st_, _ = schedule_stream(sched, r)
-        stages = np.asarray(sched.stages_of(r), dtype=np.int64)
-        n, col = len(stages), np.searchsorted(stages, np.clip(st_, 0, S - 1))
-        cols = []
-        for key in ("act", "wact", "ckpt"):
-            basis = {k: np.full(S, float(k == key)) for k in STAGE_KEYS}
-            if sched.slicing is not None:
-                basis["unit_share"] = sched.slicing.share()
-            dev, _ = deltas(op, mb, st_, basis, sched.split_backward)
-            per = np.zeros((len(op), n))
-            per[np.arange(len(op)), col] = dev
-            cols.append(np.cumsum(per, axis=0))
-        rows = _pairwise(np.round(np.concatenate([np.zeros((1, 3 * n)), np.hstack(cols)]), 12))
-        out.append((rows[:, :n], rows[:, n : 2 * n], rows[:, 2 * n :]))
-    return out
+def _reference(sched: Schedule, monkeypatch) -> list:
+    """`positions` as it was: the same walk (the function itself), the pairwise filter in place of
+    `_undominated`."""
+    from pipec.sim import memory
+
+    with monkeypatch.context() as m:
+        m.setattr(memory, "_undominated", _pairwise)
+        return memory.positions(sched)
 
 
 def _schedules():
@@ -77,10 +66,10 @@ def test_the_cases_cover_split_backward_slices_and_memory_ops():
 
 
 @pytest.mark.parametrize("name,sched", CASES, ids=[n for n, _ in CASES])
-def test_positions_keep_the_pairwise_filters_rows(name, sched):
-    got, want = positions(sched), _reference(sched)
-    for r, (pos, (a, w, c)) in enumerate(zip(got, want)):
-        for mine, theirs in ((pos.act, a), (pos.wact, w), (pos.ckpt, c)):
+def test_positions_keep_the_pairwise_filters_rows(name, sched, monkeypatch):
+    got, want = positions(sched), _reference(sched, monkeypatch)
+    for r, (pos, ref) in enumerate(zip(got, want, strict=True)):
+        for mine, theirs in ((pos.act, ref.act), (pos.wact, ref.wact), (pos.ckpt, ref.ckpt)):
             assert mine.shape == theirs.shape and np.array_equal(mine, theirs), (name, r)
 
 
