@@ -62,7 +62,25 @@ def _reverse_group(pg, timeout: timedelta):
     return dist.new_group(ranks, timeout=timeout, backend="gloo", use_local_synchronization=True)
 
 
-class DistComm:
+class PeerNames:
+    """How a transport names its peers: a Program's rank r is rank r of `group`, whose job rank torch's
+    point-to-point calls take and messages show. Both transports (DistComm, shm.ShmComm) share it."""
+
+    peers: list[int] | None = None  # per Program rank, its job rank (None: the same numbers)
+
+    def set_group(self, group) -> None:
+        self.peers = None if group is None else [dist.get_global_rank(group, r) for r in range(group.size())]
+
+    def global_rank(self, rank: int) -> int:
+        return rank if self.peers is None else self.peers[rank]
+
+    def name(self, rank: int) -> str:
+        """A peer in messages: the Program's rank, and the job's where they differ (a subgroup, a replica)."""
+        g = self.global_rank(rank)
+        return f"rank {rank}" if g == rank else f"rank {rank} (job rank {g})"
+
+
+class DistComm(PeerNames):
     def __init__(
         self, num_stages: int, num_microbatches: int, device: torch.device, timeout: float, group=None
     ) -> None:
@@ -78,8 +96,7 @@ class DistComm:
         # of microseconds per message. Peers are ranks of `group` (the Program's ranks).
         pg = group if group is not None else dist.distributed_c10d._get_default_group()
         self.pg = pg if device.type == "cpu" and dist.get_backend(pg) == "gloo" else None
-        # torch.distributed's P2POp names its peer by global rank: a Program's rank r is rank r of `group`
-        self.peers = None if group is None else [dist.get_global_rank(group, r) for r in range(group.size())]
+        self.set_group(group)  # torch.distributed's P2POp names its peer by global rank
         # gloo: messages to a higher rank go over `pg`, to a lower rank over a second group, so no connection
         # carries data both ways. On one connection, a send from the main thread and the arrival of the
         # peer's message contend for the connection's lock; gloo's thread then leaves the arrival for its
@@ -111,14 +128,6 @@ class DistComm:
             return [(pg, True, t.contiguous(), peer, self.tag(key, j)) for j, t in enumerate(tensors)]
         g = self.global_rank(peer)
         return [dist.P2POp(dist.isend, t.contiguous(), g, self.group, self.tag(key, j)) for j, t in enumerate(tensors)]
-
-    def global_rank(self, rank: int) -> int:
-        return rank if self.peers is None else self.peers[rank]
-
-    def name(self, rank: int) -> str:
-        """A peer in messages: the Program's rank, and the job's where they differ (a subgroup, a replica)."""
-        g = self.global_rank(rank)
-        return f"rank {rank}" if g == rank else f"rank {rank} (job rank {g})"
 
     def post(self, key: Key, peer: int, specs: Specs) -> Recv:
         bufs, ops = self._recv_ops(key, peer, specs)

@@ -51,7 +51,7 @@ import torch
 
 from pipec.ir.program import Program
 from pipec.runtime.errors import CommError
-from pipec.runtime.exec.comm import ACT, GRAD, Key, Recv, key_str, short_error
+from pipec.runtime.exec.comm import ACT, GRAD, Key, PeerNames, Recv, key_str, short_error
 from pipec.runtime.exec.shapes import Specs
 
 _syscall = ctypes.CDLL(None, use_errno=True).syscall
@@ -276,7 +276,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-class ShmComm:
+class ShmComm(PeerNames):
     """The DistComm interface (post, send, exchange, wait, finish_sends) over shared memory, for the ranks of
     one pipeline on one host. `prepare` (called by the executor after each shape handshake) sizes the slots."""
 
@@ -284,11 +284,9 @@ class ShmComm:
     one_by_one = True  # an exchange is its transfers in any order: the executor hands them over singly
 
     def __init__(self, program: Program, rank: int, timeout: float, group: Any, store: Any) -> None:
-        import torch.distributed as dist
-
         self.program, self.rank, self.timeout, self.group, self.store = program, rank, timeout, group, store
         sweep_leftovers()  # what earlier jobs' killed ranks could not remove
-        self.peers = None if group is None else [dist.get_global_rank(group, r) for r in range(group.size())]
+        self.set_group(group)
         place, m = program.placement, program.num_microbatches
         others = sorted({r for r in place if r != rank})
         self.incoming = {p: Channel(p, channel_keys(place, m, p, rank), {}, -1) for p in others}
@@ -396,14 +394,6 @@ class ShmComm:
     def close(self) -> None:
         for ch in (*self.incoming.values(), *self.outgoing.values()):
             ch.close()
-
-    # ---- names --------------------------------------------------------------------------------------
-    def global_rank(self, rank: int) -> int:
-        return rank if self.peers is None else self.peers[rank]
-
-    def name(self, rank: int) -> str:
-        g = self.global_rank(rank)
-        return f"rank {rank}" if g == rank else f"rank {rank} (job rank {g})"
 
     # ---- the hot path -------------------------------------------------------------------------------
     def post(self, key: Key, peer: int, specs: Specs) -> Recv:
