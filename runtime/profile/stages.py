@@ -270,8 +270,8 @@ def profile(
             f"--in-situ runs the Program as compiled (dp = {program.dp}); compile it for dp = {dp} to profile that"
         )
     procs = program.num_ranks * dp  # the processes of a run: every rank of every replica
+    cpus = allowed_cpus()
     if concurrent is None:  # as `pipec run --cpu-bind auto` binds: when every rank can have its own CPU
-        cpus = allowed_cpus()
         # With replicas, always: the run's p x dp processes share the CPUs, so its ops take that long.
         concurrent = device.type == "cpu" and 1 < procs and (procs <= len(cpus or []) or dp > 1)
     elif concurrent and device.type != "cpu":
@@ -282,13 +282,13 @@ def profile(
     try:
         if concurrent:
             say(f"timing each op of {program.num_stages} stages in {procs} processes at once, {warmup} + {reps} rounds")
-            prof = _measure_concurrently(program, model.path, reps, warmup, threads, seed, loss_scale, dp)
+            at_once = min(procs, len(cpus) if cpus is not None else (os.cpu_count() or procs))
+            prof = _measure_concurrently(program, model.path, reps, warmup, threads, seed, loss_scale, dp, at_once)
         else:
             say(f"timing each op of {program.num_stages} stages alone, {warmup} + {reps} rounds")
             prof = _measure(program, model, reps, warmup, device, seed, loss_scale, dp)
     finally:
         torch.set_num_threads(old_threads)
-    cpus = allowed_cpus()
     if device.type == "cpu" and cpus and procs > len(cpus):  # a run's ranks will share the CPUs; its ops
         prof.ranks_per_node, prof.cores_per_node = procs, len(cpus)  # were timed without sharing them
     prof.info.update(
@@ -558,7 +558,15 @@ def _measure(
 
 
 def _measure_concurrently(
-    program: Program, model_path: str, reps: int, warmup: int, threads: int, seed: int, loss_scale, dp: int = 1
+    program: Program,
+    model_path: str,
+    reps: int,
+    warmup: int,
+    threads: int,
+    seed: int,
+    loss_scale,
+    dp: int = 1,
+    at_once: int | None = None,
 ) -> Profile:
     """`_measure` in one process per rank at once (a run's ranks share this machine's caches, memory
     bandwidth and, beyond one per CPU, its CPUs), each bound as `pipec run` binds its ranks; stage s's
@@ -568,18 +576,15 @@ def _measure_concurrently(
 
     With more processes than CPUs, all of them timing at once would time each op slowed by the others
     (4 processes on 2 cores: every op about twice its time), though in a run a rank shares its core only
-    while others compute beside it. They take turns instead, as many at once as there are CPUs, and the
+    while others compute beside it. They take turns instead, `at_once` at a time (the CPUs), and the
     profile records the sharing (`ranks_per_node`, `cores_per_node`, in `profile`) for the simulator to
     charge (docs/simulate.md, "Ranks that share cores")."""
     from pipec.formats.program_file import to_json
     from pipec.runtime.host import spawned
 
     procs = program.num_ranks * dp
-    cpus = allowed_cpus()
-    cores = len(cpus) if cpus is not None else (os.cpu_count() or procs)
-    at_once = min(procs, cores)
     spec = dict(program=to_json(program), model=model_path, reps=reps, warmup=warmup, threads=threads)
-    spec.update(seed=seed, loss_scale=loss_scale, dp=dp, at_once=at_once)
+    spec.update(seed=seed, loss_scale=loss_scale, dp=dp, at_once=at_once or procs)
     per_rank = spawned.run(_timing_rank, procs, procs, spec, timeout=3600, barrier=True)
     if isinstance(per_rank, str):
         raise PipelineError(f"timing the ops of {program.name} failed: {per_rank}")
