@@ -25,8 +25,12 @@ MLP_ENV = {"MLP_WIDTH": "16", "MLP_DEPTH": "8", "MLP_BATCH": "16", "MLP_DTYPE": 
 needs_shm = pytest.mark.skipif(shm.supported() is not None, reason=f"shared memory: {shm.supported()}")
 
 
-def leftovers() -> set[str]:
-    return {n for n in os.listdir(shm.DIR) if n.startswith("pipec-")} if os.path.isdir(shm.DIR) else set()
+def leftovers(results: list) -> list[str]:
+    """What the job's own ranks left in /dev/shm: the other tests' jobs, running beside this one on the
+    same host, have channels there of their own for a moment (shm is the default transport)."""
+    pids = {r.pid for r in results}
+    names = os.listdir(shm.DIR) if os.path.isdir(shm.DIR) else []
+    return [n for n in names if (m := shm.LEFTOVER.fullmatch(n)) and int(m.group(1)) in pids]
 
 
 def test_a_channel_carries_every_message_between_its_two_ranks_and_no_other():
@@ -90,7 +94,6 @@ def test_shm_and_gloo_compute_bitwise_the_same(tmp_path):
     """The same job on both transports: the same losses, gradients and parameters to the bit (the
     arithmetic is the same; only how the bytes travel differs), both equal to the reference, and nothing
     left in /dev/shm."""
-    before = leftovers()
     rows = {}
     for p2p in ("gloo", "shm"):
         out = tmp_path / p2p
@@ -100,6 +103,7 @@ def test_shm_and_gloo_compute_bitwise_the_same(tmp_path):
         for r in results:
             assert r.returncode == 0, f"{p2p} rank {r.rank} failed:\n{r.stderr[-3000:]}"
         rows[p2p] = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+        assert leftovers(results) == [], p2p
     for spec in SPECS:
         for rank in range(2):
             g, s = rows["gloo"][rank][spec], rows["shm"][rank][spec]
@@ -108,14 +112,12 @@ def test_shm_and_gloo_compute_bitwise_the_same(tmp_path):
             assert g["grad_digest"] == s["grad_digest"], (spec, rank)
             assert g["param_digest"] == s["param_digest"], (spec, rank)
             assert s["grad_err"] <= 1e-10 and s["param_err"] <= 1e-10, s
-    assert leftovers() <= before
 
 
 @needs_shm
 def test_a_peer_killed_mid_step_on_shm_is_named_and_nothing_is_left():
     """Rank 1 is SIGKILLed in its FWD of step 2: its peers, blocked on its shared-memory channels, learn
     it from the channel's hang-up (or the heartbeat), name it, and end well before the 20 s timeout."""
-    before = leftovers()
     argv = ["1f1b", "-D", "p=3", "-D", "m=3", "--model", "tests/models/faulty.py", "--timeout", "20"]
     env = {"PIPEC_FAULT": "kill", "PIPEC_FAULT_STAGE": "1", "PIPEC_FAULT_CALL": "4"}
     results, elapsed, _ = launch(3, "launch", [*argv, "--transport", "shm"], env=env, timeout=60)
@@ -126,7 +128,7 @@ def test_a_peer_killed_mid_step_on_shm_is_named_and_nothing_is_left():
         assert re.search(dead, r.stderr), r.stderr
     assert "shared-memory channel" in results[0].stderr + results[2].stderr
     assert elapsed < 15
-    assert leftovers() <= before
+    assert leftovers(results) == []
 
 
 class GrowsOffMeta(torch.nn.Module):
@@ -160,13 +162,12 @@ def test_shapes_exchanged_again_remake_the_channels():
     """examples/varlen.py changes its micro-batches' lengths at step 3: the shapes are exchanged again and
     every channel gets a segment of the new size (a new generation), between steps; the run still equals
     the reference, and nothing is left in /dev/shm."""
-    before = leftovers()
     argv = ["1f1b", "-D", "p=2", "-D", "m=4", "--model", "examples/varlen.py", "--steps", "4", "--check"]
     results, _, _ = launch(2, "launch", [*argv, "--transport", "shm"], env={}, timeout=120)
     for r in results:
         assert r.returncode == 0, f"rank {r.rank}:\n{r.stdout}\n{r.stderr[-3000:]}"
     assert re.search(r"OK: largest relative error \S+ \(tolerance 1e-10\)", results[0].stdout), results[0].stdout
-    assert leftovers() <= before
+    assert leftovers(results) == []
 
 
 def test_a_wrapper_s_forwarded_take_is_not_the_wrappers_own():

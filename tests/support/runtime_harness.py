@@ -43,6 +43,7 @@ class RankResult:
     returncode: int
     stdout: str
     stderr: str
+    pid: int  # the rank's process: names it made (shared-memory channels) carry it
 
 
 def _rank_main(entry: str, argv: list[str], env: dict[str, str], out: str, err: str) -> None:
@@ -115,7 +116,7 @@ def launch(
             p.kill()
             p.join()
     results = [
-        RankResult(r, p.exitcode, Path(files[r][0]).read_text(), Path(files[r][1]).read_text())
+        RankResult(r, p.exitcode, Path(files[r][0]).read_text(), Path(files[r][1]).read_text(), p.pid)
         for r, p in enumerate(procs)
     ]
     if hung:
