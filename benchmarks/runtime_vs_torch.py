@@ -28,7 +28,10 @@ stage), 1F1B at p=2 m=64 and at p=4 m=8 (issue 31's two configurations), one lin
 time per step) / (the sum over ranks of the instructions per step), the executor's own cost (the
 instruction loop, posting and completing messages, the tiny autograd calls), median over the rounds with
 its spread; `pipec_over_torch_main_cpu_per_step`, pipec's main-thread CPU per step over torch's on the same
-empty model (target <= 0.5). `step_wall_per_instruction_us` (the step's wall time over the busiest rank's
+empty model (target <= 0.5). Beside them, in the same ABBA rounds, the floor: the model's own calls on each
+rank's stages (forward, loss, the engine's backward, SGD) with no pipeline around them (`FloorSide`), as
+`floor_cpu_us` per pipec instruction, and `executor_cpu_us` = `dispatch_cpu_us` - `floor_cpu_us` per round:
+what the executor itself adds. `step_wall_per_instruction_us` (the step's wall time over the busiest rank's
 instructions) is mostly waiting for peers, not dispatch. Every line carries the load average at its start
 and end (`sidebyside.emit`).
 """
@@ -148,6 +151,52 @@ class TorchSide:
         self.opt.step()
 
 
+class FloorSide:
+    """The model's own calls on this rank, with no pipeline around them: per step, for each of the rank's
+    stages and each micro-batch, the forward (the loss on the last stage, scaled by 1/m), the backward
+    through autograd's engine (the call pipec's Stage makes, without the public API's Python checks)
+    with a gradient of ones from the next stage, then SGD and zeroing. No messages, no instruction loop:
+    what any executor of this Program must spend, so `dispatch_cpu_us` minus this, per instruction, is
+    the executor's own cost (`executor_cpu_us`). Its gradients are not pipec's (a gradient of ones stands
+    for the next stage's), only its calls are the same."""
+
+    def __init__(self, name: str, rank: int, build, p: int, m: int, program) -> None:
+        import torch
+
+        S = program.num_stages
+        self.mine = [s for s in range(S) if program.placement[s] == rank]
+        self.modules = make_modules(S, self.mine, build)
+        self.S, self.m = S, m
+        params = [q for mod in self.modules.values() for q in mod.parameters()]
+        self.opt = torch.optim.SGD(params, lr=1e-3)
+        try:
+            from torch.autograd.graph import _engine_run_backward as engine
+        except ImportError:  # pragma: no cover - an older torch: the public call
+            engine = None
+        self.engine = engine
+
+    def step(self, x, y) -> None:
+        import torch
+
+        self.opt.zero_grad(set_to_none=True)
+        xs, ys = x.chunk(self.m), y.chunk(self.m)
+        for s in self.mine:
+            mod = self.modules[s]
+            for i in range(self.m):
+                inp = xs[i] if s == 0 else xs[i].detach().requires_grad_()
+                out = mod(inp)
+                if s == self.S - 1:
+                    outs = (loss_fn(out, ys[i]) * (1.0 / self.m),)
+                else:
+                    outs = (out,)
+                grads = (torch.ones_like(outs[0]),)
+                if self.engine is None:
+                    torch.autograd.backward(outs, grads)
+                else:
+                    self.engine(outs, grads, False, False, (), allow_unreachable=True, accumulate_grad=True)
+        self.opt.step()
+
+
 class PipecSide:
     def __init__(self, name: str, rank: int, build, p: int = P, m: int = M, p2p: str = "auto") -> None:
         import torch
@@ -248,10 +297,13 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> N
         }
         if case.empty and sides["pipec"].transport != "DistComm":  # the dispatch figure on gloo beside it
             sides["pipec-gloo"] = PipecSide(case.schedule, rank, build, case.p, case.m, "gloo")
+        if case.empty:  # the model's own calls alone: what no executor can save
+            sides["floor"] = FloorSide(case.schedule, rank, build, case.p, case.m, sides["pipec"].program)
         # Both start from the same weights and see the same batch: their first step's gradients must agree.
         for side in sides.values():
             side.step(x, y)
         worst, compared = largest_rel_diff(grads_of(sides["pipec"].runner.modules()), grads_of(sides["torch"].modules))
+
         diff, count = torch.tensor([worst], dtype=torch.float64), torch.tensor([compared], dtype=torch.int64)
         dist.all_reduce(diff, op=dist.ReduceOp.MAX)
         dist.all_reduce(count, op=dist.ReduceOp.SUM)
@@ -323,6 +375,12 @@ def record(case: Case, rounds: dict, instrs: list[int], grad: tuple[float, int],
     rec["dispatch_cpu_us_target"] = 20
     if "pipec-gloo" in rounds:
         rec["gloo"] = dispatch_figures(rounds["pipec-gloo"], rounds["torch"], instrs)
+    floor = [1e6 * t.main_cpu / sum(instrs) for t in rounds["floor"]]
+    own = [1e6 * t.main_cpu / sum(instrs) - f for t, f in zip(rounds["pipec"], floor)]
+    rec["floor_cpu_us"] = round(statistics.median(floor), 2)
+    rec["floor_cpu_us_range"] = [round(min(floor), 2), round(max(floor), 2)]
+    rec["executor_cpu_us"] = round(statistics.median(own), 2)
+    rec["executor_cpu_us_range"] = [round(min(own), 2), round(max(own), 2)]
     main_cpu = [t.main_cpu for t in rounds["pipec"]]
     torch_main = [t.main_cpu for t in rounds["torch"]]
     rec["pipec_over_torch_main_cpu_per_step"] = rec["ratio_main_cpu"]  # summarize's ratio_main_cpu, named
