@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import math
 import os
 import stat
 import tempfile
@@ -144,7 +145,7 @@ def _refuse(st: os.stat_result, path: str | os.PathLike[str], what: str, limit: 
     if st.st_size > limit:
         raise error(
             "E901",
-            f"{what} `{brief_path(path)}` is {_size(st.st_size)}, above the limit of {_size(limit)}",
+            f"{what} `{brief_path(path)}` is {fmt_bytes(st.st_size)}, above the limit of {fmt_bytes(limit)}",
         )
 
 
@@ -168,7 +169,7 @@ def read_input(path: str | os.PathLike[str], what: str = "input", limit: int = M
             chunks.append(chunk)
             size += len(chunk)
         if size > limit:  # it grew while we read
-            raise error("E901", f"{what} `{brief_path(path)}` is above the limit of {_size(limit)}")
+            raise error("E901", f"{what} `{brief_path(path)}` is above the limit of {fmt_bytes(limit)}")
         return b"".join(chunks)
     finally:
         os.close(fd)
@@ -179,11 +180,18 @@ def read_text(path: str | os.PathLike[str], what: str = "input", limit: int = MA
     return read_input(path, what, limit).decode("utf-8")
 
 
-def _size(n: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.3g} {unit}"
-    return f"{int(n)} bytes"
+BINARY = (("GiB", 2.0**30), ("MiB", 2.0**20), ("KiB", 2.0**10))
+
+
+def fmt_bytes(x: float) -> str:
+    """An amount of bytes for people: `1.5 GiB`, `512 KiB`, `100 B` (three significant digits; whole units
+    from 1000 of the largest up); `no limit` for NaN."""
+    if math.isnan(x):
+        return "no limit"
+    for name, size in BINARY:
+        if abs(x) >= size:
+            return f"{x / size:.3g} {name}" if abs(x) < 1000 * size else f"{x / size:.0f} {name}"
+    return f"{x:g} B"
 
 
 # ---- memory ---------------------------------------------------------------------
@@ -214,7 +222,7 @@ def require_memory(nbytes: float, what: str) -> None:
     if avail is not None and nbytes > avail:
         raise error(
             "E902",
-            f"{what} needs about {_size(nbytes)} of memory, and this machine has {_size(avail)} available",
+            f"{what} needs about {fmt_bytes(nbytes)} of memory, and this machine has {fmt_bytes(avail)} available",
             notes=("make it smaller (fewer micro-batches, ranks or stages), or run it on a larger machine",),
         )
 

@@ -15,6 +15,7 @@ import math
 import re
 
 from pipec.errors import brief, error
+from pipec.files import BINARY, fmt_bytes  # noqa: F401 - one writer of bytes for people, below every floor
 
 # The largest quantity a cost may take (seconds, bytes, bit/s): far beyond any real cost, and small
 # enough that sums and products over millions of ops stay finite (1e308 overflowed to inf, then nan).
@@ -51,7 +52,6 @@ UNITS: dict[str, tuple[str, float, float]] = {
 LANGUAGE = ("us", "ms", "s", "bps", "Kbps", "Mbps", "Gbps", "Tbps", "B", "KB", "MB", "GB", "KiB", "MiB", "GiB")
 
 # The binary units amounts of bytes are written in for people, largest first.
-BINARY = (("GiB", 2.0**30), ("MiB", 2.0**20), ("KiB", 2.0**10))
 
 
 def of_kind(kind: str, among: tuple[str, ...] | None = None) -> tuple[str, ...]:
@@ -75,17 +75,6 @@ def exact_text(x: float, units: tuple[str, ...], digits) -> str | None:
         if float(text) * mul / div == x and (best is None or len(text) + len(unit) < len(best)):
             best = text + unit
     return best
-
-
-def fmt_bytes(x: float) -> str:
-    """An amount of bytes for people: `1.5 GiB`, `512 KiB`, `100 B` (three significant digits; whole units
-    from 1000 of the largest up); `no limit` for NaN."""
-    if math.isnan(x):
-        return "no limit"
-    for name, size in BINARY:
-        if abs(x) >= size:
-            return f"{x / size:.3g} {name}" if abs(x) < 1000 * size else f"{x / size:.0f} {name}"
-    return f"{x:g} B"
 
 
 def quantity(value: object, kind: str, what: str) -> float:

@@ -100,7 +100,7 @@ def test_reads_are_bounded(tmp_path):
     assert files.read_input(path, "cost file", limit=101) == b"x" * 101
     with pytest.raises(PipecError) as info:
         files.read_input(path, "cost file", limit=100)
-    assert info.value.code == "E901" and "above the limit of 100 bytes" in str(info.value)
+    assert info.value.code == "E901" and "above the limit of 100 B" in str(info.value)
 
 
 def test_a_fifo_is_refused_without_being_opened(tmp_path):
