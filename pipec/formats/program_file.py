@@ -68,7 +68,18 @@ def _dp_head(prog: Program) -> dict[str, object]:
         out["experts"] = {"size": prog.experts.size, "num": prog.experts.num}
     if prog.moe_layers:
         out["moe_layers"] = list(prog.moe_layers)
+    if prog.forward_only:  # an evaluation pass: without it a reader would take its FWDs for a training step's
+        out["forward_only"] = True
     return out
+
+
+def _flag(value: object, what: str) -> bool:
+    """A header's true/false (JSON's booleans, or the text form's words); ValueError (E501) otherwise."""
+    if isinstance(value, bool):
+        return value
+    if value in ("true", "false"):
+        return value == "true"
+    raise ValueError(f"`{what}` must be true or false, got {str(value)[:40]!r}")
 
 
 def _experts(doc: object) -> Experts:
@@ -95,6 +106,8 @@ def _moe_layers(doc: object) -> tuple[int, ...]:
 
 def _head_value(v: object) -> str:
     """A header line's value in the text form: a word, or the slicing's JSON object on one line."""
+    if isinstance(v, bool):
+        return str(v).lower()
     return json.dumps(v, separators=(",", ":")) if isinstance(v, dict | list) else str(v)
 
 
@@ -176,6 +189,7 @@ def from_json(text: str, path: str = "<program>") -> Program:
             slicing=_slicing(doc.get("slicing"), _size(doc["num_microbatches"], "num_microbatches")),
             experts=_experts(doc.get("experts")),
             moe_layers=_moe_layers(doc.get("moe_layers")),
+            forward_only=_flag(doc.get("forward_only", False), "forward_only"),
         )
     except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError, RecursionError) as e:
         raise error("E501", f"malformed program JSON: {e}", source=Source(path, "")) from None
@@ -302,8 +316,16 @@ def from_text(text: str, path: str = "<program>") -> Program:
         if words[0] != "place":
             raise ValueError("expected `place` and the rank of each stage")
         placement = tuple(int(x) for x in words[1:])
-        # optional header lines `dp N`, `dp_kind K`, `slicing {...}`, `experts {...}`, `moe_layers [...]` (JSON)
-        dp: dict[str, object] = {"dp": 1, "dp_kind": "ddp", "slicing": None, "experts": None, "moe_layers": None}
+        # optional header lines `dp N`, `dp_kind K`, `slicing {...}`, `experts {...}`, `moe_layers [...]` (JSON),
+        # `forward_only true`
+        dp: dict[str, object] = {
+            "dp": 1,
+            "dp_kind": "ddp",
+            "slicing": None,
+            "experts": None,
+            "moe_layers": None,
+            "forward_only": "false",
+        }
         body = 4
         while body < len(lines) and lines[body][1].split()[0] in dp:
             at = body
@@ -359,6 +381,7 @@ def from_text(text: str, path: str = "<program>") -> Program:
             slicing=dp["slicing"],  # type: ignore[arg-type]
             experts=_experts(dp["experts"]),
             moe_layers=_moe_layers(dp["moe_layers"]),
+            forward_only=_flag(dp["forward_only"], "forward_only"),
         )
     except (IndexError, ValueError, json.JSONDecodeError, AttributeError, OverflowError) as e:
         raise fail(f"malformed program text: {e}") from None

@@ -21,7 +21,7 @@ from pipec.frontend import library
 from pipec.ir.program import COMPUTE, OPCODES, RECVS, SENDS
 from pipec.passes.compiler import compile_schedule
 from pipec.passes.dryrun import dry_run
-from pipec.passes.lower import lower
+from pipec.passes.lower import forward_program, lower
 from pipec.sim.memory import rank_memory
 
 
@@ -218,6 +218,19 @@ def test_library_program_round_trip(name):
     prog = lower(load(name))
     assert from_text(to_text(prog)) == prog
     assert from_json(to_json(prog)) == prog
+
+
+def test_a_forward_only_program_round_trips_as_forward_only():
+    """An evaluation pass written to a file reads back as one (`forward_only`), in both forms; a file
+    without the header is a training Program, and a malformed value is E501."""
+    prog = forward_program(lower(load("1f1b", p=2, m=3)))
+    assert prog.forward_only
+    for back in (from_text(to_text(prog)), from_json(to_json(prog))):
+        assert back == prog and back.forward_only
+    assert "forward_only true\n" in to_text(prog) and "forward_only" not in to_text(lower(load("1f1b", p=2, m=3)))
+    with pytest.raises(PipecError) as info:
+        from_text(to_text(prog).replace("forward_only true", "forward_only yes"), "x.prog")
+    assert info.value.code == "E501" and "forward_only" in str(info.value)
 
 
 def test_adjacent_send_and_receive_with_one_peer_are_batched():
