@@ -160,7 +160,7 @@ class FloorSide:
     the executor's own cost (`executor_cpu_us`). Its gradients are not pipec's (a gradient of ones stands
     for the next stage's), only its calls are the same."""
 
-    def __init__(self, name: str, rank: int, build, p: int, m: int, program) -> None:
+    def __init__(self, rank: int, build, m: int, program) -> None:
         import torch
 
         S = program.num_stages
@@ -298,12 +298,11 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> N
         if case.empty and sides["pipec"].transport != "DistComm":  # the dispatch figure on gloo beside it
             sides["pipec-gloo"] = PipecSide(case.schedule, rank, build, case.p, case.m, "gloo")
         if case.empty:  # the model's own calls alone: what no executor can save
-            sides["floor"] = FloorSide(case.schedule, rank, build, case.p, case.m, sides["pipec"].program)
+            sides["floor"] = FloorSide(rank, build, case.m, sides["pipec"].program)
         # Both start from the same weights and see the same batch: their first step's gradients must agree.
         for side in sides.values():
             side.step(x, y)
         worst, compared = largest_rel_diff(grads_of(sides["pipec"].runner.modules()), grads_of(sides["torch"].modules))
-
         diff, count = torch.tensor([worst], dtype=torch.float64), torch.tensor([compared], dtype=torch.int64)
         dist.all_reduce(diff, op=dist.ReduceOp.MAX)
         dist.all_reduce(count, op=dist.ReduceOp.SUM)

@@ -180,6 +180,8 @@ def read_text(path: str | os.PathLike[str], what: str = "input", limit: int = MA
     return read_input(path, what, limit).decode("utf-8")
 
 
+# The binary units amounts of bytes are written in for people, largest first (here, below every floor, so
+# that the file limits' messages and everything above them write bytes one way).
 BINARY = (("GiB", 2.0**30), ("MiB", 2.0**20), ("KiB", 2.0**10))
 
 

@@ -51,8 +51,6 @@ UNITS: dict[str, tuple[str, float, float]] = {
 # bandwidths in bits per second only.
 LANGUAGE = ("us", "ms", "s", "bps", "Kbps", "Mbps", "Gbps", "Tbps", "B", "KB", "MB", "GB", "KiB", "MiB", "GiB")
 
-# The binary units amounts of bytes are written in for people, largest first.
-
 
 def of_kind(kind: str, among: tuple[str, ...] | None = None) -> tuple[str, ...]:
     """The units of one kind ("time", "bytes", "bandwidth"), in table order; only those in `among` if given."""
