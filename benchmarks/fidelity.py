@@ -28,7 +28,11 @@ says so (docs/simulate.md, "Ranks that share cores").
 `overhead_us` is the per-instruction overhead `pipec profile` measured, and `error_without_overhead`
 the error of a simulation that leaves it out (`--cost overhead=0`). The `in_situ_*` fields are the same
 for the costs of `pipec profile --in-situ` (F, B, W and the overhead measured in steps of the schedule
-run on two processes: pipec.runtime.profile.insitu), whose runs are separate from the measured ones. With
+run on two processes: pipec.runtime.profile.insitu), whose runs are separate from the measured ones.
+`in_situ_own_error` compares that simulation with the in-situ profile's own run (its median step): the costs
+and the step come from the same minutes, so the machine's drift between a profile and a later run (on a
+shared virtual machine, consecutive runs of one job differ by up to 60%; docs/runtime.md) is out of it, and
+what is left is the simulator's composition of the costs. With
 `--transfer`, `partner_*` are those of a simulation with the in-situ costs of another schedule with the same
 stages and kind of backward (GPipe for 1F1B, looped BFS for interleaved 1F1B, ZB-H2 for ZB-H1): whether
 costs measured in one schedule predict another.
@@ -46,6 +50,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -94,6 +99,8 @@ def one_round(name: str, extra: dict, args: argparse.Namespace, tmp: str, env: d
     situ_cost = os.path.join(tmp, f"{name}.situ.toml")
     sh([*PIPEC, "profile", name, *d, "--model", MODEL, "-o", situ_cost, "--reps", str(args.reps), "--in-situ"], env)
     situ = sim_result(sh([*PIPEC, "simulate", name, *d, "--cost", situ_cost, "--json"], env))
+    with open(situ_cost, "rb") as f:  # the in-situ profile's own run: its median step, at the same moment
+        situ_step = tomllib.load(f)["measured"]["in_situ"]["step"]
     moved = None
     if args.transfer:  # the partner's in-situ costs, simulated for this schedule
         moved_cost = os.path.join(tmp, f"{name}.partner.toml")
@@ -113,6 +120,7 @@ def one_round(name: str, extra: dict, args: argparse.Namespace, tmp: str, env: d
         "in_situ_simulated_s": situ["makespan"],
         "partner_simulated_s": moved,
         "in_situ_overhead_us": 1e6 * situ["costs"]["overhead"],
+        "in_situ_own_step_s": situ_step,
         "measured_s": statistics.median(steps[2:]),
         # where a difference comes from: compute (the busiest rank's op time) or waiting (idle time)
         "compute_ratio": busiest(measured) / busiest(simulated),
@@ -227,6 +235,15 @@ def main() -> None:
                     round((r["in_situ_simulated_s"] - r["measured_s"]) / r["measured_s"], 4) for r in rows
                 ],
                 "in_situ_overhead_us": round(med["in_situ_overhead_us"], 1),
+                # the simulator against the very run the in-situ costs came from: no drift of the machine
+                # between the profile and the measurement, only the model's composition of the costs
+                "in_situ_own_error_per_round": [
+                    round((r["in_situ_simulated_s"] - r["in_situ_own_step_s"]) / r["in_situ_own_step_s"], 4)
+                    for r in rows
+                ],
+                "in_situ_own_error": statistics.median(
+                    (r["in_situ_simulated_s"] - r["in_situ_own_step_s"]) / r["in_situ_own_step_s"] for r in rows
+                ),
                 **(
                     {
                         "partner": PARTNER[name],
