@@ -12,6 +12,7 @@ is how the ops and messages wait for each other.
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 from collections import defaultdict
@@ -57,6 +58,11 @@ def profile_in_situ(
     result = spawned.run_gloo(_rank, procs, spec, timeout=timeout * (warmup + reps + 2))
     if isinstance(result, str):
         raise PipelineError(f"the in-situ profile of {program.name} failed: {result}")
+    from pipec.runtime.host.affinity import allowed_cpus
+
+    cpus = allowed_cpus()
+    # more processes than CPUs: the ranks took turns on the cores, and the op times have a long tail
+    result[0]["shared"] = procs > (len(cpus) if cpus is not None else (os.cpu_count() or procs))
     return result[0]
 
 
@@ -192,6 +198,7 @@ def summarize(program: Program, events: list[list[list[tuple]]], seconds: list[l
         # their means too: a step adds its ops up, and on shared CPUs their times have a long tail
         "ops_mean": {k: statistics.fmean(v) for k, v in times.items()},
         "overhead": per_instruction(program, timelines),
+        "overhead_with_stalls": per_instruction(program, timelines, stall=math.inf),
         "delivery": deliveries(timelines),
         "step_s": statistics.median(max(per) for per in zip(*seconds)),
         "steps": len(timelines),

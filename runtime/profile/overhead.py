@@ -95,15 +95,17 @@ def instruction_overhead(rank: int, nbytes: int, reps: int, gap: float, steps: i
     return per_instruction(program, [timeline(program, events)])
 
 
-def per_instruction(program, timelines) -> float | None:
+def per_instruction(program, timelines, stall: float = STALL) -> float | None:
     """o from measured steps (Timelines of `program`): the mean time per instruction of the gaps holding
     only sends, and of those holding only receives, averaged (the simulator charges o to each end of a
     message, so their sum per message is what counts). Only gaps whose consumed message, if any, was sent
-    EARLY before the gap began count, and none over STALL per instruction (a stall, not an overhead)."""
+    EARLY before the gap began count, and none over `stall` per instruction (a stall, not an overhead; with
+    `stall` infinite the stalls count too: where ranks share cores a sender's stall after waking its peer
+    is part of every send's expected cost, docs/runtime.md)."""
     sends, recvs = [], []
     for tl in timelines:
         for kind, per in no_wait_gaps(program, tl):
-            if per < STALL:
+            if per < stall:
                 (sends if kind == "send" else recvs).append(per)
     parts = [statistics.fmean(x) for x in (sends, recvs) if x]
     return statistics.fmean(parts) if parts else None

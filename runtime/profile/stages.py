@@ -113,7 +113,8 @@ class Profile:
             B, W = split_as_run(B, W, self.full_backward, self.moe)
         if self.in_situ is not None:  # the ops as they ran in the schedule
             F, B, W = (self.situ(op) for op in (FWD, BWD, WGRAD))
-            doc["comment"] += f"; F, B, W and overhead in situ, medians over {self.in_situ['steps']} steps"
+            how = "means (stalls included: more processes than CPUs)" if self.in_situ.get("shared") else "medians"
+            doc["comment"] += f"; F, B, W and overhead in situ, {how} over {self.in_situ['steps']} steps"
         doc["F"] = rounded(F)
         doc["B"] = rounded(B)  # without split backward, B without W: the cost model's full backward
         if self.split_backward:
@@ -179,9 +180,9 @@ class Profile:
             doc["measured"]["slices"] = self.slices.measured()
         if self.in_situ is not None:
             doc["measured"]["in_situ"] = {
-                "forward": rounded(self.situ(FWD)),
-                "backward": rounded(self.situ(BWD)),
-                **({"weight_backward": rounded(self.situ(WGRAD))} if self.split_backward else {}),
+                "forward": rounded(self.situ(FWD, median=True)),
+                "backward": rounded(self.situ(BWD, median=True)),
+                **({"weight_backward": rounded(self.situ(WGRAD, median=True))} if self.split_backward else {}),
                 "step": float(f"{self.in_situ['step_s']:.6g}"),
                 "steps": self.in_situ["steps"],
             }
@@ -209,10 +210,14 @@ class Profile:
                     doc["measured"]["in_situ"][name] = rounded(per)
         return doc
 
-    def situ(self, op: int) -> list[float]:
-        """Per stage, the in-situ median of an op (0.0 where the schedule never ran it)."""
+    def situ(self, op: int, median: bool = False) -> list[float]:
+        """Per stage, the in-situ median of an op (`median`: always), or its mean where the run's processes
+        shared the CPUs (`in_situ["shared"]`: there a step sums a long tail the median leaves out); 0.0 where
+        the schedule never ran it."""
         assert self.in_situ is not None
-        return [self.in_situ["ops"].get((op, s), 0.0) for s in range(len(self.forward))]
+        mean = self.in_situ.get("shared") and self.in_situ.get("ops_mean") and not median
+        ops = self.in_situ["ops_mean"] if mean else self.in_situ["ops"]
+        return [ops.get((op, s), 0.0) for s in range(len(self.forward))]
 
 
 def _nbytes(tensors: tuple[torch.Tensor, ...]) -> int:
@@ -336,10 +341,14 @@ def profile(
         prof.in_situ = profile_in_situ(
             program, model.path, reps=reps, warmup=warmup, threads=threads, seed=seed, loss_scale=loss_scale
         )
-        if prof.in_situ["overhead"] is not None:
+        # Where the run's processes outnumber the CPUs, a step adds up ops and gaps with a long tail (a rank
+        # waiting for a core, a sender stalled after waking its peer): their means are what a step sums, and
+        # the medians leave the tail out (docs/runtime.md, "What the shortfall is made of").
+        overhead = prof.in_situ["overhead_with_stalls" if prof.in_situ.get("shared") else "overhead"]
+        if overhead is not None:
             if prof.overhead is not None:  # the stand-in GPipe's, kept in [measured.run]
                 prof.info["link_overhead"] = round(prof.overhead, 9)
-            prof.overhead = prof.in_situ["overhead"]
+            prof.overhead = overhead
     if comm and dp > 1:
         if device.type != "cpu" or backend != "gloo":
             prof.info["collectives"] = f"not measured ({backend} on {device.type}: profile measures gloo on CPU only)"

@@ -131,6 +131,25 @@ def test_the_cost_file_carries_the_in_situ_steps(small_mlp):
     assert raw["measured"]["in_situ"]["reduce_grad"] == [4e-3, 5e-3] and "unshard" not in raw["measured"]["in_situ"]
 
 
+def test_with_more_processes_than_cpus_the_in_situ_costs_are_means_with_the_stalls(small_mlp):
+    """Where the in-situ run's processes outnumbered the CPUs (`shared`), F and B are the ops' means and the
+    overhead the one with the stalls: a step sums the long tail that medians leave out. Otherwise medians,
+    and `measured.in_situ` keeps the medians either way."""
+    from pipec.ir.program import BWD, FWD
+
+    prog = compile_schedule(load("1f1b", p=2, m=2)).program
+    prof = profile(prog, load_model(MODEL), reps=1, warmup=0, comm=False, threads=1, concurrent=False)
+    ops = {(FWD, 0): 1e-3, (FWD, 1): 1e-3, (BWD, 0): 2e-3, (BWD, 1): 2e-3}
+    means = {k: 1.5 * v for k, v in ops.items()}
+    prof.in_situ = dict(ops=ops, ops_mean=means, overhead=5e-5, overhead_with_stalls=4e-4, step_s=0.02, steps=3)
+    for shared, F, B in ((False, [1e-3, 1e-3], [2e-3, 2e-3]), (True, [1.5e-3, 1.5e-3], [3e-3, 3e-3])):
+        prof.in_situ["shared"] = shared
+        raw = tomllib.loads(dump_costs(prof.cost_doc()))
+        assert raw["F"] == pytest.approx(F) and raw["B"] == pytest.approx(B)
+        assert raw["measured"]["in_situ"]["forward"] == pytest.approx([1e-3, 1e-3])
+        assert ("means" in raw["comment"]) == shared
+
+
 def test_a_real_gloo_measurement_gives_positive_finite_numbers():
     c = measure_collectives(2, kind="fsdp", sizes=(4096, 262144), stage_bytes=[10000], reps=3, warmup=1)
     assert c.size == 2 and set(c.times) == set(COLLECTIVES)

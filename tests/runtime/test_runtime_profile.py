@@ -154,6 +154,9 @@ def test_the_overhead_is_the_mean_send_and_receive_gap_per_instruction():
     # two steps: the means are over both
     prog, late = _gpipe_step(b1_start=0.01104)
     assert per_instruction(prog, [_gpipe_step()[1], late]) == pytest.approx((55e-6 + 60e-6) / 2)
+    # where ranks share cores the stalls are part of the cost: with no stall bound the 1 ms gap counts
+    prog, tl = _gpipe_step(b1_start=0.0125)
+    assert per_instruction(prog, [tl], stall=math.inf) > per_instruction(prog, [tl]) + 1e-4
 
 
 def test_in_situ_profile_takes_the_ops_from_runs_of_the_schedule(tmp_path, capsys, small_mlp):
