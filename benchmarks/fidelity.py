@@ -210,6 +210,7 @@ def main() -> None:
         }
         kinds = {k: round(statistics.median(r["kind_ratio"][k] for r in rows), 3) for k in rows[0]["kind_ratio"]}
         sim, mea = med["simulated_s"], med["measured_s"]
+        own = [(r["in_situ_simulated_s"] - r["in_situ_own_step_s"]) / r["in_situ_own_step_s"] for r in rows]
         emit(
             {
                 "benchmark": "fidelity",
@@ -237,13 +238,8 @@ def main() -> None:
                 "in_situ_overhead_us": round(med["in_situ_overhead_us"], 1),
                 # the simulator against the very run the in-situ costs came from: no drift of the machine
                 # between the profile and the measurement, only the model's composition of the costs
-                "in_situ_own_error_per_round": [
-                    round((r["in_situ_simulated_s"] - r["in_situ_own_step_s"]) / r["in_situ_own_step_s"], 4)
-                    for r in rows
-                ],
-                "in_situ_own_error": statistics.median(
-                    (r["in_situ_simulated_s"] - r["in_situ_own_step_s"]) / r["in_situ_own_step_s"] for r in rows
-                ),
+                "in_situ_own_error_per_round": [round(e, 4) for e in own],
+                "in_situ_own_error": statistics.median(own),
                 **(
                     {
                         "partner": PARTNER[name],

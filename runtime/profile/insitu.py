@@ -58,11 +58,6 @@ def profile_in_situ(
     result = spawned.run_gloo(_rank, procs, spec, timeout=timeout * (warmup + reps + 2))
     if isinstance(result, str):
         raise PipelineError(f"the in-situ profile of {program.name} failed: {result}")
-    from pipec.runtime.host.affinity import allowed_cpus
-
-    cpus = allowed_cpus()
-    # more processes than CPUs: the ranks took turns on the cores, and the op times have a long tail
-    result[0]["shared"] = procs > (len(cpus) if cpus is not None else (os.cpu_count() or procs))
     return result[0]
 
 

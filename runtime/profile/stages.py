@@ -294,8 +294,9 @@ def profile(
             prof = _measure(program, model, reps, warmup, device, seed, loss_scale, dp)
     finally:
         torch.set_num_threads(old_threads)
-    if device.type == "cpu" and cpus and procs > len(cpus):  # a run's ranks will share the CPUs; its ops
-        prof.ranks_per_node, prof.cores_per_node = procs, len(cpus)  # were timed without sharing them
+    shared = device.type == "cpu" and bool(cpus) and procs > len(cpus or [])  # a run's ranks share the CPUs
+    if shared:  # its ops were timed without sharing them
+        prof.ranks_per_node, prof.cores_per_node = procs, len(cpus or [])
     prof.info.update(
         model=model.path,
         dtype=str(next(iter(prof.info.pop("dtypes")), "none")),
@@ -341,6 +342,7 @@ def profile(
         prof.in_situ = profile_in_situ(
             program, model.path, reps=reps, warmup=warmup, threads=threads, seed=seed, loss_scale=loss_scale
         )
+        prof.in_situ["shared"] = shared  # its run's processes (the same p x dp) took turns on the CPUs
         # Where the run's processes outnumber the CPUs, a step adds up ops and gaps with a long tail (a rank
         # waiting for a core, a sender stalled after waking its peer): their means are what a step sums, and
         # the medians leave the tail out (docs/runtime.md, "What the shortfall is made of").
