@@ -262,13 +262,14 @@ class Executor:
             self.dp.ready(s)
         rec = self.record
         t0 = time.perf_counter() if rec is not None else 0.0
+        c0 = time.thread_time() if rec is not None else 0.0  # its CPU: ranks that share cores (insitu)
         target = self.targets[mb] if s == self.S - 1 else None
         out = self.stages[s].forward(mb, args, target, keep_input_only=self.keep_only[j])
         if out is not None:
             self.values[(ACT, mb, s)] = out
         if rec is not None:
             self.sync()
-            rec.append(("compute", FWD, mb, s, t0, time.perf_counter()))
+            rec.append(("compute", FWD, mb, s, t0, time.perf_counter(), time.thread_time() - c0))
         return 1
 
     def _infer(self, j: int, mb: int, s: int, got: Any) -> int:
@@ -288,12 +289,13 @@ class Executor:
             self.dp.ready(s)
         rec = self.record
         t0 = time.perf_counter() if rec is not None else 0.0
+        c0 = time.thread_time() if rec is not None else 0.0  # its CPU: ranks that share cores (insitu)
         dargs = self.stages[s].backward(mb, got)
         if s > 0:
             self.values[(GRAD, mb, s)] = dargs
         if rec is not None:
             self.sync()
-            rec.append(("compute", BWD, mb, s, t0, time.perf_counter()))
+            rec.append(("compute", BWD, mb, s, t0, time.perf_counter(), time.thread_time() - c0))
         return 1
 
     def _wgrad(self, j: int, mb: int, s: int, got: Any) -> int:
@@ -301,10 +303,11 @@ class Executor:
             self.dp.ready(s)
         rec = self.record
         t0 = time.perf_counter() if rec is not None else 0.0
+        c0 = time.thread_time() if rec is not None else 0.0  # its CPU: ranks that share cores (insitu)
         self.stages[s].wgrad(mb)
         if rec is not None:
             self.sync()
-            rec.append(("compute", WGRAD, mb, s, t0, time.perf_counter()))
+            rec.append(("compute", WGRAD, mb, s, t0, time.perf_counter(), time.thread_time() - c0))
         return 1
 
     def _step(self, j: int, mb: int, s: int, got: Any) -> int:

@@ -185,6 +185,12 @@ def summarize(program: Program, events: list[list[list[tuple]]], seconds: list[l
                 per_rank.append(max(run[1] - bounds[1], 0.0) + max(bounds[2] - run[2], 0.0))
         if per_rank:
             outside.append(max(per_rank))
+    cpu: dict[tuple[int, int], list[float]] = defaultdict(list)  # each op's main-thread CPU (the executor's 7th field)
+    for per_rank in events:
+        for evs in per_rank:
+            for e in evs:
+                if e[0] == "compute" and len(e) > 6:
+                    cpu[(e[1], e[3])].append(e[6])
     return {
         "step": {s: statistics.median(v) for s, v in step_t.items()},
         "collectives": {k: statistics.median(v) for k, v in coll_t.items()},
@@ -192,6 +198,8 @@ def summarize(program: Program, events: list[list[list[tuple]]], seconds: list[l
         "ops": {k: statistics.median(v) for k, v in times.items()},
         # their means too: a step adds its ops up, and on shared CPUs their times have a long tail
         "ops_mean": {k: statistics.fmean(v) for k, v in times.items()},
+        # and the CPU they took: where processes outnumber cores, what the simulator shares out (docs/simulate.md)
+        "ops_cpu": {k: statistics.fmean(v) for k, v in cpu.items()},
         "overhead": per_instruction(program, timelines),
         "overhead_with_stalls": per_instruction(program, timelines, stall=math.inf),
         "delivery": deliveries(timelines),

@@ -90,8 +90,8 @@ class Profile:
     moe: dict[str, list] = field(default_factory=dict)
     a2a: AllToAll | None = None
     # processes that will share this machine's cores in a run of the schedule, and those cores (0: not
-    # shared); the ops were timed without sharing (alone, or in turns of `cores_per_node` processes), so the
-    # simulator charges it
+    # shared); the ops were timed without sharing (alone, in turns of `cores_per_node` processes, or in situ as
+    # the CPU they took), so the simulator charges it
     ranks_per_node: int = 0
     cores_per_node: int = 0
 
@@ -113,7 +113,11 @@ class Profile:
             B, W = split_as_run(B, W, self.full_backward, self.moe)
         if self.in_situ is not None:  # the ops as they ran in the schedule
             F, B, W = (self.situ(op) for op in (FWD, BWD, WGRAD))
-            how = "means (stalls included: more processes than CPUs)" if self.in_situ.get("shared") else "medians"
+            how = (
+                "the CPU they took, shared out by the simulator (more processes than CPUs), overhead with stalls"
+                if self._shares_cpu()
+                else "medians"
+            )
             doc["comment"] += f"; F, B, W and overhead in situ, {how} over {self.in_situ['steps']} steps"
         doc["F"] = rounded(F)
         doc["B"] = rounded(B)  # without split backward, B without W: the cost model's full backward
@@ -142,12 +146,10 @@ class Profile:
             doc["step"] = rounded([self.in_situ["step"].get(s, 0.0) for s in range(len(self.forward))])
         if self.in_situ is not None and self.in_situ.get("outside_s") is not None:
             doc["step_overhead"] = float(f"{self.in_situ['outside_s']:.6g}")
-        if self.cores_per_node and self.in_situ is None:  # in situ, the op times hold the sharing already
+        if self.cores_per_node and (self.in_situ is None or self._shares_cpu()):
             doc["ranks_per_node"], doc["cores_per_node"] = self.ranks_per_node, self.cores_per_node
-            doc["comment"] += (
-                f"; {self.ranks_per_node} processes share {self.cores_per_node} cores, timed "
-                f"{self.cores_per_node} at a time"
-            )
+            timed = "their CPU in situ" if self.in_situ is not None else f"timed {self.cores_per_node} at a time"
+            doc["comment"] += f"; {self.ranks_per_node} processes share {self.cores_per_node} cores, {timed}"
         if self.slices is not None:
             fitted = f"{len(self.slices.points)} token slices ({self.slices.how})"
             doc["comment"] += f"; attn and op_fixed fitted to {fitted}"
@@ -186,17 +188,20 @@ class Profile:
                 "step": float(f"{self.in_situ['step_s']:.6g}"),
                 "steps": self.in_situ["steps"],
             }
+            for key in ("overhead", "overhead_with_stalls"):  # both estimates, whichever the cost key took
+                if self.in_situ.get(key) is not None:
+                    doc["measured"]["in_situ"][key] = round(self.in_situ[key], 9)
             if self.in_situ.get("delivery"):  # messages sent to a waiting receiver: send to receive done
                 d = self.in_situ["delivery"]
                 doc["measured"]["in_situ"].update(
                     delivery_s=float(f"{d['median_s']:.6g}"), delivery_bytes=d["bytes"], deliveries=d["count"]
                 )
-            mean = self.in_situ.get("ops_mean") or {}
-            if mean:  # the means of replica 0's ops (the cost keys are their medians)
+            for suffix, key in (("mean", "ops_mean"), ("cpu", "ops_cpu")):  # replica 0's means, and their CPU
+                mean = self.in_situ.get(key) or {}
                 for name, code in (("forward", FWD), ("backward", BWD), ("weight_backward", WGRAD)):
-                    if code != WGRAD or self.split_backward:
+                    if mean and (code != WGRAD or self.split_backward):
                         per = [mean.get((code, s), 0.0) for s in range(len(self.forward))]
-                        doc["measured"]["in_situ"][f"{name}_mean"] = rounded(per)
+                        doc["measured"]["in_situ"][f"{name}_{suffix}"] = rounded(per)
             by_replica = self.in_situ.get("ops_by_replica") or []
             if len(by_replica) > 1:  # each replica's own F, B (and W): replica 0's are the cost keys
                 for name, code in (("forward", FWD), ("backward", BWD), ("weight_backward", WGRAD)):
@@ -210,13 +215,18 @@ class Profile:
                     doc["measured"]["in_situ"][name] = rounded(per)
         return doc
 
+    def _shares_cpu(self) -> bool:
+        """Whether the in-situ run's processes outnumbered the CPUs and its ops' CPU times were recorded."""
+        return bool(self.in_situ is not None and self.in_situ.get("shared") and self.in_situ.get("ops_cpu"))
+
     def situ(self, op: int, median: bool = False) -> list[float]:
-        """Per stage, the in-situ median of an op (`median`: always), or its mean where the run's processes
-        shared the CPUs (`in_situ["shared"]`: there a step sums a long tail the median leaves out); 0.0 where
+        """Per stage, the in-situ median of an op's time (`median`: always). Where the run's processes shared
+        the CPUs (`in_situ["shared"]`), the mean CPU the op took instead: its wall time there holds the turns
+        other ranks took on its core, which depend on what ran beside it, so the cost file keeps the work and
+        the simulator shares the cores out (`ranks_per_node`, `cores_per_node`: docs/simulate.md). 0.0 where
         the schedule never ran it."""
         assert self.in_situ is not None
-        mean = self.in_situ.get("shared") and self.in_situ.get("ops_mean") and not median
-        ops = self.in_situ["ops_mean"] if mean else self.in_situ["ops"]
+        ops = self.in_situ["ops_cpu"] if self._shares_cpu() and not median else self.in_situ["ops"]
         return [ops.get((op, s), 0.0) for s in range(len(self.forward))]
 
 
@@ -343,9 +353,10 @@ def profile(
             program, model.path, reps=reps, warmup=warmup, threads=threads, seed=seed, loss_scale=loss_scale
         )
         prof.in_situ["shared"] = shared  # its run's processes (the same p x dp) took turns on the CPUs
-        # Where the run's processes outnumber the CPUs, a step adds up ops and gaps with a long tail (a rank
-        # waiting for a core, a sender stalled after waking its peer): their means are what a step sums, and
-        # the medians leave the tail out (docs/runtime.md, "What the shortfall is made of").
+        # Where the run's processes outnumber the CPUs, the ops are the CPU they took (`situ`: the simulator
+        # shares the cores out) and the gaps between them have a long tail (a rank waiting for a core, a sender
+        # stalled after waking its peer): their mean is what a step sums, the median leaves the tail out
+        # (docs/runtime.md, "What the shortfall is made of").
         overhead = prof.in_situ["overhead_with_stalls" if prof.in_situ.get("shared") else "overhead"]
         if overhead is not None:
             if prof.overhead is not None:  # the stand-in GPipe's, kept in [measured.run]

@@ -27,7 +27,7 @@ from pipec.runtime.profile.collectives import (  # noqa: E402
 )
 from pipec.runtime.profile.stages import profile, summary_lines  # noqa: E402
 from pipec.sim.cost_files import dump_costs  # noqa: E402
-from pipec.sim.costs import ring_time  # noqa: E402
+from pipec.sim.costs import cost_model, ring_time  # noqa: E402
 
 MODEL = str(ROOT / "examples" / "mlp.py")
 SIZES = [4096 * 4**k for k in range(7)]
@@ -131,23 +131,34 @@ def test_the_cost_file_carries_the_in_situ_steps(small_mlp):
     assert raw["measured"]["in_situ"]["reduce_grad"] == [4e-3, 5e-3] and "unshard" not in raw["measured"]["in_situ"]
 
 
-def test_with_more_processes_than_cpus_the_in_situ_costs_are_means_with_the_stalls(small_mlp):
-    """Where the in-situ run's processes outnumbered the CPUs (`shared`), F and B are the ops' means and the
-    overhead the one with the stalls: a step sums the long tail that medians leave out. Otherwise medians,
-    and `measured.in_situ` keeps the medians either way."""
+def test_with_more_processes_than_cpus_the_in_situ_costs_are_the_ops_cpu_shared_out(small_mlp):
+    """Where the in-situ run's processes outnumbered the CPUs (`shared`), F and B are the CPU the ops took,
+    the cost file says how many processes share how many cores (the simulator shares them out) and the
+    overhead is the one with the stalls. Otherwise the wall-time medians and no sharing; `measured.in_situ`
+    keeps the medians, the means and the CPU either way."""
     from pipec.ir.program import BWD, FWD
 
     prog = compile_schedule(load("1f1b", p=2, m=2)).program
     prof = profile(prog, load_model(MODEL), reps=1, warmup=0, comm=False, threads=1, concurrent=False)
+    prof.ranks_per_node, prof.cores_per_node = 2, 1
     ops = {(FWD, 0): 1e-3, (FWD, 1): 1e-3, (BWD, 0): 2e-3, (BWD, 1): 2e-3}
     means = {k: 1.5 * v for k, v in ops.items()}
-    prof.in_situ = dict(ops=ops, ops_mean=means, overhead=5e-5, overhead_with_stalls=4e-4, step_s=0.02, steps=3)
-    for shared, F, B in ((False, [1e-3, 1e-3], [2e-3, 2e-3]), (True, [1.5e-3, 1.5e-3], [3e-3, 3e-3])):
+    cpu = {k: 0.5 * v for k, v in ops.items()}
+    prof.in_situ = dict(ops=ops, ops_mean=means, ops_cpu=cpu, overhead=5e-5, overhead_with_stalls=4e-4)
+    prof.in_situ.update(step_s=0.02, steps=3)
+    for shared, F, B in ((False, [1e-3, 1e-3], [2e-3, 2e-3]), (True, [5e-4, 5e-4], [1e-3, 1e-3])):
         prof.in_situ["shared"] = shared
         raw = tomllib.loads(dump_costs(prof.cost_doc()))
         assert raw["F"] == pytest.approx(F) and raw["B"] == pytest.approx(B)
-        assert raw["measured"]["in_situ"]["forward"] == pytest.approx([1e-3, 1e-3])
-        assert ("means" in raw["comment"]) == shared
+        assert ("cores_per_node" in raw) == shared and ("CPU they took" in raw["comment"]) == shared
+        if shared:
+            assert (raw["ranks_per_node"], raw["cores_per_node"]) == (2, 1)
+        situ = raw["measured"]["in_situ"]
+        assert situ["forward"] == pytest.approx([1e-3, 1e-3]) and situ["forward_cpu"] == pytest.approx([5e-4, 5e-4])
+        assert situ["forward_mean"] == pytest.approx([1.5e-3, 1.5e-3])
+        assert (situ["overhead"], situ["overhead_with_stalls"]) == (5e-5, 4e-4)
+    costs = cost_model(load("1f1b", p=2, m=2), [read_cost_text(dump_costs(prof.cost_doc()))])
+    assert (costs.ranks_per_node, costs.cores_per_node) == (2, 1)  # the simulator reads the sharing
 
 
 def test_a_real_gloo_measurement_gives_positive_finite_numbers():

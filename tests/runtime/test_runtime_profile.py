@@ -171,6 +171,8 @@ def test_in_situ_profile_takes_the_ops_from_runs_of_the_schedule(tmp_path, capsy
     assert situ["steps"] == 3 and situ["step"] > 0
     assert all(x > 0 for x in doc["F"] + doc["B"] + doc["W"])  # the first stage's BWD is tiny, but timed
     assert doc["measured"]["stages"]["forward"] != doc["F"]  # the one-op-at-a-time tables are kept apart
+    for name in ("forward", "backward", "weight_backward"):  # the main thread's CPU per op: at most its time
+        assert all(0 < c <= w + 1e-4 for c, w in zip(situ[f"{name}_cpu"], situ[f"{name}_mean"])), name
     assert 0 < doc["overhead"] < 0.1  # the overhead comes from the runs themselves
     # and the latency from the messages the run sent to a waiting receiver (no bandwidth measured: all of it)
     assert situ["deliveries"] > 0 and doc["latency"] == pytest.approx(situ["delivery_s"], rel=1e-5)
