@@ -11,9 +11,11 @@ step time of the run's steps after the first two (start-up, shape handshake). Th
 the ratio serial / overlap and its spread, and `gain` = 1 - overlap / serial (the goal: >= 0.20).
 
 `--predict`: the same pair through the simulator. `pipec profile SCHED ... --model examples/moe.py --dp 2 --ep 2
---experts 4` times this model's ops on this machine as a run's 4 processes do (all at once) and writes the
-cost file; then `pipec simulate SCHED ... --ep 2 --experts 4 --cost FILE --cost latency.cross=5ms,
-bandwidth.cross=1Gbps --topology TOPOLOGY [--no-overlap] --json` on the run's topology. The second `--cost`
+--experts 4 --in-situ` runs the schedule on the run's 4 processes (no emulated link) and writes the cost file:
+each op's CPU in those steps, which the simulator shares out over the 2 cores (docs/runtime.md, "The ops' CPU,
+shared out"; `--offline` times the ops in turns outside the schedule instead); then `pipec simulate SCHED
+... --ep 2 --experts 4 --cost FILE --cost latency.cross=5ms,bandwidth.cross=1Gbps --topology TOPOLOGY
+[--no-overlap] --json` on the run's topology. The second `--cost`
 is the emulated link: a cost file's `latency`/`bandwidth` (the profile's gloo ping-pong) apply to every
 link class, the one between the replica datacenters included (the cost model's rule: cost documents win
 over the topology), so the link this run emulates is given after it. The record gets `predicted_s`
@@ -24,6 +26,7 @@ over the topology), so the link this run emulates is given after it. The record 
     python benchmarks/moe_overlap.py --size large     # 4x the tokens, 2x the width: more compute per all-to-all
     python benchmarks/moe_overlap.py --predict        # and the simulator's prediction
     python benchmarks/moe_overlap.py --control        # and the same pair without the emulated link
+    python benchmarks/moe_overlap.py -m 16 --schedules dualpipe-v --predict  # one schedule, more micro-batches
     python benchmarks/moe_overlap.py --smoke          # one round of 3 steps, dualpipe-v, a profile of 1 rep (tests)
 """
 
@@ -73,11 +76,12 @@ def step_time(schedule: str, m: int, steps: int, overlap: bool, link: bool = Tru
     return statistics.median(times)
 
 
-def predict(schedule: str, m: int, tmp: str, reps: int = 20) -> dict:
+def predict(schedule: str, m: int, tmp: str, reps: int = 20, in_situ: bool = True) -> dict:
     """The simulator's overlapped and serial step with this machine's profiled costs and the emulated link."""
     defines = ["-D", "p=2", "-D", f"m={m}"]
     cost = os.path.join(tmp, f"{schedule}.toml")
     argv = ["profile", schedule, *defines, "--model", MODEL, *EP, "--reps", str(reps), "-o", cost]
+    argv += ["--in-situ"] if in_situ else []
     prof = pipec(*argv)
     if prof.returncode != 0:
         raise SystemExit(f"pipec {' '.join(argv)} failed:\n{prof.stdout}{prof.stderr[-3000:]}")
@@ -103,10 +107,15 @@ def predict(schedule: str, m: int, tmp: str, reps: int = 20) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("-m", type=int, default=8, help="micro-batches (default 8)")
+    ap.add_argument("-m", type=int, default=8, help="micro-batches (default 8; the batch grows with m)")
     ap.add_argument("--steps", type=int, default=7, help="steps per run (default 7; the first two are dropped)")
     ap.add_argument("--rounds", type=int, default=4, help="ABBA rounds (default 4)")
     ap.add_argument("--predict", action="store_true", help="also the simulator's prediction of the gain")
+    ap.add_argument(
+        "--offline",
+        action="store_true",
+        help="--predict from ops timed in turns outside the schedule (default: pipec profile --in-situ)",
+    )
     ap.add_argument(
         "--control",
         action="store_true",
@@ -118,17 +127,22 @@ def main() -> None:
         default="small",
         help="examples/moe.py at its defaults (small), or 4x the tokens and 2x the width (large)",
     )
+    ap.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated subset of " + ",".join(SCHEDULES))
     smoke_flag(ap)
     a = ap.parse_args()
-    names = list(SCHEDULES)
+    names = [n for n in a.schedules.split(",") if n]
+    if not names or set(names) - set(SCHEDULES):
+        ap.error(f"--schedules {a.schedules}: choose from {', '.join(SCHEDULES)}")
     if a.smoke:  # one schedule, one round of 3 steps, the small model, the prediction from a profile of 1 rep
         names, a.m, a.steps, a.rounds, a.size, a.predict = names[:1], 4, 3, 1, "small", True
     if a.size == "large":
         ENV.update(LARGE)
+    # the same sequences per micro-batch at any m (the model's batch is sized for m = 8)
+    ENV["MOE_BATCH"] = str(int(ENV.get("MOE_BATCH", "16")) // 8 * a.m)
     with tempfile.TemporaryDirectory(prefix="pipec-moe-") as tmp:
         cases = [(name, link) for name in names for link in ((True, False) if a.control else (True,))]
         for name, link in cases:
-            extra = predict(name, a.m, tmp, 1 if a.smoke else 20) if a.predict and link else {}
+            extra = predict(name, a.m, tmp, 1 if a.smoke else 20, not a.offline) if a.predict and link else {}
             systems = {
                 "overlap": lambda n=name, k=link: step_time(n, a.m, a.steps, True, k),
                 "serial": lambda n=name, k=link: step_time(n, a.m, a.steps, False, k),

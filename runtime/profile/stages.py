@@ -115,7 +115,7 @@ class Profile:
             F, B, W = (self.situ(op) for op in (FWD, BWD, WGRAD))
             how = (
                 "the CPU they took, shared out by the simulator (more processes than CPUs), overhead with stalls"
-                if self._shares_cpu()
+                if self.shares_cpu()
                 else "medians"
             )
             doc["comment"] += f"; F, B, W and overhead in situ, {how} over {self.in_situ['steps']} steps"
@@ -146,7 +146,7 @@ class Profile:
             doc["step"] = rounded([self.in_situ["step"].get(s, 0.0) for s in range(len(self.forward))])
         if self.in_situ is not None and self.in_situ.get("outside_s") is not None:
             doc["step_overhead"] = float(f"{self.in_situ['outside_s']:.6g}")
-        if self.cores_per_node and (self.in_situ is None or self._shares_cpu()):
+        if self.cores_per_node and (self.in_situ is None or self.shares_cpu()):
             doc["ranks_per_node"], doc["cores_per_node"] = self.ranks_per_node, self.cores_per_node
             timed = "their CPU in situ" if self.in_situ is not None else f"timed {self.cores_per_node} at a time"
             doc["comment"] += f"; {self.ranks_per_node} processes share {self.cores_per_node} cores, {timed}"
@@ -215,7 +215,7 @@ class Profile:
                     doc["measured"]["in_situ"][name] = rounded(per)
         return doc
 
-    def _shares_cpu(self) -> bool:
+    def shares_cpu(self) -> bool:
         """Whether the in-situ run's processes outnumbered the CPUs and its ops' CPU times were recorded."""
         return bool(self.in_situ is not None and self.in_situ.get("shared") and self.in_situ.get("ops_cpu"))
 
@@ -226,7 +226,7 @@ class Profile:
         the simulator shares the cores out (`ranks_per_node`, `cores_per_node`: docs/simulate.md). 0.0 where
         the schedule never ran it."""
         assert self.in_situ is not None
-        ops = self.in_situ["ops_cpu"] if self._shares_cpu() and not median else self.in_situ["ops"]
+        ops = self.in_situ["ops_cpu"] if self.shares_cpu() and not median else self.in_situ["ops"]
         return [ops.get((op, s), 0.0) for s in range(len(self.forward))]
 
 
@@ -719,7 +719,12 @@ def summary_lines(prof: Profile) -> list[str]:
         lines.append(
             f"in situ, {situ['steps']} steps of {prof.schedule} (median step {ms(situ['step_s'])} ms), ms per stage:"
         )
-        lines.append("  " + "; ".join(per) + " (the cost file's F, B, W)")
+        what = "the CPU each took, " if prof.shares_cpu() else ""
+        lines.append("  " + "; ".join(per) + f" ({what}the cost file's F, B, W)")
+        if prof.shares_cpu():
+            lines.append(
+                f"  {prof.ranks_per_node} processes shared {prof.cores_per_node} CPUs: the simulator shares them out"
+            )
     if prof.slices is not None:
         fit = prof.slices
         per = "; ".join(
