@@ -51,11 +51,17 @@ PIPEC = str(BIN / "pipec") if (BIN / "pipec").exists() else "pipec"
 MODEL = str(ROOT / "examples" / "moe.py")
 ENV = {"OMP_NUM_THREADS": "1"}  # examples/moe.py at its defaults (--size small)
 LARGE = {"MOE_BATCH": "32", "MOE_CONTEXT": "16", "MOE_WIDTH": "32", "MOE_HIDDEN": "64"}  # --size large
-LATENCY_MS, BANDWIDTH_GBPS = 5.0, 1.0
-TOPOLOGY = (
-    'dc "east" replicas 0 .. 1  dc "west" replicas 1 .. 2  '
-    f'link "east" <-> "west" latency {LATENCY_MS:g}ms bandwidth {BANDWIDTH_GBPS:g}Gbps'
-)
+LINK = {"latency_ms": 5.0, "bandwidth_gbps": 1.0}  # the emulated expert link (--latency-ms)
+
+
+def topology() -> str:
+    """The run's two replica datacenters and the emulated link between them."""
+    return (
+        'dc "east" replicas 0 .. 1  dc "west" replicas 1 .. 2  '
+        f'link "east" <-> "west" latency {LINK["latency_ms"]:g}ms bandwidth {LINK["bandwidth_gbps"]:g}Gbps'
+    )
+
+
 EP = ["--dp", "2", "--ep", "2", "--experts", "4"]
 STEP = re.compile(r"^step (\d+)/\d+: loss \S+, ([0-9.]+) s", re.M)
 SCHEDULES = ("dualpipe-v", "combined-1f1b")  # the library's schedules with `F & B` pairs
@@ -68,7 +74,7 @@ def pipec(*args: str) -> subprocess.CompletedProcess:
 def step_time(schedule: str, m: int, steps: int, overlap: bool, link: bool = True) -> float:
     """One `pipec run`: the median of its step times after the first two (`link`: the expert link emulated)."""
     argv = ["run", schedule, "-D", "p=2", "-D", f"m={m}", "--model", MODEL, *EP, "--steps", str(steps)]
-    argv += (["--emulate-links", "--topology", TOPOLOGY] if link else []) + ([] if overlap else ["--no-overlap"])
+    argv += (["--emulate-links", "--topology", topology()] if link else []) + ([] if overlap else ["--no-overlap"])
     out = pipec(*argv)
     if out.returncode != 0:
         raise SystemExit(f"pipec {' '.join(argv)} failed:\n{out.stdout}{out.stderr[-3000:]}")
@@ -85,14 +91,14 @@ def predict(schedule: str, m: int, tmp: str, reps: int = 20, in_situ: bool = Tru
     prof = pipec(*argv)
     if prof.returncode != 0:
         raise SystemExit(f"pipec {' '.join(argv)} failed:\n{prof.stdout}{prof.stderr[-3000:]}")
-    link = f"latency.cross={LATENCY_MS:g}ms,bandwidth.cross={BANDWIDTH_GBPS:g}Gbps"
+    link = f"latency.cross={LINK['latency_ms']:g}ms,bandwidth.cross={LINK['bandwidth_gbps']:g}Gbps"
 
     def shown(v: list[str]) -> str:
         return shlex.join(["pipec", *(("COSTS.toml" if x == cost else x) for x in v)])
 
     sims, commands = {}, [shown(argv)]
     for name, flag in (("overlap", []), ("serial", ["--no-overlap"])):
-        argv = ["simulate", schedule, *defines, *EP, "--cost", cost, "--cost", link, "--topology", TOPOLOGY, *flag]
+        argv = ["simulate", schedule, *defines, *EP, "--cost", cost, "--cost", link, "--topology", topology(), *flag]
         out = pipec(*argv, "--json")
         if out.returncode != 0:
             raise SystemExit(f"pipec {' '.join(argv)} failed:\n{out.stdout}{out.stderr[-3000:]}")
@@ -127,6 +133,9 @@ def main() -> None:
         default="small",
         help="examples/moe.py at its defaults (small), or 4x the tokens and 2x the width (large)",
     )
+    ap.add_argument(
+        "--latency-ms", type=float, default=LINK["latency_ms"], help="the emulated link's latency (default 5 ms)"
+    )
     ap.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated subset of " + ",".join(SCHEDULES))
     smoke_flag(ap)
     a = ap.parse_args()
@@ -135,6 +144,7 @@ def main() -> None:
         ap.error(f"--schedules {a.schedules}: choose from {', '.join(SCHEDULES)}")
     if a.smoke:  # one schedule, one round of 3 steps, the small model, the prediction from a profile of 1 rep
         names, a.m, a.steps, a.rounds, a.size, a.predict = names[:1], 4, 3, 1, "small", True
+    LINK["latency_ms"] = a.latency_ms
     if a.size == "large":
         ENV.update(LARGE)
     # the same sequences per micro-batch at any m (the model's batch is sized for m = 8)
@@ -155,7 +165,7 @@ def main() -> None:
                 start,
                 schedule=name,
                 params={"p": 2, "m": a.m, "dp": 2, "ep": 2, "experts": 4},
-                link={"latency_ms": LATENCY_MS, "bandwidth_gbps": BANDWIDTH_GBPS} if link else "not emulated",
+                link=dict(LINK) if link else "not emulated",
                 model={"size": a.size, **ENV},
                 **extra,
             )
