@@ -20,6 +20,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DataParallel",
+    "Experts",
     "PipecError",
     "Program",
     "Schedule",
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from pipec.api import check, compile, load, read_program, simulate
     from pipec.errors import PipecError
     from pipec.ir.dataparallel import DataParallel
+    from pipec.ir.experts import Experts
     from pipec.ir.program import Program
     from pipec.ir.schedule import Schedule
 
@@ -45,6 +47,7 @@ _HOME = {
     "read_program": "pipec.api",
     "simulate": "pipec.api",
     "DataParallel": "pipec.ir.dataparallel",
+    "Experts": "pipec.ir.experts",
     "PipecError": "pipec.errors",
     "Program": "pipec.ir.program",
     "Schedule": "pipec.ir.schedule",

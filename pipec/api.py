@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from pipec import driver
 from pipec.ir.dataparallel import DataParallel
+from pipec.ir.experts import Experts
 from pipec.ir.program import Program
 from pipec.ir.schedule import Schedule
 
@@ -69,6 +70,8 @@ def check(
     *,
     memory: Mapping[str, float] | None = None,
     data_parallel: DataParallel | None = None,
+    experts: Experts | None = None,
+    moe_layers: int | Sequence[int] | None = None,
     **kwargs: object,
 ) -> CompiledSchedule:
     """Every check `pipec check` runs, or raise PipecError: each op once, on its owner, in dependency
@@ -76,13 +79,16 @@ def check(
     deadlock even when every send blocks until its receive is posted; the schedule's own `expect`
     lines. A Program (or Program file) is validated and dry-run. `data_parallel` (`pipec.DataParallel`)
     replicates each rank (ddp) or shards it (fsdp) and places the collectives (docs/program.md).
+    `experts` (`pipec.Experts`, as `--ep` and `--experts`) shards the MoE layers over expert groups of
+    replicas, with `moe_layers` per stage (one count for all, or one per stage, as `--moe-layers`): each
+    FWD and BWD issues its all-to-alls, the same in the same order on every rank of a group (docs/moe.md).
     Returns the compiled schedule: `.schedule`, `.program` and `.memory` (the per-rank peaks).
 
     >>> c = check("zb-h1", p=4, m=8)
     >>> [round(r.peak, 2) for r in c.memory]
     [4.0, 3.5, 3.0, 2.5]
     """
-    c = driver.compile_target(target, dict(params or {}, **kwargs), memory, data_parallel)
+    c = driver.compile_target(target, dict(params or {}, **kwargs), memory, data_parallel, experts, _layers(moe_layers))
     driver.check_expectations(c.schedule, c.program)
     return c
 
@@ -93,18 +99,25 @@ def compile(  # noqa: A001 - pipec.compile is the name users look for
     *,
     memory: Mapping[str, float] | None = None,
     data_parallel: DataParallel | None = None,
+    experts: Experts | None = None,
+    moe_layers: int | Sequence[int] | None = None,
     **kwargs: object,
 ) -> Program:
     """Check a schedule (as `pipec compile` does: all but its `expect` lines) and lower it to one
     instruction stream per rank (docs/program.md), with the collectives `data_parallel` calls for
-    (`prog.dp`, `prog.dp_kind` record it). Write it with `pipec.formats.program_file.write_json` or
+    (`prog.dp`, `prog.dp_kind` record it) and the all-to-alls of `experts` over `moe_layers` (as for
+    `check`; `prog.experts`, `prog.moe_layers`). Write it with `pipec.formats.program_file.write_json` or
     `write_text`.
 
     >>> prog = compile("1f1b", p=2, m=2)
     >>> [str(i) for i in prog.ranks[1].instructions()][:3]
     ['RECV_ACT 0 1 0', 'RECV_ACT 1 1 0', 'FWD 0 1']
+    >>> moe = compile("dualpipe-v", p=2, m=4, data_parallel=DataParallel(2), experts=Experts(2, 4), moe_layers=1)
+    >>> moe.experts.per_rank, moe.moe_layers
+    (2, (1, 1, 1, 1))
     """
-    return driver.compile_target(target, dict(params or {}, **kwargs), memory, data_parallel).program
+    c = driver.compile_target(target, dict(params or {}, **kwargs), memory, data_parallel, experts, _layers(moe_layers))
+    return c.program
 
 
 def simulate(
@@ -115,18 +128,31 @@ def simulate(
     memory: Mapping[str, float] | None = None,
     topology: str | None = None,
     data_parallel: DataParallel | None = None,
+    experts: Experts | None = None,
+    moe_layers: int | Sequence[int] | None = None,
+    overlap: bool = True,
     **kwargs: object,
 ) -> Simulation:
     """Check, lower and simulate under a cost model, as `pipec simulate` does: `cost` is what
     `--cost` takes (a cost file's path, overrides like "F=1,B=2,W=1", a cost document, or a list of
     these, later ones winning) on top of the schedule's own declarations; `topology` what
-    `--topology` takes; `data_parallel` as for `compile`. Returns the simulation: `.stats` (makespan,
-    bubble, per rank), `.timeline`, `.costs`; `pipec.view.report.to_json(sim)` is `pipec simulate --json`'s
-    record for it.
+    `--topology` takes; `data_parallel`, `experts` and `moe_layers` as for `check` (the cost file's
+    `moe_layers` when not given); `overlap=False` runs each `F & B` pair one op after the other, as
+    `--no-overlap`. Returns the simulation: `.stats` (makespan, bubble, per rank), `.timeline`, `.costs`;
+    `pipec.view.report.to_json(sim)` is `pipec simulate --json`'s record for it.
 
     >>> sim = simulate("1f1b", p=4, m=8, cost="F=1,B=2")
     >>> sim.stats.makespan, sim.stats.bubble_rate
     (33.0, 0.2727272727272727)
+    >>> moe = dict(data_parallel=DataParallel(2), experts=Experts(2, 4), moe_layers=1, cost="a2a=0.2")
+    >>> [round(simulate("dualpipe-v", p=4, m=8, overlap=o, **moe).stats.makespan, 2) for o in (True, False)]
+    [36.03, 41.5]
     """
     obj, where = driver.target_of(target, dict(params or {}, **kwargs))
-    return driver.simulation(obj, driver.cost_docs(cost), memory, topology, where, data_parallel)
+    docs = driver.cost_docs(cost)
+    return driver.simulation(obj, docs, memory, topology, where, data_parallel, experts, _layers(moe_layers), overlap)
+
+
+def _layers(moe_layers: int | Sequence[int] | None) -> Sequence[int] | None:
+    """`moe_layers` as the driver takes it: one count for every stage is a list of one."""
+    return [moe_layers] if isinstance(moe_layers, int) else moe_layers

@@ -1,6 +1,7 @@
 """Measured events of one step, from every rank, as a `pipec.sim.timeline.Timeline` (origin "measured").
 
-Each rank records ("compute", op, mb, stage, start, end), ("send", kind, mb, stage, dst, time, bytes),
+Each rank records ("compute", op, mb, stage, start, end, cpu: the main thread's CPU seconds in the op, which
+`pipec.runtime.profile.insitu` reads and the Timeline does not), ("send", kind, mb, stage, dst, time, bytes),
 ("post", kind, mb, stage, src, time) and ("recv", kind, mb, stage, src, time: when the wait returned, an
 upper bound of the arrival); also ("step", stage, start, end) for each STEP, ("collective", op, stage,
 start, end) for each REDUCE_GRAD and UNSHARD, ("alltoall", opcode, mb, stage, number, issued, done, bytes)

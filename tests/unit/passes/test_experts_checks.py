@@ -193,3 +193,24 @@ def test_a_broken_overlap_promise_is_E405():
 
         check_expectations(build(Source("c.pipe", text), {"p": 2, "v": 1, "m": 4}))
     assert "too much" in e.value.diagnostics[0].message
+
+
+def test_the_python_api_takes_experts_as_the_command_line_does():
+    """`pipec.compile`/`check`/`simulate` take `experts`, `moe_layers` and `overlap` (`--ep`/`--experts`,
+    `--moe-layers`, `--no-overlap`): the same Program and makespans, and the same E425 for bad sizes."""
+    import json
+
+    import pipec
+
+    moe = dict(data_parallel=pipec.DataParallel(2), experts=pipec.Experts(2, 4), moe_layers=[1, 1, 1, 1])
+    prog = pipec.compile("dualpipe-v", p=2, m=4, **moe)
+    assert prog == dualpipe(layers=(1,)).program
+    flags = ["-D", "p=2", "-D", "m=4", "--dp", "2", "--ep", "2", "--experts", "4", "--moe-layers", "1"]
+    for overlap in (True, False):
+        no = [] if overlap else ["--no-overlap"]
+        rc, out, err = run_cli("simulate", "dualpipe-v", *flags, "--cost", "a2a=0.2", "--json", *no)
+        assert rc == 0, err
+        sim = pipec.simulate("dualpipe-v", p=2, m=4, cost="a2a=0.2", overlap=overlap, **moe)
+        assert sim.stats.makespan == pytest.approx(json.loads(out)["results"][0]["makespan"])
+    with pytest.raises(PipecError, match=r"E425.*must divide the data-parallel replicas"):
+        pipec.check("dualpipe-v", p=2, m=4, data_parallel=pipec.DataParallel(2), experts=pipec.Experts(4, 4))
