@@ -35,7 +35,8 @@ STEP: optimizer step, FSDP2's final callback and reshard), `step_overhead` (the 
 instructions) and `dp_blocking` (gloo's collectives block the rank). Against the in-situ step, the line
 also gives the simulation without those three keys (`error_vs_in_situ_without_step_keys`: as before they
 existed), without `dp_blocking` alone (`..._overlapping`), on each replica's own in-situ ops taking the
-slowest (`..._slowest_replica`) and on the ops' means instead of their medians (`..._mean_ops`).
+slowest (`..._slowest_replica`) and on the ops' wall-time means (`..._mean_ops`), both without the keys that
+share the cores out (the wall times hold the sharing).
 `--dp 1` runs the pipeline alone (ddp, 2 processes: each rank its own core on a 2-core machine; set
 BLOCKS_ROWS=32 for the same rows per micro-batch as a replica of the 2 x 2 case).
 """
@@ -85,11 +86,17 @@ def one_at_a_time(doc: dict) -> dict:
     return out
 
 
+# Wall times of ops in a run whose processes shared the cores hold the sharing already: a cost document made of
+# them leaves out the keys that tell the simulator to share the cores out (the profile's own F, B, W are the
+# ops' CPU there, docs/runtime.md "The ops' CPU, shared out").
+WALL = ("ranks_per_node", "cores_per_node")
+
+
 def replica_docs(doc: dict) -> list[dict]:
     """The cost document with each replica's own in-situ F, B (and W) in turn (none if not recorded)."""
     situ, out = doc["measured"]["in_situ"], []
     for d in range(len(situ.get("forward_by_replica", []))):
-        alt = without(doc, ())
+        alt = without(doc, WALL)
         alt.update(F=situ["forward_by_replica"][d], B=situ["backward_by_replica"][d])
         if "weight_backward_by_replica" in situ:
             alt["W"] = situ["weight_backward_by_replica"][d]
@@ -102,7 +109,7 @@ def mean_doc(doc: dict) -> dict | None:
     situ = doc["measured"]["in_situ"]
     if "forward_mean" not in situ:
         return None
-    alt = without(doc, ())
+    alt = without(doc, WALL)
     alt.update(F=situ["forward_mean"], B=situ["backward_mean"])
     if "weight_backward_mean" in situ:
         alt["W"] = situ["weight_backward_mean"]
