@@ -66,6 +66,27 @@ class Busy(torch.nn.Module):
 def instruction_overhead(rank: int, nbytes: int, reps: int, gap: float, steps: int = 3) -> float | None:
     """Run on both ranks of an initialised 2-process gloo group; rank 0 gets o in seconds (None if no gap
     qualified), rank 1 None. `reps` micro-batches of `nbytes` per message, `gap` seconds per short op."""
+    program, tl = _gpipe_run(rank, nbytes, reps, gap, steps, receiver_behind=True)
+    return None if tl is None else per_instruction(program, [tl])
+
+
+def delivery(rank: int, nbytes: int, reps: int, gap: float, steps: int = 3) -> dict | None:
+    """Message delivery on the transport a run uses between two local ranks (shared memory where
+    `pipec run` would take it, else gloo): the same GPipe run with the stages' lopsidedness reversed, so that
+    every receiver waits, and then, on rank 0, `pipec.runtime.profile.insitu.deliveries` of its step: the
+    median time from a send to its receive's completion. Why not a gloo ping-pong: runs between local
+    ranks go through shared memory, whose delivery is a fraction of loopback TCP's (docs/runtime.md)."""
+    from pipec.runtime.profile.insitu import deliveries
+
+    _, tl = _gpipe_run(rank, nbytes, reps, gap, steps, receiver_behind=False)
+    return None if tl is None else deliveries([tl])
+
+
+def _gpipe_run(rank: int, nbytes: int, reps: int, gap: float, steps: int, receiver_behind: bool):
+    """GPipe p=2 through the runtime's `Runner` on Busy stages (m = `reps` micro-batches, one message of
+    `nbytes` each); (Program, the last step's measured Timeline) on rank 0, (Program, None) on rank 1.
+    `receiver_behind`: each message arrives before its receiver needs it (the overhead's gaps hold no wait);
+    otherwise each receiver waits for its message (a delivery)."""
     import torch.distributed as dist
 
     from pipec.driver import build
@@ -76,9 +97,10 @@ def instruction_overhead(rank: int, nbytes: int, reps: int, gap: float, steps: i
 
     m = max(2, reps)
     program = compile_schedule(build(library.read("gpipe"), [("p", 2), ("m", m)])).program
+    short, long = (gap, 2 * gap) if receiver_behind else (2 * gap, gap)
 
     def build_stage(stage: int, num_stages: int) -> torch.nn.Module:
-        return Busy(gap, 2 * gap) if stage == 0 else Busy(2 * gap, gap)
+        return Busy(short, long) if stage == 0 else Busy(long, short)
 
     def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return out.sum()
@@ -90,9 +112,7 @@ def instruction_overhead(rank: int, nbytes: int, reps: int, gap: float, steps: i
     events: list = [None, None]
     dist.all_gather_object(events, runner.events())
     del runner
-    if rank != 0:
-        return None
-    return per_instruction(program, [timeline(program, events)])
+    return program, (timeline(program, events) if rank == 0 else None)
 
 
 def per_instruction(program, timelines, stall: float = STALL) -> float | None:

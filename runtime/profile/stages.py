@@ -11,9 +11,10 @@ and the split backward, input gradient (`BWD`) then weight gradient (`WGRAD`). G
 m micro-batches between optimizer steps, as in a run. Each is timed `reps` times after `warmup` rounds;
 the medians go into the file. Message sizes come from the tensors stages pass on: `act_bytes[s]` what
 stage s sends forward, `grad_bytes[s]` the input gradient it sends back. With `comm`, two processes time
-messages of the largest size over the backend (gloo ping-pong) and the file gets a link `latency` and
-`bandwidth`, and the `overhead`: a rank's own time per send or receive instruction in the runtime's
-executor, measured as the simulator charges it (pipec.runtime.profile.overhead). With `in_situ`, F, B, W and the
+deliveries of 8 bytes and of the largest message in runs of the runtime (on the transport a run takes
+between local ranks: pipec.runtime.profile.links) and the file gets a link `latency` and `bandwidth`, and
+the `overhead`: a rank's own time per send or receive instruction in the runtime's executor, measured as the
+simulator charges it (pipec.runtime.profile.overhead). With `in_situ`, F, B, W and the
 overhead come instead from steps of the schedule itself on its gloo processes (pipec.runtime.profile.insitu).
 
 What the cost file says depends on the schedule: with split backward, `B` and `W` are the input- and
@@ -337,12 +338,12 @@ def profile(
     if comm and program.num_ranks > 1:
         sizes = sorted({b for b in prof.act_bytes + prof.grad_bytes if b > 0})
         if device.type == "cpu" and backend == "gloo":
-            say("timing the gloo link and the executor's overhead on 2 processes")
+            say("timing the link (deliveries in runs of the runtime) and the executor's overhead on 2 processes")
             gap = min(max(statistics.median(prof.forward), 1e-4), 5e-3)
-            prof.latency, prof.bandwidth, prof.overhead = measure_link(
+            prof.latency, prof.bandwidth, prof.overhead, how = measure_link(
                 max(sizes, default=0), reps=max(reps, 20), gap=gap
             )
-            prof.info["link"] = "gloo ping-pong between two local processes"
+            prof.info["link"] = f"{how} between two local processes"
         else:
             prof.info["link"] = f"not measured ({backend} on {device.type}: profile measures gloo on CPU only)"
     if in_situ:

@@ -192,7 +192,7 @@ def test_dp_must_be_a_size_and_a_kind():
 @pytest.fixture
 def no_link(monkeypatch):
     """The point-to-point link's measurement (tested in tests/runtime/test_runtime_profile.py) left out."""
-    monkeypatch.setattr("pipec.runtime.profile.stages.measure_link", lambda *a, **k: (None, None, None))
+    monkeypatch.setattr("pipec.runtime.profile.stages.measure_link", lambda *a, **k: (None, None, None, "not measured"))
 
 
 def test_profile_with_dp_times_the_collectives_of_each_stage(small_mlp, no_link, monkeypatch):
