@@ -16,7 +16,7 @@ each op's CPU in those steps, which the simulator shares out over the 2 cores (d
 shared out"; `--offline` times the ops in turns outside the schedule instead); then `pipec simulate SCHED
 ... --ep 2 --experts 4 --cost FILE --cost latency.cross=5ms,bandwidth.cross=1Gbps --topology TOPOLOGY
 [--no-overlap] --json` on the run's topology. The second `--cost`
-is the emulated link: a cost file's `latency`/`bandwidth` (the profile's gloo ping-pong) apply to every
+is the emulated link: a cost file's `latency`/`bandwidth` (the profile's local link) apply to every
 link class, the one between the replica datacenters included (the cost model's rule: cost documents win
 over the topology), so the link this run emulates is given after it. The record gets `predicted_s`
 (overlap, serial), `predicted_gain` and `difference_points` = 100 (gain - predicted_gain), the goal
