@@ -38,7 +38,7 @@ def profile_in_situ(
     "overhead": s or None, "step_s": median step time, "steps": recorded steps, "step": {stage: median s
     of its STEP}, "collectives": {(op, stage): median s the rank spent in it}, "outside_s": median over
     steps of the largest rank's time outside its instructions (set-up, the loss all-reduce), "delivery": messages
-    as the run delivered them (`deliveries`)}. `timeout` is how long a
+    as the run delivered them (`pipec.runtime.profile.overhead.deliveries`)}. `timeout` is how long a
     rank waits for a peer (as `pipec run --timeout`); the whole run is given `timeout` per step. A Program
     with `dp` > 1 runs as `pipec run --dp` runs it: ranks x dp processes on a ("pp", "dp") mesh, each
     replica on its share of the batch; the ops are replica 0's (its processes are ranks r * dp)."""
@@ -126,37 +126,10 @@ def _op_medians(program: Program, events: list[list[list[tuple]]]) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def deliveries(timelines: list) -> dict | None:
-    """Message delivery as it happens in the run: for each message whose receiver had nothing left to
-    compute when it was sent (its last compute op before the message's arrival ended before the send, so it
-    was waiting), the time from the send to the receive's completion. An idle ping-pong between two
-    processes leaves out what a run's ranks add (their gloo threads and the executor sharing the CPUs
-    with the compute of other ranks); these are the simulator's `latency` in a run. {"median_s",
-    "bytes": the median message's bytes, "count"}; None without any such message."""
-    import numpy as np
-
-    samples, sizes = [], []
-    for tl in timelines:
-        for r in range(tl.num_ranks):
-            ends = np.sort(tl.end[tl.rank == r])
-            mine = np.flatnonzero(tl.msg_dst == r)
-            if not len(mine):
-                continue
-            send, arrival = tl.msg_send[mine], tl.msg_arrival[mine]
-            before = np.searchsorted(ends, arrival, side="right") - 1  # its last compute ending by the arrival
-            busy_until = np.where(before >= 0, ends[np.maximum(before, 0)], -np.inf)
-            waiting = (busy_until <= send) & (arrival > send)
-            samples += (arrival - send)[waiting].tolist()
-            sizes += tl.msg_bytes[mine][waiting].tolist()
-    if not samples:
-        return None
-    return {"median_s": statistics.median(samples), "bytes": statistics.median(sizes), "count": len(samples)}
-
-
 def summarize(program: Program, events: list[list[list[tuple]]], seconds: list[list[float]]) -> dict:
     """events[rank][step]: each recorded step's events; seconds[rank][step]: each rank's step time."""
     from pipec.runtime.exec.measure import timeline
-    from pipec.runtime.profile.overhead import per_instruction
+    from pipec.runtime.profile.overhead import deliveries, per_instruction
 
     timelines = [timeline(program, [events[r][k] for r in range(len(events))]) for k in range(len(events[0]))]
     times: dict[tuple[int, int], list[float]] = defaultdict(list)

@@ -73,11 +73,9 @@ def instruction_overhead(rank: int, nbytes: int, reps: int, gap: float, steps: i
 def delivery(rank: int, nbytes: int, reps: int, gap: float, steps: int = 3) -> dict | None:
     """Message delivery on the transport a run uses between two local ranks (shared memory where
     `pipec run` would take it, else gloo): the same GPipe run with the stages' lopsidedness reversed, so that
-    every receiver waits, and then, on rank 0, `pipec.runtime.profile.insitu.deliveries` of its step: the
+    every receiver waits, and then, on rank 0, `deliveries` of its step: the
     median time from a send to its receive's completion. Why not a gloo ping-pong: runs between local
     ranks go through shared memory, whose delivery is a fraction of loopback TCP's (docs/runtime.md)."""
-    from pipec.runtime.profile.insitu import deliveries
-
     _, tl = _gpipe_run(rank, nbytes, reps, gap, steps, receiver_behind=False)
     return None if tl is None else deliveries([tl])
 
@@ -161,3 +159,30 @@ def no_wait_gaps(program, tl) -> list[tuple[str, float]]:
                 continue  # it may have waited for its message
             out.append((kinds.pop(), (float(tl.start[cur]) - float(tl.end[prev])) / len(ops)))
     return out
+
+
+def deliveries(timelines: list) -> dict | None:
+    """Message delivery as it happens in the run: for each message whose receiver had nothing left to
+    compute when it was sent (its last compute op before the message's arrival ended before the send, so it
+    was waiting), the time from the send to the receive's completion. An idle ping-pong between two
+    processes leaves out what a run's ranks add (their gloo threads and the executor sharing the CPUs
+    with the compute of other ranks); these are the simulator's `latency` in a run. {"median_s",
+    "bytes": the median message's bytes, "count"}; None without any such message."""
+    import numpy as np
+
+    samples, sizes = [], []
+    for tl in timelines:
+        for r in range(tl.num_ranks):
+            ends = np.sort(tl.end[tl.rank == r])
+            mine = np.flatnonzero(tl.msg_dst == r)
+            if not len(mine):
+                continue
+            send, arrival = tl.msg_send[mine], tl.msg_arrival[mine]
+            before = np.searchsorted(ends, arrival, side="right") - 1  # its last compute ending by the arrival
+            busy_until = np.where(before >= 0, ends[np.maximum(before, 0)], -np.inf)
+            waiting = (busy_until <= send) & (arrival > send)
+            samples += (arrival - send)[waiting].tolist()
+            sizes += tl.msg_bytes[mine][waiting].tolist()
+    if not samples:
+        return None
+    return {"median_s": statistics.median(samples), "bytes": statistics.median(sizes), "count": len(samples)}

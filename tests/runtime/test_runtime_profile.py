@@ -290,7 +290,7 @@ def test_a_delivery_counts_only_when_the_receiver_was_waiting():
 
     import numpy as np
 
-    from pipec.runtime.profile.insitu import deliveries
+    from pipec.runtime.profile.overhead import deliveries
 
     a = lambda *x: np.array(x, dtype=float)  # noqa: E731
     tl = SimpleNamespace(
