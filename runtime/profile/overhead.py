@@ -14,6 +14,11 @@ same estimate to steps of the profiled schedule on the model itself (pipec.runti
 
 The stages are lopsided so that the receiving side is always behind: stage 0's forward is short and its
 backward long, stage 1 the other way round, so activations and gradients arrive before they are needed.
+
+Message delivery lives here too (`deliveries`: send to receive done, for receivers that were waiting), since
+both of its users time runs of the runtime: the same GPipe run with the lopsidedness reversed gives the
+link's latency and bandwidth on the transport runs take (`delivery`, for pipec.runtime.profile.links), and
+`pipec profile --in-situ` reads the schedule's own runs with it.
 """
 
 from __future__ import annotations
