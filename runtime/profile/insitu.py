@@ -162,7 +162,7 @@ def summarize(program: Program, events: list[list[list[tuple]]], seconds: list[l
     for per_rank in events:
         for evs in per_rank:
             for e in evs:
-                if e[0] == "compute" and len(e) > 6:
+                if e[0] == "compute":
                     cpu[(e[1], e[3])].append(e[6])
     return {
         "step": {s: statistics.median(v) for s, v in step_t.items()},

@@ -42,8 +42,8 @@ def _pingpong(rank: int, world: int, port: int, nbytes: int, reps: int, gap: flo
         delivered = [delivery(rank, n, reps, gap) for n in sizes]  # rank 0's; Nones on rank 1
         ok = [rank == 0 and all(d is not None for d in delivered)]
         dist.broadcast_object_list(ok, src=0)  # both ranks take the same branch: the ping-pong is collective
-        if ok[0]:
-            results, how = [d["median_s"] if d else 0.0 for d in delivered], "deliveries in runs of the runtime"
+        if ok[0]:  # rank 0 reports them
+            results, how = [d["median_s"] for d in delivered if d], "deliveries in runs of the runtime"
         else:  # no message had a waiting receiver
             results, how = [_rtt(rank, dist, n, reps) / 2 for n in sizes], "gloo ping-pong"
         overhead = instruction_overhead(rank, max(nbytes, 8), reps, gap)

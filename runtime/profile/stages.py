@@ -358,7 +358,7 @@ def profile(
         # shares the cores out) and the gaps between them have a long tail (a rank waiting for a core, a sender
         # stalled after waking its peer): their mean is what a step sums, the median leaves the tail out
         # (docs/runtime.md, "What the shortfall is made of").
-        overhead = prof.in_situ["overhead_with_stalls" if prof.in_situ.get("shared") else "overhead"]
+        overhead = prof.in_situ["overhead_with_stalls" if prof.shares_cpu() else "overhead"]
         if overhead is not None:
             if prof.overhead is not None:  # the stand-in GPipe's, kept in [measured.run]
                 prof.info["link_overhead"] = round(prof.overhead, 9)
