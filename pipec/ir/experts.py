@@ -12,7 +12,8 @@ makes expert parallelism pay) are data-parallel for everything else anyway.
 Where the all-to-alls are. An MoE layer's forward issues two all-to-alls (dispatch, combine) and its
 backward their two gradients, in reverse order; a weight-gradient op (W) issues none. So an op of a stage
 with `L` MoE layers is `all_to_alls(kind, L) + 1` compute segments with an all-to-all after every one but
-the last. The executor, the simulator and the checks all read the segment counts from here.
+the last. The executor, the simulator and the checks all read the segment counts from here. A forward's
+dispatch is one all-to-all of two messages in a row, the token counts and then the rows (`a2a_latencies`).
 
 How a pair overlaps (`F & B`, DualPipe's overlapped forward-backward). The two ops take turns on the
 compute resource, passing a baton at their all-to-alls: the pair's first op runs its first segment, issues
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
 MAX_SIZE = 1_000_000  # ranks per expert group; the dp size bounds it anyway (pipec.ir.dataparallel)
 MAX_LAYERS = 100_000  # MoE layers of one stage (a Program's other sizes are bounded alike)
 A2A_PER_LAYER = 2  # an MoE layer's forward: dispatch, combine; its backward: their gradients
+DISPATCH_LATENCIES = 2  # a forward's dispatch: its counts, then its rows (`a2a_latencies`)
 
 
 @dataclass(frozen=True)
@@ -145,6 +147,15 @@ def all_to_alls(kind: str, moe_layers: int) -> int:
     """All-to-alls an op of `kind` ("F", "B", "W") issues on a stage with `moe_layers` MoE layers: a
     forward and a backward (input gradient or full) two per layer, a weight gradient none."""
     return 0 if kind == "W" else A2A_PER_LAYER * moe_layers
+
+
+def a2a_latencies(kind: str, index: int) -> int:
+    """One-way link latencies the `index`-th all-to-all of an op of `kind` takes, one after the other. A
+    forward's dispatch (even index) takes two: the receivers size their buffers from the token counts per
+    expert, so the counts travel first and the rows when they have arrived (pipec.runtime.exec.alltoall,
+    as torchtitan's and Megatron-LM's token dispatchers do). Every other all-to-all takes one: a combine
+    sends back what its dispatch brought, and a backward's sizes are its forward's."""
+    return DISPATCH_LATENCIES if kind == "F" and index % A2A_PER_LAYER == 0 else 1
 
 
 def pair_order(first: int, second: int) -> tuple[tuple[int, int], ...]:

@@ -58,7 +58,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from pipec.errors import error
+from pipec.ir.experts import a2a_latencies
 from pipec.ir.opcodes import (
+    A2A_KIND,
     BWD,
     IS_COLLECTIVE,
     IS_HOST,
@@ -69,6 +71,7 @@ from pipec.ir.opcodes import (
     NEEDS_MSG,
     NEEDS_STAGE,
     ON_COMPUTE,
+    OP_KINDS,
     RECOMPUTE,
     REDUCE_GRAD,
     RELOAD,
@@ -339,7 +342,8 @@ def plan(prog: Program, costs: CostModel, overlap: bool = True) -> Plan:
     layers): each op that issues them is cut into segments (`pipec.sim.segments`, an overlapped pair's in
     `pair_order` unless `overlap` is False), and each all-to-all is a message on a fourth channel per rank
     (R * R + 3R + rank), the expert link: its bytes hold the link (one all-to-all on the wire at a time), its
-    latency does not (`CostModel.a2a_parts`); the segment after it waits for it.
+    latency does not (`CostModel.a2a_parts`; a forward's dispatch takes it twice, `a2a_latencies`); the
+    segment after it waits for it.
     """
     S, m, R = prog.num_stages, prog.num_microbatches, prog.num_ranks
     if costs.num_stages != S or costs.latency.shape != (R, R):
@@ -442,8 +446,12 @@ def plan(prog: Program, costs: CostModel, overlap: bool = True) -> Plan:
         all_txd[is_k] = k_txd
         a_ids = np.flatnonzero(is_a)
         if len(a_ids):  # the all-to-alls on each rank's expert link
-            parts = costs.a2a_parts(stage[midx[a_ids]], rank[midx[a_ids]], prog.experts.size, prog.dp)
-            all_txd[a_ids], all_lat[a_ids] = parts
+            assert cutting is not None  # all-to-all rows come from cutting
+            a_pos = midx[a_ids]
+            wire, a_lat = costs.a2a_parts(stage[a_pos], rank[a_pos], prog.experts.size, prog.dp)
+            kinds = [OP_KINDS[k] for k in A2A_KIND[op[a_pos]].tolist()]
+            trips = [a2a_latencies(k, i) for k, i in zip(kinds, cutting.a2a[a_pos].tolist())]
+            all_txd[a_ids], all_lat[a_ids] = wire, a_lat * np.array(trips, dtype=float)
         h_ids = np.flatnonzero(is_h)
         if len(h_ids):  # OFFLOAD/RELOAD: what the F keeps over the host link (its input when recomputed)
             h_pos = midx[h_ids]

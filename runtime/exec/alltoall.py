@@ -42,6 +42,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -51,7 +52,7 @@ import torch
 
 from pipec.runtime.errors import CollectiveError, PipelineError
 
-HEADER = 8  # values: step, instruction, all-to-all number, stage, opcode, arrival (whole, fraction), spare
+HEADER = 8  # values: step, instruction, all-to-all number, stage, opcode, arrival (whole, fraction), rows
 DTYPES = (torch.float32, torch.float64)
 
 
@@ -68,6 +69,17 @@ class OpRun:
     slot: int = 0  # its place in the pair (0: the first op)
     count: int = 0  # all-to-alls issued so far
     mb: int = -1  # its micro-batch (for the measured record)
+
+
+@dataclass(frozen=True)
+class Tag:
+    """One all-to-all as its op issued it: what the transfer thread needs to name, check and time it."""
+
+    op: OpRun | None
+    number: int  # its place among its op's all-to-alls (-1: outside an op)
+    what: str
+    issued: float  # time.monotonic(): the emulated link's clock
+    perf: float  # time.perf_counter(): the measured events' clock
 
 
 class ExpertGroup:
@@ -99,6 +111,7 @@ class ExpertGroup:
         # the executor's measured events of this step, when recording: ("alltoall", opcode, mb, stage, number,
         # issued, done, bytes sent) per all-to-all, on time.perf_counter() like the others (exec/measure.py)
         self.record: list[tuple] | None = None
+        self.pool: ThreadPoolExecutor | None = None  # the transfer thread (`_submit`)
 
     # ---- which op is running on this thread -----------------------------------------------------
     @contextmanager
@@ -150,27 +163,23 @@ class ExpertGroup:
         if len(counts) % n:
             raise PipelineError(f"{self._who(self._op())}: {len(counts)} expert counts do not split over {n} ranks")
         held = len(counts) // n
-        # [destination, its expert], on the tokens' device (NCCL exchanges device tensors only)
-        send_counts = torch.tensor(counts, dtype=torch.int64, device=tokens.device).view(n, held)
-        recv_counts = torch.empty_like(send_counts)  # [source, my expert]
-        op = self._op()
-        try:
-            work = torch.distributed.all_to_all_single(recv_counts, send_counts, group=self.pg, async_op=True)
-        except Exception as e:
-            raise self._fail("the token counts' all-to-all", op, e) from e
-        self._wait(work, "the token counts' all-to-all", op)
-        send = send_counts.sum(1).tolist()
-        recv = recv_counts.sum(1).tolist()
-        got = AllToAll.apply(tokens, self, send, recv, "dispatch")  # rows grouped [source][expert]
+        send_counts = [counts[i * held : (i + 1) * held] for i in range(n)]  # [destination][its expert]
+        box: dict[str, Any] = {}
+        got = AllToAll.apply(tokens, self, send_counts, None, "dispatch", box)  # rows grouped [source][expert]
+        recv_counts = torch.tensor(box["counts"], dtype=torch.int64)  # [source, my expert]
         # regroup by my expert ([expert][source]), run them, and put the rows back
-        order = _regroup(recv_counts.cpu()).to(tokens.device)
+        order = _regroup(recv_counts).to(tokens.device)
         out = local(got[order], recv_counts.sum(0).tolist())
         back = torch.empty_like(out).index_copy(0, order, out) if len(order) else out
-        return AllToAll.apply(back, self, recv, send, "combine")
+        return AllToAll.apply(back, self, box["recv"], [sum(c) for c in send_counts], "combine", None)
 
     # ---- one all-to-all ---------------------------------------------------------------------------
-    def exchange(self, x: torch.Tensor, send: list[int], recv: list[int], what: str) -> torch.Tensor:
-        """Rows of `x` (send[i] to member i) to their destinations; the rows received (recv[i] from i)."""
+    def exchange(
+        self, x: torch.Tensor, send: list[int], recv: list[int] | None, what: str, counts: list[list[int]] | None = None
+    ) -> tuple[torch.Tensor, list[int], list[list[int]] | None]:
+        """Rows of `x` (send[i] to member i) to their destinations: the rows received (recv[i] from i), `recv`,
+        and None. A dispatch (`recv` None, `counts[i]` the rows for each expert of member i) first exchanges
+        the counts: it returns the rows, the rows from each member and the counts [member][my expert]."""
         op = self._op()
         if x.dtype not in DTYPES:
             raise PipelineError(
@@ -187,12 +196,54 @@ class ExpertGroup:
         else:
             number = -1
         x = x.reshape(x.shape[0], -1).contiguous()
-        width = x.shape[1]
-        rows = max(1, math.ceil(HEADER / width)) if width else 0
-        if not width:
+        if not x.shape[1]:
             raise PipelineError(f"{self._who(op)}: cannot send tokens of width 0 ({what})")
-        now, t_issue = time.monotonic(), time.perf_counter()
-        arrival = self._arrivals(now, send, width * x.element_size())
+        tag = Tag(op, number, what, time.monotonic(), time.perf_counter())
+        job = self._submit(lambda: self._transfer(x, send, recv, counts, tag))
+        if op is not None and op.baton is not None:  # the pair's other op computes while this one travels
+            op.baton.handoff(op.slot)
+        try:
+            out, recv, got_counts, latest = job.result(timeout=3 * self.timeout + 5.0)
+        except PipelineError:
+            raise
+        except Exception as e:
+            raise self._fail(f"the {what} all-to-all", op, e) from e
+        self._hold(latest, op, what)
+        if self.record is not None:
+            width = x.shape[1]
+            sent = (sum(send) - (send[self.index] if self.index < len(send) else 0)) * width * x.element_size()
+            mb = op.mb if op is not None else -1
+            opcode, stage = (op.opcode, op.stage) if op is not None else (-1, -1)
+            self.record.append(("alltoall", opcode, mb, stage, number, tag.perf, time.perf_counter(), sent))
+        return out, recv, got_counts
+
+    def _submit(self, fn: Callable[[], Any]) -> Future:
+        """Run `fn` on the group's transfer thread: one thread, first in first out, so the group's collectives
+        go out in the order the ops issue them (the pair's order: the same on every member)."""
+        if self.pool is None:
+            self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipec-a2a")
+        return self.pool.submit(fn)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+            self.pool = None
+
+    def _transfer(
+        self, x: torch.Tensor, send: list[int], recv: list[int] | None, counts: list[list[int]] | None, tag: Tag
+    ) -> tuple[torch.Tensor, list[int], list[list[int]] | None, float]:
+        """On the transfer thread: (a dispatch's counts first, then) the rows' all-to-all; the rows received,
+        the rows from each member, the counts received, and the latest emulated arrival (0: none)."""
+        op, number, what = tag.op, tag.number, tag.what
+        width = x.shape[1]
+        depart = tag.issued
+        got_counts = None
+        if recv is None:  # a dispatch: the receivers size their buffers from the counts
+            assert counts is not None
+            got_counts, depart = self._counts(counts, tag, x.device)
+            recv = [sum(c) for c in got_counts]
+        rows = max(1, math.ceil(HEADER / width))
+        arrival = self._arrivals(depart, send, width * x.element_size())
         opcode = op.opcode if op is not None else -1
         index = op.index if op is not None else -1
         stage = op.stage if op is not None else -1
@@ -202,7 +253,7 @@ class ExpertGroup:
             t = arrival[i]
             whole = math.floor(t)
             head[:HEADER] = torch.tensor(
-                [self.step, index, number, stage, opcode, whole, t - whole, 0.0], dtype=x.dtype
+                [self.step, index, number, stage, opcode, whole, t - whole, k], dtype=x.dtype
             ).to(x.device)  # rows * width >= HEADER
             parts += [head.view(rows, width), x[at : at + k]]
             at += k
@@ -219,9 +270,6 @@ class ExpertGroup:
             )
         except Exception as e:
             raise self._fail(f"issuing the {what} all-to-all", op, e) from e
-        if op is not None:
-            if op.baton is not None:  # the pair's other op computes while this one travels
-                op.baton.handoff(op.slot)
         self._wait(work, f"the {what} all-to-all", op)
         pieces, at, latest = [], 0, 0.0
         for i, r in enumerate(recv):
@@ -230,15 +278,38 @@ class ExpertGroup:
             latest = max(latest, head[5] + head[6])
             pieces.append(out[at + rows : at + rows + r])
             at += rows + r
-        self._hold(latest, op, what)
-        if self.record is not None:
-            sent = (sum(send) - (send[self.index] if self.index < len(send) else 0)) * width * x.element_size()
-            mb = op.mb if op is not None else -1
-            self.record.append(("alltoall", opcode, mb, stage, number, t_issue, time.perf_counter(), sent))
-        return torch.cat(pieces)
+        return torch.cat(pieces), recv, got_counts, latest
+
+    def _counts(self, counts: list[list[int]], tag: Tag, device: torch.device) -> tuple[list[list[int]], float]:
+        """A dispatch's first all-to-all: the rows for each expert, per member, with the step, instruction and
+        all-to-all number (checked as the rows' headers are) and the emulated arrival, in nanoseconds. Returns
+        the counts received [member][my expert] and when the last of them arrives (emulated; `tag.issued`
+        without an emulated link): the rows leave then, as the receivers size their buffers from the counts."""
+        op, number, what = tag.op, tag.number, tag.what
+        n, held = self.size, len(counts[0])
+        index, stage = (op.index, op.stage) if op is not None else (-1, -1)
+        send = torch.zeros(n, held + 5, dtype=torch.int64)
+        for i in range(n):
+            hop = self.link[self.index][i] if self.link is not None and i != self.index else None
+            arrive = round((tag.issued + hop[0]) * 1e9) if hop is not None else 0
+            send[i] = torch.tensor([*counts[i], self.step, index, number, stage, arrive])
+        got = torch.empty_like(send).to(device)
+        try:
+            work = torch.distributed.all_to_all_single(got, send.to(device), group=self.pg, async_op=True)
+        except Exception as e:
+            raise self._fail(f"issuing the {what} counts' all-to-all", op, e) from e
+        self._wait(work, f"the {what} counts' all-to-all", op)
+        rows = got.cpu().tolist()
+        for i, r in enumerate(rows):
+            self._check([r[held], r[held + 1], r[held + 2], r[held + 3]], i, op, number, f"{what} counts")
+        last = max((r[held + 4] for r in rows), default=0) / 1e9
+        return [r[:held] for r in rows], max(tag.issued, last)
 
     def _arrivals(self, now: float, send: list[int], row_bytes: int) -> list[float]:
-        """Per destination member: the emulated arrival of its rows (0 where its link is not emulated)."""
+        """Per destination member: the emulated arrival of its rows (0 where its link is not emulated), sent
+        at `now` or when the wire to it is free; on the transfer thread only (it owns `free`). The thread
+        takes the all-to-alls in issue order, so each arrives after the rows sent before it, as messages on
+        one channel of the simulator's do (pipec.sim.machine)."""
         out = [0.0] * self.size
         if self.link is None:
             return out
@@ -295,17 +366,24 @@ class ExpertGroup:
 
 class AllToAll(torch.autograd.Function):
     """One all-to-all of an MoE layer (dispatch or combine): forward sends rows `send[i]` to member i and
-    receives `recv[i]` from it; backward sends the gradient back the same way reversed."""
+    receives `recv[i]` from it; backward sends the gradient back the same way reversed. A dispatch passes
+    `send` as the rows per member and expert and `recv` None, and gets back in `box` the rows per member
+    (`recv`) and the counts per member and expert (`counts`) its counts' all-to-all brought."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: ExpertGroup, send: list[int], recv: list[int], what: str):
-        ctx.group, ctx.send, ctx.recv, ctx.what, ctx.shape = group, send, recv, what, x.shape[1:]
-        return group.exchange(x, send, recv, what).reshape(-1, *x.shape[1:])
+    def forward(ctx: Any, x: torch.Tensor, group: ExpertGroup, send: list, recv: list[int] | None, what: str, box: Any):
+        counts = send if recv is None else None
+        sums = [sum(c) for c in send] if recv is None else send
+        out, got, got_counts = group.exchange(x, sums, recv, what, counts)
+        if box is not None:
+            box.update(recv=got, counts=got_counts)
+        ctx.group, ctx.send, ctx.recv, ctx.what, ctx.shape = group, sums, got, what, x.shape[1:]
+        return out.reshape(-1, *x.shape[1:])
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        g = ctx.group.exchange(grad, ctx.recv, ctx.send, f"{ctx.what} gradient")
-        return g.reshape(-1, *ctx.shape), None, None, None, None
+        g, _, _ = ctx.group.exchange(grad, ctx.recv, ctx.send, f"{ctx.what} gradient")
+        return g.reshape(-1, *ctx.shape), None, None, None, None, None
 
 
 def _regroup(recv_counts: torch.Tensor) -> torch.Tensor:

@@ -100,26 +100,30 @@ def test_the_gain_on_a_library_schedule_and_both_passes_agree():
 
 
 def test_bytes_over_the_expert_link():
-    # a2a_bytes over ep_bandwidth plus ep_latency: 1 MB at 8 Mbit/s is 1 s, plus 0.5 s.
+    # a2a_bytes over ep_bandwidth plus ep_latency: 1 MB at 8 Mbit/s is 1 s, plus 0.5 s; a forward's dispatch
+    # (its first all-to-all of each layer) takes the latency twice, its counts before its rows: 2 s.
     sched = build(Source("pair.pipe", PAIR), {})
     doc = [{"a2a_bytes": 1e6, "ep_latency": 0.5, "ep_bandwidth": 8e6, "_from": "t"}]
-    s = simulation(sched, doc, None, None, None, DataParallel(2), Experts(2, 2), (1,))
-    assert np.allclose(s.timeline.a2a_end - s.timeline.a2a_start, 1.5)
+    tl = simulation(sched, doc, None, None, None, DataParallel(2), Experts(2, 2), (1,)).timeline
+    dispatch = (tl.a2a_op == FWD) & (tl.a2a_index == 0)
+    assert dispatch.sum() == 2 and len(tl.a2a_op) == 8
+    assert np.allclose((tl.a2a_end - tl.a2a_start)[dispatch], 2.0)
+    assert np.allclose((tl.a2a_end - tl.a2a_start)[~dispatch], 1.5)
 
 
 def test_two_all_to_alls_in_flight_overlap_their_latencies_but_not_their_bytes():
-    # 2 s of latency and 0.25 s of bytes (250 kB at 8 Mbit/s) per all-to-all, 1 s segments. F(0): 0-1,
-    # wait 2.25, 3.25-4.25, wait 2.25, 6.5-7.5. The pair: F1 7.5-8.5
-    # (its all-to-all on the wire 8.5-8.75, arrives 10.75), B0 8.5-9.5 (wire 9.5-9.75, arrives 11.75): both
-    # in flight at once, each taking its full latency. Held one at a time (the latency holding the link),
-    # B0's would arrive 2.25 s after F1's, at 13.
+    # 2 s of latency and 0.25 s of bytes (250 kB at 8 Mbit/s) per all-to-all, 1 s segments; a forward's
+    # dispatch takes the latency twice (its counts, then its rows). F(0): 0-1, wait 4.25, 5.25-6.25, wait
+    # 2.25, 8.5-9.5. The pair: F1 9.5-10.5 (its dispatch on the wire 10.5-10.75, arrives 14.75), B0
+    # 10.5-11.5 (wire 11.5-11.75, 2 s of latency): both in flight at once; B0's arrives in order after
+    # F1's, at 14.75, not at 16 as when the latency held the link too.
     sched = build(Source("pair.pipe", PAIR), {})
     doc = [{"a2a_bytes": 2.5e5, "ep_latency": 2.0, "ep_bandwidth": 8e6, "_from": "t"}]
     tl = simulation(sched, doc, None, None, None, DataParallel(2), Experts(2, 2), (1,)).timeline
-    assert spans(tl, FWD, 0) == pytest.approx((0.0, 7.5))
+    assert spans(tl, FWD, 0) == pytest.approx((0.0, 9.5))
     pair = np.argsort(tl.a2a_start)[2:4]  # after F(0)'s two, the pair's first two: F1's, then B0's
-    assert tl.a2a_start[pair].tolist() == pytest.approx([8.5, 9.5])
-    assert tl.a2a_end[pair].tolist() == pytest.approx([10.75, 11.75])
+    assert tl.a2a_start[pair].tolist() == pytest.approx([10.5, 11.5])
+    assert tl.a2a_end[pair].tolist() == pytest.approx([14.75, 14.75])
     # a rank's later all-to-all waits for the wire, not for the one before it to arrive: 2.5 MB each (2.5 s)
     slow = [{"a2a_bytes": 2.5e6, "ep_latency": 2.0, "ep_bandwidth": 8e6, "_from": "t"}]
     tl = simulation(sched, slow, None, None, None, DataParallel(2), Experts(2, 2), (1,)).timeline
