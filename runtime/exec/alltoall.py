@@ -109,7 +109,8 @@ class ExpertGroup:
         self.local = threading.local()
         self.step = 0
         # the executor's measured events of this step, when recording: ("alltoall", opcode, mb, stage, number,
-        # issued, done, bytes sent) per all-to-all, on time.perf_counter() like the others (exec/measure.py)
+        # issued, done, bytes sent, the transfer thread's CPU) per all-to-all, on time.perf_counter() like the
+        # others (exec/measure.py)
         self.record: list[tuple] | None = None
         self.pool: ThreadPoolExecutor | None = None  # the transfer thread (`_submit`)
 
@@ -203,7 +204,7 @@ class ExpertGroup:
         if op is not None and op.baton is not None:  # the pair's other op computes while this one travels
             op.baton.handoff(op.slot)
         try:
-            out, recv, got_counts, latest = job.result(timeout=3 * self.timeout + 5.0)
+            out, recv, got_counts, latest, cpu = job.result(timeout=3 * self.timeout + 5.0)
         except PipelineError:
             raise
         except Exception as e:
@@ -214,7 +215,7 @@ class ExpertGroup:
             sent = (sum(send) - (send[self.index] if self.index < len(send) else 0)) * width * x.element_size()
             mb = op.mb if op is not None else -1
             opcode, stage = (op.opcode, op.stage) if op is not None else (-1, -1)
-            self.record.append(("alltoall", opcode, mb, stage, number, tag.perf, time.perf_counter(), sent))
+            self.record.append(("alltoall", opcode, mb, stage, number, tag.perf, time.perf_counter(), sent, cpu))
         return out, recv, got_counts
 
     def _submit(self, fn: Callable[[], Any]) -> Future:
@@ -231,9 +232,11 @@ class ExpertGroup:
 
     def _transfer(
         self, x: torch.Tensor, send: list[int], recv: list[int] | None, counts: list[list[int]] | None, tag: Tag
-    ) -> tuple[torch.Tensor, list[int], list[list[int]] | None, float]:
+    ) -> tuple[torch.Tensor, list[int], list[list[int]] | None, float, float]:
         """On the transfer thread: (a dispatch's counts first, then) the rows' all-to-all; the rows received,
-        the rows from each member, the counts received, and the latest emulated arrival (0: none)."""
+        the rows from each member, the counts received, the latest emulated arrival (0: none), and the CPU
+        this thread spent on it (the op's, for the in-situ profile: pipec.runtime.profile.insitu)."""
+        c0 = time.thread_time()
         op, number, what = tag.op, tag.number, tag.what
         width = x.shape[1]
         depart = tag.issued
@@ -278,7 +281,7 @@ class ExpertGroup:
             latest = max(latest, head[5] + head[6])
             pieces.append(out[at + rows : at + rows + r])
             at += rows + r
-        return torch.cat(pieces), recv, got_counts, latest
+        return torch.cat(pieces), recv, got_counts, latest, time.thread_time() - c0
 
     def _counts(self, counts: list[list[int]], tag: Tag, device: torch.device) -> tuple[list[list[int]], float]:
         """A dispatch's first all-to-all: the rows for each expert, per member, with the step, instruction and

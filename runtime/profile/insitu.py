@@ -126,6 +126,23 @@ def _op_medians(program: Program, events: list[list[list[tuple]]]) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def ops_cpu(events: list[list[list[tuple]]]) -> dict[tuple[int, int], float]:
+    """Per (opcode, stage), the mean CPU seconds of its ops in these events (events[rank][step]): the op's
+    thread's (a compute event's 7th field) and the expert group's transfer thread's for the op's all-to-alls
+    (their 9th), which the op would spend itself if it issued them."""
+    cpu: dict[tuple[int, int], list[float]] = defaultdict(list)
+    for per_rank in events:
+        for evs in per_rank:
+            moved: dict[tuple[int, int, int], float] = defaultdict(float)
+            for e in evs:
+                if e[0] == "alltoall":
+                    moved[(e[1], e[2], e[3])] += e[8]
+            for e in evs:
+                if e[0] == "compute":
+                    cpu[(e[1], e[3])].append(e[6] + moved.get((e[1], e[2], e[3]), 0.0))
+    return {k: statistics.fmean(v) for k, v in cpu.items()}
+
+
 def summarize(program: Program, events: list[list[list[tuple]]], seconds: list[list[float]]) -> dict:
     """events[rank][step]: each recorded step's events; seconds[rank][step]: each rank's step time."""
     from pipec.runtime.exec.measure import timeline
@@ -158,12 +175,6 @@ def summarize(program: Program, events: list[list[list[tuple]]], seconds: list[l
                 per_rank.append(max(run[1] - bounds[1], 0.0) + max(bounds[2] - run[2], 0.0))
         if per_rank:
             outside.append(max(per_rank))
-    cpu: dict[tuple[int, int], list[float]] = defaultdict(list)  # each op's main-thread CPU (the executor's 7th field)
-    for per_rank in events:
-        for evs in per_rank:
-            for e in evs:
-                if e[0] == "compute":
-                    cpu[(e[1], e[3])].append(e[6])
     return {
         "step": {s: statistics.median(v) for s, v in step_t.items()},
         "collectives": {k: statistics.median(v) for k, v in coll_t.items()},
@@ -172,7 +183,7 @@ def summarize(program: Program, events: list[list[list[tuple]]], seconds: list[l
         # their means too: a step adds its ops up, and on shared CPUs their times have a long tail
         "ops_mean": {k: statistics.fmean(v) for k, v in times.items()},
         # and the CPU they took: where processes outnumber cores, what the simulator shares out (docs/simulate.md)
-        "ops_cpu": {k: statistics.fmean(v) for k, v in cpu.items()},
+        "ops_cpu": ops_cpu(events),
         "overhead": per_instruction(program, timelines),
         "overhead_with_stalls": per_instruction(program, timelines, stall=math.inf),
         "delivery": deliveries(timelines),

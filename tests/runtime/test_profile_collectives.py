@@ -258,3 +258,25 @@ def read_cost_text(text: str) -> dict:
         path = Path(d) / "c.toml"
         path.write_text(text)
         return read_cost_file(path)
+
+
+def test_an_ops_cpu_counts_the_transfer_threads_cpu_for_its_all_to_alls():
+    from pipec.ir.opcodes import BWD, FWD
+    from pipec.runtime.profile.insitu import ops_cpu
+
+    # rank 0, one step: F(mb 0, stage 1) 2 ms of its own and two all-to-alls of 0.25 ms on the transfer
+    # thread; F(mb 1, stage 1) 4 ms and none; B(mb 0, stage 1) 3 ms and one of 0.5 ms; another op's all-to-all
+    # (mb 1 of stage 0) is not theirs.
+    evs = [
+        ("compute", FWD, 0, 1, 0.0, 0.01, 0.002),
+        ("alltoall", FWD, 0, 1, 0, 0.0, 0.005, 64, 0.00025),
+        ("alltoall", FWD, 0, 1, 1, 0.005, 0.01, 64, 0.00025),
+        ("compute", FWD, 1, 1, 0.01, 0.02, 0.004),
+        ("compute", BWD, 0, 1, 0.02, 0.03, 0.003),
+        ("alltoall", BWD, 0, 1, 0, 0.02, 0.03, 64, 0.0005),
+        ("alltoall", FWD, 1, 0, 0, 0.02, 0.03, 64, 0.001),
+    ]
+    got = ops_cpu([[evs]])
+    assert got[(FWD, 1)] == pytest.approx((0.0025 + 0.004) / 2)
+    assert got[(BWD, 1)] == pytest.approx(0.0035)
+    assert (FWD, 0) not in got
