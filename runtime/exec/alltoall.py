@@ -6,31 +6,38 @@ replicas of one pipeline rank, each holding `num / size` experts of every MoE la
 (pipec.runtime.model.moe finds and shards them) is called with the tokens grouped by expert and the count
 of each; `ExpertGroup.forward` then
 
-1. exchanges the counts (a small blocking all-to-all of int64, inside the current compute segment),
-2. dispatches the tokens to the ranks holding their experts (`all_to_all_single`, asynchronous),
-3. runs the local experts on what arrived, regrouped by local expert,
-4. combines: sends each result back where its token came from (the reverse all-to-all).
+1. dispatches the tokens to the ranks holding their experts: the token counts per expert first (an
+   all-to-all of int64: the receivers size their buffers from them, as torchtitan's and Megatron-LM's
+   token dispatchers do), then the rows, as soon as the counts have arrived;
+2. runs the local experts on what arrived, regrouped by local expert;
+3. combines: sends each result back where its token came from (the reverse all-to-all).
 
-2 and 4 are `AllToAll`, an autograd Function whose backward is the reverse all-to-all of the gradient, so
-the backward of an MoE layer issues two all-to-alls as well, in reverse order (on the thread that calls
-backward: for CPU tensors autograd runs the graph on the calling thread). These are the all-to-alls that
-pipec.ir.experts.all_to_alls counts and pair_order orders.
+1 and 3 are `AllToAll`, an autograd Function whose backward is the reverse all-to-all of the gradient (its
+sizes known from the forward, so without counts), so the backward of an MoE layer issues two all-to-alls as
+well, in reverse order (on the thread that calls backward: for CPU tensors autograd runs the graph on the
+calling thread). These are the all-to-alls that pipec.ir.experts.all_to_alls counts, pair_order orders and
+a2a_latencies times (a dispatch: two latencies, its counts and its rows).
 
 Each all-to-all goes through `ExpertGroup.exchange`, which
 
 - counts it against the op that issues it (`running`: the executor names the instruction, its stage and
   how many all-to-alls its kind and the stage's MoE layers imply); one too many is an error naming the
-  rank, instruction and stage, and so is one too few when the op ends (`OpRun.close`);
-- prefixes each destination's rows with a header (step, instruction index, all-to-all number, stage,
-  opcode, emulated arrival time) and checks the headers it receives: a peer of the expert group that
-  issued a different all-to-all at this place (a model whose layers differ between replicas, a Program
-  that differs) is an error naming both ranks and both instructions, instead of mixed-up tokens;
+  rank, instruction and stage, and so is one too few when the op ends;
+- hands it to the group's transfer thread (`_submit`: one thread, so the group's collectives go out in the
+  order the ops issue them, the same on every member), which sends a dispatch's counts, waits for them and
+  sends the rows, so a dispatch's second message never waits for its op's turn;
+- prefixes each destination's rows (and a dispatch's counts) with a header (step, instruction index,
+  all-to-all number, stage, opcode, emulated arrival time, rows) and checks the headers it receives: a
+  peer of the expert group that issued a different all-to-all at this place (a model whose layers differ
+  between replicas, a Program that differs) is an error naming both ranks and both instructions, instead
+  of mixed-up tokens;
 - with an overlapped pair (`running(..., baton=...)`), hands the baton to the pair's other op right after
   issuing and waits for its turn before waiting on the transfer (pipec.runtime.exec.pairs);
 - waits with the run's timeout, and an error naming the rank and the instruction;
 - with an emulated expert link (pipec.runtime.exec.links, `Links.replica`), holds the result until the
   slowest source's emulated arrival: issue (or when the wire to that peer is free again) + bytes /
-  bandwidth + latency, as `EmulatedComm` does for pipeline messages.
+  bandwidth + latency, as `EmulatedComm` does for pipeline messages; a dispatch's rows leave when its
+  counts arrive (issue + latency), so a dispatch takes two latencies.
 
 Header rows travel in the payload's dtype, so only float32 and float64 payloads are supported (the time
 stamp is cut in a whole and a fractional part so float32 keeps it to a microsecond).
