@@ -18,7 +18,8 @@ to a DeepSeek-V3-like MoE layer (hidden 7168, a micro-batch of `--tokens` 4096, 
 at `--layer-ms` (default 12 ms) of forward per layer, `--layers` 4 MoE layers per stage; without a file
 the ratios are 1 and 1 (F = B = W, Zero Bubble's unit costs). The bytes one rank sends per all-to-all are
 tokens x hidden x 2 bytes x top-k x (ep - 1) / ep (uniform routing), charged `ep_latency + a2a_bytes /
-ep_bandwidth` (pipec.sim.costs.CostModel.a2a_time).
+ep_bandwidth` (pipec.sim.costs.CostModel.a2a_time), a forward's dispatch the latency twice (its token counts,
+then its rows: pipec.ir.experts.a2a_latencies).
 
     python benchmarks/moe_sim.py                          # default ratios (F = B = W)
     python benchmarks/moe_sim.py --cost moe-profile.toml  # a profile's ratios
