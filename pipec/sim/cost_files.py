@@ -99,8 +99,8 @@ def normalize(doc: Mapping, what: str = "costs") -> dict:
             out["act_bytes"] = _per_stage(value, "bytes", f"{what}: bytes")
         elif key == "overhead":
             out["overhead"] = quantity(value, "time", f"{what}: overhead")
-        elif key == "step_overhead":
-            out["step_overhead"] = quantity(value, "time", f"{what}: step_overhead")
+        elif key in ("step_overhead", "pair_handoff"):
+            out[key] = quantity(value, "time", f"{what}: {key}")
         elif key == "dp_blocking":
             if value not in (0, 1) or not isinstance(value, bool | int | float):
                 raise error("E801", f"{what}: dp_blocking must be 0 or 1 (or a boolean), got `{brief(value)}`")
@@ -147,7 +147,7 @@ def normalize(doc: Mapping, what: str = "costs") -> dict:
                 + ("T_F", "T_B", "T_W", "bytes", "overhead", "latency", "bandwidth", "links", "ranks_per_node")
                 + ("cores_per_node",)
                 + ("dp_latency", "dp_bandwidth", "step_overhead", "dp_blocking", "host_latency", "host_bandwidth")
-                + ("ep_latency", "ep_bandwidth")
+                + ("ep_latency", "ep_bandwidth", "pair_handoff")
             )
             raise error("E801", f"{what}: unknown cost `{brief(key)}` (known: {known})")
     if links:

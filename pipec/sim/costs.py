@@ -38,6 +38,10 @@ a list with one per stage:
 - `step_overhead` (one number): the seconds of every step outside the Program's instructions, on every
   rank alike (zeroing gradients, splitting the batch, with replicas the loss all-reduce at the end):
   it adds to the makespan (`pipec profile --in-situ` measures it; default 0);
+- `pair_handoff` (one number): the seconds an overlapped pair's op waits, when its turn comes, before it
+  runs (the other op's thread hands over at an all-to-all and this one wakes up): added to every segment
+  that takes the turn from the pair's other op, unshared by ranks sharing cores (`pipec profile
+  --in-situ` measures it on a Program with overlapped pairs and all-to-alls; default 0);
 - `dp_blocking` (0 or 1, or a boolean): whether a collective blocks the rank that issues it, so that
   REDUCE_GRAD and UNSHARD run on the rank's own timeline, its next instruction waiting for them, rather
   than on a stream of their own (gloo through FSDP2 on CPU blocks; `pipec profile` writes 1 when it
@@ -136,6 +140,7 @@ class CostModel:
     step: np.ndarray | None = None
     step_overhead: float = 0.0
     dp_blocking: bool = False
+    pair_handoff: float = 0.0  # seconds per turn an overlapped pair's op takes from the other (the docstring)
     # Memory (docs/simulate.md, "Memory ops"): per stage, the bytes its F keeps for its B (`saved_bytes`),
     # its B for its W (`wsaved_bytes`), a recomputed F for its RECOMPUTE (`input_bytes`: its input) and its
     # parameters with gradients and optimizer state (`state_bytes`), 0 where not given; the seconds of one
@@ -507,7 +512,7 @@ def cost_model(sched: Schedule, overrides: Sequence[Mapping] = ()) -> CostModel:
             vals[k] = np.asarray(per, dtype=float)
     given = set(sched.costs)
     ranks_per_node = cores_per_node = None
-    overhead = step_overhead = host_latency = 0.0
+    overhead = step_overhead = host_latency = pair_handoff = 0.0
     host_bandwidth = math.inf  # bit/s, as cost documents give it
     dp_blocking = False
     dp_given: dict[str, float] = {}
@@ -517,6 +522,7 @@ def cost_model(sched: Schedule, overrides: Sequence[Mapping] = ()) -> CostModel:
         cores_per_node = ov.get("cores_per_node", cores_per_node)
         overhead = ov.get("overhead", overhead)
         step_overhead = ov.get("step_overhead", step_overhead)
+        pair_handoff = ov.get("pair_handoff", pair_handoff)
         host_latency = ov.get("host_latency", host_latency)
         host_bandwidth = ov.get("host_bandwidth", host_bandwidth)
         dp_blocking = ov.get("dp_blocking", dp_blocking)
@@ -590,6 +596,7 @@ def cost_model(sched: Schedule, overrides: Sequence[Mapping] = ()) -> CostModel:
         replica_links=replica_links,
         step=vals["step"],
         step_overhead=float(step_overhead),
+        pair_handoff=float(pair_handoff),
         dp_blocking=bool(dp_blocking),
         saved_bytes=vals["saved_bytes"],
         wsaved_bytes=vals["wsaved_bytes"],

@@ -34,7 +34,8 @@ class Cut:
     """The stream's columns after cutting (see the module docstring), and per row: `a2a`, the index of an
     all-to-all within its op (-1: not one); `seg`, a segment's index (-1: not a segment of a cut op);
     `nseg`, its op's segment count (1 for rows not cut); `src`, the row of the op (or other instruction)
-    it comes from in the uncut columns."""
+    it comes from in the uncut columns; `turn`, whether a segment of an overlapped pair takes the turn from
+    the pair's other op (its thread wakes up for it: the cost key `pair_handoff`)."""
 
     op: np.ndarray
     mb: np.ndarray
@@ -46,6 +47,7 @@ class Cut:
     seg: np.ndarray
     nseg: np.ndarray
     src: np.ndarray
+    turn: np.ndarray
 
 
 def counts(op: np.ndarray, stage: np.ndarray, layers: Sequence[int]) -> np.ndarray:
@@ -70,12 +72,12 @@ def cut(
     two ops of a pair (a wait the simulator inserted for the second op) moves before the pair."""
     n_a2a = counts(op, stage, layers)
     on = ON_COMPUTE[op]
-    rows: list[tuple[int, int, int, int]] = []  # (src, a2a index, segment index, segment count)
+    rows: list[tuple[int, int, int, int, bool]] = []  # (src, a2a index, segment index, segment count, turn)
     N = len(op)
     i = 0
     while i < N:
         if not on[i]:
-            rows.append((i, -1, -1, 1))
+            rows.append((i, -1, -1, 1, False))
             i += 1
             continue
         j = i + 1
@@ -83,7 +85,7 @@ def cut(
             while j < N and not on[j] and rank[j] == rank[i]:
                 j += 1
         if group[i] and j < N and on[j] and rank[j] == rank[i]:
-            rows.extend((x, -1, -1, 1) for x in range(i + 1, j))
+            rows.extend((x, -1, -1, 1, False) for x in range(i + 1, j))
             ops, c = (i, j), (int(n_a2a[i]), int(n_a2a[j]))
             if overlap:
                 order = pair_order(*c)
@@ -94,14 +96,16 @@ def cut(
             ops, c = (i,), (int(n_a2a[i]),)
             order = tuple((0, k) for k in range(c[0] + 1))
             i += 1
+        last = -1
         for who, k in order:
             x = ops[who]
             cut_op = c[who] > 0
-            rows.append((x, -1, k if cut_op else -1, c[who] + 1))
+            rows.append((x, -1, k if cut_op else -1, c[who] + 1, overlap and len(ops) == 2 and 0 <= last != who))
+            last = who
             if k < c[who]:
-                rows.append((x, k, -1, 1))
-    src, a2a, seg, nseg = (
-        (np.array(col, dtype=np.int64) for col in zip(*rows)) if rows else (np.zeros(0, np.int64),) * 4
+                rows.append((x, k, -1, 1, False))
+    src, a2a, seg, nseg, turn = (
+        (np.array(col, dtype=np.int64) for col in zip(*rows)) if rows else (np.zeros(0, np.int64),) * 5
     )
     new_of = np.full(N, -1, dtype=np.int64)
     plain = (a2a < 0) & (seg <= 0)  # one row per source instruction: its first segment, or itself
@@ -110,7 +114,7 @@ def cut(
     if wait_for is not None:
         w = wait_for[src]
         wf = np.where((w >= 0) & (a2a < 0) & (seg <= 0), new_of[np.maximum(w, 0)], -1)
-    return Cut(op[src], mb[src], stage[src], peer[src], rank[src], wf, a2a, seg, nseg, src)
+    return Cut(op[src], mb[src], stage[src], peer[src], rank[src], wf, a2a, seg, nseg, src, turn.astype(bool))
 
 
 def a2a_rows(pl: Plan, start: np.ndarray, end: np.ndarray, send: np.ndarray, arr: np.ndarray) -> dict:

@@ -343,7 +343,8 @@ def plan(prog: Program, costs: CostModel, overlap: bool = True) -> Plan:
     `pair_order` unless `overlap` is False), and each all-to-all is a message on a fourth channel per rank
     (R * R + 3R + rank), the expert link: its bytes hold the link (one all-to-all on the wire at a time), its
     latency does not (`CostModel.a2a_parts`; a forward's dispatch takes it twice, `a2a_latencies`); the
-    segment after it waits for it.
+    segment after it waits for it, and a pair's segment that takes the turn from the other op starts the
+    cost model's `pair_handoff` after that one ends (`_handoffs`).
     """
     S, m, R = prog.num_stages, prog.num_microbatches, prog.num_ranks
     if costs.num_stages != S or costs.latency.shape != (R, R):
@@ -500,6 +501,8 @@ def plan(prog: Program, costs: CostModel, overlap: bool = True) -> Plan:
         prev[by_chan[1:][same]] = by_chan[:-1][same]
 
     off, tail, head = _overheads(costs.overhead, op, rank, lengths, cidx, midx, before, own, R)
+    if cutting is not None and costs.pair_handoff and n:
+        tail = _handoffs(tail, cutting.turn[cidx], costs.pair_handoff)
 
     # Receives: the message each names and the compute op just before it on its rank.
     ridx = np.flatnonzero(IS_RECV[op])
@@ -640,6 +643,17 @@ def _collective_needs(need, op, stage, rank, cidx, midx, wait_for, S: int) -> np
         ok = (at >= 0) & (keys[np.maximum(at, 0)] // N == want // N)
         need[plain[ok]] = np.searchsorted(midx, rg[o][at[ok]])
     return need
+
+
+def _handoffs(tail: list[float] | None, turn: np.ndarray, seconds: float) -> list[float]:
+    """The rank's time after each compute op (`Plan.tail`) with an overlapped pair's handoff added before
+    every segment that takes the turn from the pair's other op: that op's thread wakes up for it, which
+    computes nothing (so the sharing of cores does not stretch it) and delays the segment by `seconds`
+    (the cost key `pair_handoff`). A pair's first segment never takes a turn, so the op before is its
+    pair's, on its rank."""
+    out = np.zeros(len(turn)) if tail is None else np.asarray(tail, dtype=float)
+    out[np.flatnonzero(turn) - 1] += seconds
+    return out.tolist()
 
 
 def _computes_before(cidx, real, c_rank, pos, rank, R: int) -> np.ndarray:

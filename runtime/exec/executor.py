@@ -500,6 +500,8 @@ class Executor:
         who = f"rank {self.rank}, step {self.step + 1}, pair #{j} `{self.instr(j)}` & #{j + 1} `{self.instr(j + 1)}`"
         baton = Baton(self._expected(j), self._expected(j + 1), self.timeout, lambda: who)
         self.pairs.run(lambda: self._counted(j, first, baton, 0), lambda: self._counted(j + 1, second, baton, 1), baton)
+        if self.record is not None:  # each turn's wake-up, for the in-situ profile's `pair_handoff`
+            self.record.extend(("handoff", w) for w in baton.waits)
         return 2
 
     def _needed(self, op: int, mb: int, s: int) -> Key | None:

@@ -6,7 +6,8 @@ Each rank records ("compute", op, mb, stage, start, end, cpu: the main thread's 
 upper bound of the arrival); also ("step", stage, start, end) for each STEP, ("collective", op, stage,
 start, end) for each REDUCE_GRAD and UNSHARD, ("alltoall", opcode, mb, stage, number, issued, done, bytes,
 cpu: the transfer thread's) for each expert all-to-all (pipec.runtime.exec.alltoall; not in the Timeline
-yet), ("run", start, end)
+yet), ("handoff", seconds) for each turn an overlapped pair's op took from the other after sleeping
+(pipec.runtime.exec.pairs), ("run", start, end)
 around the instructions and ("bounds", start, end) around the whole step (`pipec.runtime.profile.insitu`
 reads those; the Timeline does not). Clocks are `time.perf_counter()`, one clock for all processes of a machine
 (CLOCK_MONOTONIC); across machines they are not aligned. Times become seconds from the step's first event.

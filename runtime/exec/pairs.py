@@ -45,6 +45,8 @@ class Baton:
         self.who = who
         self.cond = threading.Condition()
         self.failed: BaseException | None = None
+        self.handed = 0.0  # time.perf_counter() of the last turn handed over
+        self.waits: list[float] = []  # per turn taken from the other op: handed over to running (wake-up)
 
     def start(self, op: int) -> None:
         """Wait until op's first segment is the pair's next."""
@@ -78,16 +80,21 @@ class Baton:
                 raise self.failed
             self.pos += 1
             self.seg[op] += 1
+            self.handed = time.perf_counter()
             self.cond.notify_all()
 
     def _wait_turn(self, op: int) -> None:
         deadline = time.monotonic() + self.timeout
+        slept = False
         with self.cond:
             while True:
                 if self.failed is not None:
                     raise PairAborted(f"{self.who()}: stopped, the pair's other op failed: {self.failed}")
                 if self.pos < len(self.order) and self.order[self.pos] == (op, self.seg[op]):
+                    if slept:  # the other op handed the turn over while this one slept: its wake-up
+                        self.waits.append(time.perf_counter() - self.handed)
                     return
+                slept = True
                 left = deadline - time.monotonic()
                 if left <= 0:
                     nxt = self.order[self.pos] if self.pos < len(self.order) else "none"

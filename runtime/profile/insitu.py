@@ -143,6 +143,13 @@ def ops_cpu(events: list[list[list[tuple]]]) -> dict[tuple[int, int], float]:
     return {k: statistics.fmean(v) for k, v in cpu.items()}
 
 
+def handoff(events: list[list[list[tuple]]]) -> float | None:
+    """The mean wake-up of an overlapped pair's op taking its turn (the executor's ("handoff", seconds)
+    events, pipec.runtime.exec.pairs), or None where no pair handed a turn over."""
+    waits = [e[1] for per_rank in events for evs in per_rank for e in evs if e[0] == "handoff"]
+    return statistics.fmean(waits) if waits else None
+
+
 def summarize(program: Program, events: list[list[list[tuple]]], seconds: list[list[float]]) -> dict:
     """events[rank][step]: each recorded step's events; seconds[rank][step]: each rank's step time."""
     from pipec.runtime.exec.measure import timeline
@@ -184,6 +191,7 @@ def summarize(program: Program, events: list[list[list[tuple]]], seconds: list[l
         "ops_mean": {k: statistics.fmean(v) for k, v in times.items()},
         # and the CPU they took: where processes outnumber cores, what the simulator shares out (docs/simulate.md)
         "ops_cpu": ops_cpu(events),
+        "handoff": handoff(events),
         "overhead": per_instruction(program, timelines),
         "overhead_with_stalls": per_instruction(program, timelines, stall=math.inf),
         "delivery": deliveries(timelines),

@@ -147,6 +147,8 @@ class Profile:
             doc["step"] = rounded([self.in_situ["step"].get(s, 0.0) for s in range(len(self.forward))])
         if self.in_situ is not None and self.in_situ.get("outside_s") is not None:
             doc["step_overhead"] = float(f"{self.in_situ['outside_s']:.6g}")
+        if self.in_situ is not None and self.in_situ.get("handoff") is not None:  # overlapped pairs' turns
+            doc["pair_handoff"] = float(f"{self.in_situ['handoff']:.6g}")
         if self.cores_per_node and (self.in_situ is None or self.shares_cpu()):
             doc["ranks_per_node"], doc["cores_per_node"] = self.ranks_per_node, self.cores_per_node
             timed = "their CPU in situ" if self.in_situ is not None else f"timed {self.cores_per_node} at a time"
@@ -726,6 +728,8 @@ def summary_lines(prof: Profile) -> list[str]:
             lines.append(
                 f"  {prof.ranks_per_node} processes shared {prof.cores_per_node} CPUs: the simulator shares them out"
             )
+        if situ.get("handoff") is not None:
+            lines.append(f"  an overlapped pair's turn: {situ['handoff'] * 1e6:.1f} us to wake its op (pair_handoff)")
     if prof.slices is not None:
         fit = prof.slices
         per = "; ".join(

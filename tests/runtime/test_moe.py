@@ -315,6 +315,11 @@ def test_the_baton_runs_segments_and_issues_in_pair_order(first, second):
     order = list(pair_order(first, second))
     assert seen == order
     assert issued == [x for x in order if x[1] < (first, second)[x[0]]]
+    # each turn taken from the other op after sleeping is timed: at most one per turn change, none negative
+    changes = sum(a[0] != b[0] for a, b in zip(order, order[1:]))
+    assert len(baton.waits) <= changes and all(0.0 <= w < 10.0 for w in baton.waits)
+    if changes and first and second:
+        assert baton.waits  # the op that handed over slept until its next turn at least once
 
 
 def test_a_stuck_pair_partner_times_out_naming_the_pair():

@@ -280,3 +280,10 @@ def test_an_ops_cpu_counts_the_transfer_threads_cpu_for_its_all_to_alls():
     assert got[(FWD, 1)] == pytest.approx((0.0025 + 0.004) / 2)
     assert got[(BWD, 1)] == pytest.approx(0.0035)
     assert (FWD, 0) not in got
+
+
+def test_the_pairs_handoff_is_the_mean_wake_up_and_none_without_pairs():
+    from pipec.runtime.profile.insitu import handoff
+
+    assert handoff([[[("handoff", 0.001), ("compute", 0, 0, 0, 0.0, 1.0, 1.0)]], [[("handoff", 0.003)]]]) == 0.002
+    assert handoff([[[("compute", 0, 0, 0, 0.0, 1.0, 1.0)]]]) is None

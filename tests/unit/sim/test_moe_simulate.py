@@ -50,6 +50,23 @@ def test_a_pair_hides_each_all_to_all_behind_the_other_ops_segment():
     assert len(tl.a2a_rank) == 8 and len(tl.seg_rank) == 12
 
 
+def test_each_turn_of_a_pair_costs_its_handoff():
+    # As above with `pair_handoff` 0.25 s: the pair's five turn changes (F1 -> B0 -> F1 ...) each start
+    # the next segment 0.25 s after the last ends, computing nothing: the pair ends at 11.25, not 10, and
+    # the busy time is the segments' alone. One op after the other there is no turn to hand over.
+    def with_handoff(overlap: bool):
+        sched = build(Source("pair.pipe", PAIR), {})
+        doc = [{"a2a": 0.5, "pair_handoff": 0.25, "_from": "test"}]
+        return simulation(sched, doc, None, None, None, DataParallel(2), Experts(2, 2), (1,), overlap)
+
+    s = with_handoff(True)
+    tl = s.timeline
+    assert spans(tl, FWD, 1) == pytest.approx((4.0, 10.0)) and spans(tl, BWD, 0) == pytest.approx((5.25, 11.25))
+    assert s.stats.makespan == pytest.approx(15.25)
+    assert s.stats.ranks[0].busy == pytest.approx(12.0)
+    assert with_handoff(False).stats.makespan == pytest.approx(16.0)
+
+
 def test_without_overlap_a_pair_runs_one_op_after_the_other():
     s = sim(PAIR, 0.5, overlap=False)
     tl = s.timeline
