@@ -33,6 +33,7 @@ def profile_in_situ(
     seed: int = 0,
     loss_scale: float | None = None,
     timeout: float = 60.0,
+    experts: bool = False,
 ) -> dict:
     """Run the Program on its number of local gloo processes; returns {"ops": {(op, stage): median s},
     "overhead": s or None, "step_s": median step time, "steps": recorded steps, "step": {stage: median s
@@ -41,7 +42,11 @@ def profile_in_situ(
     as the run delivered them (`pipec.runtime.profile.overhead.deliveries`)}. `timeout` is how long a
     rank waits for a peer (as `pipec run --timeout`); the whole run is given `timeout` per step. A Program
     with `dp` > 1 runs as `pipec run --dp` runs it: ranks x dp processes on a ("pp", "dp") mesh, each
-    replica on its share of the batch; the ops are replica 0's (its processes are ranks r * dp)."""
+    replica on its share of the batch; the ops are replica 0's (its processes are ranks r * dp). `experts`:
+    with the Program's expert parallelism and overlapped pairs, as the run has them (their all-to-alls, the
+    transfer thread's CPU in the ops' `ops_cpu`, the pairs' `handoff`); the ops' wall times then hold the
+    all-to-alls' waits and the other op of a pair, so only their CPU is the ops' own (the profile takes it
+    where processes outnumber CPUs). Without, every replica holds every expert and nothing is exchanged."""
     if reps < 1 or warmup < 0:
         raise ValueError("reps must be at least 1 and warmup at least 0")
     spec = dict(
@@ -53,6 +58,7 @@ def profile_in_situ(
         seed=seed,
         loss_scale=loss_scale,
         timeout=timeout,
+        experts=experts and program.experts.size > 1,
     )
     procs = program.num_ranks * program.dp
     result = spawned.run_gloo(_rank, procs, spec, timeout=timeout * (warmup + reps + 2))
@@ -79,7 +85,7 @@ def _rank(rank: int, world: int, port: int, spec: dict, out) -> None:
             options=StageOptions(
                 optimizer=model.optimizer, dtype=model.dtype, seed=spec["seed"], loss_scale=spec["loss_scale"]
             ),
-            transport=Transport(timeout=spec["timeout"]),
+            transport=Transport(timeout=spec["timeout"], experts=program.experts if spec["experts"] else None),
         )
         from pipec.runtime.exec.microbatch import batch_of
 

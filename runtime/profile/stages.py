@@ -351,9 +351,22 @@ def profile(
     if in_situ:
         from pipec.runtime.profile.insitu import profile_in_situ
 
-        say(f"running {warmup} + {reps} steps of {program.name} on {program.num_ranks} gloo processes (--in-situ)")
+        say(
+            f"running {warmup} + {reps} steps of {program.name} on {program.num_ranks * program.dp} gloo processes "
+            "(--in-situ)"
+        )
+        # With more processes than CPUs the costs are the ops' CPU, which waits do not hold: run the Program's
+        # expert parallelism and overlapped pairs then, so that the all-to-alls' CPU and the pairs' turns are
+        # the run's (otherwise the ops' wall times are the costs, and an op of a pair would hold the other's).
         prof.in_situ = profile_in_situ(
-            program, model.path, reps=reps, warmup=warmup, threads=threads, seed=seed, loss_scale=loss_scale
+            program,
+            model.path,
+            reps=reps,
+            warmup=warmup,
+            threads=threads,
+            seed=seed,
+            loss_scale=loss_scale,
+            experts=shared,
         )
         prof.in_situ["shared"] = shared  # its run's processes (the same p x dp) took turns on the CPUs
         # Where the run's processes outnumber the CPUs, the ops are the CPU they took (`situ`: the simulator
