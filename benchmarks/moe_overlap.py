@@ -3,7 +3,8 @@
 examples/moe.py (one MoE layer per stage, 4 experts, top 2) on 2 pipeline ranks x 2 data-parallel replicas that
 form one expert group (`--dp 2 --ep 2 --experts 4`, 4 gloo processes), the replicas in two datacenters with the
 expert link emulated slow (`--emulate-links`, 5 ms one way, 1 Gbps: every dispatch and combine all-to-all, and
-its gradient, is held until issue + bytes / bandwidth + latency). For each schedule with `F & B` pairs
+its gradient, is held until issue + bytes / bandwidth + latency; a dispatch's rows leave when its token counts
+arrive, a latency after its issue). For each schedule with `F & B` pairs
 (dualpipe-v, combined-1f1b), one `pipec run` per round and system, alternating in ABBA rounds
 (benchmarks/sidebyside.py): "overlap" (each pair's two ops on two threads, an all-to-all of one in flight while
 the other computes) against "serial" (`--no-overlap`, one op after the other). A round's figure is the median
