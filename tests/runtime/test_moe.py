@@ -393,15 +393,11 @@ def test_links_replica_pairs_round_trip_and_pick_the_group():
     assert back.replica_link(3, 2) is None  # replicas 2 and 3 share a datacenter: nothing emulated
 
 
-def _dispatch_rank(rank: int, port: int, out: str) -> None:
+def _dispatch_rank(rank: int, out: str) -> None:
     """One member of a 2-rank expert group over an emulated 50 ms link: an MoE layer's dispatch and combine
     around experts that double their rows, timed, and the gradient through both."""
-    import os
-
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
-    os.environ.update(TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS="1")
     dist.init_process_group("gloo")
     hop = (0.05, 1e9)
     link = ((None, hop), (hop, None))
@@ -431,22 +427,9 @@ def test_a_dispatch_sends_its_counts_then_its_rows_over_the_emulated_link(tmp_pa
     # arrived, j's combine leaves when i's rows have arrived, and reaches i a latency later: i's forward
     # ends at least 150 ms after j began its own. Each member's experts see the rows routed to them from
     # both members, and every row comes back to its place.
-    import torch.distributed as dist
-    from runtime_harness import _context
+    from runtime_harness import json_ranks
 
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    outs = [str(tmp_path / f"{r}.json") for r in range(2)]
-    procs = [_context().Process(target=_dispatch_rank, args=(r, store.port, outs[r])) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(60)
-    stuck = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert not stuck and [p.exitcode for p in procs] == [0, 0]
-    res = [json.loads(open(o).read()) for o in outs]
+    res = json_ranks(_dispatch_rank, 2, tmp_path, timeout=60.0)
     # member 0 holds experts 0, 1: [3, 1] from itself and [0, 2] from member 1; member 1 experts 2, 3
     assert [r["seen"] for r in res] == [[[3, 3]], [[3, 1]]]
     for i, r in enumerate(res):

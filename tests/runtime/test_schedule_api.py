@@ -268,11 +268,9 @@ def test_llama_split_gradients_equal_unsplit_model_float64():
 
 
 # ---- two gloo processes: the example's loop ----------------------------------------------------------
-def _rank(rank: int, port: int, out: str) -> None:
+def _rank(rank: int, out: str) -> None:
     """One rank: examples/train_loop.py's `train`, then the same loop on the unsplit model, compared."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
-    os.environ.update(TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS="1", TRAIN_DTYPE="float64")
-    os.environ.update(TRAIN_LAYERS="4", TRAIN_WIDTH="16", TRAIN_CONTEXT="12", TRAIN_BATCH="8")
+    os.environ.update(TRAIN_DTYPE="float64", TRAIN_LAYERS="4", TRAIN_WIDTH="16", TRAIN_CONTEXT="12", TRAIN_BATCH="8")
     import importlib.util
 
     import torch.distributed as dist
@@ -320,24 +318,9 @@ def _rank(rank: int, port: int, out: str) -> None:
 
 def test_train_loop_two_gloo_ranks_equals_whole_model(tmp_path):
     pytest.importorskip("transformers")  # the example's GPT-2 (pip install transformers: it installs no torch)
-    import torch.distributed as dist
-    from runtime_harness import _context
+    from runtime_harness import json_ranks
 
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    ctx = _context()
-    outs = [str(tmp_path / f"{r}.json") for r in range(2)]
-    procs = [ctx.Process(target=_rank, args=(r, store.port, outs[r])) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-    alive = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert not alive, f"ranks {alive} still running after 120 s"
-    assert [p.exitcode for p in procs] == [0, 0]
-    res = [json.loads(Path(o).read_text()) for o in outs]
+    res = json_ranks(_rank, 2, tmp_path, timeout=120.0)
     assert [r["stages"] for r in res] == [[0, 2], [1, 3]]  # interleaved v=2: each rank its two chunks
     assert "transformer.wte.weight" in res[0]["names"] and "lm_head.weight" in res[1]["names"]
     for r in res:

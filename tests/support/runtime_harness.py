@@ -122,3 +122,35 @@ def launch(
     if hung:
         pytest.fail(f"ranks {hung} still running after {timeout} s (a hang):\n" + "\n".join(x.stderr for x in results))
     return results, elapsed, store.num_keys()
+
+
+def _json_rank_main(target, rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.update(TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS="1")
+    target(rank, out)
+
+
+def json_ranks(target, nproc: int, tmp_path: Path, timeout: float = 120.0) -> list:
+    """Run `target(rank, out)` (a module-level function) in ranks 0..nproc-1 of one gloo job, each with
+    torchrun's environment set and writing its result as JSON to `out`; the results, in rank order. Fails
+    the test (never hangs) past `timeout`, and when a rank exits non-zero."""
+    import json
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    outs = [str(tmp_path / f"{r}.json") for r in range(nproc)]
+    ctx = _context()
+    procs = [ctx.Process(target=_json_rank_main, args=(target, r, nproc, store.port, outs[r])) for r in range(nproc)]
+    for p in procs:
+        p.start()
+    start = time.monotonic()
+    for p in procs:
+        p.join(max(0.1, timeout - (time.monotonic() - start)))
+    alive = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert not alive, f"ranks {alive} still running after {timeout:g} s"
+    assert [p.exitcode for p in procs] == [0] * nproc
+    return [json.loads(Path(o).read_text()) for o in outs]
