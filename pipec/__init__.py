@@ -10,7 +10,9 @@ The Python API is five calls (docs/cli.md has the command line's):
 >>> pipec.check("zb-h1", p=4, m=8).program.num_ranks   # all checks, the schedule's `expect`s too
 4
 
-`pipec.read_program(path)` reads a Program file back (validated). User errors raise `PipecError`.
+`pipec.write_program(prog, path)` writes a Program file and `pipec.read_program(path)` reads one back
+(validated); `write_trace` and `read_trace` do the same for a Timeline. User errors raise `PipecError`.
+docs/api.md lists the whole public surface; old import paths still work for a release (pipec/moved.py).
 The calls live in `pipec.api` and are imported on first use, so `import pipec` stays quick.
 """
 
@@ -21,6 +23,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DataParallel",
     "Experts",
+    "MemOp",
     "PipecError",
     "Program",
     "Schedule",
@@ -29,25 +32,37 @@ __all__ = [
     "compile",
     "load",
     "read_program",
+    "read_trace",
     "simulate",
+    "write_program",
+    "write_trace",
 ]
 
+# Old import paths keep working for a release, warning with their new path (pipec/moved.py, CHANGELOG.md).
+from pipec import moved as _moved  # noqa: E402
+
+_moved.install()
+
 if TYPE_CHECKING:
-    from pipec.api import check, compile, load, read_program, simulate
+    from pipec.api import check, compile, load, read_program, read_trace, simulate, write_program, write_trace
     from pipec.errors import PipecError
     from pipec.ir.dataparallel import DataParallel
     from pipec.ir.experts import Experts
     from pipec.ir.program import Program
-    from pipec.ir.schedule import Schedule
+    from pipec.ir.schedule import MemOp, Schedule
 
 _HOME = {
     "check": "pipec.api",
     "compile": "pipec.api",
     "load": "pipec.api",
     "read_program": "pipec.api",
+    "read_trace": "pipec.api",
     "simulate": "pipec.api",
+    "write_program": "pipec.api",
+    "write_trace": "pipec.api",
     "DataParallel": "pipec.ir.dataparallel",
     "Experts": "pipec.ir.experts",
+    "MemOp": "pipec.ir.schedule",
     "PipecError": "pipec.errors",
     "Program": "pipec.ir.program",
     "Schedule": "pipec.ir.schedule",

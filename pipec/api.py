@@ -28,8 +28,9 @@ from pipec.ir.schedule import Schedule
 if TYPE_CHECKING:
     from pipec.driver import Simulation, Target
     from pipec.passes.compiler import CompiledSchedule
+    from pipec.sim.timeline import Timeline
 
-__all__ = ["check", "compile", "load", "read_program", "simulate"]
+__all__ = ["check", "compile", "load", "read_program", "read_trace", "simulate", "write_program", "write_trace"]
 
 # A cost model as `pipec simulate --cost` takes it: a cost file's path or overrides like "F=1,B=2",
 # a cost document (a mapping, as in a cost file), or several of these, later ones winning.
@@ -156,3 +157,48 @@ def simulate(
 def _layers(moe_layers: int | Sequence[int] | None) -> Sequence[int] | None:
     """`moe_layers` as the driver takes it: one count for every stage is a list of one."""
     return [moe_layers] if isinstance(moe_layers, int) else moe_layers
+
+
+def write_program(program: Program, path: str | os.PathLike[str], format: str | None = None) -> None:  # noqa: A002
+    """Write a Program file, as `pipec compile -o` does: JSON when `format` is "json" (the default for a
+    path ending in .json), else the text form (docs/program.md). All or nothing: `path` keeps what it held
+    until the whole file is written. E903 when the file cannot be written; read it back with `read_program`.
+
+    >>> import os, tempfile
+    >>> path = os.path.join(tempfile.mkdtemp(), "gpipe.json")
+    >>> write_program(compile("gpipe", p=2, m=2), path)
+    >>> read_program(path) == compile("gpipe", p=2, m=2)
+    True
+    """
+    from pipec.errors import brief_path, error
+    from pipec.files import atomic_write
+    from pipec.formats.program_file import write_json, write_text
+
+    if not isinstance(program, Program):
+        raise error("E903", f"write_program takes a Program (from pipec.compile), not {type(program).__name__}")
+    fmt = format or ("json" if os.fspath(path).endswith(".json") else "text")
+    if fmt not in ("json", "text"):
+        raise error("E903", f"format must be 'json' or 'text', not {fmt!r}")
+    try:
+        with atomic_write(path) as f:
+            (write_json if fmt == "json" else write_text)(program, f)
+            if fmt == "json":
+                f.write("\n")
+    except OSError as e:
+        raise error("E903", f"cannot write `{brief_path(path)}`: {e.strerror or e}") from None
+
+
+def read_trace(path: str | os.PathLike[str]) -> Timeline:
+    """A trace file (`pipec simulate --trace`, `pipec run --trace`) read back as the exact Timeline it
+    holds, simulated or measured (E802 when it is not a pipec trace; docs/simulate.md)."""
+    from pipec.formats.trace import read_trace as _read
+
+    return _read(path)
+
+
+def write_trace(timeline: Timeline, path: str | os.PathLike[str]) -> None:
+    """A Timeline (`pipec.simulate(...).timeline`, or a measured one) as a Chrome/Perfetto trace that
+    `read_trace` reads back bit for bit (docs/simulate.md, docs/view.md)."""
+    from pipec.formats.trace import write_trace as _write
+
+    _write(timeline, path)

@@ -18,6 +18,12 @@ from pipec.runtime.model.contract import build_stage_module, default_optimizer
 
 
 class Reference:
+    """The single-process reference a pipelined run is checked against: the same stages, chained, in float64.
+
+    Same seeds (so the same weights), the same micro-batches, loss scaling and optimizers; `replicas=N` runs
+    the global batch of N data-parallel replicas.
+    """
+
     def __init__(
         self,
         build_stage: Callable[[int, int], torch.nn.Module],

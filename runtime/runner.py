@@ -67,6 +67,8 @@ GLOO_RECV_AHEAD = 4
 
 @dataclass(frozen=True)
 class StepResult:
+    """What one training step of `Runner.step` gives back on this rank: its loss (last stage) and wall time."""
+
     step: int
     loss: float | None  # the step's loss (sum of scaled micro-batch losses) on the last stage's rank
     seconds: float  # this rank's wall time for the step

@@ -120,6 +120,12 @@ class RankProgram:
 
 @dataclass(frozen=True, eq=False)
 class Program:
+    """A compiled schedule: one instruction stream per rank (`ranks[r].instrs`), with what it was compiled for.
+
+    What `pipec.compile` returns, `pipec.write_program` writes and `pipec.read_program` reads (docs/program.md);
+    the runtime runs it as it is. Frozen: a pass makes a new one rather than changing this one.
+    """
+
     name: str
     params: tuple[tuple[str, object], ...]
     num_stages: int

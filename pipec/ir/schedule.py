@@ -256,6 +256,11 @@ class Expectation:
 
 @dataclass(frozen=True, eq=False)
 class Schedule:
+    """An evaluated schedule: its stages, their placement, each rank's ordered ops, costs, memory and topology.
+
+    What `pipec.load` returns (checked op by op) and `pipec.compile` lowers; `ops(r)` lists rank r's ops in order.
+    """
+
     name: str
     params: tuple[tuple[str, int | float | bool | str], ...]
     num_stages: int

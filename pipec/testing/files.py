@@ -124,6 +124,9 @@ def _coverage(points: Iterable[Mapping[str, object]], names, rejected: int, spac
 
 @dataclass(frozen=True)
 class FileResult:
+    """What `check_file` found for one schedule file: how many parameter sets it checked, of how many, and the
+    first failure (shrunk), with the values each parameter took (`coverage`)."""
+
     target: str
     examples: int  # parameter sets checked
     space: int  # parameter sets of the enumerated space, before the `require`s

@@ -60,6 +60,13 @@ OPTIONAL = {"optimizer": ("params",), "layers": ()}
 
 @dataclass(frozen=True)
 class Model:
+    """A user's model file, loaded (`load_model(path)`): how to build stage s of S, the loss, the batches.
+
+    The contract of docs/runtime.md: `build_stage(s, S)`, `loss_fn(output, target)`, `batch(step)`, and optionally
+    `optimizer(params)` and `layers`; every rank and the reference build their stages from it, so same seeds give
+    the same weights.
+    """
+
     path: str
     build_stage: Callable[[int, int], torch.nn.Module]
     loss_fn: Callable[[Any, Any], torch.Tensor]
