@@ -46,6 +46,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "pipec.policy": ("pipec.passes.policy",),
     "pipec.program": ("pipec.ir.program", "pipec.formats.program_file", "pipec.ir.validate"),
     "pipec.schedule": ("pipec.ir.schedule",),
+    "pipec.simulate": ("pipec.sim.simulate",),  # also the facade's function: see _Guarded
     "pipec.timeline": ("pipec.sim.timeline",),
     "pipec.trace": ("pipec.formats.trace",),
     "pipec.sim.trace": ("pipec.formats.trace",),
@@ -147,6 +148,28 @@ def _names_getattr(module: ModuleType, moved: dict[str, str]):
     return __getattr__
 
 
+class _Guarded(ModuleType):
+    """A package whose facade has a name that is also an old submodule path (`pipec.simulate`, the function,
+    and `pipec.simulate`, the module of 0.1; `pipec.runtime.split_model` likewise). Importing the old path
+    must not replace the facade's name with the module, as the import machinery would (it sets each loaded
+    module on its parent), so that attribute is left as it is: `from OLD import x` still works, since it reads
+    the module from sys.modules."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if isinstance(value, ModuleType) and f"{self.__name__}.{name}" in MODULES:
+            return
+        super().__setattr__(name, value)
+
+
+def _guard_parent(old: str) -> None:
+    """Guard `old`'s parent (above) when the parent's facade already answers `old`'s last name."""
+    parent_name, _, leaf = old.rpartition(".")
+    parent = sys.modules.get(parent_name)
+    if parent is None or type(parent) is not ModuleType or not hasattr(parent, "__all__") or leaf not in parent.__all__:
+        return
+    parent.__class__ = _Guarded
+
+
 class _Alias:
     """The loader of an old path: the new module itself (one home), or a module resolving in its homes."""
 
@@ -161,6 +184,7 @@ class _Alias:
             module.__path__ = []
             module.__doc__ = f"A parent of old pipec paths ({SINCE}): see pipec.moved."
             return
+        _guard_parent(self.old)
         if len(self.homes) == 1:
             import importlib
 

@@ -46,6 +46,7 @@ SHOWN = [
     "from pipec.runtime.profile import stage_bytes",
     "from pipec.runtime.profile.insitu import deliveries",
     "from pipec.schedule import MemOp, Slicing",
+    "from pipec.simulate import simulate, stats",
     "from pipec.sim import report",
     "from pipec.report import to_json",
     "from pipec.sim.report import to_json",
@@ -128,6 +129,24 @@ def test_the_old_path_is_the_same_object_as_the_new_one() -> None:
     from pipec.sim.cost_files import parse_overrides as new
 
     assert parse_overrides is new
+
+
+def test_an_old_module_path_never_replaces_the_facade_name_it_shares() -> None:
+    """`pipec.runtime.split_model` and `pipec.simulate` are functions of the facades and were modules in 0.1."""
+    code = (
+        "import warnings; warnings.simplefilter('ignore')\n"
+        "from pipec.runtime.split_model import split_model as old_split\n"
+        "from pipec.simulate import stats\n"
+        "import pipec, pipec.runtime, types\n"
+        "from pipec.runtime import split_model\n"
+        "from pipec.sim.simulate import stats as new_stats\n"
+        "assert old_split is split_model and callable(split_model), split_model\n"
+        "assert not isinstance(pipec.simulate, types.ModuleType) and stats is new_stats\n"
+        "assert pipec.simulate('1f1b', p=2, m=2).stats.makespan > 0\n"
+        "print('ok')\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
 
 
 def test_every_row_of_the_table_is_exercised_and_points_at_modules_that_exist() -> None:
