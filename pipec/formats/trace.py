@@ -32,11 +32,13 @@ from __future__ import annotations
 import heapq
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from pipec.errors import brief, error
+from pipec.errors import PipecError, Source, brief, brief_path, error
+from pipec.ir.dataparallel import KINDS
 from pipec.ir.program import OPCODES
 from pipec.ir.schedule import Slicing, unit_json, unit_label
 from pipec.sim.memtime import MemoryCurves
@@ -336,144 +338,305 @@ def write_trace(tl: Timeline, path: str | Path, memory: MemoryCurves | dict[str,
         f.write("\n")
 
 
-def _slicing(doc: dict | None) -> Slicing | None:
-    """`otherData.slicing` back as the Slicing it was written from (None when the trace has none)."""
+# What a trace may hold, checked event by event before anything is built from it (docs/errors.md, E802): a
+# Program's sizes (pipec/formats/program_file.py bounds them alike; a sibling on this floor, so restated),
+# and times of at most TIME_LIMIT seconds either side of the run's start.
+MAX_SIZE = 10_000_000
+TIME_LIMIT = 1e12
+_COMPUTE_OPS = ("FWD", "BWD", "WGRAD", "RECOMPUTE")
+_CATS = {
+    **{op: _COMPUTE_OPS for op in _COMPUTE_OPS},
+    "host": ("OFFLOAD", "RELOAD"),
+    "a2a": _COMPUTE_OPS,
+    "segment": _COMPUTE_OPS,
+    "collective": ("REDUCE_GRAD", "UNSHARD", "RESHARD"),
+    "collective wait": (),
+    "send": (),
+    "recv": (),
+}
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """What a trace's events may name: ranks, stages and micro-batches (units, with token slices) below
+    these. `read_trace` checks a trace against its own header, or against the Program it is laid over
+    (`Bounds.of_program`), so that a run of another schedule is refused before anything is allocated or drawn."""
+
+    ranks: int
+    stages: int = MAX_SIZE
+    microbatches: int = MAX_SIZE
+    of: str = "the trace"
+
+    @staticmethod
+    def of_program(obj: object, name: str) -> Bounds:
+        """The bounds of a Schedule or Program (anything with num_ranks, num_stages, num_microbatches)."""
+        return Bounds(int(obj.num_ranks), int(obj.num_stages), int(obj.num_microbatches), name)  # type: ignore[attr-defined]
+
+
+class _Where:
+    """One event of a trace, for the diagnostics that name it: the file, the event's index and name."""
+
+    def __init__(self, path: str, index: int, ev: dict) -> None:
+        self.path, self.index = path, index
+        self.name = ev.get("name") if isinstance(ev.get("name"), str) else None
+
+    def fail(self, field: str, allowed: str, value: object) -> PipecError:
+        what = f"event #{self.index}" + (f" (`{brief(self.name)}`)" if self.name else "")
+        return error(
+            "E802",
+            f"{what}: `{field}` must be {allowed}, got {brief(_shown(value))}",
+            source=Source(brief_path(self.path), ""),
+        )
+
+
+def _shown(value: object) -> str:
+    """A JSON value as a message quotes it: a string in quotes, a container by its kind (never walked: it
+    may nest thousands deep)."""
+    if isinstance(value, str):
+        return repr(value)
+    if isinstance(value, (dict, list)):
+        return f"a JSON {'object' if isinstance(value, dict) else 'array'}"
+    return "null" if value is None else "true" if value is True else "false" if value is False else str(value)
+
+
+def _index(where: _Where, a: dict, field: str, below: int, of: str, prefix: str = "args.") -> int:
+    """An integer field from 0 to below - 1 (an index: rank, stage, micro-batch)."""
+    v = a.get(field)
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < below:
+        raise where.fail(prefix + field, f"an integer from 0 to {below - 1:,} ({of})", v)
+    return v
+
+
+def _time(where: _Where, a: dict, field: str, none: bool = False) -> float:
+    """A time in seconds: a finite number within TIME_LIMIT of the start (None allowed where `none`)."""
+    v = a.get(field)
+    if none and v is None:
+        return math.nan
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not abs(v) <= TIME_LIMIT:
+        raise where.fail("args." + field, f"a finite number of seconds within +-{TIME_LIMIT:g}", v)
+    return float(v)
+
+
+def _span(where: _Where, a: dict, first: str, last: str) -> tuple[float, float]:
+    """Two times, the second no earlier than the first (an op ends after it starts)."""
+    t0, t1 = _time(where, a, first), _time(where, a, last)
+    if t1 < t0:
+        raise where.fail("args." + last, f"at least `args.{first}` ({t0!r})", t1)
+    return t0, t1
+
+
+def _amount(where: _Where, a: dict, field: str) -> float:
+    """A byte count: a finite number >= 0 (at most 1e18, as a cost file's quantities)."""
+    v = a.get(field, 0.0)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1e18:
+        raise where.fail("args." + field, "a number of bytes from 0 to 1e18", v)
+    return float(v)
+
+
+def _header(head: object, path: str) -> dict:
+    """The trace's `otherData`, checked: format, version (exactly this reader's), sizes and names."""
+    src = Source(brief_path(path), "")
+    if not isinstance(head, dict):
+        raise error("E802", "not a pipec trace: `otherData` is missing or not a JSON object", source=src)
+    if head.get("format") != FORMAT:
+        raise error("E802", f"not a pipec trace (otherData.format is {brief(_shown(head.get('format')))})", source=src)
+    version = head.get("version")
+    if isinstance(version, bool) or not isinstance(version, int) or version != VERSION:
+        raise error(
+            "E802",
+            f"pipec trace version {brief(_shown(version))} is not supported (this pipec reads version {VERSION})",
+            source=src,
+        )
+
+    def bad(field: str, allowed: str) -> PipecError:
+        return error("E802", f"otherData.{field} must be {allowed}, got {brief(_shown(head.get(field)))}", source=src)
+
+    for field, default in (("num_ranks", None), ("dp", 1)):
+        v = head.get(field, default)
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_SIZE:
+            raise bad(field, f"an integer from 1 to {MAX_SIZE:,}")
+    if head.get("dp_kind", "ddp") not in KINDS:
+        raise bad("dp_kind", " or ".join(KINDS))
+    for field in ("schedule", "origin"):
+        if not isinstance(head.get(field, ""), str):
+            raise bad(field, "a string")
+    params = head.get("params", {})
+    if not isinstance(params, dict) or any(isinstance(v, (dict, list)) for v in params.values()):
+        raise bad("params", "a JSON object of numbers, strings and booleans")
+    return head
+
+
+def _slicing(doc: object, path: str) -> Slicing | None:
+    """`otherData.slicing` back as the Slicing it was written from (None when the trace has none), checked:
+    whole counts, one length per slice and per sequence, at most MAX_SIZE units."""
     if doc is None:
         return None
-    return Slicing(
-        int(doc["sequences"]),
-        int(doc["slices"]),
-        int(doc["seqlen"]),
-        tuple(int(t) for t in doc["tokens"]),
-        tuple(int(t) for t in doc["lengths"]),
-    )
+    counts = ("sequences", "slices", "seqlen")
+    ok = isinstance(doc, dict) and all(type(doc.get(k)) is int and 1 <= doc[k] <= MAX_SIZE for k in counts)
+    ok = ok and doc["sequences"] * doc["slices"] <= MAX_SIZE
+    for k, n in (("tokens", "slices"), ("lengths", "sequences")):
+        ok = ok and isinstance(doc.get(k), list) and len(doc[k]) == doc[n]
+        ok = ok and all(type(t) is int and 1 <= t <= MAX_SIZE for t in doc[k])
+    if not ok:
+        raise error(
+            "E802",
+            "otherData.slicing must hold `sequences`, `slices` and `seqlen` (integers from 1 to "
+            f"{MAX_SIZE:,}), `tokens` (one per slice) and `lengths` (one per sequence)",
+            source=Source(brief_path(path), ""),
+        )
+    return Slicing(doc["sequences"], doc["slices"], doc["seqlen"], tuple(doc["tokens"]), tuple(doc["lengths"]))
 
 
-def read_trace(path: str | Path) -> Timeline:
-    """Read a trace written by `write_trace` back into the Timeline it came from (E802 when it is not one)."""
+def _rows(events: object, path: str, b: Bounds) -> dict[str, list[tuple]]:
+    """The rows of each kind (compute, messages, collectives, waits, host, all-to-all, segments), every field
+    of every event checked against `b` first: E802 naming the event, the field and what it may be."""
+    if not isinstance(events, list):
+        raise error("E802", "`traceEvents` must be a JSON array", source=Source(brief_path(path), ""))
+    rows: dict[str, list[tuple]] = {k: [] for k in ("comp", "msgs", "colls", "waits", "hosts", "a2as", "segs")}
+    rank_of = f"{b.of}'s ranks"
+    for i, ev in enumerate(events):
+        if not isinstance(ev, dict):
+            raise _Where(path, i, {}).fail("event", "a JSON object", ev)
+        if ev.get("ph") != "X":
+            continue  # metadata, counters: drawn from the rows, not read back
+        w = _Where(path, i, ev)
+        cat = ev.get("cat")
+        if cat not in _CATS:
+            raise w.fail("cat", f"one of {', '.join(_CATS)}", cat)
+        a = ev.get("args")
+        if not isinstance(a, dict):
+            raise w.fail("args", "a JSON object", a)
+        pid = _index(w, ev, "pid", b.ranks, rank_of, prefix="")
+        if cat == "recv":
+            continue  # the send's event holds the message
+        if _CATS[cat] and a.get("op") not in _CATS[cat]:
+            raise w.fail("args.op", f"one of {', '.join(_CATS[cat])}", a.get("op"))
+        op = OPCODES.index(a["op"]) if _CATS[cat] else -1
+        if cat == "collective wait":
+            rows["waits"].append((pid, *_span(w, a, "start_s", "end_s")))
+            continue
+        stage = _index(w, a, "stage", b.stages, f"{b.of}'s stages")
+        if cat == "collective":
+            issue = _time(w, a, "issue_s")
+            t0, t1 = _span(w, a, "start_s", "end_s")
+            after = a.get("after", 0)
+            if isinstance(after, bool) or not isinstance(after, int) or not 0 <= after < MAX_SIZE:
+                raise w.fail("args.after", f"an integer from 0 to {MAX_SIZE - 1:,}", after)
+            rows["colls"].append((pid, op, stage, issue, t0, t1, _amount(w, a, "bytes"), after))
+            continue
+        key = "unit" if "unit" in a else "mb"  # token slices: the Timeline's index, beside the micro-batch
+        mb = _index(w, a, key, b.microbatches, f"{b.of}'s micro-batches")
+        if cat == "send":
+            if a.get("kind") not in _KIND:
+                raise w.fail("args.kind", " or ".join(_KIND), a.get("kind"))
+            src, dst = (_index(w, a, k, b.ranks, rank_of) for k in ("src", "dst"))
+            send, arrival = _span(w, a, "send_s", "arrival_s")
+            post = _time(w, a, "post_s", none=True)
+            rows["msgs"].append(
+                (_KIND.index(a["kind"]), mb, stage, src, dst, send, arrival, _amount(w, a, "bytes"), post)
+            )
+        elif cat == "a2a":
+            k = _index(w, a, "index", MAX_SIZE, "an all-to-all's number")
+            rows["a2as"].append((pid, op, mb, stage, k, *_span(w, a, "start_s", "end_s")))
+        else:
+            which = {"host": "hosts", "segment": "segs"}.get(cat, "comp")
+            rows[which].append((pid, op, mb, stage, *_span(w, a, "start_s", "end_s")))
+    if not rows["comp"]:
+        raise error(
+            "E802",
+            f"the trace has no compute events ({', '.join(_COMPUTE_OPS)}): nothing ran, there is nothing to draw",
+            source=Source(brief_path(path), ""),
+        )
+    return rows
+
+
+def read_trace(path: str | Path, bounds: Bounds | None = None) -> Timeline:
+    """Read a trace written by `write_trace` back into the Timeline it came from. E802 when it is not one:
+    not JSON, another format or version, or an event with a field out of its range (a NaN or infinite time,
+    an end before its start, a rank, stage or micro-batch outside the trace's, or `bounds`' when given,
+    negative bytes); every event is checked before any array is built."""
     from pipec.files import read_text
 
     try:
         doc = json.loads(read_text(Path(path), "trace"))
     except OSError as e:
-        raise error("E802", f"cannot read trace `{path}`: {e.strerror}") from None
+        raise error("E802", f"cannot read trace `{brief_path(path)}`: {e.strerror}") from None
     except (UnicodeDecodeError, ValueError) as e:  # ValueError: JSONDecodeError, or an int of 5,000 digits
-        raise error("E802", f"trace `{path}` is not JSON: {brief(e, 200)}") from None
+        raise error("E802", f"trace `{brief_path(path)}` is not JSON: {brief(e, 200)}") from None
     except RecursionError:
-        raise error("E802", f"trace `{path}` nests its JSON too deeply") from None
-    try:
-        head = doc["otherData"]
-        if head.get("format") != FORMAT:
-            raise error("E802", f"`{path}` is not a pipec trace (otherData.format is {head.get('format')!r})")
-        if head.get("version") != VERSION:
-            raise error("E802", f"pipec trace version {head.get('version')} is not supported (this reads {VERSION})")
-        comp: list[tuple] = []
-        msgs: list[tuple] = []
-        colls: list[tuple] = []
-        waits: list[tuple] = []
-        hosts: list[tuple] = []
-        a2as: list[tuple] = []
-        segs: list[tuple] = []
-        for ev in doc["traceEvents"]:
-            if ev.get("ph") != "X":
-                continue
-            a = ev["args"]
-            if "unit" in a:  # token slices: the Timeline's index, beside the micro-batch and slice people read
-                a = {**a, "mb": a["unit"]}
-            if ev["cat"] in ("FWD", "BWD", "WGRAD", "RECOMPUTE"):
-                comp.append((int(ev["pid"]), OPCODES.index(a["op"]), a["mb"], a["stage"], a["start_s"], a["end_s"]))
-            elif ev["cat"] == "host":
-                hosts.append((int(ev["pid"]), OPCODES.index(a["op"]), a["mb"], a["stage"], a["start_s"], a["end_s"]))
-            elif ev["cat"] == "a2a":
-                a2as.append(
-                    (int(ev["pid"]), OPCODES.index(a["op"]), a["mb"], a["stage"], a["index"], a["start_s"], a["end_s"])
-                )
-            elif ev["cat"] == "segment":
-                segs.append((int(ev["pid"]), OPCODES.index(a["op"]), a["mb"], a["stage"], a["start_s"], a["end_s"]))
-            elif ev["cat"] == "collective":
-                colls.append(
-                    (
-                        int(ev["pid"]),
-                        OPCODES.index(a["op"]),
-                        a["stage"],
-                        a["issue_s"],
-                        a["start_s"],
-                        a["end_s"],
-                        a["bytes"],
-                        a.get("after", 0),
-                    )
-                )
-            elif ev["cat"] == "collective wait":
-                waits.append((int(ev["pid"]), a["start_s"], a["end_s"]))
-            elif ev["cat"] == "send":
-                post = math.nan if a["post_s"] is None else a["post_s"]
-                msgs.append(
-                    (
-                        _KIND.index(a["kind"]),
-                        a["mb"],
-                        a["stage"],
-                        a["src"],
-                        a["dst"],
-                        a["send_s"],
-                        a["arrival_s"],
-                        a["bytes"],
-                        post,
-                    )
-                )
-        c = list(zip(*comp)) if comp else [[]] * 6
-        m = list(zip(*msgs)) if msgs else [[]] * 9
-        k = list(zip(*colls)) if colls else [[]] * 8
-        w = list(zip(*waits)) if waits else [[]] * 3
-        ints = lambda xs: np.asarray(xs, dtype=np.int64)  # noqa: E731
-        floats = lambda xs: np.asarray(xs, dtype=float)  # noqa: E731
-        host = {}
-        if hosts:  # only then: a Timeline without host-link rows is built as before
-            h = list(zip(*hosts))
-            host = {f"host_{n}": ints(h[i]) for i, n in enumerate(("rank", "op", "mb", "stage"))}
-            host.update(host_start=floats(h[4]), host_end=floats(h[5]))
-        if a2as:  # expert parallelism's rows, likewise only when there are some
-            x = list(zip(*a2as))
-            host.update({f"a2a_{n}": ints(x[i]) for i, n in enumerate(("rank", "op", "mb", "stage", "index"))})
-            host.update(a2a_start=floats(x[5]), a2a_end=floats(x[6]))
-        if segs:
-            x = list(zip(*segs))
-            host.update({f"seg_{n}": ints(x[i]) for i, n in enumerate(("rank", "op", "mb", "stage"))})
-            host.update(seg_start=floats(x[4]), seg_end=floats(x[5]))
-        return Timeline(
-            num_ranks=int(head["num_ranks"]),
-            rank=ints(c[0]),
-            op=ints(c[1]),
-            mb=ints(c[2]),
-            stage=ints(c[3]),
-            start=floats(c[4]),
-            end=floats(c[5]),
-            msg_kind=ints(m[0]),
-            msg_mb=ints(m[1]),
-            msg_stage=ints(m[2]),
-            msg_src=ints(m[3]),
-            msg_dst=ints(m[4]),
-            msg_send=floats(m[5]),
-            msg_arrival=floats(m[6]),
-            msg_bytes=floats(m[7]),
-            msg_post=floats(m[8]),
-            coll_rank=ints(k[0]),
-            coll_op=ints(k[1]),
-            coll_stage=ints(k[2]),
-            coll_issue=floats(k[3]),
-            coll_start=floats(k[4]),
-            coll_end=floats(k[5]),
-            coll_bytes=floats(k[6]),
-            coll_after=ints(k[7]),
-            wait_rank=ints(w[0]),
-            wait_start=floats(w[1]),
-            wait_end=floats(w[2]),
-            dp=int(head.get("dp", 1)),
-            dp_kind=str(head.get("dp_kind", "ddp")),
-            origin=str(head.get("origin", "simulated")),
-            schedule=str(head.get("schedule", "")),
-            params=tuple(head.get("params", {}).items()),
-            slicing=_slicing(head.get("slicing")),
-            **host,
+        raise error("E802", f"trace `{brief_path(path)}` nests its JSON too deeply") from None
+    if not isinstance(doc, dict):
+        raise error("E802", "not a pipec trace: expected a JSON object", source=Source(brief_path(path), ""))
+    head = _header(doc.get("otherData"), str(path))
+    own = Bounds(head["num_ranks"])
+    if bounds is not None and bounds.ranks != own.ranks:
+        raise error(
+            "E802",
+            f"the trace has {own.ranks} ranks, but {bounds.of} has {bounds.ranks}: it is a run of another schedule",
+            source=Source(brief_path(path), ""),
         )
-    except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError) as e:
-        raise error("E802", f"malformed pipec trace `{path}`: {brief(repr(e), 200)}") from None
+    slicing = _slicing(head.get("slicing"), str(path))
+    if bounds is None:
+        units = slicing.num_units if slicing is not None else MAX_SIZE
+        bounds = Bounds(own.ranks, MAX_SIZE, units)
+    r = _rows(doc.get("traceEvents"), str(path), bounds)
+    return _timeline(head, r, slicing)
+
+
+def _timeline(head: dict, r: dict[str, list[tuple]], slicing: Slicing | None) -> Timeline:
+    """The Timeline of checked rows (`_rows`) and header (`_header`)."""
+    c = list(zip(*r["comp"]))
+    m = list(zip(*r["msgs"])) if r["msgs"] else [[]] * 9
+    k = list(zip(*r["colls"])) if r["colls"] else [[]] * 8
+    w = list(zip(*r["waits"])) if r["waits"] else [[]] * 3
+    ints = lambda xs: np.asarray(xs, dtype=np.int64)  # noqa: E731
+    floats = lambda xs: np.asarray(xs, dtype=float)  # noqa: E731
+    host = {}
+    if r["hosts"]:  # only then: a Timeline without host-link rows is built as before
+        h = list(zip(*r["hosts"]))
+        host = {f"host_{n}": ints(h[i]) for i, n in enumerate(("rank", "op", "mb", "stage"))}
+        host.update(host_start=floats(h[4]), host_end=floats(h[5]))
+    if r["a2as"]:  # expert parallelism's rows, likewise only when there are some
+        x = list(zip(*r["a2as"]))
+        host.update({f"a2a_{n}": ints(x[i]) for i, n in enumerate(("rank", "op", "mb", "stage", "index"))})
+        host.update(a2a_start=floats(x[5]), a2a_end=floats(x[6]))
+    if r["segs"]:
+        x = list(zip(*r["segs"]))
+        host.update({f"seg_{n}": ints(x[i]) for i, n in enumerate(("rank", "op", "mb", "stage"))})
+        host.update(seg_start=floats(x[4]), seg_end=floats(x[5]))
+    return Timeline(
+        num_ranks=head["num_ranks"],
+        rank=ints(c[0]),
+        op=ints(c[1]),
+        mb=ints(c[2]),
+        stage=ints(c[3]),
+        start=floats(c[4]),
+        end=floats(c[5]),
+        msg_kind=ints(m[0]),
+        msg_mb=ints(m[1]),
+        msg_stage=ints(m[2]),
+        msg_src=ints(m[3]),
+        msg_dst=ints(m[4]),
+        msg_send=floats(m[5]),
+        msg_arrival=floats(m[6]),
+        msg_bytes=floats(m[7]),
+        msg_post=floats(m[8]),
+        coll_rank=ints(k[0]),
+        coll_op=ints(k[1]),
+        coll_stage=ints(k[2]),
+        coll_issue=floats(k[3]),
+        coll_start=floats(k[4]),
+        coll_end=floats(k[5]),
+        coll_bytes=floats(k[6]),
+        coll_after=ints(k[7]),
+        wait_rank=ints(w[0]),
+        wait_start=floats(w[1]),
+        wait_end=floats(w[2]),
+        dp=head.get("dp", 1),
+        dp_kind=head.get("dp_kind", "ddp"),
+        origin=head.get("origin", "simulated"),
+        schedule=head.get("schedule", ""),
+        params=tuple(head.get("params", {}).items()),
+        slicing=slicing,
+        **host,
+    )

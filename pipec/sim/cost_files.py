@@ -74,10 +74,11 @@ def normalize(doc: Mapping, what: str = "costs") -> dict:
     out: dict = {}
     links: dict[str, dict[str, float]] = {}
     version = doc.get("version")
-    if "version" in doc and (isinstance(version, bool) or version not in VERSIONS):
+    if "version" in doc and (type(version) is not int or version not in VERSIONS):  # not 1.0, "2" or true
+        shown = repr(version) if isinstance(version, str) else str(version).lower() if version is not None else "null"
         raise error(
             "E801",
-            f"{what}: cost file version {brief(version)} is not supported (this pipec reads "
+            f"{what}: cost file version {brief(shown)} is not supported (this pipec reads "
             f"{', '.join(map(str, VERSIONS))})",
         )
     if version == 2:

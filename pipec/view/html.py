@@ -33,6 +33,7 @@ from pipec.view.critical import COLLECTIVE, COMPUTE, HOST, MESSAGE, STEP, attrib
 if TYPE_CHECKING:
     from pipec.driver import Simulation
     from pipec.errors import PipecError
+    from pipec.ir.program import Program
     from pipec.ir.schedule import Schedule
     from pipec.sim.memtime import MemoryCurves
 
@@ -444,20 +445,21 @@ def view_document(
         kind = tl.origin
         panel = timeline_panel(tl, f"{tl.schedule or target} ({kind})", None, None, sources)
         return document([panel], sources, f"pipec view: {target}")
-    run = read_trace(measured) if measured else None
+    targets = [target] if compare is None else [target, compare]
+    objs = [_target(t, params, compare is not None) for t in targets]
+    run = None
+    if measured:  # checked against the Program it is laid over before anything is sized from it
+        from pipec.formats.trace import Bounds
+
+        first = objs[0][0]
+        run = read_trace(measured, Bounds.of_program(first, f"`{first.name}`"))
     if run is not None and not docs:  # seconds against seconds: simulated in the run's own op times
         from pipec.sim.cost_files import costs_of_timeline
 
         docs = [costs_of_timeline(run, f"the medians of {measured}'s ops")]
     panels = []
-    targets = [target] if compare is None else [target, compare]
     names = []
-    for t in targets:
-        given = list(params)
-        if compare is not None and not isinstance(t, (Schedule, Program)):
-            known = set(driver.param_names(driver.read_source(t)))
-            given = [(k, v) for k, v in params if k in known]
-        obj, where = driver.target_of(t, given)
+    for obj, where in objs:
         dp = None if isinstance(obj, Program) else data_parallel
         try:
             ep = None if isinstance(obj, Program) else experts
@@ -476,6 +478,31 @@ def view_document(
             panels.append(simulation_panel(sim, title, sources))
         names.append(sim.schedule.name)
     return document(panels, sources, "pipec view: " + " vs ".join(names))
+
+
+def _target(
+    t: object, params: Sequence[tuple[str, object]], only_declared: bool
+) -> tuple[Schedule | Program, str | None]:
+    """A view's target as the driver reads it (with `--compare`, each takes the parameters it declares); a
+    Program given as an object is validated first (a Program file is, as it is read): a damaged one is
+    refused with its diagnostics (E502), never drawn."""
+    import os
+
+    from pipec import driver
+    from pipec.errors import error
+    from pipec.ir.program import Program
+    from pipec.ir.schedule import Schedule
+    from pipec.ir.validate import validate
+
+    given = list(params)
+    if only_declared and not isinstance(t, (Schedule, Program)):
+        known = set(driver.param_names(driver.read_source(t)))
+        given = [(k, v) for k, v in params if k in known]
+    if isinstance(t, Program):
+        validate(t)
+    elif not isinstance(t, (Schedule, str, os.PathLike)):
+        raise error("E000", f"a view takes a schedule's name or path, a Schedule or a Program, not {type(t).__name__}")
+    return driver.target_of(t, given)
 
 
 def _params_text(sched: Schedule) -> str:
