@@ -77,6 +77,23 @@ def count(lo: int, hi: int) -> Callable[[str], int]:
     return parse
 
 
+def device(text: str) -> str:
+    """A torch device as `pipec profile --device` takes it: `cpu`, `cuda` or `cuda:N` (whether this machine has
+    it is the command's to check, with torch at hand)."""
+    t = text.strip()
+    kind, sep, index = t.partition(":")
+    if kind == "cpu" and not sep:
+        return t
+    if kind == "cuda":
+        if not sep:
+            return t
+        try:
+            return f"cuda:{count(0, 1023)(index)}"
+        except argparse.ArgumentTypeError:
+            pass
+    raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got `{brief(text)}`")
+
+
 def amount(text: str) -> float:
     """A memory amount: a number (as `finite` reads it), or bytes with a unit (`80GiB`, `12GB`;
     pipec.ir.units.SIZE)."""

@@ -17,6 +17,8 @@ from pipec.ir.program import Program
 from pipec.options import RunOptions
 from pipec.passes.compiler import compile_schedule
 
+MAX_THREADS = 4096  # torch threads per process: more than the largest hosts have cores
+
 
 def run_arguments(p: argparse.ArgumentParser) -> None:
     schedule_args(p)
@@ -100,17 +102,23 @@ def profile_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, metavar="PATH", help="the model file (see docs/runtime.md)")
     p.add_argument("-o", "--output", metavar="OUT", help="write the cost file here (.toml, or .json); default: print")
     p.add_argument(
-        "--reps", type=options.integer, default=20, metavar="N", help="timed runs per op (default 20; medians)"
+        "--reps",
+        type=options.count(1, 1_000_000),
+        default=20,
+        metavar="N",
+        help="timed runs per op (default 20; medians)",
     )
-    p.add_argument("--warmup", type=options.integer, default=3, metavar="N", help="untimed runs first (default 3)")
+    p.add_argument(
+        "--warmup", type=options.count(0, 1_000_000), default=3, metavar="N", help="untimed runs first (default 3)"
+    )
     p.add_argument(
         "--threads",
-        type=options.count(1, 1_000_000),
+        type=options.count(1, MAX_THREADS),
         default=None,
         metavar="N",
         help="torch threads (default: a rank's share)",
     )
-    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--device", type=options.device, default="cpu", help="cpu (default), cuda or cuda:N")
     p.add_argument(
         "--seed", type=options.integer, default=0, help="weights are seeded by (seed, stage), as in pipec run"
     )
@@ -144,15 +152,19 @@ def cmd_profile(args: argparse.Namespace) -> int:
     sizes of a model file on this machine, the way the runtime runs them, plus a gloo link's latency and
     bandwidth, and with --dp the data-parallel collectives (each stage's, and the DP link's latency and
     bandwidth); write the cost file `pipec simulate --cost` reads. See docs/runtime.md."""
-    program = compile_schedule(build(args), None, dp(args), experts(args)).program  # --dp, --ep: collectives too
-    if args.reps < 1 or args.warmup < 0:
-        raise Misuse("--reps must be at least 1 and --warmup at least 0")
     try:
+        import torch
+
         from pipec.runtime.errors import PipelineError
         from pipec.runtime.model.contract import load_model
         from pipec.runtime.profile.stages import profile, summary_lines
     except ImportError as e:
         raise Misuse(f"profiling needs torch ({e}); install pipec[runtime]") from None
+    _check_device(torch, args.device)
+    _check_size(*_sizes(args), options.dp_of(args).size)  # before the whole schedule is evaluated
+    sched = build(args)
+    _check_size(sched.num_ranks, sched.num_stages, options.dp_of(args).size)
+    program = compile_schedule(sched, None, dp(args), experts(args)).program  # --dp, --ep: collectives too
     from pipec.sim.cost_files import dump_costs
 
     try:
@@ -197,6 +209,54 @@ def cmd_profile(args: argparse.Namespace) -> int:
     elif not args.json:
         sys.stdout.write(text)
     return 0
+
+
+def _check_device(torch, device: str) -> None:
+    """Misuse unless this machine has `--device` (before any work: torch's own refusal is a traceback)."""
+    if not device.startswith("cuda"):
+        return
+    if not torch.cuda.is_available():
+        raise Misuse(f"--device {device}: this machine has no CUDA device (torch.cuda.is_available() is False)")
+    index = int(device.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        raise Misuse(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+
+
+def _sizes(args: argparse.Namespace) -> tuple[int, int]:
+    """The ranks and stages a schedule has, from its rank 0 alone (seconds for a million ranks, where the whole
+    schedule takes minutes and gigabytes); (0, 0) for a Program file or a schedule whose rank 0 does not
+    evaluate, which the full build then reports."""
+    from pipec.cli.args import read_source
+    from pipec.driver import build as build_source
+    from pipec.errors import PipecError
+    from pipec.formats.program_file import is_program_text
+
+    try:
+        source = read_source(args.schedule)
+        if is_program_text(source.text):
+            return 0, 0  # its sizes are bounded when it is read
+        first = build_source(source, args.defines, check=False, ranks=[0])
+    except PipecError:
+        return 0, 0
+    return first.num_ranks, first.num_stages
+
+
+def _check_size(ranks: int, stages: int, dp_size: int) -> None:
+    """Misuse for a profile larger than this machine can hold, before it is compiled: profiling builds every
+    stage of the model here and runs a process per rank (times --dp), each importing torch, so more than
+    `pipec run`'s local bound (LOCAL_PROCESSES_PER_CPU per CPU) is a typo in -D p or --dp."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    bound = options.LOCAL_PROCESSES_PER_CPU * max(cpus, 1)
+    worst = max(stages, ranks * dp_size)
+    if worst > bound:
+        raise Misuse(
+            f"this profile builds {stages:,} stages and runs {ranks * dp_size:,} processes ({ranks:,} ranks x dp "
+            f"{dp_size}), more than {options.LOCAL_PROCESSES_PER_CPU} per CPU on this machine's {cpus}: check -D p "
+            "and --dp (profile a smaller pipeline: the costs are per stage)"
+        )
 
 
 RUN = Command("run", "train a model on a schedule: torchrun processes, or --local", run_arguments, cmd_run)
