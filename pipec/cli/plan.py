@@ -13,7 +13,7 @@ import sys
 from pipec import options
 from pipec.cli.args import Command, cost_args
 from pipec.cli.envelope import Misuse, emit
-from pipec.errors import Source, error
+from pipec.errors import Source, brief, error
 
 
 def plan_arguments(p: argparse.ArgumentParser) -> None:
@@ -54,13 +54,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise Misuse("pipec plan needs OR-Tools (the partition search's bounds): pip install 'pipec[synth]'")
     if not args.model and not args.layers_cost:
         raise Misuse("give --model MODEL.py (profiled here) or --layers-cost TABLE.json (or both: the table checked)")
-    if args.output and os.path.exists(args.output) and not os.path.isdir(args.output):
-        raise Misuse(f"-o `{args.output}` is a file; give a folder")
+    if args.output is not None:
+        _writable_folder(args.output, "-o")
+    if args.save_layers is not None:
+        _writable_file(args.save_layers, "--save-layers")
     ranks = parse_ranks(args.ranks) if args.ranks else Ranks()
     p = _ranks_count(args, ranks)
-    schedules = _names(args.schedules, LIBRARY, "--schedules") if args.schedules else LIBRARY
+    schedules = _names(args.schedules, LIBRARY, "--schedules") if args.schedules is not None else LIBRARY
     memops = () if args.memops.strip() == "none" else _names(args.memops, MEMOPS, "--memops")
-    given = _counts(args.microbatches) if args.microbatches else None
+    given = _counts(args.microbatches) if args.microbatches is not None else None
     ms = microbatch_counts(args.global_batch, p, given)
     bad = [m for m in ms if args.global_batch % m]
     if bad:
@@ -106,13 +108,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from pipec.planner.outputs import Outputs
 
     out = Outputs(result, inputs, args.model, args.layers_cost)
-    written = out.write(args.output) if args.output else []
+    try:
+        written = out.write(args.output) if args.output else []
+    except OSError as e:  # the folder was checked; a disk that fills, or a file made unwritable since
+        raise Misuse(f"cannot write the plan's files into `{args.output}`: {e.strerror or e}") from None
     if args.json:
         emit(args, out.to_json(written))
     else:
         print("\n".join(out.lines(written)))
     if args.save_layers and args.model and not args.layers_cost:
-        write_json(args.save_layers, table.to_json())
+        try:
+            write_json(args.save_layers, table.to_json())
+        except OSError as e:
+            raise Misuse(f"cannot write `{args.save_layers}`: {e.strerror or e}") from None
     return 0
 
 
@@ -151,25 +159,61 @@ def _ranks_count(args: argparse.Namespace, ranks) -> int:
     return args.p
 
 
+def _writable_folder(path: str, flag: str) -> None:
+    """Misuse unless the plan's files can go into `path` (made if missing), checked before any search: a
+    folder, or a new one under a folder this process may write to."""
+    if not path.strip():
+        raise Misuse(f"{flag}: expected a folder, got an empty path")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise Misuse(f"{flag} `{path}` is a file; give a folder")
+    _may_write(path, flag)
+
+
+def _writable_file(path: str, flag: str) -> None:
+    """Misuse unless a file can be written at `path` (its folder exists and may be written; not a folder)."""
+    if not path.strip() or os.path.isdir(path):
+        raise Misuse(f"{flag}: expected a file to write, got `{path}`")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise Misuse(f"cannot write `{path}`: its folder `{folder}` does not exist")
+    _may_write(path, flag)
+
+
+def _may_write(path: str, flag: str) -> None:
+    """Misuse unless this process may write `path` (an existing one) or create it in its nearest existing folder."""
+    target = os.path.abspath(path)
+    here = target
+    while not os.path.exists(here):
+        here = os.path.dirname(here)
+    if here != target and not os.path.isdir(here):
+        raise Misuse(f"cannot write {flag} `{path}`: `{here}` is a file, not a folder")
+    if not os.access(here, os.W_OK | (os.X_OK if os.path.isdir(here) else 0)):
+        raise Misuse(f"cannot write {flag} `{path}`: `{here}` is not writable")
+
+
 def _names(text: str, allowed, flag: str) -> tuple[str, ...]:
     from pipec.frontend import library
 
     names = tuple(x.strip() for x in text.split(",") if x.strip())
     known = set(allowed) | (set(library.names()) if flag == "--schedules" else set())
     bad = [x for x in names if x not in known]
-    if bad or not names:
-        raise Misuse(f"{flag}: `{bad[0] if bad else text}` is not one of {', '.join(sorted(allowed))}")
+    if not names:
+        raise Misuse(f"{flag}: expected one or more of {', '.join(sorted(allowed))}, comma-separated, got `{text}`")
+    if bad:
+        raise Misuse(f"{flag}: `{brief(bad[0])}` is not one of {', '.join(sorted(allowed))}")
     return names
 
 
 def _counts(text: str) -> list[int]:
+    """`--microbatches M,M,...`: at least one count, each an integer >= 1 in ASCII digits (options.count)."""
+    parse = options.count(1, 1 << 40)  # at most --global-batch's bound
+    parts = [x for x in text.split(",") if x.strip()]
+    if not parts or len(parts) > 10_000:
+        raise Misuse(f"--microbatches: expected 1 to 10,000 counts like 4,8,16, got `{brief(text)}`")
     try:
-        out = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise Misuse(f"--microbatches: expected counts like 4,8,16, got `{text}`") from None
-    if not out or min(out) < 1:
-        raise Misuse(f"--microbatches: expected counts >= 1, got `{text}`")
-    return out
+        return [parse(x) for x in parts]
+    except argparse.ArgumentTypeError as e:
+        raise Misuse(f"--microbatches: {e}") from None
 
 
 def _table(args: argparse.Namespace, m: int, p: int, say):
