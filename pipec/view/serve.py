@@ -20,6 +20,7 @@ Endpoints (JSON in, JSON out):
 from __future__ import annotations
 
 import json
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -31,6 +32,8 @@ from typing import Any
 MAX_BODY = 1 << 20  # a schedule's source is a few KiB; a MiB leaves room and bounds what one request holds
 MAX_OPS = 200_000  # what one keystroke may simulate and send to the page (about 0.3 s and a few MB)
 TIMEOUT_S = 20.0
+BODY_TIMEOUT_S = 30.0  # seconds a client may take to send its request (headers and body)
+MAX_DEPTH = 8  # how deep a request's JSON may nest (a request is {source, params: {...}, costs: {...}})
 COST_KEYS = ("F", "B", "W", "comm", "overhead")
 DOWNLOADS = {
     "pipe": ("text/plain; charset=utf-8", "schedule.pipe"),
@@ -58,6 +61,50 @@ class RequestError(Exception):
         self.status = status
 
 
+def content_length(values: list[str]) -> int:
+    """The body's length from its Content-Length header(s): ASCII digits, at most MAX_BODY (RequestError 400
+    for a malformed value or two that differ, 413 above the bound: the body is then left unread)."""
+    texts = {v.strip() for v in values}
+    if len(texts) != 1:
+        raise RequestError(400, "the request has Content-Length headers that differ")
+    text = texts.pop()
+    if not (text.isascii() and text.isdigit()) or len(text) > 20:
+        raise RequestError(400, f"malformed Content-Length {text[:40]!r}: expected a number of bytes (ASCII digits)")
+    n = int(text)
+    if n > MAX_BODY:
+        raise RequestError(413, f"the request is {n:,} bytes; the limit is {MAX_BODY:,}")
+    return n
+
+
+_JSON_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]')
+
+
+def json_depth(raw: bytes) -> int:
+    """How deep a JSON text nests its arrays and objects (brackets inside strings do not count); a cheap scan
+    before json.loads, which would recurse once per level."""
+    depth = deepest = 0
+    for m in _JSON_TOKEN.finditer(raw):
+        c = m.group()[:1]
+        if c in (b"[", b"{"):
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c in (b"]", b"}"):
+            depth -= 1
+    return deepest
+
+
+def parse_body(raw: bytes) -> object:
+    """A request body as JSON (RequestError 400 when it is not UTF-8 JSON, or nests deeper than MAX_DEPTH:
+    a request is an object of strings and numbers, two levels deep)."""
+    depth = json_depth(raw)
+    if depth > MAX_DEPTH:
+        raise RequestError(400, f"the request body nests {depth:,} levels deep; a request takes at most {MAX_DEPTH}")
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise RequestError(400, "the request body is not JSON") from None
+
+
 def _json(obj: object, status: int = 200) -> Answer:
     return Answer(status, "application/json", json.dumps(obj, separators=(",", ":")).encode())
 
@@ -78,11 +125,16 @@ def _request(body: object) -> tuple[str, list[tuple[str, str]], list[dict]]:
     costs = body.get("costs") or {}
     if not isinstance(params, dict) or not isinstance(costs, dict):
         raise RequestError(400, "`params` and `costs` must be JSON objects")
-    given = [(str(k), str(v).strip()) for k, v in params.items() if str(v).strip() != ""]
+    for k, v in [*params.items(), *costs.items()]:
+        if v is not None and (isinstance(v, (dict, list)) or not isinstance(v, (str, int, float))):
+            raise RequestError(400, f"`{k[:40]}` must be a string or a number, not a JSON {type(v).__name__}")
+    given = [(str(k), str(v).strip()) for k, v in params.items() if v is not None and str(v).strip() != ""]
     spec = []
     for k, v in costs.items():
         if k not in COST_KEYS:
-            raise RequestError(400, f"unknown cost `{k}` (expected {', '.join(COST_KEYS)})")
+            raise RequestError(400, f"unknown cost `{k[:40]}` (expected {', '.join(COST_KEYS)})")
+        if v is None or isinstance(v, bool):
+            raise RequestError(400, f"cost `{k}` must be a number")
         if str(v).strip() == "":
             continue
         try:
@@ -245,6 +297,7 @@ class Handler(BaseHTTPRequestHandler):
     """Routes a request and answers it; every failure is an answer (JSON with `error`), never a crash."""
 
     server: Playground
+    timeout = BODY_TIMEOUT_S  # socketserver's: a client that stops sending holds no thread for ever
     protocol_version = "HTTP/1.1"
     server_version = "pipec-serve"
 
@@ -269,19 +322,27 @@ class Handler(BaseHTTPRequestHandler):
         path = self.path.split("?", 1)[0]
         if path not in ("/api/simulate", "/api/download"):
             raise RequestError(404, f"no such endpoint `{path[:80]}`")
-        length = self.headers.get("Content-Length")
-        if length is None or not length.isdigit():
-            raise RequestError(411, "a POST needs a Content-Length")
-        if int(length) > MAX_BODY:
-            raise RequestError(413, f"the request is {int(length):,} bytes; the limit is {MAX_BODY:,}")
-        raw = self.rfile.read(int(length))
-        try:
-            body = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError, RecursionError):
-            raise RequestError(400, "the request body is not JSON") from None
+        body = parse_body(self._body())
         if path == "/api/simulate":
             return _json(self.server.run(simulate, body))
         return self.server.run(download, body)
+
+    def _body(self) -> bytes:
+        """The request's body, as its Content-Length says (RequestError: 411 without one, 400 for a malformed
+        one or a body cut short, 413 above MAX_BODY, 408 when it does not arrive within `timeout`)."""
+        lengths = self.headers.get_all("Content-Length") or []
+        if not lengths:
+            raise RequestError(411, "a POST needs a Content-Length")
+        n = content_length(lengths)
+        try:
+            raw = self.rfile.read(n)
+        except TimeoutError:
+            self.close_connection = True
+            raise RequestError(408, f"the request body did not arrive within {self.timeout:g} s") from None
+        if len(raw) != n:
+            self.close_connection = True
+            raise RequestError(400, f"the request body has {len(raw):,} bytes, not the {n:,} its Content-Length says")
+        return raw
 
     def _answer(self, route) -> None:
         try:
