@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from pipec import driver
+from pipec.errors import PipecError, brief, error
 from pipec.ir.dataparallel import DataParallel
 from pipec.ir.experts import Experts
 from pipec.ir.program import Program
@@ -36,6 +37,134 @@ __all__ = ["check", "compile", "load", "read_program", "read_trace", "simulate",
 # a cost document (a mapping, as in a cost file), or several of these, later ones winning.
 CostSpec = str | Mapping[str, object] | Sequence[str | Mapping[str, object]] | None
 
+# ---- the arguments, checked at the facade ----------------------------------------------------------------
+# Each function below promises PipecError for a user's mistake: a value of the wrong kind or out of range is
+# refused here (E840, naming the argument), before the driver would meet it as a bare TypeError, or take a
+# NaN memory limit as "no limit".
+
+_SCALARS = (str, int, float, bool)  # what a schedule parameter may be given as (the language checks its type)
+
+
+def _shown(value: object) -> str:
+    """A value as a refusal quotes it: a scalar by its text, a container by its type (never walked: it may
+    nest thousands deep), an integer of thousands of digits by its size (str() refuses those)."""
+    if isinstance(value, (str, bytes)):
+        return brief(repr(value), 60)
+    if isinstance(value, int) and abs(value).bit_length() > 1000:
+        return f"an integer of {abs(value).bit_length():,} bits"
+    if isinstance(value, (int, float, bool)) or value is None:
+        return brief(value)
+    return f"a {type(value).__name__}"
+
+
+def _bad(argument: str, expected: str, value: object) -> PipecError:
+    return error("E840", f"`{argument}` must be {expected}, got {_shown(value)}")
+
+
+def _path(value: object, argument: str) -> None:
+    if not isinstance(value, (str, os.PathLike)):
+        raise _bad(argument, "a path (str or os.PathLike)", value)
+
+
+def _target(value: object, argument: str = "target") -> None:
+    if not isinstance(value, (str, os.PathLike, Schedule, Program)):
+        raise _bad(argument, "a schedule's name or path, a Schedule or a Program", value)
+
+
+def _params(params: object, kwargs: Mapping[str, object]) -> dict[str, object]:
+    """`params` and the keyword parameters as one dict: names are strings, values str, int, float or bool."""
+    if params is not None and not isinstance(params, Mapping):
+        raise _bad("params", "a mapping of parameter names to values (a dict)", params)
+    merged = {**(params or {}), **kwargs}
+    for name, value in merged.items():
+        if not isinstance(name, str):
+            raise _bad("params", "a mapping with string keys", name)
+        if not isinstance(value, _SCALARS) or (isinstance(value, int) and abs(value).bit_length() > 63):
+            raise _bad(name, "an int (within 64 bits), float, bool or str", value)
+    return merged
+
+
+def _number(value: object, argument: str) -> None:
+    import math
+
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise _bad(argument, "a finite number >= 0", value)
+
+
+def _memory(memory: object) -> dict[str, object] | None:
+    """The memory overrides: the memory model's keys (`act`, `wact`, `ckpt`, `params`, `limit`,
+    `host_limit`) as one finite number >= 0 each, and the measured byte keys (`saved_bytes`, ...) as one or one
+    per stage. A NaN limit would read as none, a negative one refuse every schedule: both are refused."""
+    from pipec.ir.schedule import MEMORY_RANK_KEYS, MEMORY_STAGE_KEYS
+    from pipec.sim.memory import BYTE_KEYS
+
+    if memory is None:
+        return None
+    if not isinstance(memory, Mapping):
+        raise _bad("memory", "a mapping of memory keys to numbers (a dict)", memory)
+    known = (*MEMORY_STAGE_KEYS, *MEMORY_RANK_KEYS, *BYTE_KEYS)
+    for key, value in memory.items():
+        if key not in known:
+            raise error("E840", f"`memory` has an unknown key {_shown(key)} (it takes {', '.join(known)})")
+        if key in BYTE_KEYS and isinstance(value, (list, tuple)):
+            if not value:
+                raise _bad(f"memory[{key!r}]", "a number or a non-empty list of them", value)
+            for i, v in enumerate(value):
+                _number(v, f"memory[{key!r}][{i}]")
+        else:
+            _number(value, f"memory[{key!r}]")
+    return dict(memory)
+
+
+def _cost(cost: object) -> None:
+    """A cost spec as `simulate` takes it (CostSpec): a string, a mapping, or a list of those."""
+    if cost is None:
+        return
+    single = isinstance(cost, (str, Mapping))
+    if not single and not isinstance(cost, (list, tuple)):
+        raise _bad("cost", "a cost file's path, overrides like 'F=1,B=2', a mapping, or a list of those", cost)
+    for i, c in enumerate([cost] if single else cost):  # type: ignore[union-attr]
+        name = "cost" if single else f"cost[{i}]"
+        if not isinstance(c, (str, Mapping)):
+            raise _bad(name, "a cost file's path, overrides like 'F=1,B=2' or a mapping", c)
+        if isinstance(c, Mapping) and not all(isinstance(k, str) for k in c):
+            raise _bad(name, "a mapping with string keys", next(k for k in c if not isinstance(k, str)))
+        if isinstance(c, Mapping) and _deeper(c, 3):
+            raise error("E840", f"`{name}` nests more than 3 deep: a cost document holds numbers, lists and tables")
+
+
+def _deeper(value: object, limit: int) -> bool:
+    """Whether lists and mappings nest more than `limit` deep in `value` (a walk with its own stack: a
+    document nested thousands deep does not recurse)."""
+    stack = [(value, 0)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, (list, tuple, Mapping)):
+            if depth >= limit:
+                return True
+            stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, Mapping) else v))
+    return False
+
+
+def _options(data_parallel: object, experts: object, moe_layers: object, topology: object = None) -> None:
+    """The parallelism arguments: their own classes (their ranges are theirs: E421, E425), MoE layer counts
+    as integers, a topology as text."""
+    from pipec.ir.experts import MAX_LAYERS
+
+    if data_parallel is not None and not isinstance(data_parallel, DataParallel):
+        raise _bad("data_parallel", "a pipec.DataParallel (e.g. DataParallel(2, 'fsdp'))", data_parallel)
+    if experts is not None and not isinstance(experts, Experts):
+        raise _bad("experts", "a pipec.Experts (e.g. Experts(2, 8))", experts)
+    if moe_layers is not None:
+        counts = [moe_layers] if isinstance(moe_layers, int) and not isinstance(moe_layers, bool) else moe_layers
+        if not isinstance(counts, (list, tuple)) or not counts:
+            raise _bad("moe_layers", "an int or a non-empty list of ints (one per stage)", moe_layers)
+        for c in counts:
+            if isinstance(c, bool) or not isinstance(c, int) or not 0 <= c <= MAX_LAYERS:
+                raise _bad("moe_layers", f"integers from 0 to {MAX_LAYERS:,}", c)
+    if topology is not None and not isinstance(topology, str):
+        raise _bad("topology", "a topology file's path or its text", topology)
+
 
 def load(
     name_or_path: str | os.PathLike[str], params: Mapping[str, object] | None = None, **kwargs: object
@@ -46,7 +175,8 @@ def load(
     >>> load("1f1b", p=4, m=8).num_ops
     64
     """
-    return driver.load(name_or_path, params, **kwargs)
+    _path(name_or_path, "name_or_path")
+    return driver.load(name_or_path, _params(params, kwargs))
 
 
 def read_program(path: str | os.PathLike[str]) -> Program:
@@ -62,6 +192,7 @@ def read_program(path: str | os.PathLike[str]) -> Program:
     """
     from pipec.formats.program_file import read_program as _read
 
+    _path(path, "path")
     return _read(os.fspath(path))
 
 
@@ -89,7 +220,10 @@ def check(
     >>> [round(r.peak, 2) for r in c.memory]
     [4.0, 3.5, 3.0, 2.5]
     """
-    c = driver.compile_target(target, dict(params or {}, **kwargs), memory, data_parallel, experts, _layers(moe_layers))
+    _target(target)
+    given, memory = _params(params, kwargs), _memory(memory)
+    _options(data_parallel, experts, moe_layers)
+    c = driver.compile_target(target, given, memory, data_parallel, experts, _layers(moe_layers))
     driver.check_expectations(c.schedule, c.program)
     return c
 
@@ -117,7 +251,10 @@ def compile(  # noqa: A001 - pipec.compile is the name users look for
     >>> moe.experts.per_rank, moe.moe_layers
     (2, (1, 1, 1, 1))
     """
-    c = driver.compile_target(target, dict(params or {}, **kwargs), memory, data_parallel, experts, _layers(moe_layers))
+    _target(target)
+    given, memory = _params(params, kwargs), _memory(memory)
+    _options(data_parallel, experts, moe_layers)
+    c = driver.compile_target(target, given, memory, data_parallel, experts, _layers(moe_layers))
     return c.program
 
 
@@ -149,7 +286,13 @@ def simulate(
     >>> [round(simulate("dualpipe-v", p=4, m=8, overlap=o, **moe).stats.makespan, 2) for o in (True, False)]
     [36.03, 41.5]
     """
-    obj, where = driver.target_of(target, dict(params or {}, **kwargs))
+    _target(target)
+    given, memory = _params(params, kwargs), _memory(memory)
+    _options(data_parallel, experts, moe_layers, topology)
+    _cost(cost)
+    if not isinstance(overlap, bool):
+        raise _bad("overlap", "True or False", overlap)
+    obj, where = driver.target_of(target, given)
     docs = driver.cost_docs(cost)
     return driver.simulation(obj, docs, memory, topology, where, data_parallel, experts, _layers(moe_layers), overlap)
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import heapq
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -333,6 +334,10 @@ def write_trace(tl: Timeline, path: str | Path, memory: MemoryCurves | dict[str,
     or a failure midway leaves the old file (or none), never a partial trace."""
     from pipec.files import atomic_write
 
+    if not isinstance(tl, Timeline):
+        raise error("E903", f"write_trace takes a Timeline (a simulation's `.timeline`), not {type(tl).__name__}")
+    if not isinstance(path, (str, os.PathLike)):
+        raise error("E903", f"write_trace takes a path (str or os.PathLike), not {type(path).__name__}")
     with atomic_write(path) as f:
         json.dump(trace_events(tl, memory), f, separators=(",", ":"))
         f.write("\n")
@@ -557,6 +562,10 @@ def read_trace(path: str | Path, bounds: Bounds | None = None) -> Timeline:
     negative bytes); every event is checked before any array is built."""
     from pipec.files import read_text
 
+    if not isinstance(path, (str, os.PathLike)):
+        raise error("E802", f"read_trace takes a path (str or os.PathLike), not {type(path).__name__}")
+    if bounds is not None and not isinstance(bounds, Bounds):
+        raise error("E802", f"read_trace's bounds must be a Bounds, not {type(bounds).__name__}")
     try:
         doc = json.loads(read_text(Path(path), "trace"))
     except OSError as e:
