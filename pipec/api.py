@@ -85,10 +85,9 @@ def _params(params: object, kwargs: Mapping[str, object]) -> dict[str, object]:
 
 
 def _number(value: object, argument: str) -> None:
-    import math
-
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise _bad(argument, "a finite number >= 0", value)
+    """A memory amount: a number from 0 to 1e18, as a cost file's quantities (NaN and infinities fail both)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1e18:
+        raise _bad(argument, "a finite number from 0 to 1e18", value)
 
 
 def _memory(memory: object) -> dict[str, object] | None:
