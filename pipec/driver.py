@@ -125,7 +125,7 @@ def param_names(source: Source) -> tuple[str, ...]:
     """The parameters a schedule declares (a torch CSV: `p` and `m`; a Program file: none)."""
     if is_torch_csv(source):
         return ("p", "m")
-    if is_program_text(source.text):
+    if is_program_text(source.text, source.path):
         return ()
     return tuple(p.name for p in compile_source(source).params)
 
@@ -171,7 +171,7 @@ def target_of(target: Target, params: Params | None = None) -> tuple[Schedule | 
         obj, where = target, None
     else:
         source = read_source(target)
-        if not is_program_text(source.text):
+        if not is_program_text(source.text, source.path):  # a damaged Program is E501, not schedule syntax
             return build(source, items), None
         obj, where = parse_program(source.text, source.path), source.path  # the file is read already
     if items:

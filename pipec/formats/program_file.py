@@ -10,7 +10,9 @@ their rows are laid out by numpy (`pipec.formats.rowtext`).
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
+from pathlib import PurePath
 from typing import IO
 
 import numpy as np
@@ -25,6 +27,83 @@ from pipec.ir.validate import validate
 
 FORMAT = "pipec-program"
 VERSION = 1
+# The versions this reader reads (the writer writes VERSION): one so far. A file of another version is refused
+# by name, never read as if it were this one.
+READS = (1,)
+# How every E501 of a file begins, so that a damaged file is never mistaken for a schedule with a syntax error.
+NOT_A_PROGRAM = "this is not a valid Program file"
+
+
+def _version_message(shown: object) -> str:
+    return f"program format version {brief(shown)} is not supported (this pipec reads {VERSION})"
+
+
+def _check_version(version: object, source: Source) -> None:
+    """E501 unless the JSON form's `version` is an integer this reader reads: `true` and `1.0` equal 1 in
+    Python but are not the writer's version, and a 5000-digit number is quoted by its ends only."""
+    if isinstance(version, bool) or not isinstance(version, int) or version not in READS:
+        raise error("E501", f"{NOT_A_PROGRAM}: {_version_message(json.dumps(version))}", source=source)
+
+
+# A parameter's value is what the language's parameter types hold (int, float, bool, str: docs/language.md):
+# never a list or object, which a damaged or hostile file could nest thousands deep for every later
+# json.dumps (a worker's Program file, the sameness hash) to recurse through.
+_INT64 = 2**63 - 1
+_MAX_TEXT = 10_000
+
+
+def _params(doc: object) -> tuple[tuple[str, object], ...]:
+    """The `params` object as the Program's pairs; ValueError (E501) for a value that is no parameter's."""
+    if not isinstance(doc, dict):
+        raise ValueError(f"`params` must be an object of parameter values, got {type(doc).__name__}")
+    for name, value in doc.items():
+        ok = (
+            isinstance(value, bool)
+            or isinstance(value, int)
+            and -_INT64 <= value <= _INT64
+            or isinstance(value, float)
+            and math.isfinite(value)
+            or isinstance(value, str)
+            and len(value) <= _MAX_TEXT
+        )
+        if not ok or len(name) > _MAX_TEXT:
+            shown = type(value).__name__ if isinstance(value, dict | list) else brief(value)
+            raise ValueError(
+                f"parameter `{brief(name)}` must be an int within 64 bits, a finite float, a bool or a string"
+                f" of up to {_MAX_TEXT:,} characters, got {shown}"
+            )
+    return tuple(doc.items())
+
+
+def _placement(doc: object) -> tuple[int, ...]:
+    """The rank of each stage; whether they fit the ranks is validate's (E502), their type is read here."""
+    if not isinstance(doc, list) or any(isinstance(r, bool) or not isinstance(r, int) for r in doc):
+        raise ValueError(f"placement must be a list of ranks, got {brief(json.dumps(doc))}")
+    if any(not 0 <= r <= MAX_SIZE for r in doc):
+        raise ValueError(f"placement's ranks must be integers from 0 to {MAX_SIZE:,}")
+    return tuple(doc)
+
+
+def _rows(doc: object) -> np.ndarray:
+    """A rank's `instructions` as an (n, 5) int64 array; ValueError (E501) for rows that are not five integers
+    (numpy would cast `1.5` or `"1"` to an integer without a word) or beyond int64."""
+    if not isinstance(doc, list):
+        raise ValueError(f"`instructions` must be a list of rows, got {type(doc).__name__}")
+    if not doc:
+        return np.zeros((0, 5), dtype=np.int64)
+    rows = np.array(doc)
+    if rows.ndim != 2 or rows.shape[1] != 5 or rows.dtype.kind not in "iub":
+        raise ValueError("each instruction must be a row of five integers [op, mb, stage, peer, group]")
+    return rows.astype(np.int64)
+
+
+def _operand(word: str) -> int:
+    """An integer of the text form as the writer writes it: ASCII digits, an optional `-`, at most 18 digits
+    (int() would take `1_0`, `+1`, Unicode digits and 5000-digit numbers)."""
+    digits = word[1:] if word.startswith("-") else word
+    if not (digits.isascii() and digits.isdigit()) or len(digits) > 18:
+        raise ValueError(f"expected an integer of at most 18 digits, got `{brief(word)}`")
+    return int(word)
 
 
 # ---- JSON -------------------------------------------------------------------
@@ -150,13 +229,10 @@ def from_json(text: str, path: str = "<program>") -> Program:
         doc = json.loads(text)
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
             got = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
-            raise error("E501", f"not a pipec program (format is {got!r})", source=Source(path, ""))
-        if doc.get("version") != VERSION:
             raise error(
-                "E501",
-                f"program format version {doc.get('version')} is not supported (this pipec reads {VERSION})",
-                source=Source(path, ""),
+                "E501", f"{NOT_A_PROGRAM}: not a pipec program (format is {brief(repr(got))})", source=Source(path, "")
             )
+        _check_version(doc.get("version"), Source(path, ""))
         unknown = [name for name in doc["opcodes"] if name not in CODE]
         if unknown:
             raise ValueError(f"unknown instruction {unknown[0]!r}")
@@ -165,7 +241,7 @@ def from_json(text: str, path: str = "<program>") -> Program:
         for rank in doc["ranks"]:
             if rank["columns"] != _COLUMNS:
                 raise ValueError(f"columns must be {_COLUMNS}")
-            rows = np.array(rank["instructions"], dtype=np.int64).reshape(-1, 5)
+            rows = _rows(rank["instructions"])
             opc = rows[:, 0]
             opc = np.where((opc >= 0) & (opc < len(codes) - 1), opc, len(codes) - 1)
             ranks.append(
@@ -177,12 +253,12 @@ def from_json(text: str, path: str = "<program>") -> Program:
             raise ValueError(f"placement must be a list of ranks, got {type(doc['placement']).__name__}")
         prog = Program(
             name=str(doc["schedule"]),
-            params=tuple(doc["params"].items()),
+            params=_params(doc["params"]),
             num_stages=_size(doc["num_stages"], "num_stages"),
             num_ranks=_size(doc["num_ranks"], "num_ranks"),
             num_microbatches=_size(doc["num_microbatches"], "num_microbatches"),
             split_backward=bool(doc["split_backward"]),
-            placement=tuple(doc["placement"]),
+            placement=_placement(doc["placement"]),
             ranks=tuple(ranks),
             dp=doc.get("dp", 1),
             dp_kind=doc.get("dp_kind", "ddp"),
@@ -191,8 +267,14 @@ def from_json(text: str, path: str = "<program>") -> Program:
             moe_layers=_moe_layers(doc.get("moe_layers")),
             forward_only=_flag(doc.get("forward_only", False), "forward_only"),
         )
-    except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError, RecursionError) as e:
-        raise error("E501", f"malformed program JSON: {e}", source=Source(path, "")) from None
+    except RecursionError:
+        raise error(
+            "E501", f"{NOT_A_PROGRAM}: malformed program JSON: it nests too deeply", source=Source(path, "")
+        ) from None
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError) as e:
+        raise error(
+            "E501", f"{NOT_A_PROGRAM}: malformed program JSON: {brief(e, 200)}", source=Source(path, "")
+        ) from None
     validate(prog, Source(path, ""))
     return prog
 
@@ -290,13 +372,10 @@ def from_text(text: str, path: str = "<program>") -> Program:
     rank_line: list[int] = []
     try:
         head_words = lines[0][1].split()
-        if len(head_words) != 2:
-            raise fail("not a pipec program (expected `pipec-program 1` on the first line)")
-        magic, version = head_words
-        if magic != FORMAT:
-            raise fail("not a pipec program (expected `pipec-program 1` on the first line)")
-        if int(version) != VERSION:
-            raise fail(f"program format version {version} is not supported (this pipec reads {VERSION})")
+        if len(head_words) != 2 or head_words[0] != FORMAT:
+            raise fail(f"{NOT_A_PROGRAM}: not a pipec program (expected `{FORMAT} {VERSION}` on the first line)")
+        if head_words[1] != str(VERSION):  # the writer's digits exactly: not `01`, `+1` or `1_0`
+            raise fail(f"{NOT_A_PROGRAM}: {_version_message(head_words[1])}")
         at = 1
         head = lines[1][1]
         if not head.startswith("schedule "):
@@ -304,7 +383,9 @@ def from_text(text: str, path: str = "<program>") -> Program:
         decoder = json.JSONDecoder()
         rest = head[len("schedule ") :]
         name, end = decoder.raw_decode(rest)
-        params = list(decoder.raw_decode(rest[end:].strip())[0].items())
+        if not isinstance(name, str):
+            raise ValueError("the schedule's name must be a string")
+        params = _params(decoder.raw_decode(rest[end:].strip())[0])
         at = 2
         f = lines[2][1].split()
         if len(f) != 8 or f[0::2] != ["stages", "ranks", "microbatches", "split"] or f[7] not in ("true", "false"):
@@ -315,7 +396,7 @@ def from_text(text: str, path: str = "<program>") -> Program:
         words = lines[3][1].split()
         if words[0] != "place":
             raise ValueError("expected `place` and the rank of each stage")
-        placement = tuple(int(x) for x in words[1:])
+        placement = _placement([int(x) for x in words[1:]])
         # optional header lines `dp N`, `dp_kind K`, `slicing {...}`, `experts {...}`, `moe_layers [...]` (JSON),
         # `forward_only true`
         dp: dict[str, object] = {
@@ -337,7 +418,7 @@ def from_text(text: str, path: str = "<program>") -> Program:
             elif words[0] in ("experts", "moe_layers"):
                 dp[words[0]] = json.loads(words[1])
             else:
-                dp[words[0]] = int(words[1]) if words[0] == "dp" else words[1]
+                dp[words[0]] = _operand(words[1]) if words[0] == "dp" else words[1]
             body += 1
         progs: list[list[Instr]] = []
         for at in range(body, len(lines)):
@@ -358,7 +439,7 @@ def from_text(text: str, path: str = "<program>") -> Program:
             if op not in CODE:
                 raise ValueError(f"unknown instruction `{op}`")
             operands = BY_NAME[op].operands
-            nums = [int(w) for w in words[1:]]
+            nums = [_operand(w) for w in words[1:]]
             if len(nums) != len(operands):
                 raise ValueError(f"`{op}` takes {len(operands)} number(s): {', '.join(operands)}")
             vals = [-1, -1, -1]
@@ -369,7 +450,7 @@ def from_text(text: str, path: str = "<program>") -> Program:
         at = len(lines)  # the count of `rank` sections against `ranks`: validate's E502, as for JSON
         prog = Program(
             name,
-            tuple(params),
+            params,
             stages,
             ranks,
             mbs,
@@ -383,8 +464,10 @@ def from_text(text: str, path: str = "<program>") -> Program:
             moe_layers=_moe_layers(dp["moe_layers"]),
             forward_only=_flag(dp["forward_only"], "forward_only"),
         )
-    except (IndexError, ValueError, json.JSONDecodeError, AttributeError, OverflowError) as e:
-        raise fail(f"malformed program text: {e}") from None
+    except RecursionError:
+        raise fail(f"{NOT_A_PROGRAM}: malformed program text: its JSON values nest too deeply") from None
+    except (IndexError, KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
+        raise fail(f"{NOT_A_PROGRAM}: malformed program text: {brief(e, 200)}") from None
 
     def locate(r: int, j: int) -> Span | None:
         """The instruction's line, or the `rank r` line for a problem of the whole rank."""
@@ -397,15 +480,31 @@ def from_text(text: str, path: str = "<program>") -> Program:
     return prog
 
 
-def is_program_text(text: str) -> bool:
-    """Whether a file's text is a Program (either form) rather than a schedule."""
+def _suffix(path: str | None) -> str:
+    return PurePath(path).suffix.lower() if path else ""
+
+
+def is_program_text(text: str, path: str | None = None) -> bool:
+    """Whether a file's text is a Program (either form) rather than a schedule: it begins with the text
+    form's header, or looks like JSON (its first non-blank character `{` or `[`: no schedule, .pipe or
+    torch CSV, begins so), or is named `.json`. A damaged Program is then reported as one (E501), never
+    parsed as schedule source ("unexpected `{`; expected `schedule`"). A `.pipe` or `.csv` file is a
+    schedule unless it holds a Program's header."""
     head = text.lstrip()[:200]
-    return head.startswith("{") and f'"{FORMAT}"' in head or head.startswith(FORMAT)
+    if head.startswith(FORMAT) or head.startswith("{") and f'"{FORMAT}"' in head:
+        return True
+    if _suffix(path) in (".pipe", ".csv"):
+        return False
+    return head[:1] in ("{", "[") or _suffix(path) == ".json"
 
 
 def parse_program(text: str, path: str = "<program>") -> Program:
-    """A Program's text in either form (told apart by its first character), validated."""
-    return from_json(text, path) if text.lstrip().startswith("{") else from_text(text, path)
+    """A Program's text in either form, validated: the text form when it begins with its header, else JSON
+    when it looks like JSON or is named `.json`, else the text form (whose reader names what it expected)."""
+    head = text.lstrip()
+    if not head.startswith(FORMAT) and (head[:1] in ("{", "[") or _suffix(path) == ".json"):
+        return from_json(text, path)
+    return from_text(text, path)
 
 
 def read_program(path: str) -> Program:
