@@ -136,11 +136,53 @@ def _load_json(path: str, what: str) -> object:
     except UnicodeDecodeError:
         raise error("E803", f"{what} `{brief_path(path)}` is not UTF-8 text") from None
     try:
-        return json.loads(text)
+        doc = json.loads(text, parse_int=_int, parse_float=_finite, parse_constant=_constant)
     except (json.JSONDecodeError, ValueError) as e:
         raise error("E803", f"{what} `{brief_path(path)}` is not valid JSON: {brief(e, 200)}") from None
     except RecursionError:
         raise error("E803", f"{what} `{brief_path(path)}` nests its JSON too deeply") from None
+    depth = _depth(doc)
+    if depth > MAX_DEPTH:
+        raise error(
+            "E803",
+            f"{what} `{brief_path(path)}` nests its JSON {depth} levels deep; the format has at most {MAX_DEPTH}",
+        )
+    return doc
+
+
+# A number of either file: at most this many characters (a byte count or a shape has at most 20 digits;
+# `1e400`'s infinity and a 5000-digit integer are damage, not sizes), and never NaN or infinite.
+MAX_NUMBER_CHARS = 40
+# How deep either file nests (a table's `measured` block included): its own layout is four levels deep.
+MAX_DEPTH = 16
+
+
+def _int(text: str) -> int:
+    if len(text) > MAX_NUMBER_CHARS:
+        raise ValueError(f"the number {brief(text)} is too long (at most {MAX_NUMBER_CHARS} characters)")
+    return int(text)
+
+
+def _finite(text: str) -> float:
+    x = float(text)
+    if len(text) > MAX_NUMBER_CHARS or not math.isfinite(x):
+        raise ValueError(f"the number {brief(text)} is not a finite number of at most {MAX_NUMBER_CHARS} characters")
+    return x
+
+
+def _constant(text: str) -> float:
+    raise ValueError(f"`{text}` is not a number a file may hold (numbers must be finite)")
+
+
+def _depth(doc: object) -> int:
+    """How deep a loaded document nests its lists and objects (iterative: json.loads took up to ~1000)."""
+    deepest, todo = 0, [(doc, 1)]
+    while todo:
+        x, d = todo.pop()
+        if isinstance(x, dict | list):
+            deepest = max(deepest, d)
+            todo.extend((v, d + 1) for v in (x.values() if isinstance(x, dict) else x))
+    return deepest
 
 
 def _require(cond: bool, what: str, message: str) -> None:
@@ -151,8 +193,14 @@ def _require(cond: bool, what: str, message: str) -> None:
 def _head(doc: object, fmt: str, what: str, version: int = VERSION) -> Mapping:
     _require(isinstance(doc, Mapping), what, "expected a JSON object")
     _require(doc.get("format") == fmt, what, f"not a {fmt} file (its `format` is `{brief(doc.get('format'))}`)")
-    _require(doc.get("version") == version, what, f"version `{brief(doc.get('version'))}`, expected {version}")
+    got = doc.get("version")
+    # `true` and `2.0` equal the version in Python, but are not what the writer writes
+    ok = isinstance(got, int) and not isinstance(got, bool) and got == version
+    _require(ok, what, f"version `{brief(json.dumps(got))}` is not supported (this pipec reads version {version})")
     return doc
+
+
+MAX_MICROBATCHES = 10_000_000  # as a schedule's sizes (pipec/frontend/evaluate.py's MAX_SIZE)
 
 
 def _number(x: object) -> bool:
@@ -184,7 +232,8 @@ def read_table(path: str) -> LayerTable:
         )
         _require(ok, what, f"layer `{brief(row['name'])}`: `params` must be a list of [name, [dims...]]")
     m = doc.get("microbatches")
-    _require(m is None or (isinstance(m, int) and not isinstance(m, bool) and m >= 1), what, "bad `microbatches`")
+    ok = m is None or (isinstance(m, int) and not isinstance(m, bool) and 1 <= m <= MAX_MICROBATCHES)
+    _require(ok, what, f"`microbatches` must be an integer from 1 to {MAX_MICROBATCHES:,}, got {brief(m)}")
     model = doc.get("model") if isinstance(doc.get("model"), Mapping) else {}
     table = make_table(rows, microbatches=m, path=model.get("path"), measured=doc.get("measured"))
     given = model.get("fingerprint")
@@ -425,7 +474,12 @@ def _names(x: object) -> bool:
 
 def parse_partition(doc: object, what: str = "the partition", *, verify: bool = True) -> PartitionFile:
     """A partition document already loaded (a dict), checked as `read_partition` checks a file."""
-    if isinstance(doc, Mapping) and doc.get("format") == PARTITION_FORMAT and doc.get("version") == 1:
+    if (
+        isinstance(doc, Mapping)
+        and doc.get("format") == PARTITION_FORMAT
+        and type(doc.get("version")) is int
+        and doc["version"] == 1
+    ):
         raise error(
             "E803",
             f"{what}: version 1, written before a partition file's fingerprint covered its split",
@@ -440,6 +494,11 @@ def parse_partition(doc: object, what: str = "the partition", *, verify: bool = 
     _require(isinstance(sched, Mapping) and isinstance(sched.get("name"), str), what, "no `schedule.name`")
     params = sched.get("params", {})
     _require(isinstance(params, Mapping), what, "`schedule.params` must be an object")
+    _require(
+        all(_scalar(v) for v in params.values()),
+        what,
+        "`schedule.params` values must be numbers, booleans or strings (a schedule's parameters)",
+    )
     _require(
         isinstance(stages, list) and stages and all(_names(s) and s for s in stages),
         what,
@@ -456,6 +515,13 @@ def parse_partition(doc: object, what: str = "the partition", *, verify: bool = 
     if verify:
         part.check_fingerprint()
     return part
+
+
+def _scalar(x: object) -> bool:
+    """A parameter's value: a bool, a finite number or a string (what the language's parameters hold)."""
+    if isinstance(x, float):
+        return math.isfinite(x)
+    return isinstance(x, bool | int | str)
 
 
 def _sha256(x: object) -> bool:
