@@ -36,6 +36,10 @@ from pipec.sim.memory import CKPT_OF_ACT, positions
 
 # The memory rows' scale (`Problem.memory_rows`): 8 makes ckpt = act / 8 whole, so rows are exact without slices.
 MEM_SCALE = 8
+# The most a memory row may count: rows are int64 sums for CP-SAT (whose linear constraints must stay within
+# int64 with their coefficients summed) and exact floats for the branch and bound, so MEM_SCALE times the most
+# any rank could hold (every layer's parameters, and every micro-batch's activations) stays below 2^53.
+MAX_ROW = 2**53
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,7 @@ class Problem:
         for k in KINDS:
             pre = np.concatenate([[0.0], np.cumsum(times[k])])
             self.Q[k] = np.rint(pre[None, :] / stage_speed[:, None] / self.unit).astype(np.int64)
+        _check_bytes(table, self.m, split)
         held = 2 * table.param_bytes + table.state_bytes  # weights, gradients, optimizer state
         self.P = {
             "act": _prefix(table.act_bytes),
@@ -145,7 +150,8 @@ class Problem:
             for xs, ws, s in zip(x.tolist(), w.tolist(), pos.stages.tolist()):
                 wq[s] = np.rint(k * (P["params"] + xs * P["act"] + ws * P["wact"])).astype(np.int64)
             slack = 0 if whole else len(pos.stages)
-            out.append((wq, math.floor(k * self.limit[r]) + slack))
+            # a limit above anything a row can count is no limit, and must not overflow the solver's int64
+            out.append((wq, math.floor(min(k * self.limit[r], MAX_ROW)) + slack))
         return out
 
     def cost_doc(self, bounds: Sequence[int]) -> dict:
@@ -194,6 +200,32 @@ class Problem:
         mem["ckpt"] = tuple((b["act"] * CKPT_OF_ACT).tolist())
         mem["limit"] = tuple(self.limit.tolist())
         return replace(self.sched, memory=mem)
+
+
+def _check_bytes(table: LayerTable, m: int, split: bool) -> None:
+    """E803 when the table's bytes are too large for the memory rows' integers (MAX_ROW): a layer table
+    with an activation of 1e18 bytes once overflowed OR-Tools' int64 with a traceback. Bytes at most
+    `bound` each always fit (L layers, each counted 2 + 1 times held and twice per micro-batch); the
+    diagnostic names the largest value and that bound."""
+    fields = ("param_bytes", "state_bytes", "act_bytes") + (("wact_bytes",) if split else ())
+    cols = {f: np.asarray(getattr(table, f), dtype=float) for f in fields}
+    held = float((2 * cols["param_bytes"] + cols["state_bytes"]).sum())
+    per_mb = float(cols["act_bytes"].sum() + (cols["wact_bytes"].sum() if split else 0.0))
+    m = max(m, 1)
+    if MEM_SCALE * (held + m * per_mb) < MAX_ROW:
+        return
+    bound = MAX_ROW // (MEM_SCALE * table.num_layers * (3 + 2 * m))
+    field = max(fields, key=lambda f: float(cols[f].max()))
+    i = int(np.argmax(cols[field]))
+    raise error(
+        "E803",
+        f"layer table: `{field}` of layer `{brief(table.names[i])}` is {float(cols[field][i]):.4g} bytes, too large"
+        f" to partition: with {table.num_layers} layers and m={m}, each layer's bytes may be at most {bound:,}",
+        notes=(
+            f"the partition counts {MEM_SCALE} x the bytes a rank may hold (every layer's parameters, every"
+            " micro-batch's activations) in integers below 2^53",
+        ),
+    )
 
 
 def _prefix(x: np.ndarray) -> np.ndarray:
