@@ -13,10 +13,16 @@ Layout of a checkpoint folder DIR:
                                       even when that checkpoint's manifest is damaged
 
 A save writes `step-N.partial` (all ranks, collectively), waits for every rank, then rank 0 digests every
-file in it, writes the manifest, renames the folder to `step-N` and replaces `latest`: a checkpoint is
-visible only once complete, and it is complete only with its manifest. A job killed during a save leaves
-the previous checkpoint as it was; a save that fails (a full disk) stops the run with a message and removes
-its partial folder. Partial folders are removed by the next save or resume.
+file in it, writes the manifest, checks that it reads back (DCP's `.metadata` among its files, each file
+there at its size), renames the folder to `step-N`, syncs the folder and only then replaces `latest`: a
+checkpoint is visible only once complete, and it is complete only with its manifest. A job killed during
+a save leaves the previous checkpoint as it was; a save that fails anywhere (a full disk) stops the run
+with a message, removes what it wrote and leaves `latest` on the last good checkpoint. Partial folders are
+removed by the next save, or by a resume that is going to save.
+
+The folder is checked writable before any step only when the run is going to save (`prepare`'s `until`): a
+resume with no step left reads a read-only folder. Nothing in it is opened that is not a regular file or a
+link to one (`_open_regular`): a FIFO or a link to a device is said at once, never read.
 
 `--resume` trusts content, not names: rank 0 verifies the checkpoints newest first (the manifest's own
 digest, exactly its files, each file's size and sha256) and resumes from the newest that verifies, saying
@@ -35,6 +41,7 @@ each step), so the step is the data position. DIR must be one folder that every 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -56,6 +63,7 @@ MANIFEST = "pipec-manifest.json"
 FORMAT = "pipec-checkpoint 2"
 PARTIAL = ".partial"
 STEP = re.compile(r"step-(\d{6,})")
+METADATA = ".metadata"  # DCP's own metadata file: what its load reads first
 MAX_MANIFEST = 64 << 20  # bytes: a manifest lists files and parameter shapes; more is not one
 
 
@@ -89,6 +97,12 @@ class Manifest:
 
 class Damaged(Exception):
     """A checkpoint that does not verify; the message names the file and what is wrong with it."""
+
+
+class NotRegular(OSError):
+    """A file of a checkpoint folder that is a FIFO, a device, a socket or a folder, or a link to one: never
+    opened, since opening or reading a FIFO blocks until a writer comes and a device (/dev/zero) never ends.
+    An OSError, so it reads as every other file that cannot be read ("cannot be read (a FIFO, ...)")."""
 
 
 def shown(path: str) -> str:
@@ -165,21 +179,62 @@ def _all_agree(problem: str | None) -> None:
 # Files
 
 
+def _kind(mode: int) -> str:
+    """What a file that is not a regular one is, in words."""
+    kinds = (
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    )
+    return next((name for test, name in kinds if test(mode)), "a special file")
+
+
+def _open_regular(path: str):
+    """`path` opened for reading in binary, only when it is a regular file or a link to one: checked with
+    lstat (and stat through a link) before it is opened, so a FIFO or a device is never opened at all, and
+    with fstat once open (opened non-blocking, so one swapped in meanwhile cannot block either). NotRegular
+    naming what it is otherwise; FileNotFoundError and the other OSErrors as open's."""
+    st = os.lstat(path)
+    what = None
+    if stat.S_ISLNK(st.st_mode):
+        target = os.stat(path)  # a dangling link: FileNotFoundError
+        if not stat.S_ISREG(target.st_mode):
+            what = f"a link to {shown(os.path.realpath(path))}, {_kind(target.st_mode)}"
+    elif not stat.S_ISREG(st.st_mode):
+        what = _kind(st.st_mode)
+    if what is None:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISREG(mode):
+            os.set_blocking(fd, True)
+            return os.fdopen(fd, "rb")
+        os.close(fd)
+        what = _kind(mode)
+    raise NotRegular(errno.EINVAL, f"{what}, not a regular file: never opened", path)
+
+
 def _digest(path: str) -> tuple[int, str]:
-    with open(path, "rb") as f:
+    with _open_regular(path) as f:
         h = hashlib.file_digest(f, "sha256")
         return f.tell(), h.hexdigest()
 
 
-def _fsync_dir(path: str) -> None:
+def _fsync_dir(path: str, strict: bool = False) -> None:
+    """Make the renames in folder `path` durable. `strict`: a failure (other than a file system that cannot
+    sync a folder) is raised, as before `latest` moves to a checkpoint whose rename might not survive."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
+        if strict:
+            raise
         return
     try:
         os.fsync(fd)
-    except OSError:
-        pass
+    except OSError as e:
+        if strict and e.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
     finally:
         os.close(fd)
 
@@ -187,10 +242,16 @@ def _fsync_dir(path: str) -> None:
 def _atomic_text(path: str, text: str) -> None:
     """Replace `path` (the folder's `latest`) with `text` atomically. Not `pipec.files.atomic_write`: that
     one follows a symbolic link to its target, and a `latest` that is a link must be replaced, never let a
-    save write through it to a file outside the checkpoint folder."""
+    save write through it to a file outside the checkpoint folder. The temporary file is created afresh
+    (O_EXCL): a stale one of that name, whatever it is (a FIFO would block the open), is removed first."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
+        os.unlink(tmp)
+    except FileNotFoundError:
+        pass
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
@@ -204,18 +265,31 @@ def _atomic_text(path: str, text: str) -> None:
 
 
 def _clean_partials(folder: str) -> None:
+    """Remove what an unfinished save left (`*.partial`): folders, and anything else of such a name (a
+    link is removed, never followed)."""
     for entry in os.listdir(folder):
         if entry.endswith(PARTIAL):
-            shutil.rmtree(os.path.join(folder, entry), ignore_errors=True)
+            path = os.path.join(folder, entry)
+            try:
+                if stat.S_ISDIR(os.lstat(path).st_mode):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    os.unlink(path)
+            except OSError:
+                pass
 
 
-def check_folder(folder: str) -> None:
+def check_folder(folder: str, write: bool = True) -> None:
     """That `folder` is (or can be made) a folder this job can write its checkpoints in: before any step,
-    not at the first save. PipelineError naming the path and what is wrong otherwise."""
+    not at the first save. PipelineError naming the path and what is wrong otherwise. `write=False` (a run
+    that saves nothing, such as a resume with no step left): only that it is a folder or absent; it is then
+    neither made nor probed, since a read-only folder serves such a run."""
     where = f"--checkpoint {shown(folder)}"
     try:
         st = os.stat(folder)
     except FileNotFoundError:
+        if not write:
+            return
         try:
             os.makedirs(folder)
         except OSError as e:
@@ -227,17 +301,19 @@ def check_folder(folder: str) -> None:
     else:
         if not stat.S_ISDIR(st.st_mode):
             raise PipelineError(f"{where}: not a folder (a file of that name exists); name a folder")
+    latest = os.path.join(folder, LATEST)
+    if os.path.isdir(latest) and not os.path.islink(latest):
+        raise PipelineError(
+            f"{shown(latest)} is a folder: a save could not record its checkpoint there; remove or rename it"
+        )
+    if not write:
+        return
     try:
         fd, probe = tempfile.mkstemp(prefix=".pipec-probe-", dir=folder)
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
         raise PipelineError(f"{where}: checkpoints cannot be written there ({_why(e)})") from None
-    latest = os.path.join(folder, LATEST)
-    if os.path.isdir(latest) and not os.path.islink(latest):
-        raise PipelineError(
-            f"{shown(latest)} is a folder: a save could not record its checkpoint there; remove or rename it"
-        )
 
 
 RUN_LINE = re.compile(r"run (\S{1,64})")
@@ -252,7 +328,7 @@ def read_latest(folder: str) -> tuple[str, str | None] | None:
         return None
     fix = f"remove {shown(path)}, and --resume takes the newest checkpoint that verifies"
     try:
-        with open(path, "rb") as f:
+        with _open_regular(path) as f:
             raw = f.read(256)
     except OSError as e:
         raise PipelineError(f"{shown(path)}: cannot be read ({_why(e)}); {fix}") from None
@@ -317,10 +393,10 @@ def _manifest(path: str) -> Manifest:
     """The manifest of checkpoint `path`, checked against its own digest; Damaged otherwise."""
     file = os.path.join(path, MANIFEST)
     try:
-        if os.stat(file).st_size > MAX_MANIFEST:
-            raise Damaged(f"{MANIFEST}: larger than {MAX_MANIFEST >> 20} MiB, not a manifest")
-        with open(file, "rb") as f:
-            body = json.loads(f.read().decode("utf-8"))
+        with _open_regular(file) as f:
+            if os.fstat(f.fileno()).st_size > MAX_MANIFEST:
+                raise Damaged(f"{MANIFEST}: larger than {MAX_MANIFEST >> 20} MiB, not a manifest")
+            body = json.loads(f.read(MAX_MANIFEST + 1).decode("utf-8"))
     except FileNotFoundError:
         raise Damaged(f"no {MANIFEST}: its save did not finish, or it is not a pipec checkpoint") from None
     except OSError as e:
@@ -351,11 +427,15 @@ def _manifest(path: str) -> Manifest:
         raise Damaged(f"{MANIFEST}: malformed ({type(e).__name__}: {e})") from None
 
 
-def verify(path: str) -> Manifest:
-    """Check checkpoint folder `path` by content: its manifest, exactly the files the manifest lists (an
-    extra file is a stale or foreign shard, a missing one a loss), and each file's size and sha256.
+def verify(path: str, digests: bool = True) -> Manifest:
+    """Check checkpoint folder `path` by content: its manifest, DCP's metadata among the files it lists
+    (without it nothing can be loaded: a save that never finished), exactly the files the manifest lists
+    (an extra file is a stale or foreign shard, a missing one a loss), and each file's size and sha256
+    (`digests=False`: sizes only, as a save checks what it has just digested before `latest` moves).
     Returns the manifest; Damaged naming the first file that is wrong."""
     man = _manifest(path)
+    if METADATA not in man.files:
+        raise Damaged(f"{METADATA}: not in the manifest (DCP's metadata was never written: a save that did not finish)")
     expected = STEP.fullmatch(os.path.basename(path))
     if expected and int(expected.group(1)) != man.step:
         raise Damaged(f"{MANIFEST}: records step {man.step}, but the folder is {os.path.basename(path)}")
@@ -371,14 +451,20 @@ def verify(path: str) -> Manifest:
         raise Damaged(f"{shown(missing[0])}: missing (the manifest lists it)")
     for name, (size, sha) in sorted(man.files.items()):
         try:
-            got_size, got_sha = _digest(os.path.join(path, name))
+            got_size, got_sha = _digest(os.path.join(path, name)) if digests else (_size(path, name), None)
         except OSError as e:
             raise Damaged(f"{shown(name)}: cannot be read ({_why(e)})") from None
         if got_size != size:
             raise Damaged(f"{shown(name)}: {got_size} bytes, the manifest says {size} (truncated or overwritten)")
-        if got_sha != sha:
+        if got_sha is not None and got_sha != sha:
             raise Damaged(f"{shown(name)}: its sha256 differs from the manifest's (changed after the save)")
     return man
+
+
+def _size(path: str, name: str) -> int:
+    """The size of file `name` of checkpoint `path`, a regular file (NotRegular otherwise)."""
+    with _open_regular(os.path.join(path, name)) as f:
+        return os.fstat(f.fileno()).st_size
 
 
 def choose(folder: str) -> tuple[str, Manifest, tuple[str, ...]] | None:
@@ -545,19 +631,11 @@ def save(folder: str, runner, steps_done: int, run: str) -> str:
     def finish() -> None:
         try:
             write_manifest(partial, steps_done, run, runner.program.name, runner.program.num_stages)
-            old = final + ".replaced" + PARTIAL
-            moved = os.path.lexists(final)  # an earlier run's checkpoint of the same step (perhaps damaged)
-            if moved:
-                os.replace(final, old)
-            try:
-                os.replace(partial, final)
-            except OSError:
-                if moved:
-                    os.replace(old, final)
-                raise
-            shutil.rmtree(old, ignore_errors=True)
-            _fsync_dir(folder)
-            _atomic_text(os.path.join(folder, LATEST), f"{_name(steps_done)}\nrun {run}\n")
+            verify(partial, digests=False)  # complete as recorded, before anything names it
+            _publish(folder, partial, final, f"{_name(steps_done)}\nrun {run}\n")
+        except Damaged as e:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise PipelineError(failed(f"it does not read back as written ({e})")) from None
         except Exception as e:  # noqa: BLE001 - the partial folder goes, whatever stopped it
             shutil.rmtree(partial, ignore_errors=True)
             raise PipelineError(failed(_why(e))) from None
@@ -566,18 +644,52 @@ def save(folder: str, runner, steps_done: int, run: str) -> str:
     return shown(final)
 
 
-def prepare(folder: str, runner, resume: bool) -> Start:
+def _publish(folder: str, partial: str, final: str, latest: str) -> None:
+    """Make the verified `partial` the checkpoint `final`, then (its rename made durable) point `latest` at
+    it, atomically. A failure anywhere undoes it all: the new folder goes, an earlier run's checkpoint of
+    the same step that it replaced comes back, and `latest` still names the last good checkpoint, so a
+    failed save never leaves a checkpoint newer than `latest` nor a `latest` naming an unfinished one."""
+    old = final + ".replaced" + PARTIAL
+    moved = os.path.lexists(final)  # an earlier run's checkpoint of the same step (perhaps damaged)
+    if moved:
+        os.replace(final, old)
+    try:
+        os.replace(partial, final)
+    except OSError:
+        if moved:
+            os.replace(old, final)
+        raise
+    try:
+        _fsync_dir(folder, strict=True)
+        _atomic_text(os.path.join(folder, LATEST), latest)
+    except BaseException:
+        shutil.rmtree(final, ignore_errors=True)
+        if moved:
+            os.replace(old, final)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    _fsync_dir(folder)
+
+
+def prepare(folder: str, runner, resume: bool, until: int | None = None) -> Start:
     """Before any step of a run with --checkpoint: check that `folder` can take checkpoints, and with
     `resume`, load the newest checkpoint that verifies and fits this rank's stages (collectively); no
-    checkpoint is restored when there is none. PipelineError on every rank otherwise, naming the file."""
+    checkpoint is restored when there is none. PipelineError on every rank otherwise, naming the file.
+
+    `until`: the step the run ends at (--steps); None: a save is assumed to come. The folder must be
+    writable only when a save is to come, that is when the run starts before `until`: a resume with no
+    step left reads a read-only folder and writes nothing (not even the removal of partial folders)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     def look() -> tuple[str, tuple[str, Manifest, tuple[str, ...]] | None]:
-        check_folder(folder)
-        _clean_partials(folder)
-        return uuid.uuid4().hex, choose(folder) if resume else None
+        check_folder(folder, write=False)
+        chosen = choose(folder) if resume and os.path.isdir(folder) else None
+        if until is None or (chosen[1].step if chosen else 0) < until:  # a save is to come
+            check_folder(folder)
+            _clean_partials(folder)
+        return uuid.uuid4().hex, chosen
 
     fresh, chosen = _on_first(look, f"--checkpoint {shown(folder)}")
     if chosen is None:

@@ -458,7 +458,8 @@ class Worker:
         from pipec.runtime.exec.microbatch import batch_of
         from pipec.runtime.job.checkpoint import prepare
 
-        start = prepare(args.checkpoint, self.runner, args.resume)
+        # until: a run that saves nothing (a resume with no step left) may read a read-only folder
+        start = prepare(args.checkpoint, self.runner, args.resume, until=args.steps)
         self.run_id, self.restored = start.run, start.restored
         if self.restored is None:
             return 0
