@@ -1,0 +1,100 @@
+"""Screenshots of `pipec view` and `pipec serve` for docs/view.md, in headless Chromium at 1600x857:
+
+    .venv/bin/python docs/img/view_shots.py [--prefix before-] [--only view-summary,...]
+
+Each picture is one PNG under docs/img/ (the prefix lets a change keep its "before" pictures apart)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "support"))
+
+import browser  # noqa: E402
+
+from pipec.view.html import page, view_document  # noqa: E402
+
+READY = "document.getElementById('pipec-view').dataset.ready === '1'"
+
+
+def _open(chrome, doc) -> None:
+    out = Path(tempfile.mkdtemp(prefix="pipec-shot-")) / "view.html"
+    out.write_text(page(doc))
+    chrome.get(out.as_uri())
+    browser.wait_for(chrome, READY, timeout=120)
+    time.sleep(0.3)
+
+
+def _js(chrome, script: str) -> object:
+    return chrome.execute_script(script)
+
+
+def shots(chrome, prefix: str, only: set[str] | None) -> list[Path]:
+    img = ROOT / "docs" / "img"
+    done = []
+
+    def save(name: str) -> None:
+        path = img / f"{prefix}{name}.png"
+        chrome.save_screenshot(str(path))
+        done.append(path)
+
+    def want(name: str) -> bool:
+        return only is None or name in only
+
+    if want("view-summary"):  # a library schedule with its summary, and one op selected
+        _open(chrome, view_document("zb-v", [("p", 4), ("m", 8)]))
+        _js(chrome, "window.pipecView.select && window.pipecView.select(0, window.pipecView.doc.panels[0].op_off[1] + 5)")
+        time.sleep(0.2)
+        save("view-summary")
+    if want("view-zoomed-out"):  # 50,000 ops zoomed out: the memory curves
+        _open(chrome, view_document("1f1b", [("p", 8), ("m", 3125)]))
+        save("view-zoomed-out")
+    if want("view-deep-zoom"):  # deep zoom: the time axis's ticks
+        _js(chrome, "const v = window.pipecView, f = v.full[1]; v.setWindow(f * 0.5, f * 0.5 + f * 2e-6)")
+        time.sleep(0.2)
+        save("view-deep-zoom")
+    if want("serve-stale"):  # the playground after a syntax error
+        from pipec.view import serve
+
+        srv = serve.start_in_thread("127.0.0.1", 0)
+        try:
+            chrome.get(f"http://127.0.0.1:{srv.server_address[1]}/?schedule=1f1b")
+            browser.wait_for(chrome, "document.getElementById('makespan').dataset.value", timeout=60)
+            time.sleep(0.5)
+            save("serve-playground")
+            _js(
+                chrome,
+                "const e = document.getElementById('source'); e.value = e.value + '\\nstages = (';"
+                "e.dispatchEvent(new Event('input', {bubbles: true}))",
+            )
+            browser.wait_for(chrome, "document.querySelector('[data-role=diag]')", timeout=30)
+            time.sleep(0.5)
+            save("serve-stale")
+        finally:
+            srv.shutdown()
+            srv.server_close()
+    return done
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prefix", default="")
+    ap.add_argument("--only", default=None)
+    args = ap.parse_args()
+    chrome = browser.launch()
+    chrome.set_window_size(1600, 857)
+    try:
+        for p in shots(chrome, args.prefix, set(args.only.split(",")) if args.only else None):
+            print(p.relative_to(ROOT), p.stat().st_size)
+    finally:
+        browser.close(chrome)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
