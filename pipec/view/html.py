@@ -180,6 +180,8 @@ def timeline_panel(
         "ops": ops,
         "op_off": _offsets(tl.rank[order], tl.num_ranks),
         "critical_length": att.length,
+        "time_unit": "s" if tl.origin == "measured" or measured is not None else "units",
+        "rules": _rules(tl, sched),  # the dependency rule (pipec.ir.rules) the page's selection follows
     }
     if measured is not None:
         mstart, mend = _match(tl, measured)
@@ -254,6 +256,16 @@ def timeline_panel(
     panel["critical_steps"] = int(steps_on_path.sum())
     panel["memory"] = _curves(curves, t0)
     return panel
+
+
+def _rules(tl: Timeline, sched: Schedule | None) -> list[list[int]]:
+    """The rules by which the panel's ops need one another (`pipec.ir.rules.active`): [kind, needs, stage
+    offset, unit offset] each, kinds indexing OP_KINDS (the document's `kind_of` maps an opcode to one)."""
+    from pipec.ir.rules import active
+
+    kinds = len(sched.kinds) if sched is not None else (3 if (KIND_OF[tl.op] == 2).any() else 2)
+    slices = int(tl.slicing.slices) if tl.slicing else 1
+    return [[r.kind, r.needs, r.stage, r.unit] for r in active(kinds, slices)]
 
 
 def _inverse(order: np.ndarray) -> np.ndarray:
@@ -367,6 +379,7 @@ def document(panels: Sequence[dict], sources: _Sources, title: str) -> dict[str,
         "version": 1,
         "title": title,
         "opcodes": list(OPCODES),
+        "kind_of": KIND_OF.tolist(),  # opcode -> its kind in OP_KINDS (-1: none), for the panels' `rules`
         "sources": [list(s) for s in sources.rows],
         "panels": list(panels),
     }
@@ -477,6 +490,9 @@ def view_document(
         else:
             panels.append(simulation_panel(sim, title, sources))
         names.append(sim.schedule.name)
+    if any(d.get("_from") not in (None, "--cost", "cost=") for d in docs):  # a cost file, a run's medians: seconds
+        for p in panels:
+            p["time_unit"] = "s" if p["kind"] != "deadlock" else p["time_unit"]
     return document(panels, sources, "pipec view: " + " vs ".join(names))
 
 
