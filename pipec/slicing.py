@@ -48,6 +48,11 @@ DEFAULT_POSITIONS = 128
 # The most positions a search takes (its work grows as about positions^3.5: 512 take minutes).
 MAX_POSITIONS = 512
 _CLI = Source("<command line>", "")
+# The most slice prices a search tabulates (stages x the grid's slices, positions (positions + 1) / 2): each
+# takes about PRICE_BYTES through the cost model's arrays, so 2^24 of them hold about 1 GiB and take a minute;
+# `pipec slice terapipe -D p=100000` (826 million) once ended in numpy's MemoryError after allocating 6 GiB.
+MAX_PRICES = 2**24
+PRICE_BYTES = 64
 
 
 # ---- what a slice costs ------------------------------------------------------------------------------------
@@ -157,6 +162,7 @@ def slice_costs(sched: Schedule, docs: Sequence[Mapping] = (), granularity: int 
             ),
         )
     G = L // g
+    _check_prices(sched.num_stages, L, g)
     grid_cut = _cut(L, (g,) * G)
     from pipec.sim.costs import cost_model
 
@@ -170,6 +176,44 @@ def slice_costs(sched: Schedule, docs: Sequence[Mapping] = (), granularity: int 
     grid = np.full((G + 1, G + 1), np.inf)
     grid[k, i] = times
     return SliceCosts(sched, tuple(docs), L, g, sl.sequences, sched.num_stages, grid)
+
+
+def _prices(stages: int, positions: int) -> int:
+    return stages * (positions * (positions + 1) // 2)
+
+
+def _check_prices(stages: int, seqlen: int, granularity: int) -> None:
+    """E809 before anything is allocated when the table of slice prices (every slice on every stage) is
+    above MAX_PRICES, naming the counts and a coarser granularity that fits where one does; E902 when this
+    machine cannot hold the table even so."""
+    from pipec.files import require_memory
+
+    positions = seqlen // granularity
+    slices = positions * (positions + 1) // 2
+    prices = stages * slices
+    if prices > MAX_PRICES:
+        fit = next(
+            (
+                d
+                for d in range(granularity, seqlen + 1)
+                if seqlen % d == 0 and _prices(stages, seqlen // d) <= MAX_PRICES
+            ),
+            None,
+        )
+        hint = (
+            f"fewer stages (-D p), or a coarser granularity, e.g. --granularity {fit} ({seqlen // fit} positions)"
+            if fit
+            else f"fewer stages (-D p): even one position is {stages:,} prices"
+        )
+        raise error(
+            "E809",
+            f"pricing every slice on every stage takes {stages:,} stages x {slices:,} slices of {positions}"
+            f" positions = {prices:,} prices (about {prices * PRICE_BYTES / 2**30:,.1f} GiB): the search takes"
+            f" at most {MAX_PRICES:,}",
+            source=_CLI,
+            notes=(f"take {hint}",),
+        )
+    require_memory(float(prices * PRICE_BYTES), f"pricing {prices:,} slices")
 
 
 def _gives_attn(sched: Schedule, docs: Sequence[Mapping]) -> bool:
