@@ -18,7 +18,7 @@ The calls live in `pipec.api` and are imported on first use, so `import pipec` s
 
 from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "DataParallel",

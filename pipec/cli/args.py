@@ -8,16 +8,19 @@ import argparse
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pipec import options
 from pipec.cli.envelope import Misuse, stdout
 from pipec.errors import PipecError, Source, brief, error
 from pipec.frontend import library
-from pipec.ir.dataparallel import DataParallel
 from pipec.ir.experts import Experts
-from pipec.ir.program import Program
-from pipec.ir.schedule import Schedule
-from pipec.passes.compiler import CompiledSchedule, compile_schedule
+
+if TYPE_CHECKING:  # numpy and the compiler load when a command builds something (`pipec --version` is quick)
+    from pipec.ir.dataparallel import DataParallel
+    from pipec.ir.program import Program
+    from pipec.ir.schedule import Schedule
+    from pipec.passes.compiler import CompiledSchedule
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,7 @@ def read_source(name: str) -> Source:
 def build(args: argparse.Namespace) -> Schedule:
     """The Schedule a command works on; of a Program file, the one it executes (pipec.api.schedule_of)."""
     from pipec.driver import schedule_of
+    from pipec.ir.program import Program
 
     obj, where = target(args)
     return schedule_of(obj, Source(where, "")) if isinstance(obj, Program) else obj
@@ -169,6 +173,8 @@ def compiled(args: argparse.Namespace) -> tuple[CompiledSchedule, bool]:
     """Every check but the `expect` lines, then the Program (a Program file: validated and dry-run);
     and whether the input was a Program file."""
     from pipec.driver import check_program
+    from pipec.ir.program import Program
+    from pipec.passes.compiler import compile_schedule
 
     obj, where = target(args)
     layers = moe_layers(args, obj)

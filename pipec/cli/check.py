@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import json
+from typing import TYPE_CHECKING
 
 from pipec import options
 from pipec.cli.args import Command, compiled, cost_args, dp_json, json_arg, memory_args, schedule_args
 from pipec.cli.envelope import Misuse, emit, envelope, stdout
 from pipec.frontend import library
 from pipec.ir.experts import layers_text
-from pipec.passes.compiler import CompiledSchedule
+
+if TYPE_CHECKING:  # the compiler loads when a command compiles (`pipec list` is quick)
+    from pipec.passes.compiler import CompiledSchedule
 
 
 def _experts_json(prog) -> dict:
@@ -101,6 +103,8 @@ def compile_arguments(p: argparse.ArgumentParser) -> None:
 def cmd_compile(args: argparse.Namespace) -> int:
     """Check a schedule and lower it to one instruction stream per rank (see docs/program.md), written
     rank by rank as it is produced. With --json and no -o, the program is the `program` field."""
+    import json
+
     from pipec.formats.program_file import write_json, write_text
 
     prog = compiled(args)[0].program

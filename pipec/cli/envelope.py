@@ -9,7 +9,6 @@ its diagnostics, while the human-readable text goes to standard error.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import IO
 
@@ -42,6 +41,8 @@ def envelope(command: str | None, ok: bool) -> dict:
 
 def emit(args: argparse.Namespace, doc: dict, ok: bool = True) -> None:
     """A command's --json document: the envelope, then its own fields, on one line of stdout."""
+    import json  # `pipec --version` and the text output need none
+
     out = stdout()
     out.write(json.dumps({**envelope(command_of(args), ok), **doc}) + "\n")
     out.flush()
@@ -49,6 +50,8 @@ def emit(args: argparse.Namespace, doc: dict, ok: bool = True) -> None:
 
 def fail_json(command: str | None, status: int, diagnostics: list[dict]) -> None:
     """The document of a command that failed: its exit status and diagnostics."""
+    import json
+
     doc = {**envelope(command, False), "exit": status, "diagnostics": diagnostics}
     out = stdout()
     out.write(json.dumps(doc) + "\n")

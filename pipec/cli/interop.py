@@ -17,7 +17,6 @@ from pipec.cli.args import (
     write,
 )
 from pipec.cli.envelope import Misuse, emit
-from pipec.passes.compiler import compile_schedule
 
 
 def export_arguments(p: argparse.ArgumentParser) -> None:
@@ -120,6 +119,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     schedule; `pipec check/show/compile/simulate FILE.csv` also read a CSV directly."""
     from pipec.driver import build
     from pipec.formats.torch_csv_reader import is_torch_csv, to_pipe
+    from pipec.passes.compiler import compile_schedule
 
     source = read_source(args.csv)
     if not is_torch_csv(source):

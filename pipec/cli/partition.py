@@ -12,7 +12,6 @@ from pipec import options
 from pipec.cli.args import Command, build, cost_args, schedule_args, writable
 from pipec.cli.envelope import Misuse
 from pipec.errors import error
-from pipec.passes.compiler import compile_schedule
 
 
 def partition_arguments(p: argparse.ArgumentParser) -> None:
@@ -38,6 +37,7 @@ def cmd_partition(args: argparse.Namespace) -> int:
     the uniform split and write the partition file `pipec run --partition` reads. See docs/partition.md."""
     from pipec.formats.partition_files import Ranks, parse_ranks, read_table, write_json
     from pipec.partition import partition, report_lines, to_doc
+    from pipec.passes.compiler import compile_schedule
     from pipec.sim.cost_files import cost_spec
 
     if importlib.util.find_spec("ortools") is None:  # before any profiling: the search's bounds need it

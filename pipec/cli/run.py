@@ -9,13 +9,15 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 from pipec import options
 from pipec.cli.args import Command, build, dp, experts, json_arg, schedule_args, target, topology_arg, write
 from pipec.cli.envelope import Misuse, emit, stdout
-from pipec.ir.program import Program
 from pipec.options import RunOptions
-from pipec.passes.compiler import compile_schedule
+
+if TYPE_CHECKING:  # numpy and the compiler load when a command runs (`pipec --version` is quick)
+    from pipec.ir.program import Program
 
 MAX_THREADS = 4096  # torch threads per process: more than the largest hosts have cores
 
@@ -164,8 +166,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
     _check_size(*_sizes(args), options.dp_of(args).size)  # before the whole schedule is evaluated
     sched = build(args)
     _check_size(sched.num_ranks, sched.num_stages, options.dp_of(args).size)
-    program = compile_schedule(sched, None, dp(args), experts(args)).program  # --dp, --ep: collectives too
+    from pipec.passes.compiler import compile_schedule
     from pipec.sim.cost_files import dump_costs
+
+    program = compile_schedule(sched, None, dp(args), experts(args)).program  # --dp, --ep: collectives too
 
     try:
         model = load_model(args.model)

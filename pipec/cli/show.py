@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from pipec import options
 from pipec.cli.args import (
@@ -21,9 +22,10 @@ from pipec.cli.args import (
 from pipec.cli.envelope import Misuse, emit
 from pipec.errors import Source, brief
 from pipec.ir.experts import Experts
-from pipec.ir.program import Program
-from pipec.ir.schedule import Schedule
-from pipec.passes.compiler import compile_schedule
+
+if TYPE_CHECKING:  # numpy and the compiler load when the command runs (`pipec list` is quick)
+    from pipec.ir.program import Program
+    from pipec.ir.schedule import Schedule
 
 
 def show_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,6 +46,8 @@ def cmd_show(args: argparse.Namespace) -> int:
     """Print the schedule as a grid: one row per step, one column per rank; `F3&B1` marks an overlapped pair.
     A Program file shows the schedule it executes."""
     from pipec.driver import check_program, schedule_of
+    from pipec.ir.program import Program
+    from pipec.passes.compiler import compile_schedule
     from pipec.view.grid import cells, format_grid, grid_title
 
     obj, where = target(args)

@@ -20,7 +20,6 @@ from pipec.cli.args import (
 )
 from pipec.cli.envelope import Misuse, emit
 from pipec.errors import Source, error
-from pipec.ir.program import Program
 
 
 def simulate_arguments(p: argparse.ArgumentParser) -> None:
@@ -53,6 +52,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     per rank); by default T_F = T_B = T_W = 1 for each rank's share of the model, a full backward costs
     T_B + T_W, and communication is free. A Program file is simulated as it stands."""
     from pipec.driver import param_names, simulation, target_of
+    from pipec.ir.program import Program
     from pipec.sim.cost_files import cost_spec
     from pipec.view import report
 

@@ -7,7 +7,6 @@ import re
 from pathlib import Path
 
 from pipec.errors import Source, error
-from pipec.files import read_text
 
 
 def package_files(package: str):
@@ -47,6 +46,8 @@ def read(name_or_path: str) -> Source:
     by library name."""
     path = Path(name_or_path)
     if path.suffix in (".pipe", ".csv") or "/" in name_or_path or path.is_file():
+        from pipec.files import read_text  # its tempfile import is for writers: `pipec list` reads none
+
         try:  # bounded: a FIFO, /dev/zero or a file above 64 MiB is E901, never a hang
             text = read_text(path, "schedule file")
             return Source(str(path), text.replace("\r\n", "\n").replace("\r", "\n"))  # as open() reads it

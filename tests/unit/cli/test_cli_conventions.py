@@ -292,7 +292,9 @@ def test_a_broken_program_file_is_a_diagnostic_at_its_line(programs, tmp_path):
 
 def test_version():
     rc, out, err = run("--version")
-    assert (rc, out, err) == (0, f"pipec {pipec.__version__}\n", "")
+    from pipec.formats.program_file import VERSION
+
+    assert (rc, out, err) == (0, f"pipec {pipec.__version__} (Program format {VERSION})\n", "")
 
 
 def _complete(line: str) -> list[str]:
