@@ -124,21 +124,38 @@ def _curves(curves: MemoryCurves | None, t0: float) -> dict | None:
     def lim(x: float) -> float | None:
         return None if not np.isfinite(x) else float(x)
 
+    # Every rank's samples in one column each (rank r's are [off[r], off[r + 1])): ten thousand ranks are
+    # four columns for the page to inflate, not forty thousand.
     ranks = []
-    for r, ((dt, dv), (ht, hv)) in enumerate(zip(curves.device, curves.host)):
+    for r in range(len(curves.device)):
         ranks.append(
             {
-                "t": encode(np.asarray(dt, float) - t0, "f4"),
-                "v": encode(dv, "f4"),
-                "ht": encode(np.asarray(ht, float) - t0, "f4"),
-                "hv": encode(hv, "f4"),
                 "limit": lim(float(curves.limit[r])) if r < len(curves.limit) else None,
                 "host_limit": lim(float(curves.host_limit[r])) if r < len(curves.host_limit) else None,
                 "peak": float(curves.device_peak[r]),
                 "host_peak": float(curves.host_peak[r]),
             }
         )
-    return {"unit": curves.unit, "ranks": ranks, "host": bool(curves.offloads)}
+
+    def packed(pairs) -> tuple[dict, dict, list[int]]:
+        ts = [np.asarray(t, float) - t0 for t, _ in pairs]
+        off = np.cumsum([0] + [len(t) for t in ts]).tolist()
+        vs = [np.asarray(v, float) for _, v in pairs]
+        return encode(np.concatenate(ts or [[]]), "f4"), encode(np.concatenate(vs or [[]]), "f4"), off
+
+    t, v, off = packed(curves.device)
+    ht, hv, hoff = packed(curves.host)
+    return {
+        "unit": curves.unit,
+        "ranks": ranks,
+        "host": bool(curves.offloads),
+        "t": t,
+        "v": v,
+        "off": off,
+        "ht": ht,
+        "hv": hv,
+        "hoff": hoff,
+    }
 
 
 def timeline_panel(

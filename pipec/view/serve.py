@@ -186,6 +186,7 @@ def simulate(body: object) -> dict[str, Any]:
                 "ok": False,
                 "diagnostics": diagnostics_json(e),
                 "params": list(names),
+                "values": {k: str(v) for k, v in obj.params},  # what the picture is drawn at
                 "makespan": None,
                 "view": document([panel], sources, f"{obj.name}: deadlock"),
             }

@@ -4,7 +4,7 @@
   const $ = (id) => document.getElementById(id);
   const src = $("source"), gutter = $("gutter"), diagBox = $("diagnostics");
   const COSTS = ["F", "B", "W", "comm", "overhead"];
-  let paramNames = [], seq = 0, timer = null;
+  let paramNames = [], seq = 0, timer = null, drawn = null;
   const values = {};
 
   function renderGutter(bad) {
@@ -39,6 +39,36 @@
     i.addEventListener("input", () => { if (kind === "param") values[name] = i.value; schedule(0); });
     g.append(name + " =", i);
     return g;
+  }
+
+  /** The parameter fields show the values the picture is drawn at (a field left empty: the default). */
+  function showDrawn(vals) {
+    for (const i of document.querySelectorAll("input[data-param]")) {
+      const v = vals[i.dataset.param];
+      if (v === undefined) continue;
+      if (i.value.trim() === "" || document.activeElement !== i) i.value = v;
+      values[i.dataset.param] = i.value;
+      i.classList.remove("undrawn");
+    }
+  }
+
+  /** A build failed or was refused: the picture, its summary and the makespan are the last good build's,
+   * greyed, and say so; the fields that differ from what is drawn are marked. */
+  function stale(why) {
+    const view = $("pipec-view"), note = $("stale-note");
+    if (!drawn) { view.textContent = ""; note.className = "pv-stale-note"; return; }
+    view.classList.add("pv-stale");
+    const params = Object.entries(drawn.values).map(([k, v]) => `${k}=${v}`).join(" ") || "no parameters";
+    note.textContent = `Not current (${why}): this picture is of build #${drawn.seq} from ${drawn.time} ` +
+      `(${params}, ${drawn.lines} source lines), not of the source as it stands.`;
+    note.className = "pv-stale-note on";
+    note.dataset.role = "stale";
+    $("makespan").classList.add("stale");
+    for (const i of document.querySelectorAll("input[data-param]")) {
+      const v = drawn.values[i.dataset.param];
+      i.classList.toggle("undrawn", v !== undefined && i.value.trim() !== "" && i.value.trim() !== v);
+      i.title = v !== undefined ? `drawn at ${i.dataset.param} = ${v}` : "";
+    }
   }
 
   function request() {
@@ -101,11 +131,25 @@
       for (const [k, v] of Object.entries(res.values || {})) if (!(k in values)) values[k] = v;
       controls();
     }
-    $("makespan").textContent = res.makespan === null || res.makespan === undefined ? "-" : String(+res.makespan.toPrecision(6));
-    $("makespan").dataset.value = res.makespan === null || res.makespan === undefined ? "" : String(res.makespan);
     $("status").textContent = "";
-    if (res.view) PipecView.boot($("pipec-view"), res.view).then(() => { document.body.dataset.seq = String(seq); });
-    else document.body.dataset.seq = String(seq);
+    const view = $("pipec-view");
+    if (res.view) {
+      const mine = seq;
+      view.classList.remove("pv-stale");
+      $("stale-note").className = "pv-stale-note";
+      $("makespan").classList.remove("stale");
+      $("makespan").textContent = res.makespan === null || res.makespan === undefined ? "-" : String(+res.makespan.toPrecision(6));
+      $("makespan").dataset.value = res.makespan === null || res.makespan === undefined ? "" : String(res.makespan);
+      const vals = res.values || {};
+      drawn = { seq: mine, time: new Date().toLocaleTimeString(), values: vals, lines: src.value.split("\n").length };
+      showDrawn(vals);
+      view.dataset.drawn = JSON.stringify(vals);
+      PipecView.boot(view, res.view).then(() => { document.body.dataset.seq = String(mine); });
+    } else {
+      stale(res.error ? "the server refused it" : "the source has errors");
+      $("makespan").dataset.value = "";
+      document.body.dataset.seq = String(seq);
+    }
   }
 
   function goTo(line, col) {

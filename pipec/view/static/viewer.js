@@ -130,6 +130,13 @@ const PipecView = (() => {
   function prepare(doc) {
     for (const P of doc.panels) {
       const O = P.ops, n = O.op.length;
+      if (P.memory && P.memory.off) { // one column per curve for all ranks: each rank's its slice
+        const Mm = P.memory;
+        Mm.ranks.forEach((M, r) => {
+          M.t = Mm.t.subarray(Mm.off[r], Mm.off[r + 1]); M.v = Mm.v.subarray(Mm.off[r], Mm.off[r + 1]);
+          M.ht = Mm.ht.subarray(Mm.hoff[r], Mm.hoff[r + 1]); M.hv = Mm.hv.subarray(Mm.hoff[r], Mm.hoff[r + 1]);
+        });
+      }
       P.unit = P.kind === "deadlock" ? "order" : (P.time_unit || "units");
       // Chunks: the position of an op's stage among its rank's stages (a V or interleaved schedule's two).
       P.chunk = new Uint8Array(n);
