@@ -44,7 +44,7 @@ from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
-from pipec.runtime.model.split import propose_split, split_model  # noqa: E402
+from pipec.runtime import propose_split, split_model  # noqa: E402
 
 LAYERS = int(os.environ.get("HF_LAYERS", "8"))
 WIDTH = int(os.environ.get("HF_WIDTH", "64"))

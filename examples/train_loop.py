@@ -19,8 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import pipec
-from pipec.runtime import PipelineSchedule, clip_grad_norm_, propose_split, stage_indices
-from pipec.runtime.model.split import split_model
+from pipec.runtime import PipelineSchedule, clip_grad_norm_, propose_split, split_model, stage_indices
 
 CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "stdlib_docstrings.txt")
 
