@@ -32,6 +32,7 @@ hold a copy, as Megatron does for its shared embedding); `clip_grad_norm_` count
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -58,10 +59,27 @@ def compile_for(
     """The Program of a schedule given by library name or .pipe path (p, m and v filled in from the job
     when the schedule declares them and they are not given), or a compiled Program as it is. `dp_kind`:
     None is the Program's own (ddp when compiling); a kind other than a given Program's is refused, since
-    the Program's collectives, not this argument, decide whether parameters are sharded."""
+    the Program's collectives, not this argument, decide whether parameters are sharded. Without data
+    parallelism (dp 1) there is nothing to shard or replicate over, so any kind is accepted, and "fsdp"
+    (or one unlike the Program's) warned about: it cannot do what it asks."""
+    from pipec.ir.dataparallel import KINDS
+
+    if dp_kind is not None and dp_kind not in KINDS:
+        raise PipelineError(
+            f"dp_kind must be one of {', '.join(map(repr, KINDS))} (or None: the Program's own), got {dp_kind!r}"
+        )
+    single = (schedule.dp if isinstance(schedule, Program) else dp) == 1 and dp == 1
+    if single and dp_kind is not None and dp_kind != (schedule.dp_kind if isinstance(schedule, Program) else "ddp"):
+        warnings.warn(
+            f"dp_kind={dp_kind!r} means nothing without data parallelism (dp=1): every parameter stays whole "
+            "on its rank; shard them with a 2-D ('pp', 'dp') mesh whose 'dp' size is 2 or more (and a Program "
+            f"compiled for it), or leave dp_kind out",
+            UserWarning,
+            stacklevel=3,
+        )
     if isinstance(schedule, Program):
         program = schedule
-        if dp_kind is not None and dp_kind != program.dp_kind:
+        if dp_kind is not None and dp_kind != program.dp_kind and not single:
             raise PipelineError(
                 f"dp_kind={dp_kind!r}, but the Program for `{program.name}` was compiled for "
                 f"dp_kind={program.dp_kind!r} (dp={program.dp}): compile it with "
@@ -149,6 +167,9 @@ class PipelineSchedule:
         keeps the ones the placement gives it), {stage index: module}, or every stage's module in order.
     mesh: a 1-D DeviceMesh of the pipeline ranks (named "pp" or not), or a 2-D one with dims ("pp", "dp")
         (data parallelism: `step` takes the global batch, each replica runs its slice); default: the world.
+    A Program compiled with `experts=` (pipec.Experts) has its MoE layers' experts sharded over its expert
+    groups of "dp" replicas, as `Runner` with `Transport(experts=...)` and `pipec run --ep` do: each member
+    keeps its share of the experts, and `clip_grad_norm_` counts every shard once.
     """
 
     def __init__(
@@ -236,6 +257,8 @@ class PipelineSchedule:
                 mesh=mesh2d,
                 dp_unit=dp_unit,
                 recv_ahead=recv_ahead,
+                # a Program compiled with experts= runs them sharded over its expert groups, as pipec run does
+                experts=self.program.experts if self.program.experts.size > 1 else None,
             ),
         )
         self.stages = self.runner.modules()
@@ -498,46 +521,119 @@ def clip_grad_norm_(
     foreach: bool | None = None,
 ) -> torch.Tensor:
     """Clip the gradients of this rank's parameters by the norm of every stage's gradients together: the
-    local norm (torch.nn.utils.get_total_norm; a DTensor's made whole over "dp") reduced over the mesh's
-    "pp" dim (a sum of p-th powers, or a max for inf), as torchtitan's dist utils do, then each gradient
-    scaled by max_norm / total (torch.nn.utils.clip_grads_with_norm_). A tied weight's other copies (marked
-    by PipelineSchedule) are scaled but not counted again. mesh: a 1-D DeviceMesh of the pipeline, a 2-D
-    one with a "pp" dim, a process group, a PipelineSchedule (its group), or None (the default group).
-    Returns the total norm, the same on every rank."""
+    local norm reduced over the mesh's "pp" dim (a sum of p-th powers, or a max for inf), as torchtitan's
+    dist utils do, then each gradient scaled by min(1, max_norm / (total + 1e-6)), as
+    torch.nn.utils.clip_grads_with_norm_ does (a DTensor's through its local shard).
+    The local norm counts each element of the model once, whatever holds it: FSDP's (and replicate's)
+    DTensors through their own norm made whole over their mesh ("dp"), expert shards (a Program compiled
+    with experts=) summed over their expert group (the groups' replicas hold the same experts, so once),
+    plain replicated tensors as they are; a tied weight's other copies (marked by PipelineSchedule) are
+    scaled but not counted again. The parts are reduced apart because torch's norm refuses a mix of
+    DTensors and tensors. mesh: a 1-D DeviceMesh of the pipeline, a 2-D one with a "pp" dim, a process
+    group, a PipelineSchedule (its group), or None (the default group). Returns the total norm (float64),
+    the same on every rank."""
     import torch.distributed as dist
-    from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
-    params = [p for p in parameters if p.grad is not None]
-    counted = [p.grad for p in params if not getattr(p, TIED_ATTR, False)]
+    given = list(parameters)
+    params = [p for p in given if p.grad is not None]
     norm_type = float(norm_type)
     device = params[0].grad.device if params else torch.device("cpu")
-    if counted:
-        local = get_total_norm(counted, norm_type, error_if_nonfinite=False, foreach=foreach)
-        from torch.distributed.tensor import DTensor
-
-        if isinstance(local, DTensor):
-            local = local.full_tensor()
-        local = local.to(torch.float64)
-    else:
-        local = torch.zeros((), dtype=torch.float64, device=device)
+    local = _local_norm([p for p in given if not getattr(p, TIED_ATTR, False)], norm_type, foreach, device)
     group = _pp_group(mesh)
     if dist.is_initialized():
-        if norm_type == float("inf"):
-            total = local.clone()
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
-        else:
-            total = local**norm_type
-            dist.all_reduce(total, group=group)
-            total = total ** (1.0 / norm_type)
+        total = _reduce_norm(local, norm_type, group)
     else:
         total = local
     if error_if_nonfinite and not torch.isfinite(total):
         raise PipelineError(f"the total gradient norm of order {norm_type} is {float(total)}: not finite")
-    if params:
-        clip_grads_with_norm_(params, max_norm, total.to(params[0].grad.dtype), foreach=foreach)
+    _scale(params, max_norm, total, foreach)
     return total
+
+
+def _scale(params: list[torch.nn.Parameter], max_norm: float, total: torch.Tensor, foreach: bool | None) -> None:
+    """Each gradient times min(1, max_norm / (total + 1e-6)), as torch.nn.utils.clip_grads_with_norm_ does;
+    a DTensor's through its local tensor (torch's refuses a mix of DTensors and plain tensors)."""
+    from torch.distributed.tensor import DTensor
+
+    coef = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for p in params:
+        g = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+        groups.setdefault((g.device, g.dtype), []).append(g)
+    with torch.no_grad():
+        for (device, dtype), grads in groups.items():
+            if foreach is False:
+                for g in grads:
+                    g.mul_(coef.to(device, dtype))
+            else:
+                torch._foreach_mul_(grads, coef.to(device, dtype))
+
+
+def _local_norm(counted: list[torch.nn.Parameter], norm_type: float, foreach: bool | None, device) -> torch.Tensor:
+    """This rank's share of the global norm (float64): its DTensor gradients' norm per mesh made whole
+    over it, its expert shards' norm per expert group reduced over the group, and the plain gradients'
+    norm, combined. An expert shard without a gradient still joins its group's reduction (as zero), so
+    every member makes the same calls whatever its tokens were."""
+    from torch.distributed.tensor import DTensor
+    from torch.nn.utils import get_total_norm
+
+    from pipec.runtime.model.moe import expert_process_group
+
+    by_mesh: dict[int, list[torch.Tensor]] = {}
+    by_group: dict[int, tuple[Any, list[torch.Tensor]]] = {}
+    plain: list[torch.Tensor] = []
+    for p in counted:
+        pg = expert_process_group(p)
+        if pg is not None:
+            by_group.setdefault(id(pg), (pg, []))[1].extend([] if p.grad is None else [p.grad])
+        elif p.grad is None:
+            continue
+        elif isinstance(p.grad, DTensor):
+            by_mesh.setdefault(id(p.grad.device_mesh), []).append(p.grad)
+        else:
+            plain.append(p.grad)
+    parts = []
+    for grads in by_mesh.values():
+        parts.append(get_total_norm(grads, norm_type, foreach=foreach).full_tensor().to(torch.float64))
+    for pg, grads in by_group.values():
+        mine = _norm(grads, norm_type, foreach, device)
+        parts.append(_reduce_norm(mine, norm_type, pg))
+    if plain:
+        parts.append(get_total_norm(plain, norm_type, foreach=foreach).to(torch.float64))
+    return _combine(parts, norm_type, device)
+
+
+def _norm(grads: list[torch.Tensor], norm_type: float, foreach: bool | None, device) -> torch.Tensor:
+    from torch.nn.utils import get_total_norm
+
+    if not grads:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return get_total_norm(grads, norm_type, foreach=foreach).to(torch.float64)
+
+
+def _combine(parts: list[torch.Tensor], norm_type: float, device) -> torch.Tensor:
+    """The norm of the union of disjoint sets, given each set's norm."""
+    if not parts:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    stacked = torch.stack([p.to(device) for p in parts])
+    if norm_type == float("inf"):
+        return stacked.max()
+    return (stacked**norm_type).sum() ** (1.0 / norm_type)
+
+
+def _reduce_norm(local: torch.Tensor, norm_type: float, group: Any) -> torch.Tensor:
+    """The norm over the ranks of `group` from each one's norm of its own disjoint part."""
+    import torch.distributed as dist
+
+    if norm_type == float("inf"):
+        total = local.clone()
+        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+        return total
+    total = local**norm_type
+    dist.all_reduce(total, group=group)
+    return total ** (1.0 / norm_type)
 
 
 def _pp_group(mesh: Any) -> Any:

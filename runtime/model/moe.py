@@ -22,8 +22,13 @@ import types
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from pipec.runtime.errors import PipelineError
+
+# expert shard -> the process group of the expert group its experts are spread over: what a global gradient
+# norm (pipec.runtime.clip_grad_norm_) sums a shard's share over, given only the parameters
+_GROUP_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def expert_modules(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -79,6 +84,7 @@ def shard(modules: dict[int, torch.nn.Module], group: Any) -> set[torch.nn.Param
                 q.is_expert = True
                 setattr(e, pn, q)
                 held.add(q)
+                _GROUP_OF[q] = group.pg
             local = e.forward  # the module's own forward, now over its shard
 
             def forward(self: torch.nn.Module, tokens: torch.Tensor, counts: Any, _local: Any = local) -> torch.Tensor:
@@ -90,6 +96,12 @@ def shard(modules: dict[int, torch.nn.Module], group: Any) -> set[torch.nn.Param
 
 def is_expert(p: Any) -> bool:
     return bool(getattr(p, "is_expert", False))
+
+
+def expert_process_group(p: Any) -> Any:
+    """The process group of the expert group whose members hold the other shards of expert parameter `p`
+    (None when `p` is not a shard `shard` made): its members' shards together are the whole parameter."""
+    return _GROUP_OF.get(p)
 
 
 class ExpertGrads:
