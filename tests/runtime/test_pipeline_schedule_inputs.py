@@ -6,6 +6,7 @@ that follows, compared with a single-process float64 reference."""
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.util
 import json
 import os
@@ -95,8 +96,8 @@ def test_a_pipeline_schedule_with_fsdp_at_dp_1_runs_and_equals_the_unsplit_model
 MOE_ENV = dict(MOE_BLOCKS="1", MOE_EXPERTS="4", MOE_WIDTH="8", MOE_HIDDEN="8", MOE_CONTEXT="4", MOE_BATCH="8")
 
 
-def _moe_rank(rank: int, out: str) -> None:
-    """One of 2 gloo processes: 1 pipeline rank x 2 fsdp replicas, experts over a group of both. The user's
+def _moe_rank(rank: int, out: str, kind: str = "fsdp") -> None:
+    """One of 2 gloo processes: 1 pipeline rank x 2 `kind` replicas, experts over a group of both. The user's
     own MoE model (examples/moe.py's one stage) under PipelineSchedule, a step, then clip_grad_norm_ with
     the mesh; each compared with the same model trained in this process alone in float64."""
     os.environ.update(MOE_ENV)
@@ -114,7 +115,7 @@ def _moe_rank(rank: int, out: str) -> None:
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("pp", "dp"))
     program = pipec.compile(
-        "1f1b", p=1, m=2, data_parallel=pipec.DataParallel(size=2, kind="fsdp"), experts=pipec.Experts(2, 4)
+        "1f1b", p=1, m=2, data_parallel=pipec.DataParallel(size=2, kind=kind), experts=pipec.Experts(2, 4)
     )
     torch.manual_seed(0)
     stage = ex.Stage(0, 1).double()
@@ -164,9 +165,19 @@ def _moe_rank(rank: int, out: str) -> None:
 
 
 def test_a_program_with_experts_shards_them_and_clip_grad_norm_spans_dtensors_and_expert_shards(tmp_path):
+    check_moe_job(_moe_rank, tmp_path)
+
+
+@pytest.mark.slow  # the default twin: test_a_program_with_experts_shards_them_and_clip_grad_norm_spans_...
+def test_ddp_replicas_with_experts_clip_over_replicated_dtensors_and_expert_shards(tmp_path):
+    """Under ddp (torch's replicate: DTensors with a Replicate placement) the dense part is counted once."""
+    check_moe_job(functools.partial(_moe_rank, kind="ddp"), tmp_path)
+
+
+def check_moe_job(target, tmp_path: Path) -> None:
     from runtime_harness import json_ranks
 
-    res = json_ranks(_moe_rank, 2, tmp_path, timeout=120.0)
+    res = json_ranks(target, 2, tmp_path, timeout=120.0)
     for r in res:
         assert r["experts_held"] == [2, 4], r  # each member holds 2 of the 4 experts, as the Program asks
         assert r["kinds"] == ["DTensor", "expert shard"], r  # the mix that torch's own norm refuses
