@@ -7,12 +7,16 @@ import gc
 import math
 import re
 
+# isort: off
+from pipec.frontend import tables  # first: it imports lark without its `regex` (tables._import_lark)
+
 import lark
 from lark import Token, Transformer, Tree, v_args
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
 
+# isort: on
 from pipec.errors import PipecError, Source, Span, error
-from pipec.frontend import ast, tables
+from pipec.frontend import ast
 from pipec.ir.units import LANGUAGE, UNITS, of_kind
 
 # Deeper syntax trees are refused (E003): the AST transformer and the code generator recurse, and the

@@ -15,14 +15,42 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
+import importlib.util
 import io
 import sys
+import types
 from pathlib import Path
-
-import lark
 
 from pipec import cachedir
 from pipec.frontend.library import package_files
+
+
+class _Deferred(types.ModuleType):
+    """`regex` as lark holds it: the real package, imported on first use (its every attribute is the
+    real module's)."""
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(importlib.import_module("regex"), name)
+
+
+def _import_lark() -> types.ModuleType:
+    """lark, without importing `regex` with it. lark imports the `regex` package whenever it is installed
+    (transformers brings it), for `Lark(regex=True)` and Unicode categories in terminals, which pipe.lark
+    uses neither of; that import is 10 to 15 ms of CPU, about a tenth of a cold compile. So lark gets a
+    stand-in that imports the real package on its first use, and sys.modules forgets the stand-in at once:
+    any other `import regex` in the process gets the real module, as before."""
+    if "lark" in sys.modules or "regex" in sys.modules or importlib.util.find_spec("regex") is None:
+        return importlib.import_module("lark")
+    stand_in = sys.modules["regex"] = _Deferred("regex")
+    try:
+        return importlib.import_module("lark")
+    finally:
+        if sys.modules.get("regex") is stand_in:
+            del sys.modules["regex"]
+
+
+lark = _import_lark()
 
 OPTIONS = {"parser": "lalr", "propagate_positions": True, "maybe_placeholders": True}
 MAGIC = b"pipec-lark-tables 1 "  # then the digest (64 hex digits), a newline, and lark's pickle
