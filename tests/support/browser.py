@@ -101,3 +101,12 @@ def hover(driver, x: float, y: float) -> None:
 
 def tooltip(driver) -> str:
     return driver.execute_script("return document.getElementById('pipec-tip').innerText")
+
+
+def click(driver, x: float, y: float) -> None:
+    """Click the real mouse at canvas point (x, y) of the view."""
+    from selenium.webdriver.common.action_chains import ActionChains
+
+    canvas = driver.find_element("css selector", ".pv-wrap canvas")
+    w, h = canvas.size["width"], canvas.size["height"]
+    ActionChains(driver).move_to_element_with_offset(canvas, int(x - w / 2), int(y - h / 2)).click().perform()

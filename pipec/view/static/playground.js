@@ -126,7 +126,7 @@
       diagBox.appendChild(ok);
     }
     renderGutter(bad);
-    if (res.params && res.params.join() !== paramNames.join()) {
+    if (res.params && res.params.join() !== paramNames.join() && (res.view || res.params.length)) { // a syntax error keeps the fields
       paramNames = res.params;
       for (const [k, v] of Object.entries(res.values || {})) if (!(k in values)) values[k] = v;
       controls();
