@@ -3,6 +3,7 @@ Chromium, the time to first paint and to redraw after a pan and a zoom (measured
 performance.now). Prints one JSON line per figure, each with the load average (the machine is shared).
 
     python benchmarks/view_scale.py [--schedule 1f1b] [-D p=8] [-D m=62500] [--no-browser]
+    python benchmarks/view_scale.py --wide    # 1f1b p=10000 m=8: 160,000 ops over ten thousand ranks
     python benchmarks/view_scale.py --smoke   # p=2 m=8 (the browser part where Chromium is installed; tests)
 """
 
@@ -26,9 +27,12 @@ def main() -> int:
     ap.add_argument("--schedule", default="1f1b")
     ap.add_argument("-D", dest="defines", action="append", default=[])
     ap.add_argument("--no-browser", action="store_true")
+    ap.add_argument("--wide", action="store_true", help="a wide pipeline: 1f1b p=10000 m=8")
     sidebyside.smoke_flag(ap)
     args = ap.parse_args()
     defines = [tuple(d.split("=", 1)) for d in args.defines] or [("p", "8"), ("m", "62500")]
+    if args.wide:
+        defines = [("p", "10000"), ("m", "8")]
     if args.smoke:  # p=2 m=8; the browser part only where Chromium is installed: the format (tests)
         defines = [("p", "2"), ("m", "8")]
 
@@ -90,6 +94,10 @@ def main() -> int:
             out.zoom_in_ms = time(() => v.setWindow(full * 0.4, full * 0.4001));
             out.zoom_mid_ms = time(() => v.setWindow(full * 0.4, full * 0.45));
             out.zoom_out_ms = time(() => v.setWindow(v.full[0], v.full[1]));
+            const P = v.doc.panels[0];  // a selection (its index is built on the first) and a scroll to the last rank
+            out.select_ms = time(() => { v.select(0, P.op_off[1] + 1); v.draw(); });
+            out.scroll_last_rank_ms = time(() => v.scrollToRank(0, P.ranks - 1));
+            out.rows_drawn = v.shown.length;
             return out;
             """
         )

@@ -48,7 +48,7 @@ def shots(chrome, prefix: str, only: set[str] | None) -> list[Path]:
 
     if want("view-summary"):  # a library schedule with its summary, and one op selected
         _open(chrome, view_document("zb-v", [("p", 4), ("m", 8)]))
-        _js(chrome, "window.pipecView.select && window.pipecView.select(0, window.pipecView.doc.panels[0].op_off[1] + 5)")
+        _js(chrome, "pipecView.select(0, pipecView.doc.panels[0].op_off[1] + 5)")
         time.sleep(0.2)
         save("view-summary")
     if want("view-zoomed-out"):  # 50,000 ops zoomed out: the memory curves
@@ -87,7 +87,9 @@ def main() -> int:
     ap.add_argument("--only", default=None)
     args = ap.parse_args()
     chrome = browser.launch()
-    chrome.set_window_size(1600, 857)
+    chrome.execute_cdp_cmd(
+        "Emulation.setDeviceMetricsOverride", {"width": 1600, "height": 857, "deviceScaleFactor": 1, "mobile": False}
+    )
     try:
         for p in shots(chrome, args.prefix, set(args.only.split(",")) if args.only else None):
             print(p.relative_to(ROOT), p.stat().st_size)
