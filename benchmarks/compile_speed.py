@@ -24,6 +24,7 @@ about 10,000 to 1,000,000 compute ops, one fresh process each, wall, user and sy
     python benchmarks/compile_speed.py            # everything (a few minutes on 2 cores)
     python benchmarks/compile_speed.py --quick    # skip the 1,000,000-op points
     python benchmarks/compile_speed.py --only ref --rounds 7   # just the cold and warm comparisons
+    python benchmarks/compile_speed.py --only cli              # `pipec --version` and `pipec list` start-up
     python benchmarks/compile_speed.py --smoke    # ref and scaling at their smallest, 1 round (tests)
 """
 
@@ -222,6 +223,28 @@ def startup(rounds: int) -> None:
     )
 
 
+def cli_startup(rounds: int) -> None:
+    """`pipec --version` and `pipec list` (the console script, a fresh process each, as a shell runs them)
+    against a bare interpreter, in ABBA rounds; the goal is 0.10 s wall each (issue 41). The ratios are
+    each command's time over the bare interpreter's: what pipec adds to Python's own start."""
+    script = os.path.join(os.path.dirname(sys.executable), "pipec")
+    command = [script] if os.path.exists(script) else [sys.executable, "-m", "pipec"]
+    start = load_average()
+    seconds = alternate(
+        {
+            "python": lambda: run_process([sys.executable, "-c", "pass"]),
+            "pipec_version": lambda: run_process([*command, "--version"]),
+            "pipec_list": lambda: run_process([*command, "list"]),
+        },
+        rounds,
+        warmup=1,
+    )
+    for name in ("pipec_version", "pipec_list"):
+        rec = summarize(f"cli_startup_{name}", seconds, ratio=(name, "python"), load_start=start, command=command)
+        rec["target_s"] = 0.10
+        emit(rec)
+
+
 SCALING = {
     "1f1b": [{"p": 8, "m": 640}, {"p": 32, "m": 1600}, {"p": 64, "m": 3200}, {"p": 128, "m": 4096}],
     "zb-v": [{"p": 8, "m": 208}, {"p": 32, "m": 520}, {"p": 64, "m": 1300}, {"p": 128, "m": 1302}],
@@ -264,7 +287,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="skip the largest scaling points")
     ap.add_argument("--rounds", type=int, default=5, help="alternating rounds per comparison (default 5)")
-    ap.add_argument("--only", choices=("ref", "startup", "scaling"), help="run one part only")
+    ap.add_argument("--only", choices=("ref", "startup", "cli", "scaling"), help="run one part only")
     ap.add_argument("--one", nargs=3, metavar=("KIND", "NAME", "PARAMS"), help=argparse.SUPPRESS)
     smoke_flag(ap)
     args = ap.parse_args()
@@ -284,6 +307,8 @@ def main() -> None:
         reference(args.rounds, {"p": 4, "v": 2, "m": 8} if small else REF)
     if args.only in (None, "startup") and not small:  # --smoke: `startup` is a plain summarize line, skipped
         startup(args.rounds)
+    if args.only in (None, "cli") and not small:  # a plain summarize line, like `startup`
+        cli_startup(max(args.rounds, 10))
     if args.only in (None, "scaling"):
         scaling(args.quick, {"1f1b": [{"p": 4, "m": 8}, {"p": 4, "m": 32}]} if small else SCALING)
 
