@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from pipec import driver
-from pipec.errors import PipecError, brief, error
+from pipec.errors import PipecError, brief, brief_path, error
 from pipec.ir.dataparallel import DataParallel
 from pipec.ir.experts import Experts
 from pipec.ir.program import Program
@@ -312,7 +312,6 @@ def write_program(program: Program, path: str | os.PathLike[str], format: str | 
     >>> read_program(path) == compile("gpipe", p=2, m=2)
     True
     """
-    from pipec.errors import brief_path, error
     from pipec.files import atomic_write
     from pipec.formats.program_file import write_json, write_text
 
@@ -340,7 +339,11 @@ def read_trace(path: str | os.PathLike[str]) -> Timeline:
 
 def write_trace(timeline: Timeline, path: str | os.PathLike[str]) -> None:
     """A Timeline (`pipec.simulate(...).timeline`, or a measured one) as a Chrome/Perfetto trace that
-    `read_trace` reads back bit for bit (docs/simulate.md, docs/view.md)."""
+    `read_trace` reads back bit for bit (docs/simulate.md, docs/view.md). E903 when the file cannot be
+    written."""
     from pipec.formats.trace import write_trace as _write
 
-    _write(timeline, path)
+    try:
+        _write(timeline, path)
+    except OSError as e:
+        raise error("E903", f"cannot write `{brief_path(path)}`: {e.strerror or e}") from None

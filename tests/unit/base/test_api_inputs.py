@@ -84,6 +84,13 @@ def test_trace_and_program_readers_refuse_non_paths():
     assert e.value.code == "E903" and "takes a Timeline" in str(e.value)
 
 
+def test_trace_writer_names_an_unwritable_path(tmp_path):
+    timeline = api.simulate("1f1b", p=2, m=2).timeline
+    with pytest.raises(PipecError) as e:
+        api.write_trace(timeline, tmp_path / "no-such-folder" / "t.json")
+    assert e.value.code == "E903" and "cannot write" in str(e.value) and "t.json" in str(e.value)
+
+
 # ---- the property: bad values of every kind, PipecError and nothing else ---------------------------------
 
 _bad_number = st.one_of(

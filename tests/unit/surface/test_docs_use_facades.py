@@ -4,11 +4,12 @@ Every other module path may move (pipec/moved.py keeps the old ones for a releas
 so the code users copy from docs/*.md, README.md and examples/*.py must not teach them. Checked here:
 
 - every examples/*.py, parsed with `ast`;
-- every ```python block of docs/*.md, README.md and examples/README.md, parsed with `ast`. A block that does not parse as a whole
-  is read as a doctest (`>>> ` and `... ` lines, prompts stripped, output lines dropped) and parsed again; a
-  block that parses neither way is checked line by line with the regular expressions `IMPORT_RE` and `CHAIN_RE`
-  (an `import` or `from ... import` of a pipec module, and a dotted `pipec.x.y` in the text), so no block is
-  skipped. `test_every_block_is_checked` says how many took each road and fails if one was read by neither.
+- every ```python block of docs/*.md, README.md and examples/README.md, parsed with `ast`. A block that does
+  not parse as a whole is read as a doctest (`>>> ` and `... ` lines, prompts stripped, output lines dropped)
+  and parsed again; a block that parses neither way is checked line by line with the regular expressions
+  `IMPORT_RE` and `CHAIN_RE` (an `import` or `from ... import` of a pipec module, and a dotted `pipec.x.y` in
+  the text), so no block is skipped. `test_every_block_is_checked` says how many took each road and fails if
+  one was read by neither.
 
 A violation is an `import pipec.X` or `from pipec.X import ...` of a module other than the three facades, a
 `from pipec import name` (or `from pipec.runtime import name`, ...) of a name the facade does not export (a
