@@ -179,7 +179,8 @@ class Decl(Node):
 @dataclass(frozen=True)
 class Place(Node):
     """`place s -> e`, and the other per-index maps: `tokens j -> e` (slice j's tokens), `length i -> e`
-    (micro-batch i's tokens)."""
+    (micro-batch i's tokens), `edge s -> e` (one output of stage s: an edge s -> e of the stage graph where
+    e >= 0; a schedule may declare several)."""
 
     var: str
     value: Expr

@@ -19,6 +19,7 @@ from pipec.files import require_ops_fit
 from pipec.frontend.codegen import GeneratedCode
 from pipec.frontend.names import COLLECTIVES, MEMOP_NAMES
 from pipec.frontend.params import bind_params
+from pipec.ir.graph import MAX_EDGES, StageGraph, check_graph
 from pipec.ir.schedule import (
     MEMORY_RANK_KEYS,
     Collective,
@@ -59,8 +60,12 @@ class _Runtime:
         self.decls: dict[str, tuple[object, int]] = {}
         self.costs: dict[str, tuple[object, int]] = {}
         self.memory: dict[str, tuple[object, int]] = {}
+        self.edges: list[tuple[object, int]] = []  # `edge s -> e` declarations, in order: a schedule has several
 
     def decl(self, kind: str, key: str | None, value, sid: int) -> None:
+        if kind == "edge":
+            self.edges.append((value, sid))
+            return
         table = self.costs if kind == "cost" else self.memory if kind == "memory" else self.decls
         name = key if key is not None else kind
         if name in table:
@@ -205,6 +210,7 @@ def _run(compiled: GeneratedCode, source: Source, given: dict[str, object], only
             )
         placement.append(owner)
 
+    graph = _graph(rt, num_stages)
     costs = {k: tuple(_float(fn(s), sid) for s in range(num_stages)) for k, (fn, sid) in rt.costs.items()}
     memory = {}
     for key, (fn, sid) in rt.memory.items():
@@ -281,7 +287,30 @@ def _run(compiled: GeneratedCode, source: Source, given: dict[str, object], only
         slicing=slicing,
         order=order,
         order_ranks=None if order is None or only is None else tuple(sorted(wanted)),
+        graph=graph,
     )
+
+
+def _graph(rt: _Runtime, num_stages: int) -> StageGraph | None:
+    """The stage graph of the `edge s -> e` declarations (None without any: the chain). Each declaration is
+    a map over the stages; a value below 0 means stage s has no edge by it. E216 names the declaration
+    whose edge breaks a rule of `pipec.ir.graph.check_graph`."""
+    if not rt.edges:
+        return None
+    if len(rt.edges) * num_stages > MAX_EDGES:
+        raise _Fail("E210", f"the schedule would have more than {MAX_EDGES:,} edges", rt.edges[0][1])
+    edges: list[tuple[int, int]] = []
+    for fn, sid in rt.edges:
+        mine = [(s, int(t)) for s in range(num_stages) if (t := fn(s)) >= 0]
+        why = check_graph(num_stages, edges + mine)
+        if why is not None and why.startswith("edge"):  # an edge of this declaration: say it here
+            raise _Fail("E216", why, sid, (f"stages = {num_stages}",))
+        edges += mine
+    why = check_graph(num_stages, edges)
+    if why is not None:
+        raise _Fail("E216", why, rt.edges[-1][1], (f"stages = {num_stages}",))
+    graph = StageGraph.of(num_stages, edges)
+    return None if graph.is_chain else graph
 
 
 def _slicing(rt: _Runtime, m: int) -> Slicing | None:

@@ -18,7 +18,7 @@ from pipec.ir.schedule import MEMORY_RANK_KEYS, MEMORY_STAGE_KEYS
 OP_KINDS = ("F", "B", "W")
 KEYWORDS = frozenset(
     "schedule require let def for in by repeat while if elif else then and or not true false rank stages ranks"
-    " microbatches place ops cost memory topology dc link default latency bandwidth int float bool str"
+    " microbatches place edge ops cost memory topology dc link default latency bandwidth int float bool str"
     " expect when slices seqlen tokens length".split()
 )
 BUILTINS = ("min", "max", "abs", "done")

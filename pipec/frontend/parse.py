@@ -211,6 +211,9 @@ class _ToAst(Transformer):
     def place_decl(self, meta, c):
         return ast.Place(_meta_span(meta), str(c[0]), c[1])
 
+    def edge_decl(self, meta, c):
+        return ast.Place(_meta_span(meta), str(c[0]), c[1], "edge")
+
     def slices_decl(self, meta, c):
         return self._decl("slices")(meta, c)
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipec.ir.experts import Experts
+from pipec.ir.graph import StageGraph
 from pipec.ir.opcodes import (
     BWD,
     BY_NAME,
@@ -79,11 +80,17 @@ class Instr:
     stage: int = -1
     peer: int = -1  # -1 for local instructions
     group: bool = False  # bound to the next instruction
+    # A transfer's stage at the other end of its edge (pipec.ir.graph): SEND_ACT i s names the edge (s,
+    # other), RECV_ACT i s the edge (other, s); -1 on a chain Program, where it is s + the table's
+    # peer_stage. The text form writes it after the peer (`SEND_ACT 0 0 1 3`) only in a graph Program.
+    other: int = -1
 
     def __str__(self) -> str:
         """The text form's line: the name, then the operands the instruction table gives it."""
         vals = {"mb": self.mb, "stage": self.stage, "peer": self.peer}
         words = [self.op, *(str(vals[x]) for x in BY_NAME[self.op].operands)]
+        if self.other >= 0:
+            words.append(str(self.other))
         return " ".join(words) + (" &" if self.group else "")
 
 
@@ -94,18 +101,26 @@ class RankProgram:
     stage: np.ndarray
     peer: np.ndarray
     group: np.ndarray
+    # Per instruction, a transfer's stage at the other end of its edge (Instr.other), -1 elsewhere; None in
+    # a chain Program (the other end is the neighbour the instruction table names).
+    other: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.op)
 
     def instructions(self) -> list[Instr]:
         cols = (self.op.tolist(), self.mb.tolist(), self.stage.tolist(), self.peer.tolist(), self.group.tolist())
-        return [Instr(OPCODES[o], m, s, p, bool(g)) for o, m, s, p, g in zip(*cols)]
+        others = self.other.tolist() if self.other is not None else [-1] * len(self.op)
+        return [Instr(OPCODES[o], m, s, p, bool(g), t) for o, m, s, p, g, t in zip(*cols, others)]
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, RankProgram):
             return NotImplemented
-        return all(np.array_equal(getattr(self, f), getattr(other, f)) for f in ("op", "mb", "stage", "peer", "group"))
+        same = all(np.array_equal(getattr(self, f), getattr(other, f)) for f in ("op", "mb", "stage", "peer", "group"))
+        return same and (
+            (self.other is None and other.other is None)
+            or (self.other is not None and other.other is not None and np.array_equal(self.other, other.other))
+        )
 
     @staticmethod
     def from_instructions(instrs: list[Instr]) -> RankProgram:
@@ -115,6 +130,7 @@ class RankProgram:
             np.array([i.stage for i in instrs], dtype=np.int64),
             np.array([i.peer for i in instrs], dtype=np.int64),
             np.array([i.group for i in instrs], dtype=bool),
+            np.array([i.other for i in instrs], dtype=np.int64) if any(i.other >= 0 for i in instrs) else None,
         )
 
 
@@ -151,6 +167,9 @@ class Program:
     # an overlapped pair's in `pair_order`; the simulator charges them, the executor issues them.
     experts: Experts = Experts()
     moe_layers: tuple[int, ...] = ()
+    # The stage graph (pipec.ir.graph; None: the chain s -> s + 1). With one, each transfer names its edge
+    # (RankProgram.other) and the file's version is 2 (pipec.formats.program_file).
+    graph: StageGraph | None = None
 
     @property
     def a2a_layers(self) -> tuple[int, ...]:
@@ -185,6 +204,7 @@ class Program:
             "forward_only",
             "experts",
             "moe_layers",
+            "graph",
         )
         return all(getattr(self, f) == getattr(other, f) for f in head) and self.ranks == other.ranks
 

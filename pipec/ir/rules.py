@@ -9,6 +9,13 @@ offset of the stage that sends it) and the op kind that must come first on its o
   (the last stage's B needs only its F: there is no stage s+1);
 - W(i, s) needs B(i, s) (`after`).
 
+On a stage graph (`pipec.ir.graph.StageGraph`) the offsets name the direction of an edge, not a neighbour:
+-1 is "every stage this one reads" and +1 "every stage that reads this one". So F(i, v) needs F(i, u) for
+every edge (u, v) (all its inputs), and B(i, u) needs B(i, v) for every edge (u, v) (the gradients of all
+its consumers, summed at a fan-out); the last stage, the only one without outputs, holds the loss. On the
+chain that is the rule above, unchanged. `dependencies`, `needs` and `feeds` take the graph (None: the
+chain) and give one entry per edge.
+
 With token slices (pipec.ir.schedule.Slicing: `slices` per micro-batch, `mb` a unit i * slices + j), each
 kind that consumes a message also needs the same kind on the neighbouring slice of its sequence on its own
 stage, in the direction its data flows: F(i, j, s) needs F(i, j-1, s) (slice j attends to the keys and
@@ -27,6 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pipec.ir.graph import StageGraph
 from pipec.ir.opcodes import BY_NAME, COMPUTE, MESSAGES, OP_KINDS, OPCODES, TABLE
 
 
@@ -88,40 +96,67 @@ def active(kinds: int, slices: int = 1) -> tuple[Rule, ...]:
 
 
 def dependencies(
-    kind: np.ndarray, mb: np.ndarray, stage: np.ndarray, S: int, split: bool, slices: int = 1
+    kind: np.ndarray,
+    mb: np.ndarray,
+    stage: np.ndarray,
+    S: int,
+    split: bool,
+    slices: int = 1,
+    graph: StageGraph | None = None,
 ) -> list[tuple[Rule, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
     """For each rule, the op each op needs by it, vectorised: (rule, kind, mb, stage, valid) arrays, where
     valid says which ops the rule applies to (their kind, and a needed op that exists: a stage in range, a
-    slice in its sequence). `mb` is the unit when sliced (`slices` per micro-batch)."""
+    slice in its sequence). `mb` is the unit when sliced (`slices` per micro-batch). On a stage graph a rule
+    across stages gives one entry per input slot (F) or output slot (B): the j-th edge of each op's stage."""
     out = []
     j = mb % slices if slices > 1 else None
     for r in active(3 if split else 2, slices):
         valid = kind == r.kind
-        if r.stage:
-            valid = valid & (stage + r.stage >= 0) & (stage + r.stage < S)
         if r.unit:
             valid = valid & (j + r.unit >= 0) & (j + r.unit < slices)
+        if r.stage and graph is not None:
+            slots = graph.max_in if r.stage < 0 else graph.max_out
+            for k in range(slots):
+                eid, has = graph.in_slot(stage, k) if r.stage < 0 else graph.out_slot(stage, k)
+                other = (graph.src if r.stage < 0 else graph.dst)[np.maximum(eid, 0)] if graph.num_edges else eid
+                out.append((r, np.full_like(kind, r.needs), mb + r.unit, np.where(has, other, -1), valid & has))
+            continue
+        if r.stage:
+            valid = valid & (stage + r.stage >= 0) & (stage + r.stage < S)
         out.append((r, np.full_like(kind, r.needs), mb + r.unit, stage + r.stage, valid))
     return out
 
 
-def needs(k: int, u: int, s: int, S: int, rules: tuple[Rule, ...], slices: int = 1) -> list[tuple[int, int, int]]:
+def _across(s: int, offset: int, S: int, graph: StageGraph | None) -> tuple[int, ...]:
+    """The stages across one rule's offset from stage s: its inputs (-1) or consumers (+1); s itself (0)."""
+    if offset == 0:
+        return (s,)
+    if graph is None:
+        return (s + offset,) if 0 <= s + offset < S else ()
+    return graph.inputs(s) if offset < 0 else graph.outputs(s)
+
+
+def needs(
+    k: int, u: int, s: int, S: int, rules: tuple[Rule, ...], slices: int = 1, graph: StageGraph | None = None
+) -> list[tuple[int, int, int]]:
     """The ops (kind, unit, stage) that op (k, u, s) needs under these rules (`active`)."""
     j = u % slices
     return [
-        (r.needs, u + r.unit, s + r.stage)
+        (r.needs, u + r.unit, t)
         for r in rules
-        if r.kind == k and 0 <= s + r.stage < S and 0 <= j + r.unit < slices
+        if r.kind == k and 0 <= j + r.unit < slices
+        for t in _across(s, r.stage, S, graph)
     ]
 
 
 def feeds(
-    k: int, u: int, s: int, S: int, rules: tuple[Rule, ...], slices: int = 1
+    k: int, u: int, s: int, S: int, rules: tuple[Rule, ...], slices: int = 1, graph: StageGraph | None = None
 ) -> list[tuple[Rule, tuple[int, int, int]]]:
     """The ops that need op (k, u, s) under these rules, each with the rule by which it does."""
     j = u % slices
     return [
-        (r, (r.kind, u - r.unit, s - r.stage))
+        (r, (r.kind, u - r.unit, t))
         for r in rules
-        if r.needs == k and 0 <= s - r.stage < S and 0 <= j - r.unit < slices
+        if r.needs == k and 0 <= j - r.unit < slices
+        for t in _across(s, -r.stage, S, graph)
     ]

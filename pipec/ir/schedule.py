@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pipec.errors import Source, Span
+from pipec.ir.graph import StageGraph
 
 # The per-stage cost keys: what a schedule's `cost` declarations, cost files and `--cost` may set per stage
 # (pipec.sim.costs says what each means).
@@ -284,6 +285,8 @@ class Schedule:
     # derives them (then None). `order_ranks`: the ranks the orders are wanted for (None: all).
     order: Policy | None = None
     order_ranks: tuple[int, ...] | None = None
+    # The stage graph from the schedule's `edge` declarations (pipec.ir.graph); None: the chain s -> s + 1.
+    graph: StageGraph | None = None
 
     @property
     def split_backward(self) -> bool:

@@ -42,6 +42,7 @@ from pipec.errors import PipecError, Source, Span, brief, error
 from pipec.ir.dataparallel import KINDS as DP_KINDS
 from pipec.ir.dataparallel import MAX_SIZE as DP_MAX
 from pipec.ir.experts import layers_problem
+from pipec.ir.graph import message_edge
 from pipec.ir.opcodes import (
     BWD,
     FWD,
@@ -185,7 +186,7 @@ def _plainly_sound(prog: Program) -> bool:
     group = np.concatenate([rp.group for rp in prog.ranks]).astype(bool)
     if ((op < 0) | (op >= len(TABLE))).any() or IS_MEMOP[op].any() or _IS_WINDOW[op].any():
         return False
-    if prog.dp_kind == "fsdp" or (prog.slicing is not None and prog.slicing.slices > 1):
+    if prog.dp_kind == "fsdp" or (prog.slicing is not None and prog.slicing.slices > 1) or prog.graph is not None:
         return False
     S, m = prog.num_stages, prog.num_microbatches
     rank = np.repeat(np.arange(len(lengths)), lengths)
@@ -251,11 +252,19 @@ def _rank(prog: Program, r: int, rp, own: np.ndarray) -> list[tuple[int, int, st
     st_c = np.clip(st, 0, S - 1)
     owner = placement[st_c]
     flag(~bad_stage & (owner != r), lambda j: f"stage {int(st[j])} is placed on rank {int(owner[j])}")
-    other = st + PEER_STAGE[op]
-    inside = (other >= 0) & (other < S)
-    other_owner = placement[np.clip(other, 0, S - 1)]
     p2p = IS_P2P[op]
-    flag(p2p & ~bad_stage & ~inside, lambda j: f"stage {int(st[j])} has no neighbour that way")
+    other, inside = _other_end(prog, rp, op, st, p2p)
+    other_owner = placement[np.clip(other, 0, S - 1)]
+    if prog.graph is None:
+        flag(p2p & ~bad_stage & ~inside, lambda j: f"stage {int(st[j])} has no neighbour that way")
+    else:
+        flag(
+            p2p & ~bad_stage & ~inside,
+            lambda j: (
+                f"names stage {int(other[j])} at the other end, but the stage graph has no such edge of stage "
+                f"{int(st[j])} ({prog.graph.describe()})"
+            ),
+        )
     flag(
         p2p & inside & ((other_owner != peer) | (peer == r)),
         lambda j: (
@@ -315,6 +324,22 @@ def _rank(prog: Program, r: int, rp, own: np.ndarray) -> list[tuple[int, int, st
     if not out and sliced:
         out += _slice_order(r, op, mb, st_c, S, m, prog.slicing.slices)
     return out
+
+
+def _other_end(prog: Program, rp, op: np.ndarray, st: np.ndarray, p2p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each transfer's stage at the other end of its message and whether that is an edge of the Program's
+    stage graph in the direction the opcode goes (pipec.ir.graph: SEND_ACT s -> t and RECV_GRAD s <- t name
+    edge (s, t); RECV_ACT and SEND_GRAD edge (t, s)). On the chain the other end is the table's neighbour."""
+    S = prog.num_stages
+    if prog.graph is None:
+        other = st + PEER_STAGE[op]
+        return other, (other >= 0) & (other < S)
+    n = len(op)
+    other = rp.other if rp.other is not None and len(rp.other) == n else np.full(n, -1, dtype=np.int64)
+    lo, hi = np.where(PEER_STAGE[op] > 0, st, other), np.where(PEER_STAGE[op] > 0, other, st)
+    inside = p2p & (other >= 0) & (other < S) & (lo < hi)
+    inside &= message_edge(prog.graph, np.clip(lo, 0, S - 1), np.clip(hi, 0, S - 1)) >= 0
+    return other, inside
 
 
 def _slice_order(r: int, op: np.ndarray, mb: np.ndarray, st: np.ndarray, S: int, m: int, n: int):

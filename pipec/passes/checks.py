@@ -126,7 +126,7 @@ def _check_order(sched: Schedule, kind, mb, stage, sid, rank, gpos, key) -> None
     where = np.empty(len(sched.kinds) * S * m, dtype=np.int64)
     where[key] = np.arange(len(key))
     n = sched.slicing.slices if sched.slicing else 1
-    for rule, dk, dmb, dst, valid in dependencies(kind, mb, stage, S, sched.split_backward, n):
+    for rule, dk, dmb, dst, valid in dependencies(kind, mb, stage, S, sched.split_backward, n, sched.graph):
         idx = np.flatnonzero(valid)
         dep = where[(dk[idx] * S + dst[idx]) * m + dmb[idx]]
         bad = idx[(rank[dep] == rank[idx]) & (gpos[dep] >= gpos[idx])]
@@ -167,8 +167,22 @@ def _check_pairs(sched: Schedule, kind, mb, stage, sid, rank) -> None:
     pos = np.where(name[kind] == 0, 2 * stage, 2 * (2 * S - 1 - stage) + (name[kind] == 2))
     w = name[kind] == 2
     same = mb[a] == mb[b]
-    b_needs_a = same & ~w[a] & (pos[a] < pos[b])
-    a_needs_b = same & ~w[b] & (pos[b] < pos[a])
+    if sched.graph is None:
+        b_needs_a = same & ~w[a] & (pos[a] < pos[b])
+        a_needs_b = same & ~w[b] & (pos[b] < pos[a])
+    else:  # a graph: not every op before another in the chain's order is needed by it (parallel branches)
+        g = sched.graph
+
+        def needs(x: int, y: int) -> bool:  # op x needs op y through other stages (same micro-batch)
+            kx, ky, sx, sy = int(name[kind[x]]), int(name[kind[y]]), int(stage[x]), int(stage[y])
+            if ky == 2 or (kx == 0 and ky != 0):
+                return False  # nothing needs a W; a forward needs no backward
+            if kx == 0:
+                return g.reaches(sy, sx)
+            return ky == 0 or (sx == sy and kx == 2) or g.reaches(sx, sy)
+
+        b_needs_a = same & np.array([needs(int(y), int(x)) for x, y in zip(a, b)], dtype=bool)
+        a_needs_b = same & np.array([needs(int(x), int(y)) for x, y in zip(a, b)], dtype=bool)
     bad = np.flatnonzero(b_needs_a | a_needs_b)
     if not len(bad):
         return

@@ -67,19 +67,28 @@ def _rounds(sched: Schedule) -> tuple[list[np.ndarray], tuple[WaitStep, ...]]:
     stage = np.concatenate([o.stage for o in sched.ranks] or none)
     rank = np.repeat(np.arange(R), np.diff(offsets))
     dep = np.full(len(kind), -1, dtype=np.int64)
-    for rule, dk, di, ds, valid in dependencies(kind, mb, stage, S, K == 3):
+    # On a stage graph an op may wait on several ranks (a fan-in's F, a fan-out's B): the first remote input
+    # found stays in `dep`, the others go to `more` (per rank: op index -> further inputs).
+    more: list[dict[int, list[int]]] = [{} for _ in range(R)]
+    for rule, dk, di, ds, valid in dependencies(kind, mb, stage, S, K == 3, graph=sched.graph):
         if rule.stage:
             ds = np.clip(ds, 0, S - 1)
             # Indexed where valid only: a rule of a kind the schedule lacks (B in a forward-only one) points
             # past the table.
             key = np.where(valid, (dk * S + ds) * m + di, 0)
-            dep = np.where(valid & (placement[ds] != rank), where[key], dep)
+            hit = valid & (placement[ds] != rank)
+            if sched.graph is not None:
+                for g in np.flatnonzero(hit & (dep >= 0)).tolist():
+                    r = int(rank[g])
+                    more[r].setdefault(g - int(offsets[r]), []).append(int(where[key[g]]))
+                hit &= dep < 0
+            dep = np.where(hit, where[key], dep)
     remote = [dep[offsets[r] : offsets[r + 1]].tolist() for r in range(R)]
     paired = [r.paired.tolist() for r in sched.ranks]
-    any_paired = [bool(r.paired.any()) for r in sched.ranks]
+    lean = [not (bool(r.paired.any()) or more[i]) for i, r in enumerate(sched.ranks)]
 
     # Rounds: all ranks step together, one op (or overlapped pair) per round, so an op runs in round
-    # max(previous op's round, its remote input's round) + 1. Computed event-driven, each op once.
+    # max(previous op's round, its remote inputs' rounds) + 1. Computed event-driven, each op once.
     n = int(offsets[-1])
     rounds = [-1] * n
     pc = [0] * R
@@ -91,7 +100,7 @@ def _rounds(sched: Schedule) -> tuple[list[np.ndarray], tuple[WaitStep, ...]]:
         r = queue.popleft()
         deps, pairs, base = remote[r], paired[r], int(offsets[r])
         j, end, t = pc[r], len(deps), last_round[r]
-        if not any_paired[r]:  # the common case: no overlapped pairs, a lean loop
+        if lean[r]:  # the common case: no overlapped pairs, one remote input an op at most, a lean loop
             while j < end:
                 d = deps[j]
                 if d >= 0:
@@ -110,36 +119,21 @@ def _rounds(sched: Schedule) -> tuple[list[np.ndarray], tuple[WaitStep, ...]]:
                 j += 1
             pc[r], last_round[r] = j, t
             continue
+        extra = more[r]
         while j < end:
-            d = deps[j]
-            if pairs[j] and j + 1 < end:  # an overlapped pair starts when both ops have their inputs
-                d2 = deps[j + 1]
-                if d2 >= 0 and (d < 0 or rounds[d] >= 0):
-                    d, d2 = d2, d
-                if d >= 0 and rounds[d] < 0:
-                    stuck_on[r] = d
-                    waiters.setdefault(d, []).append(r)
-                    break
-                t = max(t, rounds[d] if d >= 0 else -1, rounds[d2] if d2 >= 0 else -1) + 1
-                rounds[base + j] = rounds[base + j + 1] = t
-                for x in (base + j, base + j + 1):
-                    if x in waiters:
-                        queue.extend(waiters.pop(x))
-                j += 2
-                continue
-            if d >= 0:
-                td = rounds[d]
-                if td < 0:
-                    stuck_on[r] = d
-                    waiters.setdefault(d, []).append(r)
-                    break
-                t = td + 1 if td >= t else t + 1
-            else:
-                t += 1
-            rounds[base + j] = t
-            if base + j in waiters:
-                queue.extend(waiters.pop(base + j))
-            j += 1
+            width = 2 if pairs[j] and j + 1 < end else 1  # an overlapped pair starts when both have their inputs
+            ds = [d for x in range(j, j + width) for d in (deps[x], *extra.get(x, ())) if d >= 0]
+            pending = next((d for d in ds if rounds[d] < 0), None)
+            if pending is not None:
+                stuck_on[r] = pending
+                waiters.setdefault(pending, []).append(r)
+                break
+            t = max([t, *(rounds[d] for d in ds)]) + 1
+            for x in range(base + j, base + j + width):
+                rounds[x] = t
+                if x in waiters:
+                    queue.extend(waiters.pop(x))
+            j += width
         pc[r], last_round[r] = j, t
     if any(pc[r] != len(remote[r]) for r in range(R)):
         return [], _explain(sched, pc, stuck_on, offsets)

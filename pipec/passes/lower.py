@@ -77,6 +77,7 @@ import numpy as np
 
 from pipec.errors import PipecError, error
 from pipec.ir.dataparallel import DataParallel
+from pipec.ir.graph import across, message_edge
 from pipec.ir.opcodes import (
     CODE,
     COMPUTE_OF_KIND,
@@ -140,6 +141,7 @@ def lower_with_proof(sched: Schedule, dp: DataParallel | None = None) -> tuple[P
         dp_kind=dp.kind,
         slicing=sched.slicing,
         forward_only=_forward_only(sched),
+        graph=sched.graph,
     )
     if any(placed):
         _prove_placed(sched, prog, placed)
@@ -232,37 +234,53 @@ def _lower_rank(
     S, m = sched.num_stages, sched.num_microbatches
     n = len(ops)
     kind, mb, stage = ops.kind, ops.mb, ops.stage
+    graph = sched.graph
     # Step index: the two ops of an overlapped pair share a step.
     second = np.zeros(n, dtype=bool)
     second[1:] = ops.paired[:-1]
     step = np.cumsum(~second) - 1
 
-    # What each op receives and sends, from the instruction table: its input comes from stage
-    # s + IN_STAGE, its output goes to s + OUT_PEER_STAGE; a neighbour on this rank is a local hand-off.
-    src, dst = stage + IN_STAGE[kind], stage + OUT_PEER_STAGE[kind]
-    src_owner, dst_owner = placement[np.clip(src, 0, S - 1)], placement[np.clip(dst, 0, S - 1)]
-    recv = (RECV_OF_KIND[kind] >= 0) & (src >= 0) & (src < S) & (src_owner != rank)
-    send = HAS_SEND[kind] & (dst >= 0) & (dst < S) & (dst_owner != rank)
-    recv_peer, send_peer = src_owner, dst_owner
+    # What each op receives and sends, from the instruction table and the stage graph: its inputs come from
+    # the stages across IN_STAGE (the stage before it on the chain; every input stage on a graph), its
+    # outputs go to those across OUT_PEER_STAGE; a stage on this rank is a local hand-off.
+    r_idx, r_other, s_idx, s_other = [], [], [], []
+    for other, valid in across(graph, stage, IN_STAGE[kind], S):
+        hit = valid & (RECV_OF_KIND[kind] >= 0) & (placement[np.clip(other, 0, S - 1)] != rank)
+        r_idx.append(np.flatnonzero(hit))
+        r_other.append(other[r_idx[-1]])
+    for other, valid in across(graph, stage, OUT_PEER_STAGE[kind], S):
+        hit = valid & HAS_SEND[kind] & (placement[np.clip(other, 0, S - 1)] != rank)
+        s_idx.append(np.flatnonzero(hit))
+        s_other.append(other[s_idx[-1]])
+    none = [np.zeros(0, dtype=np.int64)]
+    r_idx, r_other = np.concatenate(r_idx or none), np.concatenate(r_other or none)
+    s_idx, s_other = np.concatenate(s_idx or none), np.concatenate(s_other or none)
     # A message's time: when its producer completes (the producer of B(i,s)'s gradient is B(i,s+1)).
-    producer = PRODUCER_KIND[np.maximum(IN_MSG[kind], 0)]
-    recv_time = time_of[(producer * S + np.clip(src, 0, S - 1)) * m + mb]
+    producer = PRODUCER_KIND[np.maximum(IN_MSG[kind[r_idx]], 0)]
+    recv_time = time_of[(producer * S + r_other) * m + mb[r_idx]]
 
     # Slot keys (primary, secondary): compute of step g at 4g+1 and its sends at 4g+2, both after their
-    # time; a receive of a message produced at time t right after this rank's last op before t.
-    r_idx, s_idx = np.flatnonzero(recv), np.flatnonzero(send)
-    before = np.searchsorted(times, recv_time[r_idx]) - 1
+    # time; a receive of a message produced at time t right after this rank's last op before t. On a graph
+    # the edge breaks the last ties (two messages of one op), the same way on both ends of a channel.
+    before = np.searchsorted(times, recv_time) - 1
     recv_primary = np.where(before >= 0, 4 * step[np.maximum(before, 0)] + 2, -1)
     recv_code = RECV_OF_KIND[kind[r_idx]]
     send_code = SEND_OF_KIND[kind[s_idx]]
     compute_code = COMPUTE_OF_KIND[kind]
     primary = np.concatenate([recv_primary, 4 * step + 1, 4 * step[s_idx] + 2])
-    secondary = np.concatenate([recv_time[r_idx], times, times[s_idx]])
+    secondary = np.concatenate([recv_time, times, times[s_idx]])
     code = np.concatenate([recv_code, compute_code, send_code])
-    peer = np.concatenate([recv_peer[r_idx], np.full(n, -1), send_peer[s_idx]])
+    peer = np.concatenate([placement[r_other], np.full(n, -1), placement[s_other]])
     src = np.concatenate([r_idx, np.arange(n), s_idx])
-    order = np.lexsort((secondary, primary))
-    code, peer, src = code[order], peer[order], src[order]
+    if graph is None:
+        order = np.lexsort((secondary, primary))
+        code, peer, src = code[order], peer[order], src[order]
+        other_col = None
+    else:
+        other_all = np.concatenate([r_other, np.full(n, -1), s_other])
+        edge = message_edge(graph, np.concatenate([r_other, stage, stage[s_idx]]), np.maximum(other_all, 0))
+        order = np.lexsort((np.where(other_all >= 0, edge, -1), secondary, primary))
+        code, peer, src, other_col = code[order], peer[order], src[order], other_all[order]
 
     group = np.zeros(len(code), dtype=bool)
     comp = np.flatnonzero(IS_COMPUTE[code])
@@ -283,6 +301,7 @@ def _lower_rank(
             stage=np.concatenate([stage[src], own, own]).astype(np.int64),
             peer=np.concatenate([peer, z]).astype(np.int64),
             group=np.concatenate([group, np.zeros(len(tail), dtype=bool)]),
+            other=None if other_col is None else np.concatenate([other_col, z]).astype(np.int64),
         )
     points = _points(ops, step, code, src, group)
     if dp.is_default:  # the memory ops go in; REDUCE_GRAD then STEP of each stage close the stream
@@ -314,11 +333,14 @@ def _lower_rank(
     out_group = np.zeros(total, dtype=bool)
     out["op"][new_base], out["mb"][new_base], out["stage"][new_base] = code, mb[src], stage[src]
     out["peer"][new_base], out_group[new_base] = peer, group
+    if other_col is not None:
+        out["other"] = np.full(total, -1, dtype=np.int64)
+        out["other"][new_base] = other_col
     out["op"][new_coll], out["mb"][new_coll], out["stage"][new_coll] = c_op, c_mb, c_stage
     tail = np.arange(n_base + len(c_pos), total)
     out["op"][tail], out["stage"][tail] = tail_op, tail_stage
     placed.append([(int(new_coll[k]), items[int(c_from[k])]) for k in np.flatnonzero(c_from >= 0).tolist()])
-    return RankProgram(out["op"], out["mb"], out["stage"], out["peer"], out_group)
+    return RankProgram(out["op"], out["mb"], out["stage"], out["peer"], out_group, out.get("other"))
 
 
 # Order of the collectives at one point: the schedule's own first (in its order), then reductions, then
