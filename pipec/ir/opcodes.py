@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pipec.ir.graph import StageGraph, message_edge
+
 # Resources an instruction runs on (the simulator gives each its own clock where they overlap).
 COMPUTE_RES = "compute"
 P2P_RES = "p2p"
@@ -275,10 +277,30 @@ AFTER_KIND = np.array(
 )
 
 
-def message_key(op: np.ndarray, mb: np.ndarray, stage: np.ndarray, num_stages: int, m: int) -> np.ndarray:
-    """Each transfer's message as one integer, (message * S + sending stage) * m + mb; -1 for the rest."""
-    sender = stage + KEY_STAGE[op]
-    return np.where(IS_P2P[op], (MSG_OF[op] * num_stages + sender) * m + mb, -1)
+def message_key(
+    op: np.ndarray,
+    mb: np.ndarray,
+    stage: np.ndarray,
+    num_stages: int,
+    m: int,
+    other: np.ndarray | None = None,
+    graph: StageGraph | None = None,
+) -> np.ndarray:
+    """Each transfer's message as one integer; -1 for the rest. On the chain (message * S + sending stage) *
+    m + mb. On a stage graph (`other`: each transfer's stage at the other end, RankProgram.other) the key
+    (message, micro-batch, edge): (message * E + edge id) * m + mb, E the graph's edge count; keys of both
+    forms lie in 0 .. message_keys(...) - 1."""
+    if graph is None:
+        sender = stage + KEY_STAGE[op]
+        return np.where(IS_P2P[op], (MSG_OF[op] * num_stages + sender) * m + mb, -1)
+    edge = message_edge(graph, stage, np.maximum(other, 0))
+    p2p = IS_P2P[op] & (edge >= 0)
+    return np.where(p2p, (MSG_OF[op] * graph.num_edges + edge) * m + mb, -1)
+
+
+def message_keys(num_stages: int, m: int, graph: StageGraph | None = None) -> int:
+    """How many message keys there are (a table indexed by `message_key` has this length)."""
+    return len(MESSAGES) * (num_stages if graph is None else graph.num_edges) * m
 
 
 def peer_stage(op: np.ndarray, stage: np.ndarray) -> np.ndarray:
