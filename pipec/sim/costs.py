@@ -24,9 +24,11 @@ a list with one per stage:
   issues, the `o` of the LogP model: the call that hands the message to the backend (on gloo the send
   writes the data to the socket itself), so the rank computes nothing meanwhile (`pipec profile`
   measures it; default 0);
-- `act_bytes`: bytes of the activation stage s sends to s + 1; `grad_bytes`:
-  bytes of the gradient stage s sends to s - 1 (default: the activation size
-  across the same boundary, `act_bytes[s - 1]`);
+- `act_bytes`: bytes of the activation stage s sends to s + 1 (on a stage graph,
+  on each of its out-edges); `grad_bytes`: bytes of the gradient stage s sends to
+  s - 1 (on a graph, on each of its in-edges; default: the activation size across
+  the same edge, `act_bytes` of the stage at its other end: `act_bytes[s - 1]` on
+  the chain);
 - data parallelism (a Program with `dp` = N > 1 replicas of each rank): `param_bytes`, the bytes of
   stage s's parameters (its gradients are as large); `reduce_grad` and `unshard`, the seconds of stage
   s's gradient reduction and parameter all-gather when no bytes are known (they win over the ring
@@ -141,6 +143,7 @@ class CostModel:
     step_overhead: float = 0.0
     dp_blocking: bool = False
     pair_handoff: float = 0.0  # seconds per turn an overlapped pair's op takes from the other (the docstring)
+    grad_given: bool = True  # False: `grad_bytes` is the default (a graph's gradient: its edge's activation)
     # Memory (docs/simulate.md, "Memory ops"): per stage, the bytes its F keeps for its B (`saved_bytes`),
     # its B for its W (`wsaved_bytes`), a recomputed F for its RECOMPUTE (`input_bytes`: its input) and its
     # parameters with gradients and optimizer state (`state_bytes`), 0 where not given; the seconds of one
@@ -367,13 +370,23 @@ class CostModel:
         return fixed + (t - fixed) * self.unit_weight[stage, mb]
 
     def wire(
-        self, msg: np.ndarray, stage: np.ndarray, src: np.ndarray, dst: np.ndarray, mb: np.ndarray | None = None
+        self,
+        msg: np.ndarray,
+        stage: np.ndarray,
+        src: np.ndarray,
+        dst: np.ndarray,
+        mb: np.ndarray | None = None,
+        other: np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per message (what travels, sending stage, from rank, to rank, and of which unit): its bytes, its
-        time on the wire when alone there (`bytes / bandwidth`, 0 on a free link) and the delay after it left
-        the wire (`latency + comm`). The simulator and the list scheduler time every message with these; a
-        unit's message carries its share of a sequence's bytes (`unit_share`)."""
-        size = np.where(msg == ACT_MSG, self.act_bytes[stage], self.grad_bytes[stage])
+        """Per message (what travels, sending stage, from rank, to rank, and of which unit; on a stage graph
+        the stage at the other end of its edge): its bytes, its time on the wire when alone there (`bytes /
+        bandwidth`, 0 on a free link) and the delay after it left the wire (`latency + comm`). The simulator
+        and the list scheduler time every message with these; a unit's message carries its share of a
+        sequence's bytes (`unit_share`)."""
+        grad = self.grad_bytes[stage]
+        if other is not None and not self.grad_given:  # the gradient of the activation its edge carried
+            grad = self.act_bytes[np.clip(other, 0, len(self.act_bytes) - 1)]
+        size = np.where(msg == ACT_MSG, self.act_bytes[stage], grad)
         if self.unit_share is not None and mb is not None:
             size = size * self.unit_share[mb]
         bw = self.bandwidth[src, dst]
@@ -561,6 +574,7 @@ def cost_model(sched: Schedule, overrides: Sequence[Mapping] = ()) -> CostModel:
                 lat_t[sel] = spec["latency"]
             if "bandwidth" in spec:
                 bw_t[sel] = spec["bandwidth"] / 8.0
+    grad_given = grad is not None
     if grad is None:
         grad = np.concatenate([[0.0], vals["act_bytes"][:-1]])
     if not sched.split_backward and "B" in given and "W" not in given:
@@ -598,6 +612,7 @@ def cost_model(sched: Schedule, overrides: Sequence[Mapping] = ()) -> CostModel:
         step_overhead=float(step_overhead),
         pair_handoff=float(pair_handoff),
         dp_blocking=bool(dp_blocking),
+        grad_given=grad_given,
         saved_bytes=vals["saved_bytes"],
         wsaved_bytes=vals["wsaved_bytes"],
         input_bytes=vals["input_bytes"],

@@ -2,7 +2,8 @@
 
 This is the one machine model of pipec. Its one step is `Ranks.run`: a rank runs its next op when it is free
 and the op's inputs have arrived (whichever is later), for the op's cost, then spends its overhead on the
-transfers after it. Its network is `Links`: per pair of ranks, messages in issue order; on a shared
+transfers after it. Inputs: the message `Plan.need` names and, on a stage graph, those `Plan.more` names
+(an op with several remote inputs waits for the last to arrive). Its network is `Links`: per pair of ranks, messages in issue order; on a shared
 link, bandwidth divided among the messages on it. Who steps it:
 
 - the simulator (`pipec.sim.simulate`): `run` (no contention: any order of ranks, arrivals known at send)
@@ -56,7 +57,7 @@ def run(pl) -> tuple[list[float], list[float], list[float], list[float]]:
     tests/unit/sim/test_machine_room.py holds it to `run_events`, which calls them."""
     R, first, ends, need, cost = pl.num_ranks, pl.first, pl.ends, pl.need, pl.cost
     n, M = len(cost), len(pl.txd)
-    mlo, mhi, off, tail = pl.mlo, pl.mhi, pl.off, pl.tail
+    mlo, mhi, off, tail, more = pl.mlo, pl.mhi, pl.off, pl.tail, pl.more
     start = [0.0] * n
     end = [0.0] * n
     waiting: dict[int, int] = {}
@@ -80,6 +81,12 @@ def run(pl) -> tuple[list[float], list[float], list[float], list[float]]:
                 if a < 0.0:
                     waiting[k] = r
                     break
+                if more is not None and more[j]:  # a stage graph's op with several remote inputs: all of them
+                    k = next((x for x in more[j] if arrival[x] < 0.0), -1)
+                    if k >= 0:
+                        waiting[k] = r
+                        break
+                    a = max(a, *(arrival[x] for x in more[j]))
                 if a > c:
                     c = a
             start[j] = c
@@ -316,7 +323,7 @@ def run_events(pl) -> tuple[list[float], list[float], list[float], list[float]]:
     event in time order; each compute op is one `Ranks.run` when its rank reaches it and its input arrived.
     Returns per compute op its start and end, per message its issue and arrival."""
     R, first, ends, need, cost = pl.num_ranks, pl.first, pl.ends, pl.need, pl.cost
-    mlo, mhi, off, tail, head = pl.mlo, pl.mhi, pl.off, pl.tail, pl.head
+    mlo, mhi, off, tail, head, more = pl.mlo, pl.mhi, pl.off, pl.tail, pl.head, pl.more
     n, M = len(cost), len(pl.txd)
     group = pl.group or [-1] * M
     start = [0.0] * n
@@ -345,6 +352,11 @@ def run_events(pl) -> tuple[list[float], list[float], list[float], list[float]]:
             if a < 0.0:
                 waiting[k] = r
                 return
+            for x in more[j] if more is not None else ():  # a stage graph's op: every remote input
+                if arrival[x] < 0.0:
+                    waiting[x] = r
+                    return
+                a = max(a, arrival[x])
         start[j], end[j] = ranks.run(r, a, cost[j], 0.0 if tail is None else tail[j])
         push(end[j], 0, r)
 

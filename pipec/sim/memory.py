@@ -59,6 +59,23 @@ windows are the Program's, so the fsdp model walks the lowered instruction
 stream; a peak is named by the compute at or before it (the first compute
 when the peak comes before any).
 
+Stage graphs (pipec.ir.graph: skip connections, fan-in, fan-out). The walk is
+per stage and per instruction, so a graph changes none of its rules: a stage's
+`act` is what its F keeps for its B, whatever it reads and whoever reads it.
+What that means on a graph. Fan-in: the inputs a stage receives on its several
+in-edges are part of its own saved activations (a measured `saved_bytes` is
+what its F saved, the inputs it keeps included), held from its F until its B
+like the rest; they are not counted again as buffers. Fan-out: the output a
+stage sends on several out-edges is one tensor, kept (as part of the sender's
+`act`) until the sender's own B; since B(i, u) needs B(i, v) for every edge
+(u, v) (`pipec.ir.rules`), that B comes after every consumer's B, so an
+activation sent on a fan-out lives until its last consumer's B (and the
+sender's B that follows), counted once however many edges carry it. Neither on
+the chain nor on a graph does the walk hold send or receive buffers of their
+own: a message is the sender's output or the receiver's input, both counted in
+a stage's `act`. The bytes on the wire per edge are the cost model's
+(`pipec.sim.costs`: `act_bytes` per sending stage on each of its out-edges).
+
 Token slices and sequence lengths (pipec.ir.schedule.Slicing). `act` and `wact`
 are a whole sequence's; a unit (a slice, or a micro-batch of its own length)
 holds its share of the tokens (`Slicing.share`). A slice's keys and values,

@@ -2,8 +2,12 @@
 
 The machine it models is the runtime's: each rank runs its instruction
 stream in order on one compute stream; a compute op starts when the rank
-reaches it and its remote input has arrived (local inputs come earlier on the
-same stream), and runs for its cost. Sends are asynchronous: a message leaves
+reaches it and its remote inputs have arrived (local inputs come earlier on the
+same stream), and runs for its cost. On the chain an op has one input (F from
+stage s - 1, B from s + 1); on a stage graph (`Program.graph`) one per edge
+into its stage (F) or out of it (B), each a message of its own keyed by its
+edge (`pipec.ir.opcodes.message_key`; `pipec.sim.inputs`), and it waits for
+all of them; messages travel per edge, each on the channel of its two ranks. Sends are asynchronous: a message leaves
 when its rank reaches the SEND, after the compute before it, and costs the
 rank no time beyond the cost model's `overhead` (LogP's o: the rank's own time
 for each send and each receive instruction it issues; a message leaves when
@@ -68,8 +72,6 @@ from pipec.ir.opcodes import (
     IS_RECV,
     IS_SEND,
     MSG_OF,
-    NEEDS_MSG,
-    NEEDS_STAGE,
     ON_COMPUTE,
     OP_KINDS,
     RECOMPUTE,
@@ -82,6 +84,7 @@ from pipec.ir.opcodes import (
 )
 from pipec.ir.program import Program
 from pipec.sim.costs import CostModel
+from pipec.sim.inputs import describe_key, resolve, wanted
 from pipec.sim.machine import core_sharing, run, run_events, shared_links
 from pipec.sim.segments import a2a_needs, a2a_plan, a2a_rows, counts, cut, merge_segments
 from pipec.sim.timeline import Timeline
@@ -207,6 +210,9 @@ def _collective_rows(pl: Plan, start: np.ndarray, end: np.ndarray, send: np.ndar
     need = np.asarray(pl.need, dtype=np.int64)
     follows = (zero + 1 < len(end)) & pl.real[nxt] & (pl.c_rank[nxt] == r) & (need[nxt] >= 0)
     other = np.where(follows, arr[np.maximum(need[nxt], 0)], reached)
+    if pl.more is not None:  # a stage graph's op with several remote inputs waits for the last of them
+        late = [max(arr[list(pl.more[j])], default=-np.inf) if pl.more[j] else -np.inf for j in nxt.tolist()]
+        other = np.where(follows, np.maximum(other, late), other)
     lo = np.maximum(reached, other)
     sel = start[zero] > lo
     if pl.h_ids is not None and len(pl.h_ids):  # a wait for a RELOAD is the host link's, not a collective's
@@ -251,7 +257,7 @@ class Plan:
     first: list[int]  # per rank, the id of its first compute op
     ends: list[int]  # per rank, one past the id of its last compute op
     cost: list[float]  # per compute op, its duration
-    need: list[int]  # per compute op, the message it waits for (-1: none)
+    need: list[int]  # per compute op, the (first) message it waits for (-1: none)
     mlo: list[int]  # per compute op, the messages sent after it (before the next one): mlo[j] <= x < mhi[j]
     mhi: list[int]
     pre: list[int]  # messages sent before any compute op of their rank (they leave at time 0)
@@ -289,6 +295,9 @@ class Plan:
     k_rank: np.ndarray | None = None
     k_bytes: np.ndarray | None = None
     k_after: np.ndarray | None = None  # per collective, the computes of its rank before it in the stream
+    # Per compute op, the messages it waits for beyond `need` (a stage graph's op with several remote inputs,
+    # `pipec.sim.inputs`); None when no op waits for more than one.
+    more: list[tuple[int, ...]] | None = None
     # Per message, whether it waits for the one before it on its channel to arrive before it leaves (the
     # collectives of a rank when some of them share a link; None: no such waits).
     hold: list[bool] | None = None
@@ -357,6 +366,11 @@ def plan(prog: Program, costs: CostModel, overlap: bool = True) -> Plan:
     peer = np.concatenate([rp.peer for rp in prog.ranks]) if sum(lengths) else z
     rank = np.repeat(np.arange(R), lengths)
     placement = prog.placement_array
+    graph = prog.graph  # None: the chain; with one, each transfer names its edge by the stage at its other end
+    other = None
+    if graph is not None:
+        parts = [rp.other if rp.other is not None else np.full(len(rp), -1, np.int64) for rp in prog.ranks]
+        other = np.concatenate(parts) if sum(lengths) else z
     dp = prog.dp > 1 and bool(IS_COLLECTIVE[op].any())
     blocking = dp and costs.dp_blocking
     # optimizer steps with a cost: the STEPs become stream ops (as with data parallelism) that take it
@@ -367,13 +381,16 @@ def plan(prog: Program, costs: CostModel, overlap: bool = True) -> Plan:
     wait_for = None
     group = np.concatenate([rp.group for rp in prog.ranks]) if sum(lengths) else np.zeros(0, dtype=bool)
     if dp or stepping or host or moe:
-        op, mb, stage, peer, rank, wait_for, group = _with_waits(op, mb, stage, peer, rank, S, m, blocking, group)
+        op, mb, stage, peer, rank, other, wait_for, group = _with_waits(
+            op, mb, stage, peer, rank, S, m, blocking, group, other
+        )
         lengths = np.bincount(rank, minlength=R).tolist()
     cutting = None
     is_a2a = np.zeros(len(op), dtype=bool)
     if moe:
         cutting = cut(op, mb, stage, peer, rank, wait_for, group, layers, overlap)
         op, mb, stage, peer, rank = cutting.op, cutting.mb, cutting.stage, cutting.peer, cutting.rank
+        other = None if other is None else other[cutting.src]
         wait_for = cutting.wait_for
         is_a2a = cutting.a2a >= 0
         lengths = np.bincount(rank, minlength=R).tolist()
@@ -396,11 +413,9 @@ def plan(prog: Program, costs: CostModel, overlap: bool = True) -> Plan:
         is_step = (c_op == STEP) & (wait_for[cidx] < 0)  # a Program's STEP, not an inserted wait
         step_cost = costs.step[c_s] if costs.step is not None else np.zeros(n)
         cost = np.where(real, cost, np.where(is_step, step_cost, 0.0))
-    msg, sender = NEEDS_MSG[c_op], c_s + NEEDS_STAGE[c_op]
-    remote = (msg >= 0) & (sender >= 0) & (sender < S) & (placement[np.clip(sender, 0, S - 1)] != c_rank)
+    wants = wanted(c_op, c_mb, c_s, c_rank, placement, S, m, graph)  # per input slot (one on the chain)
     if cutting is not None:  # a later segment waits for its all-to-all instead (below)
-        remote &= cutting.seg[cidx] <= 0
-    want = np.where(remote, (msg * S + sender) * m + c_mb, -1)
+        wants = [np.where(cutting.seg[cidx] <= 0, w, -1) for w in wants]
 
     # Messages, one per send, in issue order; the compute just before each send gives its clock.
     sidx = np.flatnonzero(IS_SEND[op])
@@ -409,23 +424,19 @@ def plan(prog: Program, costs: CostModel, overlap: bool = True) -> Plan:
     s_stage, s_mb, s_src, s_dst = stage[sidx], mb[sidx], rank[sidx], peer[sidx]
     if M and not ((s_dst >= 0) & (s_dst < R)).all():
         raise error("E403", "a send names no valid peer rank")
-    key = message_key(op[sidx], s_mb, s_stage, S, m)
+    s_other = None if other is None else other[sidx]  # a graph's: the stage at the other end of the edge
+    key = message_key(op[sidx], s_mb, s_stage, S, m, s_other, graph)
+    if graph is not None and (key < 0).any():
+        j = int(np.flatnonzero(key < 0)[0])
+        raise error("E403", f"a send of stage {int(s_stage[j])} to stage {int(s_other[j])} names no edge of the graph")
     order = np.argsort(key, kind="stable")
     keys = key[order]
     if M and (keys[1:] == keys[:-1]).any():
         dup = int(keys[1:][keys[1:] == keys[:-1]][0])
-        raise error("E403", f"message {_describe_key(dup, S, m)} is sent twice")
-    need = np.full(n, -1, dtype=np.int64)
-    remote = np.flatnonzero(want >= 0)
-    if len(remote):
-        at = np.clip(np.searchsorted(keys, want[remote]), 0, max(M - 1, 0))
-        found = (keys[at] == want[remote]) if M else np.zeros(len(remote), dtype=bool)
-        if not found.all():
-            k = int(want[remote][~found][0])
-            raise error("E403", f"the program never sends {_describe_key(k, S, m)}, which a compute op needs")
-        need[remote] = order[at]
+        raise error("E403", f"message {describe_key(dup, S, m, graph)} is sent twice")
+    need, more = resolve(wants, keys, order, S, m, graph)
 
-    size, txd, lat = costs.wire(s_kind, s_stage, s_src, s_dst, s_mb)
+    size, txd, lat = costs.wire(s_kind, s_stage, s_src, s_dst, s_mb, s_other)
     chan = s_src * R + s_dst
     group = shared_links(costs, s_src, s_dst, txd) if M else None
     p2p = k_pos = hold = h_ids = a_ids = None
@@ -478,6 +489,8 @@ def plan(prog: Program, costs: CostModel, overlap: bool = True) -> Plan:
             hold = IS_COLLECTIVE[op[midx]].tolist()
         if len(p2p):
             need = np.where(need >= 0, p2p[np.maximum(need, 0)], -1)
+            if more is not None:
+                more = [tuple(p2p[list(x)].tolist()) if x else () for x in more]
         need = _collective_needs(need, op, stage, rank, cidx, midx, wait_for, S)
         if cutting is not None:
             need = a2a_needs(need, cutting, cidx, midx)
@@ -508,7 +521,7 @@ def plan(prog: Program, costs: CostModel, overlap: bool = True) -> Plan:
     ridx = np.flatnonzero(IS_RECV[op])
     recv_msg, recv_after = z, z
     if len(ridx) and M:
-        r_key = message_key(op[ridx], mb[ridx], stage[ridx], S, m)
+        r_key = message_key(op[ridx], mb[ridx], stage[ridx], S, m, None if other is None else other[ridx], graph)
         at = np.clip(np.searchsorted(keys, r_key), 0, M - 1)
         ok = keys[at] == r_key
         rb = np.searchsorted(cidx, ridx) - 1
@@ -523,6 +536,7 @@ def plan(prog: Program, costs: CostModel, overlap: bool = True) -> Plan:
         ends=np.searchsorted(c_rank, np.arange(R), "right").tolist(),
         cost=cost.tolist(),
         need=need.tolist(),
+        more=more,
         mlo=mlo.tolist(),
         mhi=mhi.tolist(),
         pre=pre.tolist(),
@@ -566,12 +580,14 @@ def plan(prog: Program, costs: CostModel, overlap: bool = True) -> Plan:
     )
 
 
-def _with_waits(op, mb, stage, peer, rank, S: int, m: int, blocking: bool = False, group=None):
+def _with_waits(op, mb, stage, peer, rank, S: int, m: int, blocking: bool, group, other):
     """The instruction columns with a zero-cost wait (coded STEP, stage s) inserted right before the next
     compute of stage s on its rank after each UNSHARD s, right before the BWD i s after each RELOAD i s (the
     RECOMPUTE i s when there is one: it computes from what comes back), and with `blocking` (collectives
     that block the rank: `CostModel.dp_blocking`) right after each REDUCE_GRAD and UNSHARD; and per
-    instruction, for an inserted wait the index of the collective or host op it waits for (-1 elsewhere)."""
+    instruction, for an inserted wait the index of the collective or host op it waits for (-1 elsewhere),
+    and `group` (an inserted wait binding nothing); `other` (a graph Program's edge ends, or None) goes
+    along, -1 at an inserted wait."""
     N = len(op)
     comp = np.flatnonzero(ON_COMPUTE[op])
     uns = np.flatnonzero(op == UNSHARD)
@@ -613,11 +629,10 @@ def _with_waits(op, mb, stage, peer, rank, S: int, m: int, blocking: bool = Fals
         np.concatenate([peer, minus])[order],
         np.concatenate([rank, rank[target]])[order],
     ]
+    cols.append(None if other is None else np.concatenate([other, minus])[order])  # a graph's edge ends
     wait_for = np.full(N + K, -1, dtype=np.int64)
     wait_for[inv[N:]] = inv[src]
-    if group is not None:  # the pair flags, an inserted wait binding nothing
-        return (*cols, wait_for, np.concatenate([group, np.zeros(K, dtype=bool)])[order])
-    return (*cols, wait_for)
+    return (*cols, wait_for, np.concatenate([group, np.zeros(K, dtype=bool)])[order])  # an inserted wait binds nothing
 
 
 def _collective_needs(need, op, stage, rank, cidx, midx, wait_for, S: int) -> np.ndarray:
@@ -690,12 +705,6 @@ def _overheads(o: float, op, rank, lengths, cidx, sidx, before, own, R: int):
     anchor = np.where(own, cidx[np.maximum(before, 0)] + 1 if len(cidx) else 0, rank_start[rank[sidx]])
     off = o * (cum[sidx + 1] - cum[anchor])
     return off.tolist(), tail.tolist(), head.tolist()
-
-
-def _describe_key(k: int, S: int, m: int) -> str:
-    rest, i = divmod(k, m)
-    kind, s = divmod(rest, S)
-    return f"the {'activation' if kind == 0 else 'gradient'} of micro-batch {i} from stage {s}"
 
 
 # ---- numbers ----------------------------------------------------------------------
