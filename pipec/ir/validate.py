@@ -540,16 +540,28 @@ def _messages(prog: Program) -> list[tuple[int, int, str]]:
     """Each message the placement needs (a stage boundary between two ranks) is sent once and received once."""
     S, m = prog.num_stages, prog.num_microbatches
     placement = prog.placement_array
-    # needed[(msg * S + sending stage) * m + mb]: act leaves s towards s + 1, grad leaves s towards s - 1.
-    cross_up = np.append(placement[:-1] != placement[1:], False)
-    cross_down = np.concatenate(([False], placement[1:] != placement[:-1]))
-    needed = np.concatenate([np.repeat(cross_up, m), np.repeat(cross_down & (not prog.forward_only), m)])
+    g = prog.graph
     rank, index = _all_ranks(prog, IS_P2P)
     op, st, mb = (_column(prog, k, rank, index) for k in ("op", "stage", "mb"))
-    keys = message_key(op, mb, st, S, m)
+    if g is None:
+        # needed[(msg * S + sending stage) * m + mb]: act leaves s towards s + 1, grad leaves s towards s - 1.
+        cross_up = np.append(placement[:-1] != placement[1:], False)
+        cross_down = np.concatenate(([False], placement[1:] != placement[:-1]))
+        keys = message_key(op, mb, st, S, m)
+    else:  # needed[(msg * E + edge) * m + mb]: both messages of each edge between two ranks
+        cross_up = cross_down = placement[g.src] != placement[g.dst]
+        other = np.concatenate([rp.other if rp.other is not None else np.full(len(rp.op), -1) for rp in prog.ranks])
+        starts = np.concatenate(([0], np.cumsum([len(rp.op) for rp in prog.ranks])[:-1]))
+        keys = message_key(op, mb, st, S, m, other[starts[rank] + index], g)
+        if (keys < 0).any():  # the other end is not an edge: validate's rank walk names it
+            return [
+                (int(rank[j]), int(index[j]), "names no edge of the stage graph") for j in np.flatnonzero(keys < 0)[:1]
+            ]
+    needed = np.concatenate([np.repeat(cross_up, m), np.repeat(cross_down & (not prog.forward_only), m)])
+    total = len(needed)
     is_send = IS_SEND[op]
-    sends = np.bincount(keys[is_send], minlength=2 * S * m)
-    recvs = np.bincount(keys[~is_send], minlength=2 * S * m)
+    sends = np.bincount(keys[is_send], minlength=total)
+    recvs = np.bincount(keys[~is_send], minlength=total)
     flagged = ~needed[keys]
     for side in (is_send, ~is_send):  # a message its side already had, up to the end of this rank
         at = np.flatnonzero(side)
@@ -561,7 +573,11 @@ def _messages(prog: Program) -> list[tuple[int, int, str]]:
     for count, side in ((sends, "sent"), (recvs, "received")):
         for key in np.flatnonzero(needed & (count == 0))[:_SHOWN].tolist():
             rest, mb = divmod(key, m)
-            msg, s = divmod(rest, S)
+            msg, s = divmod(rest, S if g is None else g.num_edges)
             what = MESSAGE_NOUNS[msg]
-            out.append((-1, -1, f"the {what} of micro-batch {mb} from stage {s} is never {side}"))
+            if g is None:
+                out.append((-1, -1, f"the {what} of micro-batch {mb} from stage {s} is never {side}"))
+            else:
+                u, v = g.edges[s]
+                out.append((-1, -1, f"the {what} of micro-batch {mb} on edge {u} -> {v} is never {side}"))
     return out

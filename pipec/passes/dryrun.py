@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipec.errors import PipecError, Source, Span, error
+from pipec.ir.graph import StageGraph, message_edge
 from pipec.ir.opcodes import (
     COMPUTE_OF_KIND,
     IS_COMPUTE,
@@ -43,6 +44,7 @@ from pipec.ir.opcodes import (
     OP_KINDS,
     OPCODES,
     message_key,
+    message_keys,
 )
 from pipec.ir.program import Instr, Program
 from pipec.ir.rules import dependencies
@@ -114,6 +116,7 @@ class _Columns:
     msg: np.ndarray
     peer: np.ndarray
     local_in_order: bool
+    real: np.ndarray  # each column's instruction index in its rank's stream (a graph's waits add columns)
 
 
 def _columns(prog: Program) -> _Columns:
@@ -140,8 +143,14 @@ def _columns(prog: Program) -> _Columns:
     kind = KIND_OF[op]
     has_in = np.zeros(len(op), dtype=bool)
     src, in_msg, dep1, dep2 = s.copy(), none.copy(), none.copy(), none.copy()
-    for rule, dk, dmb, ds, valid in dependencies(kind, mb, s, S, True):
+    g = prog.graph
+    extra = []  # a graph's fan-in: each compute's further inputs, (compute index, message, stage), per slot
+    for rule, dk, dmb, ds, valid in dependencies(kind, mb, s, S, True, graph=g):
         if rule.message is not None:
+            if g is not None:
+                more = np.flatnonzero(valid & has_in)
+                extra.append((more, np.full(len(more), rule.message), ds[more]))
+                valid = valid & ~has_in
             has_in |= valid
             src, in_msg = np.where(valid, ds, src), np.where(valid, rule.message, in_msg)
             dep1 = np.where(valid, (dk * S + np.clip(ds, 0, S - 1)) * m + dmb, dep1)
@@ -150,7 +159,7 @@ def _columns(prog: Program) -> _Columns:
     src_c = np.clip(src, 0, S - 1)
     local_in = placement[src_c] == rank if len(placement) else np.zeros(len(op), dtype=bool)
     remote = has_in & ~local_in
-    msg = np.where(remote, (in_msg * S + src_c) * m + mb, message_key(op, mb, s, S, m))
+    msg = np.where(remote, _in_key(in_msg, src_c, s, mb, S, m, g), _out_key(prog, op, mb, s, S, m))
     dep1 = np.where(has_in & local_in, dep1, none)
     own = np.where(kind >= 0, (kind * S + s) * m + mb, none)
     # Channel position of each send/receive: how many earlier ones its rank issued to that peer.
@@ -168,9 +177,10 @@ def _columns(prog: Program) -> _Columns:
     recv_at = none.copy()
     if len(needs):
         peer[needs] = placement[src_c[needs]]
+    index_of = np.full(message_keys(S, m, g), -1, dtype=np.int64)
+    index_of[msg[recvs]] = recvs
+    if len(needs):
         if len(recvs):  # a message key names one message: look its receive up directly
-            index_of = np.full(2 * S * m, -1, dtype=np.int64)
-            index_of[msg[recvs]] = recvs
             at = index_of[msg[needs]]
             mine = (at >= 0) & (rank[np.maximum(at, 0)] == rank[needs])
             recv_at[needs] = np.where(mine, at, -1)
@@ -197,7 +207,119 @@ def _columns(prog: Program) -> _Columns:
         act[is_compute] = np.where(remote[is_compute], ARRIVAL_AND_LOCAL, LOCAL)
     p2p = IS_P2P[op]
     act[p2p] = RECV + IS_SEND[op[p2p]] + 2 * group[p2p]
-    return _Columns(offsets, rank, act, group, dep1, dep2, own, chan, k, recv_at, out, back, msg, q, local_in_order)
+    real = np.arange(len(op)) - offsets[:-1][rank]
+    cols = _Columns(
+        offsets, rank, act, group, dep1, dep2, own, chan, k, recv_at, out, back, msg, q, local_in_order, real
+    )
+    remote_extra = [
+        (at[keep], key[keep])
+        for at, m_kind, src_s in extra
+        for keep, key in [(placement[src_s] != rank[at], _in_key(m_kind, src_s, s[at], mb[at], S, m, g))]
+    ]
+    if remote_extra:
+        at = np.concatenate([x[0] for x in remote_extra])
+        key = np.concatenate([x[1] for x in remote_extra])
+        if len(at):
+            cols = _with_waits(cols, at, key, index_of)
+    return cols
+
+
+def _in_key(in_msg, src, s, mb, S: int, m: int, g: StageGraph | None) -> np.ndarray:
+    """The key (`message_key`'s numbering) of the message a compute of stage `s` receives from stage `src`."""
+    if g is None:
+        return (in_msg * S + src) * m + mb
+    edge = message_edge(g, np.minimum(src, s), np.maximum(src, s))
+    return np.where(edge >= 0, (in_msg * g.num_edges + edge) * m + mb, -1)
+
+
+def _out_key(prog: Program, op, mb, s, S: int, m: int) -> np.ndarray:
+    """Each transfer's message key (`message_key`), -1 for the rest."""
+    if prog.graph is None:
+        return message_key(op, mb, s, S, m)
+    other = np.concatenate([rp.other if rp.other is not None else np.full(len(rp), -1) for rp in prog.ranks])
+    return message_key(op, mb, s, S, m, other, prog.graph)
+
+
+def _with_waits(cols: _Columns, at: np.ndarray, key: np.ndarray, index_of: np.ndarray) -> _Columns:
+    """A graph's fan-in: a compute with several inputs from other ranks waits for each. The first is the
+    compute's own (as on the chain); each further one becomes an ARRIVAL of its own on that input's receive,
+    right before the compute. (A further input from this rank is `local_fan_in`'s: it must be computed
+    earlier on the rank.) `real` keeps each column's instruction index, so the run names real ones."""
+    n = len(cols.act)
+    order = np.argsort(at, kind="stable")
+    at, key = at[order], key[order]
+    recv = index_of[np.maximum(key, 0)]
+    recv = np.where((key >= 0) & (recv >= 0) & (cols.rank[np.maximum(recv, 0)] == cols.rank[at]), recv, -1)
+    new_at = np.arange(n) + np.searchsorted(at, np.arange(n), side="right")  # where each column goes
+    wait_at = at + np.arange(len(at))  # each wait right before its compute, after the waits before it
+    total = n + len(at)
+
+    def spread(old: np.ndarray, fill) -> np.ndarray:
+        out = np.empty(total, dtype=old.dtype)
+        out[new_at] = old
+        out[wait_at] = fill
+        return out
+
+    none = np.full(len(at), -1, dtype=np.int64)
+    recv_new = np.where(cols.recv >= 0, new_at[np.maximum(cols.recv, 0)], -1)
+    return _Columns(
+        cols.offsets + np.searchsorted(at, cols.offsets, side="left"),
+        spread(cols.rank, cols.rank[at]),
+        spread(cols.act, ARRIVAL),
+        spread(cols.group, False),
+        spread(cols.dep1, none) if len(cols.dep1) else cols.dep1,
+        spread(cols.dep2, none) if len(cols.dep2) else cols.dep2,
+        spread(cols.own, none),
+        spread(cols.chan, np.where(recv >= 0, cols.chan[np.maximum(recv, 0)], cols.chan[at])),
+        spread(cols.k, np.where(recv >= 0, cols.k[np.maximum(recv, 0)], -1)),
+        spread(recv_new, np.where(recv >= 0, new_at[np.maximum(recv, 0)], -1)),
+        spread(cols.out, cols.out[at]),
+        spread(cols.back, cols.back[at]),
+        spread(cols.msg, key),
+        spread(cols.peer, cols.peer[np.maximum(recv, 0)] if len(recv) else none),
+        cols.local_in_order,
+        spread(cols.real, cols.real[at]),
+    )
+
+
+def local_fan_in(prog: Program) -> DryRun | None:
+    """On a stage graph, every input a compute takes from a stage of its own rank must be computed earlier in
+    the rank's stream (the replay tracks one input per compute; a later one would have the rank wait for
+    itself). The first compute that breaks it, as a failed run waiting for its own op; else None."""
+    g = prog.graph
+    if g is None:
+        return None
+    for r, rp in enumerate(prog.ranks):
+        done: set[tuple[int, int, int]] = set()
+        for j, (o, i, st) in enumerate(zip(rp.op.tolist(), rp.mb.tolist(), rp.stage.tolist())):
+            kind = int(KIND_OF[o])
+            if kind < 0 or not IS_COMPUTE[o]:
+                continue
+            if kind < 2:  # F reads its input stages, B its consumers' gradients (pipec.ir.rules)
+                for t in g.inputs(st) if kind == 0 else g.outputs(st):
+                    if prog.placement[t] == r and (kind, i, t) not in done:
+                        what = f"{OPCODES[COMPUTE_OF_KIND[kind]]} {i} {t}"
+                        return DryRun(False, (Wait(r, j, _instr_at(prog, r, j), "compute", r, what),))
+            done.add((kind, i, st))
+    return None
+    S, m = prog.num_stages, prog.num_microbatches
+    for r, rp in enumerate(prog.ranks):
+        pos = {}
+        for j, (o, i, st) in enumerate(zip(rp.op.tolist(), rp.mb.tolist(), rp.stage.tolist())):
+            kind = int(KIND_OF[o])
+            if kind < 0:
+                continue
+            pos[(kind, i, st)] = j
+            if kind == 2:
+                continue
+            ins = g.inputs(st) if kind == 0 else g.outputs(st)
+            mine = [t for t in ins if prog.placement[t] == r]
+            for t in mine[1:] if len(mine) == len(ins) else mine[(1 if len(mine) == len(ins) else 0) :]:
+                if (kind, i, t) not in pos:
+                    what = f"{OPCODES[COMPUTE_OF_KIND[kind]]} {i} {t}"
+                    return DryRun(False, (Wait(r, j, _instr_at(prog, r, j), "compute", r, what),))
+    del S, m
+    return None
 
 
 def _witnessed(cols: _Columns, op_round: np.ndarray) -> bool:
@@ -270,7 +392,8 @@ def check_channels(prog: Program) -> None:
     for r, rp in enumerate(prog.ranks):
         comm = np.flatnonzero(IS_P2P[rp.op])
         op, s = rp.op[comm], rp.stage[comm]
-        keys = message_key(op, rp.mb[comm], s, S, m) * 2 + IS_SEND[op]
+        other = rp.other[comm] if rp.other is not None else None
+        keys = message_key(op, rp.mb[comm], s, S, m, other, prog.graph) * 2 + IS_SEND[op]
         by_peer = np.argsort(rp.peer[comm], kind="stable")
         peers = rp.peer[comm][by_peer]
         # runs of one peer in the sorted order (np.unique would import numpy.ma: 20 ms of a fresh compile)
@@ -311,6 +434,9 @@ def dry_run(prog: Program, witness: np.ndarray | None = None) -> DryRun:
     without one, the event loop below runs every instruction."""
     validate(prog)
     check_channels(prog)
+    stuck = local_fan_in(prog)
+    if stuck is not None:
+        return stuck
     cols = _columns(prog)
     if witness is not None and _witnessed(cols, witness):
         return DryRun(True, ())
@@ -416,9 +542,15 @@ def _rendezvous_replay(prog: Program, cols: _Columns) -> DryRun:
             what, peer = f"{OPCODES[COMPUTE_OF_KIND[kind]]} {mb} {stage}{_unit_text(sl, mb)}", r
         else:
             rest, mb = divmod(int(cols.msg[at]), m)
-            kind, stage = divmod(rest, S)
-            what, peer = f"the {MESSAGE_NOUNS[kind]} of {_mb_text(sl, mb)} from stage {stage}", int(cols.peer[at])
-        j = pc[r] - offsets[r]
+            if prog.graph is None:
+                kind, stage = divmod(rest, S)
+                where = f"from stage {stage}"
+            else:
+                kind, edge = divmod(rest, prog.graph.num_edges)
+                u, v = prog.graph.edges[edge]
+                where = f"on edge {u} -> {v}"
+            what, peer = f"the {MESSAGE_NOUNS[kind]} of {_mb_text(sl, mb)} {where}", int(cols.peer[at])
+        j = int(cols.real[pc[r]])
         instr = _instr_at(prog, r, j)
         unit = _unit_text(sl, instr.mb) if instr.mb >= 0 else ""
         waits.append(Wait(r, j, instr, event, peer, what, unit))
@@ -446,7 +578,8 @@ def _unit_text(sl: Slicing | None, mb: int) -> str:
 
 def _instr_at(prog: Program, r: int, j: int) -> Instr:
     rp = prog.ranks[r]
-    return Instr(OPCODES[int(rp.op[j])], int(rp.mb[j]), int(rp.stage[j]), int(rp.peer[j]), bool(rp.group[j]))
+    other = int(rp.other[j]) if rp.other is not None else -1
+    return Instr(OPCODES[int(rp.op[j])], int(rp.mb[j]), int(rp.stage[j]), int(rp.peer[j]), bool(rp.group[j]), other)
 
 
 def deadlock_error(run: DryRun, span: Span | None = None, source: Source | None = None) -> PipecError:

@@ -278,7 +278,7 @@ def _lower_rank(
         other_col = None
     else:
         other_all = np.concatenate([r_other, np.full(n, -1), s_other])
-        edge = message_edge(graph, np.concatenate([r_other, stage, stage[s_idx]]), np.maximum(other_all, 0))
+        edge = message_edge(graph, np.concatenate([stage[r_idx], stage, stage[s_idx]]), np.maximum(other_all, 0))
         order = np.lexsort((np.where(other_all >= 0, edge, -1), secondary, primary))
         code, peer, src, other_col = code[order], peer[order], src[order], other_all[order]
 
