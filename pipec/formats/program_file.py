@@ -2,7 +2,13 @@
 readers and writers.
 
 Both readers validate what they read (`pipec.ir.validate`), so nothing read from a file runs unproven:
-E501 for a malformed file, E502 for one that breaks a rule of docs/program.md. The writers stream
+E501 for a malformed file, E502 for one that breaks a rule of docs/program.md.
+
+Two versions. A chain Program (`Program.graph is None`) is written as version 1, byte for byte as before
+stage graphs; one with a stage graph (pipec.ir.graph) as version 2: the head carries its edges (`edges`),
+and every rank its `other` column (the JSON form's sixth column; the text form's last operand of a
+transfer, `SEND_ACT i s peer other`), the stage at the other end of each transfer's edge. Both readers
+read both versions, and check a version 2 file's graph (`check_graph`) and columns before validating. The writers stream
 (`write_json`, `write_text` to an open file), so a million-op Program is never held twice as one string;
 their rows are laid out by numpy (`pipec.formats.rowtext`).
 """
@@ -20,22 +26,31 @@ import numpy as np
 from pipec.errors import PipecError, Source, Span, brief, error
 from pipec.formats import rowtext
 from pipec.ir.experts import Experts
-from pipec.ir.opcodes import BY_NAME, CODE, OPCODES
+from pipec.ir.graph import MAX_EDGES, StageGraph, check_graph
+from pipec.ir.opcodes import BY_NAME, CODE, IS_P2P, OPCODES
 from pipec.ir.program import Instr, Program, RankProgram
 from pipec.ir.schedule import Slicing
 from pipec.ir.validate import validate
 
 FORMAT = "pipec-program"
 VERSION = 1
-# The versions this reader reads (the writer writes VERSION): one so far. A file of another version is refused
-# by name, never read as if it were this one.
-READS = (1,)
+# A Program with a stage graph is written as this version (a chain Program as VERSION, unchanged).
+GRAPH_VERSION = 2
+# The versions this reader reads (the writer writes VERSION, or GRAPH_VERSION for a graph). A file of another
+# version is refused by name, never read as if it were one of these.
+READS = (1, 2)
 # How every E501 of a file begins, so that a damaged file is never mistaken for a schedule with a syntax error.
 NOT_A_PROGRAM = "this is not a valid Program file"
 
 
 def _version_message(shown: object) -> str:
-    return f"program format version {brief(shown)} is not supported (this pipec reads {VERSION})"
+    reads = " and ".join(map(str, READS))
+    return f"program format version {brief(shown)} is not supported (this pipec reads {reads})"
+
+
+def _version_of(prog: Program) -> int:
+    """The version a Program is written as: 2 with a stage graph, else 1."""
+    return VERSION if prog.graph is None else GRAPH_VERSION
 
 
 def _check_version(version: object, source: Source) -> None:
@@ -84,17 +99,49 @@ def _placement(doc: object) -> tuple[int, ...]:
     return tuple(doc)
 
 
-def _rows(doc: object) -> np.ndarray:
-    """A rank's `instructions` as an (n, 5) int64 array; ValueError (E501) for rows that are not five integers
-    (numpy would cast `1.5` or `"1"` to an integer without a word) or beyond int64."""
+def _rows(doc: object, columns: list[str] | None = None) -> np.ndarray:
+    """A rank's `instructions` as an (n, 5) int64 array (n, 6 with a stage graph's `other`); ValueError
+    (E501) for rows that are not five (six) integers (numpy would cast `1.5` or `"1"` to an integer without
+    a word) or beyond int64."""
+    columns = columns or _COLUMNS
     if not isinstance(doc, list):
         raise ValueError(f"`instructions` must be a list of rows, got {type(doc).__name__}")
     if not doc:
-        return np.zeros((0, 5), dtype=np.int64)
+        return np.zeros((0, len(columns)), dtype=np.int64)
     rows = np.array(doc)
-    if rows.ndim != 2 or rows.shape[1] != 5 or rows.dtype.kind not in "iub":
-        raise ValueError("each instruction must be a row of five integers [op, mb, stage, peer, group]")
+    if rows.ndim != 2 or rows.shape[1] != len(columns) or rows.dtype.kind not in "iub":
+        count = {5: "five", 6: "six"}[len(columns)]
+        raise ValueError(f"each instruction must be a row of {count} integers [{', '.join(columns)}]")
     return rows.astype(np.int64)
+
+
+def _graph(doc: object, num_stages: int) -> StageGraph:
+    """A version 2 file's `edges` (a list of [from, to] stage pairs) as its StageGraph; ValueError (E501)
+    when they are not pairs of stages or not a stage graph (`check_graph`: an edge out of range, going back
+    or twice, a stage other than the last without outputs)."""
+    pair = lambda e: (  # noqa: E731
+        isinstance(e, list) and len(e) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in e)
+    )
+    if not isinstance(doc, list) or len(doc) > MAX_EDGES or not all(pair(e) for e in doc):
+        raise ValueError(f"`edges` must be a list of up to {MAX_EDGES:,} [from, to] stage pairs")
+    why = check_graph(num_stages, [(u, v) for u, v in doc])
+    if why is not None:
+        raise ValueError(f"`edges` is not a stage graph of {num_stages} stages: {why}")
+    return StageGraph.of(num_stages, doc)
+
+
+def _others(rank: int, code: np.ndarray, other: np.ndarray) -> np.ndarray:
+    """A version 2 rank's `other` column, checked: -1 on every instruction but a transfer (ValueError,
+    E501, naming the first other). Whether a transfer's `other` is an edge of the graph is validate's."""
+    known = code >= 0
+    wrong = known & ~IS_P2P[np.maximum(code, 0)] & (other != -1)
+    if wrong.any():
+        j = int(np.flatnonzero(wrong)[0])
+        raise ValueError(
+            f"rank {rank}, instruction #{j}: `other` is {int(other[j])} on {OPCODES[int(code[j])]}, which is not"
+            " a transfer (only SEND_ACT, RECV_ACT, SEND_GRAD and RECV_GRAD name a stage at the other end)"
+        )
+    return other
 
 
 def _operand(word: str) -> int:
@@ -109,12 +156,15 @@ def _operand(word: str) -> int:
 # ---- JSON -------------------------------------------------------------------
 
 _COLUMNS = ["op", "mb", "stage", "peer", "group"]
+# A version 2 (stage graph) rank's columns: `other`, each transfer's stage at the other end of its edge.
+_GRAPH_COLUMNS = [*_COLUMNS, "other"]
 
 
 def _json_chunks(prog: Program) -> Iterator[str]:
+    columns = json.dumps(_COLUMNS if prog.graph is None else _GRAPH_COLUMNS, separators=(",", ":"))
     head = {
         "format": FORMAT,
-        "version": VERSION,
+        "version": _version_of(prog),
         "schedule": prog.name,
         "params": dict(prog.params),
         "num_stages": prog.num_stages,
@@ -127,16 +177,18 @@ def _json_chunks(prog: Program) -> Iterator[str]:
     }
     yield json.dumps(head, separators=(",", ":"))[:-1] + ',"ranks":['
     for r, rp in enumerate(prog.ranks):
-        yield ("," if r else "") + f'{{"rank":{r},"columns":{json.dumps(_COLUMNS, separators=(",", ":"))},'
-        yield '"instructions":[' + _json_rows(rp) + "]}"
+        yield ("," if r else "") + f'{{"rank":{r},"columns":{columns},'
+        yield '"instructions":[' + _json_rows(rp, prog.graph is not None) + "]}"
     yield "]}"
 
 
 def _dp_head(prog: Program) -> dict[str, object]:
-    """`dp` and `dp_kind` where they are not the defaults (1, "ddp"), and `slicing` where there is one, so a
-    Program without data parallelism or slices is written byte for byte as before them; readers take their
-    absence as the defaults."""
+    """`edges` where there is a stage graph, `dp` and `dp_kind` where they are not the defaults (1, "ddp"),
+    and `slicing` where there is one, so a Program without a graph, data parallelism or slices is written
+    byte for byte as before them; readers take their absence as the defaults."""
     out: dict[str, object] = {}
+    if prog.graph is not None:
+        out["edges"] = prog.graph.to_json()
     if prog.dp != 1:
         out["dp"] = prog.dp
     if prog.dp_kind != "ddp":
@@ -213,6 +265,17 @@ def _slicing(doc: object, units: int) -> Slicing | None:
     )
 
 
+def _json_graph(doc: dict) -> StageGraph | None:
+    """The stage graph of a JSON Program: version 2 must carry `edges`, version 1 must not."""
+    if doc["version"] == VERSION:
+        if "edges" in doc:
+            raise ValueError(f"`edges` (a stage graph) needs format version {GRAPH_VERSION}, not {VERSION}")
+        return None
+    if "edges" not in doc:
+        raise ValueError(f"a version {GRAPH_VERSION} Program needs `edges`, its stage graph")
+    return _graph(doc["edges"], _size(doc["num_stages"], "num_stages"))
+
+
 def write_json(prog: Program, fh: IO[str]) -> None:
     """The JSON form, written rank by rank."""
     for chunk in _json_chunks(prog):
@@ -233,20 +296,29 @@ def from_json(text: str, path: str = "<program>") -> Program:
                 "E501", f"{NOT_A_PROGRAM}: not a pipec program (format is {brief(repr(got))})", source=Source(path, "")
             )
         _check_version(doc.get("version"), Source(path, ""))
+        graph = _json_graph(doc)
+        columns = _COLUMNS if graph is None else _GRAPH_COLUMNS
         unknown = [name for name in doc["opcodes"] if name not in CODE]
         if unknown:
             raise ValueError(f"unknown instruction {unknown[0]!r}")
         codes = np.array([CODE[name] for name in doc["opcodes"]] + [-1], dtype=np.int64)
         ranks = []
-        for rank in doc["ranks"]:
-            if rank["columns"] != _COLUMNS:
-                raise ValueError(f"columns must be {_COLUMNS}")
-            rows = _rows(rank["instructions"])
+        for r, rank in enumerate(doc["ranks"]):
+            if rank["columns"] != columns:
+                version = f"a version {doc['version']} Program's " if graph is not None else ""
+                raise ValueError(f"{version}columns must be {columns}")
+            rows = _rows(rank["instructions"], columns)
             opc = rows[:, 0]
             opc = np.where((opc >= 0) & (opc < len(codes) - 1), opc, len(codes) - 1)
+            other = None if graph is None else _others(r, codes[opc], rows[:, 5].copy())
             ranks.append(
                 RankProgram(
-                    codes[opc], rows[:, 1].copy(), rows[:, 2].copy(), rows[:, 3].copy(), rows[:, 4].astype(bool)
+                    codes[opc],
+                    rows[:, 1].copy(),
+                    rows[:, 2].copy(),
+                    rows[:, 3].copy(),
+                    rows[:, 4].astype(bool),
+                    other,
                 )
             )
         if not isinstance(doc["placement"], list):
@@ -266,6 +338,7 @@ def from_json(text: str, path: str = "<program>") -> Program:
             experts=_experts(doc.get("experts")),
             moe_layers=_moe_layers(doc.get("moe_layers")),
             forward_only=_flag(doc.get("forward_only", False), "forward_only"),
+            graph=graph,
         )
     except RecursionError:
         raise error(
@@ -284,7 +357,7 @@ def from_json(text: str, path: str = "<program>") -> Program:
 
 def _text_chunks(prog: Program) -> Iterator[str]:
     yield (
-        f"{FORMAT} {VERSION}\n"
+        f"{FORMAT} {_version_of(prog)}\n"
         f"schedule {json.dumps(prog.name)} {json.dumps(dict(prog.params))}\n"
         f"stages {prog.num_stages} ranks {prog.num_ranks} microbatches {prog.num_microbatches}"
         f" split {str(prog.split_backward).lower()}\n"
@@ -294,29 +367,38 @@ def _text_chunks(prog: Program) -> Iterator[str]:
         + "".join(f"{k} {_head_value(v)}\n" for k, v in _dp_head(prog).items())
     )
     for r, rp in enumerate(prog.ranks):
-        yield f"rank {r}\n" + _text_rows(rp)
+        yield f"rank {r}\n" + _text_rows(rp, prog.graph is not None)
 
 
-def _json_rows(rp: RankProgram) -> str:
-    """`[op,mb,stage,peer,group],...` for every instruction, as json.dumps writes them."""
+def _json_rows(rp: RankProgram, graph: bool = False) -> str:
+    """`[op,mb,stage,peer,group],...` for every instruction, as json.dumps writes them; with a stage graph
+    `[op,mb,stage,peer,group,other]`."""
     n = len(rp)
     if n == 0:
         return ""
-    body = rowtext.join_rows(
-        [
-            rowtext.literal("[", n),
-            rowtext.integers(rp.op),
-            rowtext.integers(rp.mb, ","),
-            rowtext.integers(rp.stage, ","),
-            rowtext.integers(rp.peer, ","),
-            rowtext.choice([",false],", ",true],"], rp.group.astype(np.int64)),
-        ]
-    )
-    return body[:-1].decode()
+    tokens = [
+        rowtext.literal("[", n),
+        rowtext.integers(rp.op),
+        rowtext.integers(rp.mb, ","),
+        rowtext.integers(rp.stage, ","),
+        rowtext.integers(rp.peer, ","),
+    ]
+    if graph:
+        tokens += [rowtext.choice([",false", ",true"], rp.group.astype(np.int64)), rowtext.integers(_other(rp), ",")]
+        tokens.append(rowtext.literal("],", n))
+    else:
+        tokens.append(rowtext.choice([",false],", ",true],"], rp.group.astype(np.int64)))
+    return rowtext.join_rows(tokens)[:-1].decode()
 
 
-def _text_rows(rp: RankProgram) -> str:
-    """One line per instruction: the name, the operands the instruction table gives it, `&` if grouped."""
+def _other(rp: RankProgram) -> np.ndarray:
+    """A rank's `other` column as written: -1 on every instruction when the rank has none."""
+    return rp.other if rp.other is not None else np.full(len(rp), -1, dtype=np.int64)
+
+
+def _text_rows(rp: RankProgram, graph: bool = False) -> str:
+    """One line per instruction: the name, the operands the instruction table gives it (with a stage graph,
+    then a transfer's `other`), `&` if grouped."""
     n = len(rp)
     if n == 0:
         return ""
@@ -325,6 +407,9 @@ def _text_rows(rp: RankProgram) -> str:
     for name, col in (("mb", rp.mb), ("stage", rp.stage), ("peer", rp.peer)):
         mat, lengths = rowtext.integers(col, " ")
         tokens.append((mat, np.where(_HAS_OPERAND[name][op], lengths, 0)))
+    if graph:  # version 2: a transfer's stage at the other end of its edge, after the peer
+        mat, lengths = rowtext.integers(_other(rp), " ")
+        tokens.append((mat, np.where(IS_P2P[op], lengths, 0)))
     tokens.append(rowtext.choice(["\n", " &\n"], rp.group.astype(np.int64)))
     return rowtext.join_rows(tokens).decode()
 
@@ -374,8 +459,9 @@ def from_text(text: str, path: str = "<program>") -> Program:
         head_words = lines[0][1].split()
         if len(head_words) != 2 or head_words[0] != FORMAT:
             raise fail(f"{NOT_A_PROGRAM}: not a pipec program (expected `{FORMAT} {VERSION}` on the first line)")
-        if head_words[1] != str(VERSION):  # the writer's digits exactly: not `01`, `+1` or `1_0`
+        if head_words[1] not in map(str, READS):  # the writer's digits exactly: not `01`, `+1` or `1_0`
             raise fail(f"{NOT_A_PROGRAM}: {_version_message(head_words[1])}")
+        version = int(head_words[1])
         at = 1
         head = lines[1][1]
         if not head.startswith("schedule "):
@@ -397,9 +483,10 @@ def from_text(text: str, path: str = "<program>") -> Program:
         if words[0] != "place":
             raise ValueError("expected `place` and the rank of each stage")
         placement = _placement([int(x) for x in words[1:]])
-        # optional header lines `dp N`, `dp_kind K`, `slicing {...}`, `experts {...}`, `moe_layers [...]` (JSON),
-        # `forward_only true`
+        # optional header lines `edges [[u,v],...]` (version 2 only, and there required), `dp N`, `dp_kind K`,
+        # `slicing {...}`, `experts {...}`, `moe_layers [...]` (JSON), `forward_only true`
         dp: dict[str, object] = {
+            "edges": None,
             "dp": 1,
             "dp_kind": "ddp",
             "slicing": None,
@@ -413,13 +500,23 @@ def from_text(text: str, path: str = "<program>") -> Program:
             words = lines[body][1].split(maxsplit=1)
             if len(words) != 2:
                 raise ValueError(f"expected `{words[0]} VALUE`")
-            if words[0] == "slicing":
+            if words[0] == "edges":
+                if version == VERSION:
+                    raise ValueError(f"`edges` (a stage graph) needs format version {GRAPH_VERSION}, not {VERSION}")
+                dp["edges"] = _graph(json.loads(words[1]), stages)
+            elif words[0] == "slicing":
                 dp["slicing"] = _slicing(json.loads(words[1]), mbs)
             elif words[0] in ("experts", "moe_layers"):
                 dp[words[0]] = json.loads(words[1])
             else:
                 dp[words[0]] = _operand(words[1]) if words[0] == "dp" else words[1]
             body += 1
+        graph = dp["edges"]
+        if version == GRAPH_VERSION and graph is None:
+            at = min(body, len(lines) - 1)
+            raise ValueError(
+                f"a version {GRAPH_VERSION} Program needs an `edges [[from, to], ...]` line, its stage graph"
+            )
         progs: list[list[Instr]] = []
         for at in range(body, len(lines)):
             n, line = lines[at]
@@ -440,12 +537,19 @@ def from_text(text: str, path: str = "<program>") -> Program:
                 raise ValueError(f"unknown instruction `{op}`")
             operands = BY_NAME[op].operands
             nums = [_operand(w) for w in words[1:]]
-            if len(nums) != len(operands):
-                raise ValueError(f"`{op}` takes {len(operands)} number(s): {', '.join(operands)}")
+            transfer = graph is not None and bool(IS_P2P[CODE[op]])
+            if len(nums) != len(operands) + transfer:
+                if graph is not None and not transfer and len(nums) == len(operands) + 1:
+                    raise ValueError(
+                        f"`{op}` is not a transfer: it names no stage at the other end (`other`), only"
+                        f" {len(operands)} number(s): {', '.join(operands)}"
+                    )
+                names = (*operands, "other") if transfer else operands
+                raise ValueError(f"`{op}` takes {len(names)} number(s): {', '.join(names)}")
             vals = [-1, -1, -1]
             for x, v in zip(operands, nums):
                 vals[pick[x]] = v
-            progs[-1].append(Instr(op, vals[0], vals[1], vals[2], group))
+            progs[-1].append(Instr(op, vals[0], vals[1], vals[2], group, nums[-1] if transfer else -1))
             line_of[-1].append(n)
         at = len(lines)  # the count of `rank` sections against `ranks`: validate's E502, as for JSON
         prog = Program(
@@ -456,13 +560,14 @@ def from_text(text: str, path: str = "<program>") -> Program:
             mbs,
             split,
             placement,
-            tuple(RankProgram.from_instructions(p) for p in progs),
+            tuple(_text_rank(p, graph is not None) for p in progs),
             dp=dp["dp"],  # type: ignore[arg-type]  # checked by validate (E502)
             dp_kind=dp["dp_kind"],  # type: ignore[arg-type]
             slicing=dp["slicing"],  # type: ignore[arg-type]
             experts=_experts(dp["experts"]),
             moe_layers=_moe_layers(dp["moe_layers"]),
             forward_only=_flag(dp["forward_only"], "forward_only"),
+            graph=graph,  # type: ignore[arg-type]
         )
     except RecursionError:
         raise fail(f"{NOT_A_PROGRAM}: malformed program text: its JSON values nest too deeply") from None
@@ -478,6 +583,16 @@ def from_text(text: str, path: str = "<program>") -> Program:
 
     validate(prog, source, locate)
     return prog
+
+
+def _text_rank(instrs: list[Instr], graph: bool) -> RankProgram:
+    """A rank of the text form: with a stage graph its `other` column always (-1 off the transfers), as the
+    JSON form and the lowering hold it."""
+    rp = RankProgram.from_instructions(instrs)
+    if not graph:
+        return rp
+    other = np.array([i.other for i in instrs], dtype=np.int64)
+    return RankProgram(rp.op, rp.mb, rp.stage, rp.peer, rp.group, other)
 
 
 def _suffix(path: str | None) -> str:
