@@ -241,6 +241,7 @@ class _ListScheduler:
         self.overheads = overheads
         self.slices = mc.shape.slicing.slices if mc.shape is not None and mc.shape.slicing else 1
         self.rules = active(self.kinds, self.slices)  # the dependency rule, pipec.ir.rules
+        self.graph = mc.shape.graph if mc.shape is not None else None  # the stage graph (None: the chain)
         self._network(mc)
 
         # Candidates per rank: ops whose inputs are all known, with their ready time; those needing none first.
@@ -254,7 +255,7 @@ class _ListScheduler:
         for s in range(S):
             for i in range(m):
                 for k in range(self.kinds):
-                    if not needs(k, i, s, S, self.rules, self.slices):
+                    if not needs(k, i, s, S, self.rules, self.slices, self.graph):
                         self._candidate((k, i, s), 0.0)
         self.ranks = Ranks([0.0] * R if overheads is None else list(overheads.head))  # the machine's step
         self.live = [0] * R  # activations on the rank
@@ -273,12 +274,16 @@ class _ListScheduler:
         self.version = [0] * R
 
     def _network(self, mc: Machine) -> None:
-        """Per message class (kind of the op that sends it, its stage): the simulator's wire terms."""
+        """Per message class (kind of the op that sends it, its stage, the stage it goes to: one per edge and
+        direction, pipec.ir.graph): the simulator's wire terms."""
         S, R, place = self.S, self.R, np.asarray(self.place, dtype=np.int64)
-        cls = [(k, s) for k in (0, 1) for s in range(S) if 0 <= s + OUT_PEER_STAGE[k] < S]
-        k_arr = np.array([k for k, _ in cls], dtype=np.int64)
-        s_arr = np.array([s for _, s in cls], dtype=np.int64)
-        src, dst = place[s_arr], place[s_arr + OUT_PEER_STAGE[k_arr]]
+        if self.graph is None:
+            cls = [(k, s, s + OUT_PEER_STAGE[k]) for k in (0, 1) for s in range(S) if 0 <= s + OUT_PEER_STAGE[k] < S]
+        else:
+            cls = [(0, u, v) for u, v in self.graph.edges] + [(1, v, u) for u, v in self.graph.edges]
+        k_arr = np.array([k for k, _, _ in cls], dtype=np.int64)
+        s_arr = np.array([s for _, s, _ in cls], dtype=np.int64)
+        src, dst = place[s_arr], place[np.array([t for _, _, t in cls], dtype=np.int64)]
         _, txd, lat = mc.costs.wire(OUT_MSG[k_arr], s_arr, src, dst)
         group = shared_links(mc.costs, src, dst, txd) if len(cls) else None
         self.contended = group is not None
@@ -341,7 +346,7 @@ class _ListScheduler:
         k, i, s = op
         st = self.pending.get(op)
         if st is None:
-            st = self.pending[op] = [len(needs(k, i, s, self.S, self.rules, self.slices)), 0.0]
+            st = self.pending[op] = [len(needs(k, i, s, self.S, self.rules, self.slices, self.graph)), 0.0]
         st[0] -= 1
         if t > st[1]:
             st[1] = t
@@ -441,7 +446,7 @@ class _ListScheduler:
             self.live_stage[s] -= 1
             self.b_done[s][i] = True
             self.b_count[s] += 1
-        for rule, nxt in feeds(k, i, s, self.S, self.rules, self.slices):  # the ops that need it
+        for rule, nxt in feeds(k, i, s, self.S, self.rules, self.slices, self.graph):  # the ops that need it
             if rule.message is None:  # on its own stage
                 self._deliver(nxt, end)
             else:
@@ -456,7 +461,7 @@ class _ListScheduler:
         if dst == r:  # handed over locally
             self._deliver(nxt, end)
             return dst
-        chan, group, txd, lat = self.wire[k, s]
+        chan, group, txd, lat = self.wire[k, s, nxt[2]]
         x = self.links.add(chan, group, txd, lat)
         self.to.append((nxt, dst))
         ov = self.overheads
