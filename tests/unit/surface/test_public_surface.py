@@ -223,5 +223,23 @@ def test_docs_api_documents_every_public_name_with_its_docstring_summary_and_sig
     assert not stray, f"docs/api.md documents names no facade exports: {stray}"
 
 
-if __name__ == "__main__":  # re-pin the command line after a deliberate change (then write the CHANGELOG entry)
+def refresh_api_signatures() -> None:
+    """Rewrite the signature line of each docs/api.md entry to the object's signature now (after a deliberate
+    change; the prose around it is the maintainers' to keep true)."""
+    path = ROOT / "docs" / "api.md"
+    text = path.read_text()
+    for facade, names in FACADES.items():
+        module = importlib.import_module(facade)
+        for name in names:
+            sig = None if name.startswith("__") else signature(getattr(module, name))
+            if sig is None:
+                continue
+            entry = rf"(^### `{re.escape(facade)}\.{re.escape(name)}`\s*\n\n```python\n)"
+            head = re.compile(entry + rf"{re.escape(name)}\(.*$", re.M)
+            text = head.sub(lambda m, line=f"{name}{sig}": m.group(1) + line, text)
+    path.write_text(text)
+
+
+if __name__ == "__main__":  # re-pin the command line and docs/api.md's signatures after a deliberate change
     (HERE / "cli_surface.json").write_text(json.dumps(current_cli(), indent=1, sort_keys=True) + "\n")
+    refresh_api_signatures()
