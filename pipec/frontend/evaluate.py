@@ -19,7 +19,8 @@ from pipec.files import require_ops_fit
 from pipec.frontend.codegen import GeneratedCode
 from pipec.frontend.names import COLLECTIVES, MEMOP_NAMES
 from pipec.frontend.params import bind_params
-from pipec.ir.graph import MAX_EDGES, StageGraph, check_graph
+from pipec.frontend.shape import MAX_SIZE, graph_of, slicing_of
+from pipec.frontend.shape import Fail as _Fail
 from pipec.ir.schedule import (
     MEMORY_RANK_KEYS,
     Collective,
@@ -30,19 +31,12 @@ from pipec.ir.schedule import (
     Policy,
     RankOps,
     Schedule,
-    Slicing,
     Topology,
 )
 
-MAX_SIZE = 10_000_000  # stages, ranks, micro-batches
 MAX_OPS = 50_000_000  # ops a schedule may have in all
 WORK_PER_OP = 16  # loop iterations a rank may spend per op it owns, beyond a fixed allowance
 WORK_FIXED = 1_000_000
-
-
-class _Fail(Exception):
-    def __init__(self, code: str, message: str, sid: int | None, notes: tuple[str, ...] = ()) -> None:
-        self.code, self.message, self.sid, self.notes = code, message, sid, notes
 
 
 @functools.lru_cache(maxsize=64)
@@ -159,7 +153,7 @@ def _run(compiled: GeneratedCode, source: Source, given: dict[str, object], only
     num_stages, _ = size("stages", "")
     num_ranks, _ = size("ranks", "p")
     m, _ = size("microbatches", "m")
-    slicing = _slicing(rt, m)
+    slicing = slicing_of(rt.decls, m)
     if slicing is not None:
         m = slicing.num_units  # the ops' micro-batch index is a unit: (micro-batch, slice)
         n = slicing.slices
@@ -210,7 +204,7 @@ def _run(compiled: GeneratedCode, source: Source, given: dict[str, object], only
             )
         placement.append(owner)
 
-    graph = _graph(rt, num_stages)
+    graph = graph_of(rt.edges, num_stages)
     costs = {k: tuple(_float(fn(s), sid) for s in range(num_stages)) for k, (fn, sid) in rt.costs.items()}
     memory = {}
     for key, (fn, sid) in rt.memory.items():
@@ -289,90 +283,6 @@ def _run(compiled: GeneratedCode, source: Source, given: dict[str, object], only
         order_ranks=None if order is None or only is None else tuple(sorted(wanted)),
         graph=graph,
     )
-
-
-def _graph(rt: _Runtime, num_stages: int) -> StageGraph | None:
-    """The stage graph of the `edge s -> e` declarations (None without any: the chain). Each declaration is
-    a map over the stages; a value below 0 means stage s has no edge by it. E216 names the declaration
-    whose edge breaks a rule of `pipec.ir.graph.check_graph`."""
-    if not rt.edges:
-        return None
-    if len(rt.edges) * num_stages > MAX_EDGES:
-        raise _Fail("E210", f"the schedule would have more than {MAX_EDGES:,} edges", rt.edges[0][1])
-    edges: list[tuple[int, int]] = []
-    for fn, sid in rt.edges:
-        mine = [(s, int(t)) for s in range(num_stages) if (t := fn(s)) >= 0]
-        why = check_graph(num_stages, edges + mine)
-        if why is not None and why.startswith("edge"):  # an edge of this declaration: say it here
-            raise _Fail("E216", why, sid, (f"stages = {num_stages}",))
-        edges += mine
-    why = check_graph(num_stages, edges)
-    if why is not None:
-        raise _Fail("E216", why, rt.edges[-1][1], (f"stages = {num_stages}",))
-    graph = StageGraph.of(num_stages, edges)
-    return None if graph.is_chain else graph
-
-
-def _slicing(rt: _Runtime, m: int) -> Slicing | None:
-    """The schedule's `slices`, `seqlen`, `tokens j -> ...` and `length i -> ...` as a Slicing (None when it
-    declares none of them). Slices cover the sequence: each has at least one token and, with `seqlen`
-    given, they sum to it (E214); without `tokens`, `seqlen` is cut as evenly as it goes (1 token each when
-    no `seqlen` either: the units then weigh the same). Micro-batch lengths are at least one token; with
-    slices every micro-batch has the sequence's length (E215)."""
-    d = rt.decls
-    if not any(k in d for k in ("slices", "seqlen", "tokens", "length")):
-        return None
-
-    def count(kind: str) -> int | None:
-        if kind not in d:
-            return None
-        v, sid = d[kind]
-        if not 1 <= v <= MAX_SIZE:
-            raise _Fail("E210", f"`{kind}` must be between 1 and {MAX_SIZE:,}, got {brief(v)}", sid)
-        return v
-
-    n, seqlen = count("slices") or 1, count("seqlen")
-    if "tokens" in d:
-        fn, sid = d["tokens"]
-        tokens = tuple(fn(j) for j in range(n))
-        bad = [j for j, t in enumerate(tokens) if t < 1]
-        if bad:
-            raise _Fail("E214", f"slice {bad[0]} has {tokens[bad[0]]} tokens: every slice needs at least one", sid)
-        if seqlen is not None and sum(tokens) != seqlen:
-            raise _Fail(
-                "E214",
-                f"the {n} slices hold {sum(tokens):,} tokens, but the sequence has {seqlen:,} (`seqlen`): "
-                "slices must cover it exactly",
-                sid,
-                (f"tokens: {', '.join(map(str, tokens[:12]))}{', ...' if n > 12 else ''}",),
-            )
-        seqlen = sum(tokens)
-    elif seqlen is not None:
-        if seqlen < n:
-            raise _Fail("E214", f"{n} slices of a sequence of {seqlen} tokens: a slice would be empty", d["seqlen"][1])
-        q, r = divmod(seqlen, n)
-        tokens = tuple(q + (j < r) for j in range(n))
-    else:
-        tokens = (1,) * n
-        seqlen = n
-    if "length" in d:
-        fn, sid = d["length"]
-        lengths = tuple(fn(i) for i in range(m))
-        bad = [i for i, t in enumerate(lengths) if t < 1]
-        if bad:
-            raise _Fail("E215", f"micro-batch {bad[0]} has length {lengths[bad[0]]}: at least one token", sid)
-        if n > 1 and any(x != seqlen for x in lengths):
-            raise _Fail(
-                "E215",
-                "sliced micro-batches have the length of the sequence their slices cover: variable lengths and "
-                "slices do not go together",
-                sid,
-            )
-        if "seqlen" not in d and "tokens" not in d:
-            seqlen = max(lengths)
-    else:
-        lengths = (seqlen,) * m
-    return Slicing(m, n, seqlen, tokens, lengths)
 
 
 def _default_recomputes(mems: list[tuple], ops: RankOps, recompute_sids: frozenset[int], S: int) -> list[tuple]:
