@@ -4,7 +4,12 @@ micro-batches, with the same loss scaling and optimizers; and the relative error
 
 A sliced run (token slices) is checked against this unsliced reference with m = the Program's
 `num_sequences`: the slices of a sequence together compute its loss and gradients (pipec.runtime.exec.slices).
-Micro-batches given as such (pipec.runtime.exec.microbatch.MicroBatches, variable shapes) run as given."""
+Micro-batches given as such (pipec.runtime.exec.microbatch.MicroBatches, variable shapes) run as given.
+
+With a stage graph (`graph=`, pipec.ir.graph.StageGraph) the stages run in stage order (a topological order),
+each on its in-edges' messages in the order of `graph.inputs(s)`, a source on the micro-batch, each output cut
+into its out-edges' messages as the runtime cuts it (pipec.runtime.exec.shapes.edge_outputs); autograd sums a
+fan-out's gradients."""
 
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ from typing import Any
 import torch
 
 from pipec.runtime.exec.microbatch import MicroBatches, as_args, split, to_device
+from pipec.runtime.exec.shapes import edge_outputs
 from pipec.runtime.model.contract import build_stage_module, default_optimizer
 
 
@@ -37,10 +43,12 @@ class Reference:
         loss_scale: float | None = None,
         seed: int | None = 0,
         replicas: int = 1,
+        graph: Any = None,
     ) -> None:
         if replicas < 1:
             raise ValueError(f"replicas must be at least 1, got {replicas}")
         self.replicas = replicas
+        self.graph = graph if graph is not None and not graph.is_chain else None
         self.device = torch.device(device)
         self.dtype = dtype
         self.loss_fn = loss_fn
@@ -73,9 +81,12 @@ class Reference:
         total = 0.0
         for x, t in zip(xs, ts):
             args = as_args(to_device(x, self.device, self.dtype))
-            for k, st in enumerate(self.stages):
-                out = st(*args)
-                args = tuple(out) if isinstance(out, (tuple, list)) and k < len(self.stages) - 1 else (out,)
+            if self.graph is not None:
+                out = self._graph_forward(args)
+            else:
+                for k, st in enumerate(self.stages):
+                    out = st(*args)
+                    args = tuple(out) if isinstance(out, (tuple, list)) and k < len(self.stages) - 1 else (out,)
             loss = self.loss_fn(out, to_device(t, self.device)).reshape(()) * scale
             loss.backward()
             total += float(loss.detach())
@@ -83,6 +94,20 @@ class Reference:
             if opt is not None:
                 opt.step()
         return total
+
+    def _graph_forward(self, inputs: tuple) -> Any:
+        """One micro-batch through the stage graph; the last stage's output."""
+        g = self.graph
+        sent: dict[tuple[int, int], tuple] = {}
+        out = None
+        for s, st in enumerate(self.stages):
+            srcs = g.inputs(s)
+            args = tuple(t for u in srcs for t in sent.pop((u, s))) if srcs else inputs
+            out = st(*args)
+            dsts = g.outputs(s)
+            for v, msg in zip(dsts, edge_outputs(out, s, dsts)):
+                sent[(s, v)] = msg
+        return out
 
     def named_gradients(self) -> dict[tuple[int, str], torch.Tensor | None]:
         return {(s, n): p.grad for s, st in enumerate(self.stages) for n, p in st.named_parameters()}

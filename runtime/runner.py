@@ -19,6 +19,10 @@ shapes differ from the last exchange's, and only then. Every rank learns it chea
 the rank of stage 0 publishes whether its batches come as micro-batches (one store read per other rank);
 if they do, it publishes each step's exchange number under `epoch/<step>` (one small store read per step
 on every other rank), and a new number means a new exchange, under that number's keys.
+
+A stage graph (`program.graph`, pipec.ir.graph): every rank with a source stage (one without inputs) needs
+the inputs, the shapes are exchanged per edge (pipec.runtime.exec.shapes.handshake_graph), and each stage
+is called with its in-edges' messages in the order of `graph.inputs(s)` (docs/runtime.md, "Stage graphs").
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ from pipec.runtime.exec.replicas import (
     slice_replica,
     wrap,
 )
-from pipec.runtime.exec.shapes import KV, Specs, TensorSpec, fmt, handshake
+from pipec.runtime.exec.shapes import KV, Specs, TensorSpec, fmt, handshake, handshake_graph
 from pipec.runtime.exec.stage import Stage
 from pipec.runtime.model.contract import build_stage_module, default_optimizer
 from pipec.runtime.model.moe import ExpertGrads, by_stage, expert_parallel, is_expert, layer_counts
@@ -252,6 +256,12 @@ class Runner:
                 )
                 for s in own
             }
+        graph = program.graph
+        if graph is not None and slicing is not None:
+            raise PipelineError(
+                f"`{program.name}` has a stage graph ({graph.describe()}) and token slices: the runtime runs a "
+                "stage graph unsliced only"
+            )
         if slicing is not None:  # before anything runs: a module without the key/value cache interface
             for s, module in modules.items():
                 slices.check_interface(module, s, slicing, where)
@@ -283,6 +293,8 @@ class Runner:
                 program.split_backward,
                 make_opt(params) if params and make_opt is not None else None,
                 slicing=slicing,
+                source=None if graph is None else not graph.inputs(s),
+                outputs=None if graph is None else graph.outputs(s),
             )
             self.stages[s].live_params = self.replicas is not None
         self.executor = Executor(program, rank, self.stages, comm, on_reduce_grad, recv_ahead or 0)
@@ -342,7 +354,9 @@ class Runner:
 
     @property
     def has_first(self) -> bool:
-        return 0 in self.stages
+        """Whether this rank runs a stage that reads the micro-batch: stage 0, or on a stage graph any source."""
+        g = self.program.graph
+        return 0 in self.stages if g is None else any(not g.inputs(s) for s in self.stages)
 
     @property
     def has_last(self) -> bool:
@@ -450,7 +464,7 @@ class Runner:
         """At the first step: whether the batches come as micro-batches (stage 0's rank knows, and tells)."""
         placement = self.program.placement
         others = any(r != placement[0] for r in placement)
-        if self.has_first:
+        if 0 in self.stages:
             self.varying = given_mbs
             if others:
                 self.kv.set("vary", "1" if given_mbs else "0")
@@ -462,7 +476,7 @@ class Runner:
         """A varying run's exchange number for this step: stage 0's rank raises it when its inputs' shapes
         changed and publishes it; every other rank reads it (one small store read per step)."""
         step, first = self.steps_done, self.program.placement[0]
-        if self.has_first:
+        if 0 in self.stages:
             epoch = self.epoch + 1 if specs != self.last_specs else self.epoch
             if any(r != first for r in self.program.placement):
                 self.kv.set(f"epoch/{step}", str(epoch))
@@ -477,12 +491,20 @@ class Runner:
         """The shape exchange (pipec.runtime.exec.shapes.handshake) under exchange number `epoch`."""
         self.executor.handshaking = True
         shapes = self.shape_modules if self.shape_modules is not None else self.modules()
-        ins, outs = yield from handshake(
-            shapes, self.program.placement, self.rank, specs, self.kv, self.device, self.slicing, epoch
-        )
+        place = self.program.placement
+        if self.program.graph is not None:
+            graph = self.program.graph
+            _, edge_in, edge_out = yield from handshake_graph(
+                shapes, place, self.rank, specs, self.kv, self.device, graph, epoch
+            )
+        else:
+            ins, outs = yield from handshake(shapes, place, self.rank, specs, self.kv, self.device, self.slicing, epoch)
         if not self.varying:  # the plain modules were kept for the exchange only (data parallelism)
             self.shape_modules = None
-        self.executor.set_specs(ins, outs)
+        if self.program.graph is not None:
+            self.executor.set_edge_specs(edge_in, edge_out)
+        else:
+            self.executor.set_specs(ins, outs)
         self.executor.handshaking = False
         self.last_specs, self.epoch = specs, epoch
         self.exchanges += 1

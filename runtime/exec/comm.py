@@ -1,6 +1,8 @@
 """Point-to-point transfers with torch.distributed: gloo on CPU, NCCL on CUDA.
 
-A message is keyed by (kind, micro-batch, sending stage), kind ACT or GRAD. Receives are posted with
+A message is keyed by (kind, micro-batch, sending stage), kind ACT or GRAD; in a Program with a stage
+graph (pipec.ir.graph) by (kind, micro-batch, edge), the edge a pair (u, v) of stages: the activation of
+u travels it to v, the gradient of that activation back from v to u (`edge_key`). Receives are posted with
 preallocated buffers (shapes come from the handshake, `pipec.runtime.exec.shapes`) and waited on just
 before the compute that needs them; sends are non-blocking and completed before the optimizer step.
 With gloo, each tensor's tag encodes the message key, so a receive can only match its own message;
@@ -29,11 +31,23 @@ from pipec.runtime.exec.shapes import Specs
 __all__ = ["ACT", "GRAD", "KIND"]  # the message kinds are the instruction table's
 MAX_TENSORS = 16  # per message
 
-Key = tuple[int, int, int]  # (kind, micro-batch, sending stage)
+Key = tuple[int, int, Any]  # (kind, micro-batch, sending stage); on a stage graph (kind, micro-batch, (u, v))
+
+
+def edge_key(kind: int, mb: int, src: int, dst: int, graph: Any) -> Key:
+    """The key of the message of edge (src, dst): on the chain (graph None) by its sending stage (src for an
+    activation, dst for a gradient), as every chain Program names it; on a stage graph by the edge."""
+    if graph is None:
+        return (kind, mb, src if kind == ACT else dst)
+    return (kind, mb, (src, dst))
 
 
 def key_str(key: Key) -> str:
     kind, mb, stage = key
+    if stage.__class__ is tuple:
+        u, v = stage
+        way = f"from stage {u} to stage {v}" if kind == ACT else f"from stage {v} back to stage {u}"
+        return f"the {KIND[kind]} of micro-batch {mb} on edge {u} -> {v} ({way})"
     return f"the {KIND[kind]} of micro-batch {mb} from stage {stage}"
 
 
@@ -111,6 +125,9 @@ class DistComm(PeerNames):
 
     def tag(self, key: Key, j: int) -> int:
         kind, mb, stage = key
+        if stage.__class__ is tuple:  # an edge (u, v) of a stage graph
+            stage = stage[0] * self.S + stage[1]
+            return (((kind * self.S * self.S) + stage) * self.m + mb) * MAX_TENSORS + j
         return (((kind * self.S) + stage) * self.m + mb) * MAX_TENSORS + j
 
     def _recv_ops(self, key: Key, peer: int, specs: Specs) -> tuple[tuple[torch.Tensor, ...], list]:

@@ -36,6 +36,13 @@ Both ops' input messages are taken before the pair starts.
 Token slices: the instructions' micro-batch is a unit (slice j of sequence i; the inputs and targets lists
 are per unit), and everything above holds per unit; the cache of keys and values across the slices of a
 sequence lives in each Stage (pipec.runtime.exec.slices). Messages name their unit as `where` does.
+
+A stage graph (`program.graph`, pipec.ir.graph): values are keyed by (kind, micro-batch, edge)
+(pipec.runtime.exec.comm.edge_key), each transfer's edge from its `other` stage (RankProgram.other). A FWD
+takes the activation of every in-edge (spread in the order of `graph.inputs(s)`; a source stage takes the
+micro-batch) and leaves one message per out-edge; a BWD takes the gradient of every out-edge and leaves
+the gradient of each in-edge's message, on that edge. An edge between two stages of this rank is a local
+hand-off, as on the chain.
 """
 
 from __future__ import annotations
@@ -72,7 +79,7 @@ from pipec.ir.program import Instr, Program
 from pipec.ir.validate import validate
 from pipec.runtime.errors import PipelineError, ShapeError
 from pipec.runtime.exec.alltoall import OpRun
-from pipec.runtime.exec.comm import ACT, GRAD, Key, Recv, key_str
+from pipec.runtime.exec.comm import ACT, GRAD, Key, Recv, edge_key, key_str
 from pipec.runtime.exec.pairs import Baton, PairRunner
 from pipec.runtime.exec.saved import Peaks, Pool
 from pipec.runtime.exec.shapes import Specs, TensorSpec, fmt
@@ -85,6 +92,10 @@ def _own(comm: Any, name: str, default: Any) -> Any:
     """A transport's own attribute, not one a wrapper forwards from the transport inside it (EmulatedComm's
     `__getattr__`): the inner transport's `take` would skip the wrapper's `wait`, which holds messages back."""
     return getattr(comm, name) if hasattr(type(comm), name) else default
+
+
+class Many(list):
+    """The messages a compute of a stage graph consumes, one per edge, in edge order."""
 
 
 class Executor:
@@ -105,6 +116,9 @@ class Executor:
         self.rank = rank
         self.instrs = list(zip(rp.op.tolist(), rp.mb.tolist(), rp.stage.tolist(), rp.peer.tolist(), rp.group.tolist()))
         self.S = program.num_stages
+        self.graph = program.graph
+        self.others = rp.other.tolist() if rp.other is not None else [-1] * len(self.instrs)
+        self.in_sizes: dict[tuple[int, int], list[int]] = {}  # a graph's FWD: tensors per in-edge, for its BWD
         self.stages = stages
         self.comm = comm
         self.on_reduce_grad = on_reduce_grad
@@ -123,9 +137,16 @@ class Executor:
         self.recvs = [j for j, ins in enumerate(self.instrs) if IS_RECV[ins[0]]]
         self.recv_ord = {j: k for k, j in enumerate(self.recvs)}
         # per instruction, the message its compute consumes when the stage that sends it exists (else None)
-        self.needs = [self._needed(op, mb, s) for op, mb, s, _, _ in self.instrs]
+        # (on a graph a `Many`: one message per edge, or None when there is none)
+        if self.graph is None:
+            self.needs = [self._needed(op, mb, s) for op, mb, s, _, _ in self.instrs]
+        else:
+            self.needs = [self._needed_graph(op, mb, s) for op, mb, s, _, _ in self.instrs]
         # per transfer instruction, the message it names (None elsewhere): computed once, not per step
-        self.tkeys = [self._key(op, mb, s) if MSG_OF[op] >= 0 else None for op, mb, s, _, _ in self.instrs]
+        self.tkeys = [
+            self._key(op, mb, s, o) if MSG_OF[op] >= 0 else None
+            for (op, mb, s, _, _), o in zip(self.instrs, self.others)
+        ]
         # a blocking transport's wait as a plain call (no generator per message); None: `wait`, which may yield
         self.take = _own(comm, "take", None)
         self.one_by_one = bool(_own(comm, "one_by_one", False))
@@ -166,7 +187,7 @@ class Executor:
     # ---- where we are, for error messages -----------------------------------------------------
     def instr(self, j: int) -> Instr:
         op, mb, s, peer, g = self.instrs[j]
-        return Instr(OPCODES[op], mb, s, peer, bool(g))
+        return Instr(OPCODES[op], mb, s, peer, bool(g), self.others[j])
 
     def where(self) -> str:
         if self.at < 0:
@@ -194,6 +215,22 @@ class Executor:
                 if s < self.S - 1:
                     self.send_specs[(ACT, mb, s)] = specs
                     self.recv_specs[(GRAD, mb, s + 1)] = specs
+        self._prepare()
+
+    def set_edge_specs(self, edge_in: dict[tuple[int, int], list[Specs]], edge_out: dict) -> None:
+        """`set_specs` on a stage graph: the specs of each in-edge and out-edge of this rank's stages, per
+        micro-batch (pipec.runtime.exec.shapes.handshake_graph)."""
+        for (u, v), per_mb in edge_in.items():
+            for mb, specs in enumerate(per_mb):
+                self.recv_specs[(ACT, mb, (u, v))] = specs
+                self.send_specs[(GRAD, mb, (u, v))] = specs
+        for (u, v), per_mb in edge_out.items():
+            for mb, specs in enumerate(per_mb):
+                self.send_specs[(ACT, mb, (u, v))] = specs
+                self.recv_specs[(GRAD, mb, (u, v))] = specs
+        self._prepare()
+
+    def _prepare(self) -> None:
         prepare = getattr(self.comm, "prepare", None)  # a transport that sizes its buffers from the shapes (shm)
         if prepare is not None:
             prepare(self.recv_specs, self.send_specs)
@@ -226,17 +263,19 @@ class Executor:
             key = needs[j]
             if key is None:
                 got = None
+            elif key.__class__ is Many:  # a stage graph's compute: one message per edge
+                got = yield from self._take_need(key)
             elif take is not None and rec is None:  # the common case inline: a blocking transport, no record
                 got = values.pop(key, None)
                 if got.__class__ is not tuple:
                     got = take(got) if isinstance(got, Recv) else (yield from self._take(key, got))
             else:
-                got = yield from self._take(key)
+                got = yield from self._take_need(key)
             if moe is None:
                 j += handlers[op](j, mb, s, got)
             elif g and GROUP_CLASS[op] == OVERLAP and self.overlap:
                 key = needs[j + 1]
-                other = None if key is None else (yield from self._take(key))
+                other = None if key is None else (yield from self._take_need(key))
                 j += self._pair(j, got, other)
             else:
                 j += self._counted(j, got, None, 0)
@@ -257,6 +296,8 @@ class Executor:
 
     # ---- one method per opcode: (index, micro-batch, stage, the message taken) -> instructions consumed ----
     def _fwd(self, j: int, mb: int, s: int, got: Any) -> int:
+        if self.graph is not None:
+            return self._fwd_graph(j, mb, s, got)
         args = self.inputs[mb] if got is None else got
         if self.dp is not None:
             self.dp.ready(s)
@@ -274,14 +315,42 @@ class Executor:
 
     def _infer(self, j: int, mb: int, s: int, got: Any) -> int:
         """FWD in a forward-only Program: no graph; the last stage's output is kept in `outputs`."""
+        if self.graph is not None and got is not None:
+            got = tuple(t for msg in got for t in msg)
         args = self.inputs[mb] if got is None else got
         last = s == self.S - 1
         target = self.targets[mb] if last and self.targets is not None else None
         out = self.stages[s].infer(mb, args, target)
         if last:
             self.outputs[mb] = out
+        elif self.graph is not None:
+            for v, msg in zip(self.graph.outputs(s), out):
+                self.values[(ACT, mb, (s, v))] = msg
         else:
             self.values[(ACT, mb, s)] = out
+        return 1
+
+    def _fwd_graph(self, j: int, mb: int, s: int, got: list | None) -> int:
+        """FWD on a stage graph: the in-edges' messages spread in order (a source: the micro-batch), one
+        message left per out-edge."""
+        if got is None:
+            args = self.inputs[mb]
+        else:
+            args = tuple(t for msg in got for t in msg)
+            self.in_sizes[(mb, s)] = [len(msg) for msg in got]
+        if self.dp is not None:
+            self.dp.ready(s)
+        rec = self.record
+        t0 = time.perf_counter() if rec is not None else 0.0
+        c0 = time.thread_time() if rec is not None else 0.0
+        target = self.targets[mb] if s == self.S - 1 else None
+        out = self.stages[s].forward(mb, args, target, keep_input_only=self.keep_only[j])
+        if out is not None:
+            for v, msg in zip(self.graph.outputs(s), out):
+                self.values[(ACT, mb, (s, v))] = msg
+        if rec is not None:
+            self.sync()
+            rec.append(("compute", FWD, mb, s, t0, time.perf_counter(), time.thread_time() - c0))
         return 1
 
     def _bwd(self, j: int, mb: int, s: int, got: Any) -> int:
@@ -290,9 +359,18 @@ class Executor:
         rec = self.record
         t0 = time.perf_counter() if rec is not None else 0.0
         c0 = time.thread_time() if rec is not None else 0.0  # its CPU: ranks that share cores (insitu)
-        dargs = self.stages[s].backward(mb, got)
-        if s > 0:
-            self.values[(GRAD, mb, s)] = dargs
+        if self.graph is None:
+            dargs = self.stages[s].backward(mb, got)
+            if s > 0:
+                self.values[(GRAD, mb, s)] = dargs
+        else:  # the out-edges' gradients in edge order; the input gradient cut back into the in-edges'
+            dargs = self.stages[s].backward(mb, None if got is None else tuple(t for msg in got for t in msg))
+            sizes = self.in_sizes.pop((mb, s), None)
+            if sizes is not None and dargs is not None:
+                at = 0
+                for u, n in zip(self.graph.inputs(s), sizes):
+                    self.values[(GRAD, mb, (u, s))] = dargs[at : at + n]
+                    at += n
         if rec is not None:
             self.sync()
             rec.append(("compute", BWD, mb, s, t0, time.perf_counter(), time.thread_time() - c0))
@@ -504,6 +582,25 @@ class Executor:
             self.record.extend(("handoff", w) for w in baton.waits)
         return 2
 
+    def _take_need(self, key: Any) -> Generator[object, None, Any]:
+        """What a compute consumes: one message (the chain), or on a stage graph each edge's, in edge order."""
+        if key.__class__ is not Many:
+            return (yield from self._take(key))
+        got = []
+        for k in key:
+            got.append((yield from self._take(k)))
+        return got
+
+    def _needed_graph(self, op: int, mb: int, s: int) -> Many | None:
+        """On a stage graph: a FWD needs the activation of each in-edge, a BWD the gradient of each out-edge
+        (None: a source's FWD takes the inputs, the last stage's BWD the loss)."""
+        msg = int(NEEDS_MSG[op])
+        if msg < 0:
+            return None
+        g = self.graph
+        keys = [(ACT, mb, (u, s)) for u in g.inputs(s)] if msg == ACT else [(GRAD, mb, (s, v)) for v in g.outputs(s)]
+        return Many(keys) if keys else None
+
     def _needed(self, op: int, mb: int, s: int) -> Key | None:
         """The message a compute consumes (the instruction table's `needs`), None when it consumes none or
         its sender would be outside the pipeline (stage 0's FWD takes the inputs, the last stage's BWD the loss)."""
@@ -512,10 +609,15 @@ class Executor:
             return None
         return (int(NEEDS_MSG[op]), mb, sender)
 
-    @staticmethod
-    def _key(op: int, mb: int, s: int) -> Key:
-        """The message a transfer names: (what travels, micro-batch, sending stage)."""
-        return (int(MSG_OF[op]), mb, s + int(KEY_STAGE[op]))
+    def _key(self, op: int, mb: int, s: int, other: int = -1) -> Key:
+        """The message a transfer names: (what travels, micro-batch, sending stage); on a stage graph (what
+        travels, micro-batch, its edge), the edge from the instruction's stage and its `other` end."""
+        kind = int(MSG_OF[op])
+        if self.graph is None:
+            return (kind, mb, s + int(KEY_STAGE[op]))
+        # SEND_ACT and RECV_GRAD name the edge (s, other), RECV_ACT and SEND_GRAD the edge (other, s)
+        out = (kind == ACT) != bool(IS_RECV[op])
+        return edge_key(kind, mb, s, other, self.graph) if out else edge_key(kind, mb, other, s, self.graph)
 
     def _recv_item(self, j: int) -> tuple[str, tuple[int, int, int], int, Any]:
         peer, key = self.instrs[j][3], self.tkeys[j]

@@ -11,6 +11,8 @@ yet), ("handoff", seconds) for each turn an overlapped pair's op took from the o
 around the instructions and ("bounds", start, end) around the whole step (`pipec.runtime.profile.insitu`
 reads those; the Timeline does not). Clocks are `time.perf_counter()`, one clock for all processes of a machine
 (CLOCK_MONOTONIC); across machines they are not aligned. Times become seconds from the step's first event.
+On a stage graph a message's stage field is its edge (u, v) (pipec.runtime.exec.comm.edge_key); the Timeline
+gets its sending stage (u for an activation, v for its gradient).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import dataclasses
 
 import numpy as np
 
+from pipec.ir.opcodes import ACT_MSG
 from pipec.ir.program import Program
 from pipec.sim.timeline import Timeline
 
@@ -43,7 +46,7 @@ def timeline(program: Program, events: list[list[tuple]]) -> Timeline:
         end=col(comp, 5, float) - t0,
         msg_kind=np.array([k[0] for k in keys], dtype=np.int64),
         msg_mb=np.array([k[1] for k in keys], dtype=np.int64),
-        msg_stage=np.array([k[2] for k in keys], dtype=np.int64),
+        msg_stage=np.array([_sender(k) for k in keys], dtype=np.int64),
         msg_src=np.array([sends[k][0] for k in keys], dtype=np.int64),
         msg_dst=np.array([recvs[k][0] for k in keys], dtype=np.int64),
         msg_send=np.array([sends[k][2] for k in keys], dtype=float) - t0,
@@ -57,3 +60,11 @@ def timeline(program: Program, events: list[list[tuple]]) -> Timeline:
     if "msg_post" in {f.name for f in dataclasses.fields(Timeline)} and all(k in posts for k in keys):
         kw["msg_post"] = np.array([posts[k] for k in keys], dtype=float) - t0
     return Timeline(**kw)
+
+
+def _sender(key: tuple) -> int:
+    """A message key's sending stage: the key's own on the chain, its edge's sending end on a graph."""
+    kind, _, where = key
+    if where.__class__ is tuple:
+        return where[0] if kind == ACT_MSG else where[1]
+    return where

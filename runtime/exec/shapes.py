@@ -14,6 +14,12 @@ unit is inferred as it runs, with the specs of the earlier slices' keys and valu
 as its `past_kv` (pipec.runtime.exec.slices). Variable-length micro-batches: the Runner
 runs the exchange again, under a new `epoch`, when a step's input specs differ
 from the last exchange's (pipec.runtime.runner says how every rank learns it).
+
+A stage graph (pipec.ir.graph; `handshake_graph`): the same, per edge. Stage s takes the specs of each
+in-edge's message (from its source stage's rank under `spec/u>s`, or locally), spread in the order of
+`graph.inputs(s)`; it infers its output, cuts it into one message per out-edge (`edge_outputs`) and
+publishes each edge's specs for its destination's rank. Stage numbers are a topological order, so taking
+the stages in order never waits on a stage that waits on this rank.
 """
 
 from __future__ import annotations
@@ -91,6 +97,25 @@ def outputs_of(value: Any, stage: int) -> tuple[torch.Tensor, ...]:
                 + "; tensors passed between stages must be floating point (they carry gradients back)"
             )
     return outs
+
+
+def edge_outputs(value: Any, stage: int, outputs: tuple[int, ...]) -> list[tuple[torch.Tensor, ...]]:
+    """A stage graph's stage output as one message per out-edge (`outputs`: the destination stages, in edge
+    order). With one out-edge the output is its message, as on the chain (a tensor or a tuple of tensors).
+    With several: a tensor goes on every edge (a fan-out of one tensor), a tuple or list has one entry per
+    edge in that order, each a tensor or a tuple of tensors."""
+    if len(outputs) <= 1:
+        return [outputs_of(value, stage)] * len(outputs)
+    if not isinstance(value, (tuple, list)):
+        one = outputs_of(value, stage)
+        return [one] * len(outputs)
+    if len(value) != len(outputs):
+        raise ShapeError(
+            f"stage {stage} returned {len(value)} outputs, but it feeds {len(outputs)} stages "
+            f"({', '.join(map(str, outputs))}): a stage with several out-edges returns one tensor (sent on "
+            "every edge) or a tuple with one entry per out-edge, in the order of its destination stages"
+        )
+    return [outputs_of(v, stage) for v in value]
 
 
 def infer(module: torch.nn.Module, stage: int, args: Specs, device: torch.device) -> Specs:
@@ -200,6 +225,78 @@ def handshake(
             if epoch > 1:  # the last exchange's, read by stage s + 1 before its last step (which this one's awaited)
                 kv.delete(f"spec{epoch - 1}/{s}")
     return ins, outs
+
+
+def handshake_graph(
+    modules: dict[int, torch.nn.Module],
+    placement: tuple[int, ...],
+    rank: int,
+    first_inputs: list[Specs] | None,
+    kv: KV,
+    device: torch.device,
+    graph: Any,
+    epoch: int = 0,
+) -> Generator[object, None, tuple[dict[int, list[Specs]], dict[tuple[int, int], list[Specs]], dict]]:
+    """`handshake` on a stage graph: (per own stage its inputs' specs per micro-batch, per in-edge (u, s) of an
+    own stage its message's specs per micro-batch, the same per out-edge (s, v))."""
+    prefix = "spec/" if epoch == 0 else f"spec{epoch}/"
+    last = len(placement) - 1
+    ins: dict[int, list[Specs]] = {}
+    edge_in: dict[tuple[int, int], list[Specs]] = {}
+    edge_out: dict[tuple[int, int], list[Specs]] = {}
+    for s in sorted(modules):
+        srcs = graph.inputs(s)
+        if not srcs:
+            assert first_inputs is not None
+            ins[s] = first_inputs
+        else:
+            for u in srcs:
+                if placement[u] == rank:
+                    edge_in[(u, s)] = edge_out[(u, s)]
+                else:
+                    what = f"stage {u}'s output shapes for stage {s}"
+                    text = yield from kv.get(f"{prefix}{u}>{s}", what, placement[u])
+                    edge_in[(u, s)] = decode(text)
+            m = len(edge_in[(srcs[0], s)])
+            ins[s] = [tuple(t for u in srcs for t in edge_in[(u, s)][i]) for i in range(m)]
+        dsts = graph.outputs(s)
+        memo: dict[Specs, list[Specs]] = {}
+        result: list[list[Specs]] = []
+        for i, specs in enumerate(ins[s]):
+            if specs not in memo:
+                try:
+                    out = _evaluate(modules[s], specs, None, device)
+                    if s == last:  # checked now, not mid-step
+                        memo[specs] = [tuple(TensorSpec.of(t) for t in outputs_of(out, s))]
+                    else:
+                        memo[specs] = [tuple(TensorSpec.of(t) for t in msg) for msg in edge_outputs(out, s, dsts)]
+                except (ShapeError, ModelError):
+                    raise
+                except Exception as e:
+                    raise graph_mismatch(s, srcs, placement, i, specs, e) from None
+            result.append(memo[specs])
+        for k, v in enumerate(dsts):
+            edge_out[(s, v)] = [r[k] for r in result]
+            if placement[v] != rank:
+                kv.set(f"{prefix}{s}>{v}", encode(edge_out[(s, v)]))
+                if epoch > 1:
+                    kv.delete(f"spec{epoch - 1}/{s}>{v}")
+    return ins, edge_in, edge_out
+
+
+def graph_mismatch(
+    stage: int, srcs: tuple[int, ...], placement: tuple[int, ...], mb: int, specs: Specs, e: Exception
+) -> ShapeError:
+    if not srcs:
+        return ShapeError(
+            f"stage {stage} (rank {placement[stage]}) cannot take micro-batch {mb}'s input of shape {fmt(specs)}: "
+            f"{type(e).__name__}: {e}"
+        )
+    who = ", ".join(f"stage {u} (rank {placement[u]})" for u in srcs)
+    return ShapeError(
+        f"stage {stage} (rank {placement[stage]}) takes the outputs of {who} in that order, {fmt(specs)} for "
+        f"micro-batch {mb}, and cannot: {type(e).__name__}: {e}"
+    )
 
 
 def mismatch(stage: int, placement: tuple[int, ...], mb: int, specs: Specs, e: Exception) -> ShapeError:

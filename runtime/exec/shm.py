@@ -72,9 +72,19 @@ SYS_FUTEX, FUTEX_WAIT, FUTEX_WAKE = 202, 0, 1  # x86-64 Linux
 CHOICES = ("auto", "gloo", "shm")
 
 
-def channel_keys(placement: tuple[int, ...], num_microbatches: int, src: int, dst: int) -> list[Key]:
+def channel_keys(placement: tuple[int, ...], num_microbatches: int, src: int, dst: int, graph: Any = None) -> list[Key]:
     """Every message rank `src` may send rank `dst`, in one order both ends compute: activations of each
-    stage s on src whose next stage is on dst, gradients of each stage s on src whose previous is on dst."""
+    stage s on src whose next stage is on dst, gradients of each stage s on src whose previous is on dst.
+    On a stage graph, per edge (u, v) in edge order: its activations when u is on src and v on dst, its
+    gradients when v is on src and u on dst."""
+    if graph is not None:
+        out: list[Key] = []
+        for u, v in graph.edges:
+            if placement[u] == src and placement[v] == dst:
+                out += [(ACT, mb, (u, v)) for mb in range(num_microbatches)]
+            if placement[v] == src and placement[u] == dst:
+                out += [(GRAD, mb, (u, v)) for mb in range(num_microbatches)]
+        return out
     S = len(placement)
     keys: list[Key] = []
     for s in range(S):
@@ -289,8 +299,9 @@ class ShmComm(PeerNames):
         self.set_group(group)
         place, m = program.placement, program.num_microbatches
         others = sorted({r for r in place if r != rank})
-        self.incoming = {p: Channel(p, channel_keys(place, m, p, rank), {}, -1) for p in others}
-        self.outgoing = {p: Channel(p, channel_keys(place, m, rank, p), {}, -1) for p in others}
+        g = program.graph
+        self.incoming = {p: Channel(p, channel_keys(place, m, p, rank, g), {}, -1) for p in others}
+        self.outgoing = {p: Channel(p, channel_keys(place, m, rank, p, g), {}, -1) for p in others}
         self.incoming = {p: c for p, c in self.incoming.items() if c.keys}
         self.outgoing = {p: c for p, c in self.outgoing.items() if c.keys}
         self.recv_specs: dict[Key, Specs] = {}

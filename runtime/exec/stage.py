@@ -16,6 +16,13 @@ Token slices (a Program with `slicing`): micro-batch indices are units (slice j 
 forward takes the earlier slices' keys and values from the stage's `KVCache` and leaves its own there, and
 each backward also runs from the gradient of its own keys and values (pipec.runtime.exec.slices says how);
 the loss of unit u is scaled by `loss_scale` times its slice's share of the tokens (`loss_scales[u]`).
+
+A stage of a stage graph (pipec.ir.graph; `outputs` given: the stages that read this one, in edge order):
+its inputs are the messages of its in-edges spread in the order of the graph's `inputs(s)` (the executor
+concatenates them), a source stage (`source`: no inputs) reads the micro-batch, and its output is one
+message per out-edge (`shapes.edge_outputs`: one tensor sent on every edge, or a tuple with one entry per
+edge). `forward` then returns the list of those messages; `backward` takes their gradients concatenated in
+the same order, and a tensor sent on several edges (a fan-out) gets the sum of their gradients.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from pipec.runtime.errors import PipelineError
 from pipec.runtime.exec import slices
 from pipec.runtime.exec import split_backward as split
 from pipec.runtime.exec.saved import Pool, module_storages, storages
-from pipec.runtime.exec.shapes import outputs_of
+from pipec.runtime.exec.shapes import edge_outputs, outputs_of
 
 try:  # torch.autograd.backward's engine call, without the Python checks before it (see run_backward)
     from torch.autograd.graph import _engine_run_backward
@@ -63,10 +70,14 @@ class Stage:
         split_backward: bool,
         optimizer: torch.optim.Optimizer | None,
         slicing: Slicing | None = None,
+        *,
+        source: bool | None = None,
+        outputs: tuple[int, ...] | None = None,
     ) -> None:
         self.index = index
-        self.first = index == 0
+        self.first = index == 0 if source is None else source  # reads the micro-batch: no input gradient
         self.last = index == num_stages - 1
+        self.outputs = outputs  # on a stage graph, the stages this one's output goes to (None: the chain)
         self.module = module
         self.loss_fn = loss_fn
         self.loss_scale = loss_scale
@@ -107,7 +118,7 @@ class Stage:
         # What the pool holds (and an OFFLOAD may move) the stage does not hold as well: RECOMPUTE takes it back
         stash = tuple(None if i in held else a for i, a in enumerate(args))
         self.stashed[mb] = (stash, held, target, rng, devices)
-        return None if self.last else tuple(o.detach() for o in outputs_of(out, self.index))
+        return None if self.last else self._pass_on(self._outs(out)[1])
 
     def infer(self, mb: int, args: tuple, target: Any = None) -> Any:
         """FWD of a forward-only Program (an evaluation pass): no graph, nothing kept for a backward. Returns
@@ -118,7 +129,7 @@ class Stage:
         with torch.no_grad():
             out = self.module(*args)
             if not self.last:
-                return outputs_of(out, self.index)
+                return self._outs(out)[1]
             if target is not None and self.loss_fn is not None:
                 self._add_loss(self.loss_fn(out, target), mb)
             return out
@@ -156,9 +167,25 @@ class Stage:
             loss = self._add_loss(loss, mb) if accumulate else self._scaled(loss, mb)
             self.saved[mb] = (args, (loss,))
             return None
-        outs = outputs_of(out, self.index)
+        outs, msgs = self._outs(out)
         self.saved[mb] = (args, outs)
-        return tuple(o.detach() for o in outs)
+        return self._pass_on(msgs)
+
+    def _outs(self, out: Any) -> tuple[tuple[torch.Tensor, ...], Any]:
+        """The module's output as (the tensors the backward starts from, what is passed on): on the chain both
+        the tuple of its tensors; on a graph the flat tuple and the list of per-edge messages."""
+        if self.outputs is None:
+            outs = outputs_of(out, self.index)
+            return outs, outs
+        msgs = edge_outputs(out, self.index, self.outputs)
+        return tuple(t for msg in msgs for t in msg), msgs
+
+    def _pass_on(self, msgs: Any) -> Any:
+        """Detached copies to pass on: on a graph one per edge, so that two consumers on this rank never share
+        a leaf (each takes its own input's gradient)."""
+        if self.outputs is None:
+            return tuple(o.detach() for o in msgs)
+        return [tuple(o.detach() for o in msg) for msg in msgs]
 
     def _call(self, mb: int, args: tuple, keep: bool) -> tuple[Any, tuple, tuple]:
         """The module on one micro-batch: (output, cache leaves read, own kv). Sliced, it reads the earlier
@@ -198,6 +225,8 @@ class Stage:
         args, outs = self.saved.pop(mb)
         if self.pool is not None:
             self.pool.ready(mb, self.index)  # a RELOAD's copy has landed
+        if self.outputs is not None and grads is not None and len(outs) > 1:
+            outs, grads = _merge(outs, grads)
         read: tuple[torch.Tensor, ...] = ()
         if self.kv is not None:  # the slice's own kv are outputs too, with the later slices' gradients
             read, own = self.kv.backward_of(mb)
@@ -266,3 +295,20 @@ class Stage:
         """Micro-batches whose backward never ran (a Program bug): empty when the step is complete."""
         left = set(self.saved) | set(self.deferred) | set(self.stashed)
         return sorted(left | set(self.kv.left()) if self.kv is not None else left)
+
+
+def _merge(outs: tuple[torch.Tensor, ...], grads: Any) -> tuple[tuple[torch.Tensor, ...], tuple]:
+    """A stage graph's fan-out: a tensor sent on several edges is one output whose gradient is the sum of the
+    edges' (summed here, so that every backward, split or not, sees each output once)."""
+    at: dict[int, int] = {}
+    o2: list[torch.Tensor] = []
+    g2: list[Any] = []
+    for o, g in zip(outs, grads):
+        k = at.get(id(o))
+        if k is None:
+            at[id(o)] = len(o2)
+            o2.append(o)
+            g2.append(g)
+        elif g is not None:
+            g2[k] = g if g2[k] is None else g2[k] + g
+    return tuple(o2), tuple(g2)

@@ -370,6 +370,7 @@ class Worker:
                 loss_scale=args.loss_scale,
                 seed=args.seed,
                 replicas=self.program.dp,
+                graph=getattr(self.program, "graph", None),
             )
             checks = CheckStats()
         report = Report(args.records if self.rank == 0 else None)

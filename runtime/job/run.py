@@ -271,7 +271,10 @@ def run_local(opts: RunOptions, program: Program, model, links=None, schedule=No
     pipe = LocalPipeline(program, model.build_stage, model.loss_fn, options=options, transport=Transport(links=links))
     reference = None
     if opts.check:
-        reference = Reference(model.build_stage, model.loss_fn, program.num_stages, program.num_sequences, **kw)
+        graph = getattr(program, "graph", None)
+        reference = Reference(
+            model.build_stage, model.loss_fn, program.num_stages, program.num_sequences, graph=graph, **kw
+        )
         checks = CheckStats()
     report.line(header(program, f"--local on {device.type}, one process", model.path))
     if links is not None:

@@ -31,6 +31,11 @@ targets into the schedule's slices, so dim 1 must be the schedule's `seqlen`; ev
 key/value cache interface (`module(*inputs, past_kv=past) -> (output, kv)`, pipec.runtime.exec.slices), and
 `loss_fn` is a mean over the tokens (each slice's loss counts its share of the tokens).
 
+A stage graph (a schedule with `edge` declarations, pipec.ir.graph): stage s's module takes its input stages'
+outputs as positional arguments in the order of `graph.inputs(s)` (a stage without inputs takes the batch's
+inputs) and returns one tensor (sent on every out-edge) or a tuple with one entry per out-edge in the order
+of `graph.outputs(s)` (docs/runtime.md, "Stage graphs"; examples/unet.py, examples/two_encoders.py).
+
 Every error names the file and what is missing or wrong.
 """
 
