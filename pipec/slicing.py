@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipec.errors import PipecError, Source, error
+from pipec.formats.graph_limits import refuse_graph
 from pipec.ir.schedule import Schedule, Slicing
 
 # The grid's default: at most this many positions along the sequence (granularity = the smallest divisor of
@@ -129,6 +130,7 @@ def slice_costs(sched: Schedule, docs: Sequence[Mapping] = (), granularity: int 
     """The slice times of `sched` (evaluated, with `slices`) under these cost documents on a grid of
     `granularity` tokens (default: `default_granularity`). E807 without slices, E808 when no `attn` is
     given, E809 for a granularity that does not divide the sequence."""
+    _refuse_graph(sched)
     sl = sched.slicing
     if sl is None or "slices" not in sched.decl_spans:
         raise _no_slices(sched)
@@ -438,6 +440,17 @@ def _slice_parameter(source: Source):
     return tree, decl
 
 
+def _refuse_graph(sched: Schedule) -> None:
+    """E217: TeraPipe's dynamic program prices slices through a chain of stages."""
+    refuse_graph(
+        sched,
+        "pipec slice",
+        "TeraPipe's dynamic program prices each slice through a chain of stages (a pipeline of depth S, stage s "
+        "feeding s + 1), and a stage graph's paths differ in depth",
+        "choose the slices by hand (`tokens j -> ...`) and compare them with `pipec simulate`",
+    )
+
+
 def _no_slices(sched: Schedule) -> PipecError:
     span = sched.decl_spans.get("slices")
     return error(
@@ -497,6 +510,7 @@ def slice_schedule(
 
     items = list(params.items()) if isinstance(params, Mapping) else list(params)
     sched = build(source, items)
+    _refuse_graph(sched)
     if sched.slicing is None or "slices" not in sched.decl_spans:
         raise _no_slices(sched)
     _slice_parameter(source)  # before the search: the file could not be written

@@ -117,11 +117,21 @@ def read_source(name: str) -> Source:
 
 def build(args: argparse.Namespace) -> Schedule:
     """The Schedule a command works on; of a Program file, the one it executes (pipec.api.schedule_of)."""
-    from pipec.driver import schedule_of
     from pipec.ir.program import Program
 
     obj, where = target(args)
-    return schedule_of(obj, Source(where, "")) if isinstance(obj, Program) else obj
+    return program_schedule(obj, where) if isinstance(obj, Program) else obj
+
+
+def program_schedule(prog: Program, where: str | None) -> Schedule:
+    """The Schedule a Program file executes (pipec.driver.schedule_of), with the Program's stage graph: a
+    graph Program's computes are no chain's, and a tool that cannot take a graph must see it (E217)."""
+    import dataclasses
+
+    from pipec.driver import schedule_of
+
+    s = schedule_of(prog, Source(where or "<program>", ""))
+    return dataclasses.replace(s, graph=prog.graph) if s.graph is None and prog.graph is not None else s
 
 
 def memory(args: argparse.Namespace, docs: list[dict] | None = None) -> dict[str, float]:

@@ -59,7 +59,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     (and, with --dp-kind fsdp, the lowering's UNSHARD/RESHARD windows); with --to torchtitan -o OUT, the
     compute-only OUT.csv and torchtitan's settings OUT.toml. What does not translate is an error, never
     dropped silently (see docs/interop.md)."""
-    from pipec.formats.torch_csv_writer import export_csv
+    from pipec.formats.torch_csv_writer import export_csv, refuse_graph_for_torch
 
     if args.to == "torchtitan":
         return _export_torchtitan(args)
@@ -67,6 +67,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise Misuse("the data-parallel options place collectives in the compute+comms CSV: add --comms")
     c = compiled(args)[0]
     s = c.schedule
+    refuse_graph_for_torch(s, c.program)  # E217: a Program file's graph too (its schedule is its computes)
     text = export_csv(s, c.program if args.comms else None, drop_memops=args.drop_memops)
     if args.output or not args.json:
         write(args.output, text)
@@ -89,6 +90,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def _export_torchtitan(args: argparse.Namespace) -> int:
     """`pipec export --to torchtitan -o OUT`: OUT.csv and OUT.toml (pipec.formats.torchtitan)."""
+    from pipec.formats.torch_csv_writer import refuse_graph_for_torch
     from pipec.formats.torchtitan import export_torchtitan, output_paths
 
     if options.dp_given(args):
@@ -97,7 +99,9 @@ def _export_torchtitan(args: argparse.Namespace) -> int:
         raise Misuse("--to torchtitan writes two files: give -o OUT (OUT.csv and OUT.toml)")
     if args.microbatch_size < 1:
         raise Misuse(f"--microbatch-size must be at least 1, not {args.microbatch_size}")
-    s = compiled(args)[0].schedule
+    c = compiled(args)[0]
+    s = c.schedule
+    refuse_graph_for_torch(s, c.program, "the torchtitan export")  # E217, a Program file's graph too
     csv_path, toml_path = output_paths(args.output)
     out = export_torchtitan(
         s, csv_path, comms=args.comms, microbatch_size=args.microbatch_size, drop_memops=args.drop_memops

@@ -37,6 +37,7 @@ def cmd_partition(args: argparse.Namespace) -> int:
     the uniform split and write the partition file `pipec run --partition` reads. See docs/partition.md."""
     from pipec.formats.partition_files import Ranks, parse_ranks, read_table, write_json
     from pipec.partition import partition, report_lines, to_doc
+    from pipec.partition.problem import refuse_graph_for_partition
     from pipec.passes.compiler import compile_schedule
     from pipec.sim.cost_files import cost_spec
 
@@ -45,7 +46,9 @@ def cmd_partition(args: argparse.Namespace) -> int:
     writable(args.output, "-o")
     writable(args.save_layers, "--save-layers")
     sched = build(args)
+    refuse_graph_for_partition(sched, tool="pipec partition")  # E217 before compiling or profiling
     program = compile_schedule(sched).program
+    refuse_graph_for_partition(sched, program, "pipec partition")  # a Program file's own graph
     cost_docs = [cost_spec(t) for t in args.cost]
     ranks = parse_ranks(args.ranks) if args.ranks else Ranks()
     for doc in cost_docs:

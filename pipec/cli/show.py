@@ -15,12 +15,13 @@ from pipec.cli.args import (
     json_arg,
     moe_layers,
     on_network,
+    program_schedule,
     schedule_args,
     target,
     topology_arg,
 )
 from pipec.cli.envelope import Misuse, emit
-from pipec.errors import Source, brief
+from pipec.errors import brief
 from pipec.ir.experts import Experts
 
 if TYPE_CHECKING:  # numpy and the compiler load when the command runs (`pipec list` is quick)
@@ -45,13 +46,13 @@ def show_arguments(p: argparse.ArgumentParser) -> None:
 def cmd_show(args: argparse.Namespace) -> int:
     """Print the schedule as a grid: one row per step, one column per rank; `F3&B1` marks an overlapped pair.
     A Program file shows the schedule it executes."""
-    from pipec.driver import check_program, schedule_of
+    from pipec.driver import check_program
     from pipec.ir.program import Program
     from pipec.passes.compiler import compile_schedule
     from pipec.view.grid import cells, format_grid, grid_title
 
     obj, where = target(args)
-    s = schedule_of(obj, Source(where, "")) if isinstance(obj, Program) else obj
+    s = program_schedule(obj, where) if isinstance(obj, Program) else obj
     prog = None  # with data parallelism: the Program whose collectives are shown under the grid
     if isinstance(obj, Program) and dp_json(obj):
         prog = check_program(obj, None, where, dp(args, True)).program

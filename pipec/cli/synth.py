@@ -121,14 +121,14 @@ def cmd_synth(args: argparse.Namespace) -> int:
             print(line, file=sys.stderr, flush=True)
 
     name = args.name or (os.path.splitext(os.path.basename(args.output))[0] if args.output else "synth")
+    names = args.compare.split(",") if args.compare else None
+    rows = synth.library_comparison(spec, names)  # before the search: a stage graph there is E217
     result = synth.synthesize(
         spec,
         args.time_limit,
         use_solver=False if args.no_solver else (True if args.solver else None),
         progress=progress,
     )
-    names = args.compare.split(",") if args.compare else None
-    rows = synth.library_comparison(spec, names)
     table = synth.comparison_text(result, rows, name)
     command = "pipec " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["synth"] else None
     text = synth.write_pipe(result, name, command, table)

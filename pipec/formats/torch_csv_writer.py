@@ -1,10 +1,10 @@
 """Writing torch.distributed.pipelining's schedule CSV: the one writer of the format.
 
 `export_csv` writes a checked Schedule in the compute-only format, or with its lowered Program the
-compute+communication format; what torch cannot run as pipec means it is an error (E610 to E616), never
-a CSV that runs otherwise. pipec.formats.torchtitan hands its CSV to torchtitan through here. The format
-and its action types are pipec.formats.torch_actions'; reading a CSV is
-pipec.formats.torch_csv_reader's. Plain text only: nothing here imports torch.
+compute+communication format; what torch cannot run as pipec means it is an error (E610 to E616, E217
+for a stage graph), never a CSV that runs otherwise. pipec.formats.torchtitan hands its CSV to
+torchtitan through here. The format and its action types are pipec.formats.torch_actions'; reading a
+CSV is pipec.formats.torch_csv_reader's. Plain text only: nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from pipec.errors import PipecError, error
+from pipec.formats.graph_limits import refuse_graph
 from pipec.formats.torch_actions import NO_MB, OPCODE_OF, torch_name
 from pipec.ir.opcodes import BY_NAME, COMPUTE_OF_KIND, COMPUTE_RES, IS_MEMOP, MEMOPS, OP_KINDS, OPCODES
 from pipec.ir.schedule import MemOp, Schedule
@@ -102,7 +103,23 @@ def check_unsliced(sched: Schedule, program=None) -> None:
         )
 
 
+# Why a torch CSV cannot hold a stage graph (E217): said once, for the torch CSV and torchtitan.
+TORCH_GRAPH_LIMIT = (
+    "torch.distributed.pipelining's runtime sends each stage's output to the next stage only (stage s to s + 1) "
+    "and its actions name no edge, so a skip connection or a fan-in would run as a chain"
+)
+TORCH_GRAPH_HINT = "run the schedule with pipec's runtime (`pipec run`), which executes every edge"
+
+
+def refuse_graph_for_torch(sched: Schedule, program=None, tool: str = "the torch CSV writer") -> None:
+    """E217 for a schedule or Program with a stage graph: torch has no form for one."""
+    refuse_graph(sched, tool, TORCH_GRAPH_LIMIT, TORCH_GRAPH_HINT)
+    if program is not None:
+        refuse_graph(program, tool, TORCH_GRAPH_LIMIT, TORCH_GRAPH_HINT, sched.source)
+
+
 def _check_exportable(sched: Schedule, drop_memops: bool = False, program=None) -> None:
+    refuse_graph_for_torch(sched, program)
     check_unsliced(sched, program)
     if not drop_memops:
         _check_memops(sched, program)

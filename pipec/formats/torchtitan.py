@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass
 
 from pipec.errors import PipecError, error
-from pipec.formats.torch_csv_writer import check_unsliced, export_csv
+from pipec.formats.torch_csv_writer import check_unsliced, export_csv, refuse_graph_for_torch
 from pipec.ir.schedule import Schedule
 
 TORCHTITAN_VERSION = "0.2.2"
@@ -129,7 +129,9 @@ def export_torchtitan(
     """The compute-only CSV and torchtitan's settings for a checked schedule. Raises E621 for the
     compute+comms format, E615 and E616 for token slices and variable lengths, E620 for a placement
     torchtitan cannot build, and the torch CSV writer's errors (E610 to E612, E614 for memory ops unless
-    `drop_memops`) for what torch's runtime cannot run."""
+    `drop_memops`) for what torch's runtime cannot run; E217 first for a stage graph (torchtitan builds and
+    runs a chain of stages)."""
+    refuse_graph_for_torch(sched, tool="the torchtitan export")
     if comms:
         raise error(
             "E621",

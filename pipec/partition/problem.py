@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from pipec.errors import brief, error
+from pipec.formats.graph_limits import refuse_graph
 from pipec.formats.partition_files import LayerTable
 from pipec.ir.program import Program
 from pipec.ir.schedule import Schedule
@@ -59,6 +60,21 @@ class Split:
         return tuple(b - a for a, b in zip(self.bounds, self.bounds[1:]))
 
 
+# Why a split of layers cannot take a stage graph (E217): said once, for `pipec partition` and `pipec plan`.
+PARTITION_GRAPH_LIMIT = (
+    "it splits the model's layers, in order, into consecutive stages (stage s takes the layers after stage "
+    "s - 1's), and the stages of a stage graph are not a chain of layers"
+)
+
+
+def refuse_graph_for_partition(sched, program=None, tool: str = "the partition search") -> None:
+    """E217 for a schedule or Program with a stage graph (before anything is profiled or searched)."""
+    hint = "give each stage its layers in the model file and run the schedule with `pipec run`"
+    refuse_graph(sched, tool, PARTITION_GRAPH_LIMIT, hint)
+    if program is not None:
+        refuse_graph(program, tool, PARTITION_GRAPH_LIMIT, hint, getattr(sched, "source", None))
+
+
 class Problem:
     """The schedule, its Program, the layer table, the ranks' speeds and limits, and everything the search
     precomputes from them (quantized prefix tables, the dependency graph, each rank's memory positions)."""
@@ -74,6 +90,7 @@ class Problem:
     ) -> None:
         from pipec.sim.costs import cost_model
 
+        refuse_graph_for_partition(sched, program)
         S, R, L = sched.num_stages, sched.num_ranks, table.num_layers
         if S > L:
             raise error(

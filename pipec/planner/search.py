@@ -203,11 +203,13 @@ class _Builder:
 
     def schedule(self, cand: Candidate):
         from pipec.driver import build, read_source
+        from pipec.partition.problem import refuse_graph_for_partition
 
         key = (cand.schedule, cand.m, cand.v)
         if key not in self.base:
             try:
                 got = build(read_source(cand.schedule), {"p": self.inputs.p, **cand.params})
+                refuse_graph_for_partition(got, tool="pipec plan")  # E217: said among the skipped
                 # the layer table gives every time; a library schedule's own `cost` lines are in its units
                 self.base[key] = replace(got, costs={})
             except PipecError as e:

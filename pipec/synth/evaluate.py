@@ -58,6 +58,7 @@ def library_comparison(spec: Spec, names: Sequence[str] | None = None):
     they declare chunks): (name, params, Figures or None, note)."""
     from pipec.driver import build, param_names, simulation
     from pipec.errors import PipecError
+    from pipec.formats.graph_limits import refuse_graph
     from pipec.frontend import library
 
     if names is None:
@@ -73,12 +74,21 @@ def library_comparison(spec: Spec, names: Sequence[str] | None = None):
             known = set(param_names(source))
             params = {k: v for k, v in (("p", spec.p), ("m", spec.m), ("v", 2)) if k in known}
             sched = build(source, params)
+            refuse_graph(
+                sched,
+                "pipec synth",
+                "it searches and compares chain schedules (stage s feeds s + 1), and a stage graph's step or "
+                "peak is no figure for a chain",
+                "compare with chain schedules, or simulate the graph schedule itself (`pipec simulate`)",
+            )
             if spec.topology is not None:  # every schedule on the spec's network
                 sched = replace(sched, topology=spec.topology)
             # memory per stage is per rank's share p / S of the model for every schedule
             share = {k: v * sched.num_ranks / sched.num_stages for k, v in mem.items()}
             sim = simulation(sched, spec.cost_docs, share or None)
         except PipecError as e:
+            if e.code == "E217":  # a stage graph: refused, not a row of the comparison
+                raise
             rows.append((name, "", None, e.diagnostics[0].message))
             continue
         st = sim.stats

@@ -144,8 +144,8 @@ def library_seeds(spec: Spec, until: float | None = None, progress: Progress | N
             sched = build(source, params)
         except PipecError:
             continue
-        if sched.placement != want.placement or sched.kinds != want.kinds:
-            continue
+        if sched.placement != want.placement or sched.kinds != want.kinds or sched.graph is not None:
+            continue  # a stage graph seeds no chain
         if spec.topology is None and sched.topology is not None:
             continue  # a schedule made for a network the spec does not have
         seeded = to_schedule(spec, _orders(sched), name)

@@ -255,9 +255,15 @@ def _doc_sections() -> dict[str, str]:
     return {parts[i]: parts[i + 1].split("\n## ")[0] for i in range(1, len(parts), 2)}
 
 
+# E2xx codes a tool raises on a schedule that builds (E217: an exporter or tool that cannot take a stage graph
+# yet), so no `pipec check` triggers them: documented with the tool's command and, like the listed codes,
+# triggered by the tools' own tests (tests/unit/tools/test_graph_refusals.py runs E217's example).
+AFTER_BUILD = {"E217"}
+
+
 def _listed_codes() -> set[str]:
     """E4xx and up: listed in docs/errors.md, documented in full and tested by the work that adds them."""
-    return {c for c in _doc_sections() if c[1] >= "4"}
+    return {c for c in _doc_sections() if c[1] >= "4" or c in AFTER_BUILD}
 
 
 def test_every_code_in_the_source_is_documented():
