@@ -418,7 +418,11 @@ def _mismatch(prog: Program, a: int, b: int, k: int, where_a, where_b) -> PipecE
         if k >= len(where):
             return f"rank {r} issues no message {k} to rank {q}"
         instr = _instr_at(prog, r, int(where[k]))
-        return f"rank {r}'s message {k} with rank {q} is `{instr}`{_unit_text(_sliced(prog), instr.mb)}"
+        edge = ""
+        if prog.graph is not None and instr.other >= 0:
+            lo, hi = sorted((instr.stage, instr.other))
+            edge = f" (edge {lo} -> {hi})"
+        return f"rank {r}'s message {k} with rank {q} is `{instr}`{edge}{_unit_text(_sliced(prog), instr.mb)}"
 
     return error(
         "E404",

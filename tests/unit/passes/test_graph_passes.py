@@ -244,7 +244,7 @@ def test_swapped_messages_on_a_shared_channel_are_e404_naming_the_edges():
     bad = replace(prog, ranks=(_move(prog.ranks[0], b, a), prog.ranks[1]))
     with pytest.raises(PipecError) as e:
         dry_run(bad)
-    assert e.value.code == "E404" and "SEND_ACT 1 0 1 1" in str(e.value)
+    assert e.value.code == "E404" and "`SEND_ACT 1 0 1 1` (edge 0 -> 1)" in str(e.value)
 
 
 @st.composite
