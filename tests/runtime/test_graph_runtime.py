@@ -100,6 +100,7 @@ LOCAL_CASES = [
     ("unet", ("zb-h1", "p"), dict(p=4, m=4)),  # split backward, remote skip
     ("unet", ("zb-v", "2 * p"), dict(p=2, m=4)),  # V placement: every skip a hand-off on its rank
     ("unet", ("zb-v", "2 * p"), dict(p=3, m=5)),
+    ("unet", ("interleaved-1f1b", "p * v"), dict(p=2, v=2, m=4)),  # two stages a rank, placed s % p
 ]
 
 
