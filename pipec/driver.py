@@ -159,6 +159,7 @@ def schedule_of(prog: Program, source: Source | None = None) -> Schedule:
         ranks=tuple(ranks),
         source=source,
         slicing=prog.slicing,
+        graph=prog.graph,
     )
 
 

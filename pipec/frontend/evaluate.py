@@ -256,6 +256,8 @@ def _run(compiled: GeneratedCode, source: Source, given: dict[str, object], only
             tuple(MemOp(MEMOP_NAMES[k], i, s, before, spans[sid]) for k, i, s, before, sid in row) for row in mem_rows
         )
     decl_spans = {k: compiled.spans[sid] for k, (_, sid) in rt.decls.items()}
+    if rt.edges:  # the first `edge` declaration: where a tool that cannot take a graph points (E217)
+        decl_spans["edge"] = compiled.spans[rt.edges[0][1]]
     expects = tuple(
         Expectation(compiled.spans[sid], compiled.spans[csid], msg, rank, _expectation_test(fn, compiled, source))
         for sid, csid, msg, fn, rank in env.expects
