@@ -99,7 +99,12 @@ def _tolerance(tl: Timeline) -> float:
 
 class _Finder:
     """Finds, for many (rank, instant) queries at once, an event of a chosen set ending on that rank at that
-    instant (the first by kind order; -1 when none)."""
+    instant (the first by kind order; -1 when none).
+
+    One search for all queries: each row's key is its rank times (M + 1) plus the position of its end among
+    the M distinct ends, so keys sort as (rank, end) do and an instant's bound is an exact integer too
+    (e >= x exactly when e's position is at least x's left insertion point; e <= x when it is below x's
+    right one). Ten thousand ranks are one searchsorted, not ten thousand."""
 
     def __init__(self, ev: _Events, select: np.ndarray, tol: float) -> None:
         idx = np.flatnonzero(select)
@@ -108,32 +113,34 @@ class _Finder:
         self.rank = ev.rank[self.rows]
         self.end = ev.end[self.rows]
         self.tol = tol
+        self.ends = np.unique(self.end)
+        self.width = len(self.ends) + 1
+        self.key = self.rank * self.width + np.searchsorted(self.ends, self.end, side="left")
+
+    def _bounds(self, rank: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Where each query's rank's rows begin and end in the sorted rows."""
+        base = np.asarray(rank, np.int64) * self.width
+        return np.searchsorted(self.key, base, side="left"), np.searchsorted(self.key, base + self.width, side="left")
 
     def find(self, rank: np.ndarray, t: np.ndarray, exclude: np.ndarray | None = None) -> np.ndarray:
         out = np.full(len(t), -1, dtype=np.int64)
         if not len(self.rows) or not len(t):
             return out
-        lo = np.searchsorted(self.rank, rank, side="left")
-        hi = np.searchsorted(self.rank, rank, side="right")
-        for r in np.unique(rank):  # one search per rank (few), each over that rank's sorted ends
-            q = np.flatnonzero(rank == r)
-            a, b = int(lo[q[0]]), int(hi[q[0]])
-            if a == b:
-                continue
-            ends = self.end[a:b]
-            k = np.searchsorted(ends, t[q] - self.tol, side="left")
-            for _ in range(2):  # skip the excluded row itself (a zero-length event ending at its own start)
-                ok = k < len(ends)
-                kk = np.minimum(k, len(ends) - 1)
-                hit = ok & (np.abs(ends[kk] - t[q]) <= self.tol)
-                rows = np.where(hit, self.rows[a + kk], -1)
-                if exclude is None:
-                    break
-                same = hit & (rows == exclude[q])
-                if not same.any():
-                    break
-                k = np.where(same, k + 1, k)
-            out[q] = rows
+        rank = np.asarray(rank, np.int64)
+        _, hi = self._bounds(rank)
+        at = np.searchsorted(self.ends, t - self.tol, side="left")  # ends >= t - tol
+        k = np.searchsorted(self.key, rank * self.width + at, side="left")
+        last = len(self.rows) - 1
+        for _ in range(2):  # skip the excluded row itself (a zero-length event ending at its own start)
+            kk = np.minimum(k, last)
+            hit = (k < hi) & (np.abs(self.end[kk] - t) <= self.tol)
+            out = np.where(hit, self.rows[kk], -1)
+            if exclude is None:
+                break
+            same = hit & (out == exclude)
+            if not same.any():
+                break
+            k = np.where(same, k + 1, k)
         return out
 
     def latest(self, rank: np.ndarray, t: np.ndarray, exclude: np.ndarray) -> np.ndarray:
@@ -141,19 +148,14 @@ class _Finder:
         out = np.full(len(t), -1, dtype=np.int64)
         if not len(self.rows) or not len(t):
             return out
-        lo = np.searchsorted(self.rank, rank, side="left")
-        hi = np.searchsorted(self.rank, rank, side="right")
-        for r in np.unique(rank):
-            q = np.flatnonzero(rank == r)
-            a, b = int(lo[q[0]]), int(hi[q[0]])
-            if a == b:
-                continue
-            k = np.searchsorted(self.end[a:b], t[q] + self.tol, side="right") - 1
-            rows = np.where(k >= 0, self.rows[a + np.maximum(k, 0)], -1)
-            back = (rows == exclude[q]) & (k >= 1)  # itself (zero length): the one before it
-            rows = np.where(back, self.rows[a + np.maximum(k - 1, 0)], np.where(rows == exclude[q], -1, rows))
-            out[q] = rows
-        return out
+        rank = np.asarray(rank, np.int64)
+        lo, _ = self._bounds(rank)
+        below = np.searchsorted(self.ends, t + self.tol, side="right")  # ends <= t + tol
+        k = np.searchsorted(self.key, rank * self.width + below, side="left") - 1
+        rows = np.where(k >= lo, self.rows[np.maximum(k, 0)], -1)
+        back = (rows == exclude) & (k - 1 >= lo)  # itself (zero length): the one before it
+        before = self.rows[np.maximum(k - 1, 0)]
+        return np.where(back, before, np.where(rows == exclude, -1, rows))
 
 
 def _predecessors(ev: _Events, tol: float, first: float) -> np.ndarray:
@@ -218,10 +220,10 @@ def _gaps(tl: Timeline, ev: _Events, pred: np.ndarray, tol: float, first: float)
     prev_end = np.full(len(order), first)
     if len(order):  # the latest end so far on the rank (pairs and measured runs may overlap)
         seg = np.cumsum(new_rank) - 1
-        run = end.copy()
-        for s in np.unique(seg):
-            idx = np.flatnonzero(seg == s)
-            run[idx] = np.maximum.accumulate(end[idx])
+        ends = np.unique(end)  # a running maximum per rank at once: over (rank, position of the end) keys
+        width = len(ends) + 1
+        code = np.maximum.accumulate(seg * width + np.searchsorted(ends, end)) - seg * width
+        run = ends[code]
         prev_end = np.where(new_rank, first, np.r_[first, run[:-1]])
     is_gap = start - prev_end > tol
     rows = order[is_gap]
