@@ -124,14 +124,11 @@ def build(args: argparse.Namespace) -> Schedule:
 
 
 def program_schedule(prog: Program, where: str | None) -> Schedule:
-    """The Schedule a Program file executes (pipec.driver.schedule_of), with the Program's stage graph: a
-    graph Program's computes are no chain's, and a tool that cannot take a graph must see it (E217)."""
-    import dataclasses
-
+    """The Schedule a Program file executes (pipec.driver.schedule_of, which keeps its stage graph: a tool
+    that cannot take a graph must see it, E217)."""
     from pipec.driver import schedule_of
 
-    s = schedule_of(prog, Source(where or "<program>", ""))
-    return dataclasses.replace(s, graph=prog.graph) if s.graph is None and prog.graph is not None else s
+    return schedule_of(prog, Source(where or "<program>", ""))
 
 
 def memory(args: argparse.Namespace, docs: list[dict] | None = None) -> dict[str, float]:
