@@ -19,7 +19,9 @@ from __future__ import annotations
 import base64
 import json
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from importlib import resources
 from typing import TYPE_CHECKING
@@ -42,10 +44,26 @@ CRITICAL, PAIR_FIRST, PAIR_SECOND, IN_CYCLE = 1, 2, 4, 8
 DTYPES = {"f4": "<f4", "i4": "<i4", "i2": "<i2", "u1": "u1"}
 
 
+# How hard `encode` deflates: 6 for a file (`pipec view`: its size is what is kept), 1 for the playground's
+# answers (`compression(1)`: thrown away after one draw; 3.7x faster for 20% more bytes at 10,000 ranks).
+_LEVEL: ContextVar[int] = ContextVar("pipec_view_deflate_level", default=6)
+
+
+@contextmanager
+def compression(level: int) -> Iterator[None]:
+    """Documents built inside deflate their columns at this zlib level."""
+    token = _LEVEL.set(level)
+    try:
+        yield
+    finally:
+        _LEVEL.reset(token)
+
+
 def encode(values: np.ndarray | Sequence[float], dtype: str) -> dict[str, object]:
     """One column for the page: {dtype, n, b64} with the little-endian bytes deflated, then base64."""
     arr = np.ascontiguousarray(np.asarray(values).astype(DTYPES[dtype]))
-    return {"dtype": dtype, "n": int(arr.size), "b64": base64.b64encode(zlib.compress(arr.tobytes(), 6)).decode()}
+    packed = zlib.compress(arr.tobytes(), _LEVEL.get())
+    return {"dtype": dtype, "n": int(arr.size), "b64": base64.b64encode(packed).decode()}
 
 
 def decode(col: dict[str, object]) -> np.ndarray:
@@ -77,19 +95,21 @@ def _op_sources(tl: Timeline, sched: Schedule | None, sources: _Sources) -> tupl
     if sched is None or not sched.ranks or not n:
         return src, flags
     S, K = max(sched.num_stages, 1), len(sched.kinds)
-    U = int(max([tl.mb.max() + 1] + [int(r.mb.max()) + 1 for r in sched.ranks if len(r)]))
+    # All ranks' ops at once (a loop over ten thousand ranks' small arrays costs more than the work).
+    lengths = np.fromiter((len(r) for r in sched.ranks), np.int64, len(sched.ranks))
+    cat = {f: np.concatenate([getattr(r, f) for r in sched.ranks]) for f in ("kind", "stage", "mb", "sid", "paired")}
+    U = int(max(tl.mb.max(), cat["mb"].max() if len(cat["mb"]) else 0)) + 1
 
     def key(rank, kind, stage, mb):
         return ((np.asarray(rank, np.int64) * K + kind) * S + stage) * U + mb
 
-    keys, sids, pflags = [], [], []
-    for r, ops in enumerate(sched.ranks):
-        keys.append(key(r, ops.kind, ops.stage, ops.mb))
-        sids.append(ops.sid)
-        first = ops.paired.astype(bool)
-        second = np.r_[False, first[:-1]] if len(first) else first
-        pflags.append(first * PAIR_FIRST + second * PAIR_SECOND)
-    k_all, sid_all, pf_all = np.concatenate(keys), np.concatenate(sids), np.concatenate(pflags)
+    k_all = key(np.repeat(np.arange(len(sched.ranks)), lengths), cat["kind"], cat["stage"], cat["mb"])
+    sid_all = cat["sid"]
+    first = cat["paired"].astype(bool)
+    starts = np.zeros(len(first), bool)
+    starts[np.cumsum(lengths)[:-1][lengths[1:] > 0]] = True  # each rank's first op follows no op of its own
+    second = np.r_[False, first[:-1]] & ~starts if len(first) else first
+    pf_all = first * PAIR_FIRST + second * PAIR_SECOND
     order = np.argsort(k_all, kind="stable")
     k_all, sid_all, pf_all = k_all[order], sid_all[order], pf_all[order]
     op = np.where(tl.op == RECOMPUTE, FWD, tl.op)
@@ -121,21 +141,23 @@ def _curves(curves: MemoryCurves | None, t0: float) -> dict | None:
     if curves is None:
         return None
 
-    def lim(x: float) -> float | None:
-        return None if not np.isfinite(x) else float(x)
-
     # Every rank's samples in one column each (rank r's are [off[r], off[r + 1])): ten thousand ranks are
     # four columns for the page to inflate, not forty thousand.
-    ranks = []
-    for r in range(len(curves.device)):
-        ranks.append(
-            {
-                "limit": lim(float(curves.limit[r])) if r < len(curves.limit) else None,
-                "host_limit": lim(float(curves.host_limit[r])) if r < len(curves.host_limit) else None,
-                "peak": float(curves.device_peak[r]),
-                "host_peak": float(curves.host_peak[r]),
-            }
+    n = len(curves.device)
+
+    def column(x: np.ndarray) -> list[float | None]:  # n values, None where absent or not finite
+        x = np.asarray(x, float)[:n]
+        return [v if np.isfinite(v) else None for v in x.tolist()] + [None] * (n - len(x))
+
+    ranks = [
+        {"limit": a, "host_limit": b, "peak": c, "host_peak": d}
+        for a, b, c, d in zip(
+            column(curves.limit),
+            column(curves.host_limit),
+            np.asarray(curves.device_peak, float).tolist(),
+            np.asarray(curves.host_peak, float).tolist(),
         )
+    ]
 
     def packed(pairs) -> tuple[dict, dict, list[int]]:
         ts = [np.asarray(t, float) - t0 for t, _ in pairs]
@@ -463,11 +485,8 @@ def view_document(
     the run's median op times per stage, `costs_of_timeline`); a schedule refused for a deadlock
     (E401) drawn with its chain of waits instead of failing. Other refusals raise their diagnostics.
     `experts` and `moe_layers` (`pipec.driver.simulation`'s) draw each rank's all-to-alls in a lane of their own."""
-    from pipec import driver
-    from pipec.errors import PipecError
     from pipec.formats.trace import read_trace
     from pipec.ir.program import Program
-    from pipec.ir.schedule import Schedule
 
     sources = new_sources()
     if is_trace_file(target):
@@ -487,30 +506,67 @@ def view_document(
         from pipec.sim.cost_files import costs_of_timeline
 
         docs = [costs_of_timeline(run, f"the medians of {measured}'s ops")]
-    panels = []
-    names = []
+    drawn = []
     for obj, where in objs:
         dp = None if isinstance(obj, Program) else data_parallel
-        try:
-            ep = None if isinstance(obj, Program) else experts
-            overrides = driver.memory_overrides(docs, memory)
-            sim = driver.simulation(obj, docs, overrides, topology, where, dp, ep, moe_layers)  # type: ignore[arg-type]
-        except PipecError as e:
-            if e.code != "E401" or not isinstance(obj, Schedule):
-                raise
-            panels.append(deadlock_panel(obj, e, sources))
-            names.append(obj.name)
-            continue
-        title = f"{sim.schedule.name} ({_params_text(sim.schedule)})"
-        if run is not None and not panels:
-            panels.append(simulation_panel(sim, title + ": simulated (upper) and measured (lower)", sources, run))
-        else:
-            panels.append(simulation_panel(sim, title, sources))
-        names.append(sim.schedule.name)
+        ep = None if isinstance(obj, Program) else experts
+        drawn.append(target_panel(obj, where, sources, docs, memory, topology, dp, ep, moe_layers, run, not drawn))
+    return drawn_document(drawn, sources, docs)
+
+
+@dataclass(frozen=True)
+class Drawn:
+    """One target's panel and the schedule it draws; `refusal`: the deadlock (E401) a refused schedule's
+    panel shows (its `sim` then None)."""
+
+    panel: dict
+    schedule: Schedule
+    sim: Simulation | None = None
+    refusal: PipecError | None = None
+
+
+def target_panel(
+    obj: Schedule | Program,
+    where: str | None,
+    sources: _Sources,
+    docs: Sequence[dict] = (),
+    memory: dict[str, object] | None = None,
+    topology: str | None = None,
+    data_parallel: object = None,
+    experts: object = None,
+    moe_layers: Sequence[int] | None = None,
+    run: Timeline | None = None,
+    first: bool = True,
+) -> Drawn:
+    """One panel of a view (`pipec view`'s, each of `--compare`'s two, the playground's and its baseline):
+    the target simulated through the driver and titled with its parameters, `run` laid over the `first`
+    panel; a Schedule refused for a deadlock (E401) drawn with its chain of waits. Other refusals raise."""
+    from pipec import driver
+    from pipec.errors import PipecError
+    from pipec.ir.schedule import Schedule
+
+    try:
+        overrides = driver.memory_overrides(docs, memory)
+        sim = driver.simulation(obj, docs, overrides, topology, where, data_parallel, experts, moe_layers)  # type: ignore[arg-type]
+    except PipecError as e:
+        if e.code != "E401" or not isinstance(obj, Schedule):
+            raise
+        return Drawn(deadlock_panel(obj, e, sources), obj, None, e)
+    title = f"{sim.schedule.name} ({_params_text(sim.schedule)})"
+    if run is not None and first:
+        title += ": simulated (upper) and measured (lower)"
+        return Drawn(simulation_panel(sim, title, sources, run), sim.schedule, sim)
+    return Drawn(simulation_panel(sim, title, sources), sim.schedule, sim)
+
+
+def drawn_document(drawn: Sequence[Drawn], sources: _Sources, docs: Sequence[dict] = ()) -> dict[str, object]:
+    """The document of these panels on one time axis (two: the page shows the second minus the first,
+    per rank); in seconds when the costs are (a cost file, a run's medians)."""
+    panels = [d.panel for d in drawn]
     if any(d.get("_from") not in (None, "--cost", "cost=") for d in docs):  # a cost file, a run's medians: seconds
         for p in panels:
             p["time_unit"] = "s" if p["kind"] != "deadlock" else p["time_unit"]
-    return document(panels, sources, "pipec view: " + " vs ".join(names))
+    return document(panels, sources, "pipec view: " + " vs ".join(d.schedule.name for d in drawn))
 
 
 def _target(

@@ -11,8 +11,9 @@ a handler is answered as JSON. pipec.cli.serve prints the URL; nothing here prin
 Endpoints (JSON in, JSON out):
 - `GET /`: the page (viewer and playground inlined, like `pipec view`'s file);
 - `GET /api/library`, `GET /api/library/NAME`: the library's names; one schedule's text and parameters;
-- `POST /api/simulate` {source, params, costs}: diagnostics (line and column), the parameters the source
-  declares, the makespan and the view's document;
+- `POST /api/simulate` {source, params, costs, compare}: diagnostics (line and column), the parameters the
+  source declares, the makespan and the view's document; with `compare` ({source, params}: a baseline,
+  under the same costs) the document draws the baseline above the source, as `pipec view --compare` does;
 - `POST /api/download` {source, params, costs, what}: the `.pipe`, the Program (text), the torch CSV or the
   view's HTML, as a file.
 """
@@ -147,15 +148,15 @@ def _request(body: object) -> tuple[str, list[tuple[str, str]], list[dict]]:
     return body["source"], given, driver.cost_docs(",".join(spec)) if spec else []
 
 
-def _target(text: str, params: list[tuple[str, str]]):
+def _target(text: str, params: list[tuple[str, str]], path: str = "<playground>"):
     """The Schedule or Program the source holds (its parameters: those it declares, given a value)."""
     from pipec import driver
     from pipec.errors import Source
     from pipec.formats.program_file import is_program_text, parse_program
 
-    source = Source("<playground>", text)
+    source = Source(path, text)
     if is_program_text(text):
-        return parse_program(text, "<playground>"), ()
+        return parse_program(text, path), ()
     names = driver.param_names(source)
     sched = driver.build(source, [(k, v) for k, v in params if k in names], check=False)
     if sched.num_ops > MAX_OPS:
@@ -163,45 +164,90 @@ def _target(text: str, params: list[tuple[str, str]]):
     return driver.checked(sched), names  # checked once it is known to be small, not evaluated twice
 
 
-def simulate(body: object) -> dict[str, Any]:
-    """What the page shows for a request: diagnostics, parameter names, makespan and the view's document."""
+def _compare_request(body: object) -> tuple[str, list[tuple[str, str]]] | None:
+    """The baseline a request compares with (`compare`: {source, params}; absent or null: none)."""
+    cmp = body.get("compare") if isinstance(body, dict) else None
+    if cmp is None:
+        return None
+    if not isinstance(cmp, dict) or not isinstance(cmp.get("source"), str):
+        raise RequestError(400, "`compare` must be a JSON object with `source` (the baseline's text)")
+    text, params, _ = _request({"source": cmp["source"], "params": cmp.get("params")})
+    return text, params
+
+
+def _values(sched) -> dict[str, str]:
+    return {k: str(v) for k, v in sched.params}
+
+
+def simulate(body: object, level: int = 1) -> dict[str, Any]:
+    """What the page shows for a request: diagnostics, parameter names, makespan and the view's document.
+    With `compare` (a baseline's source and parameters, the same costs), the document draws the baseline
+    first and the source second, the way `pipec view --compare` draws its two (`pipec.view.html.
+    target_panel`, one code path), so the page's summary gives the second minus the first per rank; the
+    answer's `compare` says what the baseline is drawn at, or why it is not drawn. `level`: how hard the
+    view's columns are deflated (1 for an answer drawn once; a download keeps 6, as `pipec view` does)."""
     from pipec import driver
     from pipec.errors import PipecError, Source
-    from pipec.ir.program import Program
-    from pipec.view.html import deadlock_panel, document, new_sources, simulation_panel
+    from pipec.view.html import compression, drawn_document, new_sources, target_panel
 
     text, params, docs = _request(body)
+    baseline = _compare_request(body)
     names: tuple[str, ...] = ()
     try:
         names = driver.param_names(Source("<playground>", text))
         obj, names = _target(text, params)
         sources = new_sources()
-        try:
-            sim = driver.simulation(obj, docs, driver.memory_overrides(docs), None, None)
-        except PipecError as e:
-            if e.code != "E401" or isinstance(obj, Program):
-                raise
-            panel = deadlock_panel(obj, e, sources)
-            return {
-                "ok": False,
-                "diagnostics": diagnostics_json(e),
-                "params": list(names),
-                "values": {k: str(v) for k, v in obj.params},  # what the picture is drawn at
-                "makespan": None,
-                "view": document([panel], sources, f"{obj.name}: deadlock"),
-            }
-        panel = simulation_panel(sim, sim.schedule.name, sources)
+        memory = driver.memory_overrides(docs)
+        with compression(level):  # an answer drawn once and dropped: deflate fast (pipec.view.html.encode)
+            compared = _baseline(baseline, sources, docs, memory) if baseline else None  # the first panel
+            drawn = [target_panel(obj, None, sources, docs, memory)]
+        if compared is not None and "drawn" in compared:
+            base = compared.pop("drawn")
+            base.panel["title"] = "baseline: " + base.panel["title"]
+            drawn.insert(0, base)
+        view = drawn_document(drawn, sources, docs)
+        now = drawn[-1]
+        answer: dict[str, Any] = {
+            "params": list(names),
+            "values": _values(now.schedule),  # what the picture is drawn at
+            "view": view,
+        }
+        if compared is not None:
+            answer["compare"] = compared
+        if now.refusal is not None:
+            return {"ok": False, "diagnostics": diagnostics_json(now.refusal), "makespan": None, **answer}
+        sim = now.sim
         return {
             "ok": True,
             "diagnostics": [],
-            "params": list(names),
-            "values": {k: str(v) for k, v in sim.schedule.params},
             "makespan": float(sim.timeline.makespan),
             "ops": int(sim.schedule.num_ops),
-            "view": document([panel], sources, sim.schedule.name),
+            **answer,
         }
     except PipecError as e:
         return {"ok": False, "diagnostics": diagnostics_json(e), "params": list(names), "makespan": None, "view": None}
+
+
+def _baseline(baseline: tuple[str, list[tuple[str, str]]], sources, docs, memory) -> dict[str, Any]:
+    """The baseline's panel (`drawn`) and what the page says of it; a baseline that fails or is refused is
+    not drawn, and its diagnostics say why (the source's own picture is drawn alone)."""
+    from pipec.errors import PipecError
+    from pipec.view.html import target_panel
+
+    text, params = baseline
+    try:
+        obj, _ = _target(text, params, "<baseline>")
+        drawn = target_panel(obj, None, sources, docs, memory)
+    except PipecError as e:
+        return {"ok": False, "diagnostics": diagnostics_json(e), "error": None}
+    except RequestError as e:
+        return {"ok": False, "diagnostics": [], "error": str(e)}
+    out: dict[str, Any] = {"ok": drawn.refusal is None, "values": _values(drawn.schedule)}
+    out["title"] = drawn.panel["title"]
+    out["diagnostics"] = diagnostics_json(drawn.refusal) if drawn.refusal is not None else []
+    out["makespan"] = float(drawn.sim.timeline.makespan) if drawn.sim is not None else None
+    out["drawn"] = drawn
+    return out
 
 
 def download(body: object) -> Answer:
@@ -221,7 +267,7 @@ def download(body: object) -> Answer:
         return Answer(200, ctype, text.encode(), name)
     try:
         if what == "html":
-            result = simulate(body)
+            result = simulate(body, 6)
             if result["view"] is None:
                 raise RequestError(422, "the schedule has errors: " + result["diagnostics"][0]["text"])
             return Answer(200, ctype, page(result["view"]).encode(), name)

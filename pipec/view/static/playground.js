@@ -4,8 +4,8 @@
   const $ = (id) => document.getElementById(id);
   const src = $("source"), gutter = $("gutter"), diagBox = $("diagnostics");
   const COSTS = ["F", "B", "W", "comm", "overhead"];
-  let paramNames = [], seq = 0, timer = null, drawn = null;
-  const values = {};
+  let paramNames = [], seq = 0, timer = null, drawn = null, pinned = null;
+  const values = {}, libraryText = {};
 
   function renderGutter(bad) {
     const n = src.value.split("\n").length;
@@ -74,8 +74,52 @@
   function request() {
     const params = {}, costs = {};
     for (const i of document.querySelectorAll("input[data-param]")) if (i.value.trim()) params[i.dataset.param] = i.value;
+    if (!paramNames.length) for (const [k, v] of Object.entries(values)) if (String(v).trim()) params[k] = v; // no fields yet: the URL's
     for (const i of document.querySelectorAll("input[data-cost]")) if (i.value.trim()) costs[i.dataset.cost] = i.value;
-    return { source: src.value, params, costs };
+    const body = { source: src.value, params, costs };
+    // Compare mode: a baseline drawn above the source, under the same costs (the server draws the two as
+    // pipec view --compare does; the viewer's summary gives the second minus the first).
+    const c = $("compare").value;
+    if (c === "@pinned" && pinned) body.compare = { source: pinned.source, params: pinned.params };
+    else if (c && c !== "@pinned" && libraryText[c] !== undefined) body.compare = { source: libraryText[c], params };
+    return body;
+  }
+
+  /** The baseline's source, when it is a library schedule not fetched yet. */
+  async function baselineReady() {
+    const c = $("compare").value;
+    if (!c || c === "@pinned" || libraryText[c] !== undefined) return;
+    const r = await fetch("/api/library/" + encodeURIComponent(c));
+    const doc = await r.json();
+    if (r.ok) libraryText[c] = doc.text;
+  }
+
+  function showCompare(res) {
+    const note = $("compare-note");
+    note.className = "pv-hint";
+    note.title = "";
+    if (!res.compare) { note.textContent = ""; return; }
+    const b = res.compare;
+    if (b.title) { // drawn: simulated, or refused for a deadlock and drawn as its chain of waits
+      const params = Object.entries(b.values || {}).map(([k, v]) => `${k}=${v}`).join(" ");
+      note.textContent = b.ok ? `baseline drawn above (${params}): makespan ${+b.makespan.toPrecision(6)}` : `baseline drawn above (${params}): refused (deadlock)`;
+      return;
+    }
+    const why = b.error || (b.diagnostics[0] && b.diagnostics[0].text) || "it failed";
+    note.textContent = "baseline not drawn: " + why.split("\n")[0];
+    note.title = why;
+    note.className = "pv-hint bad";
+  }
+
+  function pin() {
+    if (!drawn) return;
+    pinned = { source: drawn.source, params: { ...drawn.values }, seq: drawn.seq };
+    const opt = $("compare").querySelector("option[value='@pinned']");
+    const params = Object.entries(pinned.params).map(([k, v]) => `${k}=${v}`).join(" ") || "no parameters";
+    opt.textContent = `the pinned build #${pinned.seq} (${params})`;
+    opt.disabled = false;
+    $("compare").value = "@pinned";
+    schedule(0);
   }
 
   function schedule(delay) {
@@ -86,17 +130,19 @@
   async function run() {
     const mine = ++seq;
     $("status").textContent = "simulating…";
-    let res;
+    let res, req;
     try {
-      const r = await fetch("/api/simulate", { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(request()) });
+      await baselineReady();
+      req = request();
+      const r = await fetch("/api/simulate", { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(req) });
       res = await r.json();
       if (!r.ok) res = { ok: false, error: res.error || r.statusText, diagnostics: [] };
     } catch (e) { res = { ok: false, error: String(e), diagnostics: [] }; }
     if (mine !== seq) return; // a newer request is on its way
-    show(res);
+    show(res, req);
   }
 
-  function show(res) {
+  function show(res, req) {
     const bad = new Map();
     diagBox.textContent = "";
     for (const d of res.diagnostics || []) {
@@ -141,9 +187,11 @@
       $("makespan").textContent = res.makespan === null || res.makespan === undefined ? "-" : String(+res.makespan.toPrecision(6));
       $("makespan").dataset.value = res.makespan === null || res.makespan === undefined ? "" : String(res.makespan);
       const vals = res.values || {};
-      drawn = { seq: mine, time: new Date().toLocaleTimeString(), values: vals, lines: src.value.split("\n").length };
+      drawn = { seq: mine, time: new Date().toLocaleTimeString(), values: vals, lines: src.value.split("\n").length,
+        source: req ? req.source : src.value };
       showDrawn(vals);
       view.dataset.drawn = JSON.stringify(vals);
+      showCompare(res);
       PipecView.boot(view, res.view).then(() => { document.body.dataset.seq = String(mine); });
     } else {
       stale(res.error ? "the server refused it" : "the source has errors");
@@ -161,13 +209,14 @@
     src.setSelectionRange(pos, pos);
   }
 
-  async function load(name) {
+  async function load(name, preset) {
     const r = await fetch("/api/library/" + encodeURIComponent(name));
     const doc = await r.json();
     if (!r.ok) { show({ error: doc.error, diagnostics: [] }); return; }
     src.value = doc.text;
     paramNames = [];
     for (const k of Object.keys(values)) delete values[k];
+    Object.assign(values, preset || {});
     renderGutter(new Map());
     schedule(0);
   }
@@ -189,6 +238,8 @@
   });
   for (const b of document.querySelectorAll(".pg-downloads button")) b.addEventListener("click", () => download(b.dataset.what));
   $("library").addEventListener("change", (ev) => { if (ev.target.value) load(ev.target.value); });
+  $("compare").addEventListener("change", () => schedule(0));
+  $("pin").addEventListener("click", pin);
 
   (async () => {
     controls();
@@ -198,9 +249,21 @@
       const o = document.createElement("option");
       o.value = n; o.textContent = n;
       $("library").appendChild(o);
+      const c = document.createElement("option");
+      c.value = n; c.textContent = "library: " + n;
+      $("compare").appendChild(c);
     }
-    const start = new URLSearchParams(location.search).get("schedule") || "1f1b";
+    // ?schedule=NAME opens a library schedule; any other key=value is a parameter (?schedule=1f1b&p=8&m=16),
+    // a cost (F=1.5), or compare=NAME (a library schedule to compare with).
+    const query = new URLSearchParams(location.search), preset = {};
+    for (const [k, v] of query) {
+      if (k === "schedule") continue;
+      if (k === "compare") { $("compare").value = v; continue; }
+      const cost = document.querySelector(`input[data-cost="${CSS.escape(k)}"]`);
+      if (cost) cost.value = v; else preset[k] = v;
+    }
+    const start = query.get("schedule") || "1f1b";
     $("library").value = start;
-    await load(start);
+    await load(start, preset);
   })();
 })();

@@ -277,7 +277,10 @@ const PipecView = (() => {
       bar.append(reset, fold, search, count,
         el("span", "pv-hint", "wheel or W/S: zoom · drag or A/D: pan · shift+wheel or ↑/↓: ranks · click: select · Esc: clear"));
       root.appendChild(bar);
-      root.appendChild(this.legend());
+      this.legendBox = el("div", "pv-legend");
+      this.legendBox.dataset.role = "legend";
+      root.appendChild(this.legendBox);
+      this.legend();
       const main = el("div", "pv-main");
       const left = el("div", "pv-left");
       this.overview = el("canvas", "pv-overview");
@@ -300,8 +303,10 @@ const PipecView = (() => {
       this.bindEvents();
     }
 
+    /** The legend: only what the view holds; the selection's and the search's marks only while there is one. */
     legend() {
-      const legend = el("div", "pv-legend");
+      const legend = this.legendBox;
+      legend.textContent = "";
       const has = (k) => this.doc.panels.some((P) => P.present.has(k));
       const items = [];
       for (const k of ["FWD", "BWD", "WGRAD", "RECOMPUTE"]) if (has(k)) items.push([NAME[k], COLORS[k]]);
@@ -313,16 +318,18 @@ const PipecView = (() => {
       for (const k of ["REDUCE_GRAD", "UNSHARD", "RESHARD", "OFFLOAD", "RELOAD"]) if (has(k)) items.push([NAME[k], COLORS[k]]);
       if (has("critical")) items.push(["critical path", "#d62728"]);
       if (has("gap")) items.push(["idle gap", "rgba(214,39,40,0.15)"]);
-      if (has("pair")) items.push(["overlapped pair (&)", "#7b3294"]);
+      if (has("pair")) items.push(["overlapped pair (&)", "#7b3294", true]);
       if (has("memory")) items.push(["memory (device)", "#6b8fc7"]);
       if (has("host pool")) items.push(["host pool", "#e08a2c"]);
       if (this.doc.panels.some((p) => p.kind === "overlay")) items.push(["measured (lower half)", "#2d3e50"]);
-      items.push(["depends on (selected)", DEP], ["depended on by", DEPENDENT]);
-      for (const [name, c] of items) {
+      if (this.doc.panels.some((p) => p.kind === "deadlock")) items.push(["wait cycle", "#d62728", true]);
+      if (this.sel) items.push(["selected", SELECTED, true], ["depends on (selected)", DEP, true], ["depended on by", DEPENDENT, true], ["its micro-batch", "#333", true]);
+      if (this.matches.length) items.push(["search match", MATCH, true]);
+      for (const [name, c, outline] of items) {
         const it = el("span");
         it.dataset.legend = name;
-        const sw = el("span", "sw");
-        sw.style.background = c;
+        const sw = el("span", "sw" + (outline ? " outline" : ""));
+        if (outline) sw.style.borderColor = c; else sw.style.background = c;
         it.append(sw, name);
         legend.appendChild(it);
       }
@@ -345,7 +352,7 @@ const PipecView = (() => {
         const row = (k, v, role) => { const tr = el("tr"); tr.append(el("th", null, k), el("td", null, v)); if (role) tr.dataset.role = role + (p ? "-" + p : ""); t.appendChild(tr); };
         row("makespan", fmtTime(P.makespan, P.unit), "makespan");
         row("bubble rate", pct(P.bubble), "bubble");
-        if (P.memory) row("peak memory", fmtMem(Math.max(...P.memory.ranks.map((m) => m.peak)), P.memory.unit), "peak");
+        if (P.memory) row("peak memory", fmtMem(P.memory.ranks.reduce((m, x) => Math.max(m, x.peak), 0), P.memory.unit), "peak");
         if (P.kind === "overlay") row("measured", fmtTime(P.measured_makespan, P.unit));
         sum.appendChild(t);
         sum.appendChild(this.rankTable(P, p));
@@ -391,25 +398,57 @@ const PipecView = (() => {
       return box;
     }
 
+    /** The second panel minus the first (pipec view --compare, the playground's compare mode): makespan,
+     * bubble rate, and per rank its end and its peak memory (past 16 ranks: the 16 that moved most). */
     deltaTable(A, B) {
       const box = el("div", "pv-delta");
       box.dataset.role = "delta";
       box.appendChild(el("h2", null, "second minus first"));
+      box.appendChild(el("div", "pv-hint", `${B.title} minus ${A.title}`));
       const sign = (x, f) => (x > 0 ? "+" : x < 0 ? "−" : "±") + f(Math.abs(x));
       const t = el("table", "pv-stats");
-      const row = (k, v, cls) => { const tr = el("tr", cls); tr.append(el("th", null, k), el("td", null, v)); t.appendChild(tr); };
-      row("makespan", sign(B.makespan - A.makespan, (x) => fmtTime(x, A.unit)) + ` (${pct(A.makespan ? (B.makespan - A.makespan) / A.makespan : NaN)})`);
-      row("bubble rate", sign(100 * (B.bubble - A.bubble), (x) => x.toFixed(1) + " pt"));
-      const n = Math.min(A.ranks, B.ranks, 16);
-      for (let r = 0; r < n; r++) {
-        const dEnd = B.rankEnd[r] - A.rankEnd[r];
-        let text = `end ${sign(dEnd, (x) => fmtTime(x, A.unit))}`;
-        if (A.memory && B.memory) text += ` · peak ${sign(B.memory.ranks[r].peak - A.memory.ranks[r].peak, (x) => fmtMem(x, A.memory.unit))}`;
-        row(`rank ${r}`, text, Math.abs(dEnd) > 1e-9 * (A.makespan || 1) ? "diff" : "");
+      const row = (k, v, cls, role) => {
+        const tr = el("tr", cls); tr.append(el("th", null, k), el("td", null, v));
+        if (role) tr.dataset.role = role;
+        t.appendChild(tr);
+        return tr;
+      };
+      const dMake = B.makespan - A.makespan, dBubble = B.bubble - A.bubble;
+      row("makespan", sign(dMake, (x) => fmtTime(x, A.unit)) + ` (${pct(A.makespan ? dMake / A.makespan : NaN)})`, "", "delta-makespan").dataset.value = String(dMake);
+      row("bubble rate", sign(100 * dBubble, (x) => x.toFixed(1) + " pt"), "", "delta-bubble").dataset.value = String(dBubble);
+      const mem = !!(A.memory && B.memory);
+      if (mem) {
+        const peak = (P) => P.memory.ranks.reduce((m, x) => Math.max(m, x.peak), 0);
+        row("peak memory", sign(peak(B) - peak(A), (x) => fmtMem(x, A.memory.unit)), "", "delta-peak").dataset.value = String(peak(B) - peak(A));
       }
-      if (Math.min(A.ranks, B.ranks) > n) box.appendChild(el("div", "pv-hint", `(the first ${n} ranks)`));
+      const both = Math.min(A.ranks, B.ranks), eps = 1e-9 * (A.makespan || 1);
+      const dEnd = (r) => B.rankEnd[r] - A.rankEnd[r];
+      const dPeak = (r) => (mem ? B.memory.ranks[r].peak - A.memory.ranks[r].peak : 0);
+      const moved = (r) => Math.abs(dEnd(r)) > eps || Math.abs(dPeak(r)) > 1e-9 * (A.memory ? A.memory.ranks[r].peak || 1 : 1);
+      let ranks = [...Array(both).keys()];
+      if (both > 16) {
+        const size = (r) => Math.abs(dEnd(r)) / (A.makespan || 1) + (mem ? Math.abs(dPeak(r)) / (A.memory.ranks[r].peak || 1) : 0);
+        const differ = ranks.filter(moved).length;
+        box.appendChild(el("div", "pv-hint", `${differ.toLocaleString()} of ${both.toLocaleString()} ranks differ; the 16 that moved most:`));
+        ranks = ranks.slice().sort((a, b) => size(b) - size(a) || a - b).slice(0, 16).sort((a, b) => a - b);
+      }
       if (A.ranks !== B.ranks) row("ranks", `${A.ranks} and ${B.ranks}`, "diff");
       box.appendChild(t);
+      const rt = el("table", "pv-stats pv-rank-table");
+      const h = el("tr");
+      h.append(el("th", null, "rank"), el("th", null, "end"), el("th", null, mem ? "peak" : ""));
+      rt.appendChild(h);
+      for (const r of ranks) {
+        const tr = el("tr", moved(r) ? "diff" : "");
+        tr.append(el("td", null, String(r)), el("td", null, sign(dEnd(r), (x) => fmtTime(x, A.unit))),
+          el("td", null, mem ? sign(dPeak(r), (x) => fmtMem(x, A.memory.unit)) : ""));
+        tr.dataset.rank = String(r);
+        tr.dataset.dend = String(dEnd(r));
+        if (mem) tr.dataset.dpeak = String(dPeak(r));
+        tr.addEventListener("click", () => this.scrollToRank(1, r));
+        rt.appendChild(tr);
+      }
+      box.appendChild(rt);
       return box;
     }
 
@@ -965,13 +1004,14 @@ const PipecView = (() => {
     }
 
     select(p, i) {
-      if (p === null || p === undefined || i < 0) { this.sel = null; this.renderDetail(); this.request(); return; }
+      if (p === null || p === undefined || i < 0) { this.sel = null; this.renderDetail(); this.legend(); this.request(); return; }
       const P = this.doc.panels[p], O = P.ops;
       const { deps, dependents } = this.relations(P, i);
       const want = this.mbOf(P, O.mb[i]), mb = [];
       for (let j = 0; j < O.mb.length; j++) if (this.mbOf(P, O.mb[j]) === want) mb.push(j);
       this.sel = { p, i, deps, dependents, mb };
       this.renderDetail();
+      this.legend();
       this.request();
       return this.sel;
     }
@@ -1032,6 +1072,7 @@ const PipecView = (() => {
       this.matches = this.matchesOf(q);
       this.matchAt = -1;
       this.matchSet = new Set(this.matches.map(([p, i]) => p + ":" + i));
+      this.legend();
       this.searchCount.textContent = q.trim() ? `${this.matches.length.toLocaleString()} ops` + (this.matches.length ? " (Enter: next)" : "") : "";
       if (!quiet && this.matches.length === 0) this.searchCount.textContent = "no op matches";
       this.request();
