@@ -4,12 +4,14 @@ performance.now). Prints one JSON line per figure, each with the load average (t
 
     python benchmarks/view_scale.py [--schedule 1f1b] [-D p=8] [-D m=62500] [--no-browser]
     python benchmarks/view_scale.py --wide    # 1f1b p=10000 m=8: 160,000 ops over ten thousand ranks
+    python benchmarks/view_scale.py --playground [--reps 3]  # the same in `pipec serve`: open the page to drawn
     python benchmarks/view_scale.py --smoke   # p=2 m=8 (the browser part where Chromium is installed; tests)
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 import time
@@ -28,13 +30,19 @@ def main() -> int:
     ap.add_argument("-D", dest="defines", action="append", default=[])
     ap.add_argument("--no-browser", action="store_true")
     ap.add_argument("--wide", action="store_true", help="a wide pipeline: 1f1b p=10000 m=8")
+    ap.add_argument(
+        "--playground", action="store_true", help="pipec serve: open the page at the schedule and wait until drawn"
+    )
+    ap.add_argument("--reps", type=int, default=3, help="rounds of the playground case (medians)")
     sidebyside.smoke_flag(ap)
     args = ap.parse_args()
     defines = [tuple(d.split("=", 1)) for d in args.defines] or [("p", "8"), ("m", "62500")]
-    if args.wide:
+    if args.wide or (args.playground and not args.defines):
         defines = [("p", "10000"), ("m", "8")]
     if args.smoke:  # p=2 m=8; the browser part only where Chromium is installed: the format (tests)
         defines = [("p", "2"), ("m", "8")]
+    if args.playground:
+        return playground(args.schedule, defines, max(1, args.reps), args.smoke)
 
     from pipec.view.html import op_count, page, view_document
 
@@ -104,6 +112,76 @@ def main() -> int:
         emit(figure="redraw", ops=n, **{k: round(v, 1) for k, v in draws.items()})
     finally:
         browser.close(chrome)
+    return 0
+
+
+def playground(schedule: str, defines: list[tuple[str, str]], reps: int, smoke: bool) -> int:
+    """`pipec serve` with the schedule: per round, the server's answer built in this process (parse, check,
+    compile, simulate, the document) and, in headless Chromium, the page opened at ?schedule=...&p=...
+    until the picture is drawn (wall, from `get`: the page, the library's text, the request, the answer,
+    inflating and drawing). Medians over the rounds, each round's figures too."""
+    import json
+    from urllib.parse import urlencode
+
+    from pipec.frontend import library
+    from pipec.view import serve
+
+    body = {"source": library.read(schedule).text, "params": dict(defines), "costs": {}}
+    builds, sizes = [], []
+    for _ in range(reps):
+        t = time.perf_counter()
+        answer = serve.simulate(body)
+        builds.append(time.perf_counter() - t)
+        sizes.append(len(json.dumps(answer, separators=(",", ":"))))
+    ops = int(answer.get("ops") or 0)
+    emit(
+        figure="playground_build",
+        schedule=schedule,
+        params=dict(defines),
+        ops=ops,
+        answer_bytes=sizes[0],
+        build_s=[round(x, 2) for x in builds],
+        build_median_s=round(statistics.median(builds), 2),
+    )
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
+    import browser
+
+    if browser._missing():
+        if smoke:
+            print(f"view_scale --playground --smoke: no browser part ({browser._missing()})", file=sys.stderr)
+            return 0
+        print(f"view_scale --playground: no browser ({browser._missing()})", file=sys.stderr)
+        return 1
+    srv = serve.start_in_thread("127.0.0.1", 0)
+    url = f"http://127.0.0.1:{srv.server_address[1]}/?" + urlencode({"schedule": schedule, **dict(defines)})
+    ranks = int(dict(defines).get("p", 0) or 0)
+    drawn = f"window.pipecView && document.body.dataset.seq && pipecView.doc.panels[0].ranks === {ranks}"
+    chrome = browser.launch()
+    walls, pages = [], []
+    try:
+        for _ in range(reps):
+            chrome.get("about:blank")
+            t = time.perf_counter()
+            chrome.get(url)
+            browser.wait_for(chrome, drawn, timeout=300)
+            walls.append(time.perf_counter() - t)
+            pages.append(chrome.execute_script("return window.pipecLoadMs"))
+        rows = chrome.execute_script("pipecView.draw(); return pipecView.shown.length")
+        errors = len(browser.console_errors(chrome))
+    finally:
+        browser.close(chrome)
+        srv.shutdown()
+        srv.server_close()
+    emit(
+        figure="playground_open_to_drawn",
+        ops=ops,
+        ranks=ranks,
+        wall_s=[round(x, 2) for x in walls],
+        wall_median_s=round(statistics.median(walls), 2),
+        decode_and_draw_ms=[round(x, 1) for x in pages],
+        rows_drawn=rows,
+        errors=errors,
+    )
     return 0
 
 
