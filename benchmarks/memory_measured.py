@@ -59,7 +59,7 @@ def peaks_row(name: str, p: int = 4, m: int = 8, steps: int = 2, model_path: str
     from pipec.driver import memory_overrides
     from pipec.runtime.local import LocalPipeline
     from pipec.runtime.model.contract import load_model
-    from pipec.runtime.profile.stages import stage_bytes
+    from pipec.runtime.profile.held import stage_bytes
     from pipec.runtime.runner import StageOptions
     from pipec.sim.memory import program_memory
 

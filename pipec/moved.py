@@ -88,7 +88,7 @@ NAMES: dict[str, dict[str, str]] = {
     "pipec.partition": {"Problem": "pipec.partition.problem"},
     "pipec.view.grid": {"unit_json": "pipec.ir.schedule"},
     "pipec.partition.search": {"step_lp": "pipec.partition.bounds"},
-    "pipec.runtime.profile": {"profile": "pipec.runtime.profile.stages", "stage_bytes": "pipec.runtime.profile.stages"},
+    "pipec.runtime.profile": {"profile": "pipec.runtime.profile.stages", "stage_bytes": "pipec.runtime.profile.held"},
     "pipec.runtime.profile.insitu": {"deliveries": "pipec.runtime.profile.overhead"},
 }
 

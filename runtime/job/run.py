@@ -164,7 +164,7 @@ def memory_lines(opts: RunOptions, program: Program, measured: list, sched=None)
     from pipec.driver import memory_overrides
     from pipec.ir.units import fmt_bytes
     from pipec.runtime.model.contract import load_model
-    from pipec.runtime.profile.stages import stage_bytes
+    from pipec.runtime.profile.held import stage_bytes
     from pipec.sim.memory import program_memory
 
     predicted = None

@@ -50,13 +50,13 @@ from pipec.ir.opcodes import REDUCE_GRAD, UNSHARD
 from pipec.ir.program import BWD, FWD, WGRAD, Program
 from pipec.runtime.errors import PipelineError
 from pipec.runtime.exec.microbatch import as_args, batch_of, split, to_device
-from pipec.runtime.exec.saved import Pool, state_bytes, tensor_bytes
 from pipec.runtime.exec.stage import Stage
 from pipec.runtime.host.affinity import allowed_cpus, bind_local_rank
 from pipec.runtime.model.contract import Model, default_optimizer
 from pipec.runtime.profile.collectives import DP_KINDS, Collectives, measure_collectives
 from pipec.runtime.profile.common import rounded, stage_modules
 from pipec.runtime.profile.experts import AllToAll, measure_all_to_all, moe_layout, split_as_run
+from pipec.runtime.profile.held import stage_bytes
 from pipec.runtime.profile.links import measure_link
 from pipec.runtime.profile.slices import SliceFit, measure_slices
 
@@ -405,79 +405,6 @@ def profile(
             prof.a2a = measure_all_to_all(ep, reps=max(reps, 3), warmup=max(warmup, 1), world=procs)
             prof.info["all_to_all"] = prof.a2a.how
     return prof
-
-
-def stage_bytes(
-    program: Program,
-    model: Model,
-    *,
-    device: str | torch.device = "cpu",
-    seed: int = 0,
-    loss_scale: float | None = None,
-    dp: int = 1,
-    reps: int = 5,
-) -> dict[str, list]:
-    """Per stage, in bytes, through the runtime's own `Stage` and saved-tensor holders (pipec.runtime.exec.saved)
-    on micro-batch 0 of `batch(0)`: `saved_bytes`, what its FWD keeps for its BWD; `wsaved_bytes`, what its
-    BWD keeps for its WGRAD (split backward: the graph stays whole until WGRAD, so about all of it);
-    `input_bytes`, what a recomputed FWD keeps (its input; the first stage's is the step's data, held
-    anyway: 0); `state_bytes`, its parameters, their gradients and the optimizer's state after a step of
-    the model file's optimizer. And `offload`: the seconds of one OFFLOAD or RELOAD of its saved tensors as
-    the runtime runs them (median of `reps`; on a CPU device nothing is copied, so microseconds)."""
-    device = torch.device(device)
-    S, m = program.num_stages, program.num_sequences  # with token slices, each a whole sequence
-    scale = 1.0 / m if loss_scale is None else loss_scale
-    modules = stage_modules(model, S, seed, device)
-    make_opt = model.optimizer or default_optimizer
-    inputs, targets = batch_of(model.batch(0), f"{model.path}: batch(0)")
-    if dp > 1:
-        from pipec.runtime.exec.replicas import slice_replica
-
-        inputs, targets = slice_replica(inputs, dp, 0, "inputs"), slice_replica(targets, dp, 0, "targets")
-    x = as_args(to_device(split(inputs, m, "inputs")[0], device, model.dtype))
-    y = to_device(split(targets, m, "targets")[0], device)
-    out: dict[str, list] = {k: [0] * S for k in ("saved_bytes", "wsaved_bytes", "input_bytes", "state_bytes")}
-    out["offload"] = [0.0] * S
-    for split_backward in (False, True) if program.split_backward else (False,):
-        pool = Pool()
-        stages = []
-        for s, mod in enumerate(modules):
-            st = Stage(s, S, mod, model.loss_fn if s == S - 1 else None, scale, split_backward, None)
-            st.pool = pool
-            stages.append(st)
-        args = x
-        for s, st in enumerate(stages):
-            if s > 0:
-                out["input_bytes"][s] = tensor_bytes(args)
-            args = st.forward(0, args, y if s == S - 1 else None)
-            out["saved_bytes"][s] = pool.held(0, s)
-        grads = None
-        for s in reversed(range(S)):
-            if not split_backward:
-                seconds = []
-                for _ in range(reps):  # as the runtime runs them: on CPU, the accounting only
-                    t0 = time.perf_counter()
-                    pool.offload(0, s)
-                    pool.reload(0, s)
-                    pool.ready(0, s)
-                    if device.type == "cuda":
-                        torch.cuda.synchronize(device)
-                    seconds.append((time.perf_counter() - t0) / 2)
-                out["offload"][s] = statistics.median(seconds)
-            grads = stages[s].backward(0, grads)
-            if split_backward:
-                out["wsaved_bytes"][s] = pool.held(0, s)
-        for s in reversed(range(S)) if split_backward else ():
-            stages[s].wgrad(0)
-        if not split_backward:
-            for s, (st, mod) in enumerate(zip(stages, modules)):
-                params = [p for p in mod.parameters() if p.requires_grad]
-                opt = make_opt(params) if params else None
-                if opt is not None:
-                    opt.step()
-                out["state_bytes"][s] = state_bytes(mod, opt)
-                st.zero_grad()
-    return out
 
 
 def default_threads(ranks: int) -> int:

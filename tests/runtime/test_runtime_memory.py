@@ -24,7 +24,8 @@ from pipec.passes.compiler import compile_schedule  # noqa: E402
 from pipec.runtime import LocalPipeline, PipelineError, Reference, StageOptions, load_model  # noqa: E402
 from pipec.runtime.exec.saved import DEVICE, HOST, Pool, module_storages  # noqa: E402
 from pipec.runtime.exec.stage import Stage  # noqa: E402
-from pipec.runtime.profile.stages import profile, stage_bytes  # noqa: E402
+from pipec.runtime.profile.held import stage_bytes  # noqa: E402
+from pipec.runtime.profile.stages import profile  # noqa: E402
 from pipec.runtime.reference import compare  # noqa: E402
 from pipec.sim.memory import program_memory  # noqa: E402
 
