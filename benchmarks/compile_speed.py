@@ -103,9 +103,14 @@ def torch_once(p: int, v: int, m: int) -> dict:
     }
 
 
-def in_subprocess(kind: str, name: str, params: dict[str, int], cache: str | None = None) -> dict:
-    """One compile in a fresh process (`--one`), with `PIPEC_CACHE_DIR=cache` where given; its record."""
+def in_subprocess(
+    kind: str, name: str, params: dict[str, int], cache: str | None = None, tree: str | None = None
+) -> dict:
+    """One compile in a fresh process (`--one`), with `PIPEC_CACHE_DIR=cache` where given and pipec imported
+    from the checkout `tree` where given (`--against`); its record."""
     env = dict(os.environ, **({"PIPEC_CACHE_DIR": cache} if cache else {}))
+    if tree:
+        env["PYTHONPATH"] = tree
     out = subprocess.run(
         [sys.executable, __file__, "--one", kind, name, json.dumps(params)],
         check=True,
@@ -199,6 +204,58 @@ def reference(rounds: int, ref: dict[str, int] = REF) -> None:
     )
 
 
+def worktree(rev: str) -> str:
+    """A checkout of commit `rev` beside this one (git worktree, made once), importable with PYTHONPATH: its
+    `pipec/grammar` and `pipec/schedules` linked as the package-dir mapping installs them, so nothing of
+    this tree's (its grammar, its shipped parser tables) is read by the other."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sha = subprocess.run(["git", "-C", root, "rev-parse", rev], check=True, capture_output=True, text=True)
+    where = os.path.join(tempfile.gettempdir(), f"pipec-at-{sha.stdout.strip()[:12]}")
+    if not os.path.isdir(where):
+        subprocess.run(
+            ["git", "-C", root, "worktree", "add", "--detach", where, sha.stdout.strip()],
+            check=True,
+            capture_output=True,
+        )
+    for name in ("grammar", "schedules"):
+        link = os.path.join(where, "pipec", name)
+        if not os.path.exists(link):
+            os.symlink(os.path.join("..", name), link)
+    return where
+
+
+def against(rev: str, rounds: int, ref: dict[str, int] = REF) -> None:
+    """This tree's cold compile of the reference case against commit `rev`'s, side by side in ABBA rounds
+    (fresh processes, an empty cache each): the ratio before / now (above 1: faster now). Issue 42 asks that
+    the stage graph leave the chain's compile within 5% of its figure before the change."""
+    tree = worktree(rev)
+    records: dict[str, list[dict]] = {"now": [], "before": []}
+    with tempfile.TemporaryDirectory(prefix="pipec-compile-against-") as tmp:
+
+        def run(which: str):
+            def once() -> Timing:
+                cache = tempfile.mkdtemp(dir=tmp, prefix="cold-")
+                rec = in_subprocess("pipec", "interleaved-1f1b", ref, cache, tree if which == "before" else None)
+                records[which].append(rec)
+                return Timing(rec["seconds"], rec["cpu_seconds"])
+
+            return once
+
+        start = load_average()
+        seconds = alternate({"now": run("now"), "before": run("before")}, rounds)
+    rec = summarize(
+        "compile_speed_against",
+        seconds,
+        ratio=("before", "now"),
+        load_start=start,
+        before=rev,
+        comparison=f"interleaved-1f1b {ref}, cold compile with comms, this tree against {rev}",
+        instructions={k: v[0]["instructions"] for k, v in records.items()},
+    )
+    rec["target"] = "ratio >= 0.95 (within 5%)"
+    emit(rec)
+
+
 def startup(rounds: int) -> None:
     """`python -c` with what a compile needs imported, pipec against torch, and a bare interpreter."""
     start = load_average()
@@ -288,6 +345,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="skip the largest scaling points")
     ap.add_argument("--rounds", type=int, default=5, help="alternating rounds per comparison (default 5)")
     ap.add_argument("--only", choices=("ref", "startup", "cli", "scaling"), help="run one part only")
+    ap.add_argument("--against", metavar="REV", help="this tree's cold compile against commit REV's (side by side)")
     ap.add_argument("--one", nargs=3, metavar=("KIND", "NAME", "PARAMS"), help=argparse.SUPPRESS)
     smoke_flag(ap)
     args = ap.parse_args()
@@ -300,6 +358,9 @@ def main() -> None:
             emit(torch_once(params["p"], params["v"], params["m"]))
         return
     compile_bytecode()
+    if args.against:
+        against(args.against, args.rounds)
+        return
     small = args.smoke  # p=4 v=2 m=8 for the comparison, two small scaling points, 1 round
     if small:
         args.rounds = 1
