@@ -209,7 +209,11 @@ def _check_point(source: Source, target: str, point: dict[str, object], runtime:
 def runtime_check(target: Schedule | CompiledSchedule | Program, steps: int = 2, tol: float = 1e-10) -> float:
     """Train a tiny float64 model (a Linear and a Tanh per stage) on the runtime's `--local` mode and compare
     the loss and every gradient with a single-process reference after each step; InvariantError past
-    `tol`. Returns the largest relative error. Needs torch (`pipec[runtime]`)."""
+    `tol`. Returns the largest relative error. Needs torch (`pipec[runtime]`).
+
+    On a stage graph (the Program's `graph`) a stage with several in-edges has a Linear per input, in the
+    order of `graph.inputs(s)`, summed before its Tanh (so inputs spread in another order give other
+    gradients), a fan-out sends its one output on every edge, and the reference runs the same graph."""
     import torch
 
     from pipec.runtime import LocalPipeline, Reference, StageOptions
@@ -222,8 +226,24 @@ def runtime_check(target: Schedule | CompiledSchedule | Program, steps: int = 2,
     else:
         prog = compile_schedule(target).program
     width = 4
+    graph = prog.graph if prog.graph is not None and not prog.graph.is_chain else None
+
+    class FanIn(torch.nn.Module):
+        """tanh(sum_k W_k x_k): one Linear per in-edge, in edge order."""
+
+        def __init__(self, n: int) -> None:
+            super().__init__()
+            self.ins = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(n))
+
+        def forward(self, *xs: torch.Tensor) -> torch.Tensor:
+            if len(xs) != len(self.ins):
+                raise TypeError(f"takes {len(self.ins)} inputs, got {len(xs)}")
+            return torch.tanh(sum(lin(x) for lin, x in zip(self.ins, xs)))
 
     def build_stage(stage: int, num_stages: int) -> torch.nn.Module:
+        n = len(graph.inputs(stage)) if graph is not None else 1
+        if n > 1:
+            return FanIn(n)
         return torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh())
 
     def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -231,7 +251,7 @@ def runtime_check(target: Schedule | CompiledSchedule | Program, steps: int = 2,
 
     options = dict(dtype=torch.float64, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
     pipe = LocalPipeline(prog, build_stage, loss_fn, options=StageOptions(**options))
-    ref = Reference(build_stage, loss_fn, prog.num_stages, prog.num_microbatches, **options)
+    ref = Reference(build_stage, loss_fn, prog.num_stages, prog.num_microbatches, graph=graph, **options)
     gen = torch.Generator().manual_seed(0)
     worst = 0.0
     rows = 2 * prog.num_microbatches
