@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from graphs import edge_decls, graphs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -53,37 +54,6 @@ def test_library_schedule_on_a_unet_graph(name, tmp_path):
     assert len(sent) == 4 * units * len(remote), name
 
 
-@st.composite
-def _graphs(draw, S: int) -> list[tuple[int, int]]:
-    """A random stage graph on S stages: edges u -> v with u < v, every stage but the last with an output,
-    at most 3 outputs and 3 inputs a stage (the issue's fan-in and fan-out)."""
-    edges: set[tuple[int, int]] = set()
-    fan_in = [0] * S
-    for u in range(S - 1):
-        want = draw(st.integers(1, 3))
-        options = [v for v in range(u + 1, S) if fan_in[v] < 3]
-        if not options:  # every later stage is full: take the next one anyway (fan-in 4 is still a graph)
-            options = [u + 1]
-        for v in draw(st.lists(st.sampled_from(options), min_size=1, max_size=want, unique=True)):
-            edges.add((u, v))
-            fan_in[v] += 1
-    return sorted(edges)
-
-
-def _edge_decls(S: int, edges: list[tuple[int, int]], indent: str) -> str:
-    """`edge` declarations for these edges: the j-th declaration gives each stage its j-th output."""
-    slots = max(sum(1 for u, _ in edges if u == s) for s in range(S))
-    out = []
-    for j in range(slots):
-        expr = "-1"
-        for u in range(S - 1, -1, -1):
-            outs = [v for a, v in edges if a == u]
-            if j < len(outs):
-                expr = f"(if s == {u} then {outs[j]} else {expr})"
-        out.append(f"\n{indent}edge s -> {expr}")
-    return "".join(out)
-
-
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(st.sampled_from(SCHEDULES), st.sampled_from([2, 3, 4, 8]), st.data())
 def test_every_library_schedule_over_a_random_graph_is_proven(tmp_path_factory, name, p, data):
@@ -96,9 +66,9 @@ def test_every_library_schedule_over_a_random_graph_is_proven(tmp_path_factory, 
         return  # a size this schedule refuses (its `require`s)
     if not 2 <= S <= 16:
         return
-    edges = data.draw(_graphs(S))
+    edges = data.draw(graphs(S))
     m = re.search(r"^(\s*)stages (.+)$", src, flags=re.M)
-    text = src[: m.end()] + _edge_decls(S, edges, m.group(1)) + src[m.end() :]
+    text = src[: m.end()] + "\n" + edge_decls(S, edges, m.group(1)).rstrip("\n") + src[m.end() :]
     path = tmp_path_factory.mktemp("graph") / f"{name}.pipe"
     path.write_text(text)
     prog = pipec.compile(str(path), p=p, m=4)

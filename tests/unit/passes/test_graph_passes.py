@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from graphs import edge_decls
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -270,15 +271,6 @@ def _dags(draw):
 def _schedule_text(S, edges, p, place, m) -> str:
     """A GPipe order on any graph and placement: one global order (every F by micro-batch then stage, every
     B by micro-batch then stage downwards), each rank its projection."""
-    slots = max(sum(1 for e in edges if e[0] == u) for u in range(S))
-    decls = []
-    for j in range(slots):
-        expr = "-1"
-        for u in range(S - 1, -1, -1):
-            outs = [v for a, v in edges if a == u]
-            if j < len(outs):
-                expr = f"(if s == {u} then {outs[j]} else {expr})"
-        decls.append(f"    edge s -> {expr}")
     order = [("F", i, s) for i in range(m) for s in range(S)] + [
         ("B", i, s) for i in range(m) for s in range(S - 1, -1, -1)
     ]
@@ -291,8 +283,8 @@ def _schedule_text(S, edges, p, place, m) -> str:
         place_expr = f"(if s == {s} then {place[s]} else {place_expr})"
     return (
         f'schedule "dag" (m: int = {m}) {{\n    stages {S}\n    ranks {p}\n    place s -> {place_expr}\n'
-        + "\n".join(decls)
-        + "\n    ops F, B\n    rank r {\n        "
+        + edge_decls(S, edges)
+        + "    ops F, B\n    rank r {\n        "
         + "\n        ".join(blocks)
         + "\n    }\n}\n"
     )
