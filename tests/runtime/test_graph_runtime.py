@@ -1,14 +1,12 @@
 """Stage graphs on the runtime (issue 42): the two example models of examples/, a U-Net with long skips and
 two encoders fanning into a decoder, train exactly like the single-process float64 reference (losses and
 every parameter's gradient at each of 3 steps, parameters after them, to 1e-10): in --local mode over
-several schedules and placements (remote and local skips, split backward), and over 4 gloo processes."""
+several schedules and placements (remote and local skips, split backward) and through `pipec run --check`.
+The grid of both models on 1F1B, interleaved 1F1B, ZB-H1 and ZB-V over 4 processes is test_graph_grid.py."""
 
 from __future__ import annotations
 
-import functools
-import json
 import re
-from pathlib import Path
 
 import pytest
 from repo import ROOT
@@ -16,29 +14,12 @@ from repo import ROOT
 torch = pytest.importorskip("torch")
 
 import pipec  # noqa: E402
-from pipec.runtime import LocalPipeline, Reference, StageOptions, Transport, load_model  # noqa: E402
+from pipec.runtime import LocalPipeline, Reference, StageOptions, load_model  # noqa: E402
 from pipec.runtime.errors import ShapeError  # noqa: E402
 from pipec.runtime.reference import compare, rel_err  # noqa: E402
 
 TOL = 1e-10
 EXAMPLES = ROOT / "examples"
-# U-Net edges for a library schedule of S stages: the chain and the skips s -> S-1-s
-UNET_EDGES = (
-    "    edge s -> if s < {S} - 1 then s + 1 else -1\n    edge s -> if s < {S} / 2 - 1 then {S} - 1 - s else -1\n"
-)
-
-
-def with_edges(name: str, stages: str, out: Path) -> str:
-    """Library schedule `name` with the U-Net's edges over its `stages` (an expression of its parameters)
-    declared after its placement: the same rank programs, run on the graph."""
-    text = (ROOT / "schedules" / f"{name}.pipe").read_text()
-    text = re.sub(r'^schedule "([^"]+)"', r'schedule "unet-\1"', text, count=1, flags=re.M)
-    text = re.sub(
-        r"^(    place .*\n)", lambda m: m.group(1) + UNET_EDGES.format(S=f"({stages})"), text, count=1, flags=re.M
-    )
-    path = out / f"unet-{name}.pipe"
-    path.write_text(text)
-    return str(path)
 
 
 def model(name: str):
@@ -92,24 +73,21 @@ def test_reference_is_the_whole_unet():
 
 
 # ---- --local: every rank in this process ------------------------------------------------------------------------
-LOCAL_CASES = [
-    ("unet", "unet.pipe", dict(p=4, m=4)),
+LOCAL_CASES = [  # other sizes than test_graph_grid.py's (every model x schedule at p=4, --local and 4 processes)
     ("unet", "unet.pipe", dict(p=6, m=5)),
-    ("two_encoders", "two_encoders.pipe", dict(m=4)),
     ("two_encoders", "two_encoders.pipe", dict(p=5, m=3)),
-    ("unet", ("zb-h1", "p"), dict(p=4, m=4)),  # split backward, remote skip
-    ("unet", ("zb-v", "2 * p"), dict(p=2, m=4)),  # V placement: every skip a hand-off on its rank
-    ("unet", ("zb-v", "2 * p"), dict(p=3, m=5)),
-    ("unet", ("interleaved-1f1b", "p * v"), dict(p=2, v=2, m=4)),  # two stages a rank, placed s % p
+    ("unet", "unet-zb-v.pipe", dict(p=2, m=4)),  # V placement: every skip a hand-off on its rank
+    ("unet", "unet-zb-v.pipe", dict(p=3, m=5)),
+    ("unet", "unet-interleaved-1f1b.pipe", dict(p=2, v=2, m=4)),  # two stages a rank, placed s % p
+    ("two_encoders", "two_encoders-zb-h1.pipe", dict(p=3, m=5)),
 ]
 
 
 @pytest.mark.parametrize("name, schedule, params", LOCAL_CASES, ids=lambda c: str(c))
-def test_local_graph_equals_reference(name, schedule, params, tmp_path):
+def test_local_graph_equals_reference(name, schedule, params):
     torch.set_num_threads(1)
     m = model(name)
-    path = str(EXAMPLES / schedule) if isinstance(schedule, str) else with_edges(*schedule, tmp_path)
-    prog = pipec.compile(path, **params)
+    prog = pipec.compile(str(EXAMPLES / schedule), **params)
     assert prog.graph is not None and not prog.graph.is_chain
     pipe = LocalPipeline(prog, m.build_stage, m.loss_fn, options=StageOptions(optimizer=m.optimizer, dtype=m.dtype))
     worst = run_checked(pipe, reference_of(prog, m), m)
@@ -161,66 +139,6 @@ def test_graph_shm_channels_name_edges():
     assert key_str((GRAD, 1, (0, 3))) == "the gradient of micro-batch 1 on edge 0 -> 3 (from stage 3 back to stage 0)"
 
 
-# ---- over 4 gloo processes ----------------------------------------------------------------------------------------
-def _rank(case: tuple, rank: int, out: str) -> None:
-    """One rank of a gloo job: the case's schedule and model through Runner, checked against the reference."""
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    name, path, params, p2p = case
-    m = model(name)
-    prog = pipec.compile(path, **params)
-    dist.init_process_group("gloo")
-    runner = pipec.runtime.Runner(
-        prog,
-        m.build_stage,
-        m.loss_fn,
-        options=StageOptions(optimizer=m.optimizer, dtype=m.dtype),
-        transport=Transport(timeout=60, p2p=p2p),
-    )
-    worst = run_checked(runner, reference_of(prog, m), m)
-    worst["stages"] = sorted(runner.stages)
-    worst["transport"] = type(runner.executor.comm).__name__
-    worst["last"] = runner.has_last
-    Path(out).write_text(json.dumps(worst))
-    dist.destroy_process_group()
-
-
-def _dist(case: tuple, tmp_path: Path) -> list[dict]:
-    from runtime_harness import json_ranks
-
-    res = json_ranks(functools.partial(_rank, case), 4, tmp_path, timeout=180.0)
-    assert sorted(s for r in res for s in r["stages"]) == list(range(len(res)))
-    for r in res:
-        assert r["grad"] <= TOL and r["param"] <= TOL, r
-    (last,) = [r for r in res if r["last"]]
-    assert last["loss"] <= TOL
-    return res
-
-
-def test_dist_unet_1f1b_p4(tmp_path):
-    """The U-Net on 1F1B over 4 processes, the skip 0 -> 3 a message between ranks 0 and 3 (the default
-    transport: shared memory between the ranks of one host)."""
-    res = _dist(("unet", str(EXAMPLES / "unet.pipe"), dict(p=4, m=4), "auto"), tmp_path)
-    assert {r["transport"] for r in res} == {"ShmComm"}
-
-
-def test_dist_two_encoders_gloo(tmp_path):
-    """Two encoders on ranks 0 and 1 fanning into stage 2, over gloo's point-to-point."""
-    res = _dist(("two_encoders", str(EXAMPLES / "two_encoders.pipe"), dict(m=4), "gloo"), tmp_path)
-    assert {r["transport"] for r in res} == {"DistComm"}
-
-
-@pytest.mark.slow  # default twins: test_dist_unet_1f1b_p4 (shm), test_local_graph_equals_reference's ZB-H1
-def test_dist_unet_zb_h1_gloo(tmp_path):
-    _dist(("unet", with_edges("zb-h1", "p", tmp_path), dict(p=4, m=4), "gloo"), tmp_path)
-
-
-@pytest.mark.slow  # default twin: test_dist_two_encoders_gloo (gloo)
-def test_dist_two_encoders_shm(tmp_path):
-    _dist(("two_encoders", str(EXAMPLES / "two_encoders.pipe"), dict(m=4), "auto"), tmp_path)
-
-
 # ---- `pipec run ... --check` ---------------------------------------------------------------------------------------
 def _pipec_run(*argv: str) -> str:
     import subprocess
@@ -240,7 +158,7 @@ def test_cli_local_unet_checks():
     assert "stage 3   gradients  max rel err" in out
 
 
-@pytest.mark.slow  # default twins: test_cli_local_unet_checks, test_dist_unet_1f1b_p4
+@pytest.mark.slow  # default twins: test_cli_local_unet_checks, test_graph_grid.py's 4-process cells
 @pytest.mark.parametrize(
     "argv",
     [
