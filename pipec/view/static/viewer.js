@@ -70,7 +70,7 @@ const PipecView = (() => {
   }
 
   function fmtMem(x, unit) {
-    if (unit !== "bytes") return num(x, 4) + " units";
+    if (unit !== "bytes") return num(x, 4) + (x === 1 ? " unit" : " units");
     const u = ["B", "KiB", "MiB", "GiB", "TiB"];
     let i = 0;
     while (Math.abs(x) >= 1024 && i < u.length - 1) { x /= 1024; i++; }
@@ -95,6 +95,7 @@ const PipecView = (() => {
     let scale = 1, name = unit === "s" ? "s" : unit;
     if (unit === "s") [scale, name] = scaleOf(Math.max(Math.abs(v0), Math.abs(v1)) || 1);
     let step = niceStep((v1 - v0) / Math.max(2, w / 90));
+    if (unit === "order") step = Math.max(1, step); // positions in a rank's order: whole numbers
     for (let tries = 0; tries < 8; tries++) {
       const dec = Math.min(12, Math.max(0, -Math.floor(Math.log10(step / scale) + 1e-9)));
       const label = (v) => { const s = (v / scale).toFixed(dec); return /^-0(\.0*)?$/.test(s) ? s.slice(1) : s; };
@@ -617,6 +618,7 @@ const PipecView = (() => {
       tk.values.forEach((v, k) => {
         const x = Math.round(this.x(v)) + 0.5;
         ctx.fillRect(x - 0.5, AXIS - 5, 1, 4);
+        if (x + 2 + ctx.measureText(tk.labels[k]).width > this.width - 1) return; // a label the edge would cut: its tick only
         ctx.fillText(tk.labels[k], x + 2, 12);
         drawn.push(tk.labels[k]);
       });
@@ -727,10 +729,11 @@ const PipecView = (() => {
           ctx.fillStyle = "#7b3294";
           ctx.fillRect(x0, y + L.h - 5, x2 - x0, 2);
         }
-        if (x1 - x0 > 20 && !L.collapsed) {
+        const lx0 = Math.max(x0, GUTTER), lx1 = Math.min(x1, this.width - RIGHT); // the part in view: at deep
+        if (lx1 - lx0 > 20 && !L.collapsed) { // zoom an op wider than the window still says what it is
           ctx.fillStyle = P.chunk[i] === 2 || name === "RECOMPUTE" ? "#123" : "#fff";
-          const text = this.label(P, i) + (x1 - x0 > 48 ? "." + O.stage[i] : "");
-          ctx.fillText(text, x0 + 3, y + (overlay ? h - 2 : h / 2 + 4));
+          const text = this.label(P, i) + (lx1 - lx0 > 48 ? "." + O.stage[i] : "");
+          ctx.fillText(text, lx0 + 3, y + (overlay ? h - 2 : h / 2 + 4));
         }
       }
       flush();
@@ -1123,6 +1126,12 @@ const PipecView = (() => {
         if (fill) { ctx.fillStyle = this.color(P, i); ctx.fillRect(x0, y, x1 - x0, h); }
         ctx.strokeStyle = color; ctx.lineWidth = width;
         ctx.strokeRect(x0 + width / 2, y + width / 2, Math.max(1, x1 - x0 - width), h - width);
+        const lx0 = Math.max(x0, GUTTER), lx1 = Math.min(x1, this.width - RIGHT);
+        if (fill && lx1 - lx0 > 20 && !L.collapsed) { // the label again, over the fill (as drawOps writes it)
+          ctx.fillStyle = P.chunk[i] === 2 || this.op[P.ops.op[i]] === "RECOMPUTE" ? "#123" : "#fff";
+          ctx.font = "10px system-ui, sans-serif";
+          ctx.fillText(this.label(P, i) + (lx1 - lx0 > 48 ? "." + P.ops.stage[i] : ""), lx0 + 3 + width / 2, y + h / 2 + 4);
+        }
         return true;
       };
       if (this.matches.length) {
