@@ -10,7 +10,8 @@ its library schedule, so they cannot drift apart.
 
 Every cell runs in --local mode by default (cheap); over 4 processes two cells run by default (the U-Net on
 1F1B over shared memory, the two encoders on ZB-V over gloo: a remote skip, a fan-in, split backward, two
-stages a rank); the whole grid of 8 is behind `-m slow`:
+stages a rank); the whole grid of 8 is behind `-m slow`. Also by default: the U-Net on interleaved 1F1B under
+PP x DP 2x2 with FSDP2 (`test_unet_interleaved_fsdp_2x2`) against the reference over the global batch.
 
     .venv/bin/python -m pytest -q -p no:cacheprovider -m slow -n 0 tests/runtime/test_graph_grid.py
 """
@@ -160,3 +161,66 @@ def run_cell(name: str, sched: str, p2p: str, tmp_path: Path) -> list[dict]:
 )  # slow cells' default twins: the same cell in test_local_grid, and the DEFAULT cells over 4 processes
 def test_four_processes(name, sched, tmp_path):
     run_cell(name, sched, DEFAULT.get((name, sched), "gloo"), tmp_path)
+
+
+# ---- PP x DP: 2 pipeline ranks x 2 FSDP2 replicas -------------------------------------------------------------------
+def _fsdp_rank(case: tuple, rank: int, out: str) -> None:
+    """One of 4 processes on a ("pp", "dp") = (2, 2) mesh: the Program compiled with fsdp data parallelism
+    (UNSHARD/RESHARD windows, REDUCE_GRAD's reduce-scatter), checked against the reference over the whole
+    global batch (both replicas' micro-batches)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pipec.ir.dataparallel import DataParallel
+
+    torch.set_num_threads(1)
+    name, path, params = case
+    m = model(name)
+    prog = pipec.compile(path, **params, data_parallel=DataParallel(2, "fsdp"))
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    kw = dict(optimizer=m.optimizer, dtype=m.dtype)
+    runner = pipec.runtime.Runner(
+        prog, m.build_stage, m.loss_fn, options=StageOptions(**kw), transport=Transport(timeout=60, mesh=mesh)
+    )
+    ref = pipec.runtime.Reference(
+        m.build_stage, m.loss_fn, prog.num_stages, prog.num_microbatches, replicas=2, graph=prog.graph, **kw
+    )
+    worst = run_checked(runner, ref, m)
+    worst["stages"] = sorted(runner.stages)
+    worst["pp"], worst["dp"] = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
+    worst["last"] = runner.has_last
+    # every parameter is split on dim 0 over the 2 replicas (FSDP2's Shard(0)), but those of 1 row (the head)
+    worst["sharded"] = all(
+        p.to_local().numel() < p.numel()
+        for st in runner.stages.values()
+        for p in st.module.parameters()
+        if p.shape[0] > 1
+    )
+    worst["unshards"] = sum(i.op == "UNSHARD" for i in prog.ranks[worst["pp"]].instructions())
+    Path(out).write_text(json.dumps(worst))
+    dist.destroy_process_group()
+
+
+def test_unet_interleaved_fsdp_2x2(tmp_path):
+    """The U-Net on interleaved 1F1B (p=2, v=2: stages 0 and 2 on pipeline rank 0, 1 and 3 on rank 1, the
+    skip 0 -> 3 between the ranks) x 2 FSDP2 replicas: every parameter sharded over the replicas, each
+    replica on its half of the batch, equal to the single-process reference over the global batch.
+    The CLI's form: pipec run examples/unet-interleaved-1f1b.pipe -D p=2 -D v=2 -D m=4 --model
+    examples/unet.py --nproc 4 --dp 2 --dp-kind fsdp --check"""
+    from runtime_harness import json_ranks
+
+    params = dict(p=2, v=2, m=4)
+    case = ("unet", str(schedule_file("unet", "interleaved-1f1b")), params)
+    res = json_ranks(functools.partial(_fsdp_rank, case), 4, tmp_path, timeout=240.0)
+    assert sorted((r["pp"], r["dp"]) for r in res) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert {r["pp"]: tuple(r["stages"]) for r in res} == {0: (0, 2), 1: (1, 3)}
+    assert all(r["sharded"] and r["unshards"] > 0 for r in res), [(r["sharded"], r["unshards"]) for r in res]
+    for r in res:
+        assert r["grad"] <= TOL and r["param"] <= TOL, r
+    last = [r for r in res if r["last"]]
+    assert len(last) == 2 and all(r["loss"] <= TOL for r in last), last
+    print(
+        f"unet interleaved fsdp 2x2: max rel err loss {max(r['loss'] for r in last):.1e} "
+        f"grad {max(r['grad'] for r in res):.1e} param {max(r['param'] for r in res):.1e}"
+    )
