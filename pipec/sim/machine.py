@@ -3,8 +3,8 @@
 This is the one machine model of pipec. Its one step is `Ranks.run`: a rank runs its next op when it is free
 and the op's inputs have arrived (whichever is later), for the op's cost, then spends its overhead on the
 transfers after it. Inputs: the message `Plan.need` names and, on a stage graph, those `Plan.more` names
-(an op with several remote inputs waits for the last to arrive). Its network is `Links`: per pair of ranks, messages in issue order; on a shared
-link, bandwidth divided among the messages on it. Who steps it:
+(an op with several remote inputs waits for the last to arrive). Its network is `Links`: per pair of ranks,
+messages in issue order; on a shared link, bandwidth divided among the messages on it. Who steps it:
 
 - the simulator (`pipec.sim.simulate`): `run` (no contention: any order of ranks, arrivals known at send)
   or `run_events` (time order), over the Plan of a Program;
