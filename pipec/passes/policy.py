@@ -283,8 +283,10 @@ class _ListScheduler:
             cls = [(0, u, v) for u, v in self.graph.edges] + [(1, v, u) for u, v in self.graph.edges]
         k_arr = np.array([k for k, _, _ in cls], dtype=np.int64)
         s_arr = np.array([s for _, s, _ in cls], dtype=np.int64)
-        src, dst = place[s_arr], place[np.array([t for _, _, t in cls], dtype=np.int64)]
-        _, txd, lat = mc.costs.wire(OUT_MSG[k_arr], s_arr, src, dst)
+        t_arr = np.array([t for _, _, t in cls], dtype=np.int64)
+        src, dst = place[s_arr], place[t_arr]
+        other = t_arr if self.graph is not None else None  # a graph's gradient: its edge's activation bytes
+        _, txd, lat = mc.costs.wire(OUT_MSG[k_arr], s_arr, src, dst, other=other)
         group = shared_links(mc.costs, src, dst, txd) if len(cls) else None
         self.contended = group is not None
         self.wire = {
