@@ -356,7 +356,7 @@ class PipelineSchedule:
         lowered, validated and proven by the dry run) on the executor, after a shape exchange of its own
         (an eval batch may differ from training's), under a key space of its own."""
         from pipec.runtime.exec.executor import Executor
-        from pipec.runtime.exec.shapes import TensorSpec, handshake
+        from pipec.runtime.exec.shapes import TensorSpec, handshake, handshake_graph
 
         runner, program = self.runner, self.program
         m, rank = program.num_microbatches, self.rank
@@ -380,8 +380,14 @@ class PipelineSchedule:
         kv = _PrefixKV(runner.kv, f"eval{number}/")
         specs = [tuple(TensorSpec.of(a) for a in args) for args in mb_in] if mb_in is not None else None
         ex.handshaking = True
-        ins, outs = yield from handshake(runner.modules(), program.placement, rank, specs, kv, runner.device)
-        ex.set_specs(ins, outs)
+        if program.graph is not None:  # per edge, as the Runner's exchange
+            _, edge_in, edge_out = yield from handshake_graph(
+                runner.modules(), program.placement, rank, specs, kv, runner.device, program.graph
+            )
+            ex.set_edge_specs(edge_in, edge_out)
+        else:
+            ins, outs = yield from handshake(runner.modules(), program.placement, rank, specs, kv, runner.device)
+            ex.set_specs(ins, outs)
         ex.handshaking = False
         for st in runner.stages.values():
             st.loss = None

@@ -168,6 +168,7 @@ def forward_program(prog: Program) -> Program:
         placement=prog.placement,
         ranks=tuple(ranks),
         slicing=prog.slicing,
+        graph=prog.graph,
     )
     out, run = lower_with_proof(sched)
     if not run.completed:  # cannot happen for a proven Program's FWDs; a lowering bug if it does
