@@ -68,9 +68,21 @@ class Decoder(nn.Module):
             self.up = None
             self.head = conv(c, 1, k=1)
 
-    def forward(self, *xs: torch.Tensor) -> torch.Tensor:
-        h = nn.functional.gelu(self.merge(xs[0] if self.innermost else torch.cat(xs, dim=1)))
+    def forward(self, skip: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.out(nn.functional.gelu(self.merge(torch.cat([skip, x], dim=1))))
+
+    def out(self, h: torch.Tensor) -> torch.Tensor:
         return nn.functional.gelu(self.up(h)) if self.up is not None else self.head(h)
+
+
+class Innermost(Decoder):
+    """The innermost decoder level: the innermost encoder's output alone (the chain's edge, no skip)."""
+
+    def __init__(self, level: int) -> None:
+        super().__init__(level, innermost=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(nn.functional.gelu(self.merge(x)))
 
 
 def build_stage(stage: int, num_stages: int) -> nn.Module:
@@ -82,7 +94,7 @@ def build_stage(stage: int, num_stages: int) -> nn.Module:
     if stage < k:
         return Encoder(stage)
     level = num_stages - 1 - stage
-    return Decoder(level, innermost=level == k - 1)
+    return Innermost(level) if level == k - 1 else Decoder(level, innermost=False)
 
 
 def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -110,12 +110,74 @@ def edge_outputs(value: Any, stage: int, outputs: tuple[int, ...]) -> list[tuple
         one = outputs_of(value, stage)
         return [one] * len(outputs)
     if len(value) != len(outputs):
+        edges = ", ".join(f"{stage} -> {v}" for v in outputs)
         raise ShapeError(
             f"stage {stage} returned {len(value)} outputs, but it feeds {len(outputs)} stages "
-            f"({', '.join(map(str, outputs))}): a stage with several out-edges returns one tensor (sent on "
-            "every edge) or a tuple with one entry per out-edge, in the order of its destination stages"
+            f"({', '.join(map(str, outputs))}): the schedule declares its out-edges {edges}; a stage with "
+            "several out-edges returns one tensor (sent on every edge) or a tuple with one entry per out-edge, "
+            "in the order of its destination stages"
         )
     return [outputs_of(v, stage) for v in value]
+
+
+def positional_arity(module: torch.nn.Module) -> tuple[int, int | None, str] | None:
+    """How many positional inputs `module(...)` takes: (required, most or None for *args, its signature as
+    text), or None where the signature cannot be read (a C extension, a callable without one)."""
+    import inspect
+
+    try:
+        sig = inspect.signature(module.forward)
+    except (TypeError, ValueError):
+        return None
+    lo, hi = 0, 0
+    for prm in sig.parameters.values():
+        if prm.kind is prm.VAR_POSITIONAL:
+            hi = None
+        elif prm.kind in (prm.POSITIONAL_ONLY, prm.POSITIONAL_OR_KEYWORD):
+            lo += prm.default is prm.empty
+            hi = None if hi is None else hi + 1
+    return lo, hi, f"{type(module).__name__}.forward{sig}"
+
+
+def check_arity(
+    module: torch.nn.Module,
+    stage: int,
+    srcs: tuple[int, ...],
+    placement: tuple[int, ...],
+    per_edge: list[Specs],
+    inputs: Specs,
+) -> None:
+    """A stage graph's declared inputs against the stage's forward, before anything runs: the tensors of its
+    in-edges (spread in the order of `srcs`, its graph.inputs), or a source's micro-batch inputs, must be a
+    count its forward takes. ShapeError naming the stage, its rank, the edges and the forward otherwise."""
+    arity = positional_arity(module)
+    if arity is None:
+        return
+    lo, hi, sig = arity
+    n = len(inputs)
+    if lo <= n and (hi is None or n <= hi):
+        return
+    takes = f"{lo}" if hi == lo else f"{lo} or more" if hi is None else f"{lo} to {hi}"
+    where = f"stage {stage} (rank {placement[stage]})"
+    if not srcs:
+        declared = (
+            f"the schedule declares no in-edge into stage {stage} (a source), so it is called with the "
+            f"micro-batch's {n} input(s) ({fmt(inputs)})"
+        )
+    else:
+        parts = [f"{u} -> {stage} from rank {placement[u]} ({fmt(specs)})" for u, specs in zip(srcs, per_edge)]
+        many = [f"{u} -> {stage}" for u, specs in zip(srcs, per_edge) if len(specs) > 1]
+        declared = (
+            f"the schedule declares {len(srcs)} in-edge(s) into stage {stage}, "
+            + ", ".join(parts)
+            + f", spread in that order as {n} input(s)"
+            + (f" (edge {', '.join(many)} carries a tuple)" if many else "")
+        )
+    raise ShapeError(
+        f"{where}: {declared}, but its forward takes {takes} positional input(s): {sig}. Declare the edges "
+        "the model has (docs/language.md, section 19), or give the stage a forward with one input per "
+        "in-edge tensor, in the order of its source stages"
+    )
 
 
 def infer(module: torch.nn.Module, stage: int, args: Specs, device: torch.device) -> Specs:
@@ -238,8 +300,48 @@ def handshake_graph(
     epoch: int = 0,
 ) -> Generator[object, None, tuple[dict[int, list[Specs]], dict[tuple[int, int], list[Specs]], dict]]:
     """`handshake` on a stage graph: (per own stage its inputs' specs per micro-batch, per in-edge (u, s) of an
-    own stage its message's specs per micro-batch, the same per out-edge (s, v))."""
+    own stage its message's specs per micro-batch, the same per out-edge (s, v)).
+
+    It ends with a gate: each rank publishes that its stages agree with the declared edges (or the error that
+    says why not) and waits for every other rank's word, so a disagreement anywhere fails every rank, with
+    that error, before any rank runs an instruction of the step (no rank computes a forward the failing
+    one will never take, nor waits for a message the failing one will never send)."""
     prefix = "spec/" if epoch == 0 else f"spec{epoch}/"
+    try:
+        result = yield from _exchange_graph(modules, placement, rank, first_inputs, kv, device, graph, prefix, epoch)
+    except (ShapeError, ModelError) as e:
+        word = f"{type(e).__name__}: {e}"
+        kv.set(f"{prefix}agreed/{rank}", word)
+        for s in modules:  # the ranks waiting for this one's specs learn why they will not come
+            for v in graph.outputs(s):
+                if placement[v] != rank:
+                    kv.set(f"{prefix}{s}>{v}", "!" + word)
+        raise
+    kv.set(f"{prefix}agreed/{rank}", "")
+    for r in sorted(set(placement) - {rank}):
+        word = yield from kv.get(f"{prefix}agreed/{r}", f"rank {r}'s end of the shape exchange", r)
+        if word:
+            kind, _, text = word.partition(": ")
+            raise (ModelError if kind == "ModelError" else ShapeError)(_from_rank(r, text))
+    return result
+
+
+def _from_rank(rank: int, text: str) -> str:
+    """Another rank's exchange error, said once where it began (a rank passing one on keeps its origin)."""
+    return text if text.startswith("rank ") else f"rank {rank}, the shape exchange: {text}"
+
+
+def _exchange_graph(
+    modules: dict[int, torch.nn.Module],
+    placement: tuple[int, ...],
+    rank: int,
+    first_inputs: list[Specs] | None,
+    kv: KV,
+    device: torch.device,
+    graph: Any,
+    prefix: str,
+    epoch: int,
+) -> Generator[object, None, tuple[dict[int, list[Specs]], dict[tuple[int, int], list[Specs]], dict]]:
     last = len(placement) - 1
     ins: dict[int, list[Specs]] = {}
     edge_in: dict[tuple[int, int], list[Specs]] = {}
@@ -256,6 +358,10 @@ def handshake_graph(
                 else:
                     what = f"stage {u}'s output shapes for stage {s}"
                     text = yield from kv.get(f"{prefix}{u}>{s}", what, placement[u])
+                    if text.startswith("!"):  # its rank failed the exchange (handshake_graph)
+                        kind, _, why = text[1:].partition(": ")
+                        error = ModelError if kind == "ModelError" else ShapeError
+                        raise error(_from_rank(placement[u], why))
                     edge_in[(u, s)] = decode(text)
             m = len(edge_in[(srcs[0], s)])
             ins[s] = [tuple(t for u in srcs for t in edge_in[(u, s)][i]) for i in range(m)]
@@ -264,6 +370,8 @@ def handshake_graph(
         result: list[list[Specs]] = []
         for i, specs in enumerate(ins[s]):
             if specs not in memo:
+                per_edge = [edge_in[(u, s)][i] for u in srcs]
+                check_arity(modules[s], s, srcs, placement, per_edge, specs)
                 try:
                     out = _evaluate(modules[s], specs, None, device)
                     if s == last:  # checked now, not mid-step
@@ -273,7 +381,7 @@ def handshake_graph(
                 except (ShapeError, ModelError):
                     raise
                 except Exception as e:
-                    raise graph_mismatch(s, srcs, placement, i, specs, e) from None
+                    raise graph_mismatch(s, srcs, placement, i, specs, e, per_edge) from None
             result.append(memo[specs])
         for k, v in enumerate(dsts):
             edge_out[(s, v)] = [r[k] for r in result]
@@ -285,17 +393,31 @@ def handshake_graph(
 
 
 def graph_mismatch(
-    stage: int, srcs: tuple[int, ...], placement: tuple[int, ...], mb: int, specs: Specs, e: Exception
+    stage: int,
+    srcs: tuple[int, ...],
+    placement: tuple[int, ...],
+    mb: int,
+    specs: Specs,
+    e: Exception,
+    per_edge: list[Specs] | None = None,
 ) -> ShapeError:
+    """A stage of a stage graph that cannot take what its declared in-edges bring it (shapes that do not match
+    across an edge): the stage, each edge with its source's rank and its message's shapes, and torch's error."""
     if not srcs:
         return ShapeError(
             f"stage {stage} (rank {placement[stage]}) cannot take micro-batch {mb}'s input of shape {fmt(specs)}: "
             f"{type(e).__name__}: {e}"
         )
-    who = ", ".join(f"stage {u} (rank {placement[u]})" for u in srcs)
+    if per_edge is None:
+        who = ", ".join(f"stage {u} (rank {placement[u]})" for u in srcs)
+        what = f"the outputs of {who} in that order, {fmt(specs)}"
+    else:
+        what = "its in-edges " + ", ".join(
+            f"{u} -> {stage} (stage {u} on rank {placement[u]}: {fmt(m)})" for u, m in zip(srcs, per_edge)
+        )
     return ShapeError(
-        f"stage {stage} (rank {placement[stage]}) takes the outputs of {who} in that order, {fmt(specs)} for "
-        f"micro-batch {mb}, and cannot: {type(e).__name__}: {e}"
+        f"stage {stage} (rank {placement[stage]}) takes {what} for micro-batch {mb}, in that order as the "
+        f"schedule declares them, and cannot: {type(e).__name__}: {e}"
     )
 
 

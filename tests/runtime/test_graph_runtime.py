@@ -15,7 +15,6 @@ torch = pytest.importorskip("torch")
 
 import pipec  # noqa: E402
 from pipec.runtime import LocalPipeline, Reference, StageOptions, load_model  # noqa: E402
-from pipec.runtime.errors import ShapeError  # noqa: E402
 from pipec.runtime.reference import compare, rel_err  # noqa: E402
 
 TOL = 1e-10
@@ -95,34 +94,6 @@ def test_local_graph_equals_reference(name, schedule, params):
     assert len(worst["names"]) == sum(
         len(list(m.build_stage(s, prog.num_stages).parameters())) for s in range(prog.num_stages)
     )
-
-
-def test_fan_out_returning_the_wrong_count_is_named(tmp_path):
-    """A stage with two out-edges that returns a tuple of three: a ShapeError at the shape exchange naming the
-    stage and the stages it feeds, before any step."""
-    m = model("unet")
-    prog = pipec.compile(str(EXAMPLES / "unet.pipe"), p=4, m=2)
-
-    def build(s: int, S: int) -> torch.nn.Module:
-        mod = m.build_stage(s, S)
-        if s == 0:
-
-            class Three(torch.nn.Module):
-                def __init__(self) -> None:
-                    super().__init__()
-                    self.inner = mod
-
-                def forward(self, x):
-                    y = self.inner(x)
-                    return y, y, y
-
-            return Three()
-        return mod
-
-    pipe = LocalPipeline(prog, build, m.loss_fn, options=StageOptions(dtype=m.dtype))
-    x, y = m.batch(0)
-    with pytest.raises(ShapeError, match=r"stage 0 returned 3 outputs, but it feeds 2 stages \(1, 3\)"):
-        pipe.step(x, y)
 
 
 def test_graph_shm_channels_name_edges():
