@@ -155,17 +155,32 @@ def playground(schedule: str, defines: list[tuple[str, str]], reps: int, smoke: 
     srv = serve.start_in_thread("127.0.0.1", 0)
     url = f"http://127.0.0.1:{srv.server_address[1]}/?" + urlencode({"schedule": schedule, **dict(defines)})
     ranks = int(dict(defines).get("p", 0) or 0)
-    drawn = f"window.pipecView && document.body.dataset.seq && pipecView.doc.panels[0].ranks === {ranks}"
+    # the first answer: drawn (body's seq is set once the view has booted) or refused (set at once: a build
+    # past pipec serve's 20 s deadline is a 503, reported, not waited for)
+    answered = "document.body.dataset.seq && document.getElementById('status').textContent === ''"
+    drawn = f"!!(window.pipecView && pipecView.doc.panels[0].ranks === {ranks})"
     chrome = browser.launch()
-    walls, pages = [], []
+    walls, pages, phases = [], [], []
     try:
         for _ in range(reps):
             chrome.get("about:blank")
             t = time.perf_counter()
             chrome.get(url)
-            browser.wait_for(chrome, drawn, timeout=300)
+            browser.wait_for(chrome, answered, timeout=300)
             walls.append(time.perf_counter() - t)
+            if not chrome.execute_script("return " + drawn):
+                why = chrome.execute_script("return document.getElementById('diagnostics').innerText")
+                emit(figure="playground_open_to_drawn", ranks=ranks, error=f"not drawn: {why[:200]}")
+                return 1
             pages.append(chrome.execute_script("return window.pipecLoadMs"))
+            phases.append(  # the simulate request as the page saw it (ms since navigation start)
+                chrome.execute_script(
+                    "const e = performance.getEntriesByType('resource')"
+                    ".filter((r) => r.name.endsWith('/api/simulate'));"
+                    "const r = e[e.length - 1]; return r && {sent: r.requestStart, first_byte: r.responseStart,"
+                    " received: r.responseEnd, drawn: performance.now(), requests: e.length}"
+                )
+            )
         rows = chrome.execute_script("pipecView.draw(); return pipecView.shown.length")
         errors = len(browser.console_errors(chrome))
     finally:
@@ -179,6 +194,7 @@ def playground(schedule: str, defines: list[tuple[str, str]], reps: int, smoke: 
         wall_s=[round(x, 2) for x in walls],
         wall_median_s=round(statistics.median(walls), 2),
         decode_and_draw_ms=[round(x, 1) for x in pages],
+        request_ms=[{k: round(v) for k, v in p.items()} if p else None for p in phases],
         rows_drawn=rows,
         errors=errors,
     )
