@@ -114,6 +114,7 @@ def test_pipeline_schedule_on_a_graph(name, path, params):
         for opt in opts:  # the caller's optimizer steps, after the gradients are compared
             opt.step()
     worst["param"] = max(compare(mine("param"), ref.named_parameters()).values())
+    print(f"{path}: max rel err {worst}")
     assert worst["loss"] <= TOL and worst["grad"] <= TOL and worst["param"] <= TOL, worst
 
     # eval on the graph: the forward-only Program, its own shape exchange, equal to the reference's forward
