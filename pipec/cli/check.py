@@ -82,7 +82,34 @@ def cmd_check(args: argparse.Namespace) -> int:
     print(f"{s.name} ({params}): {s.num_stages} stages, {s.num_ranks} ranks, {s.num_ops} ops{dp}: OK")
     if args.memory:
         print(format_table(list(c.memory)))
+        print("buffer plan" + (" (the Program's)" if c.program.buffers is not None else "") + ":")
+        print(_plan_text(c, args))
     return 0
+
+
+def _plan_text(c: CompiledSchedule, args: argparse.Namespace) -> str:
+    """The buffer plan's table (pipec.view.report.plan_table): the Program's own plan, else one made here."""
+    from pipec.cli.args import memory
+    from pipec.passes.bufferplan import live_peak, plan_buffers
+    from pipec.sim.memory import memory_model, resident
+    from pipec.view.report import plan_table
+
+    model = memory_model(c.schedule, memory(args))
+    plan = c.program.buffers or plan_buffers(c.program, model)
+    dp = c.program.dp if c.program.dp_kind == "fsdp" else 1
+    res = resident(c.program.placement_array, model, c.program.num_ranks, dp)
+    return plan_table(list(c.memory), plan, res.tolist(), live_peak(c.program, plan))
+
+
+def _with_buffers(prog, args: argparse.Namespace, sched):
+    """`--buffers`: the Program carrying its buffer plan (written as format version 3)."""
+    if not getattr(args, "buffers", False) or prog.buffers is not None:
+        return prog
+    from pipec.cli.args import memory
+    from pipec.passes.bufferplan import with_plan
+    from pipec.sim.memory import memory_model
+
+    return with_plan(prog, memory_model(sched, memory(args)))
 
 
 def compile_arguments(p: argparse.ArgumentParser) -> None:
@@ -90,6 +117,11 @@ def compile_arguments(p: argparse.ArgumentParser) -> None:
     memory_args(p)
     options.add_dp_arguments(p)
     options.add_moe_layers_argument(p)
+    p.add_argument(
+        "--buffers",
+        action="store_true",
+        help="plan every buffer (a slot per tensor, reused by lifetime, proven) and carry the plan: format version 3",
+    )
     p.add_argument("-o", "--output", metavar="OUT", help="write here instead of standard output")
     p.add_argument(
         "--format",
@@ -107,7 +139,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
     from pipec.formats.program_file import write_json, write_text
 
-    prog = compiled(args)[0].program
+    c = compiled(args)[0]
+    prog = _with_buffers(c.program, args, c.schedule)
     fmt = args.format or ("json" if args.output and args.output.endswith(".json") else "text")
     if args.json and not args.output and args.format == "text":
         raise Misuse("--json prints the program as JSON; write --format text to a file with -o")

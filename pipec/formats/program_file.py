@@ -8,7 +8,11 @@ Two versions. A chain Program (`Program.graph is None`) is written as version 1,
 stage graphs; one with a stage graph (pipec.ir.graph) as version 2: the head carries its edges (`edges`),
 and every rank its `other` column (the JSON form's sixth column; the text form's last operand of a
 transfer, `SEND_ACT i s peer other`), the stage at the other end of each transfer's edge. Both readers
-read both versions, and check a version 2 file's graph (`check_graph`) and columns before validating. The writers stream
+read both versions, and check a version 2 file's graph (`check_graph`) and columns before validating. A
+Program carrying a buffer plan (`Program.buffers`, pipec.passes.bufferplan) is written as version 3: the
+head's `buffers` (the JSON object of `pipec.formats.plan_file`; the text form's `buffers` line), `edges` and
+the `other` column as version 2 where there is a graph, else as version 1; the readers prove the plan
+(`pipec.passes.bufferplan.prove`, E502) after validating. The writers stream
 (`write_json`, `write_text` to an open file), so a million-op Program is never held twice as one string;
 their rows are laid out by numpy (`pipec.formats.rowtext`).
 """
@@ -24,7 +28,7 @@ from typing import IO
 import numpy as np
 
 from pipec.errors import PipecError, Source, Span, brief, error
-from pipec.formats import rowtext
+from pipec.formats import plan_file, rowtext
 from pipec.ir.experts import Experts
 from pipec.ir.graph import MAX_EDGES, StageGraph, check_graph
 from pipec.ir.opcodes import BY_NAME, CODE, IS_P2P, OPCODES
@@ -38,18 +42,22 @@ VERSION = 1
 GRAPH_VERSION = 2
 # The versions this reader reads (the writer writes VERSION, or GRAPH_VERSION for a graph). A file of another
 # version is refused by name, never read as if it were one of these.
-READS = (1, 2)
+READS = (1, 2, 3)
+# A Program carrying a buffer plan is written as this version, with a graph or without.
+PLAN_VERSION = 3
 # How every E501 of a file begins, so that a damaged file is never mistaken for a schedule with a syntax error.
 NOT_A_PROGRAM = "this is not a valid Program file"
 
 
 def _version_message(shown: object) -> str:
-    reads = " and ".join(map(str, READS))
+    reads = ", ".join(map(str, READS[:-1])) + f" and {READS[-1]}"
     return f"program format version {brief(shown)} is not supported (this pipec reads {reads})"
 
 
 def _version_of(prog: Program) -> int:
-    """The version a Program is written as: 2 with a stage graph, else 1."""
+    """The version a Program is written as: 3 with a buffer plan, else 2 with a stage graph, else 1."""
+    if prog.buffers is not None:
+        return PLAN_VERSION
     return VERSION if prog.graph is None else GRAPH_VERSION
 
 
@@ -201,6 +209,8 @@ def _dp_head(prog: Program) -> dict[str, object]:
         out["moe_layers"] = list(prog.moe_layers)
     if prog.forward_only:  # an evaluation pass: without it a reader would take its FWDs for a training step's
         out["forward_only"] = True
+    if prog.buffers is not None:  # version 3
+        out["buffers"] = plan_file.to_doc(prog.buffers)
     return out
 
 
@@ -266,7 +276,9 @@ def _slicing(doc: object, units: int) -> Slicing | None:
 
 
 def _json_graph(doc: dict) -> StageGraph | None:
-    """The stage graph of a JSON Program: version 2 must carry `edges`, version 1 must not."""
+    """The stage graph of a JSON Program: version 2 must carry `edges`, version 1 must not, version 3 may."""
+    if doc["version"] == PLAN_VERSION:
+        return _graph(doc["edges"], _size(doc["num_stages"], "num_stages")) if "edges" in doc else None
     if doc["version"] == VERSION:
         if "edges" in doc:
             raise ValueError(f"`edges` (a stage graph) needs format version {GRAPH_VERSION}, not {VERSION}")
@@ -339,6 +351,7 @@ def from_json(text: str, path: str = "<program>") -> Program:
             moe_layers=_moe_layers(doc.get("moe_layers")),
             forward_only=_flag(doc.get("forward_only", False), "forward_only"),
             graph=graph,
+            buffers=_buffers(doc["version"], doc.get("buffers"), _size(doc["num_ranks"], "num_ranks")),
         )
     except RecursionError:
         raise error(
@@ -349,7 +362,27 @@ def from_json(text: str, path: str = "<program>") -> Program:
             "E501", f"{NOT_A_PROGRAM}: malformed program JSON: {brief(e, 200)}", source=Source(path, "")
         ) from None
     validate(prog, Source(path, ""))
+    _prove(prog, Source(path, ""))
     return prog
+
+
+def _buffers(version: int, doc: object, num_ranks: int):
+    """A file's `buffers` (version 3 only, and there required) as its BufferPlan; ValueError (E501) otherwise."""
+    if version != PLAN_VERSION:
+        if doc is not None:
+            raise ValueError(f"`buffers` (a buffer plan) needs format version {PLAN_VERSION}, not {version}")
+        return None
+    if doc is None:
+        raise ValueError(f"a version {PLAN_VERSION} Program needs `buffers`, its buffer plan")
+    return plan_file.from_doc(doc, num_ranks)
+
+
+def _prove(prog: Program, source: Source) -> None:
+    """A plan read from a file holds for its Program, or E502 (pipec.passes.bufferplan)."""
+    if prog.buffers is not None:
+        from pipec.passes.bufferplan import prove
+
+        prove(prog, prog.buffers, source)
 
 
 # ---- text -------------------------------------------------------------------
@@ -493,6 +526,7 @@ def from_text(text: str, path: str = "<program>") -> Program:
             "experts": None,
             "moe_layers": None,
             "forward_only": "false",
+            "buffers": None,
         }
         body = 4
         while body < len(lines) and lines[body][1].split()[0] in dp:
@@ -506,6 +540,8 @@ def from_text(text: str, path: str = "<program>") -> Program:
                 dp["edges"] = _graph(json.loads(words[1]), stages)
             elif words[0] == "slicing":
                 dp["slicing"] = _slicing(json.loads(words[1]), mbs)
+            elif words[0] == "buffers":
+                dp["buffers"] = json.loads(words[1])
             elif words[0] in ("experts", "moe_layers"):
                 dp[words[0]] = json.loads(words[1])
             else:
@@ -568,6 +604,7 @@ def from_text(text: str, path: str = "<program>") -> Program:
             moe_layers=_moe_layers(dp["moe_layers"]),
             forward_only=_flag(dp["forward_only"], "forward_only"),
             graph=graph,  # type: ignore[arg-type]
+            buffers=_buffers(version, dp["buffers"], ranks),
         )
     except RecursionError:
         raise fail(f"{NOT_A_PROGRAM}: malformed program text: its JSON values nest too deeply") from None
@@ -582,6 +619,7 @@ def from_text(text: str, path: str = "<program>") -> Program:
         return Span(n, 1, n, len(source.line(n)) + 1)
 
     validate(prog, source, locate)
+    _prove(prog, source)
     return prog
 
 

@@ -161,6 +161,23 @@ class OrderBlock(Node):
 
 
 @dataclass(frozen=True)
+class Window(Node):
+    """`window e [prefer NAME]` in a rank block: the rank may run any op less than e places past its earliest
+    op not yet run (docs/language.md, section 20); `prefer` names the runtime's choice among them."""
+
+    value: Expr
+    prefer: str | None
+    prefer_span: Span | None
+
+
+@dataclass(frozen=True)
+class AnyGroup(Node):
+    """`any { ... }` in a rank block: the ops emitted inside may run in any order among themselves."""
+
+    body: tuple[Stmt, ...]
+
+
+@dataclass(frozen=True)
 class Emit(Node):
     """One op, or an overlapped pair `a & b` that the runtime may interleave."""
 
@@ -236,6 +253,8 @@ Stmt = (
     | If
     | RankBlock
     | OrderBlock
+    | Window
+    | AnyGroup
     | Emit
     | Decl
     | Place

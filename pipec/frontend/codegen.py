@@ -34,6 +34,7 @@ from pipec.frontend.names import (
     Scope,
     Value,
 )
+from pipec.ir.family import PREFER
 from pipec.ir.schedule import MEMORY_RANK_KEYS, STAGE_COST_KEYS
 
 
@@ -58,10 +59,15 @@ class GeneratedCode:
     # these ids is recomputed, so the op's tuple and the per-op path stay as they are without it.
     memops: bool = False
     recompute_sids: frozenset[int] = frozenset()
+    # Whether a rank block says `window` or `any`: evaluation then records each rank's order family.
+    family: bool = False
 
 
 class _Compiler(ExpressionCompiler):
     """Statements, declarations and the whole file, on the expressions of ExpressionCompiler."""
+
+    family = False  # whether a rank block says `window` or `any` (then evaluation records the family)
+    in_any = False
 
     # ---- statements
     def block(self, body: tuple, scope: Scope, indent: int, ctx: str) -> None:
@@ -127,6 +133,8 @@ class _Compiler(ExpressionCompiler):
             if not top:
                 raise self.err("E109", "an `order` block belongs at the top of the schedule", st.span)
             self.order_block(st, scope, indent)
+        elif isinstance(st, (ast.Window, ast.AnyGroup)):
+            self.family_stmt(st, scope, indent, ctx)
         elif top:
             raise self.err("E109", "ops and loops belong inside the `rank r { ... }` block", st.span)
         elif isinstance(st, ast.For):
@@ -184,6 +192,33 @@ class _Compiler(ExpressionCompiler):
             self.emit(st, scope, indent)
         else:  # pragma: no cover
             raise AssertionError(st)
+
+    def family_stmt(self, st: ast.Window | ast.AnyGroup, scope: Scope, indent: int, ctx: str) -> None:
+        """`window e [prefer NAME]` and `any { ... }` (docs/language.md, section 20): calls that record, as
+        the rank's ops are emitted, which of them the rank may reorder (pipec.frontend.family)."""
+        what = "`window`" if isinstance(st, ast.Window) else "an `any` group"
+        if ctx != "rank":
+            raise self.err("E109", f"{what} belongs inside the `rank r {{ ... }}` block", st.span)
+        self.family = True
+        sid = self.sid(st.span)
+        if isinstance(st, ast.Window):
+            if st.prefer is not None and st.prefer not in PREFER:
+                raise self.err(
+                    "E219", f"unknown `prefer` policy `{st.prefer}`; known: {', '.join(PREFER)}", st.prefer_span
+                )
+            code, t = self.expr(st.value, scope)
+            self.want(t, ("int",), st.value.span, "`window`")
+            self.line(indent, f"_window({code}, {st.prefer or 'order'!r}, {sid})")
+            return
+        if self.in_any:
+            raise self.err("E219", "an `any` group inside another: the outer one already lets them reorder", st.span)
+        self.in_any = True
+        try:
+            self.line(indent, f"_any_open({sid})")
+            self.block(st.body, Scope(scope), indent, ctx)
+            self.line(indent, "_any_close()")
+        finally:
+            self.in_any = False
 
     def expect(self, st: ast.Expect, scope: Scope, indent: int, ctx: str) -> None:
         """Register a deferred check: the condition runs later, with the metrics as `_M` (pipec.passes.expect)."""
@@ -451,6 +486,7 @@ class _Compiler(ExpressionCompiler):
             collectives=self.collectives,
             memops=self.memops,
             recompute_sids=frozenset(self.recompute_sids),
+            family=self.family,
             name=tree.name,
             header=tree.span,
             line_spans=tuple(self.where),

@@ -17,6 +17,7 @@ import numpy as np
 from pipec.errors import PipecError, Source, Span, brief, error
 from pipec.files import require_ops_fit
 from pipec.frontend.codegen import GeneratedCode
+from pipec.frontend.family import FamilyRecorder, family_of
 from pipec.frontend.names import COLLECTIVES, MEMOP_NAMES
 from pipec.frontend.params import bind_params
 from pipec.frontend.shape import MAX_SIZE, graph_of, slicing_of
@@ -227,6 +228,7 @@ def _run(compiled: GeneratedCode, source: Source, given: dict[str, object], only
     coll_rows: list[list[tuple]] = []
     mem_rows: list[list[tuple]] = []
     with_memops = compiled.memops or bool(compiled.recompute_sids)
+    families, family_spans = [], {}  # `window` and `any` (pipec.frontend.family)
     for r in range(num_ranks):
         if order is not None:
             rank_ops.append(_empty_rank())
@@ -237,6 +239,13 @@ def _run(compiled: GeneratedCode, source: Source, given: dict[str, object], only
                 coll_rows.append(_check_collectives(env.colls, r, owned[r], placement))
             if with_memops:
                 mem_rows.append(_default_recomputes(env.mems, rank_ops[-1], compiled.recompute_sids, num_stages))
+            if compiled.family:
+                rec = env.family
+                families.append(
+                    rec.finish(r, rank_ops[-1], bool(mem_rows and mem_rows[-1]), bool(coll_rows and coll_rows[-1]))
+                )
+                if rec.sid is not None:
+                    family_spans[r] = compiled.spans[rec.sid]
         else:
             rank_ops.append(_empty_rank())
             if compiled.collectives:
@@ -281,6 +290,7 @@ def _run(compiled: GeneratedCode, source: Source, given: dict[str, object], only
         collectives=collectives,
         memops=memops,
         slicing=slicing,
+        family=family_of(families + [None] * (num_ranks - len(families)), family_spans) if families else None,
         order=order,
         order_ranks=None if order is None or only is None else tuple(sorted(wanted)),
         graph=graph,
@@ -608,6 +618,9 @@ class _Env:
         else:
             ns["_emit"] = ops.append
             ns["_next"] = None  # no op without a micro-batch: the generated code never calls it
+        if self.compiled.family:
+            self.family = FamilyRecorder(ops)
+            self.family.bind(ns)
         fn(rank)
         return _to_arrays(ops, pairs)
 

@@ -182,6 +182,14 @@ class _ToAst(Transformer):
     def order_lag(self, meta, c):
         return ast.OrderItem(_meta_span(meta), "lag", (str(c[0]),), (_tok_span(c[0]),), None, c[1])
 
+    def window_stmt(self, meta, c):
+        value, name = c  # `["prefer" NAME]` leaves None without a policy
+        prefer = None if name is None else str(name)
+        return ast.Window(_meta_span(meta), value, prefer, None if name is None else _tok_span(name))
+
+    def any_block(self, meta, c):
+        return ast.AnyGroup(_meta_span(meta), c[0])
+
     def emit_stmt(self, meta, c):
         return ast.Emit(_meta_span(meta), tuple(c))
 

@@ -20,7 +20,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pipec.ir.buffers import BufferPlan
 from pipec.ir.experts import Experts
+from pipec.ir.family import OrderFamily
 from pipec.ir.graph import StageGraph
 from pipec.ir.opcodes import (
     BWD,
@@ -170,6 +172,10 @@ class Program:
     # The stage graph (pipec.ir.graph; None: the chain s -> s + 1). With one, each transfer names its edge
     # (RankProgram.other) and the file's version is 2 (pipec.formats.program_file).
     graph: StageGraph | None = None
+    family: OrderFamily | None = None  # the orders chosen at run time (pipec.ir.family); None: static
+    # The buffer plan (pipec.ir.buffers, made by pipec.passes.bufferplan; None: none). With one the file's
+    # version is 3 (pipec.formats.program_file).
+    buffers: BufferPlan | None = None
 
     @property
     def a2a_layers(self) -> tuple[int, ...]:
@@ -205,6 +211,7 @@ class Program:
             "experts",
             "moe_layers",
             "graph",
+            "buffers",
         )
         return all(getattr(self, f) == getattr(other, f) for f in head) and self.ranks == other.ranks
 

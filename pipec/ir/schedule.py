@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pipec.errors import Source, Span
+from pipec.ir.family import OrderFamily
 from pipec.ir.graph import StageGraph
 
 # The per-stage cost keys: what a schedule's `cost` declarations, cost files and `--cost` may set per stage
@@ -287,6 +288,8 @@ class Schedule:
     order_ranks: tuple[int, ...] | None = None
     # The stage graph from the schedule's `edge` declarations (pipec.ir.graph); None: the chain s -> s + 1.
     graph: StageGraph | None = None
+    # The orders each rank may run at run time (`window`, `any`; pipec.ir.family); None: the orders above.
+    family: OrderFamily | None = None
 
     @property
     def split_backward(self) -> bool:

@@ -266,3 +266,33 @@ def panel(sim: Simulation, with_memory: bool = True):
     hlim = None if np.isnan(mc.host_limit).all() else float(np.nanmax(mc.host_limit))
     host = list(mc.host) if mc.offloads else None
     return Panel(sim.timeline, panel_title(sim), list(mc.device), lim, host, hlim, mc.unit)
+
+
+def plan_table(reports, plan, resident: Sequence[float], live: Sequence[float] | None = None) -> str:
+    """`pipec check --memory`'s buffer-plan table: per rank the walk's device peak beside the plan's bytes
+    (its pools' slots at their classes' sizes, with the resident parameters the walk's peak includes), the
+    difference, what one arena packed by the same lifetimes would hold (`live`), slots and pools; then a
+    line for each bounded class kind (variable sizes: the slot is an upper bound)."""
+    u = plan.unit
+    rows = [("rank", "peak", "plan", "plan - peak", "packed", "slots", "pools", "host plan")]
+    for rep, rp, res in zip(reports, plan.ranks, resident):
+        total = rp.amount() + float(res)
+        diff = total - rep.peak
+        sign = "+" if diff > 1e-12 else "-" if diff < -1e-12 else ""
+        rows.append(
+            (
+                str(rep.rank),
+                fmt_memory(rep.peak, u),
+                fmt_memory(total, u),
+                sign + fmt_memory(abs(diff), u),
+                "-" if live is None else fmt_memory(live[rep.rank] + float(res), u),
+                str(rp.slots),
+                str(sum(not p.host for p in rp.pools)),
+                fmt_memory(rp.amount(True), u) if any(p.host for p in rp.pools) else "-",
+            )
+        )
+    out = _table(rows, right={1, 2, 3, 4, 5, 6})
+    why = sorted({p.bound for p in plan.bounded})
+    if why:
+        out += "\n" + "\n".join(f"upper bound: {w}" for w in why)
+    return out

@@ -173,9 +173,9 @@ JSON_DAMAGE = {
     ),
     "other as a float": (lambda d: d["ranks"][0]["instructions"][1].__setitem__(5, 1.5), "six integers"),
     "edges in version 1": (lambda d: d.update(version=1), "`edges` (a stage graph) needs format version 2, not 1"),
-    "version 3": (
-        lambda d: d.update(version=3),
-        "program format version 3 is not supported (this pipec reads 1 and 2)",
+    "version 4": (
+        lambda d: d.update(version=4),
+        "program format version 4 is not supported (this pipec reads 1, 2 and 3)",
     ),
 }
 
@@ -218,7 +218,7 @@ TEXT_DAMAGE = {
         5,
         "`edges` (a stage graph) needs format version 2, not 1",
     ),
-    "version 3": ("pipec-program 2\n", "pipec-program 3\n", 1, "(this pipec reads 1 and 2)"),
+    "version 4": ("pipec-program 2\n", "pipec-program 4\n", 1, "(this pipec reads 1, 2 and 3)"),
 }
 
 

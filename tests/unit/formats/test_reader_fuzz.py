@@ -140,7 +140,7 @@ def test_parameters_nested_thousands_deep_are_not_a_valid_program(depth, form):
     assert "this is not a valid Program file" in str(e.value)
 
 
-@pytest.mark.parametrize("version", ["3", "0", "true", "1.0", '"1"', "1e400", "9" * 5000, "null"])
+@pytest.mark.parametrize("version", ["4", "0", "true", "1.0", '"1"', "1e400", "9" * 5000, "null"])
 def test_a_json_program_of_another_version_is_refused(version):
     text = pf.to_json(_program()).replace('"version":1', '"version":' + version, 1)
     with pytest.raises(PipecError) as e:
@@ -149,12 +149,12 @@ def test_a_json_program_of_another_version_is_refused(version):
     assert "not supported" in str(e.value) or "malformed" in str(e.value)
 
 
-@pytest.mark.parametrize("version", ["3", "0", "01", "+1", "1.0", "٣", "9" * 5000])
+@pytest.mark.parametrize("version", ["4", "0", "01", "+1", "1.0", "٣", "9" * 5000])
 def test_a_text_program_of_another_version_is_refused(version):
     text = pf.to_text(_program()).replace(f"{pf.FORMAT} 1\n", f"{pf.FORMAT} {version}\n", 1)
     with pytest.raises(PipecError) as e:
         pf.from_text(text, "p.txt")
-    assert e.value.code == "E501" and "is not supported (this pipec reads 1 and 2)" in str(e.value)
+    assert e.value.code == "E501" and "is not supported (this pipec reads 1, 2 and 3)" in str(e.value)
 
 
 def test_the_current_version_reads_in_both_forms():

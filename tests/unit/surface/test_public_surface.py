@@ -89,7 +89,8 @@ FACADES = {"pipec": PIPEC, "pipec.runtime": RUNTIME, "pipec.testing": TESTING}
 FORMATS = {
     "Program (JSON and text)": ("pipec.formats.program_file", "VERSION", 1),
     "Program with a stage graph": ("pipec.formats.program_file", "GRAPH_VERSION", 2),
-    "Program versions read": ("pipec.formats.program_file", "READS", (1, 2)),
+    "Program with a buffer plan": ("pipec.formats.program_file", "PLAN_VERSION", 3),
+    "Program versions read": ("pipec.formats.program_file", "READS", (1, 2, 3)),
     "partition file": ("pipec.formats.partition_files", "PARTITION_VERSION", 2),
     "layer table": ("pipec.formats.partition_files", "VERSION", 1),
     "cost file": ("pipec.sim.cost_files", "VERSION", 2),
