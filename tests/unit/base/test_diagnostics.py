@@ -108,6 +108,8 @@ CASES: list[tuple[str, str, dict[str, object], int, int]] = [
     ("E213", _order("inflight <= 0"), {}, 5, 5),
     ("E214", SLICED.replace("    seqlen 100\n", "    seqlen 100\n    tokens j -> 40\n"), {}, 5, 5),
     ("E215", _with("    place s -> s\n", "    place s -> s\n    length i -> i - 1\n"), {}, 4, 5),
+    ("E218", _rank("window 5\nfor i in 0 .. m { F(i) }\nfor i in 0 .. m { B(i) }"), {}, 6, 9),
+    ("E219", _rank("window 2 prefer fastest\nfor i in 0 .. m { F(i) }\nfor i in 0 .. m { B(i) }"), {}, 6, 25),
     ("E216", _with("    place s -> s\n", "    place s -> s\n    edge s -> if s == 1 then 0 else s + 1\n"), {}, 4, 5),
     ("E301", _rank("for i in 0 .. m { F(i, stage: 0) }"), {}, 6, 27),
     ("E302", _rank("for i in 0 .. m { F(i) }\nF(0)\nfor i in 0 .. m { B(i) }"), {}, 7, 9),
