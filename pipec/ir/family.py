@@ -73,9 +73,12 @@ class RankFamily:
 
 @dataclass(frozen=True)
 class OrderFamily:
-    """Per rank, its family (None: static)."""
+    """Per rank, its family (None: static). `nccl`: why NCCL, which matches a channel's messages by issue
+    order, cannot run this family (a channel the family may reorder, E429's message), or None when it can;
+    set by the compiler (`pipec.passes.compiler`), which proves the family for transports that match by key."""
 
     ranks: tuple[RankFamily | None, ...]
+    nccl: str | None = None
 
     def of(self, rank: int) -> RankFamily | None:
         f = self.ranks[rank] if 0 <= rank < len(self.ranks) else None

@@ -48,6 +48,8 @@ def compile_schedule(
     experts = experts or Experts()
     check_experts(sched, dp, experts, moe_layers)
     c = _compile(sched, memory, dp)
+    if sched.family is not None and not sched.family.is_static:
+        c = _with_family(c, sched, memory)
     if experts != Experts() or any(moe_layers):
         c = replace(c, program=replace(c.program, experts=experts, moe_layers=tuple(moe_layers)))
     return c
@@ -67,6 +69,27 @@ def _compile(sched: Schedule, memory: Mapping[str, float] | None, dp: DataParall
     if not run.completed:
         raise program_deadlock_error(sched, run)
     return CompiledSchedule(sched, prog, tuple(reports))
+
+
+def _with_family(c: CompiledSchedule, sched: Schedule, memory: Mapping[str, float] | None) -> CompiledSchedule:
+    """A schedule with an order family (`window`, `any`; pipec.passes.family): its static order compiled
+    above is the family's deadlock freedom for an executor that runs only ready ops; here its worst-case
+    memory (E430 over a limit; the memory reports become the family's) and whether NCCL can run it (a
+    channel it may reorder: recorded on the family, refused by the runtime on NCCL, accepted on gloo and
+    shared memory, which match by key). The Program carries the family."""
+    from pipec.errors import PipecError
+    from pipec.passes.family import family_memory, prove_family
+
+    prove_family(sched, "gloo", memory)  # E430
+    try:
+        prove_family(sched, "nccl", memory)
+        why = None
+    except PipecError as e:
+        if e.code != "E429":
+            raise
+        why = e.diagnostics[0].message
+    family = replace(sched.family, nccl=why)
+    return replace(c, program=replace(c.program, family=family), memory=tuple(family_memory(sched, memory)))
 
 
 def program_deadlock_error(sched: Schedule, run: DryRun) -> PipecError:

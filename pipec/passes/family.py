@@ -59,7 +59,6 @@ from pipec.ir.family import OrderFamily, RankFamily
 from pipec.ir.opcodes import COMPUTE_OF_KIND
 from pipec.ir.rules import dependencies
 from pipec.ir.schedule import RankOps, Schedule
-from pipec.passes.compiler import compile_schedule
 from pipec.passes.deadlock import deadlock_error, find_deadlock
 from pipec.sim.memory import RankMemory, deltas, memory_model, rank_memory
 
@@ -164,7 +163,8 @@ def prove_family(
     """Raise E429 when the family reorders a channel on NCCL, E430 when its worst-case memory is over a
     rank's limit; with `strict` (an executor that may commit to an op before its inputs arrive) E428 when
     a member deadlocks, its order in the notes. None for a static schedule. Deadlock freedom for an
-    executor that runs only ready ops is the static order's (module docstring): `compile_family` proves it."""
+    executor that runs only ready ops is the static order's (module docstring), which
+    `pipec.passes.compiler.compile_schedule` proves (E401) before it calls this."""
     if sched.family is None or sched.family.is_static:
         return
     if transport not in TRANSPORTS:
@@ -462,14 +462,3 @@ def family_memory(sched: Schedule, memory: Mapping[str, float] | None = None) ->
         peak = rep.params + max(level, 0.0)
         out.append(replace(rep, peak=max(rep.peak, peak)))
     return out
-
-
-def compile_family(
-    sched: Schedule, transport: str = "nccl", memory: Mapping[str, float] | None = None, strict: bool = False
-):
-    """What the compiler accepts for a schedule with a family: its static order compiles
-    (`pipec.passes.compiler.compile_schedule`: E401 when it deadlocks, which for an executor of ready ops
-    is the family's deadlock freedom) and the family is proven (`prove_family`); the Program carries it."""
-    c = compile_schedule(sched, memory)
-    prove_family(sched, transport, memory, strict)
-    return replace(c, program=replace(c.program, family=sched.family))

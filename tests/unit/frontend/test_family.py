@@ -8,7 +8,8 @@ import pytest
 from pipec.driver import build
 from pipec.errors import PipecError, Source
 from pipec.frontend import library
-from pipec.passes.family import compile_family, family_memory, prove_family
+from pipec.passes.compiler import compile_schedule
+from pipec.passes.family import family_memory, prove_family
 from pipec.sim.memory import rank_memory
 
 BASE = """\
@@ -110,7 +111,8 @@ def test_nccl_refuses_a_channel_reordered_gloo_takes_it():
     d = info.value.diagnostics[0]
     assert d.code == "E429" and d.span.line == 5
     assert "rank 0 may run `F(1, stage 0)` before `F(0, stage 0)`" in d.message and "ranks 0 and 1" in d.message
-    compile_family(sched, "gloo")  # by key: accepted (an executor of ready ops never stalls)
+    c = compile_schedule(sched)  # by key: accepted (an executor of ready ops never stalls); NCCL's reason kept
+    assert c.program.family.nccl == d.message
 
 
 def test_nccl_takes_a_family_that_moves_only_local_ops():
@@ -118,8 +120,8 @@ def test_nccl_takes_a_family_that_moves_only_local_ops():
     sched = _build(ONE_F_ONE_B + "\n        any { for i in 0 .. m { W(i) } }", w=", W")
     assert sched.family.of(0).segments == ((0, 8, 1), (8, 12, 4))
     prove_family(sched, "nccl", strict=True)
-    c = compile_family(sched, "nccl", strict=True)
-    assert c.program.family == sched.family
+    c = compile_schedule(sched)
+    assert c.program.family == sched.family and c.program.family.nccl is None
 
 
 def test_worst_case_memory_is_the_family_s_and_over_the_limit_is_E430():
