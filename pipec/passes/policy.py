@@ -53,7 +53,8 @@ from pipec.ir.schedule import Policy, RankOps, Schedule
 from pipec.sim.costs import CostModel
 from pipec.sim.machine import Links, Ranks, shared_links
 from pipec.sim.memory import compute_deltas
-from pipec.sim.simulate import Plan, plan, simulate
+from pipec.sim.plan import Plan, plan
+from pipec.sim.simulate import simulate
 
 KINDS = ("F", "B", "W")
 W_MODES = ("idle", "fit")
@@ -153,7 +154,7 @@ def derive(mc: Machine, policy: Policy) -> Derived:
     scheduler's own times are (it times each op with the simulator's pieces, in time order). With it,
     each receive costs its rank time where the lowering posts it, which depends on every rank's whole
     order (`pipec.passes.lower`): so the policy plays again with the overhead of the Program of its
-    previous orders (`pipec.sim.simulate.Plan`) until the orders settle (then its times are that
+    previous orders (`pipec.sim.plan.Plan`) until the orders settle (then its times are that
     Program's, exactly); if they do not within SETTLE_ROUNDS, the last orders get the simulator's times.
     """
     if mc.costs is None or mc.shape is None:

@@ -47,7 +47,7 @@ class Ranks:
 
 
 def run(pl) -> tuple[list[float], list[float], list[float], list[float]]:
-    """The pass over a `pipec.sim.simulate.Plan` without contention (no shared link carries two channels):
+    """The pass over a `pipec.sim.plan.Plan` without contention (no shared link carries two channels):
     a message's arrival is known when it leaves (`Links.leave`), so ranks are advanced in any order, each
     as far as its inputs have arrived, each compute op one `Ranks.run`; a rank that waits for a message
     sleeps until its sender sends it. Each compute op visited once. Returns what `run_events` returns.
@@ -319,7 +319,7 @@ class Links:
 
 
 def run_events(pl) -> tuple[list[float], list[float], list[float], list[float]]:
-    """The time-ordered pass over a `pipec.sim.simulate.Plan`, for messages that share links (`Links`): every
+    """The time-ordered pass over a `pipec.sim.plan.Plan`, for messages that share links (`Links`): every
     event in time order; each compute op is one `Ranks.run` when its rank reaches it and its input arrived.
     Returns per compute op its start and end, per message its issue and arrival."""
     R, first, ends, need, cost = pl.num_ranks, pl.first, pl.ends, pl.need, pl.cost

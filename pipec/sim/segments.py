@@ -26,7 +26,7 @@ from pipec.ir.experts import A2A_PER_LAYER, pair_order
 from pipec.ir.opcodes import A2A_KIND, ON_COMPUTE
 
 if TYPE_CHECKING:
-    from pipec.sim.simulate import Plan
+    from pipec.sim.plan import Plan
 
 
 @dataclass(frozen=True, eq=False)

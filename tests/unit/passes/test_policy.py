@@ -17,7 +17,7 @@ from pipec.ir.schedule import Datacenter, Link, Policy, Topology
 from pipec.passes import policy as policy_module
 from pipec.passes.policy import derive
 from pipec.sim.cost_files import normalize
-from pipec.sim.simulate import plan
+from pipec.sim.plan import plan
 
 
 def timed_like_the_simulator(spec: synth.Spec, d) -> float:
