@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from pipec.errors import brief, brief_path, error
 from pipec.ir.schedule import STAGE_COST_KEYS
 from pipec.ir.units import quantity
-from pipec.sim.costs import LINK_CLASSES
+from pipec.sim.topology_links import LINK_CLASSES
 
 if TYPE_CHECKING:
     from pipec.sim.timeline import Timeline

@@ -1,5 +1,5 @@
 """The cost model: how long each op runs and how long each message travels (its files and overrides are
-read and written by `pipec.sim.cost_files`).
+read and written by `pipec.sim.cost_files`; the links a topology declares are `pipec.sim.topology_links`).
 
 Sources, later ones winning key by key: built-in defaults, the schedule's
 `cost` and `topology` declarations, then cost files and `--cost` overrides in
@@ -84,17 +84,25 @@ import numpy as np
 
 from pipec.errors import error
 from pipec.ir.opcodes import ACT_MSG, COST_KIND
-from pipec.ir.schedule import STAGE_COST_KEYS, Schedule, Topology
+from pipec.ir.schedule import STAGE_COST_KEYS, Schedule
 from pipec.ir.units import MAX_QUANTITY
 from pipec.sim.pairs import PairTable
+from pipec.sim.topology_links import (
+    FREE,
+    LINK_CLASSES,
+    datacenter_of,
+    dp_links,
+    ep_link,
+    group_links,
+    link_classes,
+    link_groups,
+    ring_links,
+    topology_links,
+)
+from pipec.sim.topology_links import LINK_DEFAULTS as LINK_DEFAULTS  # kept here, where it was
 
 # Per-stage keys whose absence means "compute it" (NaN in the model), not zero: the collectives' direct times.
 _DIRECT = ("reduce_grad", "unshard", "offload", "a2a")
-LINK_CLASSES = ("node", "dc", "cross")
-# Built-in links when a topology is declared but a class is not: NVLink-like inside a node,
-# InfiniBand-like inside a datacenter, a long-haul link between datacenters. (latency s, bandwidth bit/s)
-LINK_DEFAULTS = {"node": (2e-6, 1.6e12), "dc": (10e-6, 100e9), "cross": (10e-3, 10e9)}
-FREE = (0.0, math.inf)
 
 # An OFFLOAD or RELOAD with neither its time (`offload`) nor its bytes and the host link's bandwidth: this
 # fraction of the stage's F. Half a forward hides behind the next forward, as PipeOffload measures offload
@@ -201,17 +209,7 @@ class CostModel:
         """The links (latency s, bandwidth bytes/s) of the ring over rank's n replicas, replica i to i + 1:
         inside the rank's datacenter, or between the datacenters `replica_dcs` puts them in."""
         own = FREE if self.dp_link is None else (float(self.dp_link[rank, 0]), float(self.dp_link[rank, 1]))
-        if not self.replica_names:
-            return [own] * n
-        names = self.replica_names[:n]
-        if len(names) < n or None in names:
-            lost = next(i for i in range(n) if i >= len(names) or names[i] is None)
-            raise error(
-                "E801",
-                f"the program runs {n} data-parallel replicas of each rank, but the topology's replica "
-                f"datacenters leave replica {lost} out",
-            )
-        return [self.replica_links.get((names[i], names[(i + 1) % n]), own) for i in range(n)]
+        return ring_links(own, self.replica_names, self.replica_links, n)
 
     def collective_time(self, op: np.ndarray, stage: np.ndarray, rank: np.ndarray, n: int, dp_kind: str) -> np.ndarray:
         """Durations of collective instructions (opcodes of `pipec.ir.opcodes`) on these stages and ranks, over
@@ -245,24 +243,7 @@ class CostModel:
         link (`ep_latency`/`ep_bandwidth`, else the data-parallel hop), between two datacenters of the
         topology's `replica_dcs` the link between them (as the rings of `ring_hops`)."""
         own = FREE if self.ep_link is None else (float(self.ep_link[rank, 0]), float(self.ep_link[rank, 1]))
-        if not self.replica_names:
-            return [own]
-        names = self.replica_names[:dp]
-        if len(names) < dp or None in names:
-            lost = next(i for i in range(dp) if i >= len(names) or names[i] is None)
-            raise error(
-                "E801",
-                f"the program runs {dp} data-parallel replicas of each rank, but the topology's replica "
-                f"datacenters leave replica {lost} out",
-            )
-        pairs = {
-            (names[i], names[j])
-            for g in range(0, dp - dp % ep, ep)
-            for i in range(g, g + ep)
-            for j in range(g, g + ep)
-            if i != j
-        }
-        return [own if a == b else self.replica_links.get((a, b), own) for a, b in sorted(pairs)] or [own]
+        return group_links(own, self.replica_names, self.replica_links, ep, dp)
 
     def a2a_time(self, stage: np.ndarray, rank: np.ndarray, ep: int, dp: int | None = None) -> np.ndarray:
         """Seconds of one all-to-all of these stages' ops on these ranks over an expert group of `ep` ranks
@@ -541,9 +522,9 @@ def cost_model(sched: Schedule, overrides: Sequence[Mapping] = ()) -> CostModel:
         dp_blocking = ov.get("dp_blocking", dp_blocking)
         dp_given.update({k[3:]: ov[k] for k in ("dp_latency", "dp_bandwidth") if k in ov})
         ep_given.update({k[3:]: ov[k] for k in ("ep_latency", "ep_bandwidth") if k in ov})
-    dc = _datacenter_of(sched, R)
-    cls = _link_classes(dc, ranks_per_node)
-    latency, bandwidth = _topology_links(sched, dc, cls)
+    dc = datacenter_of(sched, R)
+    cls = link_classes(dc, ranks_per_node)
+    latency, bandwidth = topology_links(sched, dc, cls)
     lat_t, bw_t, cls_t = latency.table, bandwidth.table, cls.table
     if sched.topology is not None:
         origin.append("schedule: topology")
@@ -587,7 +568,7 @@ def cost_model(sched: Schedule, overrides: Sequence[Mapping] = ()) -> CostModel:
         if (v > MAX_QUANTITY).any():  # a schedule's own declaration, or T_F scaled by p / S
             raise error("E801", f"cost `{k}` is out of range (at most {MAX_QUANTITY:g}) on some stage")
     class_specs = [(c, spec) for ov in overrides for c, spec in ov.get("links", {}).items()]
-    dp_link, replica_names, replica_links = _dp_links(sched.topology, dc, class_specs, dp_given)
+    dp_link, replica_names, replica_links = dp_links(sched.topology, dc, class_specs, dp_given)
     return CostModel(
         F=vals["F"],
         B=vals["B"],
@@ -600,7 +581,7 @@ def cost_model(sched: Schedule, overrides: Sequence[Mapping] = ()) -> CostModel:
         link_class=cls,
         split_backward=sched.split_backward,
         origin=tuple(origin),
-        link_group=_link_groups(dc, cls),
+        link_group=link_groups(dc, cls),
         overhead=float(overhead),
         param_bytes=vals["param_bytes"],
         reduce_grad=vals["reduce_grad"],
@@ -626,20 +607,8 @@ def cost_model(sched: Schedule, overrides: Sequence[Mapping] = ()) -> CostModel:
         moe_layers=vals["moe_layers"],
         a2a=vals["a2a"],
         a2a_bytes=vals["a2a_bytes"],
-        ep_link=_ep_link(dp_link, ep_given),
+        ep_link=ep_link(dp_link, ep_given),
     )
-
-
-def _ep_link(dp_link: np.ndarray, given: Mapping[str, float]) -> np.ndarray:
-    """Per rank, its expert link (latency s, bandwidth bytes/s): `ep_latency`/`ep_bandwidth` (bit/s) where
-    given, else the hop between two of its data-parallel replicas in one datacenter (an expert group is
-    consecutive replicas, pipec.ir.experts)."""
-    out = dp_link.copy()
-    if "latency" in given:
-        out[:, 0] = given["latency"]
-    if "bandwidth" in given:
-        out[:, 1] = given["bandwidth"] / 8.0
-    return out
 
 
 def _unit_costs(sched: Schedule, vals: Mapping[str, np.ndarray]) -> dict:
@@ -653,130 +622,3 @@ def _unit_costs(sched: Schedule, vals: Mapping[str, np.ndarray]) -> dict:
         raise error("E801", "cost `attn` is a share of a stage's time: at most 1")
     weight = np.stack([sl.weight(a) for a in attn.tolist()])
     return {"unit_weight": weight, "unit_share": sl.share(), "op_fixed": vals["op_fixed"]}
-
-
-def _dc_link(topo: Topology | None, a: str | None, b: str | None, class_specs) -> tuple[float, float]:
-    """(latency s, bandwidth bytes/s) between datacenters named a and b (None: the implicit one of ranks
-    outside every declared datacenter), by the rules of rank links: free without a topology, else the
-    class default (`dc` for one datacenter, `cross` for two), `default link`, then `link "A" <-> "B"`, then
-    the cost documents' class settings in order."""
-    cls = "dc" if a == b else "cross"
-    lat, bps = FREE if topo is None else LINK_DEFAULTS[cls]
-    if topo is not None:
-        for link in sorted(topo.links, key=lambda lk: lk.a is not None):
-            if link.a is None or {link.a, link.b} == {a, b}:
-                lat = lat if link.latency_s is None else link.latency_s
-                bps = bps if link.bandwidth_bps is None else link.bandwidth_bps
-    for c, spec in class_specs:
-        if c == cls:
-            lat, bps = spec.get("latency", lat), spec.get("bandwidth", bps)
-    return float(lat), float(bps) / 8.0
-
-
-def _dp_links(topo: Topology | None, dc: np.ndarray, class_specs, given: Mapping[str, float]):
-    """The ring hops of data parallelism (see `CostModel`): per rank the hop inside its datacenter
-    (`dp_latency`/`dp_bandwidth` where given, else the link of two ranks there), the datacenter of each
-    replica index, and the hop between two replica datacenters by name (inside one: the given values)."""
-    names = [d.name for d in topo.datacenters] if topo is not None else []
-
-    def inside(name: str | None) -> tuple[float, float]:
-        lat, bw = _dc_link(topo, name, name, class_specs)
-        return given.get("latency", lat), given["bandwidth"] / 8.0 if "bandwidth" in given else bw
-
-    own = {i: inside(names[i] if i >= 0 else None) for i in set(dc.tolist())}
-    dp_link = np.array([own[i] for i in dc.tolist()], dtype=float).reshape(len(dc), 2)
-    replicas = topo.replica_dcs if topo is not None else ()
-    by_index: list[str | None] = [None] * max((d.hi for d in replicas), default=0)
-    for d in replicas:
-        by_index[d.lo : d.hi] = [d.name] * (d.hi - d.lo)
-    replica_names = tuple(by_index)
-    links = {}
-    for a in {d.name for d in replicas}:
-        for b in {d.name for d in replicas}:
-            links[a, b] = inside(a) if a == b else _dc_link(topo, a, b, class_specs)
-    return dp_link, replica_names, links
-
-
-def _datacenter_of(sched: Schedule, R: int) -> np.ndarray:
-    dc = np.full(R, -1, dtype=np.int64)  # -1: the implicit datacenter of undeclared ranks
-    if sched.topology is not None:
-        for i, d in enumerate(sched.topology.datacenters):
-            dc[d.lo : d.hi] = i
-    return dc
-
-
-def _link_groups(dc: np.ndarray, cls: PairTable) -> PairTable | None:
-    """Per rank pair, the shared cross-datacenter link it uses (one per ordered pair of datacenters), or -1."""
-    cross = cls.table == LINK_CLASSES.index("cross")
-    if not (cross & (cls.pairs() > 0)).any():
-        return None
-    D = cls.table.shape[0]
-    ids = np.arange(D)[:, None] * D + np.arange(D)[None, :]
-    return cls.with_table(np.where(cross, ids[:, :, None], -1))
-
-
-def _link_classes(dc: np.ndarray, ranks_per_node: int | None) -> PairTable:
-    """Each rank pair's LINK_CLASSES index: "node" for two ranks of one node (with a node size), "dc" for
-    two of one datacenter, "cross" between datacenters."""
-    dense = np.unique(dc, return_inverse=True)[1].astype(np.int64)
-    D = int(dense.max()) + 1 if len(dense) else 0
-    node = np.arange(len(dc)) // ranks_per_node if ranks_per_node else np.arange(len(dc))
-    table = np.full((D, D, 2), 2, dtype=np.int64)
-    idx = np.arange(D)
-    table[idx, idx, :] = 1
-    if ranks_per_node:
-        table[idx, idx, 1] = 0
-    return PairTable(dense, node.astype(np.int64), table, -1)
-
-
-def _topology_links(sched: Schedule, dc: np.ndarray, cls: PairTable) -> tuple[PairTable, PairTable]:
-    """Latency and bandwidth per rank pair from the schedule's topology: free without one, else each
-    class's default, `default link` over every pair, then `link "A" <-> "B"` in declaration order."""
-    latency = PairTable(cls.dc, cls.node, np.zeros(cls.table.shape), 0.0)
-    bandwidth = PairTable(cls.dc, cls.node, np.full(cls.table.shape, np.inf), np.inf)
-    topo = sched.topology
-    if topo is None:
-        return latency, bandwidth
-    lat_t, bw_t = latency.table, bandwidth.table
-    for c, name in enumerate(LINK_CLASSES):
-        lat, bps = LINK_DEFAULTS[name]
-        lat_t[cls.table == c] = lat
-        bw_t[cls.table == c] = bps / 8.0
-    names = {d.name: i for i, d in enumerate(topo.datacenters)}
-    declared = np.unique(dc)  # the topology's datacenter index of each dense index (-1: undeclared ranks)
-    dense = {int(x): i for i, x in enumerate(declared.tolist())}
-    for link in sorted(topo.links, key=lambda lk: lk.a is not None):
-        sel = np.zeros(cls.table.shape, dtype=bool)
-        if link.a is None:
-            sel[:] = True
-        elif link.a in names and link.b in names:
-            a, b = dense.get(names[link.a]), dense.get(names[link.b])
-            if a is None or b is None:
-                continue  # a datacenter without ranks: no rank pair crosses this link
-            sel[a, b, :] = sel[b, a, :] = True
-        else:
-            continue  # a link between datacenters of replicas only (`replica_dcs`): no rank pair crosses it
-        if link.latency_s is not None:
-            lat_t[sel] = link.latency_s
-        if link.bandwidth_bps is not None:
-            bw_t[sel] = link.bandwidth_bps / 8.0
-    return latency, bandwidth
-    for c, name in enumerate(LINK_CLASSES):
-        lat, bps = LINK_DEFAULTS[name]
-        latency[cls == c] = lat
-        bandwidth[cls == c] = bps / 8.0
-    names = {d.name: i for i, d in enumerate(topo.datacenters)}
-    # `default link` first (every pair), then specific links over it, in declaration order.
-    for link in sorted(topo.links, key=lambda lk: lk.a is not None):
-        if link.a is None:
-            sel = cls >= 0
-        else:
-            if link.a not in names or link.b not in names:
-                continue  # a link between datacenters of replicas only (`replica_dcs`): no rank pair crosses it
-            a, b = names[link.a], names[link.b]
-            sel = ((dc[:, None] == a) & (dc[None, :] == b)) | ((dc[:, None] == b) & (dc[None, :] == a))
-        if link.latency_s is not None:
-            latency[sel] = link.latency_s
-        if link.bandwidth_bps is not None:
-            bandwidth[sel] = link.bandwidth_bps / 8.0
-    return latency, bandwidth

@@ -148,7 +148,8 @@ def _dec(x):
 def links_of(sched: Any, scale: float = 1.0, dp: int = 1) -> Links:
     """The links between the datacenters of a schedule's topology (pipec.ir.schedule.Schedule), scaled: between
     its rank datacenters, and with `dp` replicas, the ring over them across its replica datacenters."""
-    from pipec.sim.costs import FREE, cost_model
+    from pipec.sim.costs import cost_model
+    from pipec.sim.topology_links import FREE
 
     if scale <= 0 or not math.isfinite(scale):
         raise ValueError(f"--link-scale must be a positive number, got {scale}")

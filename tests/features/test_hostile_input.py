@@ -301,7 +301,8 @@ def test_the_links_of_many_ranks_are_held_per_datacenter_pair(tmp_path):
     import numpy as np
 
     from pipec.api import load
-    from pipec.sim.costs import LINK_CLASSES, LINK_DEFAULTS, cost_model
+    from pipec.sim.costs import cost_model
+    from pipec.sim.topology_links import LINK_CLASSES, LINK_DEFAULTS
 
     f = tmp_path / "big.pipe"
     f.write_text(

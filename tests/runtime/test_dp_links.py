@@ -23,7 +23,8 @@ from pipec.frontend.topology import with_topology  # noqa: E402
 from pipec.ir.schedule import Datacenter, Link, Topology  # noqa: E402
 from pipec.runtime.errors import PipelineError  # noqa: E402
 from pipec.runtime.exec.links import DPLink, Links, links_of  # noqa: E402
-from pipec.sim.costs import FREE, ring_time  # noqa: E402
+from pipec.sim.costs import ring_time  # noqa: E402
+from pipec.sim.topology_links import FREE  # noqa: E402
 
 LAT = 0.25  # s, the declared latency between the replica datacenters
 TOPO = 'dc "east" replicas 0 .. 1  dc "west" replicas 1 .. 2  link "east" <-> "west" latency {lat} bandwidth 10Gbps'
