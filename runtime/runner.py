@@ -501,6 +501,7 @@ class Runner:
             ins, outs = yield from handshake(shapes, place, self.rank, specs, self.kv, self.device, self.slicing, epoch)
         if not self.varying:  # the plain modules were kept for the exchange only (data parallelism)
             self.shape_modules = None
+        self.executor.fixed_shapes = not self.varying  # receive buffers: slots, or one per message
         if self.program.graph is not None:
             self.executor.set_edge_specs(edge_in, edge_out)
         else:

@@ -2,8 +2,9 @@
 
 A message is keyed by (kind, micro-batch, sending stage), kind ACT or GRAD; in a Program with a stage
 graph (pipec.ir.graph) by (kind, micro-batch, edge), the edge a pair (u, v) of stages: the activation of
-u travels it to v, the gradient of that activation back from v to u (`edge_key`). Receives are posted with
-preallocated buffers (shapes come from the handshake, `pipec.runtime.exec.shapes`) and waited on just
+u travels it to v, the gradient of that activation back from v to u (`edge_key`). Receives are posted into
+their slots, allocated once per run (shapes come from the handshake, `pipec.runtime.exec.shapes`; which slot,
+`pipec.runtime.exec.buffers`) and waited on just
 before the compute that needs them; sends are non-blocking and completed before the optimizer step.
 With gloo, each tensor's tag encodes the message key, so a receive can only match its own message;
 NCCL matches by issue order, which the compiled Program makes equal on both ends of every pair.
@@ -116,6 +117,8 @@ class DistComm(PeerNames):
         # peer's message contend for the connection's lock; gloo's thread then leaves the arrival for its
         # next wake-up, which held both ranks of a 1F1B exchange idle for 1 to 9 ms (a few times a step).
         self.rank = pg.rank()
+        # the receive buffers (pipec.runtime.exec.buffers.Slots), set by the executor after each shape exchange
+        self.slots: Any = None
         self.pg_down = _reverse_group(pg, self.timeout) if self.pg is not None and pg.size() > 1 else self.pg
 
     @property
@@ -131,7 +134,8 @@ class DistComm(PeerNames):
         return (((kind * self.S) + stage) * self.m + mb) * MAX_TENSORS + j
 
     def _recv_ops(self, key: Key, peer: int, specs: Specs) -> tuple[tuple[torch.Tensor, ...], list]:
-        bufs = tuple(s.empty(self.device) for s in specs)
+        slots = self.slots
+        bufs = slots.get(key, specs) if slots is not None else tuple(s.empty(self.device) for s in specs)
         if self.pg is not None:
             pg = self.pg if peer < self.rank else self.pg_down
             return bufs, [(pg, False, b, peer, self.tag(key, j)) for j, b in enumerate(bufs)]

@@ -78,6 +78,7 @@ from pipec.ir.opcodes import (
 from pipec.ir.program import Instr, Program
 from pipec.ir.validate import validate
 from pipec.runtime.errors import PipelineError, ShapeError
+from pipec.runtime.exec import buffers
 from pipec.runtime.exec.alltoall import OpRun
 from pipec.runtime.exec.comm import ACT, GRAD, Key, Recv, edge_key, key_str
 from pipec.runtime.exec.pairs import Baton, PairRunner
@@ -170,6 +171,12 @@ class Executor:
         self.overlap = True
         self.timeout = 60.0  # the run's, for a pair's waits
         self.pairs = PairRunner()
+        # receive buffers (pipec.runtime.exec.buffers): slots from the plan after each shape exchange; `fixed`
+        # False (the runner's, when shapes may change between steps): a buffer per message
+        self.fixed_shapes = True
+        self.slots: buffers.Slots | None = None
+        self.unalias: Callable[[Any], Any] | None = None  # Slots.unaliased while receives land in slots
+        self.made: list[int] = []  # receive-buffer tensors created in each step run so far
         if offloaded:
             self._use_pool()
 
@@ -234,6 +241,13 @@ class Executor:
         prepare = getattr(self.comm, "prepare", None)  # a transport that sizes its buffers from the shapes (shm)
         if prepare is not None:
             prepare(self.recv_specs, self.send_specs)
+        inner = getattr(self.comm, "inner", self.comm)  # under emulated links, the transport inside
+        if hasattr(inner, "slots"):  # a transport that receives into buffers (gloo, NCCL, shared memory)
+            made = self.slots.made if self.slots is not None else 0
+            self.slots = buffers.build(self, getattr(inner, "device", torch.device("cpu")), self.fixed_shapes)
+            self.slots.made += made
+            inner.slots = self.slots
+            self.unalias = self.slots.unaliased if self.slots.fixed else None
 
     # ---- the loop -------------------------------------------------------------------------------
     def run(self, step: int, inputs: list | None, targets: list | None) -> Generator[object, None, None]:
@@ -282,6 +296,8 @@ class Executor:
         self.at = n
         self.inputs = self.targets = None
         self.comm.finish_sends()  # every send of the step has completed (after STEP's, none is left)
+        if self.slots is not None:  # the step's new receive buffers (its exchange's pools included)
+            self.made.append(self.slots.made - sum(self.made))
         if pool is not None:
             self.peaks = pool.peaks()
         if rec is not None:  # the instructions' span, for the time of the step outside them
@@ -307,7 +323,7 @@ class Executor:
         target = self.targets[mb] if s == self.S - 1 else None
         out = self.stages[s].forward(mb, args, target, keep_input_only=self.keep_only[j])
         if out is not None:
-            self.values[(ACT, mb, s)] = out
+            self.values[(ACT, mb, s)] = out if self.unalias is None else self.unalias(out)
         if rec is not None:
             self.sync()
             rec.append(("compute", FWD, mb, s, t0, time.perf_counter(), time.thread_time() - c0))
@@ -321,6 +337,9 @@ class Executor:
         last = s == self.S - 1
         target = self.targets[mb] if last and self.targets is not None else None
         out = self.stages[s].infer(mb, args, target)
+        if self.unalias is not None:  # what leaves the step must not be a slot's memory
+            out = self.unalias((out,))[0] if last and isinstance(out, torch.Tensor) else out
+            out = out if last else [self.unalias(m) for m in out] if self.graph is not None else self.unalias(out)
         if last:
             self.outputs[mb] = out
         elif self.graph is not None:
@@ -346,8 +365,9 @@ class Executor:
         target = self.targets[mb] if s == self.S - 1 else None
         out = self.stages[s].forward(mb, args, target, keep_input_only=self.keep_only[j])
         if out is not None:
+            un = self.unalias
             for v, msg in zip(self.graph.outputs(s), out):
-                self.values[(ACT, mb, (s, v))] = msg
+                self.values[(ACT, mb, (s, v))] = msg if un is None else un(msg)
         if rec is not None:
             self.sync()
             rec.append(("compute", FWD, mb, s, t0, time.perf_counter(), time.thread_time() - c0))
@@ -362,10 +382,12 @@ class Executor:
         if self.graph is None:
             dargs = self.stages[s].backward(mb, got)
             if s > 0:
-                self.values[(GRAD, mb, s)] = dargs
+                self.values[(GRAD, mb, s)] = dargs if self.unalias is None or dargs is None else self.unalias(dargs)
         else:  # the out-edges' gradients in edge order; the input gradient cut back into the in-edges'
             dargs = self.stages[s].backward(mb, None if got is None else tuple(t for msg in got for t in msg))
             sizes = self.in_sizes.pop((mb, s), None)
+            if dargs is not None and self.unalias is not None:
+                dargs = self.unalias(dargs)
             if sizes is not None and dargs is not None:
                 at = 0
                 for u, n in zip(self.graph.inputs(s), sizes):

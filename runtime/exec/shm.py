@@ -307,6 +307,7 @@ class ShmComm(PeerNames):
         self.recv_specs: dict[Key, Specs] = {}
         self.send_specs: dict[Key, Specs] = {}
         self.links = None
+        self.slots: Any = None  # the receive buffers (pipec.runtime.exec.buffers.Slots), set by the executor
         self.sends: list = []  # completed in the call: nothing is ever pending
 
     # ---- set-up -------------------------------------------------------------------------------------
@@ -410,7 +411,9 @@ class ShmComm(PeerNames):
     def post(self, key: Key, peer: int, specs: Specs) -> Recv:
         ch = self.incoming[peer]
         i = ch.index[key]
-        r = ShmRecv(key, peer, (), None)
+        slots = self.slots
+        bufs = slots.get(key, specs) if slots is not None else tuple(s.empty(torch.device("cpu")) for s in specs)
+        r = ShmRecv(key, peer, bufs, None)
         r.chan, r.slot = ch, i
         r.want = ch.count[i] = ch.count[i] + 1
         return r
@@ -443,14 +446,19 @@ class ShmComm(PeerNames):
         yield  # a generator that never yields
 
     def take(self, recv: Recv) -> tuple[torch.Tensor, ...]:
-        """The message of a posted receive, copied out of its slot (blocking until it is there)."""
+        """The message of a posted receive, copied out of the channel's slot into the receive's buffers (its
+        slot of pipec.runtime.exec.buffers), blocking until it is there."""
         ch, i, n = recv.chan, recv.slot, recv.want
         at = HEADER + 2 * i
         ctrl = ch.ctrl
         if ctrl[at] < n:
             self._block(ch, at, n, recv)
-        views = ch.views[i]
-        out = (views[0].clone(),) if len(views) == 1 else tuple(v.clone() for v in views)
+        views, out = ch.views[i], recv.tensors
+        if len(views) == 1:
+            out[0].copy_(views[0])
+        else:
+            for b, v in zip(out, views):
+                b.copy_(v)
         ctrl[at + 1] = n
         return out
 
