@@ -27,6 +27,7 @@ class LocalHub:
     def __init__(self) -> None:
         self.sent: dict[tuple[int, int], list[tuple[Key, tuple[torch.Tensor, ...]] | None]] = {}
         self.posted: dict[tuple[int, int], int] = {}
+        self.keyed: dict[tuple[int, int, Key], tuple[torch.Tensor, ...]] = {}  # KeyedLocalComm's messages
 
 
 class LocalRecv(Recv):
@@ -72,6 +73,31 @@ class LocalComm:
         pass
 
 
+class KeyedLocalComm(LocalComm):
+    """--local for a Program with an order family: messages matched by key, as gloo and shared memory match
+    them (the ranks' orders are chosen at run time, pipec.runtime.exec.dynamic, so channel order is not
+    the Program's)."""
+
+    def post(self, key: Key, peer: int, specs: Specs) -> Recv:
+        r = LocalRecv(key, peer, (), [])
+        r.index = -1
+        return r
+
+    def send(self, key: Key, peer: int, tensors: tuple[torch.Tensor, ...]) -> None:
+        self.hub.keyed[(self.rank, peer, key)] = tensors
+
+    def ready(self, recv: LocalRecv) -> bool:
+        return (recv.peer, self.rank, recv.key) in self.hub.keyed
+
+    def peek(self, recv: LocalRecv) -> tuple[torch.Tensor, ...] | None:
+        return self.hub.keyed.get((recv.peer, self.rank, recv.key))
+
+    def wait(self, recv: LocalRecv) -> Generator[object, None, tuple[torch.Tensor, ...]]:
+        while not self.ready(recv):
+            yield recv
+        return tuple(t.detach() for t in self.hub.keyed.pop((recv.peer, self.rank, recv.key)))
+
+
 class LocalKV(KV):
     def __init__(self) -> None:
         self.data: dict[str, str] = {}
@@ -102,6 +128,9 @@ class LocalPipeline:
         hub, kv = LocalHub(), LocalKV()
         options, transport = options or StageOptions(), transport or Transport()
         self.program = program
+        fam = program.family
+        keyed = fam is not None and not fam.is_static and not transport.static
+        Comm = KeyedLocalComm if keyed else LocalComm
         self.runners = [
             Runner(
                 program,
@@ -109,7 +138,7 @@ class LocalPipeline:
                 loss_fn,
                 rank=r,
                 options=options,
-                transport=dataclasses.replace(transport, comm=LocalComm(hub, r), kv=kv),
+                transport=dataclasses.replace(transport, comm=Comm(hub, r), kv=kv),
             )
             for r in range(program.num_ranks)
         ]

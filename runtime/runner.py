@@ -110,7 +110,10 @@ class Transport:
     their all-to-alls hidden behind each other's compute (False: one after the other, `--no-overlap`);
     schedule: the Schedule the Program was lowered from, whose source lines locate a start-up diagnostic;
     p2p: the point-to-point transport, "auto" (shared memory when every rank of the pipeline is on this host
-    and tensors are on the CPU, pipec.runtime.exec.shm), "gloo" (torch.distributed, NCCL on CUDA) or "shm"."""
+    and tensors are on the CPU, pipec.runtime.exec.shm), "gloo" (torch.distributed, NCCL on CUDA) or "shm";
+    static: run a Program's order family (`program.family`) in its compiled order (default: orders chosen
+    at run time, pipec.runtime.exec.dynamic); faults: pipec.sim.faults.Faults to emulate (a straggler's slow
+    ops, link jitter: pipec.runtime.exec.faults)."""
 
     timeout: float = 60.0
     comm: Any = None
@@ -125,6 +128,8 @@ class Transport:
     overlap: bool = True
     schedule: Any = None
     p2p: str = "auto"
+    static: bool = False
+    faults: Any = None
 
 
 class StoreKV(KV):
@@ -211,7 +216,8 @@ class Runner:
             space = f"pipec/{next(_IDS)}/" + (f"dp{replicas.dp_rank}/" if replicas is not None else "")
             store = dist.PrefixStore(space, dist.distributed_c10d._get_default_store())
             kv = StoreKV(store, timeout) if kv is None else kv
-            if shm.choose(transport.p2p, torch.device(device), links is not None, store, rank, world, timeout) == "shm":
+            held = links is not None or (transport.faults is not None and transport.faults.jitter is not None)
+            if shm.choose(transport.p2p, torch.device(device), held, store, rank, world, timeout) == "shm":
                 comm = shm.ShmComm(program, rank, timeout, group, store)
             else:
                 comm = DistComm(program.num_stages, program.num_microbatches, torch.device(device), timeout, group)
@@ -233,6 +239,11 @@ class Runner:
             from pipec.runtime.exec.links import EmulatedComm
 
             comm = EmulatedComm(comm, rank, links, blocking=isinstance(comm, DistComm))
+        self.jitter: Any = None
+        if transport.faults is not None and transport.faults.jitter is not None:
+            from pipec.runtime.exec.faults import JitterComm
+
+            comm = self.jitter = JitterComm(comm, rank, transport.faults, blocking=not hasattr(comm, "hub"))
         self.program = program
         self.rank = rank
         self.device = torch.device(device or "cpu")
@@ -318,6 +329,16 @@ class Runner:
                 self.executor.dp.link = link
         if self.device.type == "cuda":
             self.executor.sync = lambda: torch.cuda.synchronize(self.device)
+        if transport.faults is not None:  # a straggler's slow ops (pipec.runtime.exec.faults)
+            from pipec.runtime.exec.faults import slow_handlers
+
+            slow_handlers(self.executor, transport.faults)
+        self.dynamic: Any = None  # orders chosen at run time (pipec.runtime.exec.dynamic)
+        if program.family is not None and program.family.of(rank) is not None and not transport.static:
+            from pipec.runtime.exec.dynamic import DynamicOrder, refuse_nccl
+
+            refuse_nccl(program, rank, comm)
+            self.dynamic = DynamicOrder(self.executor, program.family.of(rank))
         self.slicing = slicing
         self.last_specs: list[Specs] | None = None  # stage 0's inputs per micro-batch at the last exchange
         self.steps_done = 0  # a restored checkpoint sets it (pipec.runtime.job.checkpoint)
@@ -443,7 +464,9 @@ class Runner:
                 "see pipec.runtime.model.contract)"
             )
         self.executor.record = [] if record else None
-        yield from self.executor.run(self.steps_done, mb_in, mb_tg)
+        if self.jitter is not None:
+            self.jitter.step = self.steps_done
+        yield from (self.executor if self.dynamic is None else self.dynamic).run(self.steps_done, mb_in, mb_tg)
         loss = None
         if self.has_last:
             loss = self.stages[self.program.num_stages - 1].loss
