@@ -275,8 +275,13 @@ class RunOptions:
     ep: int = 1
     experts: int = 0
     no_overlap: bool = False
+    static: bool = False
+    straggler: str | None = None
+    jitter: str | None = None
+    fault_seed: int = 0
     # files the launcher names for its workers
     links: str | None = None
+    family: str | None = None  # the Program's order family (a Program file does not carry it yet)
     memory_out: str | None = None
     records: str | None = None
     source: str | None = None  # the schedule the Program was compiled from (its source lines locate diagnostics)
@@ -398,7 +403,30 @@ class RunOptions:
             default="stage",
             help="fsdp: fully_shard each stage (default), or each of its child blocks and then the stage",
         )
+        ap.add_argument(
+            "--static",
+            action="store_true",
+            help="a schedule with an order family (`window`, `any`): run its compiled order, not orders chosen at "
+            "run time (docs/runtime.md 'Orders chosen at run time')",
+        )
+        ap.add_argument(
+            "--straggler",
+            metavar="RANK[:FACTOR[:SHARE]]",
+            default=None,
+            help="emulate a straggler: RANK FACTOR times slower (default 2) on a random SHARE (default 0.3) of its ops",
+        )
+        ap.add_argument(
+            "--jitter",
+            metavar="DIST",
+            default=None,
+            help="emulate link jitter: each message between ranks delayed by a draw of exp:MEAN, uniform:LO:HI or "
+            "const:D (times such as 2ms)",
+        )
+        ap.add_argument(
+            "--fault-seed", type=integer, default=0, metavar="N", help="the seed of --straggler's and --jitter's draws"
+        )
         if not launcher:
+            ap.add_argument("--family", default=None, help=argparse.SUPPRESS)  # the order family's JSON file
             ap.add_argument(
                 "--links",
                 metavar="FILE.json",

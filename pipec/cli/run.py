@@ -39,6 +39,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     opts = RunOptions.from_args(args)
     c = run_program(*target(args), opts)  # the Program every worker builds alike (--dp, --ep, --topology)
     program, sched = c.program, c.schedule
+    _check_faults(opts, program)
     links = None
     if opts.emulate_links:
         try:
@@ -67,6 +68,18 @@ def cmd_run(args: argparse.Namespace) -> int:
         doc = read_records(records)
     _emit_run(args, program, status, doc)
     return status
+
+
+def _check_faults(opts: RunOptions, program: Program) -> None:
+    """--straggler and --jitter read as pipec.sim.faults does (a Misuse otherwise), before torch loads."""
+    from pipec.sim.faults import faults_of
+
+    try:
+        faults = faults_of(opts.straggler, opts.jitter, opts.fault_seed)
+    except ValueError as e:
+        raise Misuse(str(e)) from None
+    if faults is not None and faults.straggler is not None and faults.straggler.rank >= program.num_ranks:
+        raise Misuse(f"--straggler: rank {faults.straggler.rank} is not in 0..{program.num_ranks - 1}")
 
 
 def _emit_run(args: argparse.Namespace, program: Program, status: int, doc: dict) -> None:

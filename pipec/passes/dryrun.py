@@ -302,24 +302,6 @@ def local_fan_in(prog: Program) -> DryRun | None:
                         return DryRun(False, (Wait(r, j, _instr_at(prog, r, j), "compute", r, what),))
             done.add((kind, i, st))
     return None
-    S, m = prog.num_stages, prog.num_microbatches
-    for r, rp in enumerate(prog.ranks):
-        pos = {}
-        for j, (o, i, st) in enumerate(zip(rp.op.tolist(), rp.mb.tolist(), rp.stage.tolist())):
-            kind = int(KIND_OF[o])
-            if kind < 0:
-                continue
-            pos[(kind, i, st)] = j
-            if kind == 2:
-                continue
-            ins = g.inputs(st) if kind == 0 else g.outputs(st)
-            mine = [t for t in ins if prog.placement[t] == r]
-            for t in mine[1:] if len(mine) == len(ins) else mine[(1 if len(mine) == len(ins) else 0) :]:
-                if (kind, i, t) not in pos:
-                    what = f"{OPCODES[COMPUTE_OF_KIND[kind]]} {i} {t}"
-                    return DryRun(False, (Wait(r, j, _instr_at(prog, r, j), "compute", r, what),))
-    del S, m
-    return None
 
 
 def _witnessed(cols: _Columns, op_round: np.ndarray) -> bool:
@@ -386,7 +368,12 @@ def _witnessed(cols: _Columns, op_round: np.ndarray) -> bool:
 
 def check_channels(prog: Program) -> None:
     """Both ends of every rank pair issue the same messages in the same order (E404). Peers are right
-    by then: `validate` checked that each transfer names the owner of the stage at its other end."""
+    by then: `validate` checked that each transfer names the owner of the stage at its other end.
+
+    One pass over all ranks' transfers (`_channels_match`: one sort by channel, position and direction);
+    only when it finds a mismatch does the pair-by-pair walk below name the first one."""
+    if _channels_match(prog):
+        return
     S, m = prog.num_stages, prog.num_microbatches
     seqs: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
     for r, rp in enumerate(prog.ranks):
@@ -411,6 +398,53 @@ def check_channels(prog: Program) -> None:
         if len(bad) or len(mine) != len(theirs):
             k = int(bad[0]) if len(bad) else n
             raise _mismatch(prog, a, b, k, where_a, where_b)
+
+
+def _channels_match(prog: Program) -> bool:
+    """Whether every channel's two ends issue the same messages in the same order, all ranks at once: each
+    transfer's position k among its rank's transfers to that peer (a stable sort by directed channel), then
+    one sort by (channel, k, direction) puts the two ends of each position side by side; they must be one
+    message (its key) sent on one side and received on the other. False proves nothing (`check_channels`
+    then walks the pairs to name the first mismatch)."""
+    R = prog.num_ranks
+    ops = [rp.op for rp in prog.ranks]
+    if not ops:
+        return True
+    op = np.concatenate(ops).astype(np.int64)
+    comm = np.flatnonzero(IS_P2P[op])
+    if not len(comm):
+        return True
+    lengths = [len(x) for x in ops]
+    rank = np.repeat(np.arange(R, dtype=np.int64), lengths)[comm]
+    peer = np.concatenate([rp.peer for rp in prog.ranks]).astype(np.int64)[comm]
+    if ((peer < 0) | (peer >= R) | (peer == rank)).any():
+        return False
+    op = op[comm]
+    mb = np.concatenate([rp.mb for rp in prog.ranks]).astype(np.int64)[comm]
+    s = np.concatenate([rp.stage for rp in prog.ranks]).astype(np.int64)[comm]
+    other = None
+    if prog.graph is not None:
+        other = np.concatenate([rp.other if rp.other is not None else np.full(len(rp), -1) for rp in prog.ranks])
+        other = other.astype(np.int64)[comm]
+    key = message_key(op, mb, s, prog.num_stages, prog.num_microbatches, other, prog.graph)
+    n = len(comm)
+    directed = rank * R + peer
+    by = np.argsort(directed, kind="stable")
+    d = directed[by]
+    starts = np.flatnonzero(np.r_[True, d[1:] != d[:-1]])
+    k = np.empty(n, dtype=np.int64)
+    k[by] = np.arange(n) - np.repeat(starts, np.diff(np.r_[starts, n]))
+    chan = np.minimum(rank, peer) * R + np.maximum(rank, peer)
+    up = (rank > peer).astype(np.int64)
+    if R * R * 2 * (n + 1) < 2**62:
+        order = np.argsort((chan * (n + 1) + k) * 2 + up, kind="stable")
+    else:
+        order = np.lexsort((up, k, chan))
+    if n % 2:
+        return False
+    a, b = order[0::2], order[1::2]
+    same_slot = (chan[a] == chan[b]) & (k[a] == k[b]) & (up[a] == 0) & (up[b] == 1)
+    return bool((same_slot & (key[a] == key[b]) & (IS_SEND[op[a]] != IS_SEND[op[b]])).all())
 
 
 def _mismatch(prog: Program, a: int, b: int, k: int, where_a, where_b) -> PipecError:

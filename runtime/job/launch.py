@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pipec.ir.dataparallel import dp_mismatch
 from pipec.options import OptionError, RunOptions, add_define_argument
 from pipec.runtime.host.affinity import bind_local_rank
+from pipec.sim.faults import faults_of
 from pipec.runtime.job.monitor import BEAT_EVERY, block_sigterm, die_with_parent, say
 from pipec.runtime.job.program import read_source, run_program
 
@@ -122,6 +123,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         c = run_program(*target_of(ns.schedule, list(ns.defines)), opts)
         program, schedule = with_dp(c.program, opts), c.schedule if c.schedule.spans else None
+        if opts.family:  # the launcher's order family (a Program file does not carry it yet)
+            import dataclasses
+
+            from pipec.runtime.exec.dynamic import family_of_json
+
+            with open(opts.family) as f:
+                program = dataclasses.replace(program, family=family_of_json(f.read()))
     except PipecError as e:
         say("\n".join(d.format() for d in e.diagnostics))
         return 1
@@ -317,6 +325,8 @@ class Worker:
                 experts=self.program.experts if self.program.experts.size > 1 else None,
                 overlap=not args.no_overlap,
                 schedule=self._schedule(),
+                static=args.static,
+                faults=faults_of(args.straggler, args.jitter, args.fault_seed),
             ),
         )
 

@@ -130,6 +130,12 @@ def run_torchrun(opts: RunOptions, program: Program, nproc: int, links=None, sch
         path = os.path.join(tmp, "program.json")
         with open(path, "w") as f:
             write_json(program, f)
+        if program.family is not None:  # a Program file does not carry the order family yet: beside it
+            from pipec.runtime.exec.dynamic import family_json
+
+            opts = dataclasses.replace(opts, family=os.path.join(tmp, "family.json"))
+            with open(opts.family, "w") as f:
+                f.write(family_json(program.family, program.num_ranks))
         # A rank that does not answer SIGTERM (stopped, or stuck in C code) is killed SHUTDOWN_S seconds
         # later instead of torchrun's default 30.
         targv = ["--standalone", "--nproc-per-node", str(nproc), "--shutdown-timeout", str(SHUTDOWN_S)]
@@ -268,7 +274,11 @@ def run_local(opts: RunOptions, program: Program, model, links=None, schedule=No
     kw = dict(optimizer=model.optimizer, dtype=model.dtype, device=device, loss_scale=opts.loss_scale, seed=opts.seed)
     report = Report(opts.records)
     options = StageOptions(where=f"{model.path}: build_stage", **kw)
-    pipe = LocalPipeline(program, model.build_stage, model.loss_fn, options=options, transport=Transport(links=links))
+    from pipec.sim.faults import faults_of
+
+    faults = faults_of(opts.straggler, opts.jitter, opts.fault_seed)
+    transport = Transport(links=links, static=opts.static, faults=faults)
+    pipe = LocalPipeline(program, model.build_stage, model.loss_fn, options=options, transport=transport)
     reference = None
     if opts.check:
         graph = getattr(program, "graph", None)
