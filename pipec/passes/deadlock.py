@@ -56,8 +56,6 @@ def _rounds(sched: Schedule) -> tuple[list[np.ndarray], tuple[WaitStep, ...]]:
     R = sched.num_ranks
     where = np.full(K * S * m, -1, dtype=np.int64)  # op key -> (rank, index) packed
     offsets = np.cumsum([0] + [len(r) for r in sched.ranks])
-    for r, ops in enumerate(sched.ranks):
-        where[(ops.kind * S + ops.stage) * m + ops.mb] = offsets[r] + np.arange(len(ops))
     # Cross-rank input of each op (pipec.ir.rules: the one input a kind receives from another stage, when
     # that stage is on another rank); -1 when local or none. Same-rank inputs are E304's (checked before).
     placement = sched.placement_array
@@ -66,6 +64,7 @@ def _rounds(sched: Schedule) -> tuple[list[np.ndarray], tuple[WaitStep, ...]]:
     mb = np.concatenate([o.mb for o in sched.ranks] or none)
     stage = np.concatenate([o.stage for o in sched.ranks] or none)
     rank = np.repeat(np.arange(R), np.diff(offsets))
+    where[(kind * S + stage) * m + mb] = np.arange(len(kind))
     dep = np.full(len(kind), -1, dtype=np.int64)
     # On a stage graph an op may wait on several ranks (a fan-in's F, a fan-out's B): the first remote input
     # found stays in `dep`, the others go to `more` (per rank: op index -> further inputs).
@@ -83,23 +82,26 @@ def _rounds(sched: Schedule) -> tuple[list[np.ndarray], tuple[WaitStep, ...]]:
                     more[r].setdefault(g - int(offsets[r]), []).append(int(where[key[g]]))
                 hit &= dep < 0
             dep = np.where(hit, where[key], dep)
-    remote = [dep[offsets[r] : offsets[r + 1]].tolist() for r in range(R)]
-    paired = [r.paired.tolist() for r in sched.ranks]
-    lean = [not (bool(r.paired.any()) or more[i]) for i, r in enumerate(sched.ranks)]
+    # Flat lists over all ranks (global op indices): no per-rank slices, the loops index one list.
+    deps = dep.tolist()
+    pairs = np.concatenate([r.paired for r in sched.ranks] or [np.zeros(0, dtype=bool)]).tolist()
+    has_pair = np.bincount(rank, weights=np.concatenate([r.paired for r in sched.ranks] or none), minlength=R)
+    lean = [not (has_pair[i] or more[i]) for i in range(R)]
 
     # Rounds: all ranks step together, one op (or overlapped pair) per round, so an op runs in round
     # max(previous op's round, its remote inputs' rounds) + 1. Computed event-driven, each op once.
     n = int(offsets[-1])
     rounds = [-1] * n
-    pc = [0] * R
+    pc = offsets[:-1].tolist()  # each rank's next op, as a global index
+    ends = offsets[1:].tolist()
     last_round = [-1] * R
     stuck_on: dict[int, int] = {}
     waiters: dict[int, list[int]] = {}
+    awaited = bytearray(n)  # 1 where some rank waits for the op (a flag is cheaper than a dict lookup)
     queue = deque(range(R))
     while queue:
         r = queue.popleft()
-        deps, pairs, base = remote[r], paired[r], int(offsets[r])
-        j, end, t = pc[r], len(deps), last_round[r]
+        j, end, t = pc[r], ends[r], last_round[r]
         if lean[r]:  # the common case: no overlapped pairs, one remote input an op at most, a lean loop
             while j < end:
                 d = deps[j]
@@ -107,36 +109,37 @@ def _rounds(sched: Schedule) -> tuple[list[np.ndarray], tuple[WaitStep, ...]]:
                     td = rounds[d]
                     if td < 0:
                         stuck_on[r] = d
+                        awaited[d] = 1
                         waiters.setdefault(d, []).append(r)
                         break
                     if td > t:
                         t = td
                 t += 1
-                g = base + j
-                rounds[g] = t
-                if g in waiters:
-                    queue.extend(waiters.pop(g))
+                rounds[j] = t
+                if awaited[j]:
+                    queue.extend(waiters.pop(j))
                 j += 1
             pc[r], last_round[r] = j, t
             continue
-        extra = more[r]
+        extra, base = more[r], int(offsets[r])
         while j < end:
             width = 2 if pairs[j] and j + 1 < end else 1  # an overlapped pair starts when both have their inputs
-            ds = [d for x in range(j, j + width) for d in (deps[x], *extra.get(x, ())) if d >= 0]
+            ds = [d for x in range(j, j + width) for d in (deps[x], *extra.get(x - base, ())) if d >= 0]
             pending = next((d for d in ds if rounds[d] < 0), None)
             if pending is not None:
                 stuck_on[r] = pending
+                awaited[pending] = 1
                 waiters.setdefault(pending, []).append(r)
                 break
             t = max([t, *(rounds[d] for d in ds)]) + 1
-            for x in range(base + j, base + j + width):
+            for x in range(j, j + width):
                 rounds[x] = t
-                if x in waiters:
+                if awaited[x]:
                     queue.extend(waiters.pop(x))
             j += width
         pc[r], last_round[r] = j, t
-    if any(pc[r] != len(remote[r]) for r in range(R)):
-        return [], _explain(sched, pc, stuck_on, offsets)
+    if pc != ends:
+        return [], _explain(sched, [pc[r] - int(offsets[r]) for r in range(R)], stuck_on, offsets)
     # One total order, the same on every rank: by round, then rank, then position.
     rnd = np.asarray(rounds, dtype=np.int64)
     rank_of = np.repeat(np.arange(R), np.diff(offsets))
