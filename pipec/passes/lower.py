@@ -64,9 +64,15 @@ without them lowers exactly as before. `validate` proves the result; a rule it
 breaks is E424 at the memory op.
 
 `pipec.passes.dryrun` then proves the result under rendezvous sends. Built with
-numpy per rank: slot keys, one sort, masks; the collectives are merged in with
-one more sort. The fsdp windows are placed by a loop over windows (one per
-stage without a bound) and, with `max_gathered`, the Belady walk over steps.
+numpy over all ranks at once (`_lower_all`: slot keys with the rank as the first
+key of one sort, masks, exchanges bound within a rank, the closing REDUCE_GRADs
+and STEPs scattered in), so a pipeline of ten thousand ranks with a few ops each
+costs a handful of array passes, not ten thousand. A rank with collectives or
+memory ops is finished on its own from its slice of that stream
+(`pipec.passes.inserts`: one more sort per rank; the fsdp windows by a loop over
+windows and, with `max_gathered`, the Belady walk over steps). `_lower_rank` is
+the same lowering one rank at a time (`lower_with_proof(..., per_rank=True)`),
+the reference tests/unit/passes/test_wide_lower.py holds the all-ranks pass to.
 """
 
 from __future__ import annotations
@@ -79,7 +85,6 @@ from pipec.errors import PipecError, error
 from pipec.ir.dataparallel import DataParallel
 from pipec.ir.graph import across, message_edge
 from pipec.ir.opcodes import (
-    CODE,
     COMPUTE_OF_KIND,
     FWD,
     HAS_SEND,
@@ -87,16 +92,12 @@ from pipec.ir.opcodes import (
     IN_STAGE,
     IS_COMPUTE,
     IS_P2P,
-    IS_RECV,
-    MEMOPS,
     OUT_PEER_STAGE,
     PRODUCER_KIND,
     RECV_OF_KIND,
     REDUCE_GRAD,
-    RESHARD,
     SEND_OF_KIND,
     STEP,
-    UNSHARD,
     may_group,
 )
 from pipec.ir.program import Program, RankProgram
@@ -104,6 +105,7 @@ from pipec.ir.schedule import Collective, MemOp, RankOps, Schedule
 from pipec.ir.validate import validate
 from pipec.passes.deadlock import global_order
 from pipec.passes.dryrun import DryRun, deadlock_error, dry_run
+from pipec.passes.inserts import finish_rank
 
 
 def lower(sched: Schedule, dp: DataParallel | None = None) -> Program:
@@ -112,10 +114,13 @@ def lower(sched: Schedule, dp: DataParallel | None = None) -> Program:
     return lower_with_proof(sched, dp)[0]
 
 
-def lower_with_proof(sched: Schedule, dp: DataParallel | None = None) -> tuple[Program, DryRun]:
+def lower_with_proof(
+    sched: Schedule, dp: DataParallel | None = None, *, per_rank: bool = False
+) -> tuple[Program, DryRun]:
     """The Program and a strict rendezvous dry run of it; E401 when the schedule itself deadlocks, E421
     when `dp` cannot be honoured, E423 when the schedule's own collectives break a rule, E424 its memory
-    ops."""
+    ops. `per_rank`: build each rank's base stream on its own (the reference the all-ranks pass is held
+    equal to, tests/unit/passes/test_wide_lower.py)."""
     dp = dp or DataParallel()
     if _forward_only(sched) and (not dp.is_default or any(sched.memops) or any(sched.collectives)):
         raise ValueError("a forward-only schedule lowers without data-parallel collectives or memory ops")
@@ -124,10 +129,13 @@ def lower_with_proof(sched: Schedule, dp: DataParallel | None = None) -> tuple[P
     time_of = op_times(sched, times)
     placement = sched.placement_array
     placed: list[list[tuple[int, Collective | MemOp]]] = []  # per rank: (instruction index, what) it placed
-    ranks = tuple(
-        _lower_rank(sched, r, ops, t, time_of, placement, dp, placed)
-        for r, (ops, t) in enumerate(zip(sched.ranks, times))
-    )
+    if per_rank:
+        ranks = tuple(
+            _lower_rank(sched, r, ops, t, time_of, placement, dp, placed)
+            for r, (ops, t) in enumerate(zip(sched.ranks, times))
+        )
+    else:
+        ranks = _lower_all(sched, times, time_of, placement, dp, placed)
     prog = Program(
         name=sched.name,
         params=sched.params,
@@ -288,255 +296,7 @@ def _lower_rank(
     group[comp] = ops.paired[src[comp]]  # overlapped compute pairs
     group = _bind_exchanges(code, peer, group)
 
-    own = np.asarray(sched.stages_of(rank), dtype=np.int64)[::-1]
-    memops = sched.memops[rank] if rank < len(sched.memops) else ()
-    if dp.is_default and not memops:  # no data parallelism, as before PP x DP: the reductions, then the steps
-        if _forward_only(sched):  # nothing to reduce or step
-            own = own[:0]
-        tail = np.concatenate([np.full(len(own), REDUCE_GRAD), np.full(len(own), STEP)])
-        z = np.full(len(tail), -1)
-        placed.append([])
-        return RankProgram(
-            op=np.concatenate([code, tail]).astype(np.int64),
-            mb=np.concatenate([mb[src], z]).astype(np.int64),
-            stage=np.concatenate([stage[src], own, own]).astype(np.int64),
-            peer=np.concatenate([peer, z]).astype(np.int64),
-            group=np.concatenate([group, np.zeros(len(tail), dtype=bool)]),
-            other=None if other_col is None else np.concatenate([other_col, z]).astype(np.int64),
-        )
-    points = _points(ops, step, code, src, group)
-    if dp.is_default:  # the memory ops go in; REDUCE_GRAD then STEP of each stage close the stream
-        mine: tuple[Collective, ...] = ()
-        c_op, c_stage, c_pos, c_from = _memop_rows(sched, rank, ops, step, points, memops)
-        c_mb = np.asarray([x.mb for x in memops], dtype=np.int64)[np.maximum(c_from, 0)] if len(c_op) else c_op
-        tail_op = np.concatenate([np.full(len(own), REDUCE_GRAD), np.full(len(own), STEP)])
-        tail_stage = np.concatenate([own, own])
-        items: list = list(memops)
-    else:
-        mine = sched.collectives[rank] if rank < len(sched.collectives) else ()
-        c_op, c_stage, c_pos, c_from = _collectives(sched, rank, ops, step, points, own, dp, mine)
-        c_mb = np.full(len(c_op), -1, dtype=np.int64)
-        if memops:  # after the collectives at one point (a RECOMPUTE after the UNSHARD it computes under)
-            m_op, m_stage, m_pos, m_from = _memop_rows(sched, rank, ops, step, points, memops)
-            m_mb = np.asarray([x.mb for x in memops], dtype=np.int64)[m_from]
-            at = np.argsort(np.concatenate([c_pos, m_pos]), kind="stable")
-            c_op, c_stage, c_pos = (np.concatenate(x)[at] for x in ((c_op, m_op), (c_stage, m_stage), (c_pos, m_pos)))
-            c_mb = np.concatenate([c_mb, m_mb])[at]
-            c_from = np.concatenate([c_from, np.where(m_from >= 0, m_from + len(mine), -1)])[at]
-        tail_op, tail_stage = np.full(len(own), STEP), own
-        items = [*mine, *memops]
-    n_base = len(code)
-    # Merge: an inserted instruction at position p goes before base instruction p (after the ones before it).
-    new_base = np.arange(n_base) + np.searchsorted(c_pos, np.arange(n_base), side="right")
-    new_coll = c_pos + np.arange(len(c_pos))
-    total = n_base + len(c_pos) + len(tail_op)
-    out = {k: np.full(total, -1, dtype=np.int64) for k in ("op", "mb", "stage", "peer")}
-    out_group = np.zeros(total, dtype=bool)
-    out["op"][new_base], out["mb"][new_base], out["stage"][new_base] = code, mb[src], stage[src]
-    out["peer"][new_base], out_group[new_base] = peer, group
-    if other_col is not None:
-        out["other"] = np.full(total, -1, dtype=np.int64)
-        out["other"][new_base] = other_col
-    out["op"][new_coll], out["mb"][new_coll], out["stage"][new_coll] = c_op, c_mb, c_stage
-    tail = np.arange(n_base + len(c_pos), total)
-    out["op"][tail], out["stage"][tail] = tail_op, tail_stage
-    placed.append([(int(new_coll[k]), items[int(c_from[k])]) for k in np.flatnonzero(c_from >= 0).tolist()])
-    return RankProgram(out["op"], out["mb"], out["stage"], out["peer"], out_group, out.get("other"))
-
-
-# Order of the collectives at one point: the schedule's own first (in its order), then reductions, then
-# closing windows, then opening ones (so a closing and an opening window are never held at once).
-_PHASE_PLACED, _PHASE_REDUCE, _PHASE_RESHARD, _PHASE_UNSHARD = range(4)
-
-
-def _points(ops: RankOps, step: np.ndarray, code: np.ndarray, src: np.ndarray, group: np.ndarray):
-    """The two kinds of insertion points of the module docstring, as positions in the base stream (code,
-    src, group: the rank's sends, receives and computes, in order): per step g, right before its first
-    compute (`before[g]`; `before[number of steps]` is the end) and right after it (`after[g]`)."""
-    n_base = len(code)
-    comp = np.flatnonzero(IS_COMPUTE[code])
-    comp_step = step[src[comp]]
-    first = np.concatenate(([True], comp_step[1:] != comp_step[:-1])) if len(comp) else np.zeros(0, dtype=bool)
-    before_step = np.append(comp[first], n_base)  # position right before step g's first compute; n_base: the end
-    body = np.flatnonzero(~IS_RECV[code])  # computes and sends, which belong to the step that produced them
-    body_step = step[src[body]]
-    last = np.append(body_step[1:] != body_step[:-1], True) if len(body) else np.zeros(0, dtype=bool)
-    end = body[last]
-    after_step = end + 1 + group[end]  # past the receive a step's last send may be batched with
-    return before_step, after_step
-
-
-def _memop_rows(
-    sched: Schedule,
-    rank: int,
-    ops: RankOps,
-    step: np.ndarray,
-    points: tuple[np.ndarray, np.ndarray],
-    memops: tuple[MemOp, ...],
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The schedule's memory ops of a rank as (opcode, stage, insertion position, index into `memops`),
-    by position (stable: in the schedule's order at one point). A memory op before op j goes right
-    before the compute of op j's step; one before `len(ops)` at the end, before the reductions."""
-    n_ops = len(ops)
-    num_steps = int(step[-1]) + 1 if n_ops else 0
-    for x in memops:
-        if x.op not in MEMOPS:
-            raise error("E424", f"`{x.op}` is not a memory op ({', '.join(MEMOPS)})", x.span, sched.source)
-        if not 0 <= x.before <= n_ops:
-            raise error(
-                "E424",
-                f"`{x.op} {x.mb} {x.stage}` is placed before op {x.before} of rank {rank}, outside 0 .. {n_ops}",
-                x.span,
-                sched.source,
-            )
-    before = np.asarray([x.before for x in memops], dtype=np.int64)
-    g = np.where(before < n_ops, step[np.minimum(before, max(n_ops - 1, 0))] if n_ops else 0, num_steps)
-    pos = points[0][g]
-    order = np.argsort(pos, kind="stable")
-    code = np.asarray([CODE[x.op] for x in memops], dtype=np.int64)
-    stage = np.asarray([x.stage for x in memops], dtype=np.int64)
-    return code[order], stage[order], pos[order], order.astype(np.int64)
-
-
-def _collectives(
-    sched: Schedule,
-    rank: int,
-    ops: RankOps,
-    step: np.ndarray,
-    points: tuple[np.ndarray, np.ndarray],
-    own: np.ndarray,
-    dp: DataParallel,
-    mine: tuple[Collective, ...],
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The rank's collectives as (opcode, stage, insertion position in the base stream, index into the
-    schedule's own or -1), sorted by position and phase."""
-    n_ops = len(ops)
-    num_steps = int(step[-1]) + 1 if n_ops else 0
-    before_step, after_step = points
-    # Rows: (position, phase, sequence, opcode, stage, index into `mine`).
-    rows: list[tuple[int, int, int, int, int, int]] = []
-    keep_windows = dp.kind == "fsdp"
-    for k, c in enumerate(mine):
-        if c.op not in (UNSHARD_NAME, RESHARD_NAME, REDUCE_NAME):
-            raise error("E423", f"`{c.op}` is not a data-parallel collective", c.span, sched.source)
-        if c.op != REDUCE_NAME and not keep_windows:
-            continue
-        if not 0 <= c.before <= n_ops:
-            raise error(
-                "E423", f"`{c.op} {c.stage}` is placed before op {c.before}, outside 0 .. {n_ops}", c.span, sched.source
-            )
-        g = int(step[c.before]) if c.before < n_ops else num_steps
-        rows.append((int(before_step[g]), _PHASE_PLACED, k, _CODE[c.op], c.stage, k))
-    placed_reduce = {c.stage for c in mine if c.op == REDUCE_NAME}
-    placed_window = {c.stage for c in mine if c.op != REDUCE_NAME}
-    last_step = np.full(sched.num_stages, -1, dtype=np.int64)
-    np.maximum.at(last_step, ops.stage, step)  # each stage's last step
-    for s in own.tolist():
-        if s in placed_reduce:
-            continue
-        if last_step[s] >= 0:
-            rows.append((int(after_step[last_step[s]]), _PHASE_REDUCE, int(last_step[s]), REDUCE_GRAD, s, -1))
-    if keep_windows:
-        stages = [s for s in own.tolist() if s not in placed_window]
-        for s, opened, closed, issue in _windows(sched, rank, ops, step, num_steps, stages, dp):
-            at = 0 if issue < 0 else int(before_step[issue])
-            rows.append((at, _PHASE_UNSHARD, opened, UNSHARD, s, -1))
-            rows.append((int(after_step[closed]), _PHASE_RESHARD, closed, RESHARD, s, -1))
-    if not rows:
-        return tuple(np.zeros(0, dtype=np.int64) for _ in range(4))  # type: ignore[return-value]
-    a = np.array(rows, dtype=np.int64)
-    order = np.lexsort((a[:, 2], a[:, 1], a[:, 0]))
-    a = a[order]
-    return a[:, 3], a[:, 4], a[:, 0], a[:, 5]
-
-
-REDUCE_NAME, UNSHARD_NAME, RESHARD_NAME = "REDUCE_GRAD", "UNSHARD", "RESHARD"
-_CODE = {REDUCE_NAME: REDUCE_GRAD, UNSHARD_NAME: UNSHARD, RESHARD_NAME: RESHARD}
-
-
-def _windows(
-    sched: Schedule,
-    rank: int,
-    ops: RankOps,
-    step: np.ndarray,
-    num_steps: int,
-    stages: list[int],
-    dp: DataParallel,
-) -> list[tuple[int, int, int, int]]:
-    """The default fsdp windows of these stages as (stage, first step used, last step used, step before
-    which its UNSHARD is issued, -1 for the start of the stream); see the module docstring."""
-    if not stages or not num_steps:
-        return []
-    k = dp.max_gathered
-    wanted = np.zeros(sched.num_stages, dtype=bool)
-    wanted[stages] = True
-    use = wanted[ops.stage]
-    first = np.full(sched.num_stages, num_steps, dtype=np.int64)
-    last = np.full(sched.num_stages, -1, dtype=np.int64)
-    np.maximum.at(last, ops.stage[use], step[use])
-    np.minimum.at(first, ops.stage[use], step[use])
-    windows: list[tuple[int, int, int]] = []  # (stage, opened, closed)
-    if k is None or k >= len(stages):
-        windows = sorted(((s, int(first[s]), int(last[s])) for s in stages if last[s] >= 0), key=lambda w: w[1])
-    else:
-        windows = _belady(sched, rank, ops, step, num_steps, use, k)
-    open_at = np.zeros(num_steps, dtype=np.int64)  # windows holding a stage before each step
-    closed_last: dict[int, int] = {}
-    out = []
-    for s, a, b in windows:  # in order of first use
-        want = a - dp.prefetch
-        t = max(want, closed_last.get(s, -1) + 1, 0)
-        if k is not None and t < a and open_at[t:a].max() >= k:
-            t = t + int(np.flatnonzero(open_at[t:a] >= k)[-1]) + 1
-        open_at[t : b + 1] += 1
-        closed_last[s] = b
-        out.append((s, a, b, -1 if t == 0 and want < 0 else t))
-    return out
-
-
-def _belady(
-    sched: Schedule, rank: int, ops: RankOps, step: np.ndarray, num_steps: int, use: np.ndarray, k: int
-) -> list[tuple[int, int, int]]:
-    """Windows of at most k stages at once, closing the stage whose next use is furthest ahead."""
-    st = ops.stage[use].tolist()
-    sp = step[use].tolist()
-    need: list[list[int]] = [[] for _ in range(num_steps)]
-    for s, g in zip(st, sp):
-        if s not in need[g]:
-            need[g].append(s)
-    uses: dict[int, list[int]] = {}
-    for g, ss in enumerate(need):
-        for s in ss:
-            uses.setdefault(s, []).append(g)
-    nxt = {s: 0 for s in uses}  # index into uses[s] of its next use
-    held: dict[int, int] = {}  # stage -> step its window opened
-    last_use: dict[int, int] = {}
-    windows: list[tuple[int, int, int]] = []
-    for g, ss in enumerate(need):
-        if len(ss) > k:
-            raise error(
-                "E421",
-                f"data parallelism: --max-gathered {k} cannot hold the {len(ss)} stages that rank {rank}'s "
-                f"overlapped pair at step {g} computes together ({', '.join(map(str, ss))})",
-            )
-        for s in ss:
-            if s in held:
-                continue
-            if len(held) >= k:
-
-                def ahead(q: int) -> int:
-                    i = nxt[q]
-                    return uses[q][i] if i < len(uses[q]) else num_steps + 1
-
-                victim = max((q for q in held if q not in ss), key=lambda q: (ahead(q), q))
-                windows.append((victim, held.pop(victim), last_use[victim]))
-            held[s] = g
-        for s in ss:
-            last_use[s] = g
-            nxt[s] += 1
-    windows += [(s, a, last_use[s]) for s, a in held.items()]
-    windows.sort(key=lambda w: (w[1], w[0]))
-    return windows
+    return finish_rank(sched, rank, ops, step, code, peer, src, group, other_col, dp, placed)
 
 
 def _bind_exchanges(code: np.ndarray, peer: np.ndarray, group: np.ndarray) -> np.ndarray:
@@ -549,4 +309,170 @@ def _bind_exchanges(code: np.ndarray, peer: np.ndarray, group: np.ndarray) -> np
         if j > taken + 1:  # never chain three into one group
             group[j] = True
             taken = j
+    return group
+
+
+def _lower_all(
+    sched: Schedule,
+    times: list[np.ndarray],
+    time_of: np.ndarray,
+    placement: np.ndarray,
+    dp: DataParallel,
+    placed: list[list[tuple[int, Collective | MemOp]]],
+) -> tuple[RankProgram, ...]:
+    """Every rank's stream in one pass over the ranks' concatenated arrays, the same streams as `_lower_rank`
+    per rank: the same slot keys with the rank as the first key of one sort, exchanges bound within a rank,
+    the closing REDUCE_GRADs and STEPs scattered in. A rank with collectives or memory ops is finished on
+    its own (`finish_rank`) from its slice of the base stream."""
+    S, m, R = sched.num_stages, sched.num_microbatches, sched.num_ranks
+    graph = sched.graph
+    lengths = np.asarray([len(ops) for ops in sched.ranks], dtype=np.int64)
+    op_off = np.concatenate(([0], np.cumsum(lengths)))
+    none = [np.zeros(0, dtype=np.int64)]
+    kind = np.concatenate([o.kind for o in sched.ranks] or none).astype(np.int64)
+    mb = np.concatenate([o.mb for o in sched.ranks] or none).astype(np.int64)
+    stage = np.concatenate([o.stage for o in sched.ranks] or none).astype(np.int64)
+    paired = np.concatenate([o.paired for o in sched.ranks] or [np.zeros(0, dtype=bool)]).astype(bool)
+    t_all = np.concatenate(times or none).astype(np.int64)
+    n = len(kind)
+    rank = np.repeat(np.arange(R, dtype=np.int64), lengths)
+    # Steps, numbered from 0 on each rank (a rank's first op always starts one).
+    second = np.zeros(n, dtype=bool)
+    second[1:] = paired[:-1]
+    second[op_off[:-1][lengths > 0]] = False
+    g_step = np.cumsum(~second) - 1
+    step = g_step - g_step[op_off[:-1][rank]] if n else g_step
+
+    r_idx, r_other, s_idx, s_other = [], [], [], []
+    for other, valid in across(graph, stage, IN_STAGE[kind], S):
+        hit = valid & (RECV_OF_KIND[kind] >= 0) & (placement[np.clip(other, 0, S - 1)] != rank)
+        r_idx.append(np.flatnonzero(hit))
+        r_other.append(other[r_idx[-1]])
+    for other, valid in across(graph, stage, OUT_PEER_STAGE[kind], S):
+        hit = valid & HAS_SEND[kind] & (placement[np.clip(other, 0, S - 1)] != rank)
+        s_idx.append(np.flatnonzero(hit))
+        s_other.append(other[s_idx[-1]])
+    r_idx, r_other = np.concatenate(r_idx or none), np.concatenate(r_other or none)
+    s_idx, s_other = np.concatenate(s_idx or none), np.concatenate(s_other or none)
+    producer = PRODUCER_KIND[np.maximum(IN_MSG[kind[r_idx]], 0)]
+    recv_time = time_of[(producer * S + r_other) * m + mb[r_idx]]
+    # The rank's last op before each message's time: one search over (rank, time), sorted (times increase
+    # along each rank's order).
+    span = int(max(t_all.max(initial=0), time_of.max(initial=0))) + 1
+    r_rank = rank[r_idx]
+    before = np.searchsorted(rank * span + t_all, r_rank * span + recv_time) - 1
+    mine = before >= op_off[:-1][r_rank]
+    recv_primary = np.where(mine, 4 * step[np.maximum(before, 0)] + 2, -1)
+    primary = np.concatenate([recv_primary, 4 * step + 1, 4 * step[s_idx] + 2])
+    secondary = np.concatenate([recv_time, t_all, t_all[s_idx]])
+    code = np.concatenate([RECV_OF_KIND[kind[r_idx]], COMPUTE_OF_KIND[kind], SEND_OF_KIND[kind[s_idx]]])
+    peer = np.concatenate([placement[r_other], np.full(n, -1), placement[s_other]])
+    src = np.concatenate([r_idx, np.arange(n), s_idx])
+    who = rank[src]
+    keys = [(who, R), (primary + 1, 4 * int(lengths.max(initial=0)) + 4), (secondary, span)]
+    other_all = None
+    if graph is not None:
+        other_all = np.concatenate([r_other, np.full(n, -1), s_other])
+        edge = message_edge(graph, stage[src], np.maximum(other_all, 0))
+        keys.append((np.where(other_all >= 0, edge, -1) + 1, graph.num_edges + 1))
+    order = _sort(keys)
+    code, peer, src, who = code[order], peer[order], src[order], who[order]
+    other_col = None if other_all is None else other_all[order]
+    group = np.zeros(len(code), dtype=bool)
+    comp = np.flatnonzero(IS_COMPUTE[code])
+    group[comp] = paired[src[comp]]
+    group = _bind_all(code, peer, who, group)
+    b_len = np.bincount(who, minlength=R) if len(who) else np.zeros(R, dtype=np.int64)
+    b_off = np.concatenate(([0], np.cumsum(b_len)))
+
+    # The closing REDUCE_GRADs then STEPs of each rank's stages, last stage first.
+    valid = (placement >= 0) & (placement < R)
+    owned = np.flatnonzero(valid)
+    owned = owned[np.lexsort((-owned, placement[owned]))]
+    k_own = np.bincount(placement[owned], minlength=R) if len(owned) else np.zeros(R, dtype=np.int64)
+    if "B" not in sched.kinds:  # forward only: nothing to reduce or step
+        owned, k_own = owned[:0], np.zeros(R, dtype=np.int64)
+    o_len = b_len + 2 * k_own
+    o_off = np.concatenate(([0], np.cumsum(o_len)))
+    total = int(o_off[-1])
+    out = {k: np.full(total, -1, dtype=np.int64) for k in ("op", "mb", "stage", "peer")}
+    out_group = np.zeros(total, dtype=bool)
+    at = np.arange(len(code)) - b_off[:-1][who] + o_off[:-1][who]
+    out["op"][at], out["mb"][at], out["stage"][at], out["peer"][at] = code, mb[src], stage[src], peer
+    out_group[at] = group
+    if other_col is not None:
+        out["other"] = np.full(total, -1, dtype=np.int64)
+        out["other"][at] = other_col
+    t_rank = placement[owned]
+    t_at = np.arange(len(owned)) - np.concatenate(([0], np.cumsum(k_own)))[:-1][t_rank] + o_off[:-1][t_rank]
+    t_at = t_at + b_len[t_rank]
+    out["op"][t_at], out["stage"][t_at] = REDUCE_GRAD, owned
+    out["op"][t_at + k_own[t_rank]], out["stage"][t_at + k_own[t_rank]] = STEP, owned
+
+    ranks = []
+    bounds = o_off.tolist()
+    for r, ops in enumerate(sched.ranks):
+        memops = sched.memops[r] if r < len(sched.memops) else ()
+        if dp.is_default and not memops:
+            lo, hi = bounds[r], bounds[r + 1]
+            other = out.get("other")
+            ranks.append(
+                RankProgram(
+                    out["op"][lo:hi],
+                    out["mb"][lo:hi],
+                    out["stage"][lo:hi],
+                    out["peer"][lo:hi],
+                    out_group[lo:hi],
+                    None if other is None else other[lo:hi],
+                )
+            )
+            placed.append([])
+            continue
+        lo, hi = int(b_off[r]), int(b_off[r + 1])
+        rows = slice(lo, hi)
+        ranks.append(
+            finish_rank(
+                sched,
+                r,
+                ops,
+                step[op_off[r] : op_off[r + 1]],
+                code[rows],
+                peer[rows],
+                src[rows] - op_off[r],
+                group[rows].copy(),
+                None if other_col is None else other_col[rows],
+                dp,
+                placed,
+            )
+        )
+    return tuple(ranks)
+
+
+def _sort(keys: list[tuple[np.ndarray, int]]) -> np.ndarray:
+    """The stable order by several non-negative integer keys, the first most significant (each with its
+    bound): one packed int64 argsort where the bounds' product fits, else a lexsort."""
+    bound = 1
+    for _, b in keys:
+        bound *= max(b, 1)
+    if bound < 2**62:
+        packed = np.zeros(len(keys[0][0]), dtype=np.int64)
+        for k, b in keys:
+            packed = packed * max(b, 1) + k
+        return np.argsort(packed, kind="stable")
+    return np.lexsort(tuple(k for k, _ in reversed(keys)))
+
+
+def _bind_all(code: np.ndarray, peer: np.ndarray, who: np.ndarray, group: np.ndarray) -> np.ndarray:
+    """`_bind_exchanges` over all ranks' streams at once (`who`: each instruction's rank): a pair binds within
+    one rank only, and in each run of adjacent pairs the first, third, ... bind (never three in one group),
+    as the per-rank loop does."""
+    if len(code) < 2:
+        return group
+    comm = IS_P2P[code]
+    pair = comm[:-1] & comm[1:] & may_group(code[:-1], code[1:], peer[:-1], peer[1:]) & (who[:-1] == who[1:])
+    j = np.flatnonzero(pair)
+    if len(j):
+        run = np.r_[True, np.diff(j) != 1]
+        first = np.maximum.accumulate(np.where(run, np.arange(len(j)), 0))
+        group[j[(np.arange(len(j)) - first) % 2 == 0]] = True
     return group
