@@ -25,6 +25,8 @@ about 10,000 to 1,000,000 compute ops, one fresh process each, wall, user and sy
     python benchmarks/compile_speed.py --quick    # skip the 1,000,000-op points
     python benchmarks/compile_speed.py --only ref --rounds 7   # just the cold and warm comparisons
     python benchmarks/compile_speed.py --only cli              # `pipec --version` and `pipec list` start-up
+    python benchmarks/compile_speed.py --only wide --rounds 3  # wide pipelines: 1f1b p=10000 m=8, p=1000 m=64
+    python benchmarks/compile_speed.py --only wide --against REV --rounds 3  # the same, this tree against REV
     python benchmarks/compile_speed.py --smoke    # ref and scaling at their smallest, 1 round (tests)
 """
 
@@ -256,6 +258,60 @@ def against(rev: str, rounds: int, ref: dict[str, int] = REF) -> None:
     emit(rec)
 
 
+WIDE = [{"p": 10000, "m": 8}, {"p": 1000, "m": 64}]
+
+
+def wide(rounds: int, rev: str | None = None, points: list[dict[str, int]] = WIDE) -> None:
+    """Wide pipelines (many ranks, few ops each: 1f1b p=10000 m=8 is 160,000 compute ops over ten thousand
+    ranks, issue 45): one fresh process per round, a warm cache (the parse cache filled by an untimed
+    process, so the figure is evaluation and the compile), medians over the rounds; with `rev`, this tree
+    against commit `rev`'s in ABBA rounds (ratio before / now, above 1: faster now)."""
+    tree = worktree(rev) if rev else None
+    with tempfile.TemporaryDirectory(prefix="pipec-compile-wide-") as tmp:
+        for params in points:
+            records: dict[str, list[dict]] = {"now": [], "before": []}
+            for which in ("now", "before") if tree else ("now",):  # fill each tree's warm cache, untimed
+                in_subprocess("pipec", "1f1b", params, os.path.join(tmp, which), tree if which == "before" else None)
+
+            def run(which: str, records: dict = records, params: dict = params):
+                def once() -> Timing:
+                    cache = os.path.join(tmp, which)
+                    rec = in_subprocess("pipec", "1f1b", params, cache, tree if which == "before" else None)
+                    records[which].append(rec)
+                    return Timing(rec["seconds"], rec["cpu_seconds"])
+
+                return once
+
+            start = load_average()
+            systems = {"now": run("now"), "before": run("before")} if tree else {"now": run("now")}
+            seconds = alternate(systems, rounds)
+            rec = summarize(
+                "compile_speed_wide",
+                seconds,
+                ratio=("before", "now") if tree else None,
+                load_start=start,
+                schedule="1f1b",
+                params=params,
+                before=rev,
+                compute_ops=records["now"][0]["compute_ops"],
+                instructions=records["now"][0]["instructions"],
+                **{
+                    f"{which}_{field}_median_s": round(statistics.median(r[key] for r in rs), 4)
+                    for which, rs in records.items()
+                    if rs
+                    for field, key in (("front_end", "seconds_front_end"), ("total", "seconds"), ("cpu", "cpu_seconds"))
+                },
+                **{
+                    f"{which}_compile_median_s": round(
+                        statistics.median(r["seconds"] - r["seconds_front_end"] for r in rs), 4
+                    )
+                    for which, rs in records.items()
+                    if rs
+                },
+            )
+            emit(rec)
+
+
 def startup(rounds: int) -> None:
     """`python -c` with what a compile needs imported, pipec against torch, and a bare interpreter."""
     start = load_average()
@@ -344,7 +400,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="skip the largest scaling points")
     ap.add_argument("--rounds", type=int, default=5, help="alternating rounds per comparison (default 5)")
-    ap.add_argument("--only", choices=("ref", "startup", "cli", "scaling"), help="run one part only")
+    ap.add_argument("--only", choices=("ref", "startup", "cli", "scaling", "wide"), help="run one part only")
     ap.add_argument("--against", metavar="REV", help="this tree's cold compile against commit REV's (side by side)")
     ap.add_argument("--one", nargs=3, metavar=("KIND", "NAME", "PARAMS"), help=argparse.SUPPRESS)
     smoke_flag(ap)
@@ -358,6 +414,9 @@ def main() -> None:
             emit(torch_once(params["p"], params["v"], params["m"]))
         return
     compile_bytecode()
+    if args.only == "wide":
+        wide(1 if args.smoke else args.rounds, args.against, [{"p": 16, "m": 8}] if args.smoke else WIDE)
+        return
     if args.against:
         against(args.against, args.rounds)
         return
