@@ -216,8 +216,7 @@ class Runner:
             space = f"pipec/{next(_IDS)}/" + (f"dp{replicas.dp_rank}/" if replicas is not None else "")
             store = dist.PrefixStore(space, dist.distributed_c10d._get_default_store())
             kv = StoreKV(store, timeout) if kv is None else kv
-            held = links is not None or (transport.faults is not None and transport.faults.jitter is not None)
-            if shm.choose(transport.p2p, torch.device(device), held, store, rank, world, timeout) == "shm":
+            if shm.choose(transport.p2p, torch.device(device), links is not None, store, rank, world, timeout) == "shm":
                 comm = shm.ShmComm(program, rank, timeout, group, store)
             else:
                 comm = DistComm(program.num_stages, program.num_microbatches, torch.device(device), timeout, group)

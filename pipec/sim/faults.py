@@ -137,6 +137,17 @@ class Faults:
         )
 
 
+def faults_of(straggler: str | None, jitter: str | None, seed: int = 0) -> Faults | None:
+    """The faults of `--straggler` and `--jitter` (None when neither is given); ValueError with the reason."""
+    if straggler is None and jitter is None:
+        return None
+    return Faults(
+        None if straggler is None else parse_straggler(straggler),
+        None if jitter is None else parse_jitter(jitter),
+        seed,
+    )
+
+
 def parse_straggler(text: str) -> Straggler:
     """`RANK[:FACTOR[:SHARE]]`, e.g. `1:2:0.3` (defaults 2 and 0.3); ValueError with the reason."""
     parts = text.strip().split(":")

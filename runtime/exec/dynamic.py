@@ -27,11 +27,12 @@ own event, whose times `pipec view --measured` draws.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Generator
 from typing import Any
 
-from pipec.ir.family import RankFamily
+from pipec.ir.family import OrderFamily, RankFamily
 from pipec.ir.opcodes import BWD, FWD, IS_COMPUTE, IS_RECV, IS_SEND, KIND_OF, WGRAD
 from pipec.runtime.errors import CommError, PipelineError
 from pipec.runtime.exec.comm import ACT, Key, Recv, key_str
@@ -58,12 +59,31 @@ def _base(comm: Any) -> tuple[Any, list[Any]]:
     return comm, layers
 
 
+def family_json(family: OrderFamily, num_ranks: int) -> str:
+    """The order family as the workers of `pipec run` read it (a Program file does not carry it yet):
+    `OrderFamily.describe()` with the rank count and the NCCL reason."""
+    return json.dumps({"num_ranks": num_ranks, "ranks": family.describe(), "nccl": family.nccl})
+
+
+def family_of_json(text: str) -> OrderFamily:
+    d = json.loads(text)
+    ranks = d.get("ranks", {})
+    fams = [
+        RankFamily(tuple(tuple(int(x) for x in s) for s in ranks[str(r)]["segments"]), ranks[str(r)]["prefer"])
+        if str(r) in ranks
+        else None
+        for r in range(int(d["num_ranks"]))
+    ]
+    return OrderFamily(tuple(fams), d.get("nccl"))
+
+
 def refuse_nccl(program: Any, rank: int, comm: Any) -> None:
     """On NCCL (a torch.distributed transport that is not gloo), a family that may reorder a channel cannot
     run: refused at start with the compiler's reason (`OrderFamily.nccl`, E429's message)."""
     base, _ = _base(comm)
     why = program.family.nccl if program.family is not None else None
-    if why and hasattr(base, "pg") and base.pg is None:
+    nccl = hasattr(base, "pg") and base.pg is None and getattr(getattr(base, "device", None), "type", "") == "cuda"
+    if why and nccl:
         raise PipelineError(
             f"rank {rank}: `{program.name}`'s order family cannot run on NCCL, which matches a channel's "
             f"messages by issue order: {why}; run it on gloo or shared memory, or in its compiled order (--static)"
@@ -85,6 +105,9 @@ class DynamicOrder:
                 "computes on this rank: the family is not this Program's"
             )
         self.comp = comp
+        # every receive is posted at the step's start: the receive buffers' lifetimes (pipec.runtime.exec.buffers,
+        # built at the shape exchange) must count them all alive from there, so no two share a slot
+        ex.recv_ahead = len(ex.recvs)
         pos = {(instrs[j][0], instrs[j][1], instrs[j][2]): q for q, j in enumerate(comp)}
         n = len(comp)
         self.kinds = [int(KIND_OF[instrs[j][0]]) for j in comp]
@@ -123,6 +146,14 @@ class DynamicOrder:
         base, self.layers = _base(ex.comm)
         self.base = base
         self.local_mode = hasattr(base, "hub")
+        # gloo: a receive's work says it completed only once waited on, so a pool of threads waits on every
+        # posted receive (they sleep in C++, the GIL released) and the loop looks at their futures
+        self.waiters: Any = None
+        self.futures: dict[int, Any] = {}
+        if getattr(base, "pg", None) is not None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self.waiters = ThreadPoolExecutor(max(1, len(ex.recvs)), thread_name_prefix=f"pipec-recv-{ex.rank}")
         self.order: list[int] = []  # the last step's order (instruction indices)
 
     # ---- readiness ----------------------------------------------------------------------------------
@@ -131,6 +162,12 @@ class DynamicOrder:
         b = self.base
         if self.local_mode:
             return b.peek(v)
+        fut = self.futures.get(id(v))
+        if fut is not None:
+            if not fut.done():
+                return None
+            fut.result()  # a failed receive raises here, named
+            return v.tensors
         works = getattr(v, "works", None)
         if hasattr(v, "chan"):  # shared memory: the slot's counter
             from pipec.runtime.exec.shm import HEADER
@@ -140,6 +177,12 @@ class DynamicOrder:
         if works is not None and all(w.is_completed() for w in works):
             return v.tensors
         return None
+
+    def _await(self, v: Recv) -> None:
+        """On a waiter thread: the receive's works waited on (the base transport's timeout and message), then
+        dropped, so that the loop's own take does not wait on them again."""
+        self.base.take(v)
+        v.works = []
 
     def arrived(self, v: Recv) -> bool:
         raw = self._raw(v)
@@ -190,6 +233,11 @@ class DynamicOrder:
             pool.reset_peaks()
         ex._post_upto(len(ex.recvs))  # every receive of the step, matched by key
         ex.reached = len(ex.recvs)
+        self.futures = {}
+        if self.waiters is not None:
+            for v in ex.values.values():
+                if isinstance(v, Recv) and v.works:
+                    self.futures[id(v)] = self.waiters.submit(self._await, v)
         n, comp, instrs, handlers = len(self.comp), self.comp, ex.instrs, ex.handlers
         done = bytearray(n)
         order: list[int] = []

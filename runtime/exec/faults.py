@@ -6,9 +6,8 @@
 - Link jitter: `JitterComm` wraps a transport; every message to another rank carries one float64 more, the
   time (CLOCK_MONOTONIC, one clock for the processes of a host) before which its receiver may not use it:
   the send's time plus `Faults.delay`'s draw for that message. `wait` holds it until then (sleeps on a
-  blocking transport, yields in --local); `due` tells the dynamic executor whether it may use it yet. Like
-  `EmulatedComm`, it needs a transport that carries what it is given (gloo, --local): shared memory sizes
-  its slots from the shapes alone, so a run with faults goes over gloo.
+  blocking transport, yields in --local); the dynamic executor reads the stamp before it takes the
+  message. On shared memory `prepare` sizes every slot one stamp larger.
 """
 
 from __future__ import annotations
@@ -69,6 +68,12 @@ class JitterComm:
         u, v = _edge(key)
         due = time.monotonic() + self.faults.delay(self.step, key[0], key[1], u, v, self.rank, peer)
         return (*tensors, torch.tensor([due], dtype=torch.float64, device=self.device))
+
+    def prepare(self, recv_specs: dict[Key, Specs], send_specs: dict[Key, Specs]) -> None:
+        """A transport that sizes its buffers from the shapes (shared memory): every message one stamp more."""
+        prepare = getattr(self.inner, "prepare", None)
+        if prepare is not None:
+            prepare({k: (*v, STAMP) for k, v in recv_specs.items()}, {k: (*v, STAMP) for k, v in send_specs.items()})
 
     def post(self, key: Key, peer: int, specs: Specs) -> Recv:
         return self.inner.post(key, peer, (*specs, STAMP))
