@@ -65,6 +65,22 @@ def shots(chrome, prefix: str, only: set[str] | None, measured: str | None = Non
         _js(chrome, "pipecView.select(0, pipecView.doc.panels[0].op_off[1] + 5)")
         time.sleep(0.2)
         save("view-summary")
+    if want("view-graph"):  # a stage graph (U-Net's long skip 0 -> 3): a fan-in's F selected, its two inputs
+        here = os.getcwd()
+        try:
+            os.chdir(ROOT)  # the selection names the source line by the path as given: a short relative one
+            doc = view_document("examples/unet.pipe", [("p", 4), ("m", 8)])
+        finally:
+            os.chdir(here)
+        _open(chrome, doc)
+        i = _js(
+            chrome,
+            "const P = pipecView.doc.panels[0], O = P.ops; for (let i = 0; i < O.op.length; i++)"
+            " if (O.stage[i] === 3 && O.mb[i] === 4 && pipecView.op[O.op[i]] === 'FWD') return i; return -1",
+        )
+        _js(chrome, f"pipecView.select(0, {i}); pipecView.setWindow(0, pipecView.full[1] * 0.62)")
+        time.sleep(0.2)
+        save("view-graph")
     if want("view-zoomed-out"):  # 50,000 ops zoomed out: the memory curves
         _open(chrome, view_document("1f1b", [("p", 8), ("m", 3125)]))
         save("view-zoomed-out")

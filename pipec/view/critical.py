@@ -11,6 +11,13 @@ is the makespan, which is what makes it the critical path. The same rule applied
 gap names what the rank waited for, so the viewer can say "idle because the activation of F(3, stage 1)
 from rank 0 arrived only now" instead of drawing blank space.
 
+Which message a compute op needs is the stage graph's to say (`pipec.ir.rules`): F(i, v) the activation
+of micro-batch i along every edge into v, B(i, u) the gradient along every edge out of u. A message names
+its sending stage; `attribute` takes each message's receiving stage (`to`: the other end of its edge,
+`pipec.view.edges`; without it the chain's, s + 1 or s - 1). Of the messages arriving at an op's rank as
+it starts, one the op needs is preferred (on a fan-in: the input that came last); only where none is, any
+message arriving then (a rank's own wait on a send, say) is taken, as before.
+
 Where the cost model charges time a Timeline does not record (`overhead`, a rank's own time per send and
 receive), nothing ends exactly when the next event starts; then the event that ended last before it is
 taken, and the difference is that unrecorded time.
@@ -25,6 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pipec.ir.opcodes import KIND_OF
 from pipec.sim.timeline import Timeline
 
 # Event kinds, in the order a tie is broken when two events end at the same instant on one rank.
@@ -89,6 +97,11 @@ def _events(tl: Timeline) -> _Events:
         start.astype(float),
         end.astype(float),
     )
+
+
+def chain_receivers(tl: Timeline) -> np.ndarray:
+    """Each message's receiving stage on the chain: s + 1 for an activation, s - 1 for a gradient."""
+    return np.where(tl.msg_kind == 0, tl.msg_stage + 1, tl.msg_stage - 1).astype(np.int64)
 
 
 def _tolerance(tl: Timeline) -> float:
@@ -158,10 +171,50 @@ class _Finder:
         return np.where(back, before, np.where(rows == exclude, -1, rows))
 
 
-def _predecessors(ev: _Events, tol: float, first: float) -> np.ndarray:
+def _needed(tl: Timeline, to: np.ndarray, tol: float) -> np.ndarray:
+    """Per compute op (in the Timeline's order), the row in `ev` of the message it needs that arrived last
+    at or before its start, when that arrival is its start (-1 otherwise): the input it waited for.
+
+    A message is keyed by (receiving rank, kind, micro-batch, receiving stage), an op by (rank, the kind of
+    message its kind needs, micro-batch, stage): F needs activations (kind 0), B gradients (kind 1)."""
+    n = len(tl.start)
+    out = np.full(n, -1, np.int64)
+    need = np.where(KIND_OF[tl.op] == 0, 0, np.where(KIND_OF[tl.op] == 1, 1, -1))  # W, RECOMPUTE: none
+    if not len(tl.msg_kind) or not (need >= 0).any():
+        return out
+    S = int(max(tl.stage.max(initial=0), tl.msg_stage.max(initial=0), to.max(initial=0))) + 2
+    U = int(max(tl.mb.max(initial=0), tl.msg_mb.max(initial=0))) + 1
+
+    def key(rank, kind, mb, stage):
+        return ((np.asarray(rank, np.int64) * 2 + kind) * U + mb) * S + (np.asarray(stage, np.int64) + 1)
+
+    m_key = key(tl.msg_dst, tl.msg_kind, tl.msg_mb, to)
+    groups, g = np.unique(m_key, return_inverse=True)
+    ends = np.unique(tl.msg_arrival)
+    W = len(ends) + 1
+    code = g * W + np.searchsorted(ends, tl.msg_arrival, side="left")
+    order = np.argsort(code, kind="stable")
+    code = code[order]
+    comp = np.flatnonzero(need >= 0)
+    q = key(tl.rank[comp], need[comp], tl.mb[comp], tl.stage[comp])
+    gq = np.minimum(np.searchsorted(groups, q), len(groups) - 1)
+    known = groups[gq] == q
+    below = np.searchsorted(ends, tl.start[comp] + tol, side="right")  # arrivals <= start + tol
+    k = np.searchsorted(code, gq * W + below, side="left") - 1
+    kk = np.maximum(k, 0)
+    hit = known & (k >= 0) & (code[kk] // W == gq)
+    j = order[kk]
+    hit &= np.abs(tl.msg_arrival[j] - tl.start[comp]) <= tol
+    msg_row = len(tl.start) + j  # messages follow the compute ops in `ev` (`_events`)
+    out[comp[hit]] = msg_row[hit]
+    return out
+
+
+def _predecessors(ev: _Events, tol: float, first: float, needed: np.ndarray | None = None) -> np.ndarray:
     """For each event, the event whose end let it start (-1: it started at the step's start, or nothing
-    ends then). A compute op prefers a message arriving at its rank; other events look on their own
-    (a message: its sender's) rank, among events that are not messages."""
+    ends then). A compute op prefers a message it needs arriving as it starts (`needed`, per compute op),
+    then any message arriving at its rank; other events look on their own (a message: its sender's) rank,
+    among events that are not messages."""
     n = len(ev.kind)
     is_msg = ev.kind == MESSAGE
     msgs = _Finder(ev, is_msg, tol)
@@ -170,6 +223,8 @@ def _predecessors(ev: _Events, tol: float, first: float) -> np.ndarray:
     pred = local.find(ev.pred_rank, ev.start, exclude=all_rows)
     comp = np.flatnonzero(ev.kind == COMPUTE)
     via_msg = msgs.find(ev.rank[comp], ev.start[comp])
+    if needed is not None:
+        via_msg = np.where(needed >= 0, needed, via_msg)
     pred[comp] = np.where(via_msg >= 0, via_msg, pred[comp])
     # Nothing ends exactly then: time the Timeline does not record (the cost model's per-message
     # `overhead`, the rank's own time) lies between. The wait is on what ended last before it.
@@ -184,15 +239,17 @@ def _predecessors(ev: _Events, tol: float, first: float) -> np.ndarray:
     return pred
 
 
-def attribute(tl: Timeline) -> Attribution:
-    """The critical path and the gap attribution of a Timeline (module docstring)."""
+def attribute(tl: Timeline, to: np.ndarray | None = None) -> Attribution:
+    """The critical path and the gap attribution of a Timeline (module docstring); `to`: each message's
+    receiving stage on a stage graph (None: the chain's)."""
     ev = _events(tl)
     tol = _tolerance(tl)
     empty_i, empty_f = np.zeros(0, np.int64), np.zeros(0, float)
     if not len(ev.kind):
         return Attribution(empty_i, empty_i, 0.0, empty_i, empty_f, empty_f, empty_i, empty_i)
     first = min(float(ev.start.min()), 0.0)
-    pred = _predecessors(ev, tol, first)
+    receivers = np.asarray(to, np.int64) if to is not None else chain_receivers(tl)
+    pred = _predecessors(ev, tol, first, _needed(tl, receivers, tol))
     # The walk back from the event that ends last (ties: the earliest kind, a compute op).
     last = int(np.lexsort((ev.kind, -ev.end))[0])
     path, seen, e = [], set(), last

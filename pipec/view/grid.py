@@ -11,13 +11,17 @@ MEMOP_MARKS = {"RECOMPUTE": "R", "OFFLOAD": "O", "RELOAD": "L"}
 
 def grid_title(sched: Schedule) -> str:
     """`pipec show`'s first line: the schedule, its parameters and shape; with token slices the micro-batches
-    as sequences and their slices (`2 micro-batches x 4 slices of 512 tokens`)."""
+    as sequences and their slices (`2 micro-batches x 4 slices of 512 tokens`); on a stage graph its edges
+    (`; stage graph 0->1, 0->3, 1->2, 2->3`: the grid's cells name ops, not the edges between them)."""
     params = " ".join(f"{k}={v}" for k, v in sched.params)
     head = f"{sched.name} ({params}): {sched.num_stages} stages on {sched.num_ranks} ranks, "
     sl = sched.slicing
+    g = sched.graph
+    edges = f"; stage graph {g.describe()}" if g is not None and not g.is_chain else ""
     if sl is None or sl.slices == 1:
-        return head + f"{sched.num_microbatches} micro-batches"
-    return head + f"{sl.sequences} micro-batches x {sl.slices} slices of {tokens_text(sl)} (cells: F<mb>s<slice>)"
+        return head + f"{sched.num_microbatches} micro-batches" + edges
+    shape = f"{sl.sequences} micro-batches x {sl.slices} slices of {tokens_text(sl)} (cells: F<mb>s<slice>)"
+    return head + shape + edges
 
 
 def tokens_text(sl: Slicing) -> str:

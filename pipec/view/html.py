@@ -31,6 +31,7 @@ import numpy as np
 from pipec.ir.opcodes import FWD, KIND_OF, OPCODES, RECOMPUTE
 from pipec.sim.timeline import Timeline
 from pipec.view.critical import COLLECTIVE, COMPUTE, HOST, MESSAGE, STEP, attribute
+from pipec.view.edges import drawn_graph, graph_json, receiving_stages
 
 if TYPE_CHECKING:
     from pipec.driver import Simulation
@@ -187,12 +188,19 @@ def timeline_panel(
     curves: MemoryCurves | None = None,
     sources: _Sources | None = None,
     measured: Timeline | None = None,
+    program: Program | None = None,
 ) -> dict[str, object]:
     """One panel: a Timeline's events sorted for the page, with source lines, pairs, the critical path, the
     attributed gaps and the memory curves; with `measured`, that run's times matched op by op (NaN where
-    the run has no such op) and its makespan."""
+    the run has no such op) and its makespan. On a stage graph (the `program`'s or the schedule's) the panel
+    carries the graph and each message's receiving stage (`pipec.view.edges`); on the chain neither."""
     sources = sources if sources is not None else new_sources()
-    att = attribute(tl)
+    graph = drawn_graph(program.graph if program is not None else sched.graph if sched is not None else None)
+    to = None
+    if graph is not None:
+        placement = program.placement if program is not None else sched.placement  # type: ignore[union-attr]
+        to = receiving_stages(tl, graph, program, placement)
+    att = attribute(tl, to)
     t0 = min(0.0, float(tl.start.min())) if len(tl.start) else 0.0
     src, flags = _op_sources(tl, sched, sources)
     flags = flags | att.on_path(COMPUTE, len(tl.start)) * CRITICAL
@@ -248,6 +256,9 @@ def timeline_panel(
         "flags": encode(m_flags[m_order], "u1"),
         "recv": encode(m_new[r_order], "i4"),
     }
+    if graph is not None:  # the edge each message travels: its sending stage and this one
+        panel["msgs"]["to"] = encode(to[m_order], "i2")  # type: ignore[index]
+        panel["graph"] = graph_json(graph)
     panel["msg_off"] = _offsets(tl.msg_src[m_order], tl.num_ranks)
     panel["recv_off"] = _offsets(tl.msg_dst[r_order], tl.num_ranks)
     c_order = np.lexsort((tl.coll_start, tl.coll_rank))
@@ -352,7 +363,7 @@ def simulation_panel(sim: Simulation, title: str, sources: _Sources, measured: T
     """A simulated schedule's panel (its Program's memory curves included)."""
     from pipec.view.report import curves_of
 
-    return timeline_panel(sim.timeline, title, sim.schedule, curves_of(sim), sources, measured)
+    return timeline_panel(sim.timeline, title, sim.schedule, curves_of(sim), sources, measured, sim.compiled.program)
 
 
 def deadlock_panel(sched: Schedule, err: PipecError, sources: _Sources) -> dict:

@@ -249,10 +249,14 @@ def compare_text(sims: Sequence[Simulation]) -> str:
 
 
 def panel_title(sim: Simulation) -> str:
+    """A picture's title (`pipec simulate --plot`, `pipec show --timeline`): the schedule, its figures and,
+    on a stage graph, its edges (`stage graph 0->1, 0->3, ...`)."""
     st = sim.stats
+    graph = sim.compiled.program.graph
+    edges = f"; stage graph {graph.describe()}" if graph is not None and not graph.is_chain else ""
     return (
         f"{sim.schedule.name} ({params_text(sim.schedule)}): makespan {_g(st.makespan)}, "
-        f"bubble {st.bubble_rate:.1%}, peak memory {_mem(sim, _peak(sim))}"
+        f"bubble {st.bubble_rate:.1%}, peak memory {_mem(sim, _peak(sim))}{edges}"
     )
 
 

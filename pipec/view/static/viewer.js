@@ -6,8 +6,9 @@
  * is the size of the window onto the rows (the time axis and the rank labels stay in view), so ten thousand
  * ranks draw as fast as ten. Memory is drawn as steps, each pixel column spanning the minimum and maximum
  * the curve takes in it (the peak is always drawn). Clicking an op selects it: its dependencies and
- * dependents (pipec.ir.rules, sent as the panel's `rules`) and its micro-batch are highlighted, its details
- * kept in the side panel. `window.pipecDebug` returns what the last draw drew (tests read it, not pixels).
+ * dependents (pipec.ir.rules, sent as the panel's `rules`, over the panel's stage `graph` when it has one:
+ * a stage offset -1 is every input of the stage, +1 every consumer; without one the chain, s - 1 and s + 1)
+ * and its micro-batch are highlighted, its details kept in the side panel. `window.pipecDebug` returns what the last draw drew (tests read it, not pixels).
  */
 "use strict";
 const PipecView = (() => {
@@ -139,6 +140,12 @@ const PipecView = (() => {
         });
       }
       P.unit = P.kind === "deadlock" ? "order" : (P.time_unit || "units");
+      if (P.graph) { // a stage graph (pipec.ir.graph): each stage's inputs and consumers, by edge order
+        P.ins = Array.from({ length: P.graph.stages }, () => []);
+        P.outs = Array.from({ length: P.graph.stages }, () => []);
+        for (const [u, v] of P.graph.edges) { P.outs[u].push(v); P.ins[v].push(u); }
+        for (const a of P.ins) a.sort((x, y) => x - y);
+      }
       // Chunks: the position of an op's stage among its rank's stages (a V or interleaved schedule's two).
       P.chunk = new Uint8Array(n);
       P.maxChunk = 0;
@@ -230,6 +237,7 @@ const PipecView = (() => {
         let text = `${P.title}: makespan ${fmtTime(P.makespan, P.unit)}`;
         if (P.kind === "deadlock") text = `${P.title}: each rank's ops in order; the wait cycle in red`;
         else if (P.critical_length !== undefined) text += `; critical path ${fmtTime(P.critical_length, P.unit)}`;
+        if (P.graph) text += `; stage graph: ${P.graph.text}`;
         if (P.kind === "overlay") {
           text += ` | measured makespan ${fmtTime(P.measured_makespan, P.unit)}; ${P.matched} ops matched; ` +
             `mean |duration error| ${fmtTime(P.mean_abs_error, P.unit)}`;
@@ -324,11 +332,14 @@ const PipecView = (() => {
       if (has("host pool")) items.push(["host pool", "#e08a2c"]);
       if (this.doc.panels.some((p) => p.kind === "overlay")) items.push(["measured (lower half)", "#2d3e50"]);
       if (this.doc.panels.some((p) => p.kind === "deadlock")) items.push(["wait cycle", "#d62728", true]);
+      const graphs = [...new Set(this.doc.panels.filter((P) => P.graph).map((P) => P.graph.text))];
+      if (graphs.length) items.push(["stage graph", null, false, "stage graph: " + graphs.join(" | ")]);
       if (this.sel) items.push(["selected", SELECTED, true], ["depends on (selected)", DEP, true], ["depended on by", DEPENDENT, true], ["its micro-batch", "#333", true]);
       if (this.matches.length) items.push(["search match", MATCH, true]);
-      for (const [name, c, outline] of items) {
+      for (const [name, c, outline, text] of items) {
         const it = el("span");
         it.dataset.legend = name;
+        if (c === null) { it.append(text || name); legend.appendChild(it); continue; } // words only, no swatch
         const sw = el("span", "sw" + (outline ? " outline" : ""));
         if (outline) sw.style.borderColor = c; else sw.style.background = c;
         it.append(sw, name);
@@ -581,7 +592,7 @@ const PipecView = (() => {
         else if (L.type === "a2a") this.drawSpans(L, y, L.P.a2a, L.P.a2a_off);
         else if (L.type === "mem") this.drawMem(L, y);
       }
-      if (this.show.arrows) this.drawArrows();
+      if (this.show.arrows) this.drawArrows(); else this.dbg.arrows = [];
       for (const P of this.doc.panels) if (P.chain) this.drawChain(P);
       this.drawHighlights(lanes);
       ctx.restore();
@@ -792,12 +803,14 @@ const PipecView = (() => {
     }
 
     drawArrows() {
+      this.dbg.arrows = [];
       if (this.visibleMsgs.length > 3000) return;  // zoomed out: arrows would only hide the ops
       const ctx = this.ctx;
       for (const [P, i] of this.visibleMsgs) {
         const M = P.msgs;
         const from = this.laneOf(P, M.src[i], "p2p"), to = this.laneOf(P, M.dst[i], "ops");
         if (!from || !to) continue;
+        this.dbg.arrows.push([this.doc.panels.indexOf(P), i]);
         const x0 = this.x(M.send[i]), x1 = this.x(M.arrival[i]);
         const fy = this.sy_(from), ty = this.sy_(to);
         const y0 = fy + from.h / 2, y1 = ty + (ty > y0 ? 2 : to.h - 2);
@@ -994,16 +1007,36 @@ const PipecView = (() => {
       return j === undefined ? -1 : j;
     }
 
-    /** The ops op i needs and the ops that need it, by the panel's rules (pipec.ir.rules). */
+    /** The stages across a rule's stage offset d from stage s (pipec.ir.rules._across): s itself (0); on a
+     * graph its inputs (d < 0) or consumers (d > 0); on the chain s + d. */
+    across(P, s, d) {
+      if (d === 0) return [s];
+      if (P.graph) return (d < 0 ? P.ins[s] : P.outs[s]) || [];
+      return s + d >= 0 && s + d < P.stages ? [s + d] : [];
+    }
+
+    /** The ops op i needs and the ops that need it, by the panel's rules (pipec.ir.rules) over its graph. */
     relations(P, i) {
       const k = this.doc.kind_of[P.ops.op[i]], u = P.ops.mb[i], s = P.ops.stage[i];
       const slices = P.slices || 1, j = u % slices, deps = [], dependents = [];
       if (k < 0 || !P.rules) return { deps, dependents };
       for (const [kind, needs, ds, du] of P.rules) {
-        if (kind === k && j + du >= 0 && j + du < slices) { const x = this.find(P, needs, u + du, s + ds); if (x >= 0) deps.push(x); }
-        if (needs === k && j - du >= 0 && j - du < slices) { const x = this.find(P, kind, u - du, s - ds); if (x >= 0) dependents.push(x); }
+        if (kind === k && j + du >= 0 && j + du < slices) {
+          for (const t of this.across(P, s, ds)) { const x = this.find(P, needs, u + du, t); if (x >= 0) deps.push(x); }
+        }
+        if (needs === k && j - du >= 0 && j - du < slices) {
+          for (const t of this.across(P, s, -ds)) { const x = this.find(P, kind, u - du, t); if (x >= 0) dependents.push(x); }
+        }
       }
       return { deps, dependents };
+    }
+
+    /** A message's edge, `0 → 3` (its producer first), on a graph; "" on the chain (its neighbour). */
+    edgeOf(P, j) {
+      const M = P.msgs;
+      if (!M.to || M.to[j] < 0) return "";
+      const a = M.kind[j] === 0 ? M.stage[j] : M.to[j], b = M.kind[j] === 0 ? M.to[j] : M.stage[j];
+      return ` along edge ${a} → ${b}`;
     }
 
     select(p, i) {
@@ -1029,7 +1062,7 @@ const PipecView = (() => {
         const k = G.wkind[g], j = G.widx[g];
         if (k === 1) {
           const M = P.msgs, dep = this.find(P, this.doc.kind_of[P.ops.op[i]] === 0 ? 0 : 1, M.mb[j], M.stage[j]);
-          return { text: `why here: it waited ${fmtTime(G.end[g] - G.start[g], P.unit)} for the ${M.kind[j] === 0 ? "activation" : "gradient"} of micro-batch ${this.mbLabel(P, M.mb[j])} from rank ${M.src[j]} (stage ${M.stage[j]}), arriving at ${fmtTime(M.arrival[j], P.unit)}`, op: dep };
+          return { text: `why here: it waited ${fmtTime(G.end[g] - G.start[g], P.unit)} for the ${M.kind[j] === 0 ? "activation" : "gradient"} of micro-batch ${this.mbLabel(P, M.mb[j])} from rank ${M.src[j]} (stage ${M.stage[j]}${this.edgeOf(P, j)}), arriving at ${fmtTime(M.arrival[j], P.unit)}`, op: dep };
         }
         if (k === 0) return { text: `why here: it waited for ${this.label(P, j)}.${O.stage[j]} on rank ${O.rank[j]}`, op: j };
         if (k === 2) return { text: `why here: it waited for a collective (${NAME[this.op[P.colls.op[j]]] || this.op[P.colls.op[j]]})`, op: -1 };
@@ -1385,7 +1418,7 @@ const PipecView = (() => {
     describeMsg(P, i) {
       const M = P.msgs, u = P.unit;
       const what = M.kind[i] === 0 ? "activation" : "gradient";
-      return [["", `${what} of micro-batch ${this.mbLabel(P, M.mb[i])} from stage ${M.stage[i]}: rank ${M.src[i]} → rank ${M.dst[i]}`, "what"],
+      return [["", `${what} of micro-batch ${this.mbLabel(P, M.mb[i])} from stage ${M.stage[i]}${this.edgeOf(P, i)}: rank ${M.src[i]} → rank ${M.dst[i]}`, "what"],
         ["", `sent ${fmtTime(M.send[i], u)}  arrives ${fmtTime(M.arrival[i], u)}  (in flight ${fmtTime(M.arrival[i] - M.send[i], u)})`, "time"]];
     }
 
@@ -1398,7 +1431,7 @@ const PipecView = (() => {
       if (k === 1) {
         const M = P.msgs;
         out.push(["", `waits for the ${M.kind[j] === 0 ? "activation" : "gradient"} of micro-batch ${this.mbLabel(P, M.mb[j])} ` +
-          `(stage ${M.stage[j]}) from rank ${M.src[j]}, which arrives at ${fmtTime(M.arrival[j], u)}`, "waits"]);
+          `(stage ${M.stage[j]}${this.edgeOf(P, j)}) from rank ${M.src[j]}, which arrives at ${fmtTime(M.arrival[j], u)}`, "waits"]);
       } else if (k === 0) {
         out.push(["", `waits for ${this.label(P, j)}.${P.ops.stage[j]} on rank ${P.ops.rank[j]}, which ends at ${fmtTime(P.ops.end[j], u)}`, "waits"]);
       } else if (k === 2) out.push(["", `waits for a collective (${NAME[this.op[P.colls.op[j]]] || this.op[P.colls.op[j]]}), which ends at ${fmtTime(P.colls.end[j], u)}`, "waits"]);
@@ -1434,11 +1467,12 @@ const PipecView = (() => {
   }
 
   /** What the last draw drew, for tests: the tick labels, each visible rank's memory polyline ([x, value]
-   * points), the highlighted ops. memory(p, r) scrolls rank r of panel p into view and draws first. */
+   * points), the highlighted ops, the messages drawn as arrows. memory(p, r) scrolls rank r of panel p into view and draws first. */
   window.pipecDebug = {
     ticks: () => current && current.dbg.ticks,
     memory: (p, r) => { if (!current) return null; current.scrollToRank(p, r); const m = current.dbg.mem.get(p + ":" + r); return m || null; },
     highlight: () => current && current.dbg.highlight,
+    arrows: () => current && current.dbg.arrows,  // the messages drawn as arrows: [panel, message index]
     selection: () => current && current.sel && { p: current.sel.p, i: current.sel.i, deps: current.sel.deps, dependents: current.sel.dependents },
   };
 
