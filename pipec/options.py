@@ -279,6 +279,8 @@ class RunOptions:
     straggler: str | None = None
     jitter: str | None = None
     fault_seed: int = 0
+    compile: bool = False
+    cuda_graphs: bool = False
     # files the launcher names for its workers
     links: str | None = None
     family: str | None = None  # the Program's order family (a Program file does not carry it yet)
@@ -402,6 +404,17 @@ class RunOptions:
             choices=("stage", "block"),
             default="stage",
             help="fsdp: fully_shard each stage (default), or each of its child blocks and then the stage",
+        )
+        ap.add_argument(
+            "--compile",
+            action="store_true",
+            help="run each stage through torch.compile, its split backward included (docs/runtime.md)",
+        )
+        ap.add_argument(
+            "--cuda-graphs",
+            action="store_true",
+            help="CUDA: capture each stage's compiled forward and backward as CUDA graphs and replay them (implies "
+            "--compile; needs CUDA)",
         )
         ap.add_argument(
             "--static",

@@ -170,6 +170,9 @@ class PipelineSchedule:
     A Program compiled with `experts=` (pipec.Experts) has its MoE layers' experts sharded over its expert
     groups of "dp" replicas, as `Runner` with `Transport(experts=...)` and `pipec run --ep` do: each member
     keeps its share of the experts, and `clip_grad_norm_` counts every shard once.
+    compile: each stage's forward and backward through torch.compile, split backward included (B the input
+        gradient, W the weight gradient: pipec.runtime.exec.compiled); cuda_graphs: compiled with CUDA graphs
+        (CUDA only).
     """
 
     def __init__(
@@ -191,6 +194,8 @@ class PipelineSchedule:
         rank: int | None = None,
         comm: Any = None,
         kv: Any = None,
+        compile: bool = False,
+        cuda_graphs: bool = False,
     ) -> None:
         import torch.distributed as dist
 
@@ -248,7 +253,13 @@ class PipelineSchedule:
             {s: modules[s] for s in own if s in modules},
             self._recording_loss,
             rank=rank,
-            options=StageOptions(device=device, loss_scale=1.0 / m if scale_grads else 1.0, seed=None),
+            options=StageOptions(
+                device=device,
+                loss_scale=1.0 / m if scale_grads else 1.0,
+                seed=None,
+                compile=compile,
+                cuda_graphs=cuda_graphs,
+            ),
             transport=Transport(
                 timeout=timeout,
                 comm=comm,

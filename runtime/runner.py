@@ -85,7 +85,9 @@ class StageOptions:
 
     optimizer: params -> optimizer per stage (default Adam for built stages, none for given modules);
     dtype and device of the modules; loss_scale: each micro-batch loss's factor (default 1 / m); seed:
-    weights seeded by (seed, stage), None to leave torch's RNG alone; where: how errors name build_stage."""
+    weights seeded by (seed, stage), None to leave torch's RNG alone; where: how errors name build_stage;
+    compile: each stage's forward (and so its backward) through torch.compile (pipec.runtime.exec.compiled);
+    cuda_graphs: compiled with CUDA graphs (CUDA only; implies compile)."""
 
     optimizer: Callable[[list], torch.optim.Optimizer] | None = None
     dtype: torch.dtype | None = None
@@ -93,6 +95,8 @@ class StageOptions:
     loss_scale: float | None = None
     seed: int | None = 0
     where: str = "build_stage"
+    compile: bool = False
+    cuda_graphs: bool = False
 
 
 @dataclass(frozen=True)
@@ -307,6 +311,14 @@ class Runner:
                 outputs=None if graph is None else graph.outputs(s),
             )
             self.stages[s].live_params = self.replicas is not None
+        self.compile = options.compile or options.cuda_graphs  # after the first shape exchange (compiled.py)
+        self.cuda_graphs = options.cuda_graphs
+        if self.cuda_graphs:
+            from pipec.runtime.exec.compiled import count_replays, needs_cuda
+
+            if (why := needs_cuda(self.device)) is not None:
+                raise PipelineError(f"cuda_graphs: {why}")
+            count_replays()
         self.executor = Executor(program, rank, self.stages, comm, on_reduce_grad, recv_ahead or 0)
         self.executor.timeout, self.executor.overlap = timeout, transport.overlap
         if self.expert_group is not None:
@@ -444,7 +456,12 @@ class Runner:
             else:  # the caller zeroes its gradients (optimizer.zero_grad()); only the step's loss restarts
                 st.loss = None
         self.executor.step, self.executor.at = self.steps_done, -1
-        specs = [tuple(TensorSpec.of(a) for a in args) for args in mb_in] if mb_in is not None else None
+        if mb_in is None:
+            specs = None
+        elif self.last_specs is not None and same_specs(mb_in, self.last_specs):
+            specs = self.last_specs  # the last exchange's: no spec objects built per step
+        else:
+            specs = [tuple(TensorSpec.of(a) for a in args) for args in mb_in]
         if not self.handshaken:
             self.executor.handshaking = True
             yield from self._learn_varying(given_mbs)
@@ -531,6 +548,10 @@ class Runner:
         self.executor.handshaking = False
         self.last_specs, self.epoch = specs, epoch
         self.exchanges += 1
+        if self.compile and self.exchanges == 1:
+            from pipec.runtime.exec.compiled import compile_stages
+
+            compile_stages(self.stages, self.cuda_graphs)
 
     def events(self) -> list[tuple]:
         """The measured events of the last step run with record=True (see pipec.runtime.trace)."""
@@ -559,6 +580,19 @@ class Runner:
                 if k in experts and v is not None:
                     out[k] = self.expert_group.gather(v.detach())
         return out
+
+
+def same_specs(mb_in: list, specs: list[Specs]) -> bool:
+    """Whether the micro-batch inputs have exactly the shapes and dtypes of `specs` (no TensorSpec built)."""
+    if len(mb_in) != len(specs):
+        return False
+    for args, sp in zip(mb_in, specs):
+        if len(args) != len(sp):
+            return False
+        for a, t in zip(args, sp):
+            if a.shape != t.shape or a.dtype != t.dtype:
+                return False
+    return True
 
 
 def given_modules(

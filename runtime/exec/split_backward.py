@@ -15,6 +15,13 @@ The autograd graph is split the way Zero Bubble and torch.distributed.pipelining
   same group, a pre-hook pins its incoming gradient to the captured one so nothing is counted twice.
 
 The first stage's inputs need no gradient, so its BWD does nothing and its WGRAD is the full backward.
+
+A stage compiled with torch.compile (`--compile`, pipec.runtime.exec.compiled) has one autograd node for its
+whole backward (AOTAutograd's compiled backward): the only intermediate of every parameter is that node,
+and a WGRAD from it would run the whole compiled backward again. There (`whole`) BWD runs it once for the
+input and the weight gradients together and WGRAD accumulates the weight gradients it kept: B gives the
+input gradient and W the weight gradient, as the Program orders them, but the weight gradient's compute is
+done at B. Splitting the compiled joint graph itself (torchtitan's GraphPP) is not done here.
 A parameter that reaches an output without meeting the input closure (an output that does not depend on
 the inputs) leaves no place to split: that micro-batch's BWD then does the full backward (still exact).
 """
@@ -91,8 +98,11 @@ def backward_input(
     output_grads: Sequence[torch.Tensor] | None,
     inputs: Sequence[torch.Tensor],
     params: Sequence[torch.nn.Parameter],
+    whole: bool = False,
 ) -> tuple[tuple[torch.Tensor | None, ...], list[dict[str, Any]]]:
-    """Gradients of the inputs; the second value is what `backward_weight` needs later."""
+    """Gradients of the inputs; the second value is what `backward_weight` needs later. `whole` (a compiled
+    stage, pipec.runtime.exec.compiled): one pass computes the input and the weight gradients, and
+    `backward_weight` accumulates the weight gradients kept."""
     pairs = [
         (o, torch.ones_like(o) if output_grads is None else output_grads[k])
         for k, o in enumerate(outputs)
@@ -102,8 +112,14 @@ def backward_input(
     wanted = [x for x in inputs if x.requires_grad]
     if not outs or not wanted:
         return tuple(None for _ in inputs), []
-    parents = _parents([grad_node(o) for o in outs])
     trainable = [p for p in params if p.requires_grad]
+    if whole:  # a compiled stage's backward is one node: split it and W would run it all again
+        dx = torch.autograd.grad(outs, wanted + trainable, grads, allow_unused=True)
+        it = iter(dx)
+        return tuple(next(it) if x.requires_grad else None for x in inputs), [
+            {"dws": list(zip(trainable, dx[len(wanted) :]))}
+        ]
+    parents = _parents([grad_node(o) for o in outs])
     param_nodes = {grad_node(p): p for p in trainable}
     reachable = [n for n in param_nodes if n in parents]  # parameters that took part in this forward
     groups = _groups([grad_node(x) for x in wanted], reachable, parents)
@@ -140,6 +156,11 @@ def backward_input(
 def backward_weight(groups: list[dict[str, Any]]) -> None:
     """Accumulate the weight gradients into `.grad` from what `backward_input` kept."""
     for group in groups:
+        if "dws" in group:  # computed at B (`whole`)
+            for p, dw in group.pop("dws"):
+                if dw is not None:
+                    p.grad = dw if p.grad is None else p.grad.add_(dw)
+            continue
         nodes, captured, params = group["intermediates"], group["grads"], group["params"]
         edges, grads = [], []
         for node, gs in zip(nodes, captured):

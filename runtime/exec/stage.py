@@ -85,6 +85,7 @@ class Stage:
         # the first stage of a split backward runs its whole backward at BWD, not WGRAD (expert parallelism:
         # its all-to-alls belong to B; pipec.runtime.runner sets it), and WGRAD does nothing
         self.whole_backward = False
+        self.compiled = False  # its forward through torch.compile (pipec.runtime.exec.compiled): split BWD whole
         self.optimizer = optimizer
         self.params = [p for p in module.parameters() if p.requires_grad]
         # Under FSDP2 the module's parameters change between the sharded ones (the optimizer's) and the
@@ -239,7 +240,7 @@ class Stage:
                     self.kv.add_grads(read, slices.leaf_grads(outs, grads, read))
                 self.deferred[mb] = (outs, grads)
                 return None
-            dall, groups = split.backward_input(outs, grads, (*args, *read), self.trainable())
+            dall, groups = split.backward_input(outs, grads, (*args, *read), self.trainable(), self.compiled)
             self.deferred[mb] = groups
             dargs = dall[: len(args)]
             if read:  # the earlier slices' kv gradients, for their own BWD

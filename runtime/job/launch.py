@@ -315,6 +315,8 @@ class Worker:
                 loss_scale=args.loss_scale,
                 seed=args.seed,
                 where=f"{m.path}: build_stage",
+                compile=args.compile,
+                cuda_graphs=args.cuda_graphs,
             ),
             transport=Transport(
                 timeout=args.timeout,
@@ -397,6 +399,8 @@ class Worker:
             if args.ep > 1:
                 pairs = "one op after the other" if args.no_overlap else "overlapped"
                 how += f", experts over groups of {args.ep} replicas (pairs {pairs})"
+            if args.compile or args.cuda_graphs:
+                how += ", stages through torch.compile" + (" with CUDA graphs" if args.cuda_graphs else "")
             show(header(self.program, how, m.path))
             binding = describe(self.cpus, self.local_world, args.cpu_bind, args.backend)
             if binding:
@@ -430,6 +434,7 @@ class Worker:
             if self.rank == 0:
                 report.step(StepRecord.of(step, args.steps, s[1], s[0], tuple(s[2:]) if reference else None))
             self._maybe_save(dist, step + 1)
+        self._buffers(show)
         if args.memory_out:
             from pipec.runtime.exec.saved import publish_peaks
 
@@ -457,6 +462,25 @@ class Worker:
                 write_trace(timeline(self.program, events), args.trace)
                 show(f"wrote the measured timeline of step {args.steps} to {args.trace}")
         return code
+
+    def _buffers(self, show) -> None:
+        """Each rank's receive buffers per step (pipec.runtime.exec.buffers) and, with CUDA graphs, the replays:
+        published under the store, shown by rank 0 (report.buffer_lines)."""
+        import json
+
+        from pipec.runtime.job.report import buffer_lines
+
+        ex = self.runner.executor
+        doc = {"made": ex.made, "how": ex.slots.describe() if ex.slots is not None else "no receives"}
+        if self.args.cuda_graphs:
+            from pipec.runtime.exec.compiled import replays
+
+            doc["replays"] = replays()
+        self.store.set(f"pipec/buffers/{self.rank}", json.dumps(doc))
+        if self.rank == 0:
+            docs = [json.loads(self.store.get(f"pipec/buffers/{r}").decode()) for r in range(self.world)]
+            for line in buffer_lines(docs):
+                show(line)
 
     def _resume(self, dist, reference) -> int:
         """With --checkpoint, check its folder before any step, and with --resume load the newest checkpoint

@@ -165,3 +165,26 @@ class CheckStats:
         verdict = "OK" if w <= tol else "FAILED"
         out.append(f"{verdict}: largest relative error {w:.2e} (tolerance {tol:g})")
         return out
+
+
+def buffer_lines(docs: list[dict]) -> list[str]:
+    """The run's receive-buffer lines from each rank's {"made": per step, "how": Slots.describe(), "replays": ...}
+    (pipec.runtime.exec.buffers): the buffers created per step over all ranks, then each rank's pools."""
+    steps = max((len(d["made"]) for d in docs), default=0)
+    per = [sum(d["made"][k] for d in docs if k < len(d["made"])) for k in range(steps)]
+    if not per:
+        return []
+    text = f"receive buffers created: step 1: {per[0]}"
+    if steps > 1:
+        later = per[1:]
+        span = "step 2" if steps == 2 else f"steps 2-{steps}"
+        text += f", {span}: {sum(later)}" + ("" if not any(later) else f" ({later})")
+    lines = [text + " (all ranks)"]
+    lines += [f"  rank {r}: {d['how']}" for r, d in enumerate(docs)]
+    graphs = [d["replays"] for d in docs if d.get("replays") is not None]
+    if graphs:
+        lines.append(
+            f"CUDA graphs: {sum(g[0] for g in graphs)} replays, {sum(g[1] for g in graphs)} graphs run without "
+            "capture (inductor's skips), all ranks"
+        )
+    return lines

@@ -33,6 +33,17 @@ def run(opts: RunOptions, program: Program, links=None, schedule=None) -> int:
         program = with_dp(program, opts)
     except ValueError as e:
         raise OptionError(str(e)) from None
+    if opts.cuda_graphs:
+        import torch
+
+        on = "--local --device cuda" if opts.local else "--backend nccl"
+        if not (opts.backend == "nccl" or (opts.local and opts.device == "cuda")):
+            raise OptionError(
+                "--cuda-graphs captures each stage's compiled ops as CUDA graphs, so it needs CUDA: this run's "
+                f"tensors are on the CPU (--backend {opts.backend}); run it on GPUs with {on}, or use --compile alone"
+            )
+        if not torch.cuda.is_available():
+            raise OptionError("--cuda-graphs needs CUDA, and torch sees no GPU here; use --compile alone on the CPU")
     problem = experts_problem(program, opts)  # --ep, --experts (pipec.ir.experts), before anything starts
     if problem:
         raise OptionError(problem)
@@ -273,7 +284,8 @@ def run_local(opts: RunOptions, program: Program, model, links=None, schedule=No
         raise OptionError("--device cuda (or --backend nccl) with --local needs a GPU, and torch sees none")
     kw = dict(optimizer=model.optimizer, dtype=model.dtype, device=device, loss_scale=opts.loss_scale, seed=opts.seed)
     report = Report(opts.records)
-    options = StageOptions(where=f"{model.path}: build_stage", **kw)
+    compiled = dict(compile=opts.compile, cuda_graphs=opts.cuda_graphs)  # the runtime's, not the reference's
+    options = StageOptions(where=f"{model.path}: build_stage", **kw, **compiled)
     from pipec.sim.faults import faults_of
 
     faults = faults_of(opts.straggler, opts.jitter, opts.fault_seed)
