@@ -50,6 +50,7 @@ SLOW = {  # script: its --smoke's wall seconds as measured (see the module docst
     "op_order.py": (16, "a traced pipec run on 2 processes"),
     "gloo_exchange.py": (14, "two gloo sessions on 2 processes"),
     "transfer_calls.py": (14, "2 gloo processes"),
+    "stage_graph.py": (180, "pipec profile of two chain models and 4-process gloo runs of four models (at load ~15)"),
 }
 SCRIPTS = [
     pytest.param(name, marks=pytest.mark.slow) if name in SLOW else name
