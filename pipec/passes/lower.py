@@ -193,8 +193,9 @@ def op_times(sched: Schedule, times: list[np.ndarray]) -> np.ndarray:
     the lowering places messages by, and the witness the dry run checks."""
     S, m = sched.num_stages, sched.num_microbatches
     time_of = np.zeros(len(sched.kinds) * S * m, dtype=np.int64)
-    for ops, t in zip(sched.ranks, times):
-        time_of[(ops.kind * S + ops.stage) * m + ops.mb] = t
+    if sched.ranks:  # all ranks in one scatter (op keys are unique)
+        cat = [np.concatenate([getattr(o, f) for o in sched.ranks]) for f in ("kind", "stage", "mb")]
+        time_of[(cat[0].astype(np.int64) * S + cat[1]) * m + cat[2]] = np.concatenate(times)
     return time_of
 
 
