@@ -16,7 +16,7 @@ from pipec.runtime.exec.microbatch import as_args, batch_of, split, to_device
 from pipec.runtime.exec.saved import Pool, state_bytes, tensor_bytes
 from pipec.runtime.exec.stage import Stage
 from pipec.runtime.model.contract import Model, default_optimizer
-from pipec.runtime.profile.common import stage_modules
+from pipec.runtime.profile.common import Wiring, stage_modules
 
 
 def stage_bytes(
@@ -52,18 +52,19 @@ def stage_bytes(
     out["offload"] = [0.0] * S
     for split_backward in (False, True) if program.split_backward else (False,):
         pool = Pool()
+        wiring = Wiring(program.graph, S)  # the chain, or the stage graph's edges
         stages = []
         for s, mod in enumerate(modules):
-            st = Stage(s, S, mod, model.loss_fn if s == S - 1 else None, scale, split_backward, None)
+            loss_fn = model.loss_fn if s == S - 1 else None
+            st = Stage(s, S, mod, loss_fn, scale, split_backward, None, **wiring.stage_options(s))
             st.pool = pool
             stages.append(st)
-        args = x
         for s, st in enumerate(stages):
-            if s > 0:
+            args = wiring.inputs(s, x)
+            if args is not x:
                 out["input_bytes"][s] = tensor_bytes(args)
-            args = st.forward(0, args, y if s == S - 1 else None)
+            wiring.passed(s, st.forward(0, args, y if s == S - 1 else None))
             out["saved_bytes"][s] = pool.held(0, s)
-        grads = None
         for s in reversed(range(S)):
             if not split_backward:
                 seconds = []
@@ -76,7 +77,7 @@ def stage_bytes(
                         torch.cuda.synchronize(device)
                     seconds.append((time.perf_counter() - t0) / 2)
                 out["offload"][s] = statistics.median(seconds)
-            grads = stages[s].backward(0, grads)
+            wiring.input_grads(s, stages[s].backward(0, wiring.out_grads(s)))
             if split_backward:
                 out["wsaved_bytes"][s] = pool.held(0, s)
         for s in reversed(range(S)) if split_backward else ():

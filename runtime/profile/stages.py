@@ -54,7 +54,7 @@ from pipec.runtime.exec.stage import Stage
 from pipec.runtime.host.affinity import allowed_cpus, bind_local_rank
 from pipec.runtime.model.contract import Model, default_optimizer
 from pipec.runtime.profile.collectives import DP_KINDS, Collectives, measure_collectives
-from pipec.runtime.profile.common import rounded, stage_modules
+from pipec.runtime.profile.common import Wiring, rounded, stage_modules
 from pipec.runtime.profile.experts import AllToAll, measure_all_to_all, moe_layout, split_as_run
 from pipec.runtime.profile.held import stage_bytes
 from pipec.runtime.profile.links import measure_link
@@ -430,9 +430,13 @@ def _measure(
         params = [p for p in mod.parameters() if p.requires_grad]
         opts.append(make_opt(params) if params else None)
 
+    wiring = Wiring(program.graph, S)  # the chain, or the stage graph's edges (in one process)
+
     def stages(split_backward: bool) -> list[Stage]:
         return [
-            Stage(s, S, mod, model.loss_fn if s == S - 1 else None, scale, split_backward, None)
+            Stage(
+                s, S, mod, model.loss_fn if s == S - 1 else None, scale, split_backward, None, **wiring.stage_options(s)
+            )
             for s, mod in enumerate(modules)
         ]
 
@@ -464,23 +468,25 @@ def _measure(
         return out
 
     def forward(sts: list[Stage], mb: int, keep: bool) -> None:
-        args = mb_in[mb]
         for s, st in enumerate(sts):
-            out = timed("F", s, keep, st.forward, mb, args, mb_tg[mb] if s == S - 1 else None)
-            if keep and s < S - 1:
-                act[s].append(_nbytes(out))
-            args = out
+            args = wiring.inputs(s, mb_in[mb])
+            wiring.passed(s, timed("F", s, keep, st.forward, mb, args, mb_tg[mb] if s == S - 1 else None))
+            if keep and s < S - 1:  # on a graph: per out-edge, the mean (the cost model's act_bytes is per edge)
+                act[s].append(_nbytes(wiring.sent(s)) // max(1, len(wiring.stage_options(s).get("outputs", (0,)))))
+
+    def backward(sts: list[Stage], mb: int, keep: bool, kind: str) -> None:
+        for s in reversed(range(S)):
+            grads = timed(kind, s, keep, sts[s].backward, mb, wiring.out_grads(s))
+            wiring.input_grads(s, grads)
+            if keep and s > 0 and kind == "full" and grads is not None:
+                grad[s].append(_nbytes(grads))
 
     for rep in range(warmup + reps):
         keep = rep >= warmup
         mb = rep % m
         # the full backward
         forward(full, mb, keep)
-        grads = None
-        for s in reversed(range(S)):
-            grads = timed("full", s, keep, full[s].backward, mb, grads)
-            if keep and s > 0:
-                grad[s].append(_nbytes(grads))
+        backward(full, mb, keep, "full")
         # Gradients accumulate over a step's m micro-batches, as in a run: zeroing them after every
         # micro-batch would make each backward allocate fresh gradient tensors (page faults included),
         # which a run does once per step. The optimizer step runs at the end of each step.
@@ -493,9 +499,7 @@ def _measure(
                 st.zero_grad()
         # the split backward: every BWD, then every WGRAD (as a zero-bubble schedule orders them)
         forward(split_, mb, keep)
-        grads = None
-        for s in reversed(range(S)):
-            grads = timed("B", s, keep, split_[s].backward, mb, grads)
+        backward(split_, mb, keep, "B")
         for s in reversed(range(S)):
             timed("W", s, keep, split_[s].wgrad, mb)
         if end_of_step:
