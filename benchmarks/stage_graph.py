@@ -21,25 +21,24 @@ that the encoders and the fusion stage cost about the same (the goal's "balanced
 residual block, costs about half). float64, the files' default.
 
 Each round, per case: `pipec profile 1f1b -D p=4 -D m=8 --model CHAIN -o chain.toml` on this machine (its F
-and B per stage, link, overhead, and the keys that make 4 ranks share the 2 cores, docs/simulate.md "Ranks that
-share cores"), then `pipec simulate --cost` of both schedules, then `pipec run SCHED -D p=4 -D m=8 --model M
---nproc 4 --steps K --json` of chain and graph in ABBA order over the rounds (the chain first in even rounds),
-the measured step the median of the steps after the first two. `pipec profile` does not take a stage graph
-yet (it runs a graph's stages as a chain: a decoder stage is called without its skip), so the graph is
-simulated on a cost file made from the chain's profile: the same F and B per stage (the same modules; the
-chain's stages also hand a skip or the tokens along, which costs next to nothing), the same link, overhead and
-sharing keys, the same saved and state bytes (a tensor only passed along is not saved by autograd), and the
-graph's own message bytes per stage (`act_bytes`, from the graph model's tensors; a gradient is its edge's
-activation's size). Each system is simulated twice: as profiled (this machine: 4 ranks on 2 cores), and with
-a core per rank (`--cost ranks_per_node=4,cores_per_node=4`), the goal's figure.
+and B per stage, link, overhead, and the keys that make 4 ranks share the 2 cores, docs/simulate.md "Ranks
+that share cores"), then `pipec simulate --cost` of both schedules, then `pipec run SCHED -D p=4 -D m=8
+--model M --nproc 4 --steps K --json` of chain and graph in ABBA order over the rounds (the chain first in
+even rounds), the measured step the median of the steps after the first two. The graph is simulated on a cost
+file made from the chain's profile (so both share one measurement of the same modules): the same F and B per
+stage (the same modules; the chain's stages also hand a skip or the tokens along, which costs next to
+nothing), the same link, overhead and sharing keys, the same saved and state bytes (a tensor only passed along
+is not saved by autograd), and the graph's own message bytes per stage (`act_bytes`, from the graph model's
+tensors; a gradient is its edge's activation's size). Each system is simulated twice: as profiled (this
+machine: 4 ranks on 2 cores), and with a core per rank (`--cost ranks_per_node=4,cores_per_node=4`), the
+goal's figure.
 
 Bytes per step: the Program's transfer instructions (every SEND_ACT and SEND_GRAD, each naming its edge) times
 the size of the tensors on that edge as the model makes them on micro-batch 0 (what the run sends; a
 gradient is as large as its activation), beside the simulator's `message_bytes`. Peak memory per rank: the
 runtime's count of saved activation bytes (pipec.runtime.exec.saved, what `pipec run --memory` reports) in a
 step of every rank in one process (`LocalPipeline` after `measure_memory()`; the count follows each rank's
-Program, so it is the multi-process run's), beside the simulator's `peak_memory` per rank; `pipec run
---memory` itself does not take a stage graph yet (its predicted column runs the stages as a chain).
+Program, so it is the multi-process run's), beside the simulator's `peak_memory` per rank.
 
 One JSON line per case (both systems' figures and the gains: chain / graph for step times, graph / chain for
 bytes and peaks), then a summary: the two encoders' simulated gain with a core per rank (goal >= 1.08), the
