@@ -11,6 +11,13 @@ machine (this project's `device` tool), where a session has minutes of GPU time,
    initialisation with `device_id`, the runner on `cuda:LOCAL_RANK`, a clean teardown. One GPU cannot
    hold two NCCL ranks, so point-to-point over NCCL needs a machine with two.
 3. `pipec profile --device cuda` of 1F1B (p=2) on the GPT example: the cost file reads back.
+4. CUDA graphs (`--cuda-graphs`, pipec.runtime.exec.compiled): 1F1B and ZB-H1 (split backward) at p=2 m=4
+   in `--local` mode, float64 MLP, eager against compiled with CUDA graphs (torch.compile mode
+   "reduce-overhead"): the largest relative error of both against the reference (target 1e-10 for eager;
+   compiled reported, target 1e-9: inductor reorders sums), the CUDA-graph replays counted over the timed
+   steps (must be > 0) and inductor's skips, and the step time of each in ABBA rounds (`ratio`: graphs /
+   eager). Then the one-rank NCCL job of 2. again with --cuda-graphs (its output's replay line). With
+   --device cpu: the refusal alone (StageOptions(cuda_graphs=True) must say it needs CUDA).
 
 One JSON line per check on stdout and in DIR/gpu_check.jsonl; exit status 1 if any check failed. On the
 device machine torch is preinstalled but lark is not: carry its wheel (docs/runtime.md, "On a GPU").
@@ -122,6 +129,94 @@ def profile_gpt(device: str, tmp: str, out) -> bool:
     return emit(out, check="profile_gpt", device=device, seconds=round(secs, 2), ok=ok, output=text[-1500:])
 
 
+def cuda_graphs(device: str, out) -> bool:
+    import torch
+
+    from pipec.api import load
+    from pipec.passes.compiler import compile_schedule
+    from pipec.runtime import LocalPipeline, Reference, StageOptions, load_model
+    from pipec.runtime.errors import PipelineError
+    from pipec.runtime.reference import compare
+
+    os.environ.update(MLP)
+    model = load_model(str(ROOT / "examples" / "mlp.py"))
+    kw = dict(optimizer=model.optimizer, dtype=model.dtype, device=torch.device(device))
+    if device != "cuda":  # the dry run: the refusal, in words
+        program = compile_schedule(load("1f1b", p=2, m=4)).program
+        try:
+            LocalPipeline(program, model.build_stage, model.loss_fn, options=StageOptions(**kw, cuda_graphs=True))
+            said = None
+        except PipelineError as e:
+            said = str(e)
+        return emit(out, check="cuda_graphs", device=device, refused=said, ok=bool(said) and "need CUDA" in said)
+    from pipec.runtime.exec.compiled import replays
+
+    ok = True
+    for name in ("1f1b", "zb-h1"):
+        row: dict = {"check": "cuda_graphs", "device": device, "schedule": name, "params": {"p": 2, "m": 4}}
+        try:
+            program = compile_schedule(load(name, p=2, m=4)).program
+            pipes = {
+                "graphs": LocalPipeline(
+                    program, model.build_stage, model.loss_fn, options=StageOptions(**kw, cuda_graphs=True)
+                ),
+                "eager": LocalPipeline(program, model.build_stage, model.loss_fn, options=StageOptions(**kw)),
+            }
+            ref = Reference(model.build_stage, model.loss_fn, program.num_stages, program.num_microbatches, **kw)
+            x, y = model.batch(0)
+            ref.step(x, y)
+            errs = {}
+            for what, pipe in pipes.items():  # the same weights and batch: the first step's gradients
+                pipe.step(x, y)  # the graphs' first step compiles and records them
+                errs[what] = max(compare(pipe.named_gradients(), ref.named_gradients()).values(), default=0.0)
+
+            batch = model.batch(1)
+
+            def timed(pipe, batch=batch):
+                def go() -> float:
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    for _ in range(3):
+                        pipe.step(*batch)
+                    torch.cuda.synchronize()
+                    return (time.perf_counter() - t0) / 3
+
+                return go
+
+            before = replays()
+            seconds = sidebyside.alternate({k: timed(p) for k, p in pipes.items()}, rounds=4, warmup=1)
+            after = replays()
+            rec = sidebyside.summarize("gpu_check", seconds, ("graphs", "eager"))
+            row.update(
+                grad_rel_err=errs,
+                replays=after[0] - before[0],
+                inductor_skips=after[1],
+                median_step_s=rec["median_s"],
+                ratio=rec["ratio"],
+                ratio_range=rec.get("ratio_range"),
+                ok=errs["eager"] <= 1e-10 and errs["graphs"] <= 1e-9 and after[0] > before[0],
+            )
+        except Exception as e:  # noqa: BLE001 - reported, and the other checks still run
+            row.update(ok=False, error=f"{type(e).__name__}: {e}")
+        ok &= emit(out, **row)
+    env = dict(os.environ, **MLP)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
+    cmd += [
+        "-m",
+        "pipec.runtime.job.launch",
+        "gpipe",
+        "-D",
+        "p=1",
+        "-D",
+        "m=2",
+        "--model",
+        str(ROOT / "examples" / "mlp.py"),
+    ]
+    code, text, secs = run_cmd([*cmd, "--backend", "nccl", "--steps", "3", "--check", "--cuda-graphs"], env)
+    good = code == 0 and "CUDA graphs:" in text
+    return emit(out, check="cuda_graphs_job", seconds=round(secs, 2), ok=good, output=text[-1500:]) and ok
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT") or tempfile.mkdtemp(prefix="pipec-gpu-"))
@@ -148,6 +243,7 @@ def main() -> int:
             ok &= local_schedules(args.device, out)
             ok &= one_rank_job(args.device, out)
             ok &= profile_gpt(args.device, tmp, out)
+            ok &= cuda_graphs(args.device, out)
         emit(out, check="summary", ok=ok)
     return 0 if ok else 1
 
