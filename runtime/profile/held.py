@@ -52,7 +52,7 @@ def stage_bytes(
     out["offload"] = [0.0] * S
     for split_backward in (False, True) if program.split_backward else (False,):
         pool = Pool()
-        wiring = Wiring(program.graph, S)  # the chain, or the stage graph's edges
+        wiring = Wiring(getattr(program, "graph", None), S)  # the chain, or the stage graph's edges
         stages = []
         for s, mod in enumerate(modules):
             loss_fn = model.loss_fn if s == S - 1 else None

@@ -430,7 +430,7 @@ def _measure(
         params = [p for p in mod.parameters() if p.requires_grad]
         opts.append(make_opt(params) if params else None)
 
-    wiring = Wiring(program.graph, S)  # the chain, or the stage graph's edges (in one process)
+    wiring = Wiring(getattr(program, "graph", None), S)  # the chain, or the stage graph's edges (in one process)
 
     def stages(split_backward: bool) -> list[Stage]:
         return [
