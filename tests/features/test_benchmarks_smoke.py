@@ -50,8 +50,8 @@ SLOW = {  # script: its --smoke's wall seconds as measured (see the module docst
     "op_order.py": (16, "a traced pipec run on 2 processes"),
     "gloo_exchange.py": (14, "two gloo sessions on 2 processes"),
     "transfer_calls.py": (14, "2 gloo processes"),
-    "dynamic_order.py": (60, "pipec run on 4 processes, dynamic and --static, under a straggler and jitter"),
-    "compile_stages.py": (90, "torch.compile of every stage of examples/gpt.py, compiled and eager runs"),
+    "dynamic_order.py": (60, "pipec run on 4 processes, dynamic and --static (seconds estimated, not measured)"),
+    "compile_stages.py": (90, "torch.compile of every stage of examples/gpt.py (seconds estimated, not measured)"),
     "stage_graph.py": (180, "pipec profile of two chain models and 4-process gloo runs of four models (at load ~15)"),
 }
 SCRIPTS = [
