@@ -96,7 +96,8 @@ class Slots:
         if not self.fixed:
             return self.note
         what = "the compiler's buffer plan" if self.source == "plan" else "the runtime's lifetimes"
-        text = f"{self.slots} slots in {self.pools} pools, {self.nbytes} bytes, by {what}"
+        plural = lambda n, w: f"{n} {w}" + ("" if n == 1 else "s")  # noqa: E731
+        text = f"{plural(self.slots, 'slot')} in {plural(self.pools, 'pool')}, {self.nbytes} bytes, by {what}"
         return text + (f" ({self.note})" if self.note else "")
 
     def on_slot(self, t: torch.Tensor) -> bool:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 MODES = {False: None, True: "reduce-overhead"}  # cuda_graphs -> torch.compile mode
+BACKEND = "inductor"  # torch.compile's backend (benchmarks/compile_stages.py --smoke sets "aot_eager": seconds)
 
 
 def needs_cuda(device: torch.device) -> str | None:
@@ -33,12 +34,12 @@ def needs_cuda(device: torch.device) -> str | None:
     return None
 
 
-def compile_module(module: torch.nn.Module, cuda_graphs: bool = False, backend: str = "inductor") -> None:
+def compile_module(module: torch.nn.Module, cuda_graphs: bool = False, backend: str | None = None) -> None:
     """Replace `module.forward` by its torch.compile'd version (meta tensors take the plain forward)."""
     if getattr(module, "_pipec_compiled", False):
         return
     plain = module.forward
-    fast = torch.compile(plain, mode=MODES[bool(cuda_graphs)], backend=backend)
+    fast = torch.compile(plain, mode=MODES[bool(cuda_graphs)], backend=backend or BACKEND)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         if args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
@@ -49,9 +50,9 @@ def compile_module(module: torch.nn.Module, cuda_graphs: bool = False, backend: 
     module._pipec_compiled = True
 
 
-def compile_stages(stages: dict[int, Any], cuda_graphs: bool = False, backend: str = "inductor") -> None:
+def compile_stages(stages: dict[int, Any], cuda_graphs: bool = False, backend: str | None = None) -> None:
     """Compile every stage's module (pipec.runtime.exec.stage.Stage), marking each compiled for split backward
-    (`backend`: torch.compile's; benchmarks/compile_stages.py --smoke takes "aot_eager", seconds)."""
+    (`backend`: torch.compile's, default `BACKEND`)."""
     for st in stages.values():
         compile_module(st.module, cuda_graphs, backend)
         st.compiled = True
