@@ -49,6 +49,7 @@ SLOW = {  # script: its --smoke's wall seconds as measured (see the module docst
     "runtime_vs_torch.py": (25, "2 gloo processes"),
     "op_order.py": (16, "a traced pipec run on 2 processes"),
     "gloo_exchange.py": (14, "two gloo sessions on 2 processes"),
+    "compile_stages.py": (14, "torch.compile (aot_eager) of a tiny GPT's two stages, eager beside them"),
     "transfer_calls.py": (14, "2 gloo processes"),
     "dynamic_order.py": (60, "pipec run on 4 processes, dynamic and --static (seconds estimated, not measured)"),
     "compile_stages.py": (90, "torch.compile of every stage of examples/gpt.py (seconds estimated, not measured)"),
