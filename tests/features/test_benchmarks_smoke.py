@@ -52,7 +52,6 @@ SLOW = {  # script: its --smoke's wall seconds as measured (see the module docst
     "compile_stages.py": (14, "torch.compile (aot_eager) of a tiny GPT's two stages, eager beside them"),
     "transfer_calls.py": (14, "2 gloo processes"),
     "dynamic_order.py": (60, "pipec run on 4 processes, dynamic and --static (seconds estimated, not measured)"),
-    "compile_stages.py": (90, "torch.compile of every stage of examples/gpt.py (seconds estimated, not measured)"),
     "stage_graph.py": (180, "pipec profile of two chain models and 4-process gloo runs of four models (at load ~15)"),
 }
 SCRIPTS = [
