@@ -20,9 +20,9 @@ from collections.abc import Sequence
 from pipec.ir.dataparallel import dp_mismatch
 from pipec.options import OptionError, RunOptions, add_define_argument
 from pipec.runtime.host.affinity import bind_local_rank
-from pipec.sim.faults import faults_of
 from pipec.runtime.job.monitor import BEAT_EVERY, block_sigterm, die_with_parent, say
 from pipec.runtime.job.program import read_source, run_program
+from pipec.sim.faults import faults_of
 
 # A collective that timed out waits this long at most (or the timeout, if shorter) for another rank's report
 # before blaming the replica that never joined: that replica is usually waiting on its own pipeline.
