@@ -16,13 +16,6 @@ from pipec.sim.cost_files import normalize
 from pipec.view.html import page, view_document
 
 
-@pytest.fixture(scope="module")
-def chrome():
-    d = browser.launch()
-    yield d
-    browser.close(d)
-
-
 def _open(chrome, path):
     chrome.get(path.as_uri())
     browser.wait_for(chrome, "document.getElementById('pipec-view').dataset.ready === '1'")

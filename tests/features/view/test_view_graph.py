@@ -28,12 +28,7 @@ CASES = [UNET, TWO]
 IDS = ["unet", "two-encoders"]
 
 
-@pytest.fixture(scope="module")
-def chrome():
-    d = browser.launch()
-    d.set_window_size(1600, 1000)
-    yield d
-    browser.close(d)
+WINDOW = (1600, 1000)  # the window the pictures and geometry assume (conftest's `chrome`)
 
 
 @pytest.fixture(scope="module")

@@ -28,12 +28,7 @@ LEGEND_CASES = [
 SELECTION_ENTRIES = {"selected", "depends on (selected)", "depended on by", "its micro-batch"}
 
 
-@pytest.fixture(scope="module")
-def chrome():
-    d = browser.launch()
-    d.set_window_size(1600, 857)
-    yield d
-    browser.close(d)
+WINDOW = (1600, 857)  # the window the pictures and geometry assume (conftest's `chrome`)
 
 
 @pytest.fixture(scope="module")

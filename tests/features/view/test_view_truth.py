@@ -28,12 +28,7 @@ MILLION = ("1f1b", (("p", 8), ("m", 62500)))
 ZOOMS = (1.0, 1 / 40, 1 / 5000)  # the share of the step in view
 
 
-@pytest.fixture(scope="module")
-def chrome():
-    d = browser.launch()
-    d.set_window_size(1600, 857)
-    yield d
-    browser.close(d)
+WINDOW = (1600, 857)  # the window the pictures and geometry assume (conftest's `chrome`)
 
 
 @pytest.fixture(scope="module")
