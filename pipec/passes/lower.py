@@ -253,18 +253,7 @@ def _lower_rank(
     # What each op receives and sends, from the instruction table and the stage graph: its inputs come from
     # the stages across IN_STAGE (the stage before it on the chain; every input stage on a graph), its
     # outputs go to those across OUT_PEER_STAGE; a stage on this rank is a local hand-off.
-    r_idx, r_other, s_idx, s_other = [], [], [], []
-    for other, valid in across(graph, stage, IN_STAGE[kind], S):
-        hit = valid & (RECV_OF_KIND[kind] >= 0) & (placement[np.clip(other, 0, S - 1)] != rank)
-        r_idx.append(np.flatnonzero(hit))
-        r_other.append(other[r_idx[-1]])
-    for other, valid in across(graph, stage, OUT_PEER_STAGE[kind], S):
-        hit = valid & HAS_SEND[kind] & (placement[np.clip(other, 0, S - 1)] != rank)
-        s_idx.append(np.flatnonzero(hit))
-        s_other.append(other[s_idx[-1]])
-    none = [np.zeros(0, dtype=np.int64)]
-    r_idx, r_other = np.concatenate(r_idx or none), np.concatenate(r_other or none)
-    s_idx, s_other = np.concatenate(s_idx or none), np.concatenate(s_other or none)
+    r_idx, r_other, s_idx, s_other = _transfers(graph, stage, kind, S, placement, rank)
     # A message's time: when its producer completes (the producer of B(i,s)'s gradient is B(i,s+1)).
     producer = PRODUCER_KIND[np.maximum(IN_MSG[kind[r_idx]], 0)]
     recv_time = time_of[(producer * S + r_other) * m + mb[r_idx]]
@@ -344,17 +333,7 @@ def _lower_all(
     g_step = np.cumsum(~second) - 1
     step = g_step - g_step[op_off[:-1][rank]] if n else g_step
 
-    r_idx, r_other, s_idx, s_other = [], [], [], []
-    for other, valid in across(graph, stage, IN_STAGE[kind], S):
-        hit = valid & (RECV_OF_KIND[kind] >= 0) & (placement[np.clip(other, 0, S - 1)] != rank)
-        r_idx.append(np.flatnonzero(hit))
-        r_other.append(other[r_idx[-1]])
-    for other, valid in across(graph, stage, OUT_PEER_STAGE[kind], S):
-        hit = valid & HAS_SEND[kind] & (placement[np.clip(other, 0, S - 1)] != rank)
-        s_idx.append(np.flatnonzero(hit))
-        s_other.append(other[s_idx[-1]])
-    r_idx, r_other = np.concatenate(r_idx or none), np.concatenate(r_other or none)
-    s_idx, s_other = np.concatenate(s_idx or none), np.concatenate(s_other or none)
+    r_idx, r_other, s_idx, s_other = _transfers(graph, stage, kind, S, placement, rank)
     producer = PRODUCER_KIND[np.maximum(IN_MSG[kind[r_idx]], 0)]
     recv_time = time_of[(producer * S + r_other) * m + mb[r_idx]]
     # The rank's last op before each message's time: one search over (rank, time), sorted (times increase
@@ -477,3 +456,21 @@ def _bind_all(code: np.ndarray, peer: np.ndarray, who: np.ndarray, group: np.nda
         first = np.maximum.accumulate(np.where(run, np.arange(len(j)), 0))
         group[j[(np.arange(len(j)) - first) % 2 == 0]] = True
     return group
+
+
+def _transfers(graph, stage: np.ndarray, kind: np.ndarray, S: int, placement: np.ndarray, rank) -> tuple:
+    """Which ops receive and send, and the stage at each message's other end, from the instruction table and
+    the stage graph: inputs from the stages across IN_STAGE (the stage before on the chain; every input
+    stage on a graph), outputs to those across OUT_PEER_STAGE; a stage on the op's own rank (`rank`, one or
+    per op) is a local hand-off. (receiving op indices, their other stages, sending op indices, theirs)."""
+    r_idx, r_other, s_idx, s_other = [], [], [], []
+    for other, valid in across(graph, stage, IN_STAGE[kind], S):
+        hit = valid & (RECV_OF_KIND[kind] >= 0) & (placement[np.clip(other, 0, S - 1)] != rank)
+        r_idx.append(np.flatnonzero(hit))
+        r_other.append(other[r_idx[-1]])
+    for other, valid in across(graph, stage, OUT_PEER_STAGE[kind], S):
+        hit = valid & HAS_SEND[kind] & (placement[np.clip(other, 0, S - 1)] != rank)
+        s_idx.append(np.flatnonzero(hit))
+        s_other.append(other[s_idx[-1]])
+    none = [np.zeros(0, dtype=np.int64)]
+    return tuple(np.concatenate(x or none) for x in (r_idx, r_other, s_idx, s_other))
