@@ -279,13 +279,7 @@ class DynamicOrder:
         if rec is not None:
             rec.append(("order", tuple(order)))
             rec.append(("run", t_run, time.perf_counter()))
-        left = [key_str(k) for k in ex.values]
-        undone = {s: st.check_done() for s, st in ex.stages.items() if st.check_done()}
-        if left or undone:
-            raise PipelineError(
-                f"rank {ex.rank}: the step ended with unconsumed values ({', '.join(left) or 'none'}) or "
-                f"micro-batches without backward ({undone or 'none'}): the Program is inconsistent"
-            )
+        ex.check_consumed()
 
     def _wait(self, f: int, hi: int, done: bytearray) -> Generator[object, None, None]:
         """Until an op of the window f .. hi is ready: --local yields the first op's pending receive; a

@@ -307,6 +307,11 @@ class Executor:
             self.peaks = pool.peaks()
         if rec is not None:  # the instructions' span, for the time of the step outside them
             rec.append(("run", t_run, time.perf_counter()))
+        self.check_consumed()
+
+    def check_consumed(self) -> None:
+        """At a step's end every value was consumed and every micro-batch had its backward; else the Program
+        is inconsistent (both the static and the dynamic executor end their steps with this)."""
         left = [key_str(k) for k in self.values]
         undone = {s: st.check_done() for s, st in self.stages.items() if st.check_done()}
         if left or undone:
