@@ -29,9 +29,9 @@ from pipec.sim.timeline import Timeline
 def timeline(program: Program, events: list[list[tuple]]) -> Timeline:
     """Merge the ranks' event lists (index = rank) into one Timeline; messages are joined by key."""
     comp = [(r, *e[1:]) for r, evs in enumerate(events) for e in evs if e[0] == "compute"]
-    sends = {(e[1], e[2], e[3]): (r, e[4], e[5], e[6]) for r, evs in enumerate(events) for e in evs if e[0] == "send"}
-    posts = {(e[1], e[2], e[3]): e[5] for evs in events for e in evs if e[0] == "post"}
-    recvs = {(e[1], e[2], e[3]): (r, e[5]) for r, evs in enumerate(events) for e in evs if e[0] == "recv"}
+    sends = {_key(e): (r, e[4], e[5], e[6]) for r, evs in enumerate(events) for e in evs if e[0] == "send"}
+    posts = {_key(e): e[5] for evs in events for e in evs if e[0] == "post"}
+    recvs = {_key(e): (r, e[5]) for r, evs in enumerate(events) for e in evs if e[0] == "recv"}
     keys = sorted(k for k in sends if k in recvs)
     times = [e[4] for e in comp] + [sends[k][2] for k in keys] + [posts[k] for k in keys if k in posts]
     t0 = min(times) if times else 0.0
@@ -60,6 +60,13 @@ def timeline(program: Program, events: list[list[tuple]]) -> Timeline:
     if "msg_post" in {f.name for f in dataclasses.fields(Timeline)} and all(k in posts for k in keys):
         kw["msg_post"] = np.array([posts[k] for k in keys], dtype=float) - t0
     return Timeline(**kw)
+
+
+def _key(event: tuple) -> tuple:
+    """A message event's key (kind, mb, where), hashable: a graph's edge comes back from another process as a
+    list (the events travel as objects), and is made the tuple it was."""
+    where = event[3]
+    return (event[1], event[2], tuple(where) if isinstance(where, list) else where)
 
 
 def _sender(key: tuple) -> int:

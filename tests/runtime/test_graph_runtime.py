@@ -140,3 +140,28 @@ def test_cli_local_unet_checks():
 )
 def test_cli_four_processes_check(argv):
     _pipec_run(*argv, "--nproc", "4")
+
+
+def test_cli_four_processes_trace_has_the_skip_messages(tmp_path):
+    """`pipec run --trace` of a graph over 4 processes: the events come back from the other ranks with each
+    message's edge as a list, and the timeline joins them by key (it once failed: unhashable list). The
+    skip 0 -> 3 is there both ways: its activation into rank 3, its gradient back into rank 0."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "trace.json"
+    argv = ["examples/unet.pipe", "-D", "p=4", "-D", "m=4", "--model", "examples/unet.py", "--nproc", "4"]
+    r = subprocess.run(
+        [sys.executable, "-m", "pipec", "run", *argv, "--steps", "2", "--trace", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.loads(out.read_text())
+    recvs = [e for e in doc["traceEvents"] if e.get("cat") == "recv"]
+    into = {(e["pid"], e["args"]["from"], e["args"]["kind"]) for e in recvs}
+    assert (3, 0, "act") in into and (0, 3, "grad") in into, sorted(into)
+    assert sum(e.get("cat") == "FWD" for e in doc["traceEvents"]) == 16  # 4 micro-batches x 4 stages
