@@ -38,6 +38,10 @@ from typing import Any
 
 import torch
 
+# gloo: how many receives ahead of the Program's placement a rank posts (pipec.runtime.exec.executor says why);
+# each costs one posted buffer of a message's size. It lives with the buffer plan, whose `ahead` it is for a
+# gloo run: one number for both.
+from pipec.ir.buffers import GLOO_RECV_AHEAD
 from pipec.ir.program import Program
 from pipec.runtime.errors import CommError, PipelineError, ShapeError, wrong_world_size
 from pipec.runtime.exec import shm, slices
@@ -64,9 +68,6 @@ from pipec.runtime.model.contract import build_stage_module, default_optimizer
 from pipec.runtime.model.moe import ExpertGrads, by_stage, expert_parallel, is_expert, layer_counts
 
 _IDS = itertools.count()
-# gloo: how many receives ahead of the Program's placement a rank posts (pipec.runtime.exec.executor says why).
-# Each costs one posted buffer of a message's size.
-GLOO_RECV_AHEAD = 4
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,18 @@ any of these an OFFLOAD makes (`host`). Tensors of one class (kind, stage, edge,
 shape in a run, so a class is a pool of interchangeable slots: the plan holds no shapes, only how many
 slots each pool needs and which slot each tensor takes; the runtime sizes each pool once (from the
 shape handshake) and `size` is the memory model's amount for reports.
+
+Pools of one `bank` share their slots: slot k of each is one piece of memory, so a rank's classes that
+peak at different moments (interleaving's stages s and s + p, a V's two chunks, saved vs kept for W)
+take turns in it instead of each holding its own busiest moment. A bank joins classes of one size and
+one family (messages with messages: the runtime's receive slots; saved tensors with saved tensors), so
+that storage can be reused as it is (docs/memory.md, "Buffer plan", says why banks rather than one arena
+by offsets).
+
+`ahead` is the receives posted ahead the plan was made for (gloo posts each receive that many receives
+before the Program places it, `GLOO_RECV_AHEAD`): a received tensor is born where it is posted. The
+slots of a plan for `ahead` hold for any smaller count too (every lifetime only shrinks), so the runtime
+takes a plan made for at least its own count; `prove` checks a plan for its own `ahead`.
 """
 
 from __future__ import annotations
@@ -17,6 +29,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+# Receives the runtime posts ahead on gloo by default (pipec.runtime.runner; the plan's `ahead` for such a run):
+# gloo's rendezvous protocol writes a message at once only when its receive is already posted.
+GLOO_RECV_AHEAD = 4
 
 # The kinds of tensor, in words for reports (pipec.passes.bufferplan says when each is born and dies).
 KINDS = {
@@ -26,6 +42,9 @@ KINDS = {
     "wsaved": "kept for W",
     "ckpt": "kept for RECOMPUTE",
 }
+# The family of each kind: only classes of one family share a bank. Messages are what the runtime allocates
+# (receive slots, storage it owns and hands out again); saved tensors are autograd's.
+FAMILY = {"input": "message", "grad": "message", "saved": "saved", "wsaved": "saved", "ckpt": "saved"}
 
 
 @dataclass(frozen=True)
@@ -40,6 +59,7 @@ class Pool:
     slots: int = 0
     size: float = 0.0  # one slot's amount in the plan's unit (the memory model's: units or bytes)
     bound: str = ""  # "": every tensor of the class has this size; else why `size` is an upper bound
+    bank: int = -1  # pools of one bank (>= 0) share their slots (`slots` is then the bank's); -1: its own
 
     @property
     def key(self) -> tuple[str, int, int, int, bool]:
@@ -72,21 +92,34 @@ class RankPlan:
         cols = ("pool", "mb", "slot")
         return self.pools == other.pools and all(np.array_equal(getattr(self, c), getattr(other, c)) for c in cols)
 
+    def spaces(self) -> list[Pool]:
+        """One pool per set of slots: each pool of its own and the first of each bank (its members share
+        its slots and size)."""
+        seen: set[int] = set()
+        out = []
+        for p in self.pools:
+            if p.bank < 0 or p.bank not in seen:
+                seen.add(p.bank)
+                out.append(p)
+        return out
+
     def amount(self, host: bool = False) -> float:
-        """The pool's total: every slot of every pool of that side at its class's size."""
-        return float(sum(p.slots * p.size for p in self.pools if p.host == host))
+        """That side's total: every slot at its size, a bank's slots once."""
+        return float(sum(p.slots * p.size for p in self.spaces() if p.host == host))
 
     @property
     def slots(self) -> int:
-        return sum(p.slots for p in self.pools if not p.host)
+        return sum(p.slots for p in self.spaces() if not p.host)
 
 
 @dataclass(frozen=True)
 class BufferPlan:
-    """Per rank, its `RankPlan`; `unit` is the memory model's ("units" or "bytes")."""
+    """Per rank, its `RankPlan`; `unit` is the memory model's ("units" or "bytes"); `ahead` the receives
+    posted ahead it was made for (the module docstring)."""
 
     unit: str
     ranks: tuple[RankPlan, ...]
+    ahead: int = 0
 
     def device(self) -> list[float]:
         """Per rank, the device pool's planned amount (every slot at its size)."""

@@ -5,12 +5,16 @@ The tensors and their lifetimes, per rank, along its instruction stream (positio
 instruction bound to the next by `group` shares its position range, so the two halves of an overlapped pair
 or a batched exchange count as one moment):
 
-- `input` of stage s along in-edge e = (u, s), micro-batch i: born when its receive is posted (`RECV_ACT i s`),
-  or at `FWD i u` when u is on the same rank (handed over locally); it lives until what F(i, s) saved is
+- `input` of stage s along in-edge e = (u, s), micro-batch i: born when its receive is posted (`RECV_ACT i s`,
+  or, with receives posted `ahead`, at the receive that many before it in the rank's stream: where gloo's
+  runtime posts it, the step's start for the first ones), or at `FWD i u` when u is on the same rank
+  (handed over locally); it lives until what F(i, s) saved is
   released: its last backward piece (`WGRAD i s` with split backward, else `BWD i s`; `FWD i s` in a
   forward-only Program), because the stage's autograd keeps its input (pipec.sim.memory counts it in `act`).
-- `grad` of stage s along out-edge e = (s, v): born when its receive is posted (`RECV_GRAD i s`), or at
-  `BWD i v` when v is on the same rank; it dies at `BWD i s`, which consumes it.
+- `grad` of stage s along out-edge e = (s, v): born when its receive is posted (`RECV_GRAD i s`, moved back
+  as an input's with `ahead`), or at `BWD i v` when v is on the same rank; it dies at `BWD i s`, which
+  consumes it, or with split backward at `WGRAD i s`: the runtime's B keeps it for W (the gradients W starts
+  from can be that very tensor, and the first stage defers its whole backward to W).
 - `saved` of stage s: what F(i, s) keeps beyond its inputs that B frees (the model's `act` less the
   stage's input messages; with split backward less `wact` too); `wsaved`: with split backward, what the
   same F keeps for W beyond its inputs (`wact` less the inputs). Both are made at `FWD i s` (at
@@ -21,25 +25,33 @@ or a batched exchange count as one moment):
   begins a host copy of each (the `host` pools, same classes); `RELOAD i s` ends the host copy and begins
   a new device copy in the same pool (one shape: it may land in another slot).
 
-Each class (kind, stage, edge, tokens, pool) is one pool of interchangeable slots, coloured greedily by
-birth (optimal for intervals: a pool's slots are the most of its tensors live at once). Sizes are the
+Each class (kind, stage, edge, tokens, pool) is one pool of interchangeable slots. Classes of one size, one
+family (messages, or saved tensors: pipec.ir.buffers.FAMILY), one token count and one side share a bank
+(`banks`), and each bank is coloured greedily by birth (optimal for intervals: a bank's slots are the most
+of its tensors live at once). Why banks of equal size and not one arena per rank packed by offsets: the
+runtime allocates the receive slots itself, from the shapes of the handshake, in its own bytes; an arena's
+offsets are in the memory model's unit and would have to be packed again there, while a slot of one shape
+is reused as it is (the runtime shares a bank only where its classes' shapes agree, `banks` over the
+handshake's specs). Saved tensors are autograd's: their banks are what an allocator of them would need, and
+they never share with messages, so the plan's message bytes are the runtime's. Sizes are the
 memory model's (`pipec.sim.memory.memory_model`): messages take the cost model's `act_bytes` / `grad_bytes`
 per edge where given, else the receiver's `ckpt` (its input) shared over its in-edges.
 
-The rule of what lives when is written once, `lifetimes`; `plan_buffers` colours it, `prove` checks a plan
-(made here or read from a file) against it.
+The rule of what lives when is written once, `lifetimes` (the runtime's receive slots read it too:
+pipec.runtime.exec.buffers); `plan_buffers` colours it, `prove` checks a plan (made here or read from a file)
+against it.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, replace
 
 import numpy as np
 
 from pipec.errors import Source, error
-from pipec.ir.buffers import BufferPlan, Pool, RankPlan
+from pipec.ir.buffers import FAMILY, BufferPlan, Pool, RankPlan
 from pipec.ir.graph import graph_of
 from pipec.ir.opcodes import BWD, FWD, OFFLOAD, OPCODES, RECOMPUTE, RECV_ACT, RECV_GRAD, RELOAD, WGRAD
 from pipec.ir.program import Program
@@ -76,10 +88,12 @@ def _tokens(prog: Program) -> np.ndarray | None:
     return sl.unit_tokens() if sl is not None and sl.slices > 1 else None
 
 
-def lifetimes(prog: Program, rank: int) -> Lifetimes:
-    """The rule (the module docstring): rank `rank`'s tensors and when each lives. A class the memory model
-    sizes 0 (a stage whose F keeps no more than its input) still has its tensors and slots, at no cost, so
-    the proof needs no sizes."""
+def lifetimes(prog: Program, rank: int, ahead: int = 0) -> Lifetimes:
+    """The rule (the module docstring): rank `rank`'s tensors and when each lives, its receives posted `ahead`
+    receives early. A class the memory model sizes 0 (a stage whose F keeps no more than its input) still has
+    its tensors and slots, at no cost, so the proof needs no sizes."""
+    if ahead < 0:
+        raise ValueError(f"receives posted ahead must be at least 0, got {ahead}")
     rp = prog.ranks[rank]
     g = graph_of(prog)
     place = prog.placement
@@ -87,11 +101,14 @@ def lifetimes(prog: Program, rank: int) -> Lifetimes:
     other = rp.other.tolist() if rp.other is not None else None
     lo, hi = (x.tolist() for x in _positions(rp.group))
     at: dict[tuple[int, int, int], int] = {}  # (opcode, mb, stage) -> index (computes, memory ops)
-    recv: dict[tuple[int, int, int, int], int] = {}  # (opcode, mb, stage, other stage) -> index
+    recv: dict[tuple[int, int, int, int], int] = {}  # (opcode, mb, stage, other stage) -> where it is posted
+    order: list[int] = []  # the receives in stream order
     for j, (o, i, s) in enumerate(zip(op, mb, st)):
         if o in (RECV_ACT, RECV_GRAD):
             t = other[j] if other is not None and other[j] >= 0 else s + (-1 if o == RECV_ACT else 1)
-            recv[(o, i, s, t)] = j
+            k = len(order)
+            order.append(j)
+            recv[(o, i, s, t)] = order[k - ahead] if k >= ahead else 0
         else:
             at.setdefault((o, i, s), j)
     tok = _tokens(prog)
@@ -134,7 +151,7 @@ def lifetimes(prog: Program, rank: int) -> Lifetimes:
             v = int(g.dst[e])
             born = at.get((BWD, i, v)) if place[v] == rank else recv.get((RECV_GRAD, i, s, v))
             if born is not None:
-                add("grad", s, e, i, born, b)
+                add("grad", s, e, i, born, w if w is not None else b)  # split backward: B keeps it for W
     out.sort(key=lambda x: (x[0], x[1], x[2]))
     keys: dict[Key, int] = {}
     pool = [keys.setdefault(k, len(keys)) for _, k, _, _, _ in out]
@@ -142,14 +159,17 @@ def lifetimes(prog: Program, rank: int) -> Lifetimes:
     return Lifetimes(tuple(keys), np.array(pool, dtype=np.int64), col(2), col(3), col(4))
 
 
-def colour(life: Lifetimes) -> tuple[np.ndarray, np.ndarray]:
-    """Per tensor its slot, and per class its slot count: greedy by birth, the lowest free slot first (a
-    slot is free once its tensor's last position is before the new one's first)."""
+def colour(life: Lifetimes, bank: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Per tensor its slot, and per bank its slot count: greedy by birth, the lowest free slot first (a slot
+    is free once its tensor's last position is before the new one's first). `bank`: per class its bank (the
+    classes sharing slots, `banks`); None: each class its own."""
+    group = np.arange(len(life.keys)) if bank is None else np.asarray(bank, dtype=np.int64)
+    n = int(group.max()) + 1 if len(group) else 0
     slot = np.zeros(len(life.pool), dtype=np.int64)
-    busy: list[list[tuple[int, int]]] = [[] for _ in life.keys]  # per class: (death, slot) heaps
-    free: list[list[int]] = [[] for _ in life.keys]
-    count = [0] * len(life.keys)
-    for t, (k, a, b) in enumerate(zip(life.pool.tolist(), life.birth.tolist(), life.death.tolist())):
+    busy: list[list[tuple[int, int]]] = [[] for _ in range(n)]  # per bank: (death, slot) heaps
+    free: list[list[int]] = [[] for _ in range(n)]
+    count = [0] * n
+    for t, (k, a, b) in enumerate(zip(group[life.pool].tolist(), life.birth.tolist(), life.death.tolist())):
         while busy[k] and busy[k][0][0] < a:
             heapq.heappush(free[k], heapq.heappop(busy[k])[1])
         if free[k]:
@@ -159,6 +179,14 @@ def colour(life: Lifetimes) -> tuple[np.ndarray, np.ndarray]:
         slot[t] = s
         heapq.heappush(busy[k], (b, s))
     return slot, np.array(count, dtype=np.int64)
+
+
+def banks(keys: tuple[Key, ...], shape: Callable[[Key], Hashable]) -> np.ndarray:
+    """Per class its bank: classes of one family (pipec.ir.buffers.FAMILY), one `shape` (the memory model's
+    size for the plan; the handshake's specs for the runtime), one token count and one side share slots.
+    Banks are numbered by first appearance."""
+    ids: dict[tuple, int] = {}
+    return np.array([ids.setdefault((FAMILY[k[0]], shape(k), k[3], k[4]), len(ids)) for k in keys], dtype=np.int64)
 
 
 # ---- sizes ----------------------------------------------------------------------------------------------
@@ -226,20 +254,23 @@ def plan_buffers(
     model: Mapping[str, np.ndarray],
     act_bytes: np.ndarray | None = None,
     grad_bytes: np.ndarray | None = None,
+    ahead: int = 0,
 ) -> BufferPlan:
-    """The plan of a Program under a memory model (`pipec.sim.memory.memory_model`), proven (`prove`)."""
+    """The plan of a Program under a memory model (`pipec.sim.memory.memory_model`), its receives posted
+    `ahead` (gloo's runtime: pipec.ir.buffers.GLOO_RECV_AHEAD), proven (`prove`)."""
     from pipec.sim.memory import unit_of
 
     sizes, bound = class_sizes(prog, model, act_bytes, grad_bytes)
     ranks = []
     for r in range(prog.num_ranks):
-        life = lifetimes(prog, r)
-        slot, count = colour(life)
+        life = lifetimes(prog, r, ahead)
+        bank = banks(life.keys, sizes.__getitem__)
+        slot, count = colour(life, bank)
         pools = tuple(
-            Pool(k[0], k[1], k[2], k[3], k[4], int(c), sizes[k], bound.get(k, "")) for k, c in zip(life.keys, count)
+            Pool(*k, int(count[b]), sizes[k], bound.get(k, ""), int(b)) for k, b in zip(life.keys, bank.tolist())
         )
         ranks.append(RankPlan(pools, life.pool, life.mb, slot))
-    plan = BufferPlan(unit_of(model), tuple(ranks))
+    plan = BufferPlan(unit_of(model), tuple(ranks), ahead)
     prove(prog, plan)
     return plan
 
@@ -250,8 +281,9 @@ def with_plan(prog: Program, model: Mapping[str, np.ndarray], **kw) -> Program:
 
 
 def prove(prog: Program, plan: BufferPlan, source: Source | None = None) -> None:
-    """E502 unless, on every rank, every tensor of the rule (`lifetimes`) has a slot of its class's pool, in
-    the plan's order, and no two tensors live at once share a slot."""
+    """E502 unless, on every rank, every tensor of the rule (`lifetimes`, with the plan's `ahead`) has a slot of
+    its class's pool, in the plan's order, the pools of a bank agree (one size, family, token count, side and
+    slot count), and no two tensors live at once share a slot (a bank's slot k is one slot for all its pools)."""
 
     def fail(r: int, text: str):
         return error("E502", f"the buffer plan does not hold on rank {r}: {text}", source=source)
@@ -262,9 +294,23 @@ def prove(prog: Program, plan: BufferPlan, source: Source | None = None) -> None
         )
     for r, rp in enumerate(plan.ranks):
         index = {p.key: k for k, p in enumerate(rp.pools)}
-        life = lifetimes(prog, r)
+        life = lifetimes(prog, r, plan.ahead)
         if len(index) != len(rp.pools):
             raise fail(r, "two pools of one class")
+        lead: dict[int, Pool] = {}
+        for p in rp.pools:
+            q = lead.setdefault(p.bank, p) if p.bank >= 0 else p
+            same = (q.size, FAMILY[q.kind], q.tokens, q.host, q.slots) == (
+                p.size,
+                FAMILY[p.kind],
+                p.tokens,
+                p.host,
+                p.slots,
+            )
+            if not same:
+                raise fail(
+                    r, f"bank {p.bank} joins the {q.describe()} and the {p.describe()}, which cannot share slots"
+                )
         want = np.array([index.get(k, -1) for k in life.keys], dtype=np.int64)[life.pool]
         if (want < 0).any():
             j = int(np.flatnonzero(want < 0)[0])
@@ -279,8 +325,10 @@ def prove(prog: Program, plan: BufferPlan, source: Source | None = None) -> None
             j = int(np.flatnonzero(out)[0])
             tensor = _tensor(prog, r, rp.pools, rp.pool, life, j)
             raise fail(r, f"{tensor} has slot {int(rp.slot[j])}, outside its pool's {int(slots[rp.pool[j]])}")
-        order = np.lexsort((life.birth, rp.slot, rp.pool))
-        same = (rp.pool[order][1:] == rp.pool[order][:-1]) & (rp.slot[order][1:] == rp.slot[order][:-1])
+        bank = np.array([p.bank for p in rp.pools], dtype=np.int64)
+        space = np.where(bank >= 0, bank, len(rp.pools) + np.arange(len(rp.pools)))[rp.pool]  # whose slots
+        order = np.lexsort((life.birth, rp.slot, space))
+        same = (space[order][1:] == space[order][:-1]) & (rp.slot[order][1:] == rp.slot[order][:-1])
         clash = same & (life.death[order][:-1] >= life.birth[order][1:])
         if clash.any():
             k = int(np.flatnonzero(clash)[0])
@@ -314,16 +362,16 @@ def _tensor(prog: Program, r: int, pools, pool: np.ndarray, life: Lifetimes, j: 
 
 def over_peak(plan: BufferPlan, peaks, resident) -> list[float]:
     """Per rank, the plan's device amount plus its resident parameters less the walk's peak (what packing
-    by class costs beyond the walk; negative: below it)."""
+    by bank costs beyond the walk; negative: below it)."""
     return [float(a + p - q) for a, p, q in zip(plan.device(), resident, peaks)]
 
 
 def live_peak(prog: Program, plan: BufferPlan) -> list[float]:
     """Per rank, the most the plan's device tensors hold at once (each at its class's size): what one arena
-    packed by lifetime would need, against the plan's pools, each sized for its own busiest moment."""
+    packed by lifetime would need, against the plan's banks, each sized for its own busiest moment."""
     out = []
     for r, rp in enumerate(plan.ranks):
-        life = lifetimes(prog, r)
+        life = lifetimes(prog, r, plan.ahead)
         size = np.array([0.0 if p.host else p.size for p in rp.pools])[rp.pool] if len(rp) else np.zeros(0)
         n = len(prog.ranks[r]) + 2
         level = np.zeros(n)

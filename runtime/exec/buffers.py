@@ -5,14 +5,18 @@ A class is a message's specs (its tensors' shapes and dtypes, from the shape han
 many slots as the most messages of that class alive at once on this rank, each slot its tensors allocated
 once. Which slot a received message takes comes from, in this order:
 
-1. the compiler's buffer plan (`Program.buffers`, pipec.passes.bufferplan; computed here by the same pass's
-   rule when the Program carries none): the `input` and `grad` tensors that this rank receives, each pool
-   one class, each slot what the plan says. The plan is taken when it holds under the runtime's own
-   lifetimes below: the plan places a receive's birth where the Program places the receive, and a
-   transport that posts receives ahead (gloo, `recv_ahead`) fills the slot earlier; with split backward
-   the runtime's B keeps the received gradient until W (its captured gradients can be that very tensor,
-   and the first stage defers its whole backward to W). Where the plan does not hold, the reason is said
-   (`note`) and
+1. the compiler's buffer plan (`Program.buffers`, pipec.passes.bufferplan): the `input` and `grad` tensors
+   that this rank receives, each slot what the plan says, a bank's slots shared by its classes. The plan's
+   rule (`bufferplan.lifetimes`) is the runtime's: a receive is born where the transport posts it (the
+   plan's `ahead`; gloo posts `recv_ahead` receives early) and, with split backward, a received gradient
+   lives until W (the runtime's B keeps it: W's captured gradients can be that very tensor, and the first
+   stage defers its whole backward to W). A Program's own plan is taken when it was made for at least this
+   run's `recv_ahead`; else (no plan carried, or one for fewer receives ahead) the same pass's rule is run
+   here for this run's `recv_ahead`, its banks joining the classes whose handshake shapes agree (the
+   colouring needs no sizes). A carried plan whose bank joins messages of different shapes is planned again
+   that way too. Either way the slots are checked against the runtime's own lifetimes below; where they
+   do not hold (token slices: the runtime keeps a sequence's receives to the step's end), the reason is
+   said (`note`) and
 2. the runtime's own lifetime colouring is used: a message lives from the moment its receive is posted (a
    receive posted `ahead` receives early is born at the receive that many before it) to the last compute of
    its (micro-batch, consuming stage) on this rank (FWD, RECOMPUTE, BWD, WGRAD; with token slices to the end
@@ -39,6 +43,7 @@ from bisect import bisect_right
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from pipec.ir.opcodes import ACT_MSG as ACT
@@ -171,34 +176,59 @@ def clash(life: dict[Any, tuple[int, int]], slot_of: dict[Any, tuple[Any, int]])
     return None
 
 
-def plan_slots(program: Any, rank: int, keys: set[Any], edge_key: Any) -> dict[Any, tuple[Any, int]] | None:
-    """The compiler's buffer plan for this rank's received messages: key -> ((pool kind, stage, edge), slot).
-    The Program's own plan, or the plan pass's rule run here (the colouring needs no sizes); None when a
-    received key has no tensor in it."""
-    from pipec.ir.graph import graph_of
+def plan_slots(
+    program: Any, rank: int, specs: dict[Any, Specs], edge_key: Any, ahead: int = 0
+) -> tuple[dict[Any, tuple[Any, int]], str] | None:
+    """The compiler's buffer plan for this rank's received messages (`specs`: key -> its specs), and how it was
+    had ("": the Program's own): key -> (the slots it shares: a bank, else its class; slot). None when a
+    received key has no tensor in the plan."""
     from pipec.passes import bufferplan
 
-    g = graph_of(program)
     plan = getattr(program, "buffers", None)
-    if plan is not None:
+    if plan is not None and plan.ahead >= ahead:
         rp = plan.ranks[rank]
-        pools = [p.key for p in rp.pools]
-        pool, mb, slot = rp.pool.tolist(), rp.mb.tolist(), rp.slot.tolist()
+        space = [("bank", p.bank) if p.bank >= 0 else p.key for p in rp.pools]
+        out = _received(program, [p.key for p in rp.pools], rp.pool, rp.mb, rp.slot, space, specs, edge_key)
+        if out is None or all(specs[a] == specs[b] for a, b in _same_pool(out)):
+            return None if out is None else (out, "")
+        note = "the Program's plan shares slots between messages of different shapes here: planned again by its rule"
+    elif plan is not None:
+        note = f"the Program's plan is for receives posted {plan.ahead} ahead: planned again by its rule for {ahead}"
     else:
-        life = bufferplan.lifetimes(program, rank)
-        sl, _ = bufferplan.colour(life)
-        pools, pool, mb, slot = list(life.keys), life.pool.tolist(), life.mb.tolist(), sl.tolist()
+        note = ""
+    life = bufferplan.lifetimes(program, rank, ahead)
+    keys = list(life.keys)
+    first = _received(program, keys, life.pool, life.mb, np.zeros(len(life.pool), np.int64), keys, specs, edge_key)
+    if first is None:
+        return None
+    shape: dict[Any, Any] = {}
+    for key, (k, _) in first.items():
+        if shape.setdefault(k, specs[key]) != specs[key]:
+            shape[k] = ("mixed", k)  # a class of several shapes: its own slots (then refused below)
+    bank = bufferplan.banks(life.keys, lambda k: shape.get(k, ("own", k)))
+    slot, _ = bufferplan.colour(life, bank)
+    space = [("bank", int(b)) for b in bank.tolist()]
+    out = _received(program, keys, life.pool, life.mb, slot, space, specs, edge_key)
+    return None if out is None else (out, note)
+
+
+def _received(program, keys, pool, mb, slot, space, specs, edge_key) -> dict[Any, tuple[Any, int]] | None:
+    """Per received key (those of `specs`), its first device tensor's (space, slot) of the plan's columns (the
+    one its receive lands in); None unless every received key has one."""
+    from pipec.ir.graph import graph_of
+
+    g = graph_of(program)
     graph = program.graph
     out: dict[Any, tuple[Any, int]] = {}
-    for k, i, s in zip(pool, mb, slot):
-        kind, stage, e, tokens, host = pools[k]
+    for k, i, s in zip(pool.tolist(), mb.tolist(), slot.tolist()):
+        kind, stage, e, tokens, host = keys[k]
         if host or e < 0 or kind not in ("input", "grad"):
             continue
         u, v = (int(x) for x in g.edges[e])
         key = edge_key(ACT if kind == "input" else GRAD, i, u, v, graph)
-        if key in keys:
-            out[key] = ((kind, stage, e, tokens), s)
-    return out if keys <= out.keys() else None
+        if key in specs and key not in out:
+            out[key] = (space[k], s)
+    return out if specs.keys() <= out.keys() else None
 
 
 def build(ex: Any, device: torch.device, fixed: bool) -> Slots:
@@ -225,17 +255,18 @@ def build(ex: Any, device: torch.device, fixed: bool) -> Slots:
     life = lifetimes(ex.instrs, recvs, ex.tkeys, consumer, ex.recv_ahead, sliced)
     why = ""
     try:
-        planned = plan_slots(ex.program, ex.rank, set(life), edge_key)
+        got = plan_slots(ex.program, ex.rank, {k: ex.recv_specs[k] for k in life}, edge_key, ex.recv_ahead)
     except Exception as e:  # the plan pass on a Program it does not cover: said, the runtime's own instead
-        planned, why = None, f"the plan pass failed: {type(e).__name__}: {e}"
-    if planned is not None:
+        got, why = None, f"the plan pass failed: {type(e).__name__}: {e}"
+    planned = None if got is None else got[0]
+    if got is not None:
         bad = clash(life, planned)
         if bad is None and all(ex.recv_specs[a] == ex.recv_specs[b] for a, b in _same_pool(planned)):
             slots.assign(list(life), ex.recv_specs, planned)
-            slots.source, slots.note = "plan", ""
+            slots.source, slots.note = "plan", got[1]
             return slots
         if bad is not None:
-            why = _clash_reason(ex, bad, GRAD)
+            why = _clash_reason(ex, bad)
         else:
             why = "a pool of the plan holds messages of different shapes"
     elif not why:
@@ -256,15 +287,16 @@ def _same_pool(planned: dict[Any, tuple[Any, int]]) -> list[tuple[Any, Any]]:
     return pairs
 
 
-def _clash_reason(ex: Any, bad: tuple[Any, Any], grad: int) -> str:
+def _clash_reason(ex: Any, bad: tuple[Any, Any]) -> str:
+    """Why the plan's slots do not hold under the runtime's lifetimes: the two rules differ somewhere (the plan's
+    rule counts receives posted ahead and split backward's kept gradients, so not there)."""
     from pipec.runtime.exec.comm import key_str
 
     a, b = bad
-    if ex.recv_ahead:
+    sl = ex.program.slicing
+    if sl is not None and sl.slices > 1:
         return (
-            f"receives are posted {ex.recv_ahead} ahead, so {key_str(b)} would land in the slot of {key_str(a)} "
-            "while it is still in use"
+            f"token slices: the runtime keeps {key_str(a)} to the step's end (a sequence's key/value cache), past "
+            f"the plan's last use, when {key_str(b)} takes its slot"
         )
-    if a[0] == grad and ex.program.split_backward:
-        return f"split backward keeps {key_str(a)} until W, past the plan's B, when {key_str(b)} takes its slot"
     return f"{key_str(a)} and {key_str(b)} would share a slot while both are in use"
