@@ -134,7 +134,7 @@ def inspect(case: str, system: str) -> dict:
     pipe = LocalPipeline(program, model.build_stage, model.loss_fn, options=StageOptions(dtype=model.dtype, seed=0))
     for runner in pipe.runners:
         runner.executor.measure_memory()
-    held = held_inputs(program)
+    held, held_total = held_inputs(program, pipe.runners)
     res = pipe.step(inputs, targets)
     act = [max([b for (u, _), b in edge_bytes.items() if u == s], default=0) for s in range(S)]
     return {
@@ -144,41 +144,52 @@ def inspect(case: str, system: str) -> dict:
         "bytes_per_step": total,
         "peak_bytes": [int(r.executor.peaks.device) for r in pipe.runners],
         "peak_input_bytes": held,
+        "peak_total_bytes": held_total,
         "loss": float(res.loss),
     }
 
 
-def held_inputs(program) -> list[int]:
+def held_inputs(program, runners=None) -> tuple[list[int], list[int]]:
     """Each rank's peak, over the step to come, of the received inputs its stages hold from FWD until BWD
     (`Stage.saved`; storages counted once): what a tensor only passed along costs, which the saved-tensor count
-    leaves out because autograd saves nothing for it. Measured by wrapping `Stage.forward` in this process."""
+    leaves out because autograd saves nothing for it; and of everything the rank holds for its micro-batches,
+    the union of those inputs and the saved tensors (`runners`' saved-tensor pools, pipec.runtime.exec.saved),
+    each storage once, so a received input that autograd also saves is not counted twice. Sampled after every
+    forward (where a rank's holdings grow), by wrapping `Stage.forward` in this process. Returns (inputs,
+    total) per rank; `total` is all zeros without `runners`."""
     import torch
 
     from pipec.runtime.exec.stage import Stage
 
-    peak, stages = [0] * program.num_ranks, [[] for _ in range(program.num_ranks)]
+    R = program.num_ranks
+    peak, total, stages = [0] * R, [0] * R, [[] for _ in range(R)]
     plain = Stage.forward
 
-    def now(rank: int) -> int:
-        seen, total = set(), 0
+    def inputs_of(rank: int) -> dict[int, int]:
+        held: dict[int, int] = {}
         for st in stages[rank]:
             for args, _ in [] if st.first else st.saved.values():
                 for t in args:
-                    if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
-                        seen.add(t.untyped_storage().data_ptr())
-                        total += t.untyped_storage().nbytes()
-        return total
+                    if isinstance(t, torch.Tensor):
+                        held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return held
 
     def forward(self, *a, **k):
         rank = program.placement[self.index]
         if all(st is not self for st in stages[rank]):
             stages[rank].append(self)
         out = plain(self, *a, **k)
-        peak[rank] = max(peak[rank], now(rank))
+        held = inputs_of(rank)
+        peak[rank] = max(peak[rank], sum(held.values()))
+        pool = getattr(runners[rank].executor, "pool", None) if runners is not None else None
+        if pool is not None:
+            union = dict(held)
+            union.update({ptr: ref[1] for (where, ptr), ref in pool.refs.items() if where == "device"})
+            total[rank] = max(total[rank], sum(union.values()))
         return out
 
     Stage.forward = forward
-    return peak
+    return peak, total
 
 
 def _opnames() -> dict[int, str]:
@@ -288,6 +299,8 @@ def run_case(case: str, args: argparse.Namespace, tmp: str) -> dict:
         peak_ratio=round(max(info["graph"]["peak_bytes"]) / max(info["chain"]["peak_bytes"]), 4),
         peak_input_bytes={s: info[s]["peak_input_bytes"] for s in SYSTEMS},
         peak_input_ratio=round(max(info["graph"]["peak_input_bytes"]) / max(info["chain"]["peak_input_bytes"]), 4),
+        peak_total_bytes={s: info[s]["peak_total_bytes"] for s in SYSTEMS},
+        peak_total_ratio=round(max(info["graph"]["peak_total_bytes"]) / max(info["chain"]["peak_total_bytes"]), 4),
         peak_ratio_per_rank=[
             round(g / c, 4) if c else None for g, c in zip(info["graph"]["peak_bytes"], info["chain"]["peak_bytes"])
         ],
@@ -347,14 +360,16 @@ def main() -> None:
             "peak_ratio": un["peak_ratio"],
             "peak_ratio_per_rank": un["peak_ratio_per_rank"],
             "peak_input_ratio": un["peak_input_ratio"],
-            # per rank, saved activations and held inputs both no higher on the graph, and one of them lower
+            # the peak memory: what each rank holds for its micro-batches (saved tensors and held inputs, each
+            # storage once), the highest rank's graph / chain; and the ranks where the graph holds less
+            "peak_total_ratio": un["peak_total_ratio"],
             "peak_lower_on_ranks": [
-                r
-                for r in range(P)
-                if un["peak_bytes"]["graph"][r] + un["peak_input_bytes"]["graph"][r]
-                < un["peak_bytes"]["chain"][r] + un["peak_input_bytes"]["chain"][r]
+                r for r in range(P) if un["peak_total_bytes"]["graph"][r] < un["peak_total_bytes"]["chain"][r]
             ],
-            "peak_lower": un["peak_ratio"] < 1 or un["peak_input_ratio"] < 1,
+            "peak_higher_on_ranks": [
+                r for r in range(P) if un["peak_total_bytes"]["graph"][r] > un["peak_total_bytes"]["chain"][r]
+            ],
+            "peak_lower": un["peak_total_ratio"] < 1,
             "measured_step_gain": un["measured_step_gain"],
             "step_no_longer": un["measured_step_gain"] >= 1,
             "simulated_step_gain_this_machine": un["simulated_step_gain"],
