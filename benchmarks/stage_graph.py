@@ -16,9 +16,9 @@ modules, seeded alike, so their losses are equal, which every case line checks):
                          decoder (the tokens passed along as floats)
 
 Sizes (environment knobs of the model files, set here): the U-Net at UNET_WIDTH=16 UNET_SIZE=32
-UNET_BATCH=64; the two encoders at TWO_DIM=512 TWO_BATCH=512 TWO_SIZE=3 TWO_TOKENS=48 TWO_VOCAB=512, chosen so
-that the encoders and the fusion stage cost about the same (the goal's "balanced stages"; the last stage, a
-residual block, costs about half). float64, the files' default.
+UNET_BATCH=64; the two encoders at TWO_DIM=512 TWO_BATCH=512 TWO_SIZE=3 TWO_TOKENS=48 TWO_VOCAB=512
+TWO_LAYERS=2, chosen so that the encoders, the fusion stage and the last stage (a residual block of two
+layers) cost about the same (the goal's "balanced stages"). float64, the files' default.
 
 Each round, per case: `pipec profile 1f1b -D p=4 -D m=8 --model CHAIN -o chain.toml` on this machine (its F
 and B per stage, link, overhead, and the keys that make 4 ranks share the 2 cores, docs/simulate.md "Ranks
@@ -70,7 +70,7 @@ CASES = {
     "two_encoders": {
         "graph": ("examples/two_encoders.pipe", "examples/two_encoders.py"),
         "chain": ("1f1b", "examples/two_encoders_chain.py"),
-        "env": {"TWO_DIM": "512", "TWO_BATCH": "512", "TWO_SIZE": "3", "TWO_TOKENS": "48", "TWO_VOCAB": "512"},
+        "env": {"TWO_DIM": "512", "TWO_BATCH": "512", "TWO_SIZE": "3", "TWO_TOKENS": "48", "TWO_VOCAB": "512", "TWO_LAYERS": "2"},
     },
 }
 SYSTEMS = ("chain", "graph")

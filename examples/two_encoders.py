@@ -14,10 +14,12 @@ Stages 3 .. S-1 are the rest of the decoder, one residual block each, the last w
     stage 0  image encoder: conv 3x3 -> GELU -> mean over the pixels -> Linear      -> (B, DIM)
     stage 1  text encoder:  embedding -> mean over the tokens -> Linear -> GELU     -> (B, DIM)
     stage 2  fusion:        Linear(cat(image, text)) -> GELU                         -> (B, DIM)
-    stage s  decoder block: x + GELU(Linear(x)); the last stage then Linear -> (B, 1)
+    stage s  decoder block: x + GELU(Linear(x)), TWO_LAYERS times; the last stage then Linear -> (B, 1)
 
 It learns a fixed random function of both inputs. Environment knobs: TWO_DIM (16), TWO_BATCH (8),
-TWO_SIZE (image side, 8), TWO_TOKENS (tokens per text, 6), TWO_VOCAB (32), TWO_DTYPE (float64), TWO_LR (0.05).
+TWO_SIZE (image side, 8), TWO_TOKENS (tokens per text, 6), TWO_VOCAB (32), TWO_LAYERS (residual layers per
+decoder block, 1; at 2 a block costs what the fusion stage costs, balanced stages for benchmarks/stage_graph.py),
+TWO_DTYPE (float64), TWO_LR (0.05).
 """
 
 import os
@@ -30,6 +32,7 @@ BATCH = int(os.environ.get("TWO_BATCH", "8"))
 SIZE = int(os.environ.get("TWO_SIZE", "8"))
 TOKENS = int(os.environ.get("TWO_TOKENS", "6"))
 VOCAB = int(os.environ.get("TWO_VOCAB", "32"))
+LAYERS = int(os.environ.get("TWO_LAYERS", "1"))
 LR = float(os.environ.get("TWO_LR", "0.05"))
 dtype = getattr(torch, os.environ.get("TWO_DTYPE", "float64"))
 
@@ -69,10 +72,13 @@ class Block(nn.Module):
     def __init__(self, last: bool) -> None:
         super().__init__()
         self.linear = nn.Linear(DIM, DIM)
+        self.more = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(LAYERS - 1))  # empty by default
         self.head = nn.Linear(DIM, 1) if last else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x + nn.functional.gelu(self.linear(x))
+        for layer in self.more:
+            h = h + nn.functional.gelu(layer(h))
         return self.head(h) if self.head is not None else h
 
 
