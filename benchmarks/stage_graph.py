@@ -70,7 +70,14 @@ CASES = {
     "two_encoders": {
         "graph": ("examples/two_encoders.pipe", "examples/two_encoders.py"),
         "chain": ("1f1b", "examples/two_encoders_chain.py"),
-        "env": {"TWO_DIM": "512", "TWO_BATCH": "512", "TWO_SIZE": "3", "TWO_TOKENS": "48", "TWO_VOCAB": "512", "TWO_LAYERS": "2"},
+        "env": {
+            "TWO_DIM": "512",
+            "TWO_BATCH": "512",
+            "TWO_SIZE": "3",
+            "TWO_TOKENS": "48",
+            "TWO_VOCAB": "512",
+            "TWO_LAYERS": "2",
+        },
     },
 }
 SYSTEMS = ("chain", "graph")
