@@ -1,6 +1,6 @@
 """Orders chosen at run time against the compiled order (issue 44): one schedule, dynamic and static in
 alternating rounds, under an emulated straggler and under emulated link jitter; the simulator's predicted
-gain (pipec.sim.faults.predicted_gain, the same draws) beside the measured one.
+gain (pipec.sim.machine.predicted_gain, the same draws) beside the measured one.
 
 Each case runs `pipec run SCHEDULE --model M --nproc 4 --steps K --json` with the fault flags, dynamic (the
 default for a schedule with `window`) and `--static`, in rounds D S S D D S ... (ABBA), and takes each run's
@@ -99,7 +99,8 @@ def run_once(sched: str, model: str, flags: list[str], steps: int, static: bool)
 def predicted(flags: list[str], steps: int) -> dict:
     from pipec.driver import build
     from pipec.errors import Source
-    from pipec.sim.faults import faults_of, predicted_gain
+    from pipec.sim.faults import faults_of
+    from pipec.sim.machine import predicted_gain
 
     sched = build(Source("bench.pipe", schedule_text()), {k: str(v) for k, v in PARAMS.items()})
     opts = dict(zip(flags[::2], flags[1::2]))

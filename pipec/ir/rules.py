@@ -160,3 +160,42 @@ def feeds(
         if r.needs == k and 0 <= j - r.unit < slices
         for t in _across(s, -r.stage, S, graph)
     ]
+
+
+@dataclass(frozen=True, eq=False)
+class OpInputs:
+    """A schedule's ops, all ranks concatenated (rank r's are `offsets[r]` to `offsets[r + 1]`, in its
+    order): each op's rank, kind, micro-batch and stage, and the global indices of the ops it needs
+    (`dependencies`, local and across ranks). The one dependency graph over a Schedule's ops that the
+    family proof (`pipec.passes.family`) and the family machine (`pipec.sim.faults`) both walk."""
+
+    offsets: np.ndarray
+    rank: np.ndarray
+    kind: np.ndarray
+    mb: np.ndarray
+    stage: np.ndarray
+    inputs: list[list[int]]
+
+
+def op_inputs(sched) -> OpInputs:
+    """`OpInputs` of a `pipec.ir.schedule.Schedule` (token slices and a stage graph included); a needed op
+    the schedule does not hold (the checks' E304) is left out."""
+    S, m, K = sched.num_stages, sched.num_microbatches, len(sched.kinds)
+    offsets = np.cumsum([0] + [len(r) for r in sched.ranks])
+    n = int(offsets[-1])
+    none = [np.zeros(0, dtype=np.int64)]
+    kind = np.concatenate([o.kind for o in sched.ranks] or none)
+    mb = np.concatenate([o.mb for o in sched.ranks] or none)
+    stage = np.concatenate([o.stage for o in sched.ranks] or none)
+    rank = np.repeat(np.arange(sched.num_ranks), np.diff(offsets))
+    where = np.full(K * S * m, -1, dtype=np.int64)
+    where[(kind * S + stage) * m + mb] = np.arange(n)
+    slices = sched.slicing.slices if sched.slicing else 1
+    inputs: list[list[int]] = [[] for _ in range(n)]
+    for _rule, dk, di, ds, valid in dependencies(kind, mb, stage, S, K == 3, slices, sched.graph):
+        key = np.where(valid, (dk * S + np.clip(ds, 0, S - 1)) * m + np.clip(di, 0, m - 1), 0)
+        idx = np.flatnonzero(valid)
+        for c, p in zip(idx.tolist(), where[key[idx]].tolist()):
+            if p >= 0:
+                inputs[c].append(p)
+    return OpInputs(offsets, rank, kind, mb, stage, inputs)

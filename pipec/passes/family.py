@@ -57,7 +57,7 @@ import numpy as np
 from pipec.errors import PipecError, error
 from pipec.ir.family import OrderFamily, RankFamily
 from pipec.ir.opcodes import COMPUTE_OF_KIND
-from pipec.ir.rules import dependencies
+from pipec.ir.rules import op_inputs
 from pipec.ir.schedule import RankOps, Schedule
 from pipec.passes.deadlock import deadlock_error, find_deadlock
 from pipec.sim.memory import RankMemory, deltas, memory_model, rank_memory
@@ -79,35 +79,22 @@ class _Graph:
 
 
 def _graph(sched: Schedule) -> _Graph:
-    S, m, K = sched.num_stages, sched.num_microbatches, len(sched.kinds)
-    offsets = np.cumsum([0] + [len(r) for r in sched.ranks])
-    n = int(offsets[-1])
-    none = [np.zeros(0, dtype=np.int64)]
-    kind = np.concatenate([o.kind for o in sched.ranks] or none)
-    mb = np.concatenate([o.mb for o in sched.ranks] or none)
-    stage = np.concatenate([o.stage for o in sched.ranks] or none)
-    rank = np.repeat(np.arange(sched.num_ranks), np.diff(offsets))
-    where = np.full(K * S * m, -1, dtype=np.int64)
-    where[(kind * S + stage) * m + mb] = np.arange(n)
-    slices = sched.slicing.slices if sched.slicing else 1
+    """The schedule's dependency graph (`pipec.ir.rules.op_inputs`) split into local and cross-rank edges."""
+    ops = op_inputs(sched)
+    rank, n = ops.rank, int(ops.offsets[-1])
     local_in: list[list[int]] = [[] for _ in range(n)]
     local_out: list[list[int]] = [[] for _ in range(n)]
     cross_in: list[list[int]] = [[] for _ in range(n)]
     cross_out: list[list[int]] = [[] for _ in range(n)]
-    for _rule, dk, di, ds, valid in dependencies(kind, mb, stage, S, K == 3, slices, sched.graph):
-        key = np.where(valid, (dk * S + np.clip(ds, 0, S - 1)) * m + np.clip(di, 0, m - 1), 0)
-        idx = np.flatnonzero(valid)
-        prod = where[key[idx]]
-        for c, p in zip(idx.tolist(), prod.tolist()):
-            if p < 0:
-                continue
+    for c, ins in enumerate(ops.inputs):
+        for p in ins:
             if rank[c] == rank[p]:
                 local_in[c].append(p)
                 local_out[p].append(c)
             else:
                 cross_in[c].append(p)
                 cross_out[p].append(c)
-    return _Graph(offsets, rank, local_in, local_out, cross_in, cross_out)
+    return _Graph(ops.offsets, rank, local_in, local_out, cross_in, cross_out)
 
 
 class _Rank:

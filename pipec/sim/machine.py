@@ -10,7 +10,10 @@ messages in issue order; on a shared link, bandwidth divided among the messages 
   or `run_events` (time order), over the Plan of a Program;
 - the list scheduler of `pipec.passes.policy`, which chooses each rank's next op by its policy and runs it
   with the same step and the same `Links`, so its times are the simulator's by construction;
-- partition and synth evaluate candidates with the simulator (and synth with the list scheduler).
+- partition and synth evaluate candidates with the simulator (and synth with the list scheduler);
+- the family machine (`run_family`, issue 44): a Schedule with an order family, each free rank choosing
+  among the ready ops its family allows, as the runtime does (`pipec.runtime.exec.dynamic`), under the
+  faults of `pipec.sim.faults`; `predicted_gain` compares it with the static order.
 
 Not this machine: `pipec.passes.deadlock`'s rounds (can the orders finish at all?) and
 `pipec.passes.dryrun`'s rendezvous replay (does the Program's message matching hold?) time nothing.
@@ -21,11 +24,15 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
 from pipec.errors import error
+from pipec.ir.family import OrderFamily
+from pipec.ir.rules import op_inputs
 from pipec.sim.costs import CostModel
+from pipec.sim.faults import Faults
 
 
 class Ranks:
@@ -417,3 +424,158 @@ def run_events(pl) -> tuple[list[float], list[float], list[float], list[float]]:
             links.link_event(who, ver, t)
     finished(pc, ends)
     return start, end, issued if hold is not None else links.send_t, arrival
+
+
+# ---- the family machine: the choice step and the faults (issue 44) ------------------------------------
+@dataclass(frozen=True)
+class FamilyRun:
+    """One simulated step: its makespan, each rank's ops in the order run (static positions) and each op's
+    start and end (per rank, by static position)."""
+
+    makespan: float
+    order: tuple[tuple[int, ...], ...]
+    start: tuple[np.ndarray, ...]
+    end: tuple[np.ndarray, ...]
+
+
+def prefer_key(prefer: str, kind: int, mb: int, q: int) -> tuple:
+    """The runtime's choice among ready ops (`pipec.runtime.exec.dynamic.choose` restates it, torch-side):
+    `depth` the lowest micro-batch, a backward before a forward; `breadth` a forward first, then the lowest
+    micro-batch; `order` the earliest in the static order (q)."""
+    if prefer == "depth":
+        return (mb, -kind, q)
+    if prefer == "breadth":
+        return (kind, mb, q)
+    return (q,)
+
+
+def run_family(
+    sched,
+    cost: np.ndarray,
+    latency: np.ndarray | float,
+    bandwidth: np.ndarray | float,
+    nbytes: np.ndarray | float = 0.0,
+    family: OrderFamily | None = None,
+    faults: Faults | None = None,
+    *,
+    step: int = 0,
+    static: bool = False,
+) -> FamilyRun:
+    """One step of `sched` (a pipec.ir.schedule.Schedule without memory ops or pairs) with each rank
+    choosing its next op within its family, on this machine. `cost[kind, stage]`: seconds of an op;
+    `latency[a, b]`, `bandwidth[a, b]` (bytes/s, 0: no time on the wire; scalars for every pair) and
+    `nbytes[stage]`, the bytes of a stage's activation (its gradient the same). `static=True` (or a rank
+    without a family) runs the static order.
+
+    The machine's rules, with only the choice step and the faults added:
+
+    - the step is `Ranks.run` (an op starts when its rank is free and its inputs have arrived); the
+      *choice* is which op: among the ops of the rank's window (pipec.ir.family: those its family lets
+      run before the first op not run) whose inputs are all produced, the ones that can start earliest,
+      ranked by the family's `prefer` (`prefer_key`). Ranks are advanced in time order (the rank that can
+      start an op earliest goes next, as `run_events` runs events), so no message that could still arrive
+      before then is missed;
+    - a message is `Links.leave`'s: per pair of ranks, latency plus bytes over bandwidth, in issue order on
+      its channel; it is added (`Links.add`) when its op ends, since the issue order is the one chosen;
+    - the faults: a straggler multiplies an op's cost (`Faults.slow`), and jitter is added to a message's
+      arrival (`Faults.delay`) outside the channel's order: the runtime stamps each message with its own
+      due time (`JitterComm`), and gloo and shared memory match by key, so a held message does not hold
+      the ones behind it.
+
+    Where it differs from `run`/`run_events` over a Program's Plan, and why: no shared links (it is given
+    latency and bandwidth per pair, not a topology's link groups, so it is the uncontended rule of `run`);
+    no overhead `tail` (the cost arrays have no overhead model, and a predicted gain is the ratio of two
+    runs of the same machine, where a per-op overhead adds alike); no memory ops or collectives (the
+    runtime runs a family without them between REDUCE_GRAD and STEP, its barrier)."""
+    faults = faults or Faults()
+    g = op_inputs(sched)
+    R, S = sched.num_ranks, sched.num_stages
+    lat = np.broadcast_to(np.asarray(latency, dtype=float), (R, R))
+    bw = np.broadcast_to(np.asarray(bandwidth, dtype=float), (R, R))
+    nb = np.broadcast_to(np.asarray(nbytes, dtype=float), (S,))
+    offsets, n = g.offsets, int(g.offsets[-1])
+    kind_l, mb_l, stage_l, rank_l = g.kind.tolist(), g.mb.tolist(), g.stage.tolist(), g.rank.tolist()
+    deps = g.inputs
+    fwd = sched.kinds.index("F") if "F" in sched.kinds else 0
+    dur = [float(cost[k, s]) * faults.slow(step, r, k, i, s) for k, i, s, r in zip(kind_l, mb_l, stage_l, rank_l)]
+    remote: list[list[int]] = [[] for _ in range(n)]  # per op, the ops of other ranks that need it
+    for c in range(n):
+        for p in deps[c]:
+            if rank_l[p] != rank_l[c]:
+                remote[p].append(c)
+    links = Links([], [], [], [], [], 0, _no_event, _no_event)
+    due: dict[tuple[int, int], float] = {}  # (op, consumer): when its message may be used
+    end = np.full(n, np.nan)
+    start = np.full(n, np.nan)
+    done = np.zeros(n, dtype=bool)
+    fams = [None if (static or family is None) else family.of(r) for r in range(R)]
+    reach = [None if f is None else f.arrays()[1] for f in fams]
+    first = [int(offsets[r]) for r in range(R)]  # global index of each rank's first op not run
+    ranks = Ranks([0.0] * R)
+    orders: list[list[int]] = [[] for _ in range(R)]
+
+    def ready(c: int) -> float:
+        """When op c's inputs are all there (its inputs all produced)."""
+        return max([0.0] + [end[p] if rank_l[p] == rank_l[c] else due[p, c] for p in deps[c]])
+
+    for _ in range(n):
+        best = None  # (time, rank, [(ready, op)] that can start by then)
+        for r in range(R):
+            f, base = first[r], int(offsets[r])
+            if f >= offsets[r + 1]:
+                continue
+            window = [f] if reach[r] is None else [c for c in range(f, base + int(reach[r][f - base])) if not done[c]]
+            times = [(ready(c), c) for c in window if all(done[p] for p in deps[c])]
+            if not times:
+                continue
+            clock = ranks.clock[r]
+            t = min(max(clock, a) for a, _ in times)
+            if best is None or t < best[0]:
+                best = (t, r, [(a, c) for a, c in times if max(clock, a) <= t])
+        if best is None:
+            stuck = "; ".join(
+                f"rank {r} at its op {first[r] - offsets[r]}" for r in range(R) if first[r] < offsets[r + 1]
+            )
+            raise ValueError(f"the family machine is stuck: {stuck}")
+        _, r, can = best
+        prefer = fams[r].prefer if fams[r] is not None else "order"
+        a, c = min(can, key=lambda ac: prefer_key(prefer, kind_l[ac[1]], mb_l[ac[1]], ac[1]))
+        start[c], end[c] = ranks.run(r, a, dur[c], 0.0)
+        done[c] = True
+        orders[r].append(c - int(offsets[r]))
+        for d in remote[c]:  # its messages leave as it ends, in this order on each channel
+            b, act = rank_l[d], kind_l[c] == fwd
+            nbytes_x = float(nb[stage_l[c if act else d]])
+            x = links.add(r * R + b, -1, nbytes_x / float(bw[r, b]) if bw[r, b] > 0 else 0.0, float(lat[r, b]))
+            u, v = stage_l[c], -1
+            if sched.graph is not None:  # the edge: (producer, consumer) for an activation, reversed for a gradient
+                u, v = (stage_l[c], stage_l[d]) if act else (stage_l[d], stage_l[c])
+            due[c, d] = links.leave(x, float(end[c])) + faults.delay(step, 0 if act else 1, mb_l[c], u, v, r, b)
+        while first[r] < offsets[r + 1] and done[first[r]]:
+            first[r] += 1
+    cut = [(int(offsets[r]), int(offsets[r + 1])) for r in range(R)]
+    return FamilyRun(
+        float(np.nanmax(end)) if n else 0.0,
+        tuple(tuple(o) for o in orders),
+        tuple(start[a:b] for a, b in cut),
+        tuple(end[a:b] for a, b in cut),
+    )
+
+
+def predicted_gain(
+    sched,
+    cost: np.ndarray,
+    latency: np.ndarray | float,
+    bandwidth: np.ndarray | float,
+    nbytes: np.ndarray | float = 0.0,
+    family: OrderFamily | None = None,
+    faults: Faults | None = None,
+    steps=(0,),
+) -> dict:
+    """The family machine's static and dynamic makespans, averaged over `steps` (each step its own fault
+    draws), and the gain 1 - dynamic / static."""
+    st = sum(
+        run_family(sched, cost, latency, bandwidth, nbytes, family, faults, step=s, static=True).makespan for s in steps
+    )
+    dy = sum(run_family(sched, cost, latency, bandwidth, nbytes, family, faults, step=s).makespan for s in steps)
+    return {"static": st / len(steps), "dynamic": dy / len(steps), "gain": 1.0 - dy / st if st > 0 else 0.0}

@@ -13,8 +13,9 @@ table) and its message table: nothing of an op's meaning is restated.
   and it is *ready*: its local inputs are there (a BWD after its FWD, a WGRAD after its BWD, a local
   hand-off produced) and each message it consumes has arrived (`arrived`: gloo's `is_completed()`, the
   shared-memory slot's counter, --local's queue; and no emulated link or jitter still holds it).
-- Among the ready ops it takes the one the family's `prefer` ranks first (`choose`; pipec.sim.faults
-  restates it for the simulator), runs it and, right after, the sends of what it produced.
+- Among the ready ops it takes the one the family's `prefer` ranks first (`choose`;
+  pipec.sim.machine.prefer_key restates it for the simulator), runs it and, right after, the sends of what
+  it produced.
 - When none is ready it waits: in --local it yields the first op's receive (the proof's op that must become
   ready); on a blocking transport it polls (50 us to 1 ms between looks) until one is, for at most the run's
   timeout, then fails naming the rank, the step and each instruction it waited at.

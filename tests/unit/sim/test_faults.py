@@ -10,7 +10,8 @@ import pytest
 
 from pipec.driver import build
 from pipec.errors import Source
-from pipec.sim.faults import Faults, Jitter, Straggler, faults_of, parse_jitter, run_family, unit
+from pipec.sim.faults import Faults, Jitter, Straggler, faults_of, parse_jitter, unit
+from pipec.sim.machine import run_family
 
 ROOT = Path(__file__).resolve().parents[3]
 
