@@ -60,11 +60,7 @@ from pipec.ir.opcodes import (
     FWD,
     GROUP_CLASS,
     IS_RECV,
-    KEY_STAGE,
     KIND_OF,
-    MSG_OF,
-    NEEDS_MSG,
-    NEEDS_STAGE,
     OFFLOAD,
     OP_KINDS,
     OPCODES,
@@ -80,23 +76,21 @@ from pipec.ir.validate import validate
 from pipec.runtime.errors import PipelineError, ShapeError
 from pipec.runtime.exec import buffers
 from pipec.runtime.exec.alltoall import OpRun
-from pipec.runtime.exec.comm import ACT, GRAD, Key, Recv, edge_key, key_str
+from pipec.runtime.exec.comm import ACT, GRAD, Key, Recv, key_str
 from pipec.runtime.exec.pairs import Baton, PairRunner
+from pipec.runtime.exec.rankplan import Many, RankPlan
 from pipec.runtime.exec.saved import Peaks, Pool
 from pipec.runtime.exec.shapes import Specs, TensorSpec, fmt
 from pipec.runtime.exec.stage import Stage
 
 _IS_RECV = IS_RECV.tolist()  # a list: indexing a numpy array per instruction costs more
+_ALONE = object()  # a transfer handler's `got` when `_one` runs one transfer of a batched pair alone
 
 
 def _own(comm: Any, name: str, default: Any) -> Any:
     """A transport's own attribute, not one a wrapper forwards from the transport inside it (EmulatedComm's
     `__getattr__`): the inner transport's `take` would skip the wrapper's `wait`, which holds messages back."""
     return getattr(comm, name) if hasattr(type(comm), name) else default
-
-
-class Many(list):
-    """The messages a compute of a stage graph consumes, one per edge, in edge order."""
 
 
 class Executor:
@@ -112,13 +106,19 @@ class Executor:
         if recv_ahead < 0:
             raise ValueError(f"recv_ahead must be at least 0, got {recv_ahead}")
         validate(program)  # nothing runs unproven: the loop below relies on every rule of the table
-        rp = program.ranks[rank]
         self.program = program
         self.rank = rank
-        self.instrs = list(zip(rp.op.tolist(), rp.mb.tolist(), rp.stage.tolist(), rp.peer.tolist(), rp.group.tolist()))
+        # per instruction, everything that does not change between steps (pipec.runtime.exec.rankplan): the
+        # message a compute consumes (`needs`: on a graph a `Many`, one per edge), the message a transfer names
+        # (`tkeys`), what a compute leaves (`leaves`), each receive's place in stream order (`recv_ord`)
+        plan = self.plan = RankPlan(program, rank)
+        self.instrs, self.others = plan.instrs, plan.others
+        self.needs, self.tkeys, self.leaves = plan.needs, plan.tkeys, plan.leaves
+        self.recvs, self.recv_ord = plan.recvs, plan.recv_ord
+        self.peers = [ins[3] for ins in self.instrs]
+        self.grouped = [bool(ins[4]) for ins in self.instrs]  # the group bit: a batched pair, or an overlapped pair
         self.S = program.num_stages
         self.graph = program.graph
-        self.others = rp.other.tolist() if rp.other is not None else [-1] * len(self.instrs)
         self.in_sizes: dict[tuple[int, int], list[int]] = {}  # a graph's FWD: tensors per in-edge, for its BWD
         self.stages = stages
         self.comm = comm
@@ -134,20 +134,6 @@ class Executor:
         self.recv_ahead = recv_ahead
         # data parallelism (pipec.runtime.exec.replicas.StageDP): UNSHARD, RESHARD, REDUCE_GRAD and STEP's wait
         self.dp: Any = None
-        # the receives in stream order, and each receive instruction's place in that order
-        self.recvs = [j for j, ins in enumerate(self.instrs) if IS_RECV[ins[0]]]
-        self.recv_ord = {j: k for k, j in enumerate(self.recvs)}
-        # per instruction, the message its compute consumes when the stage that sends it exists (else None)
-        # (on a graph a `Many`: one message per edge, or None when there is none)
-        if self.graph is None:
-            self.needs = [self._needed(op, mb, s) for op, mb, s, _, _ in self.instrs]
-        else:
-            self.needs = [self._needed_graph(op, mb, s) for op, mb, s, _, _ in self.instrs]
-        # per transfer instruction, the message it names (None elsewhere): computed once, not per step
-        self.tkeys = [
-            self._key(op, mb, s, o) if MSG_OF[op] >= 0 else None
-            for (op, mb, s, _, _), o in zip(self.instrs, self.others)
-        ]
         # a blocking transport's wait as a plain call (no generator per message); None: `wait`, which may yield
         self.take = _own(comm, "take", None)
         self.one_by_one = bool(_own(comm, "one_by_one", False))
@@ -159,9 +145,8 @@ class Executor:
         self.posted = 0  # receives of this step posted so far (a prefix of self.recvs)
         self.reached = 0  # receive instructions of this step the loop has reached
         # memory ops: the (mb, stage) pairs whose FWD keeps only its input, and the saved-tensor pool
-        self.recomputed = {(mb, s) for op, mb, s, _, _ in self.instrs if op == RECOMPUTE}
-        self.keep_only = [op == FWD and (mb, s) in self.recomputed for op, mb, s, _, _ in self.instrs]
-        offloaded = {(mb, s) for op, mb, s, _, _ in self.instrs if op in (OFFLOAD, RELOAD)}
+        self.recomputed, self.keep_only = plan.recomputed, plan.keep_only
+        offloaded = plan.offloaded
         self.pool: Pool | None = None
         self.peaks: Peaks | None = None  # the last step's peak saved bytes, when a pool exists
         # expert parallelism: the expert group (None without), MoE layers per stage, whether pairs overlap
@@ -176,6 +161,9 @@ class Executor:
         self.fixed_shapes = True
         self.slots: buffers.Slots | None = None
         self.unalias: Callable[[Any], Any] | None = None  # Slots.unaliased while receives land in slots
+        # per stage of this rank, `unalias` where the stage takes received messages (its outputs may share a
+        # slot's memory), else None: the outputs of a stage fed by no slot are not looked up in the slots
+        self.unalias_of: dict[int, Callable[[Any], Any] | None] = dict.fromkeys(stages)
         self.made: list[int] = []  # receive-buffer tensors created in each step run so far
         # the sends' shapes are checked against the exchange's in the first step after each exchange only: a
         # stage's output shape follows from its input's, which the runner holds to the exchange's every step
@@ -252,6 +240,7 @@ class Executor:
             self.slots.made += made
             inner.slots = self.slots
             self.unalias = self.slots.unaliased if self.slots.fixed else None
+            self.unalias_of = {s: self.unalias if s in self.plan.slot_fed else None for s in self.stages}
 
     # ---- the loop -------------------------------------------------------------------------------
     def run(self, step: int, inputs: list | None, targets: list | None) -> Generator[object, None, None]:
@@ -328,12 +317,13 @@ class Executor:
         if self.dp is not None:
             self.dp.ready(s)
         rec = self.record
-        t0 = time.perf_counter() if rec is not None else 0.0
-        c0 = time.thread_time() if rec is not None else 0.0  # its CPU: ranks that share cores (insitu)
+        if rec is not None:
+            t0, c0 = time.perf_counter(), time.thread_time()  # its CPU: ranks that share cores (insitu)
         target = self.targets[mb] if s == self.S - 1 else None
         out = self.stages[s].forward(mb, args, target, keep_input_only=self.keep_only[j])
         if out is not None:
-            self.values[(ACT, mb, s)] = out if self.unalias is None else self.unalias(out)
+            un = self.unalias_of[s]
+            self.values[self.leaves[j]] = out if un is None else un(out)
         if rec is not None:
             self.sync()
             rec.append(("compute", FWD, mb, s, t0, time.perf_counter(), time.thread_time() - c0))
@@ -375,9 +365,9 @@ class Executor:
         target = self.targets[mb] if s == self.S - 1 else None
         out = self.stages[s].forward(mb, args, target, keep_input_only=self.keep_only[j])
         if out is not None:
-            un = self.unalias
-            for v, msg in zip(self.graph.outputs(s), out):
-                self.values[(ACT, mb, (s, v))] = msg if un is None else un(msg)
+            un = self.unalias_of[s]
+            for key, msg in zip(self.leaves[j], out):
+                self.values[key] = msg if un is None else un(msg)
         if rec is not None:
             self.sync()
             rec.append(("compute", FWD, mb, s, t0, time.perf_counter(), time.thread_time() - c0))
@@ -387,21 +377,23 @@ class Executor:
         if self.dp is not None:
             self.dp.ready(s)
         rec = self.record
-        t0 = time.perf_counter() if rec is not None else 0.0
-        c0 = time.thread_time() if rec is not None else 0.0  # its CPU: ranks that share cores (insitu)
+        if rec is not None:
+            t0, c0 = time.perf_counter(), time.thread_time()  # its CPU: ranks that share cores (insitu)
         if self.graph is None:
             dargs = self.stages[s].backward(mb, got)
-            if s > 0:
-                self.values[(GRAD, mb, s)] = dargs if self.unalias is None or dargs is None else self.unalias(dargs)
+            key = self.leaves[j]
+            if key is not None:
+                un = self.unalias_of[s]
+                self.values[key] = dargs if un is None or dargs is None else un(dargs)
         else:  # the out-edges' gradients in edge order; the input gradient cut back into the in-edges'
             dargs = self.stages[s].backward(mb, None if got is None else tuple(t for msg in got for t in msg))
             sizes = self.in_sizes.pop((mb, s), None)
-            if dargs is not None and self.unalias is not None:
+            if dargs is not None and self.unalias_of[s] is not None:
                 dargs = self.unalias(dargs)
             if sizes is not None and dargs is not None:
                 at = 0
-                for u, n in zip(self.graph.inputs(s), sizes):
-                    self.values[(GRAD, mb, (u, s))] = dargs[at : at + n]
+                for key, n in zip(self.leaves[j], sizes):
+                    self.values[key] = dargs[at : at + n]
                     at += n
         if rec is not None:
             self.sync()
@@ -482,42 +474,55 @@ class Executor:
             rec.append(("memop", op, mb, s, t0, time.perf_counter()))
         return 1
 
-    def _transfer(self, j: int, mb: int, s: int, got: Any) -> int:
-        """A send or a receive; with its group bit, a batched exchange of it and the next instruction
-        (validate allows exactly two transfers with one peer). A transport that issues an exchange's
-        transfers one by one anyway (`one_by_one`: gloo, shared memory) takes them as two single ones."""
-        if self.instrs[j][4]:
-            if self.one_by_one:
-                self._one(j)
-                self._one(j + 1)
-            else:
-                self._exchange([j, j + 1])
-            return 2
-        self._one(j)
-        return 1
-
-    def _one(self, j: int) -> None:
-        """One send or receive, alone (`_item`'s work inline: no tuple per message)."""
-        op, _, s, peer, _ = self.instrs[j]
+    def _send(self, j: int, mb: int, s: int, got: Any) -> int:
+        """SEND_ACT, SEND_GRAD: the message leaves the values table for its peer. With the group bit, a batched
+        exchange of it and the next instruction (`_pair_transfer`), unless `got` is `_ALONE` (`_one`)."""
+        if got is not _ALONE and self.grouped[j]:
+            return self._pair_transfer(j)
         key = self.tkeys[j]
-        if _IS_RECV[op]:
-            k = self.recv_ord[j]
-            self.reached = k + 1
-            if k >= self.posted:  # not posted ahead: posted now
-                self.posted = k + 1
-                if self.record is not None:
-                    self.record.append(("post", *key, peer, time.perf_counter()))
-                self.values[key] = self.comm.post(key, peer, self.recv_specs[key])
-        else:
-            tensors = self.values.pop(key)
-            if self.checking:
-                self._check_send(key, s, tensors)
-            if self.record is not None:
-                nbytes = sum(t.numel() * t.element_size() for t in tensors)
-                self.record.append(("send", *key, peer, time.perf_counter(), nbytes))
-            self.comm.send(key, peer, tensors)
+        tensors = self.values.pop(key)
+        if self.checking:
+            self._check_send(key, s, tensors)
+        if self.record is not None:
+            nbytes = sum(t.numel() * t.element_size() for t in tensors)
+            self.record.append(("send", *key, self.peers[j], time.perf_counter(), nbytes))
+        self.comm.send(key, self.peers[j], tensors)
         if self.recv_ahead:
             self._post_upto(self.reached + self.recv_ahead)
+        return 1
+
+    def _recv(self, j: int, mb: int, s: int, got: Any) -> int:
+        """RECV_ACT, RECV_GRAD: the receive is posted (unless posted ahead already); the compute that consumes
+        the message waits for it. The group bit as in `_send`."""
+        if got is not _ALONE and self.grouped[j]:
+            return self._pair_transfer(j)
+        k = self.recv_ord[j]
+        self.reached = k + 1
+        if k >= self.posted:  # not posted ahead: posted now
+            self.posted = k + 1
+            key, peer = self.tkeys[j], self.peers[j]
+            if self.record is not None:
+                self.record.append(("post", *key, peer, time.perf_counter()))
+            self.values[key] = self.comm.post(key, peer, self.recv_specs[key])
+        if self.recv_ahead:
+            self._post_upto(self.reached + self.recv_ahead)
+        return 1
+
+    def _pair_transfer(self, j: int) -> int:
+        """Transfers j and j + 1 (the group bit: validate allows exactly two transfers with one peer) as one
+        batched exchange. A transport that issues an exchange's transfers one by one anyway (`one_by_one`:
+        gloo, shared memory) takes them as two single ones."""
+        if self.one_by_one:
+            self._one(j)
+            self._one(j + 1)
+        else:
+            self._exchange([j, j + 1])
+        return 2
+
+    def _one(self, j: int) -> None:
+        """One send or receive, alone (its group bit ignored)."""
+        op, mb, s, _, _ = self.instrs[j]
+        (self._recv if _IS_RECV[op] else self._send)(j, mb, s, _ALONE)
 
     def _item(self, j: int) -> tuple[str, Key, int, Any] | None:
         """Transfer j as ("send", key, peer, tensors) or ("recv", key, peer, specs); None for a receive
@@ -564,10 +569,10 @@ class Executor:
         "FWD": _fwd,
         "BWD": _bwd,
         "WGRAD": _wgrad,
-        "RECV_ACT": _transfer,
-        "SEND_ACT": _transfer,
-        "RECV_GRAD": _transfer,
-        "SEND_GRAD": _transfer,
+        "RECV_ACT": _recv,
+        "SEND_ACT": _send,
+        "RECV_GRAD": _recv,
+        "SEND_GRAD": _send,
         "REDUCE_GRAD": _reduce_grad,
         "STEP": _step,
         "UNSHARD": _unshard,
@@ -634,34 +639,6 @@ class Executor:
         for k in key:
             got.append((yield from self._take(k)))
         return got
-
-    def _needed_graph(self, op: int, mb: int, s: int) -> Many | None:
-        """On a stage graph: a FWD needs the activation of each in-edge, a BWD the gradient of each out-edge
-        (None: a source's FWD takes the inputs, the last stage's BWD the loss)."""
-        msg = int(NEEDS_MSG[op])
-        if msg < 0:
-            return None
-        g = self.graph
-        keys = [(ACT, mb, (u, s)) for u in g.inputs(s)] if msg == ACT else [(GRAD, mb, (s, v)) for v in g.outputs(s)]
-        return Many(keys) if keys else None
-
-    def _needed(self, op: int, mb: int, s: int) -> Key | None:
-        """The message a compute consumes (the instruction table's `needs`), None when it consumes none or
-        its sender would be outside the pipeline (stage 0's FWD takes the inputs, the last stage's BWD the loss)."""
-        sender = s + int(NEEDS_STAGE[op])
-        if NEEDS_MSG[op] < 0 or not 0 <= sender < self.S:
-            return None
-        return (int(NEEDS_MSG[op]), mb, sender)
-
-    def _key(self, op: int, mb: int, s: int, other: int = -1) -> Key:
-        """The message a transfer names: (what travels, micro-batch, sending stage); on a stage graph (what
-        travels, micro-batch, its edge), the edge from the instruction's stage and its `other` end."""
-        kind = int(MSG_OF[op])
-        if self.graph is None:
-            return (kind, mb, s + int(KEY_STAGE[op]))
-        # SEND_ACT and RECV_GRAD name the edge (s, other), RECV_ACT and SEND_GRAD the edge (other, s)
-        out = (kind == ACT) != bool(IS_RECV[op])
-        return edge_key(kind, mb, s, other, self.graph) if out else edge_key(kind, mb, other, s, self.graph)
 
     def _recv_item(self, j: int) -> tuple[str, tuple[int, int, int], int, Any]:
         peer, key = self.instrs[j][3], self.tkeys[j]

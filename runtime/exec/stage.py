@@ -51,6 +51,16 @@ def run_backward(outs: list[torch.Tensor], grads: list[torch.Tensor | None], inp
     symbolically) were half of a backward's CPU (60 us against 32, measured on the empty model), and they
     check what is proven here already: the shape handshake fixed every gradient's shape and dtype
     (ShapeError otherwise), and a missing gradient is the loss's, a scalar, whose gradient is one."""
+    if _engine_run_backward is not None and len(outs) == 1:  # one output, the common case: no generators
+        g = grads[0]
+        if g is None:
+            if outs[0].numel() != 1:
+                torch.autograd.backward(outs, grads, inputs=inputs)  # the public call's error for a non-scalar
+                return
+            g = torch.ones_like(outs[0], memory_format=torch.preserve_format)
+        ins = () if inputs is None else tuple(inputs)
+        _engine_run_backward((outs[0],), (g,), False, False, ins, allow_unreachable=True, accumulate_grad=True)
+        return
     if _engine_run_backward is None or any(g is None and o.numel() != 1 for o, g in zip(outs, grads)):
         torch.autograd.backward(outs, grads, inputs=inputs)  # the public call, and its error for a non-scalar
         return
@@ -94,12 +104,31 @@ class Stage:
         self.saved: dict[int, tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = {}
         self.deferred: dict[int, Any] = {}
         self.stashed: dict[int, tuple] = {}  # recomputed micro-batches: (input, target, RNG states) until RECOMPUTE
-        self.loss = None  # sum of this step's scaled micro-batch losses (last stage)
+        self.losses: list[torch.Tensor] = []  # this step's scaled micro-batch losses, detached (last stage)
         self.pool: Pool | None = None  # saved-tensor holders (pipec.runtime.exec.saved), when measuring or offloading
         self._state_storages: set[int] | None = None
         self.kv = slices.KVCache(slicing, index) if slicing is not None and slicing.slices > 1 else None
         # per unit with token slices: loss_scale times the slice's share of the tokens (slices.loss_scales)
         self.loss_scales = slices.loss_scales(slicing, loss_scale) if self.kv is not None else None
+        # the forward's plain case (no token slices, no saved-tensor pool, the chain): `_run` calls the module
+        # directly, without `_call`'s and `_outs`'s general cases
+        self.plain = self.kv is None and outputs is None
+
+    @property
+    def loss(self) -> torch.Tensor | None:
+        """The sum of this step's scaled micro-batch losses (last stage; None before the first), added up in
+        micro-batch order when read: one add per micro-batch on the hot path saved, the same sum."""
+        losses = self.losses
+        if not losses:
+            return None
+        total = losses[0]
+        for x in losses[1:]:
+            total = total + x
+        return total
+
+    @loss.setter
+    def loss(self, value: torch.Tensor | None) -> None:
+        self.losses = [] if value is None else [value]
 
     def forward(
         self, mb: int, args: tuple, target: Any = None, *, keep_input_only: bool = False
@@ -154,7 +183,20 @@ class Stage:
 
     def _run(self, mb: int, args: tuple, target: Any, accumulate: bool) -> tuple[torch.Tensor, ...] | None:
         if not self.first:
-            args = tuple(x.requires_grad_() for x in args)
+            args = (args[0].requires_grad_(),) if len(args) == 1 else tuple(x.requires_grad_() for x in args)
+        if self.plain and self.pool is None:  # the hot path: one call of the module, its output passed on
+            out = self.module(*args)
+            if self.last:
+                loss = self.loss_fn(out, target)
+                loss = self._add_loss(loss, mb) if accumulate else self._scaled(loss, mb)
+                self.saved[mb] = (args, (loss,))
+                return None
+            if out.__class__ is torch.Tensor and out.is_floating_point():  # one tensor: outputs_of's checks
+                self.saved[mb] = (args, (out,))
+                return (out.detach(),)
+            outs = outputs_of(out, self.index)
+            self.saved[mb] = (args, outs)
+            return tuple(o.detach() for o in outs)
         if self.pool is None:
             out, read, own = self._call(mb, args, keep=accumulate)
             loss = self.loss_fn(out, target) if self.last else None
@@ -200,15 +242,19 @@ class Stage:
         return out, read, own
 
     def _scaled(self, loss: Any, mb: int) -> torch.Tensor:
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise ValueError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
         scale = self.loss_scale if self.loss_scales is None else self.loss_scales[mb]
-        # a 0-dim loss as it is: a reshape's view and its backward node cost ~10 us a micro-batch on a small stage
-        return (loss if loss.dim() == 0 else loss.reshape(())) * scale
+        if isinstance(loss, torch.Tensor):
+            # a 0-dim loss as it is: a reshape's view and its backward node cost ~10 us a micro-batch on a
+            # small stage (and a 0-dim tensor has one element: no numel call)
+            if loss.dim() == 0:
+                return loss * scale
+            if loss.numel() == 1:
+                return loss.reshape(()) * scale
+        raise ValueError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
 
     def _add_loss(self, loss: Any, mb: int) -> torch.Tensor:
         loss = self._scaled(loss, mb)
-        self.loss = loss.detach() if self.loss is None else self.loss + loss.detach()
+        self.losses.append(loss.detach())  # summed when read (`loss`)
         return loss
 
     def _exclude(self, args: tuple, target: Any) -> set[int]:
@@ -246,15 +292,22 @@ class Stage:
             if read:  # the earlier slices' kv gradients, for their own BWD
                 self.kv.add_grads(read, dall[len(args) :])
         else:
-            pairs = [(o, None if grads is None else grads[k]) for k, o in enumerate(outs) if o.requires_grad]
-            if pairs:
-                run_backward([o for o, _ in pairs], [g for _, g in pairs])
+            if len(outs) == 1:  # one output, the common case: no lists built
+                if outs[0].requires_grad:
+                    run_backward(outs, (None,) if grads is None else grads)
+            else:
+                pairs = [(o, None if grads is None else grads[k]) for k, o in enumerate(outs) if o.requires_grad]
+                if pairs:
+                    run_backward([o for o, _ in pairs], [g for _, g in pairs])
             if self.pool is not None:
                 self.pool.release(mb, self.index)
             if self.split_backward:  # whole_backward: WGRAD finds nothing left to do
                 self.deferred[mb] = None
             if self.first:
                 return None
+            if len(args) == 1:
+                g = args[0].grad
+                return (torch.zeros_like(args[0]) if g is None else g,)
             dargs = tuple(x.grad for x in args)
         return tuple(torch.zeros_like(x) if g is None else g for x, g in zip(args, dargs))
 
@@ -286,7 +339,7 @@ class Stage:
         if self.live_params:
             for p in self.module.parameters():
                 p.grad = None
-        self.loss = None
+        self.losses = []
 
     def step(self) -> None:
         if self.optimizer is not None:

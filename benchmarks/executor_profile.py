@@ -1,0 +1,276 @@
+"""The executor's own CPU per instruction, profiled: where `executor_cpu_us` goes, and a tree against another.
+
+    .venv/bin/python benchmarks/executor_profile.py                          # p=2 m=64 and p=4 m=8, shm ranks
+    .venv/bin/python benchmarks/executor_profile.py --trees /tmp/before,.    # A/B: two source trees, alternated
+    .venv/bin/python benchmarks/executor_profile.py --profile 25 --configs 2x64   # cProfile of rank 0's steps
+    .venv/bin/python benchmarks/executor_profile.py --mode local             # every rank in this one process
+
+The workload is runtime_vs_torch's dispatch side (its `Scale` empty model, y = w * x on one number per
+micro-batch, 1F1B, float64, its `PipecSide` and `FloorSide`), without torch's side and without the long
+rounds. Why a second script: `runtime_vs_torch --only-dispatch` needs minutes per figure and puts torch's
+pipeline between every pipec round; this one measures only what the executor adds, so a change to the hot
+path can be judged in seconds, and `--profile` says which calls the microseconds go to.
+
+`--mode shm` (default): p processes on this host with the shared-memory transport (what runtime_vs_torch's
+`pipec` side uses); each round, every rank times `--steps` pipec steps and then `--steps` floor steps with
+`time.thread_time` (its main thread's CPU: waiting on a futex costs none), summed over the ranks and divided
+by the ranks' instructions: `dispatch_cpu_us`, `floor_cpu_us`, and their difference `executor_cpu_us`, the
+median of `--rounds` rounds with [min, max]. `--mode local`: all ranks in this process through
+`pipec.runtime.LocalPipeline` (in-memory queues, one thread: deterministic, the generator path of the loop).
+
+`--trees A,B`: each tree's pipec is imported in its own processes (its folder first on `sys.path`), the
+trees alternated launch by launch (A B B A ...) `--launches` times, so both see the same load; one JSON line
+per launch and a summary line per tree. Every line carries the load average (`/proc/loadavg`).
+
+`--profile N`: rank 0's pipec steps (shm) or the whole step (local) under cProfile; the N functions of
+most own time, as `tottime_us` per instruction of that rank (cProfile's own overhead inflates every figure
+alike: read it for proportions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def load() -> list[float]:
+    with open("/proc/loadavg") as f:
+        return [float(x) for x in f.read().split()[:3]]
+
+
+def use_tree(tree: str | None) -> None:
+    """Import pipec from `tree` (its folder first on sys.path), and runtime_vs_torch from this folder."""
+    if tree:
+        sys.path.insert(0, os.path.abspath(tree))
+    sys.path.insert(1 if tree else 0, HERE)
+
+
+def profile_rows(prof, instrs: int, top: int) -> list[dict]:
+    import pstats
+
+    st = pstats.Stats(prof)
+    rows = []
+    for (file, line, name), (_, ncalls, tottime, cumtime, _) in st.stats.items():
+        rows.append(
+            {
+                "function": f"{os.path.relpath(file) if file.startswith('/') else file}:{line}({name})",
+                "calls_per_instr": round(ncalls / instrs, 3),
+                "tottime_us": round(1e6 * tottime / instrs, 3),
+                "cumtime_us": round(1e6 * cumtime / instrs, 3),
+            }
+        )
+    rows.sort(key=lambda r: -r["tottime_us"])
+    return rows[:top]
+
+
+def worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> None:
+    use_tree(args.tree)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.update(TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS="1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    import torch.distributed.nn.functional  # noqa: F401  (before the group: see runtime_vs_torch.worker)
+    from runtime_vs_torch import FloorSide, PipecSide, Scale, data
+
+    dist.init_process_group("gloo")
+    p, m = args.p, args.m
+    x, y = data(m, 1)
+    pipec = PipecSide("1f1b", rank, Scale.build, p, m, "auto")
+    floor = FloorSide(rank, Scale.build, m, pipec.program)
+    instrs = sum(pipec.instructions)
+    for _ in range(3):  # the handshake, the first allocations
+        pipec.step(x, y)
+        floor.step(x, y)
+    prof = None
+    if args.profile and rank == 0:
+        import cProfile
+
+        prof = cProfile.Profile(time.thread_time)  # CPU, not wall: waits cost none
+
+    def timed(side, n: int, profiled: bool = False) -> float:
+        dist.barrier()
+        c0 = time.thread_time()
+        if profiled:
+            prof.enable()
+        for _ in range(n):
+            side.step(x, y)
+        if profiled:
+            prof.disable()
+        cpu = torch.tensor([time.thread_time() - c0], dtype=torch.float64)
+        dist.all_reduce(cpu)
+        return float(cpu) / n
+
+    rounds = []
+    for _ in range(args.rounds):
+        a = timed(pipec, args.steps, prof is not None)
+        b = timed(floor, args.steps)
+        rounds.append((1e6 * a / instrs, 1e6 * b / instrs))
+    if rank == 0:
+        res = {"rounds": rounds, "transport": pipec.transport, "instructions": pipec.instructions}
+        if prof is not None:
+            res["profile"] = profile_rows(prof, args.rounds * args.steps * pipec.instructions[0], args.profile)
+        out.put(res)
+    dist.destroy_process_group()
+
+
+def run_shm(args: argparse.Namespace) -> dict:
+    import multiprocessing as mp
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, args.p, store.port, args, out)) for r in range(args.p)]
+    for pr in procs:
+        pr.start()
+    try:
+        res = out.get(timeout=args.timeout)
+    except Exception:
+        for pr in procs:
+            pr.kill()
+        sys.exit(f"no result after {args.timeout} s (a rank failed: see above)")
+    for pr in procs:
+        pr.join(60)
+    return res
+
+
+def run_local(args: argparse.Namespace) -> dict:
+    use_tree(args.tree)
+    import torch
+
+    torch.set_num_threads(1)
+    from runtime_vs_torch import FloorSide, Scale, data, loss_fn
+
+    from pipec.api import load as load_schedule
+    from pipec.passes.compiler import compile_schedule
+    from pipec.runtime import LocalPipeline, StageOptions
+
+    program = compile_schedule(load_schedule("1f1b", p=args.p, m=args.m)).program
+
+    def build_seeded(s: int, S: int):
+        torch.manual_seed(1000 + s)
+        return Scale.build(s, S)
+
+    opts = StageOptions(optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3), dtype=torch.float64, seed=None)
+    pipe = LocalPipeline(program, build_seeded, loss_fn, options=opts)
+    floors = [FloorSide(r, Scale.build, args.m, program) for r in range(args.p)]
+    x, y = data(args.m, 1)
+    instrs = sum(len(rp) for rp in program.ranks)
+
+    def floor_step() -> None:
+        for f in floors:
+            f.step(x, y)
+
+    for _ in range(3):
+        pipe.step(x, y)
+        floor_step()
+    prof = None
+    if args.profile:
+        import cProfile
+
+        prof = cProfile.Profile(time.thread_time)  # CPU, not wall: waits cost none
+    rounds = []
+    for _ in range(args.rounds):
+        c0 = time.thread_time()
+        if prof is not None:
+            prof.enable()
+        for _ in range(args.steps):
+            pipe.step(x, y)
+        if prof is not None:
+            prof.disable()
+        a = (time.thread_time() - c0) / args.steps
+        c0 = time.thread_time()
+        for _ in range(args.steps):
+            floor_step()
+        b = (time.thread_time() - c0) / args.steps
+        rounds.append((1e6 * a / instrs, 1e6 * b / instrs))
+    res = {"rounds": rounds, "transport": "LocalComm", "instructions": [len(rp) for rp in program.ranks]}
+    if prof is not None:
+        res["profile"] = profile_rows(prof, args.rounds * args.steps * instrs, args.profile)
+    return res
+
+
+def summary(rounds: list[tuple[float, float]]) -> dict:
+    disp = [a for a, _ in rounds]
+    floor = [b for _, b in rounds]
+    own = [a - b for a, b in rounds]
+
+    def fig(xs: list[float]) -> list[float]:
+        return [round(statistics.median(xs), 2), round(min(xs), 2), round(max(xs), 2)]
+
+    return {"dispatch_cpu_us": fig(disp), "floor_cpu_us": fig(floor), "executor_cpu_us": fig(own)}
+
+
+def child(args: argparse.Namespace) -> None:
+    """One launch: the figures of one tree at one configuration, as one JSON line on stdout."""
+    t0, load0 = time.perf_counter(), load()
+    res = run_shm(args) if args.mode == "shm" else run_local(args)
+    rec = {
+        "benchmark": "executor_profile",
+        "tree": args.tree or ".",
+        "mode": args.mode,
+        "transport": res["transport"],
+        "p": args.p,
+        "m": args.m,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        **summary(res["rounds"]),
+        "executor_cpu_us_rounds": [round(a - b, 2) for a, b in res["rounds"]],
+        "load_avg_start": load0,
+        "load_avg_end": load(),
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
+    print(json.dumps(rec), flush=True)
+    for row in res.get("profile", []):
+        print(json.dumps({"profile": f"p={args.p} m={args.m}", **row}), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--configs", default="2x64,4x8", help="p x m pairs, comma-separated (default 2x64,4x8)")
+    ap.add_argument("--mode", choices=("shm", "local"), default="shm")
+    ap.add_argument("--steps", type=int, default=10, help="steps per round and side")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--trees", default="", help="source trees to alternate, comma-separated (default: this one)")
+    ap.add_argument("--launches", type=int, default=2, help="launches per tree and configuration, alternated")
+    ap.add_argument("--profile", type=int, default=0, help="print the N functions of most own time (cProfile)")
+    ap.add_argument("--timeout", type=float, default=300.0)
+    ap.add_argument("--tree", default="", help=argparse.SUPPRESS)  # a child launch: the one tree it imports
+    ap.add_argument("--p", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--m", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.p:
+        child(args)
+        return
+    trees = [t for t in args.trees.split(",") if t] or [""]
+    per: dict[tuple[str, str], list[list[float]]] = {}
+    for cfg in args.configs.split(","):
+        p, m = (int(v) for v in cfg.split("x"))
+        for k in range(args.launches):
+            order = trees if k % 2 == 0 else trees[::-1]  # A B, B A, ...: a first-launch cost is shared
+            for tree in order:
+                argv = [sys.executable, __file__, "--p", str(p), "--m", str(m), "--mode", args.mode]
+                argv += ["--steps", str(args.steps), "--rounds", str(args.rounds), "--tree", tree]
+                argv += ["--profile", str(args.profile), "--timeout", str(args.timeout)]
+                text = subprocess.run(argv, check=True, capture_output=True, text=True).stdout
+                sys.stdout.write(text)
+                sys.stdout.flush()
+                first = json.loads(text.splitlines()[0])
+                per.setdefault((cfg, tree or "."), []).extend(first["executor_cpu_us_rounds"])
+    for (cfg, tree), own in per.items():
+        fig = [round(statistics.median(own), 2), round(min(own), 2), round(max(own), 2)]
+        print(json.dumps({"summary": cfg, "tree": tree, "executor_cpu_us": fig, "rounds": len(own), "load": load()}))
+
+
+if __name__ == "__main__":
+    main()
