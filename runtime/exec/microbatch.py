@@ -58,8 +58,12 @@ def split(batch: Any, m: int, what: str = "batch") -> list[Any]:
 
 
 def to_device(x: Any, device: torch.device, dtype: torch.dtype | None = None) -> Any:
-    """Move tensors to the device; cast floating ones to dtype when given."""
+    """Move tensors to the device; cast floating ones to dtype when given. A tensor already there (with that
+    dtype) is returned as it is, what `Tensor.to` returns too, without its argument parsing (a call per
+    micro-batch and step)."""
     if isinstance(x, torch.Tensor):
+        if (x.dtype is dtype or dtype is None or not x.is_floating_point()) and x.device == device:
+            return x
         if dtype is not None and x.is_floating_point():
             return x.to(device=device, dtype=dtype)
         return x.to(device)
