@@ -213,6 +213,39 @@ def moe_layers(text: str) -> tuple[int, ...]:
     return tuple(parse(x) for x in parts)
 
 
+def add_fault_arguments(p: argparse.ArgumentParser, verb: str = "emulate") -> None:
+    """`--static`, `--straggler`, `--jitter` and `--fault-seed`, read by `pipec.sim.faults.faults_of`: one
+    definition for `pipec run` (verb "emulate": the faults are emulated) and `pipec simulate` ("model": the
+    family machine predicts the gain under them), so the two take the very same values."""
+    static = (
+        "run its compiled order, not orders chosen at run time"
+        if verb == "emulate"
+        else "predict only its compiled order (the static step), not orders chosen at run time"
+    )
+    p.add_argument(
+        "--static",
+        action="store_true",
+        help=f"a schedule with an order family (`window`, `any`): {static} (docs/runtime.md 'Orders chosen at run "
+        "time')",
+    )
+    p.add_argument(
+        "--straggler",
+        metavar="RANK[:FACTOR[:SHARE]]",
+        default=None,
+        help=f"{verb} a straggler: RANK FACTOR times slower (default 2) on a random SHARE (default 0.3) of its ops",
+    )
+    p.add_argument(
+        "--jitter",
+        metavar="DIST",
+        default=None,
+        help=f"{verb} link jitter: each message between ranks delayed by a draw of exp:MEAN, uniform:LO:HI or "
+        "const:D (times such as 2ms)",
+    )
+    p.add_argument(
+        "--fault-seed", type=integer, default=0, metavar="N", help="the seed of --straggler's and --jitter's draws"
+    )
+
+
 def add_moe_layers_argument(p: argparse.ArgumentParser) -> None:
     """`--moe-layers L` or `L0,L1,...` into `moe_layers` (None: not given), for the commands that compile a
     schedule (`pipec run` counts a model's MoE layers itself); `moe_layers_of` reads it."""
@@ -416,28 +449,7 @@ class RunOptions:
             help="CUDA: capture each stage's compiled forward and backward as CUDA graphs and replay them (implies "
             "--compile; needs CUDA)",
         )
-        ap.add_argument(
-            "--static",
-            action="store_true",
-            help="a schedule with an order family (`window`, `any`): run its compiled order, not orders chosen at "
-            "run time (docs/runtime.md 'Orders chosen at run time')",
-        )
-        ap.add_argument(
-            "--straggler",
-            metavar="RANK[:FACTOR[:SHARE]]",
-            default=None,
-            help="emulate a straggler: RANK FACTOR times slower (default 2) on a random SHARE (default 0.3) of its ops",
-        )
-        ap.add_argument(
-            "--jitter",
-            metavar="DIST",
-            default=None,
-            help="emulate link jitter: each message between ranks delayed by a draw of exp:MEAN, uniform:LO:HI or "
-            "const:D (times such as 2ms)",
-        )
-        ap.add_argument(
-            "--fault-seed", type=integer, default=0, metavar="N", help="the seed of --straggler's and --jitter's draws"
-        )
+        add_fault_arguments(ap)
         if not launcher:
             ap.add_argument("--family", default=None, help=argparse.SUPPRESS)  # the order family's JSON file
             ap.add_argument(

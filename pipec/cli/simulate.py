@@ -43,6 +43,7 @@ def simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", metavar="OUT.json", help="write a Chrome/Perfetto trace (one schedule)")
     p.add_argument("--plot", metavar="OUT.png", help="draw a Gantt chart (.png, .svg or .pdf), one panel per schedule")
     p.add_argument("--no-memory", action="store_true", help="leave the memory curves out of --plot")
+    options.add_fault_arguments(p, "model")
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -60,6 +61,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         raise Misuse("--trace takes one schedule")
     if args.plot and not args.plot.lower().endswith((".png", ".svg", ".pdf")):
         raise Misuse(f"--plot writes .png, .svg or .pdf, not `{args.plot}`")
+    faults = _faults(args)
     docs = [cost_spec(t) for t in args.cost]
     overrides = memory(args, docs)
     sims, used = [], set()
@@ -85,6 +87,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             source=Source("<command line>", ""),
             notes=(f"they take {takes}",),
         )
+    predictions = [_prediction(args, s, faults) for s in sims]
     wrote = []
     try:
         if args.trace:
@@ -101,12 +104,68 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         raise Misuse(f"cannot write `{e.filename}`: {e.strerror}") from None
     if args.json:
         results = [{**report.to_json(s), "trace": args.trace, "plot": args.plot} for s in sims]
+        for res, pred in zip(results, predictions):
+            if pred is not None:
+                res["family_prediction"] = pred
         emit(args, {"results": results})
         return 0
     print(report.summary_text(sims[0]) if len(sims) == 1 else report.compare_text(sims))
+    for sim, pred in zip(sims, predictions):
+        if pred is not None:
+            print(_prediction_text(sim, pred, len(sims) > 1))
     for line in wrote:
         print(line)
     return 0
+
+
+def _faults(args: argparse.Namespace):
+    """`--straggler`, `--jitter` and `--fault-seed` read as `pipec run` reads them (pipec.sim.faults.faults_of,
+    each flag by its parser); a bad value is E811 at the command line, naming the flag."""
+    from pipec.sim.faults import faults_of, parse_jitter, parse_straggler
+
+    for flag, value, parse in (
+        ("--straggler", args.straggler, parse_straggler),
+        ("--jitter", args.jitter, parse_jitter),
+    ):
+        try:
+            if value is not None:
+                parse(value)
+        except ValueError as e:
+            raise error("E811", f"{flag}: {e}", source=Source("<command line>", "")) from None
+    return faults_of(args.straggler, args.jitter, args.fault_seed)
+
+
+def _prediction(args: argparse.Namespace, sim, faults) -> dict | None:
+    """The family machine's prediction (pipec.sim.machine.predict) for a schedule with an order family, or
+    under faults; None for a static schedule without faults, whose output stays as it was."""
+    from pipec.sim.machine import PREDICTED_STEPS, predict
+
+    family = sim.compiled.program.family
+    if family is not None and family.is_static:
+        family = None
+    if family is None and faults is None:
+        return None
+    s = faults.straggler if faults is not None else None
+    if s is not None and s.rank >= sim.schedule.num_ranks:
+        raise error(
+            "E811",
+            f"--straggler: rank {s.rank} is not in 0..{sim.schedule.num_ranks - 1} (`{sim.schedule.name}`'s ranks)",
+            source=Source("<command line>", ""),
+        )
+    pred = predict(sim.schedule, sim.costs, family, faults, static=args.static or family is None)
+    what = faults.describe() if faults is not None else "no faults"
+    return {"steps": PREDICTED_STEPS, "faults": what, "family": family is not None, **pred}
+
+
+def _prediction_text(sim, pred: dict, named: bool) -> str:
+    """One line: the family machine's static step and, for a family run dynamically, its dynamic step and
+    the predicted gain."""
+    who = f"{sim.schedule.name}: " if named else ""
+    head = f"{who}family machine, mean of {pred['steps']} steps, {pred['faults']}: static step {pred['static']:.6g}"
+    if "dynamic" not in pred:
+        why = "--static: the compiled order only" if pred["family"] else "no order family: the compiled order"
+        return f"{head} ({why})"
+    return f"{head}, dynamic step {pred['dynamic']:.6g}, predicted gain {pred['gain']:+.2%}"
 
 
 SIMULATE = Command(

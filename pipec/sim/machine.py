@@ -579,3 +579,27 @@ def predicted_gain(
     )
     dy = sum(run_family(sched, cost, latency, bandwidth, nbytes, family, faults, step=s).makespan for s in steps)
     return {"static": st / len(steps), "dynamic": dy / len(steps), "gain": 1.0 - dy / st if st > 0 else 0.0}
+
+
+# pipec run's default number of steps (pipec.options): what `pipec simulate`'s prediction averages over.
+PREDICTED_STEPS = 3
+
+
+def predict(
+    sched, costs: CostModel, family: OrderFamily | None, faults: Faults | None, *, static: bool = False
+) -> dict:
+    """`pipec simulate`'s prediction for a schedule with an order family, under a cost model and faults:
+    the family machine's static step and, unless `static`, its dynamic step and the gain (`predicted_gain`),
+    averaged over the steps 0 .. PREDICTED_STEPS - 1 that a default `pipec run` takes (each step its own
+    fault draws, as in the run). The cost model gives each op kind's time per stage (`kind_time`), the
+    latency and bandwidth per pair and the activation bytes per stage; what it gives per stage on top of a
+    pair's latency (`comm`) the family machine, timed per pair, leaves out."""
+    K, S = len(sched.kinds), sched.num_stages
+    cost = np.array([costs.kind_time(np.full(S, k), np.arange(S)) for k in range(K)], dtype=float)
+    lat = np.asarray(costs.latency, dtype=float)
+    bw = np.asarray(costs.bandwidth, dtype=float)  # inf: no time on the wire
+    steps = range(PREDICTED_STEPS)
+    args = (sched, cost, lat, bw, np.asarray(costs.act_bytes, dtype=float), family, faults)
+    if static:
+        return {"static": sum(run_family(*args, step=s, static=True).makespan for s in steps) / len(steps)}
+    return predicted_gain(*args, steps=steps)
