@@ -353,6 +353,10 @@ class _Compiler(ExpressionCompiler):
         if st.kind in ("stages", "ranks", "microbatches", "slices", "seqlen"):
             code, t = self.expr(st.value, scope)
             self.want(t, ("int",), st.value.span, f"`{st.kind}`")
+            if st.kind == "stages":  # the count, a name for what follows (`edge s -> if s < stages - 1 ...`)
+                self.line(indent, f"_n_stages = {code}")
+                code = "_n_stages"
+                scope.names["stages"] = Value(code, "int")
             self.line(indent, f"_rt.decl({st.kind!r}, None, {code}, {sid})")
             return
         keys = STAGE_COST_KEYS if st.kind == "cost" else MEMORY_KEYS

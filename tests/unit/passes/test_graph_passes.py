@@ -301,3 +301,18 @@ def test_any_graph_and_placement_compiles_and_is_proven(case):
     remote = [(u, v) for u, v in edges if place[u] != place[v]]
     assert len(_message_edges(prog)) == 4 * m * len(remote)
     assert dry_run(prog).completed
+
+
+def test_stages_names_the_stage_count_after_its_declaration():
+    """docs/language.md section 19 writes the chain as `edge s -> if s < stages - 1 then s + 1 else -1`: after a
+    `stages` declaration the name is its count, so that edge gives the same graph as `p - 1` at p = stages."""
+    body = "    edge s -> if s < {n} - 1 then s + 1 else -1\n    edge s -> if s == 0 then {n} - 1 else -1\n"
+    head = 'schedule "g" (p: int = 4, m: int = 4) {\n    stages p\n'
+    by_name = _compile(head + body.format(n="stages") + ONE_F_ONE_B + "}\n")
+    by_param = _compile(head + body.format(n="p") + ONE_F_ONE_B + "}\n")
+    assert by_name.graph is not None and by_name.graph.edges == by_param.graph.edges
+    assert (0, 3) in by_name.graph.edges
+    before = 'schedule "g" (p: int = 4, m: int = 4) {\n    place s -> s % stages\n    stages p\n' + ONE_F_ONE_B + "}\n"
+    with pytest.raises(PipecError) as e:
+        _compile(before)
+    assert e.value.code == "E101" and "`stages`" in str(e.value) and e.value.diagnostics[0].span.line == 2
