@@ -20,18 +20,19 @@ UNET_BATCH=64; the two encoders at TWO_DIM=512 TWO_BATCH=512 TWO_SIZE=3 TWO_TOKE
 TWO_LAYERS=2, chosen so that the encoders, the fusion stage and the last stage (a residual block of two
 layers) cost about the same (the goal's "balanced stages"). float64, the files' default.
 
-Each round, per case: `pipec profile 1f1b -D p=4 -D m=8 --model CHAIN -o chain.toml` on this machine (its F
-and B per stage, link, overhead, and the keys that make 4 ranks share the 2 cores, docs/simulate.md "Ranks
-that share cores"), then `pipec simulate --cost` of both schedules, then `pipec run SCHED -D p=4 -D m=8
---model M --nproc 4 --steps K --json` of chain and graph in ABBA order over the rounds (the chain first in
-even rounds), the measured step the median of the steps after the first two. The graph is simulated on a cost
-file made from the chain's profile (so both share one measurement of the same modules): the same F and B per
-stage (the same modules; the chain's stages also hand a skip or the tokens along, which costs next to
-nothing), the same link, overhead and sharing keys, the same saved and state bytes (a tensor only passed along
-is not saved by autograd), and the graph's own message bytes per stage (`act_bytes`, from the graph model's
-tensors; a gradient is its edge's activation's size). Each system is simulated twice: as profiled (this
-machine: 4 ranks on 2 cores), and with a core per rank (`--cost ranks_per_node=4,cores_per_node=4`), the
-goal's figure.
+Each round, per case: `pipec profile SCHED -D p=4 -D m=8 --model M --in-situ -o FILE` of each system on this
+machine (its F and B per stage as the CPU each op took in a run of that very schedule on 4 processes, the
+executor's overhead per transfer instruction measured there too, the link, and the keys that make 4 ranks
+share the 2 cores, docs/simulate.md "Ranks that share cores"), then `pipec simulate --cost` of each system on
+its own profile, then `pipec run SCHED -D p=4 -D m=8 --model M --nproc 4 --steps K --json` of chain and graph
+in ABBA order over the rounds (the chain first in even rounds), the measured step the median of the steps
+after the first two. Why in situ and each its own: what the chain costs beyond the graph is in its run (the
+carried tensors' copies into and out of shared memory on the main thread, the larger messages' overhead), not
+in its modules, which are the graph's; a profile of the ops alone, taken in turns, sees none of it.
+`--shared-profile` gives the method before 2026-12-07: the graph simulated on a cost file made from the
+chain's plain profile (the same F and B per stage, link, overhead, sharing keys, saved and state bytes, and
+the graph's own message bytes per stage, `act_bytes`). Each system is simulated twice: as profiled (this
+machine: 4 ranks on 2 cores), and with a core per rank (`--cost cores_per_node=4`), the goal's figure.
 
 Bytes per step: the Program's transfer instructions (every SEND_ACT and SEND_GRAD, each naming its edge) times
 the size of the tensors on that edge as the model makes them on micro-batch 0 (what the run sends; a
@@ -218,18 +219,21 @@ def inspected(case: str, system: str, env: dict) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def profile_chain(case: str, reps: int, path: str, env: dict) -> dict:
-    """`pipec profile` of the chain on this machine; the cost document as written."""
+def profile(case: str, system: str, reps: int, path: str, env: dict, in_situ: bool) -> dict:
+    """`pipec profile` of one system on this machine (`--in-situ`: its ops' CPU and the executor's overhead
+    measured in a run of its own schedule on 4 processes); the cost document as written."""
     import tomllib
 
-    target, model = CASES[case]["chain"]
-    pipec(["profile", target, *DEFINES, "--model", model, "-o", path, "--reps", str(reps)], env)
+    target, model = CASES[case][system]
+    extra = ["--in-situ"] if in_situ else []
+    pipec(["profile", target, *DEFINES, "--model", model, "-o", path, "--reps", str(reps), *extra], env)
     return tomllib.loads(Path(path).read_text())
 
 
 def graph_costs(chain_doc: dict, graph: dict) -> dict:
-    """The graph's cost document from the chain's profile: the same compute, link, overhead, sharing, saved
-    and state bytes; its own message bytes (a gradient: its edge's activation's size, the default)."""
+    """The graph's cost document from the chain's profile (`--shared-profile`): the same compute, link,
+    overhead, sharing, saved and state bytes; its own message bytes (a gradient: its edge's activation's
+    size, the default)."""
     doc = {k: v for k, v in chain_doc.items() if k not in NOT_COSTS and k not in ("grad_bytes",)}
     doc["act_bytes"], doc["input_bytes"] = graph["act_bytes"], [0, *graph["in_bytes"][1:]]
     return doc
@@ -267,12 +271,14 @@ def run_case(case: str, args: argparse.Namespace, tmp: str) -> dict:
     runs: dict[str, list[float]] = {s: [] for s in SYSTEMS}
     losses: dict[str, list[float]] = {}
     for r in range(args.rounds):
-        chain_doc = profile_chain(case, args.reps, os.path.join(tmp, f"{case}.{r}.chain.toml"), env)
-        paths = {
-            "chain": os.path.join(tmp, f"{case}.{r}.chain.toml"),
-            "graph": os.path.join(tmp, f"{case}.{r}.graph.json"),
-        }
-        Path(paths["graph"]).write_text(json.dumps(graph_costs(chain_doc, info["graph"])))
+        paths = {s: os.path.join(tmp, f"{case}.{r}.{s}.toml") for s in SYSTEMS}
+        in_situ = not args.shared_profile
+        chain_doc = profile(case, "chain", args.reps, paths["chain"], env, in_situ)
+        if args.shared_profile:  # the graph on the chain's measurement of the same modules
+            paths["graph"] = os.path.join(tmp, f"{case}.{r}.graph.json")
+            Path(paths["graph"]).write_text(json.dumps(graph_costs(chain_doc, info["graph"])))
+        else:
+            profile(case, "graph", args.reps, paths["graph"], env, in_situ)
         for s in SYSTEMS:
             for k, cpr in (("", False), ("_core_per_rank", True)):
                 sim_last[f"{s}{k}"] = simulated(CASES[case][s][0], paths[s], env, cpr)
@@ -331,6 +337,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10, help="steps per pipec run (default 10; the first 2 dropped)")
     ap.add_argument("--reps", type=int, default=10, help="pipec profile --reps (default 10)")
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated (default: unet,two_encoders)")
+    ap.add_argument(
+        "--shared-profile",
+        action="store_true",
+        help="simulate the graph on the chain's plain profile (the method before 2026-12-07) instead of each "
+        "system on its own --in-situ profile",
+    )
     ap.add_argument("--inspect", nargs=2, metavar=("CASE", "SYSTEM"), help=argparse.SUPPRESS)
     smoke_flag(ap)
     args = ap.parse_args()
