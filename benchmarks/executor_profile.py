@@ -37,6 +37,8 @@ import subprocess
 import sys
 import time
 
+from sidebyside import smoke_flag
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -248,7 +250,10 @@ def main() -> None:
     ap.add_argument("--tree", default="", help=argparse.SUPPRESS)  # a child launch: the one tree it imports
     ap.add_argument("--p", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--m", type=int, default=0, help=argparse.SUPPRESS)
+    smoke_flag(ap)
     args = ap.parse_args()
+    if args.smoke:  # one small configuration, one launch of 2 short rounds: the format (tests)
+        args.configs, args.steps, args.rounds, args.launches = "2x4", 2, 2, 1
     if args.p:
         child(args)
         return
