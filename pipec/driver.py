@@ -33,8 +33,8 @@ from pipec.frontend.library import read
 from pipec.frontend.load import compile_source, evaluate_source
 from pipec.ir.dataparallel import DataParallel, dp_mismatch
 from pipec.ir.experts import Experts
-from pipec.ir.program import Program
-from pipec.ir.schedule import RankOps, Schedule
+from pipec.ir.program import Program, schedule_of  # schedule_of lives below the formats now; importable here as before
+from pipec.ir.schedule import Schedule
 from pipec.passes.checks import check_schedule
 
 if TYPE_CHECKING:  # the lowering's and the simulator's modules load when a call needs them (start-up time)
@@ -128,39 +128,6 @@ def param_names(source: Source) -> tuple[str, ...]:
     if is_program_text(source.text, source.path):
         return ()
     return tuple(p.name for p in compile_source(source).params)
-
-
-def schedule_of(prog: Program, source: Source | None = None) -> Schedule:
-    """The Schedule a Program executes: each rank's computes in their order (an overlapped pair stays a
-    pair), with the Program's sizes, parameters and placement. A Program holds no cost, memory,
-    topology or `expect` declarations, so the defaults apply to it (give costs with `cost=`)."""
-    from pipec.ir.opcodes import IS_COMPUTE, KIND_OF
-
-    ranks = []
-    for rp in prog.ranks:
-        idx = np.flatnonzero(IS_COMPUTE[rp.op])
-        ranks.append(
-            RankOps(
-                kind=KIND_OF[rp.op[idx]],
-                mb=rp.mb[idx],
-                stage=rp.stage[idx],
-                sid=np.zeros(len(idx), dtype=np.int64),
-                paired=rp.group[idx],
-            )
-        )
-    return Schedule(
-        name=prog.name,
-        params=tuple(prog.params),
-        num_stages=prog.num_stages,
-        num_ranks=prog.num_ranks,
-        num_microbatches=prog.num_microbatches,
-        kinds=("F", "B", "W") if prog.split_backward else ("F", "B"),
-        placement=tuple(prog.placement),
-        ranks=tuple(ranks),
-        source=source,
-        slicing=prog.slicing,
-        graph=prog.graph,
-    )
 
 
 def target_of(target: Target, params: Params | None = None) -> tuple[Schedule | Program, str | None]:

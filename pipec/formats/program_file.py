@@ -12,7 +12,8 @@ read both versions, and check a version 2 file's graph (`check_graph`) and colum
 Program carrying a buffer plan (`Program.buffers`, pipec.passes.bufferplan) is written as version 3: the
 head's `buffers` (the JSON object of `pipec.formats.plan_file`; the text form's `buffers` line), `edges` and
 the `other` column as version 2 where there is a graph, else as version 1; the readers prove the plan
-(`pipec.passes.bufferplan.prove`, E502) after validating. The writers stream
+(`pipec.passes.bufferplan.prove`, E502) after validating. A Program with an order family (`Program.family`)
+is version 3 too, its head's `family` (`pipec.formats.family_field`, re-proven on reading). The writers stream
 (`write_json`, `write_text` to an open file), so a million-op Program is never held twice as one string;
 their rows are laid out by numpy (`pipec.formats.rowtext`).
 """
@@ -28,7 +29,7 @@ from typing import IO
 import numpy as np
 
 from pipec.errors import PipecError, Source, Span, brief, error
-from pipec.formats import plan_file, rowtext
+from pipec.formats import family_field, plan_file, rowtext
 from pipec.ir.experts import Experts
 from pipec.ir.graph import MAX_EDGES, StageGraph, check_graph
 from pipec.ir.opcodes import BY_NAME, CODE, IS_P2P, OPCODES
@@ -55,8 +56,9 @@ def _version_message(shown: object) -> str:
 
 
 def _version_of(prog: Program) -> int:
-    """The version a Program is written as: 3 with a buffer plan, else 2 with a stage graph, else 1."""
-    if prog.buffers is not None:
+    """The version a Program is written as: 3 with a buffer plan or an order family, else 2 with a stage
+    graph, else 1."""
+    if prog.buffers is not None or family_field.written(prog):
         return PLAN_VERSION
     return VERSION if prog.graph is None else GRAPH_VERSION
 
@@ -211,6 +213,8 @@ def _dp_head(prog: Program) -> dict[str, object]:
         out["forward_only"] = True
     if prog.buffers is not None:  # version 3
         out["buffers"] = plan_file.to_doc(prog.buffers)
+    if family_field.written(prog):  # version 3
+        out["family"] = family_field.to_doc(prog.family, prog.num_ranks)
     return out
 
 
@@ -351,7 +355,10 @@ def from_json(text: str, path: str = "<program>") -> Program:
             moe_layers=_moe_layers(doc.get("moe_layers")),
             forward_only=_flag(doc.get("forward_only", False), "forward_only"),
             graph=graph,
-            buffers=_buffers(doc["version"], doc.get("buffers"), _size(doc["num_ranks"], "num_ranks")),
+            buffers=_buffers(
+                doc["version"], doc.get("buffers"), _size(doc["num_ranks"], "num_ranks"), doc.get("family")
+            ),
+            family=family_field.from_doc(doc["version"], doc.get("family"), doc["num_ranks"]),
         )
     except RecursionError:
         raise error(
@@ -366,19 +373,24 @@ def from_json(text: str, path: str = "<program>") -> Program:
     return prog
 
 
-def _buffers(version: int, doc: object, num_ranks: int):
-    """A file's `buffers` (version 3 only, and there required) as its BufferPlan; ValueError (E501) otherwise."""
+def _buffers(version: int, doc: object, num_ranks: int, family: object = None):
+    """A file's `buffers` (version 3 only, and there required unless it has a `family`) as its BufferPlan;
+    ValueError (E501) otherwise."""
     if version != PLAN_VERSION:
         if doc is not None:
             raise ValueError(f"`buffers` (a buffer plan) needs format version {PLAN_VERSION}, not {version}")
         return None
+    if doc is None and family is None:
+        raise ValueError(f"a version {PLAN_VERSION} Program needs `buffers`, its buffer plan, or `family`")
     if doc is None:
-        raise ValueError(f"a version {PLAN_VERSION} Program needs `buffers`, its buffer plan")
+        return None
     return plan_file.from_doc(doc, num_ranks)
 
 
 def _prove(prog: Program, source: Source) -> None:
-    """A plan read from a file holds for its Program, or E502 (pipec.passes.bufferplan)."""
+    """A plan and a family read from a file hold for their Program, or E502 (pipec.passes.bufferplan,
+    pipec.formats.family_field)."""
+    family_field.prove(prog, source)
     if prog.buffers is not None:
         from pipec.passes.bufferplan import prove
 
@@ -527,6 +539,7 @@ def from_text(text: str, path: str = "<program>") -> Program:
             "moe_layers": None,
             "forward_only": "false",
             "buffers": None,
+            "family": None,
         }
         body = 4
         while body < len(lines) and lines[body][1].split()[0] in dp:
@@ -540,9 +553,9 @@ def from_text(text: str, path: str = "<program>") -> Program:
                 dp["edges"] = _graph(json.loads(words[1]), stages)
             elif words[0] == "slicing":
                 dp["slicing"] = _slicing(json.loads(words[1]), mbs)
-            elif words[0] == "buffers":
-                dp["buffers"] = json.loads(words[1])
-            elif words[0] in ("experts", "moe_layers"):
+            elif words[0] == "family":  # read here, so that a bad one is E501 at its line
+                dp["family"] = family_field.from_doc(version, json.loads(words[1]), ranks)
+            elif words[0] in ("experts", "moe_layers", "buffers"):
                 dp[words[0]] = json.loads(words[1])
             else:
                 dp[words[0]] = _operand(words[1]) if words[0] == "dp" else words[1]
@@ -604,7 +617,8 @@ def from_text(text: str, path: str = "<program>") -> Program:
             moe_layers=_moe_layers(dp["moe_layers"]),
             forward_only=_flag(dp["forward_only"], "forward_only"),
             graph=graph,  # type: ignore[arg-type]
-            buffers=_buffers(version, dp["buffers"], ranks),
+            buffers=_buffers(version, dp["buffers"], ranks, dp["family"]),
+            family=dp["family"],  # type: ignore[arg-type]
         )
     except RecursionError:
         raise fail(f"{NOT_A_PROGRAM}: malformed program text: its JSON values nest too deeply") from None

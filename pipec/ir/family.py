@@ -15,7 +15,7 @@ the Program (`family`, None: every rank static); `pipec.passes.family` proves it
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -34,7 +34,8 @@ class RankFamily:
 
     segments: tuple[tuple[int, int, int], ...]
     prefer: str = "order"
-    span: Span | None = None
+    # where it was written, not what it is: a family read back from a Program file (no span) equals it
+    span: Span | None = field(default=None, compare=False)
 
     @property
     def num_ops(self) -> int:

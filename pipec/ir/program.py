@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pipec.errors import Source
 from pipec.ir.buffers import BufferPlan
 from pipec.ir.experts import Experts
 from pipec.ir.family import OrderFamily
@@ -30,6 +31,8 @@ from pipec.ir.opcodes import (
     CODE,
     COMPUTE,
     FWD,
+    IS_COMPUTE,
+    KIND_OF,
     OFFLOAD,
     OPCODES,
     RECOMPUTE,
@@ -48,7 +51,7 @@ from pipec.ir.opcodes import (
 )
 
 # The vocabulary lives in pipec.ir.opcodes; these names stay importable from here for readers of a Program.
-from pipec.ir.schedule import Slicing, frozen_array
+from pipec.ir.schedule import RankOps, Schedule, Slicing, frozen_array
 
 __all__ = [
     "BWD",
@@ -72,6 +75,7 @@ __all__ = [
     "Instr",
     "Program",
     "RankProgram",
+    "schedule_of",
 ]
 
 
@@ -218,3 +222,36 @@ class Program:
     @property
     def num_instructions(self) -> int:
         return sum(len(r) for r in self.ranks)
+
+
+def schedule_of(prog: Program, source: Source | None = None) -> Schedule:
+    """The Schedule a Program executes: each rank's computes in their order (an overlapped pair stays a
+    pair), with the Program's sizes, parameters and placement. A Program holds no cost, memory,
+    topology or `expect` declarations, so the defaults apply to it (give costs with `cost=`). Here, below
+    the formats, so that a Program file's reader can prove the order family it carries on it
+    (`pipec.formats.family_field`); `pipec.driver.schedule_of` is this."""
+    ranks = []
+    for rp in prog.ranks:
+        idx = np.flatnonzero(IS_COMPUTE[rp.op])
+        ranks.append(
+            RankOps(
+                kind=KIND_OF[rp.op[idx]],
+                mb=rp.mb[idx],
+                stage=rp.stage[idx],
+                sid=np.zeros(len(idx), dtype=np.int64),
+                paired=rp.group[idx],
+            )
+        )
+    return Schedule(
+        name=prog.name,
+        params=tuple(prog.params),
+        num_stages=prog.num_stages,
+        num_ranks=prog.num_ranks,
+        num_microbatches=prog.num_microbatches,
+        kinds=("F", "B", "W") if prog.split_backward else ("F", "B"),
+        placement=tuple(prog.placement),
+        ranks=tuple(ranks),
+        source=source,
+        slicing=prog.slicing,
+        graph=prog.graph,
+    )

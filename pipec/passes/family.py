@@ -179,6 +179,20 @@ def prove_family(
 # ---- channels --------------------------------------------------------------
 
 
+def nccl_reason(sched: Schedule) -> str | None:
+    """Why NCCL cannot run the schedule's family (E429's message: a channel it may reorder), or None when
+    it can: what the compiler records on the family (`OrderFamily.nccl`) and a Program file's reader
+    re-derives (`pipec.formats.family_field`)."""
+    if sched.family is None or sched.family.is_static:
+        return None
+    try:
+        g = _graph(sched)
+        _check_channels(sched, g, _ranks(sched, g))
+    except PipecError as e:
+        return e.diagnostics[0].message
+    return None
+
+
 def _check_channels(sched: Schedule, g: _Graph, ranks: list[_Rank]) -> None:
     for r, rk in enumerate(ranks):
         if rk.fam is None:

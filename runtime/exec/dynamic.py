@@ -33,6 +33,7 @@ import time
 from collections.abc import Generator
 from typing import Any
 
+from pipec.formats import family_field
 from pipec.ir.family import OrderFamily, RankFamily
 from pipec.ir.opcodes import BWD, FWD, IS_COMPUTE, IS_RECV, IS_SEND, KIND_OF, WGRAD
 from pipec.runtime.errors import CommError, PipelineError
@@ -61,21 +62,17 @@ def _base(comm: Any) -> tuple[Any, list[Any]]:
 
 
 def family_json(family: OrderFamily, num_ranks: int) -> str:
-    """The order family as the workers of `pipec run` read it (a Program file does not carry it yet):
-    `OrderFamily.describe()` with the rank count and the NCCL reason."""
-    return json.dumps({"num_ranks": num_ranks, "ranks": family.describe(), "nccl": family.nccl})
+    """The order family as the deprecated `family.json` of `pipec run`'s workers held it (hidden `--family`,
+    until 0.3.0): the Program file's `family` field (pipec.formats.family_field), which now carries it."""
+    return json.dumps(family_field.to_doc(family, num_ranks))
 
 
 def family_of_json(text: str) -> OrderFamily:
+    """A `family.json` back as an OrderFamily, read as the Program file's field is (ValueError when malformed)."""
     d = json.loads(text)
-    ranks = d.get("ranks", {})
-    fams = [
-        RankFamily(tuple(tuple(int(x) for x in s) for s in ranks[str(r)]["segments"]), ranks[str(r)]["prefer"])
-        if str(r) in ranks
-        else None
-        for r in range(int(d["num_ranks"]))
-    ]
-    return OrderFamily(tuple(fams), d.get("nccl"))
+    if not isinstance(d, dict) or isinstance(d.get("num_ranks"), bool) or not isinstance(d.get("num_ranks"), int):
+        raise ValueError("a family file must hold the `family` object of a Program file")
+    return family_field.from_doc(family_field.PLAN_VERSION, d, d.get("num_ranks"))
 
 
 def refuse_nccl(program: Any, rank: int, comm: Any) -> None:

@@ -123,11 +123,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         c = run_program(*target_of(ns.schedule, list(ns.defines)), opts)
         program, schedule = with_dp(c.program, opts), c.schedule if c.schedule.spans else None
-        if opts.family:  # the launcher's order family (a Program file does not carry it yet)
+        if opts.family:  # deprecated: the family now comes in the Program file (pipec.formats.family_field)
             import dataclasses
+            import warnings
 
             from pipec.runtime.exec.dynamic import family_of_json
 
+            warnings.warn(
+                "--family FILE.json is deprecated and goes in 0.3.0: a Program file carries its order family "
+                "(version 3, its `family` field; docs/program.md)",
+                DeprecationWarning,
+                stacklevel=1,
+            )
             with open(opts.family) as f:
                 program = dataclasses.replace(program, family=family_of_json(f.read()))
     except PipecError as e:

@@ -141,12 +141,7 @@ def run_torchrun(opts: RunOptions, program: Program, nproc: int, links=None, sch
         path = os.path.join(tmp, "program.json")
         with open(path, "w") as f:
             write_json(program, f)
-        if program.family is not None:  # a Program file does not carry the order family yet: beside it
-            from pipec.runtime.exec.dynamic import family_json
-
-            opts = dataclasses.replace(opts, family=os.path.join(tmp, "family.json"))
-            with open(opts.family, "w") as f:
-                f.write(family_json(program.family, program.num_ranks))
+        # the order family, if any, is in the Program file (pipec.formats.family_field): no family.json beside it
         # A rank that does not answer SIGTERM (stopped, or stuck in C code) is killed SHUTDOWN_S seconds
         # later instead of torchrun's default 30.
         targv = ["--standalone", "--nproc-per-node", str(nproc), "--shutdown-timeout", str(SHUTDOWN_S)]

@@ -123,6 +123,26 @@ def test_family_file_round_trip(tmp_path):
     assert [f.segments for f in back.ranks] == [f.segments for f in prog.family.ranks]
 
 
+def test_the_family_reaches_the_workers_in_the_program_file(tmp_path):
+    """What torchrun's workers read (pipec.runtime.job.launch): the Program file `pipec run` writes carries
+    the family (version 3, pipec.formats.family_field), and the worker's Program keeps it; the deprecated
+    family.json (hidden --family) still reads to the same family."""
+    from pipec.driver import target_of
+    from pipec.formats.program_file import write_json
+    from pipec.options import RunOptions
+    from pipec.runtime.job.launch import with_dp
+    from pipec.runtime.job.program import run_program
+
+    prog = compiled(tmp_path, "1f1b", "window 3 prefer depth")
+    path = tmp_path / "program.json"
+    with open(path, "w") as f:
+        write_json(prog, f)
+    opts = RunOptions(model="examples/mlp.py")
+    got = with_dp(run_program(*target_of(str(path), []), opts).program, opts)
+    assert got.family == prog.family and got.family.of(1).prefer == "depth"
+    assert family_of_json(family_json(prog.family, prog.num_ranks)) == prog.family
+
+
 def test_nccl_refuses_a_reordering_family(tmp_path):
     """On NCCL (a CUDA torch.distributed transport) a family with `nccl` set is refused, with its reason."""
     prog = compiled(tmp_path, "1f1b", "window 2")
@@ -147,7 +167,7 @@ def _pipec_run(*argv: str) -> str:
 
 def test_four_processes_shm_with_faults(tmp_path):
     """`pipec run` over 4 processes (shared memory) with a straggler and jitter: the family reaches the
-    workers beside the Program file, and --check holds the result to the reference."""
+    workers in the Program file, and --check holds the result to the reference."""
     sched = windowed(tmp_path, "1f1b", "window 3 prefer depth")
     _pipec_run(sched, "-D", "m=4", "--model", "examples/mlp.py", "--nproc", "4", "--straggler", "1:2:0.3")
 
