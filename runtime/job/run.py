@@ -179,11 +179,18 @@ def memory_lines(opts: RunOptions, program: Program, measured: list, sched=None)
     from pipec.runtime.profile.held import stage_bytes
     from pipec.sim.memory import program_memory
 
-    predicted = None
+    predicted, dynamic = None, False
     if sched is not None:
         dev = opts.device or ("cuda" if opts.backend == "nccl" else "cpu")
         counted = stage_bytes(program, load_model(opts.model), device=dev, seed=opts.seed, loss_scale=opts.loss_scale)
-        predicted = program_memory(program, sched, memory_overrides([counted]))
+        overrides = memory_overrides([counted])
+        dynamic = program.family is not None and not program.family.is_static and not opts.static
+        if dynamic:  # any order of the family may run: its worst case, `pipec check --memory`'s figure for it
+            from pipec.passes.family import family_memory
+
+            predicted = family_memory(sched, overrides)
+        else:
+            predicted = program_memory(program, sched, overrides)
     b = lambda x: fmt_bytes(float(x))  # noqa: E731
     err = lambda p, m: "-" if not p else f"{(m - p) / p:+.1%}"  # noqa: E731
     head = ["rank", "device predicted", "measured", "error", "host predicted", "measured", "error"]
@@ -203,6 +210,8 @@ def memory_lines(opts: RunOptions, program: Program, measured: list, sched=None)
     widths = [max(len(row[i]) for row in [head, *rows]) for i in range(len(head))]
     fmt = lambda row: "  ".join(x.rjust(w) for x, w in zip(row, widths))  # noqa: E731
     how = "pipec's memory model on the bytes pipec profile counts" if predicted else "no Schedule to predict from"
+    if dynamic:
+        how += ", the worst case over the order family (the run chose its orders)"
     return [f"peak saved activations per rank, last step (predicted: {how}):", fmt(head), *map(fmt, rows)]
 
 

@@ -169,7 +169,17 @@ def test_four_processes_shm_with_faults(tmp_path):
     """`pipec run` over 4 processes (shared memory) with a straggler and jitter: the family reaches the
     workers in the Program file, and --check holds the result to the reference."""
     sched = windowed(tmp_path, "1f1b", "window 3 prefer depth")
-    _pipec_run(sched, "-D", "m=4", "--model", "examples/mlp.py", "--nproc", "4", "--straggler", "1:2:0.3")
+    out = _pipec_run(
+        sched, "-D", "m=4", "--model", "examples/mlp.py", "--nproc", "4", "--straggler", "1:2:0.3", "--memory"
+    )
+    # --memory: the prediction is the family's worst case (any order may have run), and no rank's measured
+    # peak is over it (the static order's figure would be: a window lets rank 0 run more forwards first)
+    assert "the worst case over the order family" in out, out
+    rows = re.findall(r"^\s+(\d)\s+([\d.]+) (B|KiB)\s+([\d.]+) (B|KiB)\s", out, re.M)
+    assert len(rows) == 4, out
+    size = lambda v, u: float(v) * (1024 if u == "KiB" else 1)  # noqa: E731
+    for rank, pv, pu, mv, mu in rows:
+        assert size(mv, mu) <= size(pv, pu), (rank, out)
 
 
 @pytest.mark.slow
