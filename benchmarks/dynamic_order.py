@@ -73,7 +73,7 @@ def batch(step):
     g = torch.Generator().manual_seed(step)
     return torch.randn(16, 8, generator=g, dtype=dtype), torch.randn(16, 8, generator=g, dtype=dtype)
 '''
-SCHEDULE, PARAMS, FAMILY = "1f1b", dict(p=4, m=8), "window 4 prefer depth"
+SCHEDULE, PARAMS, FAMILY = "1f1b", dict(p=4, m=8), "window 8 prefer depth"
 CASES = {
     "straggler": ["--straggler", "1:2:0.3"],  # rank 1 2x slower on a random 30% of its ops
     "jitter": ["--jitter", "exp:10ms"],  # every message delayed by an exponential draw, mean 10 ms
