@@ -20,19 +20,19 @@ UNET_BATCH=64; the two encoders at TWO_DIM=512 TWO_BATCH=512 TWO_SIZE=3 TWO_TOKE
 TWO_LAYERS=2, chosen so that the encoders, the fusion stage and the last stage (a residual block of two
 layers) cost about the same (the goal's "balanced stages"). float64, the files' default.
 
-Each round, per case: `pipec profile SCHED -D p=4 -D m=8 --model M --in-situ -o FILE` of each system on this
-machine (its F and B per stage as the CPU each op took in a run of that very schedule on 4 processes, the
-executor's overhead per transfer instruction measured there too, the link, and the keys that make 4 ranks
-share the 2 cores, docs/simulate.md "Ranks that share cores"), then `pipec simulate --cost` of each system on
-its own profile, then `pipec run SCHED -D p=4 -D m=8 --model M --nproc 4 --steps K --json` of chain and graph
-in ABBA order over the rounds (the chain first in even rounds), the measured step the median of the steps
-after the first two. Why in situ and each its own: what the chain costs beyond the graph is in its run (the
-carried tensors' copies into and out of shared memory on the main thread, the larger messages' overhead), not
-in its modules, which are the graph's; a profile of the ops alone, taken in turns, sees none of it.
-`--shared-profile` gives the method before 2026-12-07: the graph simulated on a cost file made from the
-chain's plain profile (the same F and B per stage, link, overhead, sharing keys, saved and state bytes, and
-the graph's own message bytes per stage, `act_bytes`). Each system is simulated twice: as profiled (this
-machine: 4 ranks on 2 cores), and with a core per rank (`--cost cores_per_node=4`), the goal's figure.
+Each round, per case: `pipec profile 1f1b -D p=4 -D m=8 --model CHAIN -o chain.toml` on this machine (its F
+and B per stage, link, overhead, and the keys that make 4 ranks share the 2 cores, docs/simulate.md "Ranks
+that share cores"), then `pipec simulate --cost` of both schedules, then `pipec run SCHED -D p=4 -D m=8
+--model M --nproc 4 --steps K --json` of chain and graph in ABBA order over the rounds (the chain first in
+even rounds), the measured step the median of the steps after the first two. The graph is simulated on a cost
+file made from the chain's profile (so both share one measurement of the same modules): the same F and B per
+stage, the same link, overhead and sharing keys, the same saved and state bytes (a tensor only passed along is
+not saved by autograd), and the graph's own message bytes per stage (`act_bytes`). `--in-situ` instead
+profiles each system with `pipec profile --in-situ` (its ops' CPU and the executor's overhead measured in a run
+of its own schedule) and simulates each on its own: it sees what a chain costs in its run beyond its modules,
+but on this machine its op costs moved by 15% from round to round (2026-12-07), more than the gains. Each
+system is simulated twice: as profiled (this machine: 4 ranks on 2 cores), and with a core per rank (`--cost
+cores_per_node=4`), the goal's figure.
 
 Bytes per step: the Program's transfer instructions (every SEND_ACT and SEND_GRAD, each naming its edge) times
 the size of the tensors on that edge as the model makes them on micro-batch 0 (what the run sends; a
@@ -272,9 +272,9 @@ def run_case(case: str, args: argparse.Namespace, tmp: str) -> dict:
     losses: dict[str, list[float]] = {}
     for r in range(args.rounds):
         paths = {s: os.path.join(tmp, f"{case}.{r}.{s}.toml") for s in SYSTEMS}
-        in_situ = not args.shared_profile
+        in_situ = args.in_situ
         chain_doc = profile(case, "chain", args.reps, paths["chain"], env, in_situ)
-        if args.shared_profile:  # the graph on the chain's measurement of the same modules
+        if not in_situ:  # the graph on the chain's measurement of the same modules
             paths["graph"] = os.path.join(tmp, f"{case}.{r}.graph.json")
             Path(paths["graph"]).write_text(json.dumps(graph_costs(chain_doc, info["graph"])))
         else:
@@ -338,10 +338,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10, help="pipec profile --reps (default 10)")
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated (default: unet,two_encoders)")
     ap.add_argument(
-        "--shared-profile",
+        "--in-situ",
         action="store_true",
-        help="simulate the graph on the chain's plain profile (the method before 2026-12-07) instead of each "
-        "system on its own --in-situ profile",
+        help="simulate each system on its own `pipec profile --in-situ` instead of the graph on the chain's plain "
+        "profile (noisier here: the in-situ op costs moved by 15%% from round to round, 2026-12-07)",
     )
     ap.add_argument("--inspect", nargs=2, metavar=("CASE", "SYSTEM"), help=argparse.SUPPRESS)
     smoke_flag(ap)
