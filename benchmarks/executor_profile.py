@@ -37,7 +37,7 @@ import subprocess
 import sys
 import time
 
-from sidebyside import smoke_flag
+from sidebyside import emit, smoke_flag
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -232,9 +232,9 @@ def child(args: argparse.Namespace) -> None:
         "load_avg_end": load(),
         "wall_s": round(time.perf_counter() - t0, 1),
     }
-    print(json.dumps(rec), flush=True)
+    emit(rec)
     for row in res.get("profile", []):
-        print(json.dumps({"profile": f"p={args.p} m={args.m}", **row}), flush=True)
+        emit({"profile": f"p={args.p} m={args.m}", **row})
 
 
 def main() -> None:
@@ -274,7 +274,7 @@ def main() -> None:
                 per.setdefault((cfg, tree or "."), []).extend(first["executor_cpu_us_rounds"])
     for (cfg, tree), own in per.items():
         fig = [round(statistics.median(own), 2), round(min(own), 2), round(max(own), 2)]
-        print(json.dumps({"summary": cfg, "tree": tree, "executor_cpu_us": fig, "rounds": len(own), "load": load()}))
+        emit({"summary": cfg, "tree": tree, "executor_cpu_us": fig, "rounds": len(own), "load": load()})
 
 
 if __name__ == "__main__":
