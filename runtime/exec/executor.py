@@ -479,14 +479,8 @@ class Executor:
         exchange of it and the next instruction (`_pair_transfer`), unless `got` is `_ALONE` (`_one`)."""
         if got is not _ALONE and self.grouped[j]:
             return self._pair_transfer(j)
-        key = self.tkeys[j]
-        tensors = self.values.pop(key)
-        if self.checking:
-            self._check_send(key, s, tensors)
-        if self.record is not None:
-            nbytes = sum(t.numel() * t.element_size() for t in tensors)
-            self.record.append(("send", *key, self.peers[j], time.perf_counter(), nbytes))
-        self.comm.send(key, self.peers[j], tensors)
+        key, peer = self.tkeys[j], self.peers[j]
+        self.comm.send(key, peer, self._leaving(key, peer, s))
         if self.recv_ahead:
             self._post_upto(self.reached + self.recv_ahead)
         return 1
@@ -536,13 +530,18 @@ class Executor:
             self.posted = k + 1  # not posted ahead: posted now
             return self._recv_item(j)
         key = self.tkeys[j]
+        return ("send", key, peer, self._leaving(key, peer, s))
+
+    def _leaving(self, key: Key, peer: int, s: int) -> tuple:
+        """A message about to be sent, alone or in an exchange: taken from the values table, its shapes held to
+        the handshake's (when checking), its send recorded (when recording)."""
         tensors = self.values.pop(key)
         if self.checking:
             self._check_send(key, s, tensors)
         if self.record is not None:
             nbytes = sum(t.numel() * t.element_size() for t in tensors)
             self.record.append(("send", *key, peer, time.perf_counter(), nbytes))
-        return ("send", key, peer, tensors)
+        return tensors
 
     def _check_send(self, key: Key, s: int, tensors: tuple) -> None:
         """A stage's output must have the shapes the handshake established (a transport's buffers have them)."""
