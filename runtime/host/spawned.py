@@ -83,6 +83,9 @@ def join_gloo(rank: int, world: int, port: int, *, threads: int = 1, timeout: fl
         from pipec.runtime.host.affinity import bind_local_rank
 
         bind_local_rank("auto", "gloo", rank, world)
+    from pipec.runtime.host.malloc import keep_freed_memory
+
+    keep_freed_memory()  # as `pipec run`'s ranks allocate
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pipec.ir.dataparallel import dp_mismatch
 from pipec.options import OptionError, RunOptions, add_define_argument
 from pipec.runtime.host.affinity import bind_local_rank
+from pipec.runtime.host.malloc import keep_freed_memory
 from pipec.runtime.job.monitor import BEAT_EVERY, block_sigterm, die_with_parent, say
 from pipec.runtime.job.program import read_source, run_program
 from pipec.sim.faults import faults_of
@@ -116,6 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     local_world = int(os.environ["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else None  # torchrun's
     # before torch starts any thread, so that gloo's and OpenMP's threads inherit it
     cpus = bind_local_rank(opts.cpu_bind, opts.backend, local_rank, local_world)
+    keep_freed_memory()  # before the step's tensors: profiles and runs see the same allocator
     from pipec.errors import PipecError
 
     try:
@@ -412,6 +414,7 @@ class Worker:
             binding = describe(self.cpus, self.local_world, args.cpu_bind, args.backend)
             if binding:
                 show(binding)
+            show(f"malloc: {keep_freed_memory()}")
             if getattr(runner.executor.comm, "links", None) is not None:
                 show(runner.executor.comm.links.describe())
         if self.rank == 0 and self.restored is not None:

@@ -52,6 +52,7 @@ from pipec.runtime.errors import PipelineError
 from pipec.runtime.exec.microbatch import as_args, batch_of, split, to_device
 from pipec.runtime.exec.stage import Stage
 from pipec.runtime.host.affinity import allowed_cpus, bind_local_rank
+from pipec.runtime.host.malloc import keep_freed_memory
 from pipec.runtime.model.contract import Model, default_optimizer
 from pipec.runtime.profile.collectives import DP_KINDS, Collectives, measure_collectives
 from pipec.runtime.profile.common import Wiring, rounded, stage_modules
@@ -295,6 +296,7 @@ def profile(
     elif concurrent and device.type != "cpu":
         raise PipelineError("concurrent timing is for ranks sharing this machine's CPUs; on GPUs each has its own")
     threads = threads or default_threads(procs)
+    keep_freed_memory()  # the ops timed here allocate as `pipec run`'s ranks do
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -574,6 +576,7 @@ def _timing_rank(rank: int, world: int, spec: dict, barrier, out) -> None:
     from pipec.runtime.model.contract import load_model
 
     bind_local_rank("auto", "gloo", rank, world)  # every thread of this process, and those torch starts later
+    keep_freed_memory()  # as `pipec run`'s ranks allocate
     torch.set_num_threads(spec["threads"])
     try:
         program, model = from_json(spec["program"]), load_model(spec["model"])
