@@ -15,7 +15,9 @@ path can be judged in seconds, and `--profile` says which calls the microseconds
 `pipec` side uses); each round, every rank times `--steps` pipec steps and then `--steps` floor steps with
 `time.thread_time` (its main thread's CPU: waiting on a futex costs none), summed over the ranks and divided
 by the ranks' instructions: `dispatch_cpu_us`, `floor_cpu_us`, and their difference `executor_cpu_us`, the
-median of `--rounds` rounds with [min, max]. `--mode local`: all ranks in this process through
+median of `--rounds` rounds with [min, max]; beside them `system_cpu_us`, the kernel's part of the pipec
+steps' CPU per instruction (futex sleeps and wake-ups), and `sleeps_per_step`, the main threads' voluntary
+context switches per step over all ranks (`getrusage(RUSAGE_THREAD)`). `--mode local`: all ranks in this process through
 `pipec.runtime.LocalPipeline` (in-memory queues, one thread: deterministic, the generator path of the loop).
 
 `--trees A,B`: each tree's pipec is imported in its own processes (its folder first on `sys.path`), the
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -98,26 +101,31 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> N
 
         prof = cProfile.Profile(time.thread_time)  # CPU, not wall: waits cost none
 
-    def timed(side, n: int, profiled: bool = False) -> float:
+    def timed(side, n: int, profiled: bool = False) -> tuple[float, float, float]:
+        """Per step, summed over the ranks: main-thread CPU s, its system part s, its sleeps (voluntary
+        context switches: each a wait for a message, and a wake-up by its sender)."""
         dist.barrier()
-        c0 = time.thread_time()
+        c0, r0 = time.thread_time(), resource.getrusage(resource.RUSAGE_THREAD)
         if profiled:
             prof.enable()
         for _ in range(n):
             side.step(x, y)
         if profiled:
             prof.disable()
-        cpu = torch.tensor([time.thread_time() - c0], dtype=torch.float64)
+        r1 = resource.getrusage(resource.RUSAGE_THREAD)
+        sums = [time.thread_time() - c0, r1.ru_stime - r0.ru_stime, r1.ru_nvcsw - r0.ru_nvcsw]
+        cpu = torch.tensor(sums, dtype=torch.float64)
         dist.all_reduce(cpu)
-        return float(cpu) / n
+        return tuple(float(v) / n for v in cpu)
 
-    rounds = []
+    rounds, system = [], []
     for _ in range(args.rounds):
-        a = timed(pipec, args.steps, prof is not None)
-        b = timed(floor, args.steps)
+        a, a_sys, a_sleeps = timed(pipec, args.steps, prof is not None)
+        b = timed(floor, args.steps)[0]
         rounds.append((1e6 * a / instrs, 1e6 * b / instrs))
+        system.append((1e6 * a_sys / instrs, a_sleeps))
     if rank == 0:
-        res = {"rounds": rounds, "transport": pipec.transport, "instructions": pipec.instructions}
+        res = {"rounds": rounds, "system": system, "transport": pipec.transport, "instructions": pipec.instructions}
         if prof is not None:
             res["profile"] = profile_rows(prof, args.rounds * args.steps * pipec.instructions[0], args.profile)
         out.put(res)
@@ -213,6 +221,18 @@ def summary(rounds: list[tuple[float, float]]) -> dict:
     return {"dispatch_cpu_us": fig(disp), "floor_cpu_us": fig(floor), "executor_cpu_us": fig(own)}
 
 
+def system_figures(system: list[tuple[float, float]] | None) -> dict:
+    """shm mode: of the pipec steps' main-thread CPU per instruction, the kernel's part (`system_cpu_us`:
+    futex sleeps and wake-ups, the FIFO polls), and the sleeps per step over all ranks (`sleeps_per_step`),
+    medians over the rounds: what waiting for messages costs, which no executor code can take off."""
+    if not system:
+        return {}
+    return {
+        "system_cpu_us": round(statistics.median(s for s, _ in system), 2),
+        "sleeps_per_step": round(statistics.median(n for _, n in system), 1),
+    }
+
+
 def child(args: argparse.Namespace) -> None:
     """One launch: the figures of one tree at one configuration, as one JSON line on stdout."""
     t0, load0 = time.perf_counter(), load()
@@ -228,6 +248,7 @@ def child(args: argparse.Namespace) -> None:
         "rounds": args.rounds,
         **summary(res["rounds"]),
         "executor_cpu_us_rounds": [round(a - b, 2) for a, b in res["rounds"]],
+        **system_figures(res.get("system")),
         "load_avg_start": load0,
         "load_avg_end": load(),
         "wall_s": round(time.perf_counter() - t0, 1),

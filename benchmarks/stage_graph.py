@@ -2,7 +2,7 @@
 graph example beside its best chain linearisation, simulated and measured in alternating rounds: step time,
 bytes sent per step, peak saved memory per rank.
 
-    .venv/bin/python benchmarks/stage_graph.py [--rounds 3] [--steps 10] [--reps 10] [--cases unet,two_encoders]
+    .venv/bin/python benchmarks/stage_graph.py [--rounds 5] [--steps 10] [--reps 10] [--cases unet,two_encoders]
     .venv/bin/python benchmarks/stage_graph.py --smoke   # the models' own small sizes, 1 round (tests)
 
 The two cases, each a graph and a chain with the same maths (the chain model files build the graph's very
@@ -333,7 +333,7 @@ def env_of(case: str, smoke: bool) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=3, help="profile + simulate + run rounds per case (default 3)")
+    ap.add_argument("--rounds", type=int, default=5, help="profile + simulate + run rounds per case (default 5)")
     ap.add_argument("--steps", type=int, default=10, help="steps per pipec run (default 10; the first 2 dropped)")
     ap.add_argument("--reps", type=int, default=10, help="pipec profile --reps (default 10)")
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated (default: unet,two_encoders)")
