@@ -9,7 +9,8 @@ machine) 25,000 minor faults and 53 ms of system time per step, against 17,000 a
 graph, the chain's carried skips being the difference; an op timed in a loop by `pipec profile` finds its
 pages already there, so the simulator never saw that cost. With the mmap threshold at glibc's largest
 (32 MiB) and trimming off, the faults after the first steps are none and the U-Net's step went from 0.23 to
-0.27 s down to 0.20 s for both systems (docs/runtime.md, "Freed memory", says how it is measured).
+0.27 s (14-step runs) down to 0.20 s for both systems (docs/runtime.md, "Freed memory kept", says how it
+was measured).
 
 Every process that runs or measures ranks sets it first (`pipec run`'s workers, `pipec profile` and its
 spawned ranks), so profiles and runs see the same allocator. `PIPEC_MALLOC=system` leaves glibc's defaults;
