@@ -236,14 +236,16 @@ def compile(  # noqa: A001 - pipec.compile is the name users look for
     experts: Experts | None = None,
     moe_layers: int | Sequence[int] | None = None,
     buffers: bool = False,
+    recv_ahead: int = 0,
     **kwargs: object,
 ) -> Program:
     """Check a schedule (as `pipec compile` does: all but its `expect` lines) and lower it to one
     instruction stream per rank (docs/program.md), with the collectives `data_parallel` calls for
     (`prog.dp`, `prog.dp_kind` record it) and the all-to-alls of `experts` over `moe_layers` (as for
     `check`; `prog.experts`, `prog.moe_layers`). `buffers=True`: the Program carries its proven buffer plan
-    (`prog.buffers`, docs/memory.md "Buffer plan"; its file is version 3). Write it with
-    `pipec.formats.program_file.write_json` or `write_text`.
+    (`prog.buffers`, docs/memory.md "Buffer plan"; its file is version 3), planned for receives posted
+    `recv_ahead` ahead of the Program's place (`pipec run --recv-ahead` on gloo; 0, the default, for shared
+    memory and NCCL). Write it with `pipec.formats.program_file.write_json` or `write_text`.
 
     >>> prog = compile("1f1b", p=2, m=2)
     >>> [str(i) for i in prog.ranks[1].instructions()][:3]
@@ -253,6 +255,8 @@ def compile(  # noqa: A001 - pipec.compile is the name users look for
     (2, (1, 1, 1, 1))
     """
     _target(target)
+    if recv_ahead and not buffers:
+        raise ValueError(f"recv_ahead={recv_ahead} is for the buffer plan: give buffers=True too")
     given, memory = _params(params, kwargs), _memory(memory)
     _options(data_parallel, experts, moe_layers)
     c = driver.compile_target(target, given, memory, data_parallel, experts, _layers(moe_layers))
@@ -261,7 +265,7 @@ def compile(  # noqa: A001 - pipec.compile is the name users look for
     from pipec.passes.bufferplan import with_plan
     from pipec.sim.memory import memory_model
 
-    return with_plan(c.program, memory_model(c.schedule, memory))
+    return with_plan(c.program, memory_model(c.schedule, memory), ahead=recv_ahead)
 
 
 def simulate(

@@ -9,6 +9,7 @@ from pipec import options
 from pipec.cli.args import Command, compiled, cost_args, dp_json, json_arg, memory_args, schedule_args
 from pipec.cli.envelope import Misuse, emit, envelope, stdout
 from pipec.frontend import library
+from pipec.ir.buffers import GLOO_RECV_AHEAD
 from pipec.ir.experts import layers_text
 
 if TYPE_CHECKING:  # the compiler loads when a command compiles (`pipec list` is quick)
@@ -56,6 +57,7 @@ def check_arguments(p: argparse.ArgumentParser) -> None:
     options.add_dp_arguments(p)
     options.add_moe_layers_argument(p)
     p.add_argument("--memory", action="store_true", help="print the per-rank memory table")
+    recv_ahead_arg(p, "--memory's buffer plan")
     cost_args(p)  # measured bytes (saved_bytes, ...) put the memory model in bytes
     json_arg(p, "the summary")
 
@@ -82,7 +84,10 @@ def cmd_check(args: argparse.Namespace) -> int:
     print(f"{s.name} ({params}): {s.num_stages} stages, {s.num_ranks} ranks, {s.num_ops} ops{dp}: OK")
     if args.memory:
         print(format_table(list(c.memory)))
-        print("buffer plan" + (" (the Program's)" if c.program.buffers is not None else "") + ":")
+        plan = c.program.buffers
+        ahead = plan.ahead if plan is not None else args.recv_ahead
+        whose = " (the Program's)" if plan is not None else ""
+        print(f"buffer plan{whose}" + (f", receives posted {ahead} ahead" if ahead else "") + ":")
         print(_plan_text(c, args))
     return 0
 
@@ -95,7 +100,7 @@ def _plan_text(c: CompiledSchedule, args: argparse.Namespace) -> str:
     from pipec.view.report import plan_table
 
     model = memory_model(c.schedule, memory(args))
-    plan = c.program.buffers or plan_buffers(c.program, model)
+    plan = c.program.buffers or plan_buffers(c.program, model, ahead=args.recv_ahead)
     dp = c.program.dp if c.program.dp_kind == "fsdp" else 1
     res = resident(c.program.placement_array, model, c.program.num_ranks, dp)
     return plan_table(list(c.memory), plan, res.tolist(), live_peak(c.program, plan))
@@ -109,7 +114,21 @@ def _with_buffers(prog, args: argparse.Namespace, sched):
     from pipec.passes.bufferplan import with_plan
     from pipec.sim.memory import memory_model
 
-    return with_plan(prog, memory_model(sched, memory(args)))
+    return with_plan(prog, memory_model(sched, memory(args)), ahead=args.recv_ahead)
+
+
+def recv_ahead_arg(p: argparse.ArgumentParser, what: str) -> None:
+    """`--recv-ahead N`: the plan for receives posted N ahead of the Program's place, as `pipec run
+    --recv-ahead N` posts them on gloo (a received tensor is born where it is posted, so its slot lives
+    longer). The runtime takes a carried plan made for at least its own count (docs/runtime.md)."""
+    p.add_argument(
+        "--recv-ahead",
+        type=options.count(0, 10**6),
+        default=0,
+        metavar="N",
+        help=f"{what}: receives posted N ahead of the Program's place (default 0: shared memory and NCCL; "
+        f"pipec run on gloo posts {GLOO_RECV_AHEAD})",
+    )
 
 
 def compile_arguments(p: argparse.ArgumentParser) -> None:
@@ -122,6 +141,7 @@ def compile_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="plan every buffer (a slot per tensor, reused by lifetime, proven) and carry the plan: format version 3",
     )
+    recv_ahead_arg(p, "--buffers")
     p.add_argument("-o", "--output", metavar="OUT", help="write here instead of standard output")
     p.add_argument(
         "--format",

@@ -84,3 +84,36 @@ def test_buffers_in_a_version_1_text_file_is_E501(planned):
     with pytest.raises(PipecError) as e:
         pf.from_text(text, "p.txt")
     assert e.value.code == "E501" and "needs format version 3, not 1" in str(e.value)
+
+
+def test_compile_buffers_recv_ahead_plans_longer_receive_lives(tmp_path):
+    """`pipec compile --buffers --recv-ahead N` carries a plan for receives posted N ahead (gloo's runtime):
+    each received tensor is born earlier, so the plan holds more slots; `pipec check --memory` says it."""
+    from cli_helpers import run_cli
+
+    docs = {}
+    for ahead in (0, 4):
+        out = tmp_path / f"a{ahead}.json"
+        rc, _, err = run_cli(
+            "compile", "1f1b", "-D", "p=4", "-D", "m=8", "--buffers", "--recv-ahead", str(ahead), "-o", str(out)
+        )
+        assert rc == 0, err
+        docs[ahead] = json.loads(out.read_text())
+        assert docs[ahead]["buffers"]["ahead"] == ahead
+        assert pf.from_json(out.read_text()).buffers.ahead == ahead
+    plans = {a: pipec.read_program(str(tmp_path / f"a{a}.json")).buffers for a in docs}
+    for r in range(4):  # every rank receives: its receives live longer, so it needs more slots and bytes
+        assert plans[4].ranks[r].slots > plans[0].ranks[r].slots
+        assert plans[4].ranks[r].amount() > plans[0].ranks[r].amount()
+    rc, text, _ = run_cli("check", str(tmp_path / "a4.json"), "--memory")
+    assert rc == 0 and "buffer plan (the Program's), receives posted 4 ahead:" in text
+    rc, text, _ = run_cli("check", "1f1b", "-D", "p=4", "-D", "m=8", "--memory", "--recv-ahead", "2")
+    assert rc == 0 and "buffer plan, receives posted 2 ahead:" in text
+    rc, _, err = run_cli("compile", "1f1b", "-D", "p=4", "-D", "m=8", "--buffers", "--recv-ahead", "-1")
+    assert rc == 2 and "--recv-ahead" in err
+
+
+def test_the_api_plans_for_receives_posted_ahead_and_wants_buffers_for_it():
+    assert pipec.compile("1f1b", p=4, m=8, buffers=True, recv_ahead=3).buffers.ahead == 3
+    with pytest.raises(ValueError, match="give buffers=True too"):
+        pipec.compile("1f1b", p=4, m=8, recv_ahead=3)
