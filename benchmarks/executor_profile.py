@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/executor_profile.py --trees /tmp/before,.    # A/B: two source trees, alternated
     .venv/bin/python benchmarks/executor_profile.py --profile 25 --configs 2x64   # cProfile of rank 0's steps
     .venv/bin/python benchmarks/executor_profile.py --mode local             # every rank in this one process
+    .venv/bin/python benchmarks/executor_profile.py --polls 0,20,50,100      # pipec under each poll budget too
 
 The workload is runtime_vs_torch's dispatch side (its `Scale` empty model, y = w * x on one number per
 micro-batch, 1F1B, float64, its `PipecSide` and `FloorSide`), without torch's side and without the long
@@ -91,6 +92,15 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> N
     x, y = data(m, 1)
     pipec = PipecSide("1f1b", rank, Scale.build, p, m, "auto")
     floor = FloorSide(rank, Scale.build, m, pipec.program)
+    polled = {}  # --polls: pipec again under each poll budget (PIPEC_SHM_POLL_US, read when its transport starts)
+    for us in args.polls:
+        os.environ["PIPEC_SHM_POLL_US"] = str(us)
+        polled[us] = PipecSide("1f1b", rank, Scale.build, p, m, "auto")
+    if args.polls:
+        os.environ.pop("PIPEC_SHM_POLL_US", None)
+    for side in polled.values():
+        for _ in range(3):
+            side.step(x, y)
     instrs = sum(pipec.instructions)
     for _ in range(3):  # the handshake, the first allocations
         pipec.step(x, y)
@@ -119,13 +129,18 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> N
         return tuple(float(v) / n for v in cpu)
 
     rounds, system = [], []
-    for _ in range(args.rounds):
+    per_poll: dict[int, list[float]] = {us: [] for us in polled}
+    for k in range(args.rounds):
         a, a_sys, a_sleeps = timed(pipec, args.steps, prof is not None)
         b = timed(floor, args.steps)[0]
         rounds.append((1e6 * a / instrs, 1e6 * b / instrs))
         system.append((1e6 * a_sys / instrs, a_sleeps))
+        for us in list(polled)[:: 1 if k % 2 == 0 else -1]:  # A B C, C B A, ...
+            per_poll[us].append(1e6 * timed(polled[us], args.steps)[0] / instrs)
     if rank == 0:
         res = {"rounds": rounds, "system": system, "transport": pipec.transport, "instructions": pipec.instructions}
+        if per_poll:
+            res["polls"] = {us: round(statistics.median(v), 2) for us, v in per_poll.items()}
         if prof is not None:
             res["profile"] = profile_rows(prof, args.rounds * args.steps * pipec.instructions[0], args.profile)
         out.put(res)
@@ -249,6 +264,7 @@ def child(args: argparse.Namespace) -> None:
         **summary(res["rounds"]),
         "executor_cpu_us_rounds": [round(a - b, 2) for a, b in res["rounds"]],
         **system_figures(res.get("system")),
+        **({"dispatch_cpu_us_by_poll_us": res["polls"]} if "polls" in res else {}),
         "load_avg_start": load0,
         "load_avg_end": load(),
         "wall_s": round(time.perf_counter() - t0, 1),
@@ -267,12 +283,22 @@ def main() -> None:
     ap.add_argument("--trees", default="", help="source trees to alternate, comma-separated (default: this one)")
     ap.add_argument("--launches", type=int, default=2, help="launches per tree and configuration, alternated")
     ap.add_argument("--profile", type=int, default=0, help="print the N functions of most own time (cProfile)")
+    ap.add_argument(
+        "--polls",
+        default="",
+        help="shm mode: also time pipec under each of these poll budgets (us, comma-separated; PIPEC_SHM_POLL_US),"
+        " alternated within each round: `dispatch_cpu_us_by_poll_us`",
+    )
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--tree", default="", help=argparse.SUPPRESS)  # a child launch: the one tree it imports
     ap.add_argument("--p", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--m", type=int, default=0, help=argparse.SUPPRESS)
     smoke_flag(ap)
     args = ap.parse_args()
+    if args.p:  # a child launch: the poll budgets as numbers
+        args.polls = [int(v) for v in args.polls.split(",") if v]
+        if args.polls and args.mode != "shm":
+            sys.exit("--polls needs --mode shm")
     if args.smoke:  # one small configuration, one launch of 2 short rounds: the format (tests)
         args.configs, args.steps, args.rounds, args.launches = "2x4", 2, 2, 1
     if args.p:
@@ -287,7 +313,7 @@ def main() -> None:
             for tree in order:
                 argv = [sys.executable, __file__, "--p", str(p), "--m", str(m), "--mode", args.mode]
                 argv += ["--steps", str(args.steps), "--rounds", str(args.rounds), "--tree", tree]
-                argv += ["--profile", str(args.profile), "--timeout", str(args.timeout)]
+                argv += ["--profile", str(args.profile), "--timeout", str(args.timeout), "--polls", args.polls]
                 text = subprocess.run(argv, check=True, capture_output=True, text=True).stdout
                 sys.stdout.write(text)
                 sys.stdout.flush()

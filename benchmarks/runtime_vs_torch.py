@@ -31,9 +31,16 @@ its spread; `pipec_over_torch_main_cpu_per_step`, pipec's main-thread CPU per st
 empty model (target <= 0.5). Beside them, in the same ABBA rounds, the floor: the model's own calls on each
 rank's stages (forward, loss, the engine's backward, SGD) with no pipeline around them (`FloorSide`), as
 `floor_cpu_us` per pipec instruction, and `executor_cpu_us` = `dispatch_cpu_us` - `floor_cpu_us` per round:
-what the executor itself adds. `step_wall_per_instruction_us` (the step's wall time over the busiest rank's
-instructions) is mostly waiting for peers, not dispatch. Every line carries the load average at its start
-and end (`sidebyside.emit`).
+what the executor itself adds over a model with no pipeline around it. On shared memory two more sides run
+in the same rounds: `minimal` (`MinimalSide`, the same Program over the same transport under a hand-written
+loop of the fewest Python calls, its gradients checked against pipec's): `minimal_cpu_us`,
+`minimal_over_floor_cpu_us` (what a pipeline across processes costs on this machine whatever the executor),
+`executor_over_minimal_us` (pipec's executor's own cost over that loop); and `pipec-sleep`, pipec with its
+readers sleeping at once (`PIPEC_SHM_POLL_US=0`, runtime/exec/shm.py "Poll first"): its figures under
+`poll_off`, and `poll_main_cpu_saved` (1 - pipec's main-thread CPU over its, median over the rounds) and
+`poll_wall_ratio` (step wall time, pipec over it). `step_wall_per_instruction_us` (the step's wall time over
+the busiest rank's instructions) is mostly waiting for peers, not dispatch. Every line carries the load
+average at its start and end (`sidebyside.emit`).
 """
 
 from __future__ import annotations
@@ -197,6 +204,72 @@ class FloorSide:
         self.opt.step()
 
 
+class MinimalSide:
+    """The fewest Python calls that execute the same Program over the same transport: a hand-written loop
+    over this rank's instructions (1F1B on the chain, one stage per rank: FWD, BWD, the four transfers,
+    STEP), calling the model, autograd's engine and pipec's shared-memory transport (`ShmComm`) directly,
+    with none of pipec's executor (no handler table, no values table, no receive slots, no checks). What it
+    adds over the floor is what running a pipeline across processes costs on this machine (waits, wake-ups,
+    the copies through shared memory) whatever the executor; pipec's executor's own cost is what pipec adds
+    over it (`executor_over_minimal_us`). Its gradients are checked against pipec's after its first step."""
+
+    def __init__(self, rank: int, build, m: int, program, x) -> None:
+        import torch
+        import torch.distributed as dist
+
+        from pipec.ir.opcodes import OPCODES
+        from pipec.runtime.exec import shm
+        from pipec.runtime.exec.rankplan import RankPlan
+        from pipec.runtime.exec.shapes import TensorSpec
+
+        S = program.num_stages
+        self.mine = [s for s in range(S) if program.placement[s] == rank]
+        self.modules = make_modules(S, self.mine, build)
+        self.S, self.m = S, m
+        self.opt = torch.optim.SGD([q for mod in self.modules.values() for q in mod.parameters()], lr=1e-3)
+        store = dist.PrefixStore("minimal/", dist.distributed_c10d._get_default_store())
+        self.comm = shm.ShmComm(program, rank, 60.0, None, store)
+        plan = RankPlan(program, rank)
+        self.spec = (TensorSpec(tuple(x.chunk(m)[0].shape), x.dtype),)
+        specs = dict.fromkeys((k for k in plan.tkeys if k is not None), self.spec)
+        self.comm.prepare(specs, specs)
+        self.instrs, self.tkeys = plan.instrs, plan.tkeys
+        self.ops = {name: OPCODES.index(name) for name in ("FWD", "BWD", "STEP")}
+        from torch.autograd.graph import _engine_run_backward
+
+        self.engine = _engine_run_backward
+
+    def step(self, x, y) -> None:
+        import torch
+
+        self.opt.zero_grad(set_to_none=True)
+        xs, ys = x.chunk(self.m), y.chunk(self.m)
+        FWD, BWD, STEP = self.ops["FWD"], self.ops["BWD"], self.ops["STEP"]
+        comm, take, engine, last = self.comm, self.comm.take, self.engine, self.S - 1
+        out_of, posted, saved = {}, {}, {}
+        for (op, mb, s, peer, _), key in zip(self.instrs, self.tkeys):
+            if op == FWD:
+                inp = xs[mb] if s == 0 else take(posted.pop((0, mb, s - 1)))[0].requires_grad_()
+                out = self.modules[s](inp)
+                if s == last:
+                    out = loss_fn(out, ys[mb]) * (1.0 / self.m)
+                else:
+                    out_of[(0, mb, s)] = (out.detach(),)
+                saved[mb] = (inp, out)
+            elif op == BWD:
+                inp, out = saved.pop(mb)
+                grad = torch.ones_like(out) if s == last else take(posted.pop((1, mb, s + 1)))[0]
+                engine((out,), (grad,), False, False, (), allow_unreachable=True, accumulate_grad=True)
+                if s > 0:
+                    out_of[(1, mb, s)] = (inp.grad,)
+            elif op == STEP:
+                self.opt.step()
+            elif key in out_of:  # SEND_ACT, SEND_GRAD
+                comm.send(key, peer, out_of.pop(key))
+            elif key is not None:  # RECV_ACT, RECV_GRAD
+                posted[key] = comm.post(key, peer, self.spec)
+
+
 class PipecSide:
     def __init__(self, name: str, rank: int, build, p: int = P, m: int = M, p2p: str = "auto") -> None:
         import torch
@@ -252,6 +325,20 @@ def largest_rel_diff(ours: dict, theirs: dict) -> tuple[float, int]:
     return worst, compared
 
 
+class poll_off:
+    """Within it, shared-memory readers made sleep at once (`PIPEC_SHM_POLL_US=0`), as before the poll."""
+
+    def __enter__(self) -> None:
+        self.before = os.environ.get("PIPEC_SHM_POLL_US")
+        os.environ["PIPEC_SHM_POLL_US"] = "0"
+
+    def __exit__(self, *exc) -> None:
+        if self.before is None:
+            os.environ.pop("PIPEC_SHM_POLL_US", None)
+        else:
+            os.environ["PIPEC_SHM_POLL_US"] = self.before
+
+
 def round_of(timed, side, x, y, steps: int):
     """One round of a system: `steps` timed steps (its mean per step, a `Timing`)."""
     return lambda: timed(side, x, y, steps)
@@ -299,10 +386,18 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> N
             sides["pipec-gloo"] = PipecSide(case.schedule, rank, build, case.p, case.m, "gloo")
         if case.empty:  # the model's own calls alone: what no executor can save
             sides["floor"] = FloorSide(rank, build, case.m, sides["pipec"].program)
+        if case.empty and sides["pipec"].transport == "ShmComm":
+            # the same transport under the fewest Python calls, and pipec with its readers sleeping at once
+            sides["minimal"] = MinimalSide(rank, build, case.m, sides["pipec"].program, x)
+            with poll_off():
+                sides["pipec-sleep"] = PipecSide(case.schedule, rank, build, case.p, case.m, args.transport)
         # Both start from the same weights and see the same batch: their first step's gradients must agree.
         for side in sides.values():
             side.step(x, y)
         worst, compared = largest_rel_diff(grads_of(sides["pipec"].runner.modules()), grads_of(sides["torch"].modules))
+        if "minimal" in sides:  # the minimal loop computes what pipec computes, or its figure means nothing
+            off, _ = largest_rel_diff(grads_of(sides["minimal"].modules), grads_of(sides["pipec"].runner.modules()))
+            worst = max(worst, off)
         diff, count = torch.tensor([worst], dtype=torch.float64), torch.tensor([compared], dtype=torch.int64)
         dist.all_reduce(diff, op=dist.ReduceOp.MAX)
         dist.all_reduce(count, op=dist.ReduceOp.SUM)
@@ -380,6 +475,20 @@ def record(case: Case, rounds: dict, instrs: list[int], grad: tuple[float, int],
     rec["floor_cpu_us_range"] = [round(min(floor), 2), round(max(floor), 2)]
     rec["executor_cpu_us"] = round(statistics.median(own), 2)
     rec["executor_cpu_us_range"] = [round(min(own), 2), round(max(own), 2)]
+    if "minimal" in rounds:
+        mini = [1e6 * t.main_cpu / sum(instrs) for t in rounds["minimal"]]
+        over = [1e6 * t.main_cpu / sum(instrs) - b for t, b in zip(rounds["pipec"], mini)]
+        rec["minimal_cpu_us"] = round(statistics.median(mini), 2)
+        rec["minimal_cpu_us_range"] = [round(min(mini), 2), round(max(mini), 2)]
+        rec["minimal_over_floor_cpu_us"] = round(statistics.median(m - f for m, f in zip(mini, floor)), 2)
+        rec["executor_over_minimal_us"] = round(statistics.median(over), 2)
+        rec["executor_over_minimal_us_range"] = [round(min(over), 2), round(max(over), 2)]
+    if "pipec-sleep" in rounds:  # the poll before sleeping: pipec with it (`pipec`) and without, same rounds
+        rec["poll_off"] = dispatch_figures(rounds["pipec-sleep"], rounds["torch"], instrs)
+        gain = [b.main_cpu / a.main_cpu for a, b in zip(rounds["pipec"], rounds["pipec-sleep"])]
+        rec["poll_main_cpu_saved"] = round(1 - 1 / statistics.median(gain), 3)
+        walls = [a.wall / b.wall for a, b in zip(rounds["pipec"], rounds["pipec-sleep"])]
+        rec["poll_wall_ratio"] = round(statistics.median(walls), 3)
     main_cpu = [t.main_cpu for t in rounds["pipec"]]
     torch_main = [t.main_cpu for t in rounds["torch"]]
     rec["pipec_over_torch_main_cpu_per_step"] = rec["ratio_main_cpu"]  # summarize's ratio_main_cpu, named

@@ -13,6 +13,15 @@ previous message of that key unread waits (with the run's timeout) for it. That 
 a slot's previous occupant is the same key of an earlier step, and the ranks in the earliest step never
 wait on a send (everything of the step before has been read), so they progress as the Program does.
 
+Poll first: a reader whose message has not arrived looks again for up to `POLL` seconds before it sleeps
+(`PIPEC_SHM_POLL_US` sets it, 0: sleep at once). A sleep costs the reader its futex calls and the cold
+caches after it, and its wake-up costs the sender a FUTEX_WAKE (on a virtual machine, an interrupt to a
+halted CPU): more than most waits of a small model's pipeline last. A polled message is seen at once, and
+its sender, finding no sleeper, wakes nobody. With more ranks on this host than CPUs (`crowded`), the poll
+yields the CPU between looks (`sched_yield`), so the rank the reader waits for can run; with a CPU each,
+it only looks. `benchmarks/runtime_vs_torch.py --only-dispatch` measures it beside sleeping at once
+(`poll_main_cpu_saved`, `poll_wall_ratio`; docs/runtime.md "Poll first").
+
 Notify: a reader whose message has not arrived sets the channel's `sleeping` word and sleeps on the
 channel's futex word (FUTEX_WAIT with the value it read, in slices of `TICK` seconds up to the timeout);
 a sender bumps that word after every message and, when it sees `sleeping` set, wakes the reader
@@ -50,7 +59,7 @@ from typing import Any
 import torch
 
 from pipec.ir.program import Program
-from pipec.runtime.errors import CommError
+from pipec.runtime.errors import CommError, PipelineError
 from pipec.runtime.exec.comm import ACT, GRAD, Key, PeerNames, Recv, key_str, short_error
 from pipec.runtime.exec.shapes import Specs
 
@@ -64,12 +73,32 @@ class _Timespec(ctypes.Structure):
 _TICK = ctypes.byref(_Timespec(0, 10_000_000))  # TICK
 DIR = "/dev/shm"
 TICK = 0.01  # seconds a blocked reader sleeps before looking again (a missed wake-up costs at most this)
+POLL = 50e-6  # seconds a reader polls for its message before it sleeps (the module docstring's "Poll first")
 ALIGN = 64
 HEADER = 16  # int64 words before the slots' counters: [layout hash, slots, .., sleeping at word 8, futex word 12]
 SLEEPING = 8
 WAKE = 24  # the futex word, as an int32 index (int64 word 12): bumped by every message, waited on by the reader
 SYS_FUTEX, FUTEX_WAIT, FUTEX_WAKE = 202, 0, 1  # x86-64 Linux
 CHOICES = ("auto", "gloo", "shm")
+
+
+def poll_seconds() -> float:
+    """How long a reader polls before sleeping: `PIPEC_SHM_POLL_US` (microseconds) when set, else `POLL`."""
+    text = os.environ.get("PIPEC_SHM_POLL_US")
+    if text is None:
+        return POLL
+    try:
+        us = float(text)
+    except ValueError:
+        raise PipelineError(f"PIPEC_SHM_POLL_US must be a number of microseconds, got {text!r}") from None
+    if not 0 <= us <= 1e6:
+        raise PipelineError(f"PIPEC_SHM_POLL_US must be between 0 and 1000000 microseconds, got {text}")
+    return us * 1e-6
+
+
+def crowded(local_ranks: int) -> bool:
+    """More ranks on this host than CPUs: a polling reader must yield its CPU to the others."""
+    return local_ranks > (os.cpu_count() or 1)
 
 
 def channel_keys(placement: tuple[int, ...], num_microbatches: int, src: int, dst: int, graph: Any = None) -> list[Key]:
@@ -276,6 +305,16 @@ def sweep_leftovers(folder: str = DIR) -> list[str]:
     return gone
 
 
+def dist_world(default: int) -> int:
+    """The processes of the job (torch.distributed's default group), or `default` without one."""
+    try:
+        import torch.distributed as dist
+
+        return dist.get_world_size() if dist.is_initialized() else default
+    except (RuntimeError, ValueError):
+        return default
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -309,6 +348,9 @@ class ShmComm(PeerNames):
         self.links = None
         self.slots: Any = None  # the receive buffers (pipec.runtime.exec.buffers.Slots), set by the executor
         self.sends: list = []  # completed in the call: nothing is ever pending
+        self.poll = poll_seconds()
+        local = os.environ.get("LOCAL_WORLD_SIZE")  # torchrun's; else the job's ranks, all on this host
+        self.crowded = crowded(int(local) if local else dist_world(len(set(place))))
 
     # ---- set-up -------------------------------------------------------------------------------------
     def prepare(self, recv_specs: dict[Key, Specs], send_specs: dict[Key, Specs]) -> None:
@@ -471,6 +513,16 @@ class ShmComm(PeerNames):
         with the value read before sleeping, so a message sent in between is not slept through. Every
         `TICK` the FIFO is polled for a hang-up: a sender that died holds it no more."""
         ctrl, word, addr = ch.ctrl, ch.word, ch.addr
+        if self.poll:
+            clock, crowded = time.perf_counter, self.crowded
+            end = clock() + self.poll
+            while ctrl[at] < n:
+                if crowded:
+                    os.sched_yield()
+                if clock() > end:
+                    break
+            else:
+                return
         deadline = time.monotonic() + self.timeout
         ctrl[SLEEPING] = 1
         try:

@@ -211,3 +211,81 @@ def test_a_dead_ranks_leftover_channels_are_swept_and_a_live_ones_kept(tmp_path)
     gone = sweep_leftovers(str(tmp_path))
     assert sorted(gone) == sorted(n for n, who in names.items() if who == "dead")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(n for n, who in names.items() if who != "dead")
+
+
+def test_the_poll_before_sleeping_is_set_by_its_variable_and_refuses_bad_values(monkeypatch):
+    from pipec.runtime.errors import PipelineError
+
+    monkeypatch.delenv("PIPEC_SHM_POLL_US", raising=False)
+    assert shm.poll_seconds() == shm.POLL
+    monkeypatch.setenv("PIPEC_SHM_POLL_US", "0")
+    assert shm.poll_seconds() == 0.0
+    monkeypatch.setenv("PIPEC_SHM_POLL_US", "120")
+    assert shm.poll_seconds() == pytest.approx(120e-6)
+    for bad in ("fast", "-1", "2e6"):
+        monkeypatch.setenv("PIPEC_SHM_POLL_US", bad)
+        with pytest.raises(PipelineError, match="PIPEC_SHM_POLL_US"):
+            shm.poll_seconds()
+    cpus = os.cpu_count() or 1
+    assert not shm.crowded(cpus) and shm.crowded(cpus + 1)
+
+
+@needs_shm
+@pytest.mark.parametrize("poll_us", [0, 200_000])
+def test_a_reader_polls_before_it_sleeps(monkeypatch, poll_us):
+    """Two ranks' transports in two threads of this process, the message sent 20 ms after the reader
+    starts waiting: with a 200 ms poll the reader sees it without a futex sleep (and the sender, finding no
+    sleeper, wakes nobody); with no poll it sleeps on the futex and the sender wakes it. Both receive the
+    same bytes."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from pipec.api import load
+    from pipec.passes.compiler import compile_schedule
+    from pipec.runtime.exec.shapes import TensorSpec
+
+    monkeypatch.setenv("PIPEC_SHM_POLL_US", str(poll_us))
+    calls = []
+    real = shm._syscall
+
+    def counted(nr, addr, op, *rest):
+        calls.append(op)
+        return real(nr, addr, op, *rest)
+
+    monkeypatch.setattr(shm, "_syscall", counted)
+    prog = compile_schedule(load("1f1b", p=2, m=1)).program
+    store = dist.HashStore()
+    spec = (TensorSpec((3,), torch.float64),)
+    specs = {(ACT, 0, 0): spec, (GRAD, 0, 1): spec}
+    comms = [None, None]
+
+    def make(rank: int) -> None:
+        comms[rank] = c = shm.ShmComm(prog, rank, 10.0, None, store)
+        c.crowded = False  # a CPU each: the poll only looks
+        c.prepare(specs, specs)
+
+    makers = [threading.Thread(target=make, args=(r,)) for r in (0, 1)]
+    for t in makers:
+        t.start()
+    for t in makers:
+        t.join(30)
+    reader, writer = comms[1], comms[0]
+    try:
+        recv = reader.post((ACT, 0, 0), 0, spec)
+        sender = threading.Timer(0.02, lambda: writer.send((ACT, 0, 0), 1, (torch.arange(3.0, dtype=torch.float64),)))
+        t0 = time.perf_counter()
+        sender.start()
+        got = reader.take(recv)
+        waited = time.perf_counter() - t0
+        sender.join(10)
+    finally:
+        for c in comms:
+            c.close()
+    assert got[0].tolist() == [0.0, 1.0, 2.0]
+    assert waited >= 0.015
+    if poll_us:
+        assert calls == [], f"futex calls within the poll: {calls}"
+    else:
+        assert shm.FUTEX_WAIT in calls and shm.FUTEX_WAKE in calls
