@@ -217,11 +217,18 @@ class Program:
             "graph",
             "buffers",
         )
-        return all(getattr(self, f) == getattr(other, f) for f in head) and self.ranks == other.ranks
+        same = all(getattr(self, f) == getattr(other, f) for f in head) and self.ranks == other.ranks
+        return same and _reorders(self.family) == _reorders(other.family)
 
     @property
     def num_instructions(self) -> int:
         return sum(len(r) for r in self.ranks)
+
+
+def _reorders(family: OrderFamily | None) -> OrderFamily | None:
+    """A family as equality sees it: a static one is none (a Program file carries only a family that
+    reorders some rank)."""
+    return None if family is None or family.is_static else family
 
 
 def schedule_of(prog: Program, source: Source | None = None) -> Schedule:

@@ -141,3 +141,17 @@ def test_a_family_needs_version_3(tmp_path):
     plain = pf.to_text(pipec.compile("1f1b", p=4, m=8)).replace("pipec-program 1\n", "pipec-program 3\n", 1)
     with pytest.raises(PipecError, match="needs `buffers`, its buffer plan, or `family`"):
         pf.from_text(plain, "p.txt")
+
+
+def test_programs_that_differ_only_in_their_family_are_not_equal(tmp_path):
+    """Equality sees the order family: the same instructions with a family that reorders and without one are
+    two Programs (a runner would run them differently); a static family is no family."""
+    from dataclasses import replace
+
+    from pipec.ir.family import OrderFamily
+
+    prog = _compile(tmp_path, "window 2")
+    assert prog.family is not None and not prog.family.is_static
+    assert replace(prog, family=None) != prog
+    assert replace(prog, family=None) == replace(prog, family=OrderFamily((None,) * prog.num_ranks))
+    assert pf.from_json(pf.to_json(prog)) == prog
