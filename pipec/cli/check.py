@@ -9,7 +9,6 @@ from pipec import options
 from pipec.cli.args import Command, compiled, cost_args, dp_json, json_arg, memory_args, schedule_args
 from pipec.cli.envelope import Misuse, emit, envelope, stdout
 from pipec.frontend import library
-from pipec.ir.buffers import GLOO_RECV_AHEAD
 from pipec.ir.experts import layers_text
 
 if TYPE_CHECKING:  # the compiler loads when a command compiles (`pipec list` is quick)
@@ -126,8 +125,8 @@ def recv_ahead_arg(p: argparse.ArgumentParser, what: str) -> None:
         type=options.count(0, 10**6),
         default=0,
         metavar="N",
-        help=f"{what}: receives posted N ahead of the Program's place (default 0: shared memory and NCCL; "
-        f"pipec run on gloo posts {GLOO_RECV_AHEAD})",
+        help=f"{what}: receives posted N ahead of the Program's place, as `pipec run --recv-ahead` posts them on "
+        "gloo (default 0: where the Program says, as on shared memory and NCCL)",
     )
 
 
