@@ -420,7 +420,7 @@ const PipecView = (() => {
       const sign = (x, f) => (x > 0 ? "+" : x < 0 ? "−" : "±") + f(Math.abs(x));
       const t = el("table", "pv-stats");
       const row = (k, v, cls, role) => {
-        const tr = el("tr", cls); tr.append(el("th", null, k), el("td", null, v));
+        const tr = el("tr", cls); tr.append(el("th", null, k), el("td", cls, v));
         if (role) tr.dataset.role = role;
         t.appendChild(tr);
         return tr;
@@ -436,7 +436,9 @@ const PipecView = (() => {
       const both = Math.min(A.ranks, B.ranks), eps = 1e-9 * (A.makespan || 1);
       const dEnd = (r) => B.rankEnd[r] - A.rankEnd[r];
       const dPeak = (r) => (mem ? B.memory.ranks[r].peak - A.memory.ranks[r].peak : 0);
-      const moved = (r) => Math.abs(dEnd(r)) > eps || Math.abs(dPeak(r)) > 1e-9 * (A.memory ? A.memory.ranks[r].peak || 1 : 1);
+      const endMoved = (r) => Math.abs(dEnd(r)) > eps;
+      const peakMoved = (r) => Math.abs(dPeak(r)) > 1e-9 * (A.memory ? A.memory.ranks[r].peak || 1 : 1);
+      const moved = (r) => endMoved(r) || peakMoved(r);
       let ranks = [...Array(both).keys()];
       if (both > 16) {
         const size = (r) => Math.abs(dEnd(r)) / (A.makespan || 1) + (mem ? Math.abs(dPeak(r)) / (A.memory.ranks[r].peak || 1) : 0);
@@ -452,8 +454,9 @@ const PipecView = (() => {
       rt.appendChild(h);
       for (const r of ranks) {
         const tr = el("tr", moved(r) ? "diff" : "");
-        tr.append(el("td", null, String(r)), el("td", null, sign(dEnd(r), (x) => fmtTime(x, A.unit))),
-          el("td", null, mem ? sign(dPeak(r), (x) => fmtMem(x, A.memory.unit)) : ""));
+        // a moved rank's row is marked; only the figures that moved are red (an unchanged peak beside a moved end is not)
+        tr.append(el("td", null, String(r)), el("td", endMoved(r) ? "diff" : null, sign(dEnd(r), (x) => fmtTime(x, A.unit))),
+          el("td", mem && peakMoved(r) ? "diff" : null, mem ? sign(dPeak(r), (x) => fmtMem(x, A.memory.unit)) : ""));
         tr.dataset.rank = String(r);
         tr.dataset.dend = String(dEnd(r));
         if (mem) tr.dataset.dpeak = String(dPeak(r));

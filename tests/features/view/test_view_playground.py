@@ -79,7 +79,8 @@ def _deltas(chrome):
         " return e ? +e.dataset.value : null; };"
         "return {makespan: v('delta-makespan'), bubble: v('delta-bubble'), peak: v('delta-peak'),"
         " ranks: [...box.querySelectorAll('tr[data-rank]')].map((t) => [+t.dataset.rank, +t.dataset.dend,"
-        " +t.dataset.dpeak, t.classList.contains('diff')]), text: box.innerText}"
+        " +t.dataset.dpeak, t.classList.contains('diff'),"
+        " [...t.cells].slice(1).map((c) => getComputedStyle(c).color === 'rgb(164, 22, 26)')]), text: box.innerText}"
     )
 
 
@@ -119,10 +120,11 @@ def test_playground_compares_the_source_with_its_pinned_build_per_rank(chrome, p
     assert d["bubble"] == pytest.approx(b1 - b0, abs=1e-6)
     assert d["peak"] == pytest.approx(k1.max() - k0.max())
     assert [r for r, *_ in d["ranks"]] == [0, 1, 2, 3]
-    for r, dend, dpeak, marked in d["ranks"]:
+    for r, dend, dpeak, marked, (end_red, peak_red) in d["ranks"]:
         assert dend == pytest.approx(e1[r] - e0[r], rel=1e-6, abs=1e-6), r
         assert dpeak == pytest.approx(k1[r] - k0[r]), r
-        assert marked  # every rank ends earlier
+        assert marked and end_red  # every rank ends earlier
+        assert peak_red == (k1[r] != k0[r]), r  # an unchanged peak is not red beside a moved end
     assert any(k1[r] != k0[r] for r in range(4)) and any(k1[r] == k0[r] for r in range(4))  # not all alike
     note = chrome.execute_script("return document.querySelector('[data-role=compare-note]').innerText")
     assert "p=4 m=8" in note and f"makespan {base.timeline.makespan:g}" in note
