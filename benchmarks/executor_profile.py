@@ -4,7 +4,8 @@
     .venv/bin/python benchmarks/executor_profile.py --trees /tmp/before,.    # A/B: two source trees, alternated
     .venv/bin/python benchmarks/executor_profile.py --profile 25 --configs 2x64   # cProfile of rank 0's steps
     .venv/bin/python benchmarks/executor_profile.py --mode local             # every rank in this one process
-    .venv/bin/python benchmarks/executor_profile.py --polls 0,20,50,100      # pipec under each poll budget too
+    .venv/bin/python benchmarks/executor_profile.py --polls 0,20,50,100      # pipec under each poll budget too:
+                                                                             # CPU per instruction, ms per step
 
 The workload is runtime_vs_torch's dispatch side (its `Scale` empty model, y = w * x on one number per
 micro-batch, 1F1B, float64, its `PipecSide` and `FloorSide`), without torch's side and without the long
@@ -111,11 +112,12 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> N
 
         prof = cProfile.Profile(time.thread_time)  # CPU, not wall: waits cost none
 
-    def timed(side, n: int, profiled: bool = False) -> tuple[float, float, float]:
+    def timed(side, n: int, profiled: bool = False) -> tuple[float, float, float, float]:
         """Per step, summed over the ranks: main-thread CPU s, its system part s, its sleeps (voluntary
-        context switches: each a wait for a message, and a wake-up by its sender)."""
+        context switches: each a wait for a message, and a wake-up by its sender); and the wall s of the
+        n steps, summed over the ranks (they start together, after a barrier)."""
         dist.barrier()
-        c0, r0 = time.thread_time(), resource.getrusage(resource.RUSAGE_THREAD)
+        t0, c0, r0 = time.perf_counter(), time.thread_time(), resource.getrusage(resource.RUSAGE_THREAD)
         if profiled:
             prof.enable()
         for _ in range(n):
@@ -123,24 +125,28 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> N
         if profiled:
             prof.disable()
         r1 = resource.getrusage(resource.RUSAGE_THREAD)
-        sums = [time.thread_time() - c0, r1.ru_stime - r0.ru_stime, r1.ru_nvcsw - r0.ru_nvcsw]
+        sums = [time.thread_time() - c0, r1.ru_stime - r0.ru_stime, r1.ru_nvcsw - r0.ru_nvcsw, time.perf_counter() - t0]
         cpu = torch.tensor(sums, dtype=torch.float64)
         dist.all_reduce(cpu)
         return tuple(float(v) / n for v in cpu)
 
     rounds, system = [], []
     per_poll: dict[int, list[float]] = {us: [] for us in polled}
+    poll_wall: dict[int, list[float]] = {us: [] for us in polled}
     for k in range(args.rounds):
-        a, a_sys, a_sleeps = timed(pipec, args.steps, prof is not None)
+        a, a_sys, a_sleeps, _ = timed(pipec, args.steps, prof is not None)
         b = timed(floor, args.steps)[0]
         rounds.append((1e6 * a / instrs, 1e6 * b / instrs))
         system.append((1e6 * a_sys / instrs, a_sleeps))
         for us in list(polled)[:: 1 if k % 2 == 0 else -1]:  # A B C, C B A, ...
-            per_poll[us].append(1e6 * timed(polled[us], args.steps)[0] / instrs)
+            cpu, _, _, wall = timed(polled[us], args.steps)
+            per_poll[us].append(1e6 * cpu / instrs)
+            poll_wall[us].append(1e3 * wall / p)  # ms per step, the ranks' mean
     if rank == 0:
         res = {"rounds": rounds, "system": system, "transport": pipec.transport, "instructions": pipec.instructions}
         if per_poll:
             res["polls"] = {us: round(statistics.median(v), 2) for us, v in per_poll.items()}
+            res["poll_wall"] = {us: round(statistics.median(v), 3) for us, v in poll_wall.items()}
         if prof is not None:
             res["profile"] = profile_rows(prof, args.rounds * args.steps * pipec.instructions[0], args.profile)
         out.put(res)
@@ -265,6 +271,7 @@ def child(args: argparse.Namespace) -> None:
         "executor_cpu_us_rounds": [round(a - b, 2) for a, b in res["rounds"]],
         **system_figures(res.get("system")),
         **({"dispatch_cpu_us_by_poll_us": res["polls"]} if "polls" in res else {}),
+        **({"step_ms_by_poll_us": res["poll_wall"]} if "polls" in res else {}),
         "load_avg_start": load0,
         "load_avg_end": load(),
         "wall_s": round(time.perf_counter() - t0, 1),

@@ -17,10 +17,11 @@ Poll first: a reader whose message has not arrived looks again for up to `POLL` 
 (`PIPEC_SHM_POLL_US` sets it, 0: sleep at once). A sleep costs the reader its futex calls and the cold
 caches after it, and its wake-up costs the sender a FUTEX_WAKE (on a virtual machine, an interrupt to a
 halted CPU): more than most waits of a small model's pipeline last. A polled message is seen at once, and
-its sender, finding no sleeper, wakes nobody. With more ranks on this host than CPUs (`crowded`), the poll
-yields the CPU between looks (`sched_yield`), so the rank the reader waits for can run; with a CPU each,
-it only looks. `benchmarks/runtime_vs_torch.py --only-dispatch` measures it beside sleeping at once
-(`poll_main_cpu_saved`, `poll_wall_ratio`; docs/runtime.md "Poll first").
+its sender, finding no sleeper, wakes nobody. The poll yields the CPU between looks (`sched_yield`): where
+the rank it waits for shares its CPU (more ranks than CPUs, or two ranks the scheduler put on one CPU,
+which a wake-up tends to do) that rank runs at once; where nothing else wants the CPU, the yield returns at
+once. `benchmarks/executor_profile.py --polls` and `benchmarks/runtime_vs_torch.py --only-dispatch`
+measure it beside sleeping at once (docs/runtime.md "Poll first").
 
 Notify: a reader whose message has not arrived sets the channel's `sleeping` word and sleeps on the
 channel's futex word (FUTEX_WAIT with the value it read, in slices of `TICK` seconds up to the timeout);
@@ -94,11 +95,6 @@ def poll_seconds() -> float:
     if not 0 <= us <= 1e6:
         raise PipelineError(f"PIPEC_SHM_POLL_US must be between 0 and 1000000 microseconds, got {text}")
     return us * 1e-6
-
-
-def crowded(local_ranks: int) -> bool:
-    """More ranks on this host than CPUs: a polling reader must yield its CPU to the others."""
-    return local_ranks > (os.cpu_count() or 1)
 
 
 def channel_keys(placement: tuple[int, ...], num_microbatches: int, src: int, dst: int, graph: Any = None) -> list[Key]:
@@ -305,16 +301,6 @@ def sweep_leftovers(folder: str = DIR) -> list[str]:
     return gone
 
 
-def dist_world(default: int) -> int:
-    """The processes of the job (torch.distributed's default group), or `default` without one."""
-    try:
-        import torch.distributed as dist
-
-        return dist.get_world_size() if dist.is_initialized() else default
-    except (RuntimeError, ValueError):
-        return default
-
-
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -349,8 +335,6 @@ class ShmComm(PeerNames):
         self.slots: Any = None  # the receive buffers (pipec.runtime.exec.buffers.Slots), set by the executor
         self.sends: list = []  # completed in the call: nothing is ever pending
         self.poll = poll_seconds()
-        local = os.environ.get("LOCAL_WORLD_SIZE")  # torchrun's; else the job's ranks, all on this host
-        self.crowded = crowded(int(local) if local else dist_world(len(set(place))))
 
     # ---- set-up -------------------------------------------------------------------------------------
     def prepare(self, recv_specs: dict[Key, Specs], send_specs: dict[Key, Specs]) -> None:
@@ -513,12 +497,11 @@ class ShmComm(PeerNames):
         with the value read before sleeping, so a message sent in between is not slept through. Every
         `TICK` the FIFO is polled for a hang-up: a sender that died holds it no more."""
         ctrl, word, addr = ch.ctrl, ch.word, ch.addr
-        if self.poll:
-            clock, crowded = time.perf_counter, self.crowded
+        if self.poll:  # the module docstring's "Poll first"
+            clock, yield_cpu = time.perf_counter, os.sched_yield
             end = clock() + self.poll
             while ctrl[at] < n:
-                if crowded:
-                    os.sched_yield()
+                yield_cpu()
                 if clock() > end:
                     break
             else:
