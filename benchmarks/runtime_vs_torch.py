@@ -12,7 +12,8 @@ stage (torch's `schedule.step()` then `optimizer.step()`; pipec's `Runner.step`,
 run the optimizers). Its time is the slowest rank's, between two barriers.
 
 Before timing, each system runs one step from the same initial weights on the same batch, and their
-gradients are compared, parameter by parameter, in float64: the largest relative difference
+gradients are compared, parameter by parameter, in float64 (pipec's with torch's, and on the dispatch runs
+the minimal loop's with pipec's): the largest relative difference
 (max |pipec - torch| / max |torch| over each tensor) is in every line as `grad_max_rel_diff`, and the
 script exits with an error when it exceeds `grad_rtol` (1e-9). That step also holds the first-step
 shape inference. Then two warm-up steps each, and `--rounds` rounds in ABBA order (`sidebyside.alternate`:
@@ -224,6 +225,8 @@ class MinimalSide:
 
         S = program.num_stages
         self.mine = [s for s in range(S) if program.placement[s] == rank]
+        if len(self.mine) != 1 or program.graph is not None or program.split_backward:
+            raise ValueError("the minimal loop runs a chain with one stage per rank and a whole backward")
         self.modules = make_modules(S, self.mine, build)
         self.S, self.m = S, m
         self.opt = torch.optim.SGD([q for mod in self.modules.values() for q in mod.parameters()], lr=1e-3)
