@@ -77,18 +77,10 @@ def _with_family(c: CompiledSchedule, sched: Schedule, memory: Mapping[str, floa
     memory (E430 over a limit; the memory reports become the family's) and whether NCCL can run it (a
     channel it may reorder: recorded on the family, refused by the runtime on NCCL, accepted on gloo and
     shared memory, which match by key). The Program carries the family."""
-    from pipec.errors import PipecError
-    from pipec.passes.family import family_memory, prove_family
+    from pipec.passes.family import family_memory, nccl_reason, prove_family
 
     prove_family(sched, "gloo", memory)  # E430
-    try:
-        prove_family(sched, "nccl", memory)
-        why = None
-    except PipecError as e:
-        if e.code != "E429":
-            raise
-        why = e.diagnostics[0].message
-    family = replace(sched.family, nccl=why)
+    family = replace(sched.family, nccl=nccl_reason(sched))  # the channel check alone: memory is proven above
     return replace(c, program=replace(c.program, family=family), memory=tuple(family_memory(sched, memory)))
 
 
