@@ -306,8 +306,9 @@ def main() -> None:
         args.polls = [int(v) for v in args.polls.split(",") if v]
         if args.polls and args.mode != "shm":
             sys.exit("--polls needs --mode shm")
-    if args.smoke:  # one small configuration, one launch of 2 short rounds: the format (tests)
+    if args.smoke:  # one small configuration, one launch of 2 short rounds, one poll budget: the format (tests)
         args.configs, args.steps, args.rounds, args.launches = "2x4", 2, 2, 1
+        args.polls = args.polls or "0"
     if args.p:
         child(args)
         return
