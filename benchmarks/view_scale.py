@@ -117,9 +117,11 @@ def main() -> int:
 
 def playground(schedule: str, defines: list[tuple[str, str]], reps: int, smoke: bool) -> int:
     """`pipec serve` with the schedule: per round, the server's answer built in this process (parse, check,
-    compile, simulate, the document) and, in headless Chromium, the page opened at ?schedule=...&p=...
-    until the picture is drawn (wall, from `get`: the page, the library's text, the request, the answer,
-    inflating and drawing). Medians over the rounds, each round's figures too."""
+    compile, simulate, the document; nothing kept from an earlier round), then a cost edit's answer (F
+    changed: the compiled target kept, pipec.view.serve `CACHE`) and, in headless Chromium, the page opened
+    at ?schedule=...&p=... until the picture is drawn (wall, from `get`: the page, the library's text, the
+    request, the answer, inflating and drawing; the server's kept targets cleared first, so each round is a
+    first visit). Medians over the rounds, each round's figures too."""
     import json
     from urllib.parse import urlencode
 
@@ -127,12 +129,19 @@ def playground(schedule: str, defines: list[tuple[str, str]], reps: int, smoke: 
     from pipec.view import serve
 
     body = {"source": library.read(schedule).text, "params": dict(defines), "costs": {}}
-    builds, sizes = [], []
-    for _ in range(reps):
+    builds, edits, sizes = [], [], []
+    for k in range(reps):
+        serve.clear_cache()  # cold: parse, check, compile, simulate, the document
         t = time.perf_counter()
         answer = serve.simulate(body)
         builds.append(time.perf_counter() - t)
         sizes.append(len(json.dumps(answer, separators=(",", ":"))))
+        t = time.perf_counter()  # a cost edit: the compiled target kept, only the simulation and the document
+        edited = serve.simulate({**body, "costs": {"F": str(1.5 + k)}})
+        edits.append(time.perf_counter() - t)
+        if edited.get("ok") != answer.get("ok"):
+            emit(figure="playground_build", error="a cost edit's answer differs in kind from the cold one's")
+            return 1
     ops = int(answer.get("ops") or 0)
     emit(
         figure="playground_build",
@@ -142,6 +151,9 @@ def playground(schedule: str, defines: list[tuple[str, str]], reps: int, smoke: 
         answer_bytes=sizes[0],
         build_s=[round(x, 2) for x in builds],
         build_median_s=round(statistics.median(builds), 2),
+        cost_edit_s=[round(x, 2) for x in edits],
+        cost_edit_median_s=round(statistics.median(edits), 2),
+        cost_edit_over_build=round(statistics.median(edits) / statistics.median(builds), 3),
     )
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
     import browser
@@ -164,6 +176,7 @@ def playground(schedule: str, defines: list[tuple[str, str]], reps: int, smoke: 
     try:
         for _ in range(reps):
             chrome.get("about:blank")
+            serve.clear_cache()
             t = time.perf_counter()
             chrome.get(url)
             browser.wait_for(chrome, answered, timeout=300)

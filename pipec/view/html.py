@@ -548,17 +548,23 @@ def target_panel(
     moe_layers: Sequence[int] | None = None,
     run: Timeline | None = None,
     first: bool = True,
+    compiled: object = None,
 ) -> Drawn:
     """One panel of a view (`pipec view`'s, each of `--compare`'s two, the playground's and its baseline):
     the target simulated through the driver and titled with its parameters, `run` laid over the `first`
-    panel; a Schedule refused for a deadlock (E401) drawn with its chain of waits. Other refusals raise."""
+    panel; a Schedule refused for a deadlock (E401) drawn with its chain of waits. Other refusals raise.
+    `compiled`: the target already compiled under these options (the playground keeps it between requests,
+    `pipec.view.serve`), so only the simulation runs."""
     from pipec import driver
     from pipec.errors import PipecError
     from pipec.ir.schedule import Schedule
 
     try:
         overrides = driver.memory_overrides(docs, memory)
-        sim = driver.simulation(obj, docs, overrides, topology, where, data_parallel, experts, moe_layers)  # type: ignore[arg-type]
+        if compiled is not None:
+            sim = driver.measure(compiled, docs, overrides)  # type: ignore[arg-type]
+        else:
+            sim = driver.simulation(obj, docs, overrides, topology, where, data_parallel, experts, moe_layers)  # type: ignore[arg-type]
     except PipecError as e:
         if e.code != "E401" or not isinstance(obj, Schedule):
             raise

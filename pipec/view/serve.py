@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ MAX_OPS = 200_000  # what one keystroke may simulate and send to the page (about
 TIMEOUT_S = 20.0
 BODY_TIMEOUT_S = 30.0  # seconds a client may take to send its request (headers and body)
 MAX_DEPTH = 8  # how deep a request's JSON may nest (a request is {source, params: {...}, costs: {...}})
+CACHE = 4  # compiled targets kept for the next requests: a cost edit redraws without parsing or compiling
 COST_KEYS = ("F", "B", "W", "comm", "overhead")
 DOWNLOADS = {
     "pipe": ("text/plain; charset=utf-8", "schedule.pipe"),
@@ -164,6 +166,47 @@ def _target(text: str, params: list[tuple[str, str]], path: str = "<playground>"
     return driver.checked(sched), names  # checked once it is known to be small, not evaluated twice
 
 
+_compiled: OrderedDict[tuple, tuple[Any, tuple[str, ...], Any]] = OrderedDict()
+_compiled_lock = threading.Lock()
+
+
+def _prepared(text: str, params: list[tuple[str, str]], docs: list[dict], path: str = "<playground>"):
+    """The target of a source at its parameters, the parameter names it declares, and the target compiled
+    (None where compiling refuses with a deadlock, E401, which the panel draws with its chain of waits). The
+    last `CACHE` are kept, keyed by the source, its parameters and what the compile reads of the cost
+    documents (their memory overrides and MoE layers): a request that changes only the costs (F, B, W, comm,
+    overhead) redraws without parsing, checking or compiling again. Errors are not kept."""
+    from pipec import driver
+    from pipec.errors import PipecError
+
+    overrides = driver.memory_overrides(docs)
+    layers = repr([d["moe_layers"] for d in docs if "moe_layers" in d])
+    key = (path, text, tuple(params), repr(sorted(overrides.items())), layers)
+    with _compiled_lock:
+        hit = _compiled.get(key)
+        if hit is not None:
+            _compiled.move_to_end(key)
+            return hit
+    obj, names = _target(text, params, path)
+    try:
+        c = driver.compiled(obj, overrides, None, None, None, None, driver.moe_layers_of(obj, docs))
+    except PipecError as e:
+        if e.code != "E401":
+            raise
+        c = None
+    with _compiled_lock:
+        _compiled[key] = (obj, names, c)
+        while len(_compiled) > CACHE:
+            _compiled.popitem(last=False)
+    return obj, names, c
+
+
+def clear_cache() -> None:
+    """Forget every compiled target (benchmarks time a cold request with it)."""
+    with _compiled_lock:
+        _compiled.clear()
+
+
 def _compare_request(body: object) -> tuple[str, list[tuple[str, str]]] | None:
     """The baseline a request compares with (`compare`: {source, params}; absent or null: none)."""
     cmp = body.get("compare") if isinstance(body, dict) else None
@@ -195,12 +238,12 @@ def simulate(body: object, level: int = 1) -> dict[str, Any]:
     names: tuple[str, ...] = ()
     try:
         names = driver.param_names(Source("<playground>", text))
-        obj, names = _target(text, params)
+        obj, names, c = _prepared(text, params, docs)
         sources = new_sources()
         memory = driver.memory_overrides(docs)
         with compression(level):  # an answer drawn once and dropped: deflate fast (pipec.view.html.encode)
             compared = _baseline(baseline, sources, docs, memory) if baseline else None  # the first panel
-            drawn = [target_panel(obj, None, sources, docs, memory)]
+            drawn = [target_panel(obj, None, sources, docs, memory, compiled=c)]
         if compared is not None and "drawn" in compared:
             base = compared.pop("drawn")
             base.panel["title"] = "baseline: " + base.panel["title"]
@@ -236,8 +279,8 @@ def _baseline(baseline: tuple[str, list[tuple[str, str]]], sources, docs, memory
 
     text, params = baseline
     try:
-        obj, _ = _target(text, params, "<baseline>")
-        drawn = target_panel(obj, None, sources, docs, memory)
+        obj, _, c = _prepared(text, params, docs, "<baseline>")
+        drawn = target_panel(obj, None, sources, docs, memory, compiled=c)
     except PipecError as e:
         return {"ok": False, "diagnostics": diagnostics_json(e), "error": None}
     except RequestError as e:

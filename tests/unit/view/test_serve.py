@@ -118,3 +118,41 @@ def test_downloads(server, what):
     )
     assert status == 200 and ctype == serve.DOWNLOADS[what][0]
     assert {"pipe": b"schedule", "program": b"FWD", "csv": b"0F0", "html": b"PipecView"}[what] in body
+
+
+def test_a_cost_edit_redraws_without_compiling_and_draws_what_a_cold_request_draws(monkeypatch):
+    """The compiled target is kept between requests: a request that changes only the costs compiles nothing
+    and answers exactly what the same request answers with nothing kept; a new parameter, a new source or
+    a deadlock (drawn, never kept compiled) compiles again."""
+    from pipec import driver
+
+    calls = []
+    real = driver.compiled
+
+    def counted(obj, *a, **kw):
+        calls.append(obj)
+        return real(obj, *a, **kw)
+
+    monkeypatch.setattr(driver, "compiled", counted)
+    serve.clear_cache()
+    body = {"source": library.read("zb-h1").text, "params": {"p": 4, "m": 8}, "costs": {}}
+    first = serve.simulate(body)
+    edited = serve.simulate({**body, "costs": {"F": "2", "B": "1.5"}})
+    assert first["ok"] and edited["ok"] and len(calls) == 1
+    assert edited["makespan"] != first["makespan"]
+    serve.clear_cache()
+    cold = serve.simulate({**body, "costs": {"F": "2", "B": "1.5"}})
+    assert len(calls) == 2 and cold == edited
+    serve.simulate({**body, "params": {"p": 4, "m": 6}})
+    serve.simulate({**body, "source": body["source"] + "\n"})
+    assert len(calls) == 4
+    for _ in range(serve.CACHE + 1):  # the oldest go: the first request compiles again
+        serve.simulate({**body, "params": {"p": 2, "m": 2 + _}})
+    serve.simulate(body)
+    assert len(calls) == 4 + serve.CACHE + 2
+    # a deadlock: kept without a compiled target, the panel compiles (and refuses) on every request, drawn
+    from deadlocks import DEADLOCK_1F1B
+
+    dead = {"source": DEADLOCK_1F1B, "params": {}, "costs": {}}
+    answers = [serve.simulate(dead), serve.simulate({**dead, "costs": {"F": "2"}})]
+    assert all(a["view"]["panels"][0]["kind"] == "deadlock" for a in answers)
