@@ -488,8 +488,8 @@ def record(case: Case, rounds: dict, instrs: list[int], grad: tuple[float, int],
         rec["executor_over_minimal_us_range"] = [round(min(over), 2), round(max(over), 2)]
     if "pipec-sleep" in rounds:  # the poll before sleeping: pipec with it (`pipec`) and without, same rounds
         rec["poll_off"] = dispatch_figures(rounds["pipec-sleep"], rounds["torch"], instrs)
-        gain = [b.main_cpu / a.main_cpu for a, b in zip(rounds["pipec"], rounds["pipec-sleep"])]
-        rec["poll_main_cpu_saved"] = round(1 - 1 / statistics.median(gain), 3)
+        kept = [a.main_cpu / b.main_cpu for a, b in zip(rounds["pipec"], rounds["pipec-sleep"])]
+        rec["poll_main_cpu_saved"] = round(1 - statistics.median(kept), 3)
         walls = [a.wall / b.wall for a, b in zip(rounds["pipec"], rounds["pipec-sleep"])]
         rec["poll_wall_ratio"] = round(statistics.median(walls), 3)
     main_cpu = [t.main_cpu for t in rounds["pipec"]]

@@ -236,7 +236,7 @@ def compile(  # noqa: A001 - pipec.compile is the name users look for
     experts: Experts | None = None,
     moe_layers: int | Sequence[int] | None = None,
     buffers: bool = False,
-    recv_ahead: int = 0,
+    recv_ahead: int | None = None,
     **kwargs: object,
 ) -> Program:
     """Check a schedule (as `pipec compile` does: all but its `expect` lines) and lower it to one
@@ -244,8 +244,9 @@ def compile(  # noqa: A001 - pipec.compile is the name users look for
     (`prog.dp`, `prog.dp_kind` record it) and the all-to-alls of `experts` over `moe_layers` (as for
     `check`; `prog.experts`, `prog.moe_layers`). `buffers=True`: the Program carries its proven buffer plan
     (`prog.buffers`, docs/memory.md "Buffer plan"; its file is version 3), planned for receives posted
-    `recv_ahead` ahead of the Program's place (`pipec run --recv-ahead` on gloo; 0, the default, for shared
-    memory and NCCL). Write it with `pipec.formats.program_file.write_json` or `write_text`.
+    `recv_ahead` ahead of the Program's place (`pipec run --recv-ahead` on gloo; None: a Program file's own
+    plan, else 0, where shared memory and NCCL post them). Write it with
+    `pipec.formats.program_file.write_json` or `write_text`.
 
     >>> prog = compile("1f1b", p=2, m=2)
     >>> [str(i) for i in prog.ranks[1].instructions()][:3]
@@ -255,17 +256,23 @@ def compile(  # noqa: A001 - pipec.compile is the name users look for
     (2, (1, 1, 1, 1))
     """
     _target(target)
-    if recv_ahead and not buffers:
-        raise ValueError(f"recv_ahead={recv_ahead} is for the buffer plan: give buffers=True too")
+    if recv_ahead is not None:
+        if isinstance(recv_ahead, bool) or not isinstance(recv_ahead, int) or recv_ahead < 0:
+            raise ValueError(f"recv_ahead must be an integer >= 0, got {recv_ahead!r}")
+        if not buffers:
+            raise ValueError(f"recv_ahead={recv_ahead} is for the buffer plan: give buffers=True too")
     given, memory = _params(params, kwargs), _memory(memory)
     _options(data_parallel, experts, moe_layers)
     c = driver.compile_target(target, given, memory, data_parallel, experts, _layers(moe_layers))
-    if not buffers or c.program.buffers is not None:
+    if not buffers:
         return c.program
-    from pipec.passes.bufferplan import with_plan
+    from dataclasses import replace
+
+    from pipec.passes.bufferplan import plan_for
     from pipec.sim.memory import memory_model
 
-    return with_plan(c.program, memory_model(c.schedule, memory), ahead=recv_ahead)
+    plan = plan_for(c.program, memory_model(c.schedule, memory), recv_ahead)
+    return c.program if plan is c.program.buffers else replace(c.program, buffers=plan)
 
 
 def simulate(

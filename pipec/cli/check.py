@@ -69,6 +69,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     from pipec.driver import check_expectations
     from pipec.passes.memcheck import format_table
 
+    if args.recv_ahead is not None and not args.memory:
+        raise Misuse("--recv-ahead is for --memory's buffer plan: give --memory too")
     c, program_file = compiled(args)
     s = c.schedule
     check_expectations(s, c.program)
@@ -83,37 +85,45 @@ def cmd_check(args: argparse.Namespace) -> int:
     print(f"{s.name} ({params}): {s.num_stages} stages, {s.num_ranks} ranks, {s.num_ops} ops{dp}: OK")
     if args.memory:
         print(format_table(list(c.memory)))
-        plan = c.program.buffers
-        ahead = plan.ahead if plan is not None else args.recv_ahead
-        whose = " (the Program's)" if plan is not None else ""
-        print(f"buffer plan{whose}" + (f", receives posted {ahead} ahead" if ahead else "") + ":")
-        print(_plan_text(c, args))
+        _print_plan(c, args)
     return 0
 
 
-def _plan_text(c: CompiledSchedule, args: argparse.Namespace) -> str:
-    """The buffer plan's table (pipec.view.report.plan_table): the Program's own plan, else one made here."""
+def _print_plan(c: CompiledSchedule, args: argparse.Namespace) -> None:
+    """The buffer plan's header and table (pipec.view.report.plan_table): the Program's own plan, else (none
+    carried, or one for another `--recv-ahead`) one made here, and the header says which."""
     from pipec.cli.args import memory
-    from pipec.passes.bufferplan import live_peak, plan_buffers
+    from pipec.passes.bufferplan import live_peak, plan_for
     from pipec.sim.memory import memory_model, resident
     from pipec.view.report import plan_table
 
     model = memory_model(c.schedule, memory(args))
-    plan = c.program.buffers or plan_buffers(c.program, model, ahead=args.recv_ahead)
+    own = c.program.buffers
+    plan = plan_for(c.program, model, args.recv_ahead)
+    whose = " (the Program's)" if plan is own else ""
+    if own is not None and plan is not own:
+        whose = f" (made here: the Program's is for {own.ahead} receives posted ahead)"
+    print(f"buffer plan{whose}" + (f", receives posted {plan.ahead} ahead" if plan.ahead else "") + ":")
     dp = c.program.dp if c.program.dp_kind == "fsdp" else 1
     res = resident(c.program.placement_array, model, c.program.num_ranks, dp)
-    return plan_table(list(c.memory), plan, res.tolist(), live_peak(c.program, plan))
+    print(plan_table(list(c.memory), plan, res.tolist(), live_peak(c.program, plan)))
 
 
 def _with_buffers(prog, args: argparse.Namespace, sched):
-    """`--buffers`: the Program carrying its buffer plan (written as format version 3)."""
-    if not getattr(args, "buffers", False) or prog.buffers is not None:
+    """`--buffers`: the Program carrying its buffer plan (written as format version 3): its own where it
+    carries one for `--recv-ahead` (or none is given), else one made for it."""
+    if not args.buffers:
+        if args.recv_ahead is not None:
+            raise Misuse("--recv-ahead is for --buffers' plan: give --buffers too")
         return prog
+    from dataclasses import replace
+
     from pipec.cli.args import memory
-    from pipec.passes.bufferplan import with_plan
+    from pipec.passes.bufferplan import plan_for
     from pipec.sim.memory import memory_model
 
-    return with_plan(prog, memory_model(sched, memory(args)), ahead=args.recv_ahead)
+    plan = plan_for(prog, memory_model(sched, memory(args)), args.recv_ahead)
+    return prog if plan is prog.buffers else replace(prog, buffers=plan)
 
 
 def recv_ahead_arg(p: argparse.ArgumentParser, what: str) -> None:
@@ -123,10 +133,10 @@ def recv_ahead_arg(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument(
         "--recv-ahead",
         type=options.count(0, 10**6),
-        default=0,
+        default=None,
         metavar="N",
         help=f"{what}: receives posted N ahead of the Program's place, as `pipec run --recv-ahead` posts them on "
-        "gloo (default 0: where the Program says, as on shared memory and NCCL)",
+        "gloo (default: a Program file's own plan, else 0: where the Program says, as on shared memory and NCCL)",
     )
 
 

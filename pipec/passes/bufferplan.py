@@ -280,6 +280,16 @@ def with_plan(prog: Program, model: Mapping[str, np.ndarray], **kw) -> Program:
     return replace(prog, buffers=plan_buffers(prog, model, **kw))
 
 
+def plan_for(prog: Program, model: Mapping[str, np.ndarray], ahead: int | None = None) -> BufferPlan:
+    """The plan a caller asks for with `ahead` receives posted ahead: the Program's own where it carries one
+    made for that many (or `ahead` is None: whatever it was made for), else one made here (for 0 when None).
+    `pipec compile --buffers`, `pipec check --memory` and `pipec.compile(buffers=True)` all ask here."""
+    own = prog.buffers
+    if own is not None and (ahead is None or own.ahead == ahead):
+        return own
+    return plan_buffers(prog, model, ahead=ahead or 0)
+
+
 def prove(prog: Program, plan: BufferPlan, source: Source | None = None) -> None:
     """E502 unless, on every rank, every tensor of the rule (`lifetimes`, with the plan's `ahead`) has a slot of
     its class's pool, in the plan's order, the pools of a bank agree (one size, family, token count, side and

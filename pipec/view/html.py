@@ -559,6 +559,8 @@ def target_panel(
     from pipec.errors import PipecError
     from pipec.ir.schedule import Schedule
 
+    if compiled is not None and any(x is not None for x in (where, topology, data_parallel, experts, moe_layers)):
+        raise ValueError("target_panel: a target given compiled takes no compile options (they were its compile's)")
     try:
         overrides = driver.memory_overrides(docs, memory)
         if compiled is not None:

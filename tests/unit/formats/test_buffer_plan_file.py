@@ -111,9 +111,42 @@ def test_compile_buffers_recv_ahead_plans_longer_receive_lives(tmp_path):
     assert rc == 0 and "buffer plan, receives posted 2 ahead:" in text
     rc, _, err = run_cli("compile", "1f1b", "-D", "p=4", "-D", "m=8", "--buffers", "--recv-ahead", "-1")
     assert rc == 2 and "--recv-ahead" in err
+    # nothing is dropped: without --buffers or --memory the flag is misuse
+    rc, _, err = run_cli("compile", "1f1b", "-D", "p=4", "-D", "m=8", "--recv-ahead", "4")
+    assert rc == 2 and "give --buffers too" in err
+    rc, _, err = run_cli("check", "1f1b", "-D", "p=4", "-D", "m=8", "--recv-ahead", "4")
+    assert rc == 2 and "give --memory too" in err
+
+
+def test_a_program_file_s_plan_is_kept_unless_another_recv_ahead_is_asked_for(tmp_path):
+    """A Program file carrying a plan for 0 receives ahead: `--buffers` alone keeps it; `--recv-ahead 4` plans
+    again for 4 (the file written says 4), and `pipec check --memory --recv-ahead 4` shows the plan made here,
+    saying the Program's is for 0. The API does the same."""
+    from cli_helpers import run_cli
+
+    carried = tmp_path / "p0.json"
+    assert run_cli("compile", "1f1b", "-D", "p=4", "-D", "m=8", "--buffers", "-o", str(carried))[0] == 0
+    for extra, ahead in (((), 0), (("--recv-ahead", "0"), 0), (("--recv-ahead", "4"), 4)):
+        out = tmp_path / "again.json"
+        rc, _, err = run_cli("compile", str(carried), "--buffers", *extra, "-o", str(out))
+        assert rc == 0, err
+        assert json.loads(out.read_text())["buffers"]["ahead"] == ahead, extra
+    rc, text, _ = run_cli("check", str(carried), "--memory", "--recv-ahead", "4")
+    assert (
+        rc == 0 and "buffer plan (made here: the Program's is for 0 receives posted ahead), receives posted 4" in text
+    )
+    rc, text, _ = run_cli("check", str(carried), "--memory")
+    assert rc == 0 and "buffer plan (the Program's):" in text
+    prog = pipec.read_program(str(carried))
+    assert pipec.compile(prog, buffers=True).buffers is prog.buffers
+    assert pipec.compile(prog, buffers=True, recv_ahead=4).buffers.ahead == 4
 
 
 def test_the_api_plans_for_receives_posted_ahead_and_wants_buffers_for_it():
     assert pipec.compile("1f1b", p=4, m=8, buffers=True, recv_ahead=3).buffers.ahead == 3
+    assert pipec.compile("1f1b", p=4, m=8, buffers=True).buffers.ahead == 0
     with pytest.raises(ValueError, match="give buffers=True too"):
         pipec.compile("1f1b", p=4, m=8, recv_ahead=3)
+    for bad in (-1, 1.5, True, "4"):
+        with pytest.raises(ValueError, match="recv_ahead must be an integer >= 0"):
+            pipec.compile("1f1b", p=4, m=8, buffers=True, recv_ahead=bad)
