@@ -225,10 +225,12 @@ class Program:
         return sum(len(r) for r in self.ranks)
 
 
-def _reorders(family: OrderFamily | None) -> OrderFamily | None:
-    """A family as equality sees it: a static one is none (a Program file carries only a family that
-    reorders some rank)."""
-    return None if family is None or family.is_static else family
+def _reorders(family: OrderFamily | None) -> tuple | None:
+    """A family as equality sees it: each rank's family that reorders (a static rank's is none) and the NCCL
+    reason; a family that reorders no rank is none. A Program file carries just that much."""
+    if family is None or family.is_static:
+        return None
+    return tuple(family.of(r) for r in range(len(family.ranks))), family.nccl
 
 
 def schedule_of(prog: Program, source: Source | None = None) -> Schedule:

@@ -155,3 +155,14 @@ def test_programs_that_differ_only_in_their_family_are_not_equal(tmp_path):
     assert replace(prog, family=None) != prog
     assert replace(prog, family=None) == replace(prog, family=OrderFamily((None,) * prog.num_ranks))
     assert pf.from_json(pf.to_json(prog)) == prog
+    # a rank whose family is static is a rank without one (the file reads it back as none)
+    from pipec.ir.family import RankFamily
+
+    n = prog.family.ranks[0].num_ops
+    static, none = list(prog.family.ranks), list(prog.family.ranks)
+    static[0], none[0] = RankFamily(((0, n, 1),)), None
+    a, b = (
+        replace(prog, family=replace(prog.family, ranks=tuple(static))),
+        replace(prog, family=replace(prog.family, ranks=tuple(none))),
+    )
+    assert a.family.ranks != b.family.ranks and a == b and a != prog
