@@ -266,13 +266,10 @@ def compile(  # noqa: A001 - pipec.compile is the name users look for
     c = driver.compile_target(target, given, memory, data_parallel, experts, _layers(moe_layers))
     if not buffers:
         return c.program
-    from dataclasses import replace
-
-    from pipec.passes.bufferplan import plan_for
+    from pipec.passes.bufferplan import with_plan
     from pipec.sim.memory import memory_model
 
-    plan = plan_for(c.program, memory_model(c.schedule, memory), recv_ahead)
-    return c.program if plan is c.program.buffers else replace(c.program, buffers=plan)
+    return with_plan(c.program, memory_model(c.schedule, memory), recv_ahead)
 
 
 def simulate(

@@ -116,14 +116,11 @@ def _with_buffers(prog, args: argparse.Namespace, sched):
         if args.recv_ahead is not None:
             raise Misuse("--recv-ahead is for --buffers' plan: give --buffers too")
         return prog
-    from dataclasses import replace
-
     from pipec.cli.args import memory
-    from pipec.passes.bufferplan import plan_for
+    from pipec.passes.bufferplan import with_plan
     from pipec.sim.memory import memory_model
 
-    plan = plan_for(prog, memory_model(sched, memory(args)), args.recv_ahead)
-    return prog if plan is prog.buffers else replace(prog, buffers=plan)
+    return with_plan(prog, memory_model(sched, memory(args)), args.recv_ahead)
 
 
 def recv_ahead_arg(p: argparse.ArgumentParser, what: str) -> None:

@@ -275,11 +275,6 @@ def plan_buffers(
     return plan
 
 
-def with_plan(prog: Program, model: Mapping[str, np.ndarray], **kw) -> Program:
-    """The Program carrying its plan (written as format version 3)."""
-    return replace(prog, buffers=plan_buffers(prog, model, **kw))
-
-
 def plan_for(prog: Program, model: Mapping[str, np.ndarray], ahead: int | None = None) -> BufferPlan:
     """The plan a caller asks for with `ahead` receives posted ahead: the Program's own where it carries one
     made for that many (or `ahead` is None: whatever it was made for), else one made here (for 0 when None).
@@ -288,6 +283,12 @@ def plan_for(prog: Program, model: Mapping[str, np.ndarray], ahead: int | None =
     if own is not None and (ahead is None or own.ahead == ahead):
         return own
     return plan_buffers(prog, model, ahead=ahead or 0)
+
+
+def with_plan(prog: Program, model: Mapping[str, np.ndarray], ahead: int | None = None) -> Program:
+    """The Program carrying `plan_for`'s plan (written as format version 3): itself when that is its own."""
+    plan = plan_for(prog, model, ahead)
+    return prog if plan is prog.buffers else replace(prog, buffers=plan)
 
 
 def prove(prog: Program, plan: BufferPlan, source: Source | None = None) -> None:
